@@ -1,0 +1,88 @@
+"""tailrace: a durable, concurrent runtime for long-tailed agent workloads.
+
+The public API is re-exported here; implementation lives in private modules.
+"""
+
+from ._admission import AdmissionPolicy as AdmissionPolicy
+from ._codec import Codec as Codec
+from ._codec import JsonCodec as JsonCodec
+from ._context import NodeContext as NodeContext
+from ._context import current_node as current_node
+from ._engine import Engine as Engine
+from ._engine import run as run
+from ._errors import AlreadyAnswered as AlreadyAnswered
+from ._errors import CorruptRecord as CorruptRecord
+from ._errors import EncodeError as EncodeError
+from ._errors import GraphError as GraphError
+from ._errors import GraphMismatch as GraphMismatch
+from ._errors import LeaseError as LeaseError
+from ._errors import LeaseHeld as LeaseHeld
+from ._errors import LeaseLost as LeaseLost
+from ._errors import NotResumable as NotResumable
+from ._errors import QuestionError as QuestionError
+from ._errors import QuestionNotFound as QuestionNotFound
+from ._errors import RouteError as RouteError
+from ._errors import RunError as RunError
+from ._errors import RunExists as RunExists
+from ._errors import RunNotFound as RunNotFound
+from ._errors import StallError as StallError
+from ._errors import StoreError as StoreError
+from ._errors import TailraceError as TailraceError
+from ._errors import UnsupportedFormat as UnsupportedFormat
+from ._events import Event as Event
+from ._events import EventBus as EventBus
+from ._events import EventType as EventType
+from ._graph import EXIT as EXIT
+from ._graph import Edge as Edge
+from ._graph import Graph as Graph
+from ._graph import Node as Node
+from ._graph import NodeKind as NodeKind
+from ._graph import RetryPolicy as RetryPolicy
+from ._runloop import NodeReport as NodeReport
+from ._runloop import RunResult as RunResult
+from ._state import LateInput as LateInput
+from ._state import NodeStatus as NodeStatus
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EXIT",
+    "AdmissionPolicy",
+    "AlreadyAnswered",
+    "Codec",
+    "CorruptRecord",
+    "Edge",
+    "EncodeError",
+    "Engine",
+    "Event",
+    "EventBus",
+    "EventType",
+    "Graph",
+    "GraphError",
+    "GraphMismatch",
+    "JsonCodec",
+    "LateInput",
+    "LeaseError",
+    "LeaseHeld",
+    "LeaseLost",
+    "Node",
+    "NodeContext",
+    "NodeKind",
+    "NodeReport",
+    "NodeStatus",
+    "NotResumable",
+    "QuestionError",
+    "QuestionNotFound",
+    "RetryPolicy",
+    "RouteError",
+    "RunError",
+    "RunExists",
+    "RunNotFound",
+    "RunResult",
+    "StallError",
+    "StoreError",
+    "TailraceError",
+    "UnsupportedFormat",
+    "current_node",
+    "run",
+]

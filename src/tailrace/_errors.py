@@ -1,0 +1,113 @@
+"""The tailrace exception tree.
+
+Misuse of the API is a ``ValueError`` (so generic callers can catch it as
+such); breakage outside the program is a ``StoreError``; a few states that
+callers are expected to handle get their own class::
+
+    TailraceError
+    ├── GraphError (ValueError)          invalid graph definition (G1)
+    ├── RunError
+    │   ├── RouteError (ValueError)      a switch returned a route with no edge (E8)
+    │   ├── StallError                   quiescent with aggregates still waiting (E10)
+    │   ├── EncodeError (ValueError)     a result the codec cannot encode (D5)
+    │   ├── RunNotFound (KeyError)       no run with that id
+    │   ├── RunExists                    a run with that id already exists
+    │   ├── GraphMismatch                the graph changed shape since the run began
+    │   └── NotResumable                 the run is finished, or cannot be resumed
+    ├── StoreError                       the database failed (driver error chained)
+    │   ├── UnsupportedFormat            a stored format version we cannot read (D4)
+    │   └── CorruptRecord                a stored row that does not decode
+    ├── LeaseError
+    │   ├── LeaseHeld                    another live engine owns the run (D6)
+    │   └── LeaseLost                    our lease was taken over; writes are fenced (D6)
+    └── QuestionError
+        ├── QuestionNotFound (KeyError)
+        └── AlreadyAnswered              first answer won (Q2)
+
+Handler exceptions are never wrapped: a failed run re-raises the handler's own
+exception (E9).
+"""
+
+from __future__ import annotations
+
+
+class TailraceError(Exception):
+    """Root of every exception tailrace raises itself."""
+
+
+class GraphError(TailraceError, ValueError):
+    """The graph definition is invalid; the message names the node or edge (G1)."""
+
+
+class RunError(TailraceError):
+    """A run could not proceed for a reason of the engine's, not a handler's."""
+
+
+class RouteError(RunError, ValueError):
+    """A switch returned a route that matches no edge and there is no exit edge (E8)."""
+
+
+class StallError(RunError):
+    """Nothing is ready, nothing is in flight, no gate is open, yet aggregates still wait (E10)."""
+
+
+class EncodeError(RunError, ValueError):
+    """A node's result cannot be encoded by the codec; nothing was committed (D5)."""
+
+
+class RunNotFound(RunError, KeyError):
+    """No run with this id exists in the store."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; we want the sentence.
+        return str(self.args[0]) if self.args else ""
+
+
+class RunExists(RunError):
+    """A run with this id already exists."""
+
+
+class GraphMismatch(RunError):
+    """The graph's structural fingerprint differs from the one the run started with."""
+
+
+class NotResumable(RunError):
+    """The run is finished or otherwise cannot be resumed."""
+
+
+class StoreError(TailraceError):
+    """The store's database failed; the driver's exception is chained as ``__cause__``."""
+
+
+class UnsupportedFormat(StoreError):
+    """A stored record carries a format version this tailrace cannot read (D4)."""
+
+
+class CorruptRecord(StoreError):
+    """A stored record does not decode; the message names the run and node."""
+
+
+class LeaseError(TailraceError):
+    """Base of lease conflicts (D6)."""
+
+
+class LeaseHeld(LeaseError):
+    """Another engine holds a live lease on the run."""
+
+
+class LeaseLost(LeaseError):
+    """This engine's lease was taken over; its writes are rejected by the fencing token."""
+
+
+class QuestionError(TailraceError):
+    """Base of question-ledger errors."""
+
+
+class QuestionNotFound(QuestionError, KeyError):
+    """No question with this id exists."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class AlreadyAnswered(QuestionError):
+    """The question was answered before; the first answer won (Q2)."""

@@ -1,0 +1,449 @@
+"""One run: dispatch, harvest, route, first-k, commit per harvest (E1-E11, D1-D3).
+
+The loop wakes on the first completion, harvests every attempt that finished
+by then, processes them in definition order (E2), lets :mod:`._state` decide
+routing and first-k, dispatches what became ready (E1), and commits the whole
+harvest as one delta (D1). Completions are collected by done-callbacks rather
+than ``asyncio.wait`` so that a wake-up costs O(batch), not O(in flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ._admission import AdmissionPolicy, SlotQueue, Ticket
+from ._context import NodeContext, set_current
+from ._errors import EncodeError, RunError, StallError
+from ._events import Event, EventType
+from ._graph import Node, NodeKind, is_async_callable
+from ._state import LateInput, NodeStatus, RunState
+
+if TYPE_CHECKING:
+    from ._persist import Persister
+    from .tail._hooks import TailHooks
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeReport:
+    """Per-node outcome in a :class:`RunResult`."""
+
+    status: str
+    visits: int
+    attempts: int
+    duration: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunResult:
+    """What ``Engine.run`` returns.
+
+    ``results`` maps each node that completed to its last result; ``visits``
+    maps every node to how many times it was activated; ``late_inputs`` lists
+    inputs that arrived after their activation fired (E5); ``questions`` the
+    open questions of a suspended run.
+    """
+
+    run_id: str
+    status: str
+    results: dict[str, Any]
+    visits: dict[str, int]
+    nodes: dict[str, NodeReport] = field(default_factory=dict)
+    late_inputs: tuple[LateInput, ...] = ()
+    stragglers: int = 0
+    hedges: int = 0
+    questions: tuple[Any, ...] = ()
+    duration: float = 0.0
+
+
+class Attempt:
+    """One handler attempt in flight."""
+
+    __slots__ = ("hedge", "index", "started", "task", "timer", "visit")
+
+    def __init__(self, index: int, visit: int, started: float, hedge: bool = False) -> None:
+        self.index = index
+        self.visit = visit
+        self.started = started
+        self.hedge = hedge
+        self.task: asyncio.Task[Any] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class RunLoop:
+    """Drives one run to completion, suspension or failure."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        state: RunState,
+        publish: Callable[[Event], None] | None,
+        persister: Persister | None,
+        engine_slots: SlotQueue | None,
+        run_capacity: int | None,
+        policy: AdmissionPolicy,
+        tail: TailHooks | None = None,
+        event_seq: int = 0,
+    ) -> None:
+        self.run_id = run_id
+        self.state = state
+        self.topo = state.topo
+        self._publish = publish
+        self._persister = persister
+        self._record = publish is not None or persister is not None
+        self._events: list[Event] = []
+        self._event_seq = event_seq
+        self._engine_slots = engine_slots
+        self._run_slots = SlotQueue(run_capacity) if run_capacity is not None else None
+        self._policy = policy
+        self._tail = tail
+        self._tickets: dict[int, Ticket] = {}
+        self._in_flight: dict[asyncio.Task[Any], Attempt] = {}
+        self._done: list[Attempt] = []
+        self._wake: asyncio.Future[None] | None = None
+        self._loop = asyncio.get_running_loop()
+        self._async = [is_async_callable(n.handler) for n in self.topo.nodes]
+        self._durations = [0.0] * len(self.topo.ids)
+        self._late_seen = len(state.late)
+        self.started_at = time.monotonic()
+        self.stragglers = 0
+        self.hedges = 0
+
+    # -- events ---------------------------------------------------------------
+
+    def emit(
+        self,
+        type: EventType,
+        node: int | None = None,
+        visit: int | None = None,
+        attempt: int | None = None,
+        **data: Any,
+    ) -> None:
+        """Buffer an event; it is committed with the harvest and then published."""
+        if not self._record:
+            return
+        self._event_seq += 1
+        self._events.append(
+            Event(
+                run_id=self.run_id,
+                seq=self._event_seq,
+                type=type,
+                ts=time.time(),
+                node_id=None if node is None else self.topo.ids[node],
+                visit=visit,
+                attempt=attempt,
+                data=data,
+            )
+        )
+
+    def _flush_events(self) -> None:
+        events, self._events = self._events, []
+        if self._publish is not None:
+            for event in events:
+                self._publish(event)
+
+    # -- the loop -------------------------------------------------------------
+
+    async def drive(self) -> RunResult:
+        """Run until nothing is ready or in flight; return the result or raise (E9, E10)."""
+        try:
+            self._dispatch_ready()
+            await self._commit()
+            while self._in_flight or self._queued():
+                if not self._done:
+                    self._wake = self._loop.create_future()
+                    await self._wake
+                    self._wake = None
+                batch, self._done = self._done, []
+                failure = self._harvest(batch)
+                if failure is not None:
+                    await self._fail(*failure)
+                self._dispatch_ready()
+                await self._commit()
+            return await self._finish()
+        except BaseException:
+            await self._cancel_in_flight(record=False)
+            raise
+
+    def _queued(self) -> bool:
+        return bool(self._tickets) or bool(self.state.ready)
+
+    async def _commit(self, status: str = "running", error: str | None = None) -> None:
+        if self._persister is not None:
+            await self._persister.commit(self, status, error)
+        self._flush_events()
+
+    # -- dispatch -------------------------------------------------------------
+
+    def _dispatch_ready(self) -> None:
+        ready = self.state.ready
+        if not ready:
+            return
+        if len(ready) > 1:
+            ready.sort()  # E2: simultaneously ready nodes go in definition order
+        self.state.ready = []
+        for i in ready:
+            self._admit(i)
+
+    def _admit(self, i: int) -> None:
+        if self._engine_slots is None and self._run_slots is None:
+            self._start(i)
+            return
+        ns = self.state.nodes[i]
+        estimate = self._tail.estimate(i, ns.payload) if self._tail else None
+        key = self._policy.key(self.topo.nodes[i], ns.payload, estimate)
+        engine_slots = self._engine_slots
+
+        def granted_by_engine() -> None:
+            self._tickets.pop(i, None)
+            self._start(i)
+
+        def granted_by_run() -> None:
+            if engine_slots is None:
+                granted_by_engine()
+                return
+            ticket = Ticket(granted_by_engine)
+            self._tickets[i] = ticket
+            engine_slots.submit(key, ticket)
+
+        if self._run_slots is None:
+            granted_by_run()
+            return
+        ticket = Ticket(granted_by_run)
+        self._tickets[i] = ticket
+        self._run_slots.submit(key, ticket)
+
+    def _release_slot(self) -> None:
+        if self._engine_slots is not None:
+            self._engine_slots.release()
+        if self._run_slots is not None:
+            self._run_slots.release()
+
+    def _start(self, i: int, *, hedge: bool = False) -> None:
+        ns = self.state.nodes[i]
+        now = time.monotonic()
+        if not hedge:
+            self.state.start(i, now)
+        attempt = Attempt(i, ns.visits, now, hedge)
+        node = self.topo.nodes[i]
+        ctx = NodeContext(
+            run_id=self.run_id, node_id=node.id, visit=ns.visits, attempt=ns.attempts
+        )
+        coro = self._call(node, self._async[i], ns.payload, ctx, attempt)
+        task = self._loop.create_task(coro, name=f"tailrace:{self.run_id}:{node.id}")
+        attempt.task = task
+        self._in_flight[task] = attempt
+        task.add_done_callback(self._on_done)
+        self.emit(EventType.NODE_STARTED, i, ns.visits, ns.attempts, hedge=hedge)
+        if self._tail is not None:
+            self._tail.watch(self, attempt)
+
+    def _on_done(self, task: asyncio.Task[Any]) -> None:
+        attempt = self._in_flight.pop(task, None)
+        if attempt is None:
+            return
+        self._done.append(attempt)
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def _call(
+        self, node: Node, is_async: bool, payload: Any, ctx: NodeContext, attempt: Attempt
+    ) -> Any:
+        """Run the handler with retries and timeout (E11); every failed try is an event."""
+        retry = node.retry
+        tries = 1
+        while True:
+            set_current(ctx)
+            try:
+                if node.timeout is None:
+                    return await self._invoke(node, is_async, payload)
+                async with asyncio.timeout(node.timeout):
+                    return await self._invoke(node, is_async, payload)
+            except Exception as exc:
+                if retry is None or tries >= retry.attempts or not isinstance(exc, retry.retry_on):
+                    raise
+                self.emit(
+                    EventType.NODE_RETRYING,
+                    attempt.index,
+                    attempt.visit,
+                    tries,
+                    error=f"{type(exc).__name__}: {exc}",
+                    delay=retry.delay(tries),
+                )
+                await asyncio.sleep(retry.delay(tries))
+                tries += 1
+                self.state.nodes[attempt.index].attempts = tries
+                ctx = NodeContext(
+                    run_id=ctx.run_id, node_id=ctx.node_id, visit=ctx.visit, attempt=tries
+                )
+
+    async def _invoke(self, node: Node, is_async: bool, payload: Any) -> Any:
+        if is_async:
+            return await node.handler(payload)
+        context = contextvars.copy_context()
+        result = await self._loop.run_in_executor(None, context.run, node.handler, payload)
+        if asyncio.iscoroutine(result):
+            result = await result
+        return result
+
+    # -- harvest --------------------------------------------------------------
+
+    def _harvest(self, batch: list[Attempt]) -> tuple[int, BaseException] | None:
+        """Process a batch of finished attempts in definition order (E2); return the first failure."""
+        if len(batch) > 1:
+            batch.sort(key=lambda a: (a.index, a.hedge))
+        failure: tuple[int, BaseException] | None = None
+        state = self.state
+        for attempt in batch:
+            i = attempt.index
+            task = attempt.task
+            assert task is not None
+            if attempt.timer is not None:
+                attempt.timer.cancel()
+            if task.cancelled():
+                continue  # a hedge loser; its slot was released when it lost
+            if self._tail is not None and not self._tail.settle(self, attempt):
+                continue
+            self._release_slot()
+            now = time.monotonic()
+            ns = state.nodes[i]
+            self._durations[i] += now - attempt.started
+            exc = task.exception()
+            if exc is None:
+                exc = self._complete(i, task.result(), attempt, now)
+            if exc is not None and failure is None:
+                failure = (i, exc)
+            elif exc is not None:
+                state.fail(i)
+                self.emit(EventType.NODE_FAILED, i, ns.visits, ns.attempts, error=_describe(exc))
+        self._emit_late()
+        return failure
+
+    def _complete(self, i: int, result: Any, attempt: Attempt, now: float) -> BaseException | None:
+        state = self.state
+        ns = state.nodes[i]
+        if self._persister is not None:
+            try:
+                self._persister.check_encodable(self.topo.ids[i], result)
+            except EncodeError as exc:
+                return exc
+        frozen_before = len(state.frozen)
+        try:
+            state.complete(i, result)
+        except RunError as exc:  # a switch's bad route (E8); nothing was changed
+            return exc
+        if self._tail is not None:
+            self._tail.observe(i, ns.payload, now - attempt.started)
+        self.emit(
+            EventType.NODE_COMPLETED,
+            i,
+            attempt.visit,
+            ns.attempts,
+            duration=now - attempt.started,
+            hedge=attempt.hedge,
+        )
+        if self._persister is not None:
+            self._persister.result_completed(i, attempt.visit, result)
+        for t, activation, _payload in state.frozen[frozen_before:]:
+            sources = [self.topo.ids[s] for s in self.topo.in_sources[t]]
+            self.emit(EventType.AGGREGATE_FIRED, t, activation + 1, None, sources=sources)
+        return None
+
+    def _emit_late(self) -> None:
+        late = self.state.late
+        for item in late[self._late_seen :]:
+            t = self.topo.index[item.node_id]
+            self.emit(
+                EventType.NODE_LATE_INPUT,
+                t,
+                item.activation,
+                None,
+                source=item.source_id,
+                reason=item.reason,
+            )
+        self._late_seen = len(late)
+
+    # -- endings --------------------------------------------------------------
+
+    async def _fail(self, i: int, exc: BaseException) -> None:
+        """E9: cancel and await siblings, one final write, NODE_FAILED last, re-raise."""
+        await self._cancel_in_flight(record=True)
+        ns = self.state.nodes[i]
+        if ns.status is not NodeStatus.FAILED:
+            self.state.fail(i)
+        self.emit(EventType.NODE_FAILED, i, ns.visits, ns.attempts, error=_describe(exc))
+        await self._commit("failed", _describe(exc))
+        raise exc
+
+    async def _cancel_in_flight(self, *, record: bool) -> None:
+        tickets, self._tickets = self._tickets, {}
+        for ticket in tickets.values():
+            ticket.cancel()
+        attempts = list(self._in_flight.values())
+        for attempt in attempts:
+            assert attempt.task is not None
+            attempt.task.cancel()
+        if attempts:
+            await asyncio.gather(*(a.task for a in attempts if a.task), return_exceptions=True)
+        if self._tail is not None:
+            self._tail.close(self)
+        self._in_flight.clear()
+        holding = {a.index for a in attempts} | {a.index for a in self._done}
+        for _ in holding:  # one slot per node visit, however many attempts raced
+            self._release_slot()
+        stopped = holding | set(tickets)
+        self._done = []
+        if not record:
+            return
+        for i in sorted(stopped):
+            ns = self.state.nodes[i]
+            if ns.status in (NodeStatus.RUNNING, NodeStatus.QUEUED, NodeStatus.WAITING):
+                self.state.cancel(i)
+                self.emit(EventType.NODE_CANCELLED, i, ns.visits, ns.attempts)
+
+    async def _finish(self) -> RunResult:
+        waiting = self.state.waiting_aggregates()
+        if waiting:
+            message = f"run {self.run_id!r} stalled: aggregate " + "; ".join(waiting)
+            await self._commit("failed", message)
+            raise StallError(message)
+        self.emit(EventType.RUN_COMPLETED)
+        await self._commit("completed")
+        return self.result("completed")
+
+    def result(self, status: str) -> RunResult:
+        """Build the :class:`RunResult` from the current state."""
+        topo = self.topo
+        nodes = self.state.nodes
+        return RunResult(
+            run_id=self.run_id,
+            status=status,
+            results={topo.ids[i]: ns.result for i, ns in enumerate(nodes) if ns.has_result},
+            visits={topo.ids[i]: ns.visits for i, ns in enumerate(nodes)},
+            nodes={
+                topo.ids[i]: NodeReport(
+                    status=ns.status.value,
+                    visits=ns.visits,
+                    attempts=ns.attempts,
+                    duration=self._durations[i],
+                )
+                for i, ns in enumerate(nodes)
+            },
+            late_inputs=tuple(self.state.late),
+            stragglers=self.stragglers,
+            hedges=self.hedges,
+            duration=time.monotonic() - self.started_at,
+        )
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+__all__ = ["Attempt", "NodeKind", "NodeReport", "RunLoop", "RunResult"]

@@ -1,0 +1,215 @@
+"""Pure topology of a graph: SCC edge classification (G2), entries, fan-in maps.
+
+Everything here is computed once per graph in O(V+E) and indexed by the
+node's definition position, so the run loop works on small ints and lists
+rather than on hashed strings (which keeps E2 ordering independent of
+``PYTHONHASHSEED``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ._errors import GraphError
+from ._graph import NodeKind
+
+if TYPE_CHECKING:
+    from ._graph import Graph, Node
+
+
+def strongly_connected_components(n: int, succ: Sequence[Sequence[int]]) -> list[int]:
+    """Tarjan's algorithm, iterative; returns the component id of each vertex.
+
+    >>> strongly_connected_components(3, [[1], [0], []])
+    [1, 1, 0]
+    """
+    index = [-1] * n
+    low = [0] * n
+    on_stack = [False] * n
+    comp = [-1] * n
+    stack: list[int] = []
+    counter = 0
+    n_comp = 0
+    for root in range(n):
+        if index[root] != -1:
+            continue
+        work: list[tuple[int, int]] = [(root, 0)]
+        while work:
+            v, i = work[-1]
+            if i == 0:
+                index[v] = low[v] = counter
+                counter += 1
+                stack.append(v)
+                on_stack[v] = True
+            if i < len(succ[v]):
+                work[-1] = (v, i + 1)
+                w = succ[v][i]
+                if index[w] == -1:
+                    work.append((w, 0))
+                elif on_stack[w]:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[v])
+            if low[v] == index[v]:
+                while True:
+                    w = stack.pop()
+                    on_stack[w] = False
+                    comp[w] = n_comp
+                    if w == v:
+                        break
+                n_comp += 1
+    return comp
+
+
+@dataclass(frozen=True, slots=True)
+class OutEdge:
+    """An edge as the run loop sees it: target index, route, whether it is in-loop."""
+
+    target: int
+    route: str | None
+    in_loop: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Validated, index-based view of a :class:`~tailrace.Graph` (G1, G2)."""
+
+    graph: Graph
+    ids: tuple[str, ...]
+    index: dict[str, int]
+    nodes: tuple[Node, ...]
+    out_edges: tuple[tuple[OutEdge, ...], ...]
+    in_sources: tuple[tuple[int, ...], ...]
+    scc: tuple[int, ...]
+    cyclic: tuple[bool, ...]
+    required: tuple[int, ...]
+    max_visits: tuple[int | None, ...]
+    entries: tuple[int, ...]
+    fingerprint: str
+
+    @classmethod
+    def build(cls, graph: Graph) -> Topology:
+        """Validate ``graph`` (G1) and classify its edges (G2)."""
+        nodes = tuple(graph.nodes.values())
+        ids = tuple(node.id for node in nodes)
+        index = {node_id: i for i, node_id in enumerate(ids)}
+        n = len(ids)
+        succ: list[list[int]] = [[] for _ in range(n)]
+        for edge in graph.edges:
+            succ[index[edge.source]].append(index[edge.target])
+        scc = strongly_connected_components(n, succ)
+        self_loop = [False] * n
+        comp_size: dict[int, int] = {}
+        for c in scc:
+            comp_size[c] = comp_size.get(c, 0) + 1
+        out: list[list[OutEdge]] = [[] for _ in range(n)]
+        in_sources: list[list[int]] = [[] for _ in range(n)]
+        forward_in: list[int] = [0] * n
+        outside_in: list[int] = [0] * n
+        for edge in graph.edges:
+            s, t = index[edge.source], index[edge.target]
+            in_loop = scc[s] == scc[t]
+            self_loop[s] = self_loop[s] or s == t
+            out[s].append(OutEdge(t, edge.route, in_loop))
+            in_sources[t].append(s)
+            forward_in[t] += not in_loop
+            outside_in[t] += s != t
+        cyclic = tuple(comp_size[scc[i]] > 1 or self_loop[i] for i in range(n))
+        required = _check_fan_in(nodes, in_sources, forward_in)
+        entries = _entries(ids, scc, in_sources, outside_in)
+        _check_switches(nodes, out)
+        max_visits = tuple(
+            node.max_visits if node.max_visits is not None else (None if cyclic[i] else 1)
+            for i, node in enumerate(nodes)
+        )
+        return cls(
+            graph=graph,
+            ids=ids,
+            index=index,
+            nodes=nodes,
+            out_edges=tuple(tuple(o) for o in out),
+            in_sources=tuple(tuple(sorted(s)) for s in in_sources),
+            scc=tuple(scc),
+            cyclic=cyclic,
+            required=required,
+            max_visits=max_visits,
+            entries=entries,
+            fingerprint=_fingerprint(graph),
+        )
+
+    def in_loop(self, source: str, target: str) -> bool:
+        """Whether the edge ``source -> target`` lies inside a loop (G2)."""
+        s, t = self.index[source], self.index[target]
+        return any(o.target == t and o.in_loop for o in self.out_edges[s])
+
+
+def _check_fan_in(
+    nodes: Sequence[Node], in_sources: Sequence[Sequence[int]], forward_in: Sequence[int]
+) -> tuple[int, ...]:
+    required: list[int] = []
+    for i, node in enumerate(nodes):
+        fan_in = len(in_sources[i])
+        if node.kind is NodeKind.AGGREGATE:
+            k = node.required if node.required is not None else fan_in
+            if not 1 <= k <= fan_in:
+                raise GraphError(
+                    f"aggregate {node.id!r}: required={k} is outside 1..{fan_in} (its fan-in)"
+                )
+            required.append(k)
+            continue
+        if forward_in[i] > 1 and not node.any_of:
+            raise GraphError(
+                f"node {node.id!r} has {forward_in[i]} incoming edges but is neither an "
+                "aggregate nor any_of=True"
+            )
+        required.append(1)
+    return tuple(required)
+
+
+def _entries(
+    ids: Sequence[str],
+    scc: Sequence[int],
+    in_sources: Sequence[Sequence[int]],
+    outside_in: Sequence[int],
+) -> tuple[int, ...]:
+    if not ids:
+        raise GraphError("graph has no nodes, hence no entry node")
+    entries = tuple(i for i in range(len(ids)) if outside_in[i] == 0)
+    if not entries:
+        raise GraphError("graph has no entry node (every node has an incoming edge)")
+    # A loop nothing leads into would never run: name it.
+    fed: set[int] = set()
+    for t, sources in enumerate(in_sources):
+        for s in sources:
+            if scc[s] != scc[t]:
+                fed.add(scc[t])
+    fed.update(scc[i] for i in entries)
+    for i, node_id in enumerate(ids):
+        if scc[i] not in fed:
+            members = [ids[j] for j in range(len(ids)) if scc[j] == scc[i]]
+            raise GraphError(f"loop {members!r} has no entry node and no edge into it")
+    return entries
+
+
+def _check_switches(nodes: Sequence[Node], out: Sequence[Sequence[OutEdge]]) -> None:
+    for i, node in enumerate(nodes):
+        if node.kind is NodeKind.SWITCH and not out[i]:
+            raise GraphError(f"switch {node.id!r} has no outgoing edges")
+
+
+def _fingerprint(graph: Graph) -> str:
+    shape = {
+        "nodes": [
+            [n.id, n.kind.value, n.required, n.max_visits, n.any_of] for n in graph.nodes.values()
+        ],
+        "edges": [[e.source, e.target, e.route] for e in graph.edges],
+    }
+    text = json.dumps(shape, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

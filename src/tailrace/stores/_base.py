@@ -1,0 +1,225 @@
+"""The store contract: one small abstract class, many backends (huey-style).
+
+A store persists runs as *deltas*: the engine commits one :class:`Harvest`
+per wake-up (D1), fenced by the run's lease token (D6). Every payload crosses
+this seam already encoded as text, so stores never see Python objects and a
+result that cannot be encoded fails before anything is written (D5).
+
+Stores map their driver's exceptions to :class:`~tailrace.StoreError` (and
+its subclasses) at this seam; the engine never imports a driver.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+#: Version of the rows this code writes (D4). Bumped on incompatible change.
+FORMAT_VERSION = 1
+
+
+class RunStatus(enum.StrEnum):
+    """Lifecycle of a run. Legal transitions live in ``RUN_TRANSITIONS``."""
+
+    RUNNING = "running"
+    SUSPENDED = "suspended"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+RUN_TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
+    RunStatus.RUNNING: frozenset(
+        {RunStatus.RUNNING, RunStatus.SUSPENDED, RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED}
+    ),
+    RunStatus.SUSPENDED: frozenset({RunStatus.RUNNING, RunStatus.FAILED, RunStatus.CANCELLED}),
+    RunStatus.COMPLETED: frozenset(),
+    RunStatus.FAILED: frozenset(),
+    RunStatus.CANCELLED: frozenset(),
+}
+
+TERMINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NewRun:
+    """What ``create_run`` stores for a new run."""
+
+    run_id: str
+    graph_name: str
+    graph_ref: str | None
+    fingerprint: str
+    input_json: str
+    created_at: float
+    format_version: int = FORMAT_VERSION
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunRecord:
+    """A run as stored (without its node rows)."""
+
+    run_id: str
+    graph_name: str
+    graph_ref: str | None
+    fingerprint: str
+    status: RunStatus
+    input_json: str
+    state_json: str
+    error: str | None
+    created_at: float
+    updated_at: float
+    finished_at: float | None
+    nodes_done: int
+    lease_owner: str | None
+    lease_expires: float | None
+    lease_token: int
+    format_version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeRow:
+    """The latest state of one node, encoded by the engine (``data_json``)."""
+
+    node_id: str
+    status: str
+    visits: int
+    data_json: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResultRow:
+    """The result of one node visit (append-only; never rewritten)."""
+
+    node_id: str
+    visit: int
+    value_json: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrozenInput:
+    """A first-k decision: the payload an aggregate activation fired with (E4)."""
+
+    node_id: str
+    activation: int
+    payload_json: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EventRow:
+    """A durable event record; ``seq`` is unique and increasing per run."""
+
+    seq: int
+    type: str
+    node_id: str | None
+    visit: int | None
+    attempt: int | None
+    ts: float
+    data_json: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Harvest:
+    """Everything one harvest produces, committed atomically (D1)."""
+
+    state_json: str
+    status: RunStatus = RunStatus.RUNNING
+    error: str | None = None
+    nodes: Sequence[NodeRow] = ()
+    results: Sequence[ResultRow] = ()
+    frozen: Sequence[FrozenInput] = ()
+    events: Sequence[EventRow] = ()
+    nodes_done_delta: int = 0
+    finished_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoredRun:
+    """A run and all its node rows, as ``load_run`` returns it."""
+
+    run: RunRecord
+    nodes: dict[str, NodeRow] = field(default_factory=dict)
+
+
+class RunStore(abc.ABC):
+    """Abstract run store. All methods are coroutines and safe to call concurrently.
+
+    Leases (D6): ``acquire_lease`` grants a lease when none is live, returning a
+    fencing token that increases on every change of owner; ``commit`` and
+    ``heartbeat`` with a stale token raise :class:`~tailrace.LeaseLost`.
+    """
+
+    async def __aenter__(self) -> RunStore:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @abc.abstractmethod
+    async def open(self) -> None:
+        """Connect and apply pending numbered migrations. Idempotent."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Flush pending writes and release connections. Idempotent."""
+
+    @abc.abstractmethod
+    async def create_run(self, run: NewRun) -> None:
+        """Store a new run with status ``running``; :class:`~tailrace.RunExists` if the id is taken."""
+
+    @abc.abstractmethod
+    async def commit(self, run_id: str, token: int, harvest: Harvest) -> None:
+        """Apply ``harvest`` atomically if ``token`` is the run's current lease token.
+
+        Raises :class:`~tailrace.LeaseLost` (nothing written) when fenced out,
+        :class:`~tailrace.RunNotFound` for an unknown run.
+        """
+
+    @abc.abstractmethod
+    async def load_run(self, run_id: str) -> StoredRun:
+        """Return the run and its node rows; :class:`~tailrace.RunNotFound` if absent."""
+
+    @abc.abstractmethod
+    async def get_run(self, run_id: str) -> RunRecord:
+        """Return the run record alone; :class:`~tailrace.RunNotFound` if absent."""
+
+    @abc.abstractmethod
+    async def list_runs(
+        self, *, status: RunStatus | None = None, limit: int | None = None
+    ) -> list[RunRecord]:
+        """Runs, newest first, optionally only those with ``status``."""
+
+    @abc.abstractmethod
+    async def results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
+        """Result rows of a run (of one node if given), by node then visit."""
+
+    @abc.abstractmethod
+    async def frozen_inputs(self, run_id: str) -> list[FrozenInput]:
+        """First-k decisions of a run, by node then activation."""
+
+    @abc.abstractmethod
+    async def events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
+        """Events of a run with ``seq > after_seq``, in seq order."""
+
+    @abc.abstractmethod
+    async def acquire_lease(self, run_id: str, owner: str, ttl: float) -> int:
+        """Lease the run to ``owner`` for ``ttl`` seconds and return the fencing token.
+
+        Re-acquiring a live lease one already owns keeps its token. A live lease
+        of another owner raises :class:`~tailrace.LeaseHeld`; an expired one is
+        taken over with a new, larger token.
+        """
+
+    @abc.abstractmethod
+    async def heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
+        """Extend the lease; :class:`~tailrace.LeaseLost` if ``token`` is no longer current."""
+
+    @abc.abstractmethod
+    async def release_lease(self, run_id: str, owner: str, token: int) -> None:
+        """Drop the lease if still held with ``token``; otherwise do nothing."""
+
+    @abc.abstractmethod
+    async def expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
+        """Ids of runs in status ``running`` whose lease expired before ``now`` (orphans)."""
