@@ -20,16 +20,21 @@ class NodeContext:
     attempt: int
 
 
-_current: contextvars.ContextVar[NodeContext | None] = contextvars.ContextVar(
+# The engine stores a plain tuple per attempt; NodeContext is built on demand,
+# which keeps the per-node cost of the engine low.
+_current: contextvars.ContextVar[tuple[str, str, int, int] | None] = contextvars.ContextVar(
     "tailrace_node", default=None
 )
 
 
 def current_node() -> NodeContext | None:
     """The :class:`NodeContext` of the handler calling this, or None outside handlers."""
-    return _current.get()
+    raw = _current.get()
+    if raw is None:
+        return None
+    return NodeContext(run_id=raw[0], node_id=raw[1], visit=raw[2], attempt=raw[3])
 
 
-def set_current(ctx: NodeContext) -> contextvars.Token[NodeContext | None]:
-    """Set the context for the current task (the engine does this per attempt)."""
-    return _current.set(ctx)
+def set_current(raw: tuple[str, str, int, int]) -> None:
+    """Set (run id, node id, visit, attempt) for the current task; the engine does this per attempt."""
+    _current.set(raw)

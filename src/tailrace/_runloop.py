@@ -14,10 +14,10 @@ import contextvars
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ._admission import AdmissionPolicy, SlotQueue, Ticket
-from ._context import NodeContext, set_current
+from ._context import set_current
 from ._errors import EncodeError, RunError, StallError
 from ._events import Event, EventType
 from ._graph import Node, NodeKind, is_async_callable
@@ -28,9 +28,8 @@ if TYPE_CHECKING:
     from .tail._hooks import TailHooks
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class NodeReport:
-    """Per-node outcome in a :class:`RunResult`."""
+class NodeReport(NamedTuple):
+    """Per-node outcome in a :class:`RunResult`: status, visits, attempts, seconds spent."""
 
     status: str
     visits: int
@@ -231,15 +230,13 @@ class RunLoop:
             self.state.start(i, now)
         attempt = Attempt(i, ns.visits, now, hedge)
         node = self.topo.nodes[i]
-        ctx = NodeContext(
-            run_id=self.run_id, node_id=node.id, visit=ns.visits, attempt=ns.attempts
-        )
-        coro = self._call(node, self._async[i], ns.payload, ctx, attempt)
-        task = self._loop.create_task(coro, name=f"tailrace:{self.run_id}:{node.id}")
+        coro = self._call(node, self._async[i], ns.payload, attempt)
+        task = self._loop.create_task(coro, name=node.id)
         attempt.task = task
         self._in_flight[task] = attempt
         task.add_done_callback(self._on_done)
-        self.emit(EventType.NODE_STARTED, i, ns.visits, ns.attempts, hedge=hedge)
+        if self._record:
+            self.emit(EventType.NODE_STARTED, i, ns.visits, ns.attempts, hedge=hedge)
         if self._tail is not None:
             self._tail.watch(self, attempt)
 
@@ -252,19 +249,19 @@ class RunLoop:
         if wake is not None and not wake.done():
             wake.set_result(None)
 
-    async def _call(
-        self, node: Node, is_async: bool, payload: Any, ctx: NodeContext, attempt: Attempt
-    ) -> Any:
+    async def _call(self, node: Node, is_async: bool, payload: Any, attempt: Attempt) -> Any:
         """Run the handler with retries and timeout (E11); every failed try is an event."""
         retry = node.retry
         tries = 1
         while True:
-            set_current(ctx)
+            set_current((self.run_id, node.id, attempt.visit, tries))
             try:
-                if node.timeout is None:
-                    return await self._invoke(node, is_async, payload)
-                async with asyncio.timeout(node.timeout):
-                    return await self._invoke(node, is_async, payload)
+                if node.timeout is not None:
+                    async with asyncio.timeout(node.timeout):
+                        return await self._invoke(node, is_async, payload)
+                if is_async:
+                    return await node.handler(payload)
+                return await self._invoke(node, is_async, payload)
             except Exception as exc:
                 if retry is None or tries >= retry.attempts or not isinstance(exc, retry.retry_on):
                     raise
@@ -273,15 +270,12 @@ class RunLoop:
                     attempt.index,
                     attempt.visit,
                     tries,
-                    error=f"{type(exc).__name__}: {exc}",
+                    error=_describe(exc),
                     delay=retry.delay(tries),
                 )
                 await asyncio.sleep(retry.delay(tries))
                 tries += 1
                 self.state.nodes[attempt.index].attempts = tries
-                ctx = NodeContext(
-                    run_id=ctx.run_id, node_id=ctx.node_id, visit=ctx.visit, attempt=tries
-                )
 
     async def _invoke(self, node: Node, is_async: bool, payload: Any) -> Any:
         if is_async:
@@ -427,12 +421,7 @@ class RunLoop:
             results={topo.ids[i]: ns.result for i, ns in enumerate(nodes) if ns.has_result},
             visits={topo.ids[i]: ns.visits for i, ns in enumerate(nodes)},
             nodes={
-                topo.ids[i]: NodeReport(
-                    status=ns.status.value,
-                    visits=ns.visits,
-                    attempts=ns.attempts,
-                    duration=self._durations[i],
-                )
+                topo.ids[i]: NodeReport(ns.status.value, ns.visits, ns.attempts, self._durations[i])
                 for i, ns in enumerate(nodes)
             },
             late_inputs=tuple(self.state.late),

@@ -25,7 +25,7 @@ def strongly_connected_components(n: int, succ: Sequence[Sequence[int]]) -> list
     """Tarjan's algorithm, iterative; returns the component id of each vertex.
 
     >>> strongly_connected_components(3, [[1], [0], []])
-    [1, 1, 0]
+    [0, 0, 1]
     """
     index = [-1] * n
     low = [0] * n

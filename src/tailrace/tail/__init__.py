@@ -1,0 +1,20 @@
+"""Long-tail primitives: duration estimates (T1), LPT (T2), the bounded resume queue (T4).
+
+Each is usable on its own; the engine's admission policy builds on them.
+"""
+
+from ._estimator import DurationEstimator as DurationEstimator
+from ._lpt import fifo_makespan as fifo_makespan
+from ._lpt import lpt_schedule as lpt_schedule
+from ._lpt import makespan_lower_bound as makespan_lower_bound
+from ._resume_queue import ResumeItem as ResumeItem
+from ._resume_queue import ResumeQueue as ResumeQueue
+
+__all__ = [
+    "DurationEstimator",
+    "ResumeItem",
+    "ResumeQueue",
+    "fifo_makespan",
+    "lpt_schedule",
+    "makespan_lower_bound",
+]

@@ -1,0 +1,162 @@
+"""Online duration estimate for heavy-tailed work (T1).
+
+The admission policy (T2) and the straggler detector (T3) both need a guess of
+how long a piece of work will take before it runs. Durations of rollouts and
+tool calls grow roughly linearly with a cost the caller knows up front (prompt
+length, number of files, ...), so :class:`DurationEstimator` fits
+``seconds ~ b + m * cost`` by ordinary least squares, one observation at a time.
+
+The fit keeps the centred form of the running sums ``(n, Σx, Σy, Σxx, Σxy)``:
+the means of cost and seconds and the co-moments ``Σ(x - x̄)²`` and
+``Σ(x - x̄)(y - ȳ)``, updated Welford-style. The textbook form
+``Σxx - (Σx)² / n`` subtracts two huge, nearly equal numbers when costs are
+large (say 1e9 tokens) and loses every significant digit of the variance; the
+centred form never does.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+
+# Costs whose spread is within a few ulps of their mean are indistinguishable
+# from rounding noise, so they carry no information about the slope.
+_DEGENERATE_SPREAD = 8.0 * sys.float_info.epsilon
+
+
+def _require_finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _require_finite_non_negative(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+class DurationEstimator:
+    """Online least-squares estimate of ``seconds ~ b + m * cost`` (T1).
+
+    Each :meth:`observe` costs O(1) time and memory. Until ``min_samples``
+    observations have arrived, and whenever every observed cost is the same
+    (no spread, so no slope can be fitted), the estimate is the mean of the
+    observed seconds; with no observation at all it is ``prior``. An estimate
+    is never negative. Every method is safe to call from several threads.
+
+    Args:
+        prior: The estimate, in seconds, before any observation; finite, >= 0.
+        min_samples: How many observations the estimator needs before it fits
+            a line rather than answering the mean; at least 1.
+
+    Raises:
+        ValueError: ``prior`` is negative or not finite, or ``min_samples < 1``.
+
+    >>> est = DurationEstimator(prior=2.0)
+    >>> est.estimate(100.0)
+    2.0
+    >>> for cost in (10.0, 20.0, 30.0):
+    ...     est.observe(cost, 1.0 + 0.5 * cost)
+    >>> est.params
+    (1.0, 0.5)
+    >>> est.estimate(40.0)
+    21.0
+    >>> est.estimate(-1000.0)  # a line may dip below zero; a duration may not
+    0.0
+    """
+
+    __slots__ = ("_lock", "_mean_x", "_mean_y", "_min_samples", "_n", "_prior", "_sxx", "_sxy")
+
+    def __init__(self, prior: float = 1.0, min_samples: int = 3) -> None:
+        _require_finite_non_negative("prior", prior)
+        if min_samples < 1:
+            raise ValueError(f"min_samples must be >= 1, got {min_samples!r}")
+        self._lock = threading.Lock()
+        self._prior = float(prior)
+        self._min_samples = min_samples
+        self._n = 0
+        self._mean_x = 0.0
+        self._mean_y = 0.0
+        self._sxx = 0.0  # Σ(x - x̄)²
+        self._sxy = 0.0  # Σ(x - x̄)(y - ȳ)
+
+    def observe(self, cost: float, seconds: float) -> None:
+        """Record that work of ``cost`` took ``seconds``.
+
+        Args:
+            cost: The cost known before the work ran (any finite number).
+            seconds: How long it took; finite and >= 0.
+
+        Raises:
+            ValueError: ``cost`` is not finite, or ``seconds`` is negative or
+                not finite. Nothing is recorded then.
+        """
+        _require_finite("cost", cost)
+        _require_finite_non_negative("seconds", seconds)
+        with self._lock:
+            self._n += 1
+            dx = cost - self._mean_x
+            self._mean_x += dx / self._n
+            self._mean_y += (seconds - self._mean_y) / self._n
+            # Old deviation times new deviation is Welford's exact co-moment
+            # update; identical costs leave _sxx at exactly 0.0.
+            self._sxx += dx * (cost - self._mean_x)
+            self._sxy += dx * (seconds - self._mean_y)
+
+    def estimate(self, cost: float) -> float:
+        """Return the expected seconds for work of ``cost``, never negative.
+
+        Args:
+            cost: The cost of the work to estimate (any finite number).
+
+        Raises:
+            ValueError: ``cost`` is not finite.
+        """
+        _require_finite("cost", cost)
+        with self._lock:
+            if self._n == 0:
+                return self._prior
+            mean_y = self._mean_y
+            if not self._has_line():
+                return max(0.0, mean_y)
+            # Centred prediction: b + m*cost would cancel catastrophically for
+            # large costs, since b = ȳ - m*x̄ is itself a difference of big terms.
+            value = mean_y + self._sxy / self._sxx * (cost - self._mean_x)
+        if math.isnan(value):  # overflow for costs ~1e308 away from the data
+            return max(0.0, mean_y)
+        return max(0.0, value)
+
+    @property
+    def params(self) -> tuple[float, float]:
+        """The line the estimate uses, as ``(intercept b, slope m)``.
+
+        Before a line can be fitted it is flat: ``(prior, 0.0)`` with no data,
+        ``(mean seconds, 0.0)`` below ``min_samples`` or with no cost spread.
+        :meth:`estimate` additionally clamps the line at zero.
+        """
+        with self._lock:
+            if self._n == 0:
+                return (self._prior, 0.0)
+            if not self._has_line():
+                return (self._mean_y, 0.0)
+            slope = self._sxy / self._sxx
+            return (self._mean_y - slope * self._mean_x, slope)
+
+    @property
+    def count(self) -> int:
+        """How many observations have been recorded."""
+        with self._lock:
+            return self._n
+
+    def __repr__(self) -> str:
+        b, m = self.params
+        return f"DurationEstimator(count={self.count}, b={b!r}, m={m!r})"
+
+    def _has_line(self) -> bool:
+        # Caller holds the lock. A comparison with NaN is False, so a fit whose
+        # co-moments overflowed counts as degenerate and falls back to the mean.
+        if self._n < self._min_samples:
+            return False
+        # Multiply rather than `** 2`: float power raises OverflowError, product gives inf.
+        spread = _DEGENERATE_SPREAD * abs(self._mean_x)
+        return self._sxx > self._n * spread * spread
