@@ -35,25 +35,22 @@ class JsonCodec:
     ``json.dumps``); ``object_hook`` the reverse, passed to ``json.loads``.
     """
 
-    __slots__ = ("_dumps_kwargs", "_object_hook")
+    __slots__ = ("_decoder", "_encoder")
 
     def __init__(self, *, default: Any = None, object_hook: Any = None) -> None:
-        self._dumps_kwargs: dict[str, Any] = {
-            "separators": (",", ":"),
-            "allow_nan": False,
-            "ensure_ascii": False,
-        }
-        if default is not None:
-            self._dumps_kwargs["default"] = default
-        self._object_hook = object_hook
+        # One prebuilt encoder: json.dumps with options builds a new one per call.
+        self._encoder = json.JSONEncoder(
+            separators=(",", ":"), allow_nan=False, ensure_ascii=False, default=default
+        )
+        self._decoder = json.JSONDecoder(object_hook=object_hook)
 
     def encode(self, value: Any) -> str:
         """Return ``value`` as compact JSON; raises ``TypeError``/``ValueError`` if it is not JSON."""
-        return json.dumps(value, **self._dumps_kwargs)
+        return self._encoder.encode(value)
 
     def decode(self, text: str) -> Any:
-        """Return the value ``text`` encodes."""
-        return json.loads(text, object_hook=self._object_hook)
+        """Return the value ``text`` encodes; ``ValueError`` if it is not JSON."""
+        return self._decoder.decode(text)
 
 
 DEFAULT_CODEC = JsonCodec()

@@ -21,7 +21,7 @@ from ._errors import GraphMismatch, NotResumable
 from ._events import EventBus, EventType
 from ._graph import Graph
 from ._runloop import RunLoop, RunResult
-from ._state import RunState
+from ._state import LateInput, RunState
 from ._topology import Topology
 
 if TYPE_CHECKING:
@@ -135,12 +135,29 @@ class Engine:
         persister = Persister(self, run_id, topo, stored.run)
         async with persister.leased():
             stored = await store.load_run(run_id)  # re-read under the lease
-            state, event_seq = persister.restore(stored)
+            late = [
+                LateInput(
+                    node_id=e.node_id or "",
+                    source_id=str(data.get("source")),
+                    activation=e.visit or 0,
+                    reason=str(data.get("reason")),
+                )
+                for e in await store.events(run_id)
+                if e.type == EventType.NODE_LATE_INPUT.value
+                for data in (self._decode_event(e.data_json),)
+            ]
+            state, event_seq = persister.restore(stored, late)
             loop = self._loop_for(run_id, state, persister, event_seq)
             loop.emit(EventType.RUN_RESUMED, graph=graph.name)
             return await loop.drive()
 
     # -- internals ------------------------------------------------------------
+
+    def _decode_event(self, text: str) -> dict[str, Any]:
+        from ._codec import DEFAULT_CODEC
+
+        data = (self.codec or DEFAULT_CODEC).decode(text)
+        return data if isinstance(data, dict) else {}
 
     def _loop_for(
         self, run_id: str, state: RunState, persister: Any, event_seq: int = 0
@@ -195,4 +212,3 @@ def run(graph: Graph, input: Any = None, **engine_options: Any) -> RunResult:
     A convenience for scripts; inside async code, use ``await Engine().run(...)``.
     """
     return asyncio.run(Engine(**engine_options).run(graph, input))
-

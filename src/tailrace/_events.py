@@ -121,4 +121,6 @@ class EventBus:
         try:
             self.on_error(event, listener, exc)
         except Exception:
-            logger.exception("event error hook failed on %s of run %s", event.type.value, event.run_id)
+            logger.exception(
+                "event error hook failed on %s of run %s", event.type.value, event.run_id
+            )

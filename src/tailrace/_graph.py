@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import importlib
 import inspect
 import json
@@ -246,11 +247,15 @@ class Graph:
         src = self.nodes[source]
         if src.kind is NodeKind.SWITCH:
             if route is None:
-                raise GraphError(f"edge {source!r} -> {target!r} leaves switch {source!r} without a route")
+                raise GraphError(
+                    f"edge {source!r} -> {target!r} leaves switch {source!r} without a route"
+                )
             if source == target:
                 raise GraphError(f"switch {source!r} has a self-loop")
         elif route is not None:
-            raise GraphError(f"edge {source!r} -> {target!r}: route= applies to edges leaving a switch")
+            raise GraphError(
+                f"edge {source!r} -> {target!r}: route= applies to edges leaving a switch"
+            )
         edge = Edge(source=source, target=target, route=route)
         self.edges.append(edge)
         self._compiled = None
@@ -283,7 +288,7 @@ class Graph:
 
     def chain(self, *names: str) -> None:
         """Add edges ``names[0] -> names[1] -> ...``."""
-        for source, target in zip(names, names[1:], strict=False):
+        for source, target in itertools.pairwise(names):
             self.add_edge(source, target)
 
     # -- checking and serialising -----------------------------------------
@@ -319,7 +324,9 @@ class Graph:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], handlers: Mapping[str, Handler] | None = None) -> Graph:
+    def from_dict(
+        cls, data: Mapping[str, Any], handlers: Mapping[str, Handler] | None = None
+    ) -> Graph:
         """Rebuild a graph from :meth:`to_dict` output (G3).
 
         ``data`` is the document; ``handlers`` maps a handler reference (or a
@@ -329,7 +336,9 @@ class Graph:
         if version != GRAPH_FORMAT:
             from ._errors import UnsupportedFormat
 
-            raise UnsupportedFormat(f"graph {data.get('name')!r}: unsupported graph format {version!r}")
+            raise UnsupportedFormat(
+                f"graph {data.get('name')!r}: unsupported graph format {version!r}"
+            )
         handlers = dict(handlers or {})
         graph = cls(data["name"])
         for raw in data["nodes"]:
@@ -371,16 +380,47 @@ def callable_reference(fn: Callable[..., Any], node_id: str = "?") -> str:
 
 
 def resolve_reference(ref: str) -> Any:
-    """Import ``module:attr.path`` and return the object."""
-    module_name, sep, attr_path = ref.partition(":")
-    if not sep or not attr_path:
+    """Import ``module:attr.path`` (or ``path/to/file.py:attr``) and return the object."""
+    module_name, sep, attr_path = ref.rpartition(":")
+    if not sep or not attr_path or not module_name:
         raise ValueError(f"reference {ref!r} is not of the form 'module:attribute'")
-    obj: Any = importlib.import_module(module_name)
+    obj: Any = (
+        load_file_module(module_name)
+        if module_name.endswith(".py")
+        else importlib.import_module(module_name)
+    )
     for part in attr_path.split("."):
         if part == "<locals>":
             raise ValueError(f"reference {ref!r} points into a function's locals")
         obj = getattr(obj, part)
     return obj
+
+
+def load_file_module(path: str) -> Any:
+    """Import a Python file as a module (once per resolved path) and return it."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    resolved = Path(path).resolve()
+    import hashlib
+
+    name = "tailrace_file_" + hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    if not resolved.is_file():
+        raise ImportError(f"no such file: {path}")
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def is_async_callable(fn: Callable[..., Any]) -> bool:

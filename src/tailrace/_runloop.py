@@ -42,7 +42,9 @@ class RunResult:
     """What ``Engine.run`` returns.
 
     ``results`` maps each node that completed to its last result; ``visits``
-    maps every node to how many times it was activated; ``late_inputs`` lists
+    maps every node to how many times it was activated; ``output`` is the
+    result of the graph's sink node (a dict by node when several sinks
+    completed, None when none did); ``late_inputs`` lists
     inputs that arrived after their activation fired (E5); ``questions`` the
     open questions of a suspended run.
     """
@@ -57,6 +59,7 @@ class RunResult:
     hedges: int = 0
     questions: tuple[Any, ...] = ()
     duration: float = 0.0
+    output: Any = None
 
 
 class Attempt:
@@ -96,7 +99,7 @@ class RunLoop:
         self._persister = persister
         self._record = publish is not None or persister is not None
         self._events: list[Event] = []
-        self._event_seq = event_seq
+        self.event_seq = event_seq
         self._engine_slots = engine_slots
         self._run_slots = SlotQueue(run_capacity) if run_capacity is not None else None
         self._policy = policy
@@ -105,7 +108,7 @@ class RunLoop:
         self._in_flight: dict[asyncio.Task[Any], Attempt] = {}
         self._done: list[Attempt] = []
         self._wake: asyncio.Future[None] | None = None
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self._async = [is_async_callable(n.handler) for n in self.topo.nodes]
         self._durations = [0.0] * len(self.topo.ids)
         self._late_seen = len(state.late)
@@ -126,11 +129,11 @@ class RunLoop:
         """Buffer an event; it is committed with the harvest and then published."""
         if not self._record:
             return
-        self._event_seq += 1
+        self.event_seq += 1
         self._events.append(
             Event(
                 run_id=self.run_id,
-                seq=self._event_seq,
+                seq=self.event_seq,
                 type=type,
                 ts=time.time(),
                 node_id=None if node is None else self.topo.ids[node],
@@ -140,12 +143,6 @@ class RunLoop:
             )
         )
 
-    def _flush_events(self) -> None:
-        events, self._events = self._events, []
-        if self._publish is not None:
-            for event in events:
-                self._publish(event)
-
     # -- the loop -------------------------------------------------------------
 
     async def drive(self) -> RunResult:
@@ -153,9 +150,9 @@ class RunLoop:
         try:
             self._dispatch_ready()
             await self._commit()
-            while self._in_flight or self._queued():
+            while self._in_flight or self._done or self._queued():
                 if not self._done:
-                    self._wake = self._loop.create_future()
+                    self._wake = self.loop.create_future()
                     await self._wake
                     self._wake = None
                 batch, self._done = self._done, []
@@ -173,9 +170,12 @@ class RunLoop:
         return bool(self._tickets) or bool(self.state.ready)
 
     async def _commit(self, status: str = "running", error: str | None = None) -> None:
+        events, self._events = self._events, []
         if self._persister is not None:
-            await self._persister.commit(self, status, error)
-        self._flush_events()
+            await self._persister.commit(self, events, status, error)
+        if self._publish is not None:
+            for event in events:
+                self._publish(event)
 
     # -- dispatch -------------------------------------------------------------
 
@@ -191,16 +191,16 @@ class RunLoop:
 
     def _admit(self, i: int) -> None:
         if self._engine_slots is None and self._run_slots is None:
-            self._start(i)
+            self.start_attempt(i)
             return
         ns = self.state.nodes[i]
-        estimate = self._tail.estimate(i, ns.payload) if self._tail else None
+        estimate = self._tail.estimate(i, ns.payload, self.topo.nodes[i]) if self._tail else None
         key = self._policy.key(self.topo.nodes[i], ns.payload, estimate)
         engine_slots = self._engine_slots
 
         def granted_by_engine() -> None:
             self._tickets.pop(i, None)
-            self._start(i)
+            self.start_attempt(i)
 
         def granted_by_run() -> None:
             if engine_slots is None:
@@ -223,7 +223,8 @@ class RunLoop:
         if self._run_slots is not None:
             self._run_slots.release()
 
-    def _start(self, i: int, *, hedge: bool = False) -> None:
+    def start_attempt(self, i: int, *, hedge: bool = False) -> None:
+        """Start an attempt of node ``i`` now (admission already granted, or a hedge)."""
         ns = self.state.nodes[i]
         now = time.monotonic()
         if not hedge:
@@ -231,7 +232,7 @@ class RunLoop:
         attempt = Attempt(i, ns.visits, now, hedge)
         node = self.topo.nodes[i]
         coro = self._call(node, self._async[i], ns.payload, attempt)
-        task = self._loop.create_task(coro, name=node.id)
+        task = self.loop.create_task(coro, name=node.id)
         attempt.task = task
         self._in_flight[task] = attempt
         task.add_done_callback(self._on_done)
@@ -239,6 +240,12 @@ class RunLoop:
             self.emit(EventType.NODE_STARTED, i, ns.visits, ns.attempts, hedge=hedge)
         if self._tail is not None:
             self._tail.watch(self, attempt)
+
+    def poke(self) -> None:
+        """Wake the loop for an empty harvest, so buffered events are committed and published now."""
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
 
     def _on_done(self, task: asyncio.Task[Any]) -> None:
         attempt = self._in_flight.pop(task, None)
@@ -281,7 +288,7 @@ class RunLoop:
         if is_async:
             return await node.handler(payload)
         context = contextvars.copy_context()
-        result = await self._loop.run_in_executor(None, context.run, node.handler, payload)
+        result = await self.loop.run_in_executor(None, context.run, node.handler, payload)
         if asyncio.iscoroutine(result):
             result = await result
         return result
@@ -333,7 +340,7 @@ class RunLoop:
         except RunError as exc:  # a switch's bad route (E8); nothing was changed
             return exc
         if self._tail is not None:
-            self._tail.observe(i, ns.payload, now - attempt.started)
+            self._tail.observe(self.topo.nodes[i], ns.payload, now - attempt.started)
         self.emit(
             EventType.NODE_COMPLETED,
             i,
@@ -428,7 +435,14 @@ class RunLoop:
             stragglers=self.stragglers,
             hedges=self.hedges,
             duration=time.monotonic() - self.started_at,
+            output=self._output(),
         )
+
+    def _output(self) -> Any:
+        done = [i for i in self.topo.sinks if self.state.nodes[i].has_result]
+        if len(done) == 1:
+            return self.state.nodes[done[0]].result
+        return {self.topo.ids[i]: self.state.nodes[i].result for i in done} or None
 
 
 def _describe(exc: BaseException) -> str:

@@ -101,7 +101,9 @@ class NodeState:
     def move(self, to: NodeStatus, node_id: str) -> None:
         """Change status, refusing moves ``NODE_TRANSITIONS`` does not allow."""
         if to not in NODE_TRANSITIONS[self.status]:
-            raise IllegalTransition(f"node {node_id!r}: illegal status change {self.status} -> {to}")
+            raise IllegalTransition(
+                f"node {node_id!r}: illegal status change {self.status} -> {to}"
+            )
         self.status = to
 
 

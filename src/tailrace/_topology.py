@@ -92,6 +92,7 @@ class Topology:
     required: tuple[int, ...]
     max_visits: tuple[int | None, ...]
     entries: tuple[int, ...]
+    sinks: tuple[int, ...]
     fingerprint: str
 
     @classmethod
@@ -141,6 +142,7 @@ class Topology:
             required=required,
             max_visits=max_visits,
             entries=entries,
+            sinks=tuple(i for i in range(n) if not out[i]),
             fingerprint=_fingerprint(graph),
         )
 
@@ -191,7 +193,7 @@ def _entries(
             if scc[s] != scc[t]:
                 fed.add(scc[t])
     fed.update(scc[i] for i in entries)
-    for i, node_id in enumerate(ids):
+    for i in range(len(ids)):
         if scc[i] not in fed:
             members = [ids[j] for j in range(len(ids)) if scc[j] == scc[i]]
             raise GraphError(f"loop {members!r} has no entry node and no edge into it")

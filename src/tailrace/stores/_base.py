@@ -32,7 +32,13 @@ class RunStatus(enum.StrEnum):
 
 RUN_TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
     RunStatus.RUNNING: frozenset(
-        {RunStatus.RUNNING, RunStatus.SUSPENDED, RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED}
+        {
+            RunStatus.RUNNING,
+            RunStatus.SUSPENDED,
+            RunStatus.COMPLETED,
+            RunStatus.FAILED,
+            RunStatus.CANCELLED,
+        }
     ),
     RunStatus.SUSPENDED: frozenset({RunStatus.RUNNING, RunStatus.FAILED, RunStatus.CANCELLED}),
     RunStatus.COMPLETED: frozenset(),
@@ -149,6 +155,11 @@ class RunStore(abc.ABC):
     fencing token that increases on every change of owner; ``commit`` and
     ``heartbeat`` with a stale token raise :class:`~tailrace.LeaseLost`.
     """
+
+    #: True when commits are applied in the order their coroutines first run
+    #: (a single writer queue); the engine then pipelines a run's commits
+    #: without waiting for each (D2 still holds). False: it chains them.
+    ordered_commits: bool = False
 
     async def __aenter__(self) -> RunStore:
         await self.open()

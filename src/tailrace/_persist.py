@@ -1,0 +1,371 @@
+"""Persistence of one run: encoding deltas, pipelined fenced commits, leases, restore.
+
+The engine side of the store seam (D1-D6). Each harvest becomes one
+:class:`~tailrace.stores.Harvest`. Commits are *pipelined*: the run loop goes
+on while the store writes, but every harvest of a run is handed to the store
+in order, so a node's completion is never committed after one that depends on
+it (D2); ``flush`` waits for all of them before the run returns. A handler may
+therefore start before its upstream's completion is durable; after a crash
+both are simply re-run, and no completion that was committed ever runs again
+(D1, D3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from ._codec import DEFAULT_CODEC, Codec
+from ._errors import CorruptRecord, EncodeError, GraphError, LeaseLost, UnsupportedFormat
+from ._graph import Graph, resolve_reference
+from ._state import LateInput, NodeState, NodeStatus, RunState
+from .stores._base import (
+    FORMAT_VERSION,
+    EventRow,
+    FrozenInput,
+    Harvest,
+    NewRun,
+    NodeRow,
+    ResultRow,
+    RunRecord,
+    RunStatus,
+    RunStore,
+    StoredRun,
+)
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+    from ._events import Event
+    from ._runloop import RunLoop
+    from ._topology import Topology
+
+#: How many commits of one run may be in flight before the loop waits.
+MAX_PIPELINED = 64
+
+
+class Persister:
+    """Writes one run's harvests to the store under its lease."""
+
+    def __init__(self, engine: Engine, run_id: str, topo: Topology, record: RunRecord) -> None:
+        assert engine.store is not None
+        self.store: RunStore = engine.store
+        self.codec: Codec = engine.codec or DEFAULT_CODEC
+        self.engine = engine
+        self.run_id = run_id
+        self.topo = topo
+        self.record = record
+        self.token = 0
+        self._results: list[ResultRow] = []
+        self._encoded: dict[int, str] = {}
+        self._inflight: deque[asyncio.Task[None]] = deque()
+        self._ordered = bool(getattr(self.store, "ordered_commits", False))
+        self._lost: LeaseLost | None = None
+
+    # -- creation -----------------------------------------------------------
+
+    @classmethod
+    async def create(
+        cls,
+        engine: Engine,
+        run_id: str,
+        graph: Graph,
+        topo: Topology,
+        input: Any,
+        graph_ref: str | None,
+    ) -> Persister:
+        """Store a new run (its input encoded, D5) and return its persister."""
+        assert engine.store is not None
+        codec = engine.codec or DEFAULT_CODEC
+        try:
+            input_json = codec.encode(input)
+        except (TypeError, ValueError) as exc:
+            raise EncodeError(f"run {run_id!r}: input is not encodable: {exc}") from exc
+        now = time.time()
+        new = NewRun(
+            run_id=run_id,
+            graph_name=graph.name,
+            graph_ref=graph_ref,
+            fingerprint=topo.fingerprint,
+            input_json=input_json,
+            created_at=now,
+        )
+        await engine.store.create_run(new)
+        record = await engine.store.get_run(run_id)
+        return cls(engine, run_id, topo, record)
+
+    @staticmethod
+    def find_graph(record: RunRecord) -> Graph:
+        """Import the graph a run recorded (``module:attribute``)."""
+        if not record.graph_ref:
+            raise GraphError(
+                f"run {record.run_id!r} recorded no graph reference; pass the graph to resume()"
+            )
+        try:
+            graph = resolve_reference(record.graph_ref)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise GraphError(
+                f"run {record.run_id!r}: cannot import its graph {record.graph_ref!r}: {exc}"
+            ) from exc
+        if not isinstance(graph, Graph):
+            raise GraphError(f"run {record.run_id!r}: {record.graph_ref!r} is not a Graph")
+        return graph
+
+    # -- lease ----------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def leased(self) -> AsyncIterator[None]:
+        """Hold the run's lease (D6) with a heartbeat; flush commits and release on exit."""
+        engine = self.engine
+        self.token = await self.store.acquire_lease(self.run_id, engine.owner, engine.lease_ttl)
+        main = asyncio.current_task()
+        assert main is not None
+        beat = asyncio.create_task(self._heartbeat(main), name=f"lease:{self.run_id}")
+        try:
+            yield
+            await self.flush()
+        except asyncio.CancelledError:
+            if self._lost is not None and main.uncancel() == 0:
+                raise self._lost from None
+            raise
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+            await self._drain_quietly()
+            if self._lost is None:
+                await self.store.release_lease(self.run_id, engine.owner, self.token)
+
+    async def _heartbeat(self, main: asyncio.Task[Any]) -> None:
+        interval = self.engine.lease_ttl / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.store.heartbeat(
+                    self.run_id, self.engine.owner, self.token, self.engine.lease_ttl
+                )
+            except LeaseLost as exc:
+                self._lost = exc
+                main.cancel()
+                return
+
+    # -- per harvest ----------------------------------------------------------
+
+    def check_encodable(self, node_id: str, result: Any) -> None:
+        """Encode ``result`` now so a bad one fails its node before any commit (D5)."""
+        try:
+            text = self.codec.encode(result)
+        except (TypeError, ValueError) as exc:
+            raise EncodeError(
+                f"run {self.run_id!r}: result of node {node_id!r} cannot be encoded: {exc}"
+            ) from exc
+        self._encoded[self.topo.index[node_id]] = text
+
+    def result_completed(self, i: int, visit: int, result: Any) -> None:
+        """Queue the result row of node ``i``'s ``visit`` for the next commit."""
+        text = self._encoded.pop(i, None)
+        if text is None:
+            text = self.codec.encode(result)
+        self._results.append(ResultRow(node_id=self.topo.ids[i], visit=visit, value_json=text))
+
+    async def commit(
+        self, loop: RunLoop, events: list[Event], status: str, error: str | None
+    ) -> None:
+        """Commit one harvest with its ``events``; a terminal ``status`` waits for durability."""
+        if self._lost is not None:
+            raise self._lost
+        harvest = self._harvest(loop, events, RunStatus(status), error)
+        self._check_inflight()
+        previous = self._inflight[-1] if self._inflight and not self._ordered else None
+        task = asyncio.ensure_future(self._write(previous, harvest))
+        self._inflight.append(task)
+        if status != "running" or len(self._inflight) > MAX_PIPELINED:
+            await self.flush()
+
+    async def _write(self, previous: asyncio.Task[None] | None, harvest: Harvest) -> None:
+        if previous is not None:
+            await asyncio.shield(previous)
+        await self.store.commit(self.run_id, self.token, harvest)
+
+    def _check_inflight(self) -> None:
+        while self._inflight and self._inflight[0].done():
+            task = self._inflight.popleft()
+            exc = task.exception()
+            if exc is not None:
+                raise exc
+
+    async def flush(self) -> None:
+        """Wait for every pipelined commit; raise the first failure."""
+        while self._inflight:
+            task = self._inflight.popleft()
+            await task
+
+    async def _drain_quietly(self) -> None:
+        tasks, self._inflight = list(self._inflight), deque()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _harvest(
+        self, loop: RunLoop, events: list[Event], status: RunStatus, error: str | None
+    ) -> Harvest:
+        state = loop.state
+        nodes = [self._node_row(i, state.nodes[i]) for i in state.take_dirty()]
+        frozen = [
+            FrozenInput(
+                node_id=self.topo.ids[t],
+                activation=activation,
+                payload_json=self._encode(payload, t, "first-k payload"),
+            )
+            for t, activation, payload in state.frozen
+        ]
+        state.frozen.clear()
+        results, self._results = self._results, []
+        rows = [
+            EventRow(
+                seq=e.seq,
+                type=e.type.value,
+                node_id=e.node_id,
+                visit=e.visit,
+                attempt=e.attempt,
+                ts=e.ts,
+                data_json=self.codec.encode(e.data) if e.data else "{}",
+            )
+            for e in events
+        ]
+        terminal = status is not RunStatus.RUNNING
+        return Harvest(
+            state_json=self.codec.encode(
+                {
+                    "v": FORMAT_VERSION,
+                    "seq": state.seq,
+                    "events": loop.event_seq,
+                    "edge_gen": [
+                        [self.topo.ids[s], self.topo.ids[t], g]
+                        for (s, t), g in state.edge_gen.items()
+                    ],
+                }
+            ),
+            status=status,
+            error=error,
+            nodes=nodes,
+            results=results,
+            frozen=frozen,
+            events=rows,
+            nodes_done_delta=len(results),
+            finished_at=time.time() if terminal and status is not RunStatus.SUSPENDED else None,
+        )
+
+    def _encode(self, value: Any, i: int, what: str) -> str:
+        try:
+            return self.codec.encode(value)
+        except (TypeError, ValueError) as exc:
+            raise EncodeError(
+                f"run {self.run_id!r}: {what} of node {self.topo.ids[i]!r} cannot be encoded: {exc}"
+            ) from exc
+
+    def _node_row(self, i: int, ns: NodeState) -> NodeRow:
+        ids = self.topo.ids
+        data = {
+            "v": FORMAT_VERSION,
+            "fired": ns.fired,
+            "visits": ns.visits,
+            "attempts": ns.attempts,
+            "payload": ns.payload,
+            "result": ns.result,
+            "has_result": ns.has_result,
+            "frontier": _pairs(ns.frontier, ids),
+            "inputs": (
+                None
+                if ns.inputs is None
+                else [
+                    [ids[s], seq, value, _pairs(f, ids)] for s, (seq, value, f) in ns.inputs.items()
+                ]
+            ),
+            "pending": (
+                None if ns.pending is None else [ns.pending[0], _pairs(ns.pending[1], ids)]
+            ),
+        }
+        return NodeRow(
+            node_id=ids[i],
+            status=ns.status.value,
+            visits=ns.visits,
+            data_json=self._encode(data, i, "state"),
+        )
+
+    # -- restore ----------------------------------------------------------------
+
+    def restore(self, stored: StoredRun, late: list[LateInput]) -> tuple[RunState, int]:
+        """Rebuild the run state from its rows; running nodes go back to ready (D3)."""
+        run = stored.run
+        if run.format_version > FORMAT_VERSION:
+            raise UnsupportedFormat(
+                f"run {self.run_id!r} has format version {run.format_version}; "
+                f"this tailrace reads up to {FORMAT_VERSION}"
+            )
+        meta = self._decode(run.state_json, "run state")
+        state = RunState(self.topo)
+        state.seq = int(meta.get("seq", 0))
+        index = self.topo.index
+        state.edge_gen = {(index[s], index[t]): int(g) for s, t, g in meta.get("edge_gen", [])}
+        state.late.extend(late)
+        for node_id, row in stored.nodes.items():
+            i = self.topo.index.get(node_id)
+            if i is None:
+                raise CorruptRecord(
+                    f"run {self.run_id!r}: stored node {node_id!r} is not in the graph"
+                )
+            self._restore_node(state, i, row)
+        state.dirty.clear()
+        if not stored.nodes:
+            state.activate_entries(self._decode(run.input_json, "input"))
+        return state, int(meta.get("events", 0))
+
+    def _restore_node(self, state: RunState, i: int, row: NodeRow) -> None:
+        data = self._decode(row.data_json, f"node {row.node_id!r}")
+        if not isinstance(data, dict) or data.get("v", 0) > FORMAT_VERSION:
+            raise UnsupportedFormat(
+                f"run {self.run_id!r}: node {row.node_id!r} has an unsupported format"
+            )
+        index = self.topo.index
+        ns = state.nodes[i]
+        try:
+            ns.status = NodeStatus(row.status)
+            ns.fired = int(data["fired"])
+            ns.visits = int(data["visits"])
+            ns.attempts = int(data["attempts"])
+            ns.payload = data["payload"]
+            ns.result = data["result"]
+            ns.has_result = bool(data["has_result"])
+            ns.frontier = _unpairs(data["frontier"], index)
+            if data["inputs"] is not None:
+                ns.inputs = {
+                    index[s]: (int(seq), value, _unpairs(f, index))
+                    for s, seq, value, f in data["inputs"]
+                }
+            if data["pending"] is not None:
+                ns.pending = (data["pending"][0], _unpairs(data["pending"][1], index))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptRecord(
+                f"run {self.run_id!r}: node {row.node_id!r} row does not decode: {exc!r}"
+            ) from exc
+        if ns.status in (NodeStatus.RUNNING, NodeStatus.QUEUED):
+            ns.status = NodeStatus.QUEUED  # D3: it was running; run that visit again
+            ns.attempts = 0
+            state.ready.append(i)
+
+    def _decode(self, text: str, what: str) -> Any:
+        try:
+            return self.codec.decode(text)
+        except ValueError as exc:
+            raise CorruptRecord(f"run {self.run_id!r}: {what} does not decode: {exc}") from exc
+
+
+def _pairs(frontier: dict[int, int] | None, ids: tuple[str, ...]) -> list[list[Any]] | None:
+    return None if frontier is None else [[ids[k], v] for k, v in sorted(frontier.items())]
+
+
+def _unpairs(pairs: list[list[Any]] | None, index: dict[str, int]) -> dict[int, int] | None:
+    return None if pairs is None else {index[k]: int(v) for k, v in pairs}

@@ -1,0 +1,77 @@
+"""Terminal renderings: the per-node summary table and a Gantt-style timeline."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rich.table import Table
+from rich.text import Text
+
+from .._runloop import RunResult
+from ..stores import EventRow
+
+_ENDS = {"node_completed": "green", "node_failed": "red", "node_cancelled": "yellow"}
+
+
+@dataclass(frozen=True, slots=True)
+class Bar:
+    """One node attempt on the timeline."""
+
+    label: str
+    start: float
+    end: float
+    style: str
+
+
+def node_table(result: RunResult) -> Table:
+    """Status, visits, attempts and time spent per node."""
+    table = Table("node", "status", "visits", "attempts", "duration")
+    for node_id, report in result.nodes.items():
+        table.add_row(
+            node_id,
+            report.status,
+            str(report.visits),
+            str(report.attempts),
+            f"{report.duration * 1000:.1f} ms",
+        )
+    return table
+
+
+def attempt_bars(events: Sequence[EventRow]) -> list[Bar]:
+    """Pair each NODE_STARTED with the event that ended that attempt."""
+    open_at: dict[tuple[str, int | None], float] = {}
+    bars: list[Bar] = []
+    last = max((e.ts for e in events), default=0.0)
+    for e in events:
+        if e.node_id is None:
+            continue
+        key = (e.node_id, e.visit)
+        if e.type == "node_started":
+            open_at[key] = e.ts
+        elif e.type in _ENDS and key in open_at:
+            label = f"{e.node_id}#{e.visit}"
+            bars.append(Bar(label, open_at.pop(key), e.ts, _ENDS[e.type]))
+    for (node_id, visit), start in open_at.items():
+        bars.append(Bar(f"{node_id}#{visit}", start, last, "blue"))
+    return sorted(bars, key=lambda b: (b.start, b.label))
+
+
+def timeline(events: Sequence[EventRow], *, width: int = 60) -> Text:
+    """A bar per node attempt, scaled to ``width`` columns; colour says how it ended."""
+    bars = attempt_bars(events)
+    if not bars:
+        return Text("(no node attempts recorded)")
+    t0 = min(b.start for b in bars)
+    span = max(max(b.end for b in bars) - t0, 1e-9)
+    label_width = min(max(len(b.label) for b in bars), 24)
+    out = Text()
+    for bar in bars:
+        left = int((bar.start - t0) / span * width)
+        length = max(1, int((bar.end - bar.start) / span * width))
+        out.append(f"{bar.label[:label_width]:<{label_width}} ")
+        out.append(" " * left)
+        out.append("█" * length, style=bar.style)
+        out.append(f" {(bar.end - bar.start) * 1000:.1f} ms\n")
+    out.append(f"{'':<{label_width}} 0{'':>{max(width - 8, 1)}}{span:.3f}s")
+    return out

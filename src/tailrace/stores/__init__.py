@@ -1,0 +1,92 @@
+"""Run stores: one contract (:class:`RunStore`), three backends.
+
+- :class:`MemoryStore`: in process memory; for tests and throwaway runs.
+- :class:`SQLiteStore`: the embedded default; one file, WAL, group commit.
+- :class:`PostgresStore`: many processes and hosts; needs
+  ``pip install 'tailrace[postgres]'`` and is imported only when first used.
+
+:func:`open_store` picks one from a URL or path:
+
+>>> type(open_store(":memory:")).__name__
+'MemoryStore'
+>>> type(open_store("runs.db")).__name__
+'SQLiteStore'
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from ._base import FORMAT_VERSION as FORMAT_VERSION
+from ._base import TERMINAL_STATUSES as TERMINAL_STATUSES
+from ._base import EventRow as EventRow
+from ._base import FrozenInput as FrozenInput
+from ._base import Harvest as Harvest
+from ._base import NewRun as NewRun
+from ._base import NodeRow as NodeRow
+from ._base import ResultRow as ResultRow
+from ._base import RunRecord as RunRecord
+from ._base import RunStatus as RunStatus
+from ._base import RunStore as RunStore
+from ._base import StoredRun as StoredRun
+from ._memory import MemoryStore as MemoryStore
+from ._sqlite import SQLiteStore as SQLiteStore
+
+if TYPE_CHECKING:
+    from ._postgres import PostgresStore as PostgresStore
+
+__all__ = [
+    "FORMAT_VERSION",
+    "TERMINAL_STATUSES",
+    "EventRow",
+    "FrozenInput",
+    "Harvest",
+    "MemoryStore",
+    "NewRun",
+    "NodeRow",
+    "PostgresStore",
+    "ResultRow",
+    "RunRecord",
+    "RunStatus",
+    "RunStore",
+    "SQLiteStore",
+    "StoredRun",
+    "open_store",
+]
+
+_POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+_MEMORY_NAMES = (":memory:", "memory:")
+
+
+def _import_postgres_store() -> type[PostgresStore]:
+    try:
+        from ._postgres import PostgresStore
+    except ImportError as exc:
+        raise ImportError(
+            "PostgresStore needs psycopg 3 and psycopg-pool: pip install 'tailrace[postgres]'"
+        ) from exc
+    return PostgresStore
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PostgresStore":  # lazy, so a missing psycopg only matters to its users
+        return _import_postgres_store()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def open_store(url_or_path: str | os.PathLike[str]) -> RunStore:
+    """Return an unopened store for ``url_or_path``; use it as ``async with store:``.
+
+    Args:
+        url_or_path: ``postgresql://...`` or ``postgres://...`` for
+            :class:`PostgresStore`; ``:memory:`` or ``memory:`` for
+            :class:`MemoryStore`; anything else is a file path for
+            :class:`SQLiteStore`.
+    """
+    target = os.fspath(url_or_path)
+    if target.startswith(_POSTGRES_SCHEMES):
+        return _import_postgres_store()(target)
+    if target in _MEMORY_NAMES:
+        return MemoryStore()
+    return SQLiteStore(target)
