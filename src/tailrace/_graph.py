@@ -11,9 +11,9 @@
 from __future__ import annotations
 
 import enum
-import itertools
 import importlib
 import inspect
+import itertools
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field

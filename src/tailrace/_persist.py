@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -43,8 +42,8 @@ if TYPE_CHECKING:
     from ._runloop import RunLoop
     from ._topology import Topology
 
-#: How many commits of one run may be in flight before the loop waits.
-MAX_PIPELINED = 64
+#: How many harvests of one run may wait for the store before the loop waits too.
+MAX_QUEUED = 256
 
 
 class Persister:
@@ -61,8 +60,8 @@ class Persister:
         self.token = 0
         self._results: list[ResultRow] = []
         self._encoded: dict[int, str] = {}
-        self._inflight: deque[asyncio.Task[None]] = deque()
-        self._ordered = bool(getattr(self.store, "ordered_commits", False))
+        self._queued: list[Harvest] = []
+        self._writer: asyncio.Future[None] | None = None
         self._lost: LeaseLost | None = None
 
     # -- creation -----------------------------------------------------------
@@ -174,39 +173,48 @@ class Persister:
     async def commit(
         self, loop: RunLoop, events: list[Event], status: str, error: str | None
     ) -> None:
-        """Commit one harvest with its ``events``; a terminal ``status`` waits for durability."""
-        if self._lost is not None:
-            raise self._lost
-        harvest = self._harvest(loop, events, RunStatus(status), error)
-        self._check_inflight()
-        previous = self._inflight[-1] if self._inflight and not self._ordered else None
-        task = asyncio.ensure_future(self._write(previous, harvest))
-        self._inflight.append(task)
-        if status != "running" or len(self._inflight) > MAX_PIPELINED:
+        """Commit one harvest with its ``events``; a terminal ``status`` waits for durability.
+
+        One write per run is in flight at a time; harvests produced meanwhile
+        are merged, in order, into the next write (run-level group commit).
+        """
+        self._raise_failure()
+        self._queued.append(self._harvest(loop, events, RunStatus(status), error))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.ensure_future(self._drain())
+        if status != "running" or len(self._queued) > MAX_QUEUED:
             await self.flush()
 
-    async def _write(self, previous: asyncio.Task[None] | None, harvest: Harvest) -> None:
-        if previous is not None:
-            await asyncio.shield(previous)
-        await self.store.commit(self.run_id, self.token, harvest)
+    async def _drain(self) -> None:
+        while self._queued:
+            batch, self._queued = self._queued, []
+            await self.store.commit(self.run_id, self.token, merge_harvests(batch))
 
-    def _check_inflight(self) -> None:
-        while self._inflight and self._inflight[0].done():
-            task = self._inflight.popleft()
-            exc = task.exception()
+    def _raise_failure(self) -> None:
+        if self._lost is not None:
+            raise self._lost
+        writer = self._writer
+        if writer is not None and writer.done() and not writer.cancelled():
+            exc = writer.exception()
             if exc is not None:
                 raise exc
 
     async def flush(self) -> None:
-        """Wait for every pipelined commit; raise the first failure."""
-        while self._inflight:
-            task = self._inflight.popleft()
-            await task
+        """Wait until every harvest so far is committed; raise the first failure."""
+        while self._writer is not None:
+            writer = self._writer
+            await writer
+            if self._writer is writer:
+                if not self._queued:
+                    self._writer = None
+                else:
+                    self._writer = asyncio.ensure_future(self._drain())
 
     async def _drain_quietly(self) -> None:
-        tasks, self._inflight = list(self._inflight), deque()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        writer, self._writer = self._writer, None
+        self._queued = []
+        if writer is not None:
+            await asyncio.gather(writer, return_exceptions=True)
 
     def _harvest(
         self, loop: RunLoop, events: list[Event], status: RunStatus, error: str | None
@@ -369,3 +377,39 @@ def _pairs(frontier: dict[int, int] | None, ids: tuple[str, ...]) -> list[list[A
 
 def _unpairs(pairs: list[list[Any]] | None, index: dict[str, int]) -> dict[int, int] | None:
     return None if pairs is None else {index[k]: int(v) for k, v in pairs}
+
+
+def merge_harvests(batch: list[Harvest]) -> Harvest:
+    """Fold consecutive harvests of one run into one, keeping their order (D2).
+
+    The latest row of each node wins; results, first-k decisions and events
+    are concatenated; the run's state and status are the last harvest's.
+    """
+    if len(batch) == 1:
+        return batch[0]
+    nodes: dict[str, NodeRow] = {}
+    results: list[ResultRow] = []
+    frozen: list[FrozenInput] = []
+    events: list[EventRow] = []
+    done = 0
+    finished_at = None
+    for h in batch:
+        for row in h.nodes:
+            nodes[row.node_id] = row
+        results.extend(h.results)
+        frozen.extend(h.frozen)
+        events.extend(h.events)
+        done += h.nodes_done_delta
+        finished_at = h.finished_at or finished_at
+    last = batch[-1]
+    return Harvest(
+        state_json=last.state_json,
+        status=last.status,
+        error=last.error,
+        nodes=list(nodes.values()),
+        results=results,
+        frozen=frozen,
+        events=events,
+        nodes_done_delta=done,
+        finished_at=finished_at,
+    )

@@ -32,6 +32,15 @@ console = Console()
 
 DEFAULT_DB = "tailrace.db"
 
+LeaseTtlOption = Annotated[
+    float,
+    typer.Option(
+        "--lease-ttl",
+        envvar="TAILRACE_LEASE_TTL",
+        help="Seconds a crashed run stays leased before another process may resume it.",
+    ),
+]
+
 DbOption = Annotated[
     str | None,
     typer.Option(
@@ -94,6 +103,7 @@ def run(
     run_id: Annotated[str | None, typer.Option(help="Name the run (default: random).")] = None,
     memory: Annotated[bool, typer.Option("--memory", help="Keep nothing: run in memory.")] = False,
     capacity: Annotated[int | None, typer.Option(help="Bound on handlers in flight.")] = None,
+    lease_ttl: LeaseTtlOption = 30.0,
 ) -> None:
     """Run a graph durably and print a per-node summary and its output."""
     loaded, ref = load_graph(graph)
@@ -106,7 +116,7 @@ def run(
     else:
         result = _with_store(
             db,
-            lambda store: Engine(store=store, capacity=capacity).run(
+            lambda store: Engine(store=store, capacity=capacity, lease_ttl=lease_ttl).run(
                 loaded, payload, run_id=run_id, graph_ref=ref
             ),
         )
@@ -118,9 +128,12 @@ def resume(
     run_id: Annotated[str, typer.Argument(help="The run to resume.")],
     db: DbOption = None,
     force: Annotated[bool, typer.Option(help="Resume even if the graph changed shape.")] = False,
+    lease_ttl: LeaseTtlOption = 30.0,
 ) -> None:
     """Resume a run where it stopped: running nodes re-run, completed ones are reused."""
-    result = _with_store(db, lambda store: Engine(store=store).resume(run_id, force=force))
+    result = _with_store(
+        db, lambda store: Engine(store=store, lease_ttl=lease_ttl).resume(run_id, force=force)
+    )
     _print_result(result)
 
 

@@ -156,11 +156,6 @@ class RunStore(abc.ABC):
     ``heartbeat`` with a stale token raise :class:`~tailrace.LeaseLost`.
     """
 
-    #: True when commits are applied in the order their coroutines first run
-    #: (a single writer queue); the engine then pipelines a run's commits
-    #: without waiting for each (D2 still holds). False: it chains them.
-    ordered_commits: bool = False
-
     async def __aenter__(self) -> RunStore:
         await self.open()
         return self

@@ -181,8 +181,6 @@ class MemoryStore(RunStore):
     event loops alike.
     """
 
-    ordered_commits = True  # one writer queue, FIFO
-
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._lock = threading.Lock()

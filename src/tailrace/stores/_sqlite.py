@@ -158,6 +158,44 @@ def harvest_rows(run_id: str, harvest: Harvest) -> Iterator[tuple[str, tuple[obj
         yield INSERT_EVENT, values, f"run {run_id!r}: event seq {e.seq}"
 
 
+def append_only_rows(run_id: str, harvest: Harvest) -> list[tuple[str, list[tuple[object, ...]]]]:
+    """Append-only rows of ``harvest`` grouped by statement, for ``executemany``."""
+    groups: list[tuple[str, list[tuple[object, ...]]]] = []
+    if harvest.results:
+        groups.append(
+            (INSERT_RESULT, [(run_id, r.node_id, r.visit, r.value_json) for r in harvest.results])
+        )
+    if harvest.frozen:
+        groups.append(
+            (
+                INSERT_FROZEN,
+                [(run_id, f.node_id, f.activation, f.payload_json) for f in harvest.frozen],
+            )
+        )
+    if harvest.events:
+        groups.append(
+            (
+                INSERT_EVENT,
+                [
+                    (run_id, e.seq, e.type, e.node_id, e.visit, e.attempt, e.ts, e.data_json)
+                    for e in harvest.events
+                ],
+            )
+        )
+    return groups
+
+
+def first_duplicate(conn: sqlite3.Connection, run_id: str, harvest: Harvest) -> str:
+    """Describe the first row of ``harvest`` that is already stored (the slow path of an error)."""
+    conn.execute("ROLLBACK TO tailrace_write")  # forget this harvest's partial inserts
+    for sql, values, what in harvest_rows(run_id, harvest):
+        try:
+            conn.execute(sql, values)
+        except sqlite3.IntegrityError:
+            return what
+    return f"run {run_id!r}: a row of this harvest"
+
+
 def node_params(run_id: str, harvest: Harvest) -> list[tuple[object, ...]]:
     """Values for :data:`UPSERT_NODE`, one tuple per node row of ``harvest`` in run ``run_id``."""
     return [(run_id, n.node_id, n.status, n.visits, n.data_json) for n in harvest.nodes]
@@ -441,8 +479,6 @@ class SQLiteStore(RunStore):
         clock: wall clock for lease expiry, seconds since the epoch.
     """
 
-    ordered_commits = True  # one writer queue, FIFO
-
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -559,11 +595,12 @@ class SQLiteStore(RunStore):
             lease_token=lease_token, token=token, new=harvest.status,
         )  # fmt: skip
         conn.executemany(UPSERT_NODE, node_params(run_id, harvest))
-        for sql, values, what in harvest_rows(run_id, harvest):
-            try:
-                conn.execute(sql, values)
-            except sqlite3.IntegrityError as exc:  # nothing committed is rewritten (D1)
-                raise StoreError(f"{what} already committed; nothing of it was written") from exc
+        try:
+            for sql, rows in append_only_rows(run_id, harvest):
+                conn.executemany(sql, rows)
+        except sqlite3.IntegrityError as exc:  # nothing committed is rewritten (D1)
+            what = first_duplicate(conn, run_id, harvest)
+            raise StoreError(f"{what} already committed; nothing of it was written") from exc
         conn.execute(UPDATE_RUN, run_update_params(run_id, harvest, self._clock()))
 
     async def load_run(self, run_id: str) -> StoredRun:
