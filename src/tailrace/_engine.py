@@ -61,6 +61,8 @@ class Engine:
     ) -> None:
         if run_capacity is not None and run_capacity < 1:
             raise ValueError(f"run_capacity must be >= 1 or None, got {run_capacity}")
+        if not 0 < lease_ttl < float("inf"):
+            raise ValueError(f"lease_ttl must be a positive number of seconds, got {lease_ttl}")
         if straggler_factor <= 1.0:
             raise ValueError(f"straggler_factor must be > 1, got {straggler_factor}")
         self.policy = resolve_policy(admission)
@@ -111,7 +113,7 @@ class Engine:
     async def resume(
         self, run_id: str, graph: Graph | None = None, *, force: bool = False
     ) -> RunResult:
-        """Resume a durable run where it stopped (D3).
+        """Resume the durable run ``run_id`` where it stopped (D3).
 
         Nodes that were running are re-run; completed results and first-k
         decisions are reused. ``graph`` defaults to the one the run recorded
@@ -123,6 +125,8 @@ class Engine:
 
         store = self._require_store("resume")
         stored = await store.load_run(run_id)
+        if stored.run.status in ("completed", "failed", "cancelled"):
+            raise NotResumable(f"run {run_id!r} is {stored.run.status}; nothing to resume")
         graph = graph or Persister.find_graph(stored.run)
         topo = graph.compile()
         if topo.fingerprint != stored.run.fingerprint and not force:
@@ -130,8 +134,6 @@ class Engine:
                 f"run {run_id!r} started with graph fingerprint {stored.run.fingerprint}, "
                 f"but {graph.name!r} now has {topo.fingerprint}; pass force=True to resume anyway"
             )
-        if stored.run.status in ("completed", "failed", "cancelled"):
-            raise NotResumable(f"run {run_id!r} is {stored.run.status}; nothing to resume")
         persister = Persister(self, run_id, topo, stored.run)
         async with persister.leased():
             stored = await store.load_run(run_id)  # re-read under the lease
@@ -195,12 +197,14 @@ def _guess_ref(graph: Graph) -> str | None:
     """``module:name`` of the graph, looked up in the modules that define its handlers."""
     import sys
 
+    seen: set[str] = set()
     for node in graph.nodes.values():
-        module_name = getattr(node.handler, "__module__", None)
-        module = sys.modules.get(module_name or "")
-        if module is None or module_name == "__main__":
+        module_name = getattr(node.handler, "__module__", None) or ""
+        if module_name in seen or module_name == "__main__":
             continue
-        for attr, value in vars(module).items():
+        seen.add(module_name)
+        module = sys.modules.get(module_name)
+        for attr, value in vars(module).items() if module is not None else ():
             if value is graph:
                 return f"{module_name}:{attr}"
     return None

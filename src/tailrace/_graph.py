@@ -37,7 +37,6 @@ class NodeKind(enum.StrEnum):
     TASK = "task"
     SWITCH = "switch"
     AGGREGATE = "aggregate"
-    GATE = "gate"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,7 +76,7 @@ class RetryPolicy:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RetryPolicy:
-        """Inverse of :meth:`to_dict`."""
+        """Rebuild a policy from ``data``, the output of :meth:`to_dict`."""
         return cls(
             attempts=data["attempts"],
             backoff=data["backoff"],
@@ -103,8 +102,6 @@ class Node:
     cost: float | Callable[[Any], float] | None = None
     estimate_key: str | None = None
     hedge: bool = False
-    poller: str | None = None
-    deadline: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form; the handler is named by reference."""
@@ -127,8 +124,6 @@ class Node:
             ),
             "estimate_key": self.estimate_key,
             "hedge": self.hedge or None,
-            "poller": self.poller,
-            "deadline": self.deadline,
         }
         data.update({k: v for k, v in optional.items() if v is not None})
         return data
@@ -161,6 +156,7 @@ class Graph:
     nodes: dict[str, Node] = field(default_factory=dict)
     edges: list[Edge] = field(default_factory=list)
     _compiled: Any = field(default=None, repr=False, compare=False)
+    _pairs: set[tuple[str, str]] = field(default_factory=set, repr=False, compare=False)
 
     # -- building ---------------------------------------------------------
 
@@ -179,8 +175,6 @@ class Graph:
         cost: float | Callable[[Any], float] | None = None,
         estimate_key: str | None = None,
         hedge: bool = False,
-        poller: str | None = None,
-        deadline: float | None = None,
     ) -> Node:
         """Add a node and return it.
 
@@ -193,9 +187,7 @@ class Graph:
         ``retry`` and ``timeout`` (seconds per attempt) apply per attempt (E11);
         ``cost`` (a number or a function of the input) feeds duration estimates,
         keyed by ``estimate_key`` (default the node id); ``hedge`` races a backup
-        attempt when the first straggles (T3, idempotent handlers only);
-        ``poller`` names a machine gate's poller and ``deadline`` its timeout in
-        seconds (Q5).
+        attempt when the first straggles (T3, idempotent handlers only).
         """
         try:
             node_kind = NodeKind(kind)
@@ -215,8 +207,6 @@ class Graph:
             raise GraphError(f"node {name!r}: required= applies to aggregates only")
         if any_of and node_kind is NodeKind.AGGREGATE:
             raise GraphError(f"node {name!r}: an aggregate cannot be any_of")
-        if poller is not None and node_kind is not NodeKind.GATE:
-            raise GraphError(f"node {name!r}: poller= applies to gates only")
         node = Node(
             id=name,
             handler=handler,
@@ -230,8 +220,6 @@ class Graph:
             cost=cost,
             estimate_key=estimate_key,
             hedge=hedge,
-            poller=poller,
-            deadline=deadline,
         )
         self.nodes[name] = node
         self._compiled = None
@@ -242,7 +230,7 @@ class Graph:
         for end, label in ((source, "source"), (target, "target")):
             if end not in self.nodes:
                 raise GraphError(f"edge {source!r} -> {target!r}: unknown {label} node {end!r}")
-        if any(e.source == source and e.target == target for e in self.edges):
+        if (source, target) in self._pairs:
             raise GraphError(f"duplicate edge {source!r} -> {target!r}")
         src = self.nodes[source]
         if src.kind is NodeKind.SWITCH:
@@ -258,6 +246,7 @@ class Graph:
             )
         edge = Edge(source=source, target=target, route=route)
         self.edges.append(edge)
+        self._pairs.add((source, target))
         self._compiled = None
         return edge
 
@@ -281,10 +270,6 @@ class Graph:
     ) -> Callable[[F], F]:
         """Decorator: add a fan-in firing on its ``required``-th input (``name``/``options`` as in :meth:`task`)."""
         return self._decorator(NodeKind.AGGREGATE, {"name": name, "required": required, **options})
-
-    def gate(self, name: str | None = None, **options: Any) -> Callable[[F], F]:
-        """Decorator: add a gate; its handler builds the question (``name``/``options`` as in :meth:`task`)."""
-        return self._decorator(NodeKind.GATE, {"name": name, **options})
 
     def chain(self, *names: str) -> None:
         """Add edges ``names[0] -> names[1] -> ...``."""
@@ -374,8 +359,11 @@ def callable_reference(fn: Callable[..., Any], node_id: str = "?") -> str:
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None)
     if module is None or qualname is None:
-        qualname = type(fn).__qualname__
-        module = type(fn).__module__
+        # A callable object: its class's name would rebuild the class, not it.
+        raise GraphError(
+            f"node {node_id!r}: handler {fn!r} has no importable name; use a function, "
+            "or pass it to from_dict(handlers=...)"
+        )
     return f"{module}:{qualname}"
 
 

@@ -65,15 +65,38 @@ class RunResult:
 class Attempt:
     """One handler attempt in flight."""
 
-    __slots__ = ("hedge", "index", "started", "task", "timer", "visit")
+    __slots__ = (
+        "abandoned",
+        "hedge",
+        "index",
+        "started",
+        "straggled",
+        "task",
+        "timer",
+        "tries",
+        "visit",
+    )
 
     def __init__(self, index: int, visit: int, started: float, hedge: bool = False) -> None:
         self.index = index
         self.visit = visit
         self.started = started
         self.hedge = hedge
+        self.tries = 1
+        #: Set when the engine cancels it (a hedge loser): its end is not a failure.
+        self.abandoned = False
+        #: The straggler threshold (seconds) once this attempt crossed it (T3).
+        self.straggled: float | None = None
         self.task: asyncio.Task[Any] | None = None
         self.timer: asyncio.TimerHandle | None = None
+
+    def abandon(self) -> None:
+        """Cancel this attempt on purpose."""
+        self.abandoned = True
+        if self.task is not None:
+            self.task.cancel()
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 class RunLoop:
@@ -115,6 +138,9 @@ class RunLoop:
         self.started_at = time.monotonic()
         self.stragglers = 0
         self.hedges = 0
+        #: Live attempts per node while a hedge may race (kept by the tail hooks).
+        self.live: dict[int, list[Attempt]] = {}
+        self.closing = False
 
     # -- events ---------------------------------------------------------------
 
@@ -186,21 +212,27 @@ class RunLoop:
         if len(ready) > 1:
             ready.sort()  # E2: simultaneously ready nodes go in definition order
         self.state.ready = []
-        for i in ready:
-            self._admit(i)
-
-    def _admit(self, i: int) -> None:
         if self._engine_slots is None and self._run_slots is None:
-            self.start_attempt(i)
+            for i in ready:
+                self.start_attempt(i)
             return
-        ns = self.state.nodes[i]
-        estimate = self._tail.estimate(i, ns.payload, self.topo.nodes[i]) if self._tail else None
-        key = self._policy.key(self.topo.nodes[i], ns.payload, estimate)
+        keyed = sorted((self._admission_key(i), n, i) for n, i in enumerate(ready))
+        for key, _, i in keyed:  # the policy orders a ready batch too (E3, T2)
+            self._admit(i, key)
+
+    def _admission_key(self, i: int) -> tuple[float, ...]:
+        payload = self.state.nodes[i].payload
+        node = self.topo.nodes[i]
+        estimate = self._tail.estimate(i, payload, node) if self._tail else None
+        return self._policy.key(node, payload, estimate)
+
+    def _admit(self, i: int, key: tuple[float, ...]) -> None:
         engine_slots = self._engine_slots
 
         def granted_by_engine() -> None:
             self._tickets.pop(i, None)
             self.start_attempt(i)
+            self.poke()  # granted from another run's harvest: publish NODE_STARTED now (E3)
 
         def granted_by_run() -> None:
             if engine_slots is None:
@@ -282,6 +314,7 @@ class RunLoop:
                 )
                 await asyncio.sleep(retry.delay(tries))
                 tries += 1
+                attempt.tries = tries
                 self.state.nodes[attempt.index].attempts = tries
 
     async def _invoke(self, node: Node, is_async: bool, payload: Any) -> Any:
@@ -307,22 +340,24 @@ class RunLoop:
             assert task is not None
             if attempt.timer is not None:
                 attempt.timer.cancel()
-            if task.cancelled():
-                continue  # a hedge loser; its slot was released when it lost
+            if attempt.abandoned:
+                continue  # a hedge loser; the winner holds the node's slot
             if self._tail is not None and not self._tail.settle(self, attempt):
                 continue
-            self._release_slot()
             now = time.monotonic()
-            ns = state.nodes[i]
             self._durations[i] += now - attempt.started
-            exc = task.exception()
+            exc = _outcome_error(task)
             if exc is None:
                 exc = self._complete(i, task.result(), attempt, now)
             if exc is not None and failure is None:
                 failure = (i, exc)
             elif exc is not None:
                 state.fail(i)
-                self.emit(EventType.NODE_FAILED, i, ns.visits, ns.attempts, error=_describe(exc))
+                self.emit(
+                    EventType.NODE_FAILED, i, attempt.visit, attempt.tries, error=_describe(exc)
+                )
+            # Freed only now, so the event log never shows more than capacity in flight (E3).
+            self._release_slot()
         self._emit_late()
         return failure
 
@@ -340,12 +375,14 @@ class RunLoop:
         except RunError as exc:  # a switch's bad route (E8); nothing was changed
             return exc
         if self._tail is not None:
-            self._tail.observe(self.topo.nodes[i], ns.payload, now - attempt.started)
+            self._tail.observe(
+                self.topo.nodes[i], ns.payload, now - attempt.started, attempt.straggled
+            )
         self.emit(
             EventType.NODE_COMPLETED,
             i,
             attempt.visit,
-            ns.attempts,
+            attempt.tries,
             duration=now - attempt.started,
             hedge=attempt.hedge,
         )
@@ -353,7 +390,7 @@ class RunLoop:
             self._persister.result_completed(i, attempt.visit, result)
         for t, activation, _payload in state.frozen[frozen_before:]:
             sources = [self.topo.ids[s] for s in self.topo.in_sources[t]]
-            self.emit(EventType.AGGREGATE_FIRED, t, activation + 1, None, sources=sources)
+            self.emit(EventType.AGGREGATE_FIRED, t, activation, None, sources=sources)
         return None
 
     def _emit_late(self) -> None:
@@ -383,6 +420,8 @@ class RunLoop:
         raise exc
 
     async def _cancel_in_flight(self, *, record: bool) -> None:
+        if self._tail is not None:
+            self._tail.close(self)  # first: no hedge may start while we wind down
         tickets, self._tickets = self._tickets, {}
         for ticket in tickets.values():
             ticket.cancel()
@@ -392,8 +431,6 @@ class RunLoop:
             attempt.task.cancel()
         if attempts:
             await asyncio.gather(*(a.task for a in attempts if a.task), return_exceptions=True)
-        if self._tail is not None:
-            self._tail.close(self)
         self._in_flight.clear()
         holding = {a.index for a in attempts} | {a.index for a in self._done}
         for _ in holding:  # one slot per node visit, however many attempts raced
@@ -443,6 +480,16 @@ class RunLoop:
         if len(done) == 1:
             return self.state.nodes[done[0]].result
         return {self.topo.ids[i]: self.state.nodes[i].result for i in done} or None
+
+
+def _outcome_error(task: asyncio.Task[Any]) -> BaseException | None:
+    """The task's exception; a handler that raised CancelledError itself failed (E9)."""
+    if task.cancelled():
+        try:
+            task.result()
+        except asyncio.CancelledError as exc:
+            return exc
+    return task.exception()
 
 
 def _describe(exc: BaseException) -> str:

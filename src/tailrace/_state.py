@@ -60,7 +60,11 @@ class IllegalTransition(RuntimeError):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LateInput:
-    """An input that arrived for an activation that had already fired (E5), or past max_visits."""
+    """An input that arrived for an activation that had already fired (E5), or past max_visits.
+
+    ``activation`` is 1-based, like visits; ``reason`` is ``"fired"``,
+    ``"max_visits"`` or ``"duplicate"``.
+    """
 
     node_id: str
     source_id: str
@@ -239,7 +243,7 @@ class RunState:
         for _, _, f in winners:
             merged = _merge(merged, f)
         ns.inputs = None
-        self.frozen.append((t, ns.fired, payload))
+        self.frozen.append((t, ns.fired + 1, payload))  # 1-based, like visits
         self._fire(t, payload, merged)
 
     def _fire(self, t: int, payload: Any, frontier: dict[int, int] | None) -> None:
@@ -262,10 +266,10 @@ class RunState:
         self.dirty[t] = None
         self.ready.append(t)
 
-    def _late(self, t: int, s: int, activation: int, reason: str) -> None:
+    def _late(self, t: int, s: int, gen: int, reason: str) -> None:
         ids = self.topo.ids
         self.late.append(
-            LateInput(node_id=ids[t], source_id=ids[s], activation=activation, reason=reason)
+            LateInput(node_id=ids[t], source_id=ids[s], activation=gen + 1, reason=reason)
         )
 
     # -- queries ----------------------------------------------------------

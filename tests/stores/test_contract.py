@@ -664,19 +664,6 @@ def test_open_store_picks_the_backend(tmp_path: Path) -> None:
     assert type(open_store("postgres://u@localhost/db")).__name__ == "PostgresStore"
 
 
-def test_all_lists_exactly_the_public_names() -> None:
-    public = {n for n in dir(stores) if not n.startswith("_")} - {
-        "annotations",
-        "os",
-        "TYPE_CHECKING",
-        "Any",
-    }
-    assert len(set(stores.__all__)) == len(stores.__all__)  # ruff (RUF022) checks the order
-    assert set(stores.__all__) == public | {"PostgresStore"}
-    for name in stores.__all__:
-        assert getattr(stores, name) is not None
-
-
 def test_postgres_store_without_psycopg_says_what_to_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -11,13 +11,13 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from .._engine import Engine
 from .._errors import TailraceError
 from .._graph import Graph, resolve_reference
 from .._runloop import RunResult
-from ..stores import RunStore, open_store
+from ..stores import RunStatus, RunStore, open_store
 from ._timeline import node_table, timeline
 
 T = TypeVar("T")
@@ -36,6 +36,7 @@ LeaseTtlOption = Annotated[
     float,
     typer.Option(
         "--lease-ttl",
+        min=0.001,
         envvar="TAILRACE_LEASE_TTL",
         help="Seconds a crashed run stays leased before another process may resume it.",
     ),
@@ -81,6 +82,9 @@ def _with_store(db: str | None, work: Callable[[RunStore], Awaitable[T]]) -> T:
         return asyncio.run(main())
     except TailraceError as exc:
         console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    except Exception as exc:  # a handler's own exception: the run failed (E9)
+        console.print(f"[red]error:[/red] the run failed: {type(exc).__name__}: {exc}")
         raise typer.Exit(1) from exc
 
 
@@ -140,15 +144,14 @@ def resume(
 @app.command("runs")
 def list_runs(
     db: DbOption = None,
-    status: Annotated[str | None, typer.Option(help="Only runs with this status.")] = None,
+    status: Annotated[RunStatus | None, typer.Option(help="Only runs with this status.")] = None,
     limit: Annotated[int, typer.Option(help="At most this many runs.")] = 50,
 ) -> None:
     """List runs, newest first: status, start, duration and nodes done."""
-    from ..stores import RunStatus
-
-    wanted = RunStatus(status) if status else None
-    records = _with_store(db, lambda store: store.list_runs(status=wanted, limit=limit))
-    table = Table("run", "graph", "status", "started", "duration", "nodes done")
+    records = _with_store(db, lambda store: store.list_runs(status=status, limit=limit))
+    table = Table(
+        Column("run", no_wrap=True), "graph", "status", "started", "duration", "nodes done"
+    )
     for r in records:
         end = r.finished_at or r.updated_at
         table.add_row(

@@ -39,21 +39,32 @@ def node_table(result: RunResult) -> Table:
 
 
 def attempt_bars(events: Sequence[EventRow]) -> list[Bar]:
-    """Pair each NODE_STARTED with the event that ended that attempt."""
-    open_at: dict[tuple[str, int | None], float] = {}
+    """Pair each NODE_STARTED with the event that ended that attempt.
+
+    An attempt still open when the run was resumed was interrupted by a crash
+    (or a stop): its bar ends at the resume, in grey. A hedge's rival that
+    lost ends when the winner completed.
+    """
+    open_at: dict[tuple[str, int | None], list[float]] = {}
     bars: list[Bar] = []
     last = max((e.ts for e in events), default=0.0)
     for e in events:
+        if e.type == "run_resumed":
+            for (node_id, visit), starts in open_at.items():
+                bars.extend(Bar(f"{node_id}#{visit}", t, e.ts, "grey50") for t in starts)
+            open_at.clear()
         if e.node_id is None:
             continue
         key = (e.node_id, e.visit)
         if e.type == "node_started":
-            open_at[key] = e.ts
+            open_at.setdefault(key, []).append(e.ts)
         elif e.type in _ENDS and key in open_at:
+            starts = open_at.pop(key)
             label = f"{e.node_id}#{e.visit}"
-            bars.append(Bar(label, open_at.pop(key), e.ts, _ENDS[e.type]))
-    for (node_id, visit), start in open_at.items():
-        bars.append(Bar(f"{node_id}#{visit}", start, last, "blue"))
+            bars.append(Bar(label, starts[0], e.ts, _ENDS[e.type]))
+            bars.extend(Bar(f"{label} hedge", t, e.ts, "grey50") for t in starts[1:])
+    for (node_id, visit), starts in open_at.items():
+        bars.extend(Bar(f"{node_id}#{visit}", t, last, "blue") for t in starts)
     return sorted(bars, key=lambda b: (b.start, b.label))
 
 

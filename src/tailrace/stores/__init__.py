@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+import typing
 
 from ._base import FORMAT_VERSION as FORMAT_VERSION
 from ._base import TERMINAL_STATUSES as TERMINAL_STATUSES
@@ -33,7 +33,7 @@ from ._base import StoredRun as StoredRun
 from ._memory import MemoryStore as MemoryStore
 from ._sqlite import SQLiteStore as SQLiteStore
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from ._postgres import PostgresStore as PostgresStore
 
 __all__ = [
@@ -69,7 +69,7 @@ def _import_postgres_store() -> type[PostgresStore]:
     return PostgresStore
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> typing.Any:
     if name == "PostgresStore":  # lazy, so a missing psycopg only matters to its users
         return _import_postgres_store()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

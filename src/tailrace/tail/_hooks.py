@@ -17,6 +17,10 @@ from typing import TYPE_CHECKING, Any
 from .._events import EventType
 from ._estimator import DurationEstimator
 
+#: Straggler timers never fire sooner than this (seconds): sub-millisecond
+#: estimates would otherwise flag every scheduling hiccup.
+MIN_STRAGGLER_DELAY = 0.005
+
 if TYPE_CHECKING:
     from .._graph import Node
     from .._runloop import Attempt, RunLoop
@@ -26,7 +30,9 @@ class TailHooks:
     """Duration estimates, straggler timers and hedges for one engine.
 
     ``factor`` is the straggler threshold as a multiple of the estimate;
-    ``prior`` the estimate (seconds) of a key with no observations yet;
+    ``prior`` is each estimator's answer before any observation (the engine
+    itself arms no straggler timer and gives LPT no estimate until a key has
+    been observed at least once);
     ``min_samples`` is passed to each :class:`DurationEstimator`.
     """
 
@@ -38,7 +44,6 @@ class TailHooks:
         self.min_samples = min_samples
         self.estimators: dict[str, DurationEstimator] = {}
         self._lock = threading.Lock()
-        self._live: dict[tuple[int, int], list[Attempt]] = {}
 
     # -- estimates ------------------------------------------------------------
 
@@ -68,29 +73,36 @@ class TailHooks:
             return None
         return est.estimate(self.cost_of(node, payload))
 
-    def observe(self, node: Node, payload: Any, seconds: float) -> None:
-        """Record that ``node`` took ``seconds`` on ``payload``."""
+    def observe(self, node: Node, payload: Any, seconds: float, cap: float | None = None) -> None:
+        """Record that ``node`` took ``seconds`` on ``payload``.
+
+        ``cap`` bounds the observation: a straggler's duration is recorded as
+        at most ``factor x estimate`` so that one stall does not drag the fit
+        (and every later straggler threshold) off course.
+        """
+        if cap is not None:
+            seconds = min(seconds, cap)
         self.estimator(node.estimate_key or node.id).observe(self.cost_of(node, payload), seconds)
 
     # -- stragglers and hedges ------------------------------------------------
 
     def watch(self, loop: RunLoop, attempt: Attempt) -> None:
         """Arm the straggler timer of a new attempt (T3)."""
-        key = (id(loop), attempt.index)
-        self._live.setdefault(key, []).append(attempt)
-        if attempt.hedge:
+        loop.live.setdefault(attempt.index, []).append(attempt)
+        if attempt.hedge or loop.closing:
             return
         node = loop.topo.nodes[attempt.index]
         estimate = self.estimate(attempt.index, loop.state.nodes[attempt.index].payload, node)
         if estimate is None:
             return
-        delay = max(self.factor * estimate, 1e-3)
+        delay = max(self.factor * estimate, MIN_STRAGGLER_DELAY)
         attempt.timer = loop.loop.call_later(delay, self._straggling, loop, attempt, estimate)
 
     def _straggling(self, loop: RunLoop, attempt: Attempt, estimate: float) -> None:
         attempt.timer = None
-        if attempt.task is None or attempt.task.done():
+        if attempt.task is None or attempt.task.done() or loop.closing:
             return
+        attempt.straggled = self.factor * estimate
         i = attempt.index
         loop.stragglers += 1
         elapsed = loop.loop.time() - attempt.started
@@ -115,8 +127,7 @@ class TailHooks:
         A successful attempt wins and cancels its rivals; a failed one is
         ignored while a rival is still running (the rival may still succeed).
         """
-        key = (id(loop), attempt.index)
-        live = self._live.get(key, [])
+        live = loop.live.get(attempt.index, [])
         if attempt in live:
             live.remove(attempt)
         assert attempt.task is not None
@@ -125,17 +136,15 @@ class TailHooks:
         if failed and rivals:
             return False
         for rival in live:
-            if rival.task is not None:
-                rival.task.cancel()
-            if rival.timer is not None:
-                rival.timer.cancel()
-        self._live.pop(key, None)
+            rival.abandon()
+        loop.live.pop(attempt.index, None)
         return True
 
     def close(self, loop: RunLoop) -> None:
-        """Forget a finished run's attempts and disarm its timers."""
-        ident = id(loop)
-        for key in [k for k in self._live if k[0] == ident]:
-            for attempt in self._live.pop(key):
+        """Stop hedging in a run that is winding down, and disarm its timers."""
+        loop.closing = True
+        for attempts in loop.live.values():
+            for attempt in attempts:
                 if attempt.timer is not None:
                     attempt.timer.cancel()
+        loop.live.clear()
