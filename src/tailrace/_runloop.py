@@ -351,7 +351,8 @@ class RunLoop:
                 exc = self._complete(i, task.result(), attempt, now)
             if exc is not None and failure is None:
                 failure = (i, exc)
-            elif exc is not None:
+                continue  # its slot is freed after the queue is cancelled (E9)
+            if exc is not None:
                 state.fail(i)
                 self.emit(
                     EventType.NODE_FAILED, i, attempt.visit, attempt.tries, error=_describe(exc)
@@ -412,6 +413,7 @@ class RunLoop:
     async def _fail(self, i: int, exc: BaseException) -> None:
         """E9: cancel and await siblings, one final write, NODE_FAILED last, re-raise."""
         await self._cancel_in_flight(record=True)
+        self._release_slot()  # the failed node's; no queued sibling can take it now
         ns = self.state.nodes[i]
         if ns.status is not NodeStatus.FAILED:
             self.state.fail(i)
