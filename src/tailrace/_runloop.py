@@ -20,7 +20,7 @@ from ._admission import AdmissionPolicy, SlotQueue, Ticket
 from ._context import set_current
 from ._errors import EncodeError, RunError, StallError
 from ._events import Event, EventType
-from ._graph import Node, NodeKind, is_async_callable
+from ._graph import Node, NodeKind
 from ._state import LateInput, NodeStatus, RunState
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ class RunLoop:
         self._done: list[Attempt] = []
         self._wake: asyncio.Future[None] | None = None
         self.loop = asyncio.get_running_loop()
-        self._async = [is_async_callable(n.handler) for n in self.topo.nodes]
+        self._async = self.topo.is_async
         self._durations = [0.0] * len(self.topo.ids)
         self._late_seen = len(state.late)
         self.started_at = time.monotonic()

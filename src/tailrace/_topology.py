@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ._errors import GraphError
-from ._graph import NodeKind
+from ._graph import NodeKind, is_async_callable
 
 if TYPE_CHECKING:
     from ._graph import Graph, Node
@@ -93,6 +93,7 @@ class Topology:
     max_visits: tuple[int | None, ...]
     entries: tuple[int, ...]
     sinks: tuple[int, ...]
+    is_async: tuple[bool, ...]
     fingerprint: str
 
     @classmethod
@@ -143,6 +144,7 @@ class Topology:
             max_visits=max_visits,
             entries=entries,
             sinks=tuple(i for i in range(n) if not out[i]),
+            is_async=tuple(is_async_callable(node.handler) for node in nodes),
             fingerprint=_fingerprint(graph),
         )
 
