@@ -42,6 +42,9 @@ from ._runloop import NodeReport as NodeReport
 from ._runloop import RunResult as RunResult
 from ._state import LateInput as LateInput
 from ._state import NodeStatus as NodeStatus
+from .gates import GateTimeout as GateTimeout
+from .stores import QuestionRow as QuestionRow
+from .stores import QuestionStatus as QuestionStatus
 
 __version__ = "0.1.0"
 
@@ -57,6 +60,7 @@ __all__ = [
     "Event",
     "EventBus",
     "EventType",
+    "GateTimeout",
     "Graph",
     "GraphError",
     "GraphMismatch",
@@ -73,6 +77,8 @@ __all__ = [
     "NotResumable",
     "QuestionError",
     "QuestionNotFound",
+    "QuestionRow",
+    "QuestionStatus",
     "RetryPolicy",
     "RouteError",
     "RunError",

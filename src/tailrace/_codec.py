@@ -53,4 +53,13 @@ class JsonCodec:
         return self._decoder.decode(text)
 
 
-DEFAULT_CODEC = JsonCodec()
+def _revive(data: dict[str, Any]) -> Any:
+    if "$tailrace" in data:
+        from .gates._timeout import revive
+
+        return revive(data)
+    return data
+
+
+#: Strict JSON that also restores tailrace's own markers (a ``GateTimeout``).
+DEFAULT_CODEC = JsonCodec(object_hook=_revive)

@@ -11,13 +11,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import socket
 import uuid
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._admission import AdmissionPolicy, SlotQueue, resolve_policy
-from ._errors import GraphMismatch, NotResumable
+from ._errors import EncodeError, GraphMismatch, LeaseHeld, NotResumable
 from ._events import EventBus, EventType
 from ._graph import Graph
 from ._runloop import RunLoop, RunResult
@@ -75,6 +78,11 @@ class Engine:
         self.lease_ttl = lease_ttl
         self.straggler_factor = straggler_factor
         self._tail = tail
+        #: Graphs this engine ran, by fingerprint, so it can resume their runs
+        #: even when they cannot be imported (defined in ``__main__``, say).
+        self._graphs: dict[str, Graph] = {}
+        #: Runs this engine drives now: one driver per run even within one owner (D6).
+        self._active: set[str] = set()
 
     # -- public API -----------------------------------------------------------
 
@@ -93,9 +101,21 @@ class Engine:
         to resume it. A handler's exception is re-raised unwrapped (E9).
         """
         topo = graph.compile()
+        self._graphs.setdefault(topo.fingerprint, graph)
         run_id = run_id or uuid.uuid4().hex
+        with self._driving(run_id):
+            return await self._run(graph, topo, input, run_id, graph_ref)
+
+    async def _run(
+        self, graph: Graph, topo: Topology, input: Any, run_id: str, graph_ref: str | None
+    ) -> RunResult:
         state = RunState(topo)
         state.activate_entries(input)
+        if self.store is None and topo.has_gates:
+            from .stores import MemoryStore
+
+            self.store = MemoryStore()  # gates need a ledger; keep one in process
+            await self.store.open()
         if self.store is None:
             loop = self._loop_for(run_id, state, None)
             loop.emit(EventType.RUN_STARTED, graph=graph.name)
@@ -108,26 +128,35 @@ class Engine:
         async with persister.leased():
             loop = self._loop_for(run_id, state, persister)
             loop.emit(EventType.RUN_STARTED, graph=graph.name)
-            return await loop.drive()
+            result = await loop.drive()
+        return await self._with_questions(result)
 
     async def resume(
         self, run_id: str, graph: Graph | None = None, *, force: bool = False
     ) -> RunResult:
-        """Resume the durable run ``run_id`` where it stopped (D3).
+        """Resume the durable run ``run_id`` where it stopped (D3, Q3).
 
         Nodes that were running are re-run; completed results and first-k
-        decisions are reused. ``graph`` defaults to the one the run recorded
-        (by ``module:attribute`` reference); a graph whose structural
+        decisions are reused; answers that arrived for waiting gates are
+        applied exactly once, and answers to questions no gate waits on any
+        more are marked superseded. ``graph`` defaults to the one the run
+        recorded (by ``module:attribute`` reference); a graph whose structural
         fingerprint differs is refused with :class:`GraphMismatch` unless
-        ``force`` is true.
+        ``force`` is true. A suspended run with no new answer is returned
+        as it is, without a write.
         """
+        with self._driving(run_id):
+            return await self._resume(run_id, graph, force)
+
+    async def _resume(self, run_id: str, graph: Graph | None, force: bool) -> RunResult:
         from ._persist import Persister
 
         store = self._require_store("resume")
         stored = await store.load_run(run_id)
-        if stored.run.status in ("completed", "failed", "cancelled"):
-            raise NotResumable(f"run {run_id!r} is {stored.run.status}; nothing to resume")
-        graph = graph or Persister.find_graph(stored.run)
+        _check_resumable(stored.run)
+        graph = (
+            graph or self._graphs.get(stored.run.fingerprint) or Persister.find_graph(stored.run)
+        )
         topo = graph.compile()
         if topo.fingerprint != stored.run.fingerprint and not force:
             raise GraphMismatch(
@@ -135,25 +164,81 @@ class Engine:
                 f"but {graph.name!r} now has {topo.fingerprint}; pass force=True to resume anyway"
             )
         persister = Persister(self, run_id, topo, stored.run)
+        persister.restore(stored, [])  # D4: refuse unreadable rows before writing anything
         async with persister.leased():
             stored = await store.load_run(run_id)  # re-read under the lease
-            late = [
-                LateInput(
-                    node_id=e.node_id or "",
-                    source_id=str(data.get("source")),
-                    activation=e.visit or 0,
-                    reason=str(data.get("reason")),
-                )
-                for e in await store.events(run_id)
-                if e.type == EventType.NODE_LATE_INPUT.value
-                for data in (self._decode_event(e.data_json),)
-            ]
-            state, event_seq = persister.restore(stored, late)
-            loop = self._loop_for(run_id, state, persister, event_seq)
-            loop.emit(EventType.RUN_RESUMED, graph=graph.name)
-            return await loop.drive()
+            _check_resumable(stored.run)
+            state, event_seq, turn = persister.restore(stored, await self._late_inputs(run_id))
+            loop = self._loop_for(run_id, state, persister, event_seq, turn)
+            applied = await loop.absorb_answers()
+            if stored.run.status == "suspended" and not applied and not state.ready:
+                return await self._with_questions(loop.result("suspended"))
+            loop.emit(EventType.RUN_RESUMED, graph=graph.name, applied=applied)
+            if applied:
+                await loop.checkpoint()  # the apply is durable before any handler runs
+            result = await loop.drive()
+        return await self._with_questions(result)
+
+    async def answer(
+        self, question_id: str, value: Any, *, by: str | None = None, resume: bool = True
+    ) -> RunResult | None:
+        """Answer ``question_id`` with ``value``: first answer wins (Q2).
+
+        ``by`` records who answered. A question that was answered before
+        raises :class:`~tailrace.AlreadyAnswered` and changes nothing. With
+        ``resume`` (the default) the run is then resumed here and its result
+        returned; None when another engine holds the run (it, or a resume
+        worker's sweep, applies the answer: Q3, Q4).
+        """
+        from ._codec import DEFAULT_CODEC
+
+        store = self._require_store("answer")
+        try:
+            text = (self.codec or DEFAULT_CODEC).encode(value)
+        except (TypeError, ValueError) as exc:
+            raise EncodeError(f"question {question_id!r}: answer is not encodable: {exc}") from exc
+        row = await store.answer(question_id, text, by=by)
+        if not resume:
+            return None
+        try:
+            return await self.resume(row.run_id)
+        except LeaseHeld:
+            return None
 
     # -- internals ------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _driving(self, run_id: str) -> Iterator[None]:
+        if run_id in self._active:
+            raise LeaseHeld(f"run {run_id!r} is being driven by this engine already")
+        self._active.add(run_id)
+        try:
+            yield
+        finally:
+            self._active.discard(run_id)
+
+    async def _late_inputs(self, run_id: str) -> list[LateInput]:
+        assert self.store is not None
+        return [
+            LateInput(
+                node_id=e.node_id or "",
+                source_id=str(data.get("source")),
+                activation=e.visit or 0,
+                reason=str(data.get("reason")),
+            )
+            for e in await self.store.events(run_id)
+            if e.type == EventType.NODE_LATE_INPUT.value
+            for data in (self._decode_event(e.data_json),)
+        ]
+
+    async def _with_questions(self, result: RunResult) -> RunResult:
+        """Attach the run's open questions to a suspended result."""
+        if result.status != "suspended" or self.store is None:
+            return result
+        from .stores import QuestionStatus
+
+        rows = await self.store.list_questions(run_id=result.run_id, status=QuestionStatus.OPEN)
+        return dataclasses.replace(result, questions=tuple(rows))
 
     def _decode_event(self, text: str) -> dict[str, Any]:
         from ._codec import DEFAULT_CODEC
@@ -162,7 +247,7 @@ class Engine:
         return data if isinstance(data, dict) else {}
 
     def _loop_for(
-        self, run_id: str, state: RunState, persister: Any, event_seq: int = 0
+        self, run_id: str, state: RunState, persister: Any, event_seq: int = 0, turn: int = 0
     ) -> RunLoop:
         return RunLoop(
             run_id=run_id,
@@ -174,6 +259,7 @@ class Engine:
             policy=self.policy,
             tail=self._tail_for(state.topo),
             event_seq=event_seq,
+            turn=turn,
         )
 
     def _tail_for(self, topo: Topology) -> TailHooks | None:
@@ -191,6 +277,11 @@ class Engine:
         if self.store is None:
             raise NotResumable(f"{what} needs a durable store: Engine(store=SQLiteStore(...))")
         return self.store
+
+
+def _check_resumable(record: Any) -> None:
+    if record.status in ("completed", "failed", "cancelled"):
+        raise NotResumable(f"run {record.run_id!r} is {record.status}; nothing to resume")
 
 
 def _guess_ref(graph: Graph) -> str | None:

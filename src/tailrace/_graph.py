@@ -37,6 +37,7 @@ class NodeKind(enum.StrEnum):
     TASK = "task"
     SWITCH = "switch"
     AGGREGATE = "aggregate"
+    GATE = "gate"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,6 +103,8 @@ class Node:
     cost: float | Callable[[Any], float] | None = None
     estimate_key: str | None = None
     hedge: bool = False
+    poller: str | None = None
+    deadline: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form; the handler is named by reference."""
@@ -124,6 +127,8 @@ class Node:
             ),
             "estimate_key": self.estimate_key,
             "hedge": self.hedge or None,
+            "poller": self.poller,
+            "deadline": self.deadline,
         }
         data.update({k: v for k, v in optional.items() if v is not None})
         return data
@@ -175,6 +180,8 @@ class Graph:
         cost: float | Callable[[Any], float] | None = None,
         estimate_key: str | None = None,
         hedge: bool = False,
+        poller: str | None = None,
+        deadline: float | None = None,
     ) -> Node:
         """Add a node and return it.
 
@@ -187,7 +194,10 @@ class Graph:
         ``retry`` and ``timeout`` (seconds per attempt) apply per attempt (E11);
         ``cost`` (a number or a function of the input) feeds duration estimates,
         keyed by ``estimate_key`` (default the node id); ``hedge`` races a backup
-        attempt when the first straggles (T3, idempotent handlers only).
+        attempt when the first straggles (T3, idempotent handlers only). A
+        gate's handler returns the question's prompt (Q1); ``poller`` names the
+        registered poller of a machine gate and ``deadline`` is the seconds
+        after which an unanswered gate is answered with a ``GateTimeout`` (Q5).
         """
         try:
             node_kind = NodeKind(kind)
@@ -207,6 +217,10 @@ class Graph:
             raise GraphError(f"node {name!r}: required= applies to aggregates only")
         if any_of and node_kind is NodeKind.AGGREGATE:
             raise GraphError(f"node {name!r}: an aggregate cannot be any_of")
+        if (poller is not None or deadline is not None) and node_kind is not NodeKind.GATE:
+            raise GraphError(f"node {name!r}: poller= and deadline= apply to gates only")
+        if deadline is not None and not deadline > 0:
+            raise GraphError(f"node {name!r}: deadline must be > 0 seconds, got {deadline}")
         node = Node(
             id=name,
             handler=handler,
@@ -220,6 +234,8 @@ class Graph:
             cost=cost,
             estimate_key=estimate_key,
             hedge=hedge,
+            poller=poller,
+            deadline=deadline,
         )
         self.nodes[name] = node
         self._compiled = None
@@ -270,6 +286,10 @@ class Graph:
     ) -> Callable[[F], F]:
         """Decorator: add a fan-in firing on its ``required``-th input (``name``/``options`` as in :meth:`task`)."""
         return self._decorator(NodeKind.AGGREGATE, {"name": name, "required": required, **options})
+
+    def gate(self, name: str | None = None, **options: Any) -> Callable[[F], F]:
+        """Decorator: add a gate; its handler returns the question's prompt (``name``/``options`` as in :meth:`task`)."""
+        return self._decorator(NodeKind.GATE, {"name": name, **options})
 
     def chain(self, *names: str) -> None:
         """Add edges ``names[0] -> names[1] -> ...``."""

@@ -14,12 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from ._codec import DEFAULT_CODEC, Codec
-from ._errors import CorruptRecord, EncodeError, GraphError, LeaseLost, UnsupportedFormat
+from ._errors import (
+    CorruptRecord,
+    EncodeError,
+    GraphError,
+    LeaseLost,
+    StoreError,
+    UnsupportedFormat,
+)
 from ._graph import Graph, resolve_reference
 from ._state import LateInput, NodeState, NodeStatus, RunState
 from .stores._base import (
@@ -29,6 +37,8 @@ from .stores._base import (
     Harvest,
     NewRun,
     NodeRow,
+    QuestionRow,
+    QuestionStatus,
     ResultRow,
     RunRecord,
     RunStatus,
@@ -41,6 +51,8 @@ if TYPE_CHECKING:
     from ._events import Event
     from ._runloop import RunLoop
     from ._topology import Topology
+
+logger = logging.getLogger("tailrace.persist")
 
 #: How many harvests of one run may wait for the store before the loop waits too.
 MAX_QUEUED = 256
@@ -60,6 +72,9 @@ class Persister:
         self.token = 0
         self._results: list[ResultRow] = []
         self._encoded: dict[int, str] = {}
+        self._questions: list[QuestionRow] = []
+        self.applied: list[str] = []
+        self.superseded: list[str] = []
         self._queued: list[Harvest] = []
         self._writer: asyncio.Future[None] | None = None
         self._lost: LeaseLost | None = None
@@ -150,11 +165,17 @@ class Persister:
                 self._lost = exc
                 main.cancel()
                 return
+            except StoreError:
+                # A hiccup: the next beat may land before the lease expires; a
+                # lease really lost shows up as LeaseLost on a beat or a commit.
+                logger.warning("heartbeat of run %s failed; retrying", self.run_id, exc_info=True)
 
     # -- per harvest ----------------------------------------------------------
 
-    def check_encodable(self, node_id: str, result: Any) -> None:
-        """Encode ``result`` now so a bad one fails its node before any commit (D5)."""
+    def canonical(self, node_id: str, result: Any) -> Any:
+        """Encode ``result`` now (a bad one fails its node before any commit, D5) and
+        return it as it reads back, so a run sees the same values whether or not it
+        was resumed in between (JSON has no tuples and only string keys)."""
         try:
             text = self.codec.encode(result)
         except (TypeError, ValueError) as exc:
@@ -162,6 +183,48 @@ class Persister:
                 f"run {self.run_id!r}: result of node {node_id!r} cannot be encoded: {exc}"
             ) from exc
         self._encoded[self.topo.index[node_id]] = text
+        return self.codec.decode(text)
+
+    async def unapplied_answers(self) -> list[tuple[str, Any]]:
+        """(question id, decoded answer) of this run's answers not yet applied, oldest first."""
+        rows = await self.store.list_questions(run_id=self.run_id)
+        rows.sort(key=lambda r: (r.answered_at or 0.0, r.question_id))
+        return [
+            (r.question_id, self.codec.decode(r.answer_json))
+            for r in rows
+            if r.answer_json is not None
+            and (
+                r.status is QuestionStatus.ANSWERED
+                or (r.status is QuestionStatus.EXPIRED and r.applied_at is None)
+            )
+        ]
+
+    def question_opened(
+        self,
+        *,
+        question_id: str,
+        node_id: str,
+        visit: int,
+        turn: int,
+        prompt: Any,
+        poller: str | None,
+        deadline: float | None,
+    ) -> None:
+        """Queue a new open question (its prompt already checked encodable) for the next commit."""
+        text = self._encoded.pop(self.topo.index[node_id], None) or self.codec.encode(prompt)
+        self._questions.append(
+            QuestionRow(
+                question_id=question_id,
+                run_id=self.run_id,
+                node_id=node_id,
+                visit=visit,
+                turn=turn,
+                prompt_json=text,
+                poller=poller,
+                deadline=deadline,
+                created_at=time.time(),
+            )
+        )
 
     def result_completed(self, i: int, visit: int, result: Any) -> None:
         """Queue the result row of node ``i``'s ``visit`` for the next commit."""
@@ -231,6 +294,9 @@ class Persister:
         ]
         state.frozen.clear()
         results, self._results = self._results, []
+        questions, self._questions = self._questions, []
+        applied, self.applied = self.applied, []
+        superseded, self.superseded = self.superseded, []
         rows = [
             EventRow(
                 seq=e.seq,
@@ -250,6 +316,7 @@ class Persister:
                     "v": FORMAT_VERSION,
                     "seq": state.seq,
                     "events": loop.event_seq,
+                    "turn": loop.turn,
                     "edge_gen": [
                         [self.topo.ids[s], self.topo.ids[t], g]
                         for (s, t), g in state.edge_gen.items()
@@ -263,6 +330,9 @@ class Persister:
             frozen=frozen,
             events=rows,
             nodes_done_delta=len(results),
+            questions=questions,
+            applied=applied,
+            superseded=superseded,
             finished_at=time.time() if terminal and status is not RunStatus.SUSPENDED else None,
         )
 
@@ -295,6 +365,7 @@ class Persister:
             "pending": (
                 None if ns.pending is None else [ns.pending[0], _pairs(ns.pending[1], ids)]
             ),
+            "question": ns.question,
         }
         return NodeRow(
             node_id=ids[i],
@@ -305,7 +376,7 @@ class Persister:
 
     # -- restore ----------------------------------------------------------------
 
-    def restore(self, stored: StoredRun, late: list[LateInput]) -> tuple[RunState, int]:
+    def restore(self, stored: StoredRun, late: list[LateInput]) -> tuple[RunState, int, int]:
         """Rebuild the run state from its rows; running nodes go back to ready (D3)."""
         run = stored.run
         if run.format_version > FORMAT_VERSION:
@@ -329,7 +400,7 @@ class Persister:
         state.dirty.clear()
         if not stored.nodes:
             state.activate_entries(self._decode(run.input_json, "input"))
-        return state, int(meta.get("events", 0))
+        return state, int(meta.get("events", 0)), int(meta.get("turn", 0))
 
     def _restore_node(self, state: RunState, i: int, row: NodeRow) -> None:
         data = self._decode(row.data_json, f"node {row.node_id!r}")
@@ -355,6 +426,7 @@ class Persister:
                 }
             if data["pending"] is not None:
                 ns.pending = (data["pending"][0], _unpairs(data["pending"][1], index))
+            ns.question = data.get("question")
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptRecord(
                 f"run {self.run_id!r}: node {row.node_id!r} row does not decode: {exc!r}"
@@ -391,9 +463,15 @@ def merge_harvests(batch: list[Harvest]) -> Harvest:
     results: list[ResultRow] = []
     frozen: list[FrozenInput] = []
     events: list[EventRow] = []
+    questions: list[QuestionRow] = []
+    applied: list[str] = []
+    superseded: list[str] = []
     done = 0
     finished_at = None
     for h in batch:
+        questions.extend(h.questions)
+        applied.extend(h.applied)
+        superseded.extend(h.superseded)
         for row in h.nodes:
             nodes[row.node_id] = row
         results.extend(h.results)
@@ -412,4 +490,7 @@ def merge_harvests(batch: list[Harvest]) -> Harvest:
         events=events,
         nodes_done_delta=done,
         finished_at=finished_at,
+        questions=questions,
+        applied=applied,
+        superseded=superseded,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -114,6 +115,7 @@ class RunLoop:
         policy: AdmissionPolicy,
         tail: TailHooks | None = None,
         event_seq: int = 0,
+        turn: int = 0,
     ) -> None:
         self.run_id = run_id
         self.state = state
@@ -123,6 +125,8 @@ class RunLoop:
         self._record = publish is not None or persister is not None
         self._events: list[Event] = []
         self.event_seq = event_seq
+        #: Advances each time the run suspends on its gates (Q2).
+        self.turn = turn
         self._engine_slots = engine_slots
         self._run_slots = SlotQueue(run_capacity) if run_capacity is not None else None
         self._policy = policy
@@ -176,24 +180,36 @@ class RunLoop:
         try:
             self._dispatch_ready()
             await self._commit()
-            while self._in_flight or self._done or self._queued():
-                if not self._done:
-                    self._wake = self.loop.create_future()
-                    await self._wake
-                    self._wake = None
-                batch, self._done = self._done, []
-                failure = self._harvest(batch)
-                if failure is not None:
-                    await self._fail(*failure)
+            while True:
+                while self._in_flight or self._done or self._queued():
+                    if not self._done:
+                        self._wake = self.loop.create_future()
+                        await self._wake
+                        self._wake = None
+                    batch, self._done = self._done, []
+                    failure = self._harvest(batch)
+                    if failure is not None:
+                        await self._fail(*failure)
+                    self._dispatch_ready()
+                    await self._commit()
+                # Answers that came in while other branches ran: take them now
+                # rather than suspend (Q1).
+                if not await self.absorb_answers():
+                    return await self._finish()
                 self._dispatch_ready()
                 await self._commit()
-            return await self._finish()
         except BaseException:
             await self._cancel_in_flight(record=False)
             raise
 
     def _queued(self) -> bool:
         return bool(self._tickets) or bool(self.state.ready)
+
+    async def checkpoint(self) -> None:
+        """Commit what is pending now and wait until it is durable."""
+        await self._commit()
+        if self._persister is not None:
+            await self._persister.flush()
 
     async def _commit(self, status: str = "running", error: str | None = None) -> None:
         events, self._events = self._events, []
@@ -367,9 +383,12 @@ class RunLoop:
         ns = state.nodes[i]
         if self._persister is not None:
             try:
-                self._persister.check_encodable(self.topo.ids[i], result)
+                result = self._persister.canonical(self.topo.ids[i], result)
             except EncodeError as exc:
                 return exc
+        if self.topo.nodes[i].kind is NodeKind.GATE:
+            self._open_question(i, result, attempt)
+            return None
         frozen_before = len(state.frozen)
         try:
             state.complete(i, result)
@@ -393,6 +412,60 @@ class RunLoop:
             sources = [self.topo.ids[s] for s in self.topo.in_sources[t]]
             self.emit(EventType.AGGREGATE_FIRED, t, activation, None, sources=sources)
         return None
+
+    def _open_question(self, i: int, prompt: Any, attempt: Attempt) -> None:
+        """A gate's handler returned its prompt: open the question and wait (Q1)."""
+        assert self._persister is not None, "gates run only with a store"
+        node = self.topo.nodes[i]
+        question_id = uuid.uuid4().hex
+        self.state.wait(i, question_id)
+        self._persister.question_opened(
+            question_id=question_id,
+            node_id=node.id,
+            visit=attempt.visit,
+            turn=self.turn,
+            prompt=prompt,
+            poller=node.poller,
+            deadline=None if node.deadline is None else time.time() + node.deadline,
+        )
+        self.emit(
+            EventType.QUESTION_OPENED,
+            i,
+            attempt.visit,
+            attempt.tries,
+            question_id=question_id,
+            turn=self.turn,
+        )
+
+    def apply_answer(self, question_id: str, value: Any) -> bool:
+        """Complete the gate waiting on ``question_id`` with ``value``; False if none waits (Q3)."""
+        i = self.state.waiting_questions().get(question_id)
+        if i is None:
+            return False
+        ns = self.state.nodes[i]
+        self.state.answer(i, value)
+        self.emit(EventType.QUESTION_ANSWERED, i, ns.visits, None, question_id=question_id)
+        if self._persister is not None:
+            self._persister.result_completed(i, ns.visits, value)
+        return True
+
+    async def absorb_answers(self) -> list[str]:
+        """Apply the stored answers to gates that wait on them; supersede the others (Q3).
+
+        The ids applied are committed with the next harvest, whose store-side
+        compare-and-set refuses a second application across processes.
+        """
+        persister = self._persister
+        if persister is None or not self.state.waiting_questions():
+            return []
+        applied: list[str] = []
+        for question_id, value in await persister.unapplied_answers():
+            if self.apply_answer(question_id, value):
+                persister.applied.append(question_id)
+                applied.append(question_id)
+            else:
+                persister.superseded.append(question_id)
+        return applied
 
     def _emit_late(self) -> None:
         late = self.state.late
@@ -448,6 +521,12 @@ class RunLoop:
                 self.emit(EventType.NODE_CANCELLED, i, ns.visits, ns.attempts)
 
     async def _finish(self) -> RunResult:
+        questions = self.state.waiting_questions()
+        if questions:  # E10: an open gate is a suspension, never a stall
+            self.turn += 1
+            self.emit(EventType.RUN_SUSPENDED, questions=sorted(questions), turn=self.turn)
+            await self._commit("suspended")
+            return self.result("suspended")
         waiting = self.state.waiting_aggregates()
         if waiting:
             message = f"run {self.run_id!r} stalled: aggregate " + "; ".join(waiting)

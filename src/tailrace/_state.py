@@ -83,6 +83,7 @@ class NodeState:
         "inputs",
         "payload",
         "pending",
+        "question",
         "result",
         "started_at",
         "status",
@@ -100,6 +101,8 @@ class NodeState:
         self.has_result = False
         self.inputs: dict[int, tuple[int, Any, dict[int, int] | None]] | None = None
         self.pending: tuple[Any, dict[int, int] | None] | None = None
+        #: Id of the question a gate in WAITING waits on (Q1).
+        self.question: str | None = None
         self.started_at = 0.0
 
     def move(self, to: NodeStatus, node_id: str) -> None:
@@ -180,6 +183,22 @@ class RunState:
             self._begin(i, payload, frontier)
             self._decide_first_k(i)
         return taken
+
+    def wait(self, i: int, question_id: str) -> None:
+        """Gate ``i`` opened ``question_id`` and waits for its answer (Q1)."""
+        ns = self.nodes[i]
+        ns.move(NodeStatus.WAITING, self.topo.ids[i])
+        ns.question = question_id
+        self.dirty[i] = None
+
+    def answer(self, i: int, value: Any) -> list[OutEdge]:
+        """Complete waiting gate ``i`` with ``value`` and route it like a task."""
+        self.nodes[i].question = None
+        return self.complete(i, value)
+
+    def waiting_questions(self) -> dict[str, int]:
+        """Question id -> gate index, for every gate waiting on an answer."""
+        return {ns.question: i for i, ns in enumerate(self.nodes) if ns.question is not None}
 
     def fail(self, i: int) -> None:
         """Mark node ``i`` failed (E9)."""

@@ -94,6 +94,7 @@ class Topology:
     entries: tuple[int, ...]
     sinks: tuple[int, ...]
     is_async: tuple[bool, ...]
+    has_gates: bool
     fingerprint: str
 
     @classmethod
@@ -145,6 +146,7 @@ class Topology:
             entries=entries,
             sinks=tuple(i for i in range(n) if not out[i]),
             is_async=tuple(is_async_callable(node.handler) for node in nodes),
+            has_gates=any(node.kind is NodeKind.GATE for node in nodes),
             fingerprint=_fingerprint(graph),
         )
 

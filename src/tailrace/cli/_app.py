@@ -18,7 +18,7 @@ from .._errors import TailraceError
 from .._graph import Graph, resolve_reference
 from .._runloop import RunResult
 from ..stores import RunStatus, RunStore, open_store
-from ._timeline import node_table, timeline
+from ._timeline import node_table, question_table, timeline
 
 T = TypeVar("T")
 
@@ -90,6 +90,9 @@ def _with_store(db: str | None, work: Callable[[RunStore], Awaitable[T]]) -> T:
 
 def _print_result(result: RunResult) -> None:
     console.print(node_table(result))
+    if result.questions:
+        console.print(question_table(result.questions, title="open questions"))
+        console.print("answer with: tailrace answer QUESTION_ID VALUE")
     console.print(
         f"run [bold]{result.run_id}[/bold] {result.status} in {result.duration:.3f}s"
         + (f", {len(result.late_inputs)} late inputs" if result.late_inputs else "")
@@ -193,3 +196,81 @@ def _clock(ts: float) -> str:
     import datetime
 
     return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+@app.command()
+def questions(
+    db: DbOption = None,
+    open_only: Annotated[bool, typer.Option("--open", help="Only open questions.")] = False,
+    run_id: Annotated[str | None, typer.Option("--run", help="Only this run's questions.")] = None,
+) -> None:
+    """List questions: open ones wait for an answer (tailrace answer)."""
+    from ..stores import QuestionStatus
+
+    status = QuestionStatus.OPEN if open_only else None
+    rows = _with_store(db, lambda store: store.list_questions(status=status, run_id=run_id))
+    console.print(question_table(rows))
+
+
+@app.command()
+def answer(
+    question_id: Annotated[str, typer.Argument(help="The question to answer.")],
+    value: Annotated[str, typer.Argument(help="The answer, as JSON (a bare word is a string).")],
+    db: DbOption = None,
+    by: Annotated[str | None, typer.Option(help="Who answers.")] = None,
+    no_resume: Annotated[
+        bool, typer.Option("--no-resume", help="Only record the answer; serve applies it.")
+    ] = False,
+    lease_ttl: LeaseTtlOption = 30.0,
+) -> None:
+    """Answer a question (first answer wins) and resume its run here."""
+    try:
+        payload = json.loads(value)
+    except json.JSONDecodeError:
+        payload = value
+    result = _with_store(
+        db,
+        lambda store: Engine(store=store, lease_ttl=lease_ttl).answer(
+            question_id, payload, by=by, resume=not no_resume
+        ),
+    )
+    if result is None:
+        console.print(f"answered {question_id}; its run is resumed by its owner or serve")
+        return
+    _print_result(result)
+
+
+@app.command()
+def serve(
+    db: DbOption = None,
+    poller: Annotated[
+        list[str] | None,
+        typer.Option(help="NAME=MODULE_OR_FILE:CALLABLE, a machine gate's poller (repeatable)."),
+    ] = None,
+    lease_ttl: LeaseTtlOption = 30.0,
+    max_interval: Annotated[float, typer.Option(help="Longest idle wait, seconds.")] = 2.0,
+) -> None:
+    """Serve: resume answered runs, poll machine gates, adopt runs whose owner died."""
+    import signal
+
+    from ..gates import Server
+
+    pollers = {}
+    for spec in poller or []:
+        name, sep, ref = spec.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"{spec!r} is not NAME=MODULE:CALLABLE", param_hint="--poller")
+        pollers[name] = resolve_reference(ref)
+
+    async def work(store: RunStore) -> Any:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        engine = Engine(store=store, lease_ttl=lease_ttl)
+        server = Server(engine, pollers=pollers, max_interval=max_interval)
+        console.print(f"serving {db_location(db)} as {engine.owner}")
+        return await server.run(stop)
+
+    stats = _with_store(db, work)
+    console.print(f"stopped: {stats}")

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from .._runloop import RunResult
-from ..stores import EventRow
+from ..stores import EventRow, QuestionRow
 
 _ENDS = {"node_completed": "green", "node_failed": "red", "node_cancelled": "yellow"}
 
@@ -35,6 +35,20 @@ def node_table(result: RunResult) -> Table:
             str(report.attempts),
             f"{report.duration * 1000:.1f} ms",
         )
+    return table
+
+
+def question_table(rows: Sequence[QuestionRow], *, title: str | None = None) -> Table:
+    """Questions: id, run, gate, turn, status, prompt and answer."""
+    table = Table(
+        Column("question", no_wrap=True), "run", "gate", "turn", "status", "prompt", "answer",
+        title=title,
+    )  # fmt: skip
+    for q in rows:
+        table.add_row(
+            q.question_id, q.run_id, q.node_id, str(q.turn), q.status.value,
+            q.prompt_json, q.answer_json or "",
+        )  # fmt: skip
     return table
 
 

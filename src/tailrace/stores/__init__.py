@@ -19,12 +19,15 @@ import os
 import typing
 
 from ._base import FORMAT_VERSION as FORMAT_VERSION
+from ._base import QUESTION_TRANSITIONS as QUESTION_TRANSITIONS
 from ._base import TERMINAL_STATUSES as TERMINAL_STATUSES
 from ._base import EventRow as EventRow
 from ._base import FrozenInput as FrozenInput
 from ._base import Harvest as Harvest
 from ._base import NewRun as NewRun
 from ._base import NodeRow as NodeRow
+from ._base import QuestionRow as QuestionRow
+from ._base import QuestionStatus as QuestionStatus
 from ._base import ResultRow as ResultRow
 from ._base import RunRecord as RunRecord
 from ._base import RunStatus as RunStatus
@@ -38,6 +41,7 @@ if typing.TYPE_CHECKING:
 
 __all__ = [
     "FORMAT_VERSION",
+    "QUESTION_TRANSITIONS",
     "TERMINAL_STATUSES",
     "EventRow",
     "FrozenInput",
@@ -46,6 +50,8 @@ __all__ = [
     "NewRun",
     "NodeRow",
     "PostgresStore",
+    "QuestionRow",
+    "QuestionStatus",
     "ResultRow",
     "RunRecord",
     "RunStatus",

@@ -49,6 +49,57 @@ RUN_TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
 TERMINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
 
 
+class QuestionStatus(enum.StrEnum):
+    """Lifecycle of a question (Q2-Q5); legal moves are in ``QUESTION_TRANSITIONS``.
+
+    ``answered`` and ``expired`` questions carry an answer that has not been
+    applied yet when ``applied_at`` is None; applying moves ``answered`` to
+    ``applied`` and stamps ``applied_at`` on both.
+    """
+
+    OPEN = "open"
+    ANSWERED = "answered"
+    APPLIED = "applied"
+    SUPERSEDED = "superseded"
+    EXPIRED = "expired"
+
+
+QUESTION_TRANSITIONS: dict[QuestionStatus, frozenset[QuestionStatus]] = {
+    QuestionStatus.OPEN: frozenset(
+        {QuestionStatus.ANSWERED, QuestionStatus.EXPIRED, QuestionStatus.SUPERSEDED}
+    ),
+    QuestionStatus.ANSWERED: frozenset({QuestionStatus.APPLIED, QuestionStatus.SUPERSEDED}),
+    QuestionStatus.EXPIRED: frozenset({QuestionStatus.EXPIRED, QuestionStatus.SUPERSEDED}),
+    QuestionStatus.APPLIED: frozenset(),
+    QuestionStatus.SUPERSEDED: frozenset(),
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QuestionRow:
+    """An open gate as stored: who asks what, and what was answered (Q1-Q5).
+
+    ``turn`` is the run's turn when the question opened; ``deadline`` an
+    absolute wall-clock time or None; ``poller`` names a machine gate's
+    poller. ``run_id`` may name a LangGraph thread driven by tailrace.
+    """
+
+    question_id: str
+    run_id: str
+    node_id: str
+    visit: int
+    turn: int
+    prompt_json: str
+    poller: str | None = None
+    deadline: float | None = None
+    status: QuestionStatus = QuestionStatus.OPEN
+    answer_json: str | None = None
+    answered_by: str | None = None
+    created_at: float = 0.0
+    answered_at: float | None = None
+    applied_at: float | None = None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NewRun:
     """What ``create_run`` stores for a new run."""
@@ -138,6 +189,14 @@ class Harvest:
     events: Sequence[EventRow] = ()
     nodes_done_delta: int = 0
     finished_at: float | None = None
+    #: Questions opened by this harvest (status ``open``), inserted.
+    questions: Sequence[QuestionRow] = ()
+    #: Question ids whose answer this harvest applies: each must be ``answered``
+    #: (becomes ``applied``) or ``expired`` with no ``applied_at``, else the whole
+    #: harvest is refused with :class:`~tailrace.AlreadyAnswered` (Q3).
+    applied: Sequence[str] = ()
+    #: Question ids this harvest supersedes (``open``/``answered``/``expired`` -> ``superseded``).
+    superseded: Sequence[str] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -225,6 +284,51 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     async def release_lease(self, run_id: str, owner: str, token: int) -> None:
         """Drop the lease if still held with ``token``; otherwise do nothing."""
+
+    # -- the question ledger (Q2-Q5) ---------------------------------------------
+
+    @abc.abstractmethod
+    async def answer(
+        self,
+        question_id: str,
+        answer_json: str,
+        *,
+        by: str | None = None,
+        status: QuestionStatus = QuestionStatus.ANSWERED,
+    ) -> QuestionRow:
+        """First answer wins: compare-and-set ``open -> status`` (Q2) and return the new row.
+
+        ``status`` is ``answered`` (a person or poller) or ``expired`` (the
+        deadline passed). A question that is not ``open`` raises
+        :class:`~tailrace.AlreadyAnswered` and changes nothing; an unknown one
+        :class:`~tailrace.QuestionNotFound`.
+        """
+
+    @abc.abstractmethod
+    async def get_question(self, question_id: str) -> QuestionRow:
+        """The question; :class:`~tailrace.QuestionNotFound` if absent."""
+
+    @abc.abstractmethod
+    async def list_questions(
+        self,
+        *,
+        status: QuestionStatus | None = None,
+        run_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[QuestionRow]:
+        """Questions, oldest first, filtered by ``status`` and ``run_id``, at most ``limit``."""
+
+    @abc.abstractmethod
+    async def unapplied_answers(self, *, limit: int = 100) -> list[QuestionRow]:
+        """Answered (or expired) questions whose answer was not applied yet, oldest first (Q4)."""
+
+    @abc.abstractmethod
+    async def mark_applied(self, question_id: str) -> bool:
+        """Outside a harvest (drivers of external graphs): apply-CAS; False if already applied or superseded."""
+
+    @abc.abstractmethod
+    async def supersede(self, question_id: str) -> bool:
+        """Mark a question ``superseded`` unless applied; False if it already was final."""
 
     @abc.abstractmethod
     async def expired_leases(self, now: float, *, limit: int = 100) -> list[str]:

@@ -22,9 +22,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 from .._errors import (
+    AlreadyAnswered,
     CorruptRecord,
     LeaseHeld,
     LeaseLost,
+    QuestionNotFound,
     RunExists,
     RunNotFound,
     StoreError,
@@ -32,12 +34,15 @@ from .._errors import (
 )
 from ._base import (
     FORMAT_VERSION,
+    QUESTION_TRANSITIONS,
     RUN_TRANSITIONS,
     EventRow,
     FrozenInput,
     Harvest,
     NewRun,
     NodeRow,
+    QuestionRow,
+    QuestionStatus,
     ResultRow,
     RunRecord,
     RunStatus,
@@ -155,6 +160,7 @@ def duplicate_in_harvest(run_id: str, harvest: Harvest) -> str | None:
         ("result", ((r.node_id, r.visit) for r in harvest.results)),
         ("frozen input", ((f.node_id, f.activation) for f in harvest.frozen)),
         ("event", (e.seq for e in harvest.events)),
+        ("question", (q.question_id for q in harvest.questions)),
     )
     for kind, keys in checks:
         seen: set[object] = set()
@@ -163,6 +169,85 @@ def duplicate_in_harvest(run_id: str, harvest: Harvest) -> str | None:
                 return f"run {run_id!r}: harvest repeats {kind} {key!r}"
             seen.add(key)
     return None
+
+
+# --- question rules (Q2-Q5), shared by every backend -----------------------------
+# The SQL stores phrase the same conditions as WHERE clauses (see ``_sql``) so
+# that the compare-and-set is one atomic UPDATE; these functions are the
+# reference the memory store applies and the error messages all stores give.
+
+
+def answer_status(question_id: str, status: QuestionStatus) -> QuestionStatus:
+    """``status`` as the status an answer to ``question_id`` sets; ``ValueError`` unless ``answered`` or ``expired``."""
+    if status not in (QuestionStatus.ANSWERED, QuestionStatus.EXPIRED):
+        raise ValueError(
+            f"question {question_id!r}: an answer sets status 'answered' or 'expired', "
+            f"not {str(status)!r}"
+        )
+    return QuestionStatus(status)
+
+
+def check_new_questions(run_id: str, harvest: Harvest) -> None:
+    """Raise ``ValueError`` unless every question ``harvest`` of run ``run_id`` opens is open and unanswered."""
+    for q in harvest.questions:
+        answered = (q.answer_json, q.answered_by, q.answered_at, q.applied_at) != (None,) * 4
+        if q.status is not QuestionStatus.OPEN or answered:
+            raise ValueError(
+                f"run {run_id!r}: question {q.question_id!r} must be inserted open and "
+                f"unanswered (got status {str(q.status)!r}); nothing of this harvest was written"
+            )
+
+
+def parse_question_status(question_id: str, text: str) -> QuestionStatus:
+    """Decode the stored status ``text`` of question ``question_id``; :class:`CorruptRecord` if unknown."""
+    try:
+        return QuestionStatus(text)
+    except ValueError:
+        raise CorruptRecord(f"question {question_id!r} has unknown status {text!r}") from None
+
+
+def applied_status(status: QuestionStatus) -> QuestionStatus:
+    """The status a question in ``status`` has once its answer is applied (``expired`` stays)."""
+    return QuestionStatus.APPLIED if status is QuestionStatus.ANSWERED else status
+
+
+def can_apply(status: QuestionStatus, applied_at: float | None) -> bool:
+    """Whether the answer of a question in ``status``, applied at ``applied_at``, may be applied now (Q3)."""
+    return applied_at is None and applied_status(status) in QUESTION_TRANSITIONS[status]
+
+
+def can_supersede(status: QuestionStatus, applied_at: float | None) -> bool:
+    """Whether a question in ``status``, applied at ``applied_at``, may still become ``superseded``."""
+    return applied_at is None and QuestionStatus.SUPERSEDED in QUESTION_TRANSITIONS[status]
+
+
+def question_not_found(question_id: str) -> QuestionNotFound:
+    """The error for an unknown ``question_id``."""
+    return QuestionNotFound(f"no question {question_id!r} in the store")
+
+
+def not_open(question_id: str, status: QuestionStatus) -> AlreadyAnswered:
+    """The error for answering question ``question_id`` that is in ``status``, not ``open`` (Q2)."""
+    return AlreadyAnswered(
+        f"question {question_id!r} is already {status.value}, not open: "
+        "the first answer won and nothing was changed"
+    )
+
+
+def not_applicable(
+    question_id: str, status: QuestionStatus, applied_at: float | None, *, run_id: str | None
+) -> AlreadyAnswered:
+    """The error for applying question ``question_id`` in ``status`` (applied at ``applied_at``).
+
+    ``run_id`` names the run whose harvest was refused, or None outside a harvest.
+    """
+    already = applied_at is not None and status is not QuestionStatus.APPLIED
+    state = f"{status.value} and already applied" if already else status.value
+    where = f"run {run_id!r}: " if run_id is not None else ""
+    tail = "; nothing of this harvest was written" if run_id is not None else ""
+    return AlreadyAnswered(
+        f"{where}question {question_id!r} is {state}, so its answer cannot be applied{tail}"
+    )
 
 
 # --- the store ---------------------------------------------------------------
@@ -189,6 +274,7 @@ class MemoryStore(RunStore):
         self._results: dict[str, dict[tuple[str, int], ResultRow]] = {}
         self._frozen: dict[str, dict[tuple[str, int], FrozenInput]] = {}
         self._events: dict[str, dict[int, EventRow]] = {}
+        self._questions: dict[str, QuestionRow] = {}
 
     async def open(self) -> None:
         """Nothing to connect; kept for the contract. Idempotent."""
@@ -232,7 +318,8 @@ class MemoryStore(RunStore):
             self._events[run.run_id] = {}
 
     async def commit(self, run_id: str, token: int, harvest: Harvest) -> None:
-        """Apply ``harvest`` to ``run_id`` atomically if ``token`` is current (D1, D6)."""
+        """Apply ``harvest`` to ``run_id`` atomically if ``token`` is current (D1, D6, Q3)."""
+        check_new_questions(run_id, harvest)
         with self._lock:
             record = self._run(run_id)
             check_commit(
@@ -244,6 +331,9 @@ class MemoryStore(RunStore):
                 new=harvest.status,
             )
             self._check_no_rewrite(run_id, harvest)
+            now = self._clock()
+            questions = self._question_changes(run_id, harvest, now)  # may refuse: nothing written
+            self._questions.update(questions)
             self._nodes[run_id].update((n.node_id, n) for n in harvest.nodes)
             self._results[run_id].update(((r.node_id, r.visit), r) for r in harvest.results)
             self._frozen[run_id].update(((f.node_id, f.activation), f) for f in harvest.frozen)
@@ -253,7 +343,7 @@ class MemoryStore(RunStore):
                 state_json=harvest.state_json,
                 status=harvest.status,
                 error=harvest.error,
-                updated_at=self._clock(),
+                updated_at=now,
                 finished_at=harvest.finished_at
                 if harvest.finished_at is not None
                 else record.finished_at,
@@ -282,6 +372,38 @@ class MemoryStore(RunStore):
         for e in harvest.events:
             if e.seq in events:
                 yield f"run {run_id!r}: event seq {e.seq} already committed"
+        for q in harvest.questions:
+            if q.question_id in self._questions:
+                yield f"run {run_id!r}: question {q.question_id!r} already committed"
+
+    def _question_changes(
+        self, run_id: str, harvest: Harvest, now: float
+    ) -> dict[str, QuestionRow]:
+        """The question rows ``harvest`` inserts or changes; :class:`AlreadyAnswered` refuses it all.
+
+        In order: insert ``questions``, apply ``applied`` (each a compare-and-set,
+        so an id listed twice is refused), supersede ``superseded``.
+        """
+        changed = {q.question_id: q for q in harvest.questions}
+
+        def current(question_id: str) -> QuestionRow:
+            row = changed.get(question_id) or self._questions.get(question_id)
+            if row is None:
+                raise question_not_found(question_id)
+            return row
+
+        for question_id in harvest.applied:
+            row = current(question_id)
+            if not can_apply(row.status, row.applied_at):
+                raise not_applicable(question_id, row.status, row.applied_at, run_id=run_id)
+            changed[question_id] = dataclasses.replace(
+                row, status=applied_status(row.status), applied_at=now
+            )
+        for question_id in harvest.superseded:
+            row = current(question_id)
+            if can_supersede(row.status, row.applied_at):
+                changed[question_id] = dataclasses.replace(row, status=QuestionStatus.SUPERSEDED)
+        return changed
 
     async def load_run(self, run_id: str) -> StoredRun:
         """Return run ``run_id`` with its node rows; ``UnsupportedFormat`` if written by a newer tailrace."""
@@ -374,3 +496,100 @@ class MemoryStore(RunStore):
             ]
         orphans.sort(key=lambda r: (r.lease_expires or 0.0, r.run_id))
         return [r.run_id for r in orphans[: max(limit, 0)]]
+
+    # -- the question ledger (Q2-Q5) ---------------------------------------------
+
+    def _question(self, question_id: str) -> QuestionRow:
+        try:
+            return self._questions[question_id]
+        except KeyError:
+            raise question_not_found(question_id) from None
+
+    async def answer(
+        self,
+        question_id: str,
+        answer_json: str,
+        *,
+        by: str | None = None,
+        status: QuestionStatus = QuestionStatus.ANSWERED,
+    ) -> QuestionRow:
+        """First answer wins: compare-and-set ``open -> status`` and return the new row (Q2).
+
+        Args:
+            question_id: the question to answer.
+            answer_json: the encoded answer.
+            by: who answered (a person, a poller), stored as ``answered_by``.
+            status: ``answered``, or ``expired`` when the deadline passed (Q5).
+
+        ``AlreadyAnswered`` if the question is not ``open`` (nothing changes),
+        ``QuestionNotFound`` if unknown, ``ValueError`` for another ``status``.
+        """
+        status = answer_status(question_id, status)
+        with self._lock:
+            row = self._question(question_id)
+            if row.status is not QuestionStatus.OPEN:
+                raise not_open(question_id, row.status)
+            row = dataclasses.replace(
+                row, status=status, answer_json=answer_json, answered_by=by,
+                answered_at=self._clock(),
+            )  # fmt: skip
+            self._questions[question_id] = row
+            return row
+
+    async def get_question(self, question_id: str) -> QuestionRow:
+        """Return question ``question_id``; ``QuestionNotFound`` if absent."""
+        with self._lock:
+            return self._question(question_id)
+
+    async def list_questions(
+        self,
+        *,
+        status: QuestionStatus | None = None,
+        run_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[QuestionRow]:
+        """Questions oldest first (``created_at``, then id), only those in ``status`` and of ``run_id`` if given, at most ``limit``."""
+        with self._lock:
+            rows = [
+                q
+                for q in self._questions.values()
+                if status in (None, q.status) and run_id in (None, q.run_id)
+            ]
+        rows.sort(key=lambda q: (q.created_at, q.question_id))
+        return rows if limit is None else rows[: max(limit, 0)]
+
+    async def unapplied_answers(self, *, limit: int = 100) -> list[QuestionRow]:
+        """Answered or expired questions not applied yet, oldest ``answered_at`` first, at most ``limit`` (Q4)."""
+        with self._lock:
+            rows = [q for q in self._questions.values() if can_apply(q.status, q.applied_at)]
+        rows.sort(key=lambda q: (q.answered_at or 0.0, q.question_id))
+        return rows[: max(limit, 0)]
+
+    async def mark_applied(self, question_id: str) -> bool:
+        """Apply question ``question_id``'s answer outside a harvest; False if it cannot be (Q3).
+
+        ``answered`` becomes ``applied``; ``expired`` stays so; both get
+        ``applied_at``. ``QuestionNotFound`` if absent.
+        """
+        with self._lock:
+            row = self._question(question_id)
+            if not can_apply(row.status, row.applied_at):
+                return False
+            self._questions[question_id] = dataclasses.replace(
+                row, status=applied_status(row.status), applied_at=self._clock()
+            )
+            return True
+
+    async def supersede(self, question_id: str) -> bool:
+        """Mark question ``question_id`` ``superseded``; False if already applied or superseded.
+
+        ``QuestionNotFound`` if absent.
+        """
+        with self._lock:
+            row = self._question(question_id)
+            if not can_supersede(row.status, row.applied_at):
+                return False
+            self._questions[question_id] = dataclasses.replace(
+                row, status=QuestionStatus.SUPERSEDED
+            )
+            return True

@@ -29,6 +29,8 @@ from ._base import (
     Harvest,
     NewRun,
     NodeRow,
+    QuestionRow,
+    QuestionStatus,
     ResultRow,
     RunRecord,
     RunStatus,
@@ -36,28 +38,42 @@ from ._base import (
     StoredRun,
 )
 from ._memory import (
+    answer_status,
     check_commit,
     check_holder,
     check_new_format,
+    check_new_questions,
     check_readable,
     check_ttl,
     grant_lease,
+    not_applicable,
+    not_open,
+    parse_question_status,
     parse_status,
+    question_not_found,
 )
-from ._sqlite import (
+from ._sql import (
+    ANSWER_QUESTION,
+    APPLY_QUESTION,
     CREATE_MIGRATIONS_TABLE,
     EVENT_COLUMNS,
     EXPIRED_LEASES,
     INSERT_RUN,
     MIGRATIONS,
+    QUESTION_STATE,
     RUN_COLUMNS,
     SCHEMA_VERSION,
+    SELECT_QUESTION,
+    SUPERSEDE_QUESTION,
+    UNAPPLIED_ANSWERS,
     UPDATE_RUN,
     UPSERT_NODE,
     event_from_row,
     harvest_rows,
+    list_questions_query,
     new_run_params,
     node_params,
+    question_from_row,
     record_from_row,
     run_update_params,
 )
@@ -208,7 +224,8 @@ class PostgresStore(RunStore):
                 raise RunExists(f"run {run.run_id!r} already exists")
 
     async def commit(self, run_id: str, token: int, harvest: Harvest) -> None:
-        """Apply ``harvest`` to ``run_id`` in one transaction if ``token`` is current (D1, D6)."""
+        """Apply ``harvest`` to ``run_id`` in one transaction if ``token`` is current (D1, D6, Q3)."""
+        check_new_questions(run_id, harvest)
         async with self._connection(f"run {run_id!r}") as conn, conn.transaction():
             row = await _fetch_run_row(
                 conn,
@@ -219,22 +236,15 @@ class PostgresStore(RunStore):
                 run_id, current=parse_status(run_id, row[0]), format_version=row[1],
                 lease_token=row[2], token=token, new=harvest.status,
             )  # fmt: skip
+            now = self._clock()
             try:
-                await self._write_harvest(conn, run_id, harvest)
+                await _write_harvest(conn, run_id, harvest, now)
             except psycopg.errors.UniqueViolation as exc:  # nothing committed is rewritten (D1)
                 raise StoreError(
                     f"run {run_id!r}: harvest would rewrite a committed row "
                     f"({exc.diag.message_detail}); nothing of it was written"
                 ) from exc
-
-    async def _write_harvest(self, conn: _Conn, run_id: str, harvest: Harvest) -> None:
-        async with conn.pipeline(), conn.cursor() as cur:
-            if harvest.nodes:
-                await cur.executemany(_pg(UPSERT_NODE), node_params(run_id, harvest))
-            rows = harvest_rows(run_id, harvest)
-            for statement, group in itertools.groupby(rows, key=lambda row: row[0]):
-                await cur.executemany(_pg(statement), [values for _, values, _ in group])
-            await cur.execute(_pg(UPDATE_RUN), run_update_params(run_id, harvest, self._clock()))
+            await _apply_question_changes(conn, run_id, harvest, now)  # may refuse it all
 
     async def load_run(self, run_id: str) -> StoredRun:
         """Return run ``run_id`` with its node rows; ``UnsupportedFormat`` if written by a newer tailrace."""
@@ -352,6 +362,137 @@ class PostgresStore(RunStore):
         async with self._connection("finding expired leases") as conn:
             cur = await conn.execute(_pg(EXPIRED_LEASES), (now, max(limit, 0)))
             return [r[0] for r in await cur.fetchall()]
+
+    # -- the question ledger (Q2-Q5) ---------------------------------------------
+
+    async def answer(
+        self,
+        question_id: str,
+        answer_json: str,
+        *,
+        by: str | None = None,
+        status: QuestionStatus = QuestionStatus.ANSWERED,
+    ) -> QuestionRow:
+        """First answer wins: one atomic ``UPDATE ... WHERE status = 'open'`` (Q2); returns the new row.
+
+        Args:
+            question_id: the question to answer.
+            answer_json: the encoded answer.
+            by: who answered (a person, a poller), stored as ``answered_by``.
+            status: ``answered``, or ``expired`` when the deadline passed (Q5).
+
+        ``AlreadyAnswered`` if the question is not ``open`` (nothing changes),
+        ``QuestionNotFound`` if unknown, ``ValueError`` for another ``status``.
+        """
+        new_status = answer_status(question_id, status)
+        values = (new_status.value, answer_json, by, self._clock(), question_id)
+        async with self._connection(f"question {question_id!r}") as conn:
+            cur = await conn.execute(_pg(ANSWER_QUESTION), values)
+            row = await cur.fetchone()
+            if row is None:  # a question never goes back to open: this state is final enough
+                raise not_open(question_id, (await _question_state(conn, question_id))[0])
+            return question_from_row(row)
+
+    async def get_question(self, question_id: str) -> QuestionRow:
+        """Return question ``question_id``; ``QuestionNotFound`` if absent."""
+        async with self._connection(f"question {question_id!r}") as conn:
+            cur = await conn.execute(_pg(SELECT_QUESTION), (question_id,))
+            row = await cur.fetchone()
+        if row is None:
+            raise question_not_found(question_id)
+        return question_from_row(row)
+
+    async def list_questions(
+        self,
+        *,
+        status: QuestionStatus | None = None,
+        run_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[QuestionRow]:
+        """Questions oldest first (``created_at``, then id), only those in ``status`` and of ``run_id`` if given, at most ``limit``."""
+        query, params = list_questions_query(status, run_id)
+        params += (None if limit is None else max(limit, 0),)
+        return await self._questions("listing questions", _pg(query), params)
+
+    async def unapplied_answers(self, *, limit: int = 100) -> list[QuestionRow]:
+        """Answered or expired questions not applied yet, oldest ``answered_at`` first, at most ``limit`` (Q4)."""
+        return await self._questions(
+            "listing unapplied answers", _pg(UNAPPLIED_ANSWERS), (max(limit, 0),)
+        )
+
+    async def _questions(
+        self, context: str, query: str, params: tuple[object, ...]
+    ) -> list[QuestionRow]:
+        async with self._connection(context) as conn:
+            cur = await conn.execute(query, params)
+            return [question_from_row(r) for r in await cur.fetchall()]
+
+    async def mark_applied(self, question_id: str) -> bool:
+        """Apply question ``question_id``'s answer outside a harvest; False if it cannot be (Q3).
+
+        The same atomic compare-and-set as a harvest's ``applied``: ``answered``
+        becomes ``applied``, ``expired`` stays so, both get ``applied_at``.
+        ``QuestionNotFound`` if absent.
+        """
+        async with self._connection(f"question {question_id!r}") as conn:
+            values = (self._clock(), question_id)
+            return await _changed_one(conn, _pg(APPLY_QUESTION), values, question_id)
+
+    async def supersede(self, question_id: str) -> bool:
+        """Mark question ``question_id`` ``superseded``; False if already applied or superseded.
+
+        ``QuestionNotFound`` if absent.
+        """
+        async with self._connection(f"question {question_id!r}") as conn:
+            return await _changed_one(conn, _pg(SUPERSEDE_QUESTION), (question_id,), question_id)
+
+
+async def _write_harvest(conn: _Conn, run_id: str, harvest: Harvest, now: float) -> None:
+    """Upsert the node rows, insert the append-only rows and questions, update the run."""
+    async with conn.pipeline(), conn.cursor() as cur:
+        if harvest.nodes:
+            await cur.executemany(_pg(UPSERT_NODE), node_params(run_id, harvest))
+        rows = harvest_rows(run_id, harvest)
+        for statement, group in itertools.groupby(rows, key=lambda row: row[0]):
+            await cur.executemany(_pg(statement), [values for _, values, _ in group])
+        await cur.execute(_pg(UPDATE_RUN), run_update_params(run_id, harvest, now))
+
+
+async def _apply_question_changes(conn: _Conn, run_id: str, harvest: Harvest, now: float) -> None:
+    """Apply, then supersede, the questions of ``harvest`` (inserted already); refuse it all on a lost CAS.
+
+    Each apply is one ``UPDATE ... WHERE`` checked by its row count: a racing
+    transaction waits for the row lock, then re-checks the condition and finds
+    the answer applied, so exactly one harvest applies it (Q3). Ids are taken
+    in sorted order so that two harvests never wait on each other's rows.
+    """
+    for question_id in sorted(harvest.applied):
+        cur = await conn.execute(_pg(APPLY_QUESTION), (now, question_id))
+        if cur.rowcount != 1:
+            status, applied_at = await _question_state(conn, question_id)
+            raise not_applicable(question_id, status, applied_at, run_id=run_id)
+    for question_id in sorted(harvest.superseded):
+        await _changed_one(conn, _pg(SUPERSEDE_QUESTION), (question_id,), question_id)
+
+
+async def _question_state(conn: _Conn, question_id: str) -> tuple[QuestionStatus, Any]:
+    """``(status, applied_at)`` of question ``question_id``; :class:`QuestionNotFound` if absent."""
+    cur = await conn.execute(_pg(QUESTION_STATE), (question_id,))
+    row = await cur.fetchone()
+    if row is None:
+        raise question_not_found(question_id)
+    return parse_question_status(question_id, row[0]), row[1]
+
+
+async def _changed_one(
+    conn: _Conn, update: str, values: tuple[object, ...], question_id: str
+) -> bool:
+    """Run a question compare-and-set: True if it changed the row, False if it did not apply."""
+    cur = await conn.execute(update, values)
+    if cur.rowcount == 1:
+        return True
+    await _question_state(conn, question_id)  # QuestionNotFound when there is no such question
+    return False
 
 
 async def _fetch_run_row(conn: _Conn, query: str, run_id: str) -> tuple[Any, ...]:

@@ -7,22 +7,18 @@ a fenced-out or failing request is rolled back alone), and only after COMMIT
 resolves each caller's future on its own loop. Reads run on a small pool of
 threads with their own read-only connections; WAL lets them proceed while the
 writer commits. Several processes may share one file: ``BEGIN IMMEDIATE`` and
-the busy timeout serialise their writers.
+the busy timeout serialise their writers. The threads live in
+``_sqlite_threads``; the schema and SQL, shared with Postgres, in ``_sql``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import queue
 import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, cast
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 from .._errors import RunExists, RunNotFound, StoreError, UnsupportedFormat
 from ._base import (
@@ -31,6 +27,8 @@ from ._base import (
     Harvest,
     NewRun,
     NodeRow,
+    QuestionRow,
+    QuestionStatus,
     ResultRow,
     RunRecord,
     RunStatus,
@@ -38,151 +36,49 @@ from ._base import (
     StoredRun,
 )
 from ._memory import (
-    EMPTY_STATE_JSON,
+    answer_status,
     check_commit,
     check_holder,
     check_new_format,
+    check_new_questions,
     check_readable,
     check_ttl,
     grant_lease,
+    not_applicable,
+    not_open,
+    parse_question_status,
     parse_status,
+    question_not_found,
 )
+from ._sql import (
+    ANSWER_QUESTION,
+    APPLY_QUESTION,
+    CREATE_MIGRATIONS_TABLE,
+    EVENT_COLUMNS,
+    EXPIRED_LEASES,
+    INSERT_RUN,
+    MIGRATIONS,
+    QUESTION_STATE,
+    RUN_COLUMNS,
+    SCHEMA_VERSION,
+    SELECT_QUESTION,
+    SUPERSEDE_QUESTION,
+    UNAPPLIED_ANSWERS,
+    UPDATE_RUN,
+    UPSERT_NODE,
+    append_only_rows,
+    event_from_row,
+    harvest_rows,
+    list_questions_query,
+    new_run_params,
+    node_params,
+    question_from_row,
+    record_from_row,
+    run_update_params,
+)
+from ._sqlite_threads import Readers, Writer
 
 T = TypeVar("T")
-
-# --- schema and SQL, shared with the Postgres store ----------------------------
-# Written once in the common dialect: "?" placeholders (Postgres swaps in "%s"),
-# and a /*WITHOUT ROWID*/ comment that SQLite turns into the clause.
-
-RUN_FIELDS = (
-    "run_id", "graph_name", "graph_ref", "fingerprint", "status", "input_json", "state_json",
-    "error", "created_at", "updated_at", "finished_at", "nodes_done", "lease_owner",
-    "lease_expires", "lease_token", "format_version",
-)  # fmt: skip
-RUN_COLUMNS = ", ".join(RUN_FIELDS)
-EVENT_FIELDS = ("seq", "type", "node_id", "visit", "attempt", "ts", "data_json")
-EVENT_COLUMNS = ", ".join(EVENT_FIELDS)
-
-INSERT_RUN = f"INSERT INTO runs ({RUN_COLUMNS}) VALUES ({', '.join('?' * len(RUN_FIELDS))})"
-UPSERT_NODE = (
-    "INSERT INTO node_states (run_id, node_id, status, visits, data_json) VALUES (?, ?, ?, ?, ?) "
-    "ON CONFLICT (run_id, node_id) DO UPDATE SET status = excluded.status, "
-    "visits = excluded.visits, data_json = excluded.data_json"
-)
-INSERT_RESULT = "INSERT INTO results (run_id, node_id, visit, value_json) VALUES (?, ?, ?, ?)"
-INSERT_FROZEN = (
-    "INSERT INTO frozen_inputs (run_id, node_id, activation, payload_json) VALUES (?, ?, ?, ?)"
-)
-INSERT_EVENT = f"INSERT INTO events (run_id, {EVENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
-UPDATE_RUN = (
-    "UPDATE runs SET state_json = ?, status = ?, error = ?, updated_at = ?, "
-    "finished_at = COALESCE(?, finished_at), nodes_done = nodes_done + ? WHERE run_id = ?"
-)
-EXPIRED_LEASES = (
-    "SELECT run_id FROM runs WHERE status = 'running' AND (lease_owner IS NULL "
-    "OR lease_expires IS NULL OR lease_expires < ?) "
-    "ORDER BY COALESCE(lease_expires, 0), run_id LIMIT ?"
-)
-
-#: Numbered migrations; a later one will add the ``questions`` table (issue 4).
-MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
-    (
-        1,
-        (
-            """CREATE TABLE runs (
-                run_id TEXT PRIMARY KEY, graph_name TEXT NOT NULL, graph_ref TEXT,
-                fingerprint TEXT NOT NULL, status TEXT NOT NULL, input_json TEXT NOT NULL,
-                state_json TEXT NOT NULL, error TEXT, created_at DOUBLE PRECISION NOT NULL,
-                updated_at DOUBLE PRECISION NOT NULL, finished_at DOUBLE PRECISION,
-                nodes_done BIGINT NOT NULL DEFAULT 0, lease_owner TEXT,
-                lease_expires DOUBLE PRECISION, lease_token BIGINT NOT NULL DEFAULT 0,
-                format_version INTEGER NOT NULL)""",
-            "CREATE INDEX runs_by_created ON runs (created_at, run_id)",
-            "CREATE INDEX runs_by_status ON runs (status, lease_expires)",
-            """CREATE TABLE node_states (
-                run_id TEXT NOT NULL, node_id TEXT NOT NULL, status TEXT NOT NULL,
-                visits INTEGER NOT NULL, data_json TEXT NOT NULL,
-                PRIMARY KEY (run_id, node_id)) /*WITHOUT ROWID*/""",
-            """CREATE TABLE results (
-                run_id TEXT NOT NULL, node_id TEXT NOT NULL, visit INTEGER NOT NULL,
-                value_json TEXT NOT NULL, PRIMARY KEY (run_id, node_id, visit)) /*WITHOUT ROWID*/""",
-            """CREATE TABLE frozen_inputs (
-                run_id TEXT NOT NULL, node_id TEXT NOT NULL, activation INTEGER NOT NULL,
-                payload_json TEXT NOT NULL,
-                PRIMARY KEY (run_id, node_id, activation)) /*WITHOUT ROWID*/""",
-            """CREATE TABLE events (
-                run_id TEXT NOT NULL, seq BIGINT NOT NULL, type TEXT NOT NULL, node_id TEXT,
-                visit INTEGER, attempt INTEGER, ts DOUBLE PRECISION NOT NULL,
-                data_json TEXT NOT NULL, PRIMARY KEY (run_id, seq)) /*WITHOUT ROWID*/""",
-        ),
-    ),
-)
-SCHEMA_VERSION = MIGRATIONS[-1][0]
-CREATE_MIGRATIONS_TABLE = (
-    "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, "
-    "applied_at DOUBLE PRECISION NOT NULL)"
-)
-
-
-def record_from_row(row: Sequence[Any]) -> RunRecord:
-    """Decode ``row``, a ``runs`` row selected with :data:`RUN_COLUMNS`."""
-    fields = dict(zip(RUN_FIELDS, row, strict=True))
-    fields["status"] = parse_status(row[0], row[4])
-    return RunRecord(**fields)
-
-
-def event_from_row(row: Sequence[Any]) -> EventRow:
-    """Decode ``row``, an ``events`` row selected with :data:`EVENT_COLUMNS`."""
-    return EventRow(**dict(zip(EVENT_FIELDS, row, strict=True)))
-
-
-def new_run_params(run: NewRun) -> tuple[object, ...]:
-    """Values of the fresh ``runs`` row for ``run``, in :data:`RUN_COLUMNS` order."""
-    status, state, at = RunStatus.RUNNING.value, EMPTY_STATE_JSON, run.created_at
-    return (
-        run.run_id, run.graph_name, run.graph_ref, run.fingerprint, status, run.input_json,
-        state, None, at, at, None, 0, None, None, 0, run.format_version,
-    )  # fmt: skip
-
-
-def harvest_rows(run_id: str, harvest: Harvest) -> Iterator[tuple[str, tuple[object, ...], str]]:
-    """Append-only rows of ``harvest`` for run ``run_id``: ``(insert, values, what it is)``."""
-    for r in harvest.results:
-        what = f"run {run_id!r}: result of node {r.node_id!r} visit {r.visit}"
-        yield INSERT_RESULT, (run_id, r.node_id, r.visit, r.value_json), what
-    for f in harvest.frozen:
-        what = f"run {run_id!r}: frozen input of node {f.node_id!r} activation {f.activation}"
-        yield INSERT_FROZEN, (run_id, f.node_id, f.activation, f.payload_json), what
-    for e in harvest.events:
-        values = (run_id, e.seq, e.type, e.node_id, e.visit, e.attempt, e.ts, e.data_json)
-        yield INSERT_EVENT, values, f"run {run_id!r}: event seq {e.seq}"
-
-
-def append_only_rows(run_id: str, harvest: Harvest) -> list[tuple[str, list[tuple[object, ...]]]]:
-    """Append-only rows of ``harvest`` grouped by statement, for ``executemany``."""
-    groups: list[tuple[str, list[tuple[object, ...]]]] = []
-    if harvest.results:
-        groups.append(
-            (INSERT_RESULT, [(run_id, r.node_id, r.visit, r.value_json) for r in harvest.results])
-        )
-    if harvest.frozen:
-        groups.append(
-            (
-                INSERT_FROZEN,
-                [(run_id, f.node_id, f.activation, f.payload_json) for f in harvest.frozen],
-            )
-        )
-    if harvest.events:
-        groups.append(
-            (
-                INSERT_EVENT,
-                [
-                    (run_id, e.seq, e.type, e.node_id, e.visit, e.attempt, e.ts, e.data_json)
-                    for e in harvest.events
-                ],
-            )
-        )
-    return groups
 
 
 def first_duplicate(conn: sqlite3.Connection, run_id: str, harvest: Harvest) -> str:
@@ -194,19 +90,6 @@ def first_duplicate(conn: sqlite3.Connection, run_id: str, harvest: Harvest) -> 
         except sqlite3.IntegrityError:
             return what
     return f"run {run_id!r}: a row of this harvest"
-
-
-def node_params(run_id: str, harvest: Harvest) -> list[tuple[object, ...]]:
-    """Values for :data:`UPSERT_NODE`, one tuple per node row of ``harvest`` in run ``run_id``."""
-    return [(run_id, n.node_id, n.status, n.visits, n.data_json) for n in harvest.nodes]
-
-
-def run_update_params(run_id: str, harvest: Harvest, now: float) -> tuple[object, ...]:
-    """Values for :data:`UPDATE_RUN` applying ``harvest`` to run ``run_id`` at time ``now``."""
-    return (
-        harvest.state_json, harvest.status.value, harvest.error, now, harvest.finished_at,
-        harvest.nodes_done_delta, run_id,
-    )  # fmt: skip
 
 
 def _newer_schema(where: str, version: int) -> UnsupportedFormat:
@@ -251,217 +134,6 @@ def _migrate(conn: sqlite3.Connection, where: str) -> None:
         raise
 
 
-# --- the writer thread ---------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Write:
-    apply: Callable[[sqlite3.Connection], object]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[Any]
-    context: str
-
-
-_Outcome = tuple[_Write, bool, object]
-
-
-def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
-    if future.done():  # the caller was cancelled meanwhile
-        return
-    if ok:
-        future.set_result(value)
-    else:
-        future.set_exception(value)
-
-
-def _deliver(write: _Write, ok: bool, value: object) -> None:
-    with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
-        write.loop.call_soon_threadsafe(_settle, write.future, ok, value)
-
-
-def _store_error(message: str, cause: BaseException) -> StoreError:
-    error = StoreError(message)
-    error.__cause__ = cause
-    return error
-
-
-def _map_error(exc: Exception, context: str) -> Exception:
-    if isinstance(exc, sqlite3.Error):
-        return _store_error(f"{context}: {exc}", exc)
-    return exc  # ours (LeaseLost, RunExists, ...) pass through, and so do bugs
-
-
-class _Writer:
-    """Owns the write connection on one thread and commits queued writes in groups."""
-
-    def __init__(self, conn: sqlite3.Connection, *, max_batch: int, name: str) -> None:
-        self._conn = conn
-        self._max_batch = max_batch
-        self._queue: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
-
-    async def submit(self, context: str, apply: Callable[[sqlite3.Connection], T]) -> T:
-        """Queue ``apply`` and wait until the group it joined has committed."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        with self._lock:
-            if self._stopping:
-                raise StoreError(f"{context}: the SQLite store is closed")
-            self._queue.put(_Write(apply, loop, future, context))
-        return await future
-
-    def stop(self) -> None:
-        """Apply every write queued so far, then end the thread (blocking)."""
-        with self._lock:
-            if not self._stopping:
-                self._stopping = True
-                self._queue.put(None)
-        self._thread.join()
-
-    def _main(self) -> None:
-        try:
-            done = False
-            while not done:
-                batch, done = self._next_batch()
-                try:
-                    self._commit_batch(batch)
-                except Exception as exc:  # a bug must not kill the writer; callers hear of it
-                    self._rollback_quietly()
-                    for write in batch:
-                        _deliver(write, False, _store_error(f"{write.context}: {exc!r}", exc))
-        finally:
-            self._conn.close()
-
-    def _next_batch(self) -> tuple[list[_Write], bool]:
-        """Block for one request, then take every one already waiting (the group)."""
-        batch: list[_Write] = []
-        item = self._queue.get()
-        while item is not None:
-            batch.append(item)
-            if len(batch) >= self._max_batch:
-                return batch, False
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return batch, False
-        return batch, True
-
-    def _commit_batch(self, batch: list[_Write]) -> None:
-        live = [w for w in batch if not w.future.cancelled()]  # cancelled before it began
-        if not live:
-            return
-        try:
-            self._conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as exc:
-            for w in live:
-                _deliver(w, False, _store_error(f"{w.context}: cannot begin a write: {exc}", exc))
-            return
-        outcomes: list[_Outcome] = []
-        for w in live:
-            ok, value, lost = self._apply_one(w)
-            outcomes.append((w, ok, value))
-            if lost:  # SQLite rolled back the whole group: none of it is durable
-                self._rollback_quietly()
-                outcomes = _all_failed(outcomes, live, f"a grouped write failed: {value}")
-                break
-        else:
-            try:
-                self._conn.execute("COMMIT")
-            except sqlite3.Error as exc:
-                self._rollback_quietly()
-                outcomes = _all_failed(outcomes, live, f"commit failed: {exc}")
-        for w, ok, value in outcomes:
-            _deliver(w, ok, value)
-
-    def _apply_one(self, write: _Write) -> tuple[bool, object, bool]:
-        """Run one request in its own savepoint: ``(ok, value or error, transaction lost)``."""
-        conn = self._conn
-        try:
-            conn.execute("SAVEPOINT tailrace_write")
-        except sqlite3.Error as exc:
-            return False, _map_error(exc, write.context), True
-        try:
-            value = write.apply(conn)
-        except Exception as exc:
-            error = _map_error(exc, write.context)
-            try:
-                conn.execute("ROLLBACK TO tailrace_write")
-                conn.execute("RELEASE tailrace_write")
-            except sqlite3.Error:
-                return False, error, True
-            return False, error, not conn.in_transaction
-        try:
-            conn.execute("RELEASE tailrace_write")
-        except sqlite3.Error as exc:
-            return False, _map_error(exc, write.context), True
-        return True, value, False
-
-    def _rollback_quietly(self) -> None:
-        if self._conn.in_transaction:  # if ROLLBACK fails too, the next BEGIN reports it
-            with contextlib.suppress(sqlite3.Error):
-                self._conn.execute("ROLLBACK")
-
-
-def _all_failed(outcomes: list[_Outcome], live: list[_Write], reason: str) -> list[_Outcome]:
-    """Outcomes once the group's transaction is gone: own errors stay, the rest fail."""
-    failed: list[_Outcome] = [
-        (w, False, v if not ok else StoreError(f"{w.context}: {reason}")) for w, ok, v in outcomes
-    ]
-    failed += [(w, False, StoreError(f"{w.context}: {reason}")) for w in live[len(outcomes) :]]
-    return failed
-
-
-# --- the reader threads --------------------------------------------------------
-
-
-class _Readers:
-    """A few threads, each with its own read-only connection, for reads off the loop."""
-
-    def __init__(self, connect: Callable[[], sqlite3.Connection], count: int) -> None:
-        self._connect = connect
-        self._executor = ThreadPoolExecutor(count, thread_name_prefix="tailrace-sqlite-read")
-        self._local = threading.local()
-        self._conns: list[sqlite3.Connection] = []
-        self._lock = threading.Lock()
-
-    async def run(self, context: str, read: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``read`` in one read transaction on a reader thread."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._run, context, read)
-
-    def _run(self, context: str, read: Callable[[sqlite3.Connection], T]) -> T:
-        try:
-            conn = self._connection()
-            conn.execute("BEGIN")
-            try:
-                return read(conn)
-            finally:
-                conn.execute("ROLLBACK")
-        except sqlite3.Error as exc:
-            raise StoreError(f"{context}: {exc}") from exc
-
-    def _connection(self) -> sqlite3.Connection:
-        conn = cast("sqlite3.Connection | None", getattr(self._local, "conn", None))
-        if conn is None:
-            conn = self._connect()
-            conn.execute("PRAGMA query_only = ON")
-            self._local.conn = conn
-            with self._lock:
-                self._conns.append(conn)
-        return conn
-
-    def close(self) -> None:
-        """Finish running reads and close every connection (blocking)."""
-        self._executor.shutdown(wait=True)
-        with self._lock:
-            conns, self._conns = self._conns, []
-        for conn in conns:
-            conn.close()
-
-
 # --- the store -----------------------------------------------------------------
 
 
@@ -503,8 +175,8 @@ class SQLiteStore(RunStore):
         self._reader_count = readers
         self._max_batch = max_batch
         self._clock = clock
-        self._writer: _Writer | None = None
-        self._readers: _Readers | None = None
+        self._writer: Writer | None = None
+        self._readers: Readers | None = None
 
     @property
     def path(self) -> str:
@@ -545,8 +217,8 @@ class SQLiteStore(RunStore):
         if self._writer is not None:
             return
         conn = await asyncio.to_thread(self._open_writer_connection)
-        self._writer = _Writer(conn, max_batch=self._max_batch, name="tailrace-sqlite-writer")
-        self._readers = _Readers(self._connect, self._reader_count)
+        self._writer = Writer(conn, max_batch=self._max_batch, name="tailrace-sqlite-writer")
+        self._readers = Readers(self._connect, self._reader_count)
 
     async def close(self) -> None:
         """Commit every write already submitted, then stop the threads. Idempotent."""
@@ -579,7 +251,8 @@ class SQLiteStore(RunStore):
         await self._write(f"run {run.run_id!r}", apply)
 
     async def commit(self, run_id: str, token: int, harvest: Harvest) -> None:
-        """Apply ``harvest`` to ``run_id`` in one transaction if ``token`` is current (D1, D6)."""
+        """Apply ``harvest`` to ``run_id`` in one transaction if ``token`` is current (D1, D6, Q3)."""
+        check_new_questions(run_id, harvest)
         await self._write(
             f"run {run_id!r}", lambda conn: self._apply_harvest(conn, run_id, token, harvest)
         )
@@ -601,7 +274,9 @@ class SQLiteStore(RunStore):
         except sqlite3.IntegrityError as exc:  # nothing committed is rewritten (D1)
             what = first_duplicate(conn, run_id, harvest)
             raise StoreError(f"{what} already committed; nothing of it was written") from exc
-        conn.execute(UPDATE_RUN, run_update_params(run_id, harvest, self._clock()))
+        now = self._clock()
+        _apply_question_changes(conn, run_id, harvest, now)  # in the savepoint: may refuse all
+        conn.execute(UPDATE_RUN, run_update_params(run_id, harvest, now))
 
     async def load_run(self, run_id: str) -> StoredRun:
         """Return run ``run_id`` with its node rows; ``UnsupportedFormat`` if written by a newer tailrace."""
@@ -728,6 +403,129 @@ class SQLiteStore(RunStore):
             "finding expired leases",
             lambda conn: [r[0] for r in conn.execute(EXPIRED_LEASES, params)],
         )
+
+    # -- the question ledger (Q2-Q5) ---------------------------------------------
+
+    async def answer(
+        self,
+        question_id: str,
+        answer_json: str,
+        *,
+        by: str | None = None,
+        status: QuestionStatus = QuestionStatus.ANSWERED,
+    ) -> QuestionRow:
+        """First answer wins: one atomic ``UPDATE ... WHERE status = 'open'`` (Q2); returns the new row.
+
+        Args:
+            question_id: the question to answer.
+            answer_json: the encoded answer.
+            by: who answered (a person, a poller), stored as ``answered_by``.
+            status: ``answered``, or ``expired`` when the deadline passed (Q5).
+
+        ``AlreadyAnswered`` if the question is not ``open`` (nothing changes),
+        ``QuestionNotFound`` if unknown, ``ValueError`` for another ``status``.
+        """
+        new_status = answer_status(question_id, status)
+
+        def apply(conn: sqlite3.Connection) -> QuestionRow:
+            values = (new_status.value, answer_json, by, self._clock(), question_id)
+            rows = conn.execute(ANSWER_QUESTION, values).fetchall()
+            if not rows:
+                raise not_open(question_id, _question_state(conn, question_id)[0])
+            return question_from_row(rows[0])
+
+        return await self._write(f"question {question_id!r}", apply)
+
+    async def get_question(self, question_id: str) -> QuestionRow:
+        """Return question ``question_id``; ``QuestionNotFound`` if absent."""
+
+        def read(conn: sqlite3.Connection) -> QuestionRow:
+            row = conn.execute(SELECT_QUESTION, (question_id,)).fetchone()
+            if row is None:
+                raise question_not_found(question_id)
+            return question_from_row(row)
+
+        return await self._read(f"question {question_id!r}", read)
+
+    async def list_questions(
+        self,
+        *,
+        status: QuestionStatus | None = None,
+        run_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[QuestionRow]:
+        """Questions oldest first (``created_at``, then id), only those in ``status`` and of ``run_id`` if given, at most ``limit``."""
+        query, params = list_questions_query(status, run_id)
+        params += (-1 if limit is None else max(limit, 0),)
+        return await self._read(
+            "listing questions",
+            lambda conn: [question_from_row(r) for r in conn.execute(query, params)],
+        )
+
+    async def unapplied_answers(self, *, limit: int = 100) -> list[QuestionRow]:
+        """Answered or expired questions not applied yet, oldest ``answered_at`` first, at most ``limit`` (Q4)."""
+        params = (max(limit, 0),)
+        return await self._read(
+            "listing unapplied answers",
+            lambda conn: [question_from_row(r) for r in conn.execute(UNAPPLIED_ANSWERS, params)],
+        )
+
+    async def mark_applied(self, question_id: str) -> bool:
+        """Apply question ``question_id``'s answer outside a harvest; False if it cannot be (Q3).
+
+        The same atomic compare-and-set as a harvest's ``applied``: ``answered``
+        becomes ``applied``, ``expired`` stays so, both get ``applied_at``.
+        ``QuestionNotFound`` if absent.
+        """
+
+        def apply(conn: sqlite3.Connection) -> bool:
+            return _changed_one(conn, APPLY_QUESTION, (self._clock(), question_id), question_id)
+
+        return await self._write(f"question {question_id!r}", apply)
+
+    async def supersede(self, question_id: str) -> bool:
+        """Mark question ``question_id`` ``superseded``; False if already applied or superseded.
+
+        ``QuestionNotFound`` if absent.
+        """
+        return await self._write(
+            f"question {question_id!r}",
+            lambda conn: _changed_one(conn, SUPERSEDE_QUESTION, (question_id,), question_id),
+        )
+
+
+def _question_state(conn: sqlite3.Connection, question_id: str) -> tuple[QuestionStatus, Any]:
+    """``(status, applied_at)`` of question ``question_id``; :class:`QuestionNotFound` if absent."""
+    row = conn.execute(QUESTION_STATE, (question_id,)).fetchone()
+    if row is None:
+        raise question_not_found(question_id)
+    return parse_question_status(question_id, row[0]), row[1]
+
+
+def _changed_one(
+    conn: sqlite3.Connection, update: str, values: tuple[object, ...], question_id: str
+) -> bool:
+    """Run a question compare-and-set: True if it changed the row, False if it did not apply."""
+    if conn.execute(update, values).rowcount == 1:
+        return True
+    _question_state(conn, question_id)  # QuestionNotFound when there is no such question
+    return False
+
+
+def _apply_question_changes(
+    conn: sqlite3.Connection, run_id: str, harvest: Harvest, now: float
+) -> None:
+    """Apply, then supersede, the questions of ``harvest`` (inserted already); refuse it all on a lost CAS.
+
+    Each apply is one ``UPDATE ... WHERE`` checked by its row count, so across
+    connections and processes exactly one harvest applies an answer (Q3).
+    """
+    for question_id in harvest.applied:
+        if conn.execute(APPLY_QUESTION, (now, question_id)).rowcount != 1:
+            status, applied_at = _question_state(conn, question_id)
+            raise not_applicable(question_id, status, applied_at, run_id=run_id)
+    for question_id in harvest.superseded:
+        _changed_one(conn, SUPERSEDE_QUESTION, (question_id,), question_id)
 
 
 def _one(conn: sqlite3.Connection, sql: str, run_id: str) -> Any:

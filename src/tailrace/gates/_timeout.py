@@ -1,0 +1,41 @@
+"""``GateTimeout``: the answer a gate gets when its deadline passes (Q5)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MARKER = "$tailrace"
+KIND = "gate_timeout"
+
+
+class GateTimeout(dict[str, Any]):
+    """A gate's answer after its deadline passed; route on it with a switch.
+
+    It is a ``dict`` so that it stores as plain JSON; the default codec turns
+    it back into a ``GateTimeout`` when a run is resumed.
+
+    >>> t = GateTimeout(question_id="q1", deadline=10.0)
+    >>> isinstance(t, GateTimeout), t["question_id"], t.deadline
+    (True, 'q1', 10.0)
+    """
+
+    def __init__(self, *, question_id: str, deadline: float | None) -> None:
+        super().__init__({MARKER: KIND, "question_id": question_id, "deadline": deadline})
+
+    @property
+    def question_id(self) -> str:
+        """The question that timed out."""
+        return str(self["question_id"])
+
+    @property
+    def deadline(self) -> float | None:
+        """The wall-clock deadline that passed."""
+        value = self["deadline"]
+        return None if value is None else float(value)
+
+
+def revive(data: dict[str, Any]) -> Any:
+    """JSON object hook: rebuild a ``GateTimeout`` from its stored form (``data``)."""
+    if data.get(MARKER) == KIND:
+        return GateTimeout(question_id=data["question_id"], deadline=data["deadline"])
+    return data

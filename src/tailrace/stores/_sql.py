@@ -1,0 +1,260 @@
+"""Schema, migrations and SQL shared by the SQLite and Postgres stores.
+
+Written once in the common dialect: ``?`` placeholders (Postgres swaps in
+``%s``), and a ``/*WITHOUT ROWID*/`` comment that SQLite turns into the clause.
+The question compare-and-sets are single ``UPDATE ... WHERE`` statements whose
+conditions mirror :func:`~tailrace.stores._memory.can_apply` and
+:func:`~tailrace.stores._memory.can_supersede`, so the database itself decides
+which of several racing writers wins (Q2, Q3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ._base import (
+    EventRow,
+    Harvest,
+    NewRun,
+    QuestionRow,
+    QuestionStatus,
+    RunRecord,
+    RunStatus,
+)
+from ._memory import EMPTY_STATE_JSON, parse_question_status, parse_status
+
+# --- runs, node states, results, frozen inputs, events --------------------------
+
+RUN_FIELDS = (
+    "run_id", "graph_name", "graph_ref", "fingerprint", "status", "input_json", "state_json",
+    "error", "created_at", "updated_at", "finished_at", "nodes_done", "lease_owner",
+    "lease_expires", "lease_token", "format_version",
+)  # fmt: skip
+RUN_COLUMNS = ", ".join(RUN_FIELDS)
+EVENT_FIELDS = ("seq", "type", "node_id", "visit", "attempt", "ts", "data_json")
+EVENT_COLUMNS = ", ".join(EVENT_FIELDS)
+
+INSERT_RUN = f"INSERT INTO runs ({RUN_COLUMNS}) VALUES ({', '.join('?' * len(RUN_FIELDS))})"
+UPSERT_NODE = (
+    "INSERT INTO node_states (run_id, node_id, status, visits, data_json) VALUES (?, ?, ?, ?, ?) "
+    "ON CONFLICT (run_id, node_id) DO UPDATE SET status = excluded.status, "
+    "visits = excluded.visits, data_json = excluded.data_json"
+)
+INSERT_RESULT = "INSERT INTO results (run_id, node_id, visit, value_json) VALUES (?, ?, ?, ?)"
+INSERT_FROZEN = (
+    "INSERT INTO frozen_inputs (run_id, node_id, activation, payload_json) VALUES (?, ?, ?, ?)"
+)
+INSERT_EVENT = f"INSERT INTO events (run_id, {EVENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+UPDATE_RUN = (
+    "UPDATE runs SET state_json = ?, status = ?, error = ?, updated_at = ?, "
+    "finished_at = COALESCE(?, finished_at), nodes_done = nodes_done + ? WHERE run_id = ?"
+)
+EXPIRED_LEASES = (
+    "SELECT run_id FROM runs WHERE status = 'running' AND (lease_owner IS NULL "
+    "OR lease_expires IS NULL OR lease_expires < ?) "
+    "ORDER BY COALESCE(lease_expires, 0), run_id LIMIT ?"
+)
+
+#: Numbered migrations, applied in order and recorded in ``schema_migrations`` (D4).
+MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
+    (
+        1,
+        (
+            """CREATE TABLE runs (
+                run_id TEXT PRIMARY KEY, graph_name TEXT NOT NULL, graph_ref TEXT,
+                fingerprint TEXT NOT NULL, status TEXT NOT NULL, input_json TEXT NOT NULL,
+                state_json TEXT NOT NULL, error TEXT, created_at DOUBLE PRECISION NOT NULL,
+                updated_at DOUBLE PRECISION NOT NULL, finished_at DOUBLE PRECISION,
+                nodes_done BIGINT NOT NULL DEFAULT 0, lease_owner TEXT,
+                lease_expires DOUBLE PRECISION, lease_token BIGINT NOT NULL DEFAULT 0,
+                format_version INTEGER NOT NULL)""",
+            "CREATE INDEX runs_by_created ON runs (created_at, run_id)",
+            "CREATE INDEX runs_by_status ON runs (status, lease_expires)",
+            """CREATE TABLE node_states (
+                run_id TEXT NOT NULL, node_id TEXT NOT NULL, status TEXT NOT NULL,
+                visits INTEGER NOT NULL, data_json TEXT NOT NULL,
+                PRIMARY KEY (run_id, node_id)) /*WITHOUT ROWID*/""",
+            """CREATE TABLE results (
+                run_id TEXT NOT NULL, node_id TEXT NOT NULL, visit INTEGER NOT NULL,
+                value_json TEXT NOT NULL, PRIMARY KEY (run_id, node_id, visit)) /*WITHOUT ROWID*/""",
+            """CREATE TABLE frozen_inputs (
+                run_id TEXT NOT NULL, node_id TEXT NOT NULL, activation INTEGER NOT NULL,
+                payload_json TEXT NOT NULL,
+                PRIMARY KEY (run_id, node_id, activation)) /*WITHOUT ROWID*/""",
+            """CREATE TABLE events (
+                run_id TEXT NOT NULL, seq BIGINT NOT NULL, type TEXT NOT NULL, node_id TEXT,
+                visit INTEGER, attempt INTEGER, ts DOUBLE PRECISION NOT NULL,
+                data_json TEXT NOT NULL, PRIMARY KEY (run_id, seq)) /*WITHOUT ROWID*/""",
+        ),
+    ),
+    (
+        2,
+        (
+            # No foreign key to runs: ``run_id`` may name a LangGraph thread.
+            """CREATE TABLE questions (
+                question_id TEXT PRIMARY KEY, run_id TEXT NOT NULL, node_id TEXT NOT NULL,
+                visit INTEGER NOT NULL, turn INTEGER NOT NULL, prompt_json TEXT NOT NULL,
+                poller TEXT, deadline DOUBLE PRECISION, status TEXT NOT NULL CHECK (status IN
+                    ('open', 'answered', 'applied', 'superseded', 'expired')),
+                answer_json TEXT, answered_by TEXT, created_at DOUBLE PRECISION NOT NULL,
+                answered_at DOUBLE PRECISION, applied_at DOUBLE PRECISION)""",
+            "CREATE INDEX questions_by_status ON questions (status)",
+            "CREATE INDEX questions_by_run ON questions (run_id)",
+        ),
+    ),
+)
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+CREATE_MIGRATIONS_TABLE = (
+    "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, "
+    "applied_at DOUBLE PRECISION NOT NULL)"
+)
+
+
+def record_from_row(row: Sequence[Any]) -> RunRecord:
+    """Decode ``row``, a ``runs`` row selected with :data:`RUN_COLUMNS`."""
+    fields = dict(zip(RUN_FIELDS, row, strict=True))
+    fields["status"] = parse_status(row[0], row[4])
+    return RunRecord(**fields)
+
+
+def event_from_row(row: Sequence[Any]) -> EventRow:
+    """Decode ``row``, an ``events`` row selected with :data:`EVENT_COLUMNS`."""
+    return EventRow(**dict(zip(EVENT_FIELDS, row, strict=True)))
+
+
+def new_run_params(run: NewRun) -> tuple[object, ...]:
+    """Values of the fresh ``runs`` row for ``run``, in :data:`RUN_COLUMNS` order."""
+    status, state, at = RunStatus.RUNNING.value, EMPTY_STATE_JSON, run.created_at
+    return (
+        run.run_id, run.graph_name, run.graph_ref, run.fingerprint, status, run.input_json,
+        state, None, at, at, None, 0, None, None, 0, run.format_version,
+    )  # fmt: skip
+
+
+def harvest_rows(run_id: str, harvest: Harvest) -> Iterator[tuple[str, tuple[object, ...], str]]:
+    """Append-only rows of ``harvest`` for run ``run_id``: ``(insert, values, what it is)``."""
+    for r in harvest.results:
+        what = f"run {run_id!r}: result of node {r.node_id!r} visit {r.visit}"
+        yield INSERT_RESULT, (run_id, r.node_id, r.visit, r.value_json), what
+    for f in harvest.frozen:
+        what = f"run {run_id!r}: frozen input of node {f.node_id!r} activation {f.activation}"
+        yield INSERT_FROZEN, (run_id, f.node_id, f.activation, f.payload_json), what
+    for e in harvest.events:
+        values = (run_id, e.seq, e.type, e.node_id, e.visit, e.attempt, e.ts, e.data_json)
+        yield INSERT_EVENT, values, f"run {run_id!r}: event seq {e.seq}"
+    for q in harvest.questions:
+        yield INSERT_QUESTION, question_params(q), f"run {run_id!r}: question {q.question_id!r}"
+
+
+def append_only_rows(run_id: str, harvest: Harvest) -> list[tuple[str, list[tuple[object, ...]]]]:
+    """Append-only rows of ``harvest`` grouped by statement, for ``executemany``."""
+    groups: list[tuple[str, list[tuple[object, ...]]]] = []
+    if harvest.results:
+        groups.append(
+            (INSERT_RESULT, [(run_id, r.node_id, r.visit, r.value_json) for r in harvest.results])
+        )
+    if harvest.frozen:
+        groups.append(
+            (
+                INSERT_FROZEN,
+                [(run_id, f.node_id, f.activation, f.payload_json) for f in harvest.frozen],
+            )
+        )
+    if harvest.events:
+        groups.append(
+            (
+                INSERT_EVENT,
+                [
+                    (run_id, e.seq, e.type, e.node_id, e.visit, e.attempt, e.ts, e.data_json)
+                    for e in harvest.events
+                ],
+            )
+        )
+    if harvest.questions:
+        groups.append((INSERT_QUESTION, [question_params(q) for q in harvest.questions]))
+    return groups
+
+
+def node_params(run_id: str, harvest: Harvest) -> list[tuple[object, ...]]:
+    """Values for :data:`UPSERT_NODE`, one tuple per node row of ``harvest`` in run ``run_id``."""
+    return [(run_id, n.node_id, n.status, n.visits, n.data_json) for n in harvest.nodes]
+
+
+def run_update_params(run_id: str, harvest: Harvest, now: float) -> tuple[object, ...]:
+    """Values for :data:`UPDATE_RUN` applying ``harvest`` to run ``run_id`` at time ``now``."""
+    return (
+        harvest.state_json, harvest.status.value, harvest.error, now, harvest.finished_at,
+        harvest.nodes_done_delta, run_id,
+    )  # fmt: skip
+
+
+# --- questions (Q2-Q5) ----------------------------------------------------------
+
+QUESTION_FIELDS = (
+    "question_id", "run_id", "node_id", "visit", "turn", "prompt_json", "poller", "deadline",
+    "status", "answer_json", "answered_by", "created_at", "answered_at", "applied_at",
+)  # fmt: skip
+QUESTION_COLUMNS = ", ".join(QUESTION_FIELDS)
+_QUESTION_VALUES = ", ".join("?" * len(QUESTION_FIELDS))
+INSERT_QUESTION = f"INSERT INTO questions ({QUESTION_COLUMNS}) VALUES ({_QUESTION_VALUES})"
+SELECT_QUESTION = f"SELECT {QUESTION_COLUMNS} FROM questions WHERE question_id = ?"
+#: What a failed compare-and-set reports: the question's state now (no row: not found).
+QUESTION_STATE = "SELECT status, applied_at FROM questions WHERE question_id = ?"
+#: Q2: first answer wins. Values: status, answer_json, answered_by, answered_at, question_id.
+ANSWER_QUESTION = (
+    "UPDATE questions SET status = ?, answer_json = ?, answered_by = ?, answered_at = ? "
+    f"WHERE question_id = ? AND status = 'open' RETURNING {QUESTION_COLUMNS}"
+)
+#: The answer is there and was not applied yet (``can_apply``).
+_APPLICABLE = "(status = 'answered' OR (status = 'expired' AND applied_at IS NULL))"
+#: Q3: apply exactly once. Values: applied_at, question_id; exactly one row changes or none.
+APPLY_QUESTION = (
+    "UPDATE questions SET applied_at = ?, "
+    "status = CASE status WHEN 'answered' THEN 'applied' ELSE status END "
+    f"WHERE question_id = ? AND {_APPLICABLE}"
+)
+#: Values: question_id; no row changes when the question is already final (``can_supersede``).
+SUPERSEDE_QUESTION = (
+    "UPDATE questions SET status = 'superseded' WHERE question_id = ? "
+    "AND (status IN ('open', 'answered') OR (status = 'expired' AND applied_at IS NULL))"
+)
+#: Q4: values: limit.
+UNAPPLIED_ANSWERS = (
+    f"SELECT {QUESTION_COLUMNS} FROM questions WHERE {_APPLICABLE} "
+    "ORDER BY answered_at, question_id LIMIT ?"
+)
+
+
+def question_params(q: QuestionRow) -> tuple[object, ...]:
+    """Values of ``q`` in :data:`QUESTION_COLUMNS` order."""
+    return (
+        q.question_id, q.run_id, q.node_id, q.visit, q.turn, q.prompt_json, q.poller, q.deadline,
+        q.status.value, q.answer_json, q.answered_by, q.created_at, q.answered_at, q.applied_at,
+    )  # fmt: skip
+
+
+def question_from_row(row: Sequence[Any]) -> QuestionRow:
+    """Decode ``row``, a ``questions`` row selected with :data:`QUESTION_COLUMNS`."""
+    fields = dict(zip(QUESTION_FIELDS, row, strict=True))
+    fields["status"] = parse_question_status(row[0], row[8])
+    return QuestionRow(**fields)
+
+
+def list_questions_query(
+    status: QuestionStatus | None, run_id: str | None
+) -> tuple[str, tuple[object, ...]]:
+    """The query of ``list_questions`` (only ``status`` and ``run_id`` rows if given), ending in ``LIMIT ?``."""
+    where: list[str] = []
+    params: list[object] = []
+    if status is not None:
+        where.append("status = ?")
+        params.append(status.value)
+    if run_id is not None:
+        where.append("run_id = ?")
+        params.append(run_id)
+    clause = f"WHERE {' AND '.join(where)} " if where else ""
+    query = (
+        f"SELECT {QUESTION_COLUMNS} FROM questions {clause}ORDER BY created_at, question_id LIMIT ?"
+    )
+    return query, tuple(params)

@@ -1,0 +1,235 @@
+"""The SQLite store's threads: one writer with group commit, a few readers.
+
+Writes never run on the event loop. Each write is a request on a queue; the
+single :class:`Writer` thread drains every request waiting, applies them in one
+``BEGIN IMMEDIATE ... COMMIT`` with each request inside its own SAVEPOINT
+``tailrace_write`` (so a fenced-out or refused request is rolled back alone),
+and only after COMMIT resolves each caller's future on its own loop.
+:class:`Readers` run reads on threads with their own read-only connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+from .._errors import StoreError
+
+T = TypeVar("T")
+
+# --- the writer thread ---------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Write:
+    apply: Callable[[sqlite3.Connection], object]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+    context: str
+
+
+_Outcome = tuple[_Write, bool, object]
+
+
+def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+
+
+def _deliver(write: _Write, ok: bool, value: object) -> None:
+    with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
+        write.loop.call_soon_threadsafe(_settle, write.future, ok, value)
+
+
+def _store_error(message: str, cause: BaseException) -> StoreError:
+    error = StoreError(message)
+    error.__cause__ = cause
+    return error
+
+
+def _map_error(exc: Exception, context: str) -> Exception:
+    if isinstance(exc, sqlite3.Error):
+        return _store_error(f"{context}: {exc}", exc)
+    return exc  # ours (LeaseLost, RunExists, ...) pass through, and so do bugs
+
+
+class Writer:
+    """Owns the write connection on one thread and commits queued writes in groups."""
+
+    def __init__(self, conn: sqlite3.Connection, *, max_batch: int, name: str) -> None:
+        self._conn = conn
+        self._max_batch = max_batch
+        self._queue: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    async def submit(self, context: str, apply: Callable[[sqlite3.Connection], T]) -> T:
+        """Queue ``apply`` and wait until the group it joined has committed."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        with self._lock:
+            if self._stopping:
+                raise StoreError(f"{context}: the SQLite store is closed")
+            self._queue.put(_Write(apply, loop, future, context))
+        return await future
+
+    def stop(self) -> None:
+        """Apply every write queued so far, then end the thread (blocking)."""
+        with self._lock:
+            if not self._stopping:
+                self._stopping = True
+                self._queue.put(None)
+        self._thread.join()
+
+    def _main(self) -> None:
+        try:
+            done = False
+            while not done:
+                batch, done = self._next_batch()
+                try:
+                    self._commit_batch(batch)
+                except Exception as exc:  # a bug must not kill the writer; callers hear of it
+                    self._rollback_quietly()
+                    for write in batch:
+                        _deliver(write, False, _store_error(f"{write.context}: {exc!r}", exc))
+        finally:
+            self._conn.close()
+
+    def _next_batch(self) -> tuple[list[_Write], bool]:
+        """Block for one request, then take every one already waiting (the group)."""
+        batch: list[_Write] = []
+        item = self._queue.get()
+        while item is not None:
+            batch.append(item)
+            if len(batch) >= self._max_batch:
+                return batch, False
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return batch, False
+        return batch, True
+
+    def _commit_batch(self, batch: list[_Write]) -> None:
+        live = [w for w in batch if not w.future.cancelled()]  # cancelled before it began
+        if not live:
+            return
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            for w in live:
+                _deliver(w, False, _store_error(f"{w.context}: cannot begin a write: {exc}", exc))
+            return
+        outcomes: list[_Outcome] = []
+        for w in live:
+            ok, value, lost = self._apply_one(w)
+            outcomes.append((w, ok, value))
+            if lost:  # SQLite rolled back the whole group: none of it is durable
+                self._rollback_quietly()
+                outcomes = _all_failed(outcomes, live, f"a grouped write failed: {value}")
+                break
+        else:
+            try:
+                self._conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                self._rollback_quietly()
+                outcomes = _all_failed(outcomes, live, f"commit failed: {exc}")
+        for w, ok, value in outcomes:
+            _deliver(w, ok, value)
+
+    def _apply_one(self, write: _Write) -> tuple[bool, object, bool]:
+        """Run one request in its own savepoint: ``(ok, value or error, transaction lost)``."""
+        conn = self._conn
+        try:
+            conn.execute("SAVEPOINT tailrace_write")
+        except sqlite3.Error as exc:
+            return False, _map_error(exc, write.context), True
+        try:
+            value = write.apply(conn)
+        except Exception as exc:
+            error = _map_error(exc, write.context)
+            try:
+                conn.execute("ROLLBACK TO tailrace_write")
+                conn.execute("RELEASE tailrace_write")
+            except sqlite3.Error:
+                return False, error, True
+            return False, error, not conn.in_transaction
+        try:
+            conn.execute("RELEASE tailrace_write")
+        except sqlite3.Error as exc:
+            return False, _map_error(exc, write.context), True
+        return True, value, False
+
+    def _rollback_quietly(self) -> None:
+        if self._conn.in_transaction:  # if ROLLBACK fails too, the next BEGIN reports it
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.execute("ROLLBACK")
+
+
+def _all_failed(outcomes: list[_Outcome], live: list[_Write], reason: str) -> list[_Outcome]:
+    """Outcomes once the group's transaction is gone: own errors stay, the rest fail."""
+    failed: list[_Outcome] = [
+        (w, False, v if not ok else StoreError(f"{w.context}: {reason}")) for w, ok, v in outcomes
+    ]
+    failed += [(w, False, StoreError(f"{w.context}: {reason}")) for w in live[len(outcomes) :]]
+    return failed
+
+
+# --- the reader threads --------------------------------------------------------
+
+
+class Readers:
+    """A few threads, each with its own read-only connection, for reads off the loop."""
+
+    def __init__(self, connect: Callable[[], sqlite3.Connection], count: int) -> None:
+        self._connect = connect
+        self._executor = ThreadPoolExecutor(count, thread_name_prefix="tailrace-sqlite-read")
+        self._local = threading.local()
+        self._conns: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+
+    async def run(self, context: str, read: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``read`` in one read transaction on a reader thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._run, context, read)
+
+    def _run(self, context: str, read: Callable[[sqlite3.Connection], T]) -> T:
+        try:
+            conn = self._connection()
+            conn.execute("BEGIN")
+            try:
+                return read(conn)
+            finally:
+                conn.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            raise StoreError(f"{context}: {exc}") from exc
+
+    def _connection(self) -> sqlite3.Connection:
+        conn = cast("sqlite3.Connection | None", getattr(self._local, "conn", None))
+        if conn is None:
+            conn = self._connect()
+            conn.execute("PRAGMA query_only = ON")
+            self._local.conn = conn
+            with self._lock:
+                self._conns.append(conn)
+        return conn
+
+    def close(self) -> None:
+        """Finish running reads and close every connection (blocking)."""
+        self._executor.shutdown(wait=True)
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            conn.close()
