@@ -21,7 +21,7 @@ from .._errors import AlreadyAnswered, LeaseHeld, NotResumable, RunNotFound
 
 if TYPE_CHECKING:
     from .._engine import Engine
-    from ..stores import QuestionRow, RunStore
+    from ..stores import QuestionRow, RunRecord, RunStore
 
 logger = logging.getLogger("tailrace.gates")
 
@@ -36,7 +36,12 @@ class WaitState:
 
 @runtime_checkable
 class Resumable(Protocol):
-    """What the worker drives: a tailrace engine, or a LangGraph graph behind a driver."""
+    """What the worker drives: a tailrace engine, or a LangGraph graph behind a driver.
+
+    A target may also define ``handles(run: RunRecord) -> bool``; the worker
+    then leaves questions of runs it does not handle alone, so several kinds
+    of targets can share one store.
+    """
 
     async def get_state(self, key: str) -> WaitState:
         """What run ``key`` waits on now."""
@@ -69,6 +74,10 @@ class EngineTarget:
         if engine.store is None:
             raise ValueError("EngineTarget needs an engine with a store")
         self.engine = engine
+
+    def handles(self, run: RunRecord) -> bool:
+        """Runs of tailrace graphs this engine can find again (by reference or because it ran them)."""
+        return run.graph_ref is not None or run.fingerprint in self.engine._graphs
 
     async def get_state(self, key: str) -> WaitState:
         """Gates of run ``key`` that wait on a question (from the stored node rows)."""
@@ -127,7 +136,7 @@ class ResumeWorker:
         never escapes the worker (Q6).
         """
         question = await self.store.get_question(question_id)
-        if not _unapplied(question):
+        if not _unapplied(question) or not await self._handles(question):
             return Outcome.NOOP
         lock = self._locks.setdefault(question.run_id, asyncio.Lock())
         if lock.locked():
@@ -167,10 +176,22 @@ class ResumeWorker:
         finally:
             await self.store.release_lease(question.run_id, self.owner, token)
 
+    async def _handles(self, question: QuestionRow) -> bool:
+        handles = getattr(self.target, "handles", None)
+        if handles is None:
+            return True
+        try:
+            run = await self.store.get_run(question.run_id)
+        except RunNotFound:
+            return False
+        return bool(handles(run))
+
     async def sweep(self, *, limit: int = 100) -> dict[Outcome, int]:
-        """Re-drive answered-but-unapplied questions (restart recovery, Q4); idempotent."""
+        """Re-drive answered-but-unapplied questions of runs this worker's target drives (Q4); idempotent."""
         counts: dict[Outcome, int] = {}
         for question in await self.store.unapplied_answers(limit=limit):
+            if not await self._handles(question):
+                continue
             outcome = await self.resume(question.question_id)
             counts[outcome] = counts.get(outcome, 0) + 1
         return counts

@@ -21,18 +21,23 @@ tailrace's ledger cannot be written in one transaction:
   the graph runs, so no second driver (thread, process) resumes the thread
   at the same time (D6).
 - *Turn guard on LangGraph's own record.* A question id names exactly one
-  interrupt (:meth:`LangGraphDriver.question_id`), and LangGraph stores the
-  resume value in the thread's checkpoint before it runs the node. Once a
-  resume happened, the interrupt is no longer pending, whatever the ledger
-  says. The worker and ``invoke`` both check "still pending" under the lease
-  before resuming; when LangGraph offers strict resumes, it checks again
-  itself and refuses, before writing anything, a resume naming a consumed
-  interrupt.
+  interrupt (:meth:`LangGraphDriver.question_id`). Once the step a resume
+  ran is committed to the thread's checkpoint, LangGraph no longer reports
+  that interrupt as pending, whatever the ledger says. The worker and
+  ``invoke`` both check "still pending" under the lease before resuming;
+  when LangGraph offers strict resumes, it checks again itself and refuses,
+  before writing anything, a resume naming a consumed interrupt.
 - *The crash window.* ``invoke`` returns False and the worker marks the
   question applied afterwards. A crash in between leaves it ``answered``;
   the restart sweep (Q4) re-drives it, finds the interrupt no longer pending
   and marks it ``superseded``: the answer was applied once, and the ledger
   does not claim it twice.
+- *A failed step* (the node raised after ``interrupt`` returned, Q6) commits
+  nothing in LangGraph: the worker reports ``failed``, the question stays
+  ``answered``, the run row records the error, and a later sweep retries the
+  step, which LangGraph re-runs with the answer it recorded the first time.
+  Code inside a node may run again on such a retry (LangGraph's own
+  at-least-once node semantics); a committed step never does.
 """
 
 from __future__ import annotations
@@ -54,11 +59,12 @@ from ..stores import (
     TERMINAL_STATUSES,
     Harvest,
     NewRun,
+    QuestionRow,
+    QuestionStatus,
     RunRecord,
     RunStatus,
     RunStore,
 )
-from ..stores._base import QuestionRow, QuestionStatus
 
 logger = logging.getLogger("tailrace.integrations.langgraph")
 
@@ -172,11 +178,20 @@ class LangGraphDriver:
         LangGraph's checkpoint, not from the ledger, so an interrupt that was
         resumed is absent even when a crash kept the ledger from saying so.
         """
-        pending = _pending_interrupts(await self._snapshot(key))
         try:
-            turn = _turn_of(await self.store.get_run(key))
+            record = await self.store.get_run(key)
         except RunNotFound:
-            turn = 0
+            record = None
+        if record is not None and not self._drives(record):
+            # Not a thread of this driver (an engine run, another graph's thread):
+            # it cannot judge what that run waits on, so it reports every
+            # unapplied question of the run as waiting and never gets one
+            # superseded; invoke then refuses (NotResumable: the worker's NOOP).
+            unapplied = await self.store.list_questions(run_id=key)
+            waiting = {q.question_id for q in unapplied if q.applied_at is None}
+            return WaitState(questions=frozenset(waiting), turn=_turn_of(record))
+        pending = _pending_interrupts(await self._snapshot(key))
+        turn = 0 if record is None else _turn_of(record)
         return WaitState(questions=frozenset(self.question_id(key, i) for i in pending), turn=turn)
 
     async def invoke(self, key: str, question: QuestionRow, value: Any) -> bool:
@@ -189,8 +204,11 @@ class LangGraphDriver:
         ``running``, resumes exactly that interrupt, then records any new
         interrupts as questions (the turn advances). Returns False: the
         caller marks ``question`` applied (see the module docstring for why
-        that cannot double-apply).
+        that cannot double-apply). A run that is not a thread of this
+        driver's graph raises :class:`~tailrace.NotResumable` too.
         """
+        if not self._drives(await self.store.get_run(key)):
+            raise NotResumable(f"run {key!r} is not a thread of {GRAPH_NAME_PREFIX + self.name!r}")
         async with self._thread_lock(key), self._lease_for(key) as lease:
             pending = _pending_interrupts(await self._snapshot(key))
             match = [i for i in pending if self.question_id(key, i) == question.question_id]
@@ -261,13 +279,26 @@ class LangGraphDriver:
         """Answer ``question_id`` with ``value`` (first answer wins, Q2), then resume its thread.
 
         ``by`` names who answered. Raises :class:`~tailrace.AlreadyAnswered`
-        when another answer won. Returns what the resume did: ``applied``, or
+        when another answer won, ``ValueError`` for a question of a run this
+        driver does not drive. Returns what the resume did: ``applied``, or
         ``busy`` when another worker holds the thread and applies it (Q3).
         """
+        question = await self.store.get_question(question_id)
+        if not self._drives(await self.store.get_run(question.run_id)):
+            raise ValueError(
+                f"question {question_id!r} belongs to run {question.run_id!r}, "
+                f"which is not a thread of {GRAPH_NAME_PREFIX + self.name!r}"
+            )
         await self.store.answer(question_id, DEFAULT_CODEC.encode(value), by=by)
         return await self.worker.resume(question_id)
 
     # -- bookkeeping --------------------------------------------------------------
+
+    def handles(self, run: RunRecord) -> bool:
+        """Whether ``run`` is a thread of this driver's graph (the worker skips others)."""
+        return run.graph_name == GRAPH_NAME_PREFIX + self.name
+
+    _drives = handles
 
     async def _record(
         self, thread_id: str, token: int, *, error: str | None = None
@@ -366,22 +397,25 @@ class LangGraphDriver:
     @contextlib.asynccontextmanager
     async def _lease_for(self, thread_id: str) -> AsyncIterator[_Lease]:
         """The caller's live lease on ``thread_id`` (a worker's), else one of our own."""
+        lease = await self._take_or_adopt(thread_id)
+        try:
+            yield lease
+        finally:
+            if lease.own:
+                await self.store.release_lease(thread_id, lease.owner, lease.token)
+
+    async def _take_or_adopt(self, thread_id: str) -> _Lease:
         for _ in range(3):
             try:
                 token = await self.store.acquire_lease(thread_id, self.owner, self.lease_ttl)
+                return _Lease(self.owner, token, own=True)
             except LeaseHeld:
                 record = await self.store.get_run(thread_id)
-                if record.lease_owner is None:
-                    continue  # released meanwhile: try to take it
-                # Invoke runs under its caller's lease: write with that token, so a
+            if record.lease_owner is not None:
+                # invoke runs under its caller's lease: write with that token, so a
                 # takeover of the caller's lease fences our writes too (D6).
-                yield _Lease(record.lease_owner, record.lease_token, own=False)
-                return
-            try:
-                yield _Lease(self.owner, token, own=True)
-            finally:
-                await self.store.release_lease(thread_id, self.owner, token)
-            return
+                return _Lease(record.lease_owner, record.lease_token, own=False)
+            # released meanwhile: try to take it
         raise LeaseHeld(f"thread {thread_id!r}: its lease keeps changing hands")
 
     async def _keep_alive(self, thread_id: str, lease: _Lease) -> None:

@@ -1,0 +1,572 @@
+"""LangGraphDriver against real LangGraph and its SQLite checkpointer (Q2-Q4 for external graphs).
+
+Every graph logs the code that runs *after* an ``interrupt(...)`` returned to
+a file, so "applied exactly once" is checked on what LangGraph really ran,
+not on tailrace's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, TypedDict
+
+import pytest
+
+pytest.importorskip("langgraph")
+pytest.importorskip("langgraph.checkpoint.sqlite")
+
+from langgraph.checkpoint.sqlite import SqliteSaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import interrupt
+
+from tailrace import AlreadyAnswered, LeaseHeld
+from tailrace._codec import DEFAULT_CODEC
+from tailrace.gates import Outcome, ResumeWorker, WaitState
+from tailrace.integrations.langgraph import LangGraphDriver
+from tailrace.stores import (
+    Harvest,
+    NewRun,
+    QuestionRow,
+    QuestionStatus,
+    RunStatus,
+    SQLiteStore,
+)
+
+
+class State(TypedDict, total=False):
+    a1: Any
+    a2: Any
+    done: bool
+
+
+def _log(path: Path, line: str) -> None:
+    with path.open("a") as f:  # O_APPEND: whole short lines, even from several threads
+        f.write(line + "\n")
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def two_questions_graph(checkpointer: Any, log: Path) -> Any:
+    """ask1 -> interrupt("q1"); ask2 -> interrupt("q2"); done."""
+
+    def ask1(state: State) -> State:
+        answer = interrupt("q1")
+        _log(log, "ask1-after")
+        return {"a1": answer}
+
+    def ask2(state: State) -> State:
+        answer = interrupt("q2")
+        _log(log, "ask2-after")
+        return {"a2": answer}
+
+    def done(state: State) -> State:
+        _log(log, "done")
+        return {"done": True}
+
+    builder = StateGraph(State)
+    builder.add_node("ask1", ask1)
+    builder.add_node("ask2", ask2)
+    builder.add_node("done", done)
+    builder.add_edge(START, "ask1")
+    builder.add_edge("ask1", "ask2")
+    builder.add_edge("ask2", "done")
+    builder.add_edge("done", END)
+    return builder.compile(checkpointer=checkpointer)
+
+
+def one_question_graph(checkpointer: Any, log: Path) -> Any:
+    """ask -> interrupt("go?"); after."""
+
+    def ask(state: State) -> State:
+        answer = interrupt({"question": "go?"})
+        _log(log, "ask-after")
+        return {"a1": answer}
+
+    def after(state: State) -> State:
+        _log(log, "after")
+        return {"done": True}
+
+    builder = StateGraph(State)
+    builder.add_node("ask", ask)
+    builder.add_node("after", after)
+    builder.add_edge(START, "ask")
+    builder.add_edge("ask", "after")
+    builder.add_edge("after", END)
+    return builder.compile(checkpointer=checkpointer)
+
+
+def parallel_questions_graph(checkpointer: Any, log: Path) -> Any:
+    """left and right interrupt in the same superstep; join runs once both are answered."""
+
+    def left(state: State) -> State:
+        answer = interrupt("left?")
+        _log(log, "left-after")
+        return {"a1": answer}
+
+    def right(state: State) -> State:
+        answer = interrupt("right?")
+        _log(log, "right-after")
+        return {"a2": answer}
+
+    def join(state: State) -> State:
+        _log(log, "join")
+        return {"done": True}
+
+    builder = StateGraph(State)
+    builder.add_node("left", left)
+    builder.add_node("right", right)
+    builder.add_node("join", join)
+    builder.add_edge(START, "left")
+    builder.add_edge(START, "right")
+    builder.add_edge(["left", "right"], "join")
+    builder.add_edge("join", END)
+    return builder.compile(checkpointer=checkpointer)
+
+
+@contextlib.contextmanager
+def sync_saver(path: Path) -> Any:
+    conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
+    try:
+        yield SqliteSaver(conn)
+    finally:
+        conn.close()
+
+
+@contextlib.asynccontextmanager
+async def saver(kind: str, path: Path) -> AsyncIterator[Any]:
+    if kind == "sync":
+        with sync_saver(path) as cp:
+            yield cp
+    else:
+        aio = pytest.importorskip("langgraph.checkpoint.sqlite.aio")
+        async with aio.AsyncSqliteSaver.from_conn_string(str(path)) as cp:
+            yield cp
+
+
+async def final_values(driver: LangGraphDriver, thread_id: str) -> dict[str, Any]:
+    config = {"configurable": {"thread_id": thread_id}}
+    if driver.use_async:
+        snapshot = await driver.graph.aget_state(config)
+    else:
+        snapshot = await asyncio.to_thread(driver.graph.get_state, config)
+    assert not snapshot.next, "the graph has not finished"
+    return dict(snapshot.values)
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SQLiteStore]:
+    async with SQLiteStore(tmp_path / "tailrace.db") as s:
+        yield s
+
+
+# --- (1) two interrupts in sequence ---------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_two_interrupts_in_sequence(tmp_path: Path, store: SQLiteStore, kind: str) -> None:
+    log = tmp_path / "log.txt"
+    async with saver(kind, tmp_path / "langgraph.db") as cp:
+        driver = LangGraphDriver(two_questions_graph(cp, log), store, name="seq")
+        assert driver.use_async is (kind == "async")
+
+        [q1] = await driver.start("t1", {})
+        assert (q1.status, q1.node_id, q1.turn) == (QuestionStatus.OPEN, "ask1", 1)
+        assert DEFAULT_CODEC.decode(q1.prompt_json) == "q1"
+        assert await driver.get_state("t1") == WaitState(
+            questions=frozenset({q1.question_id}), turn=1
+        )
+        run = await store.get_run("t1")
+        assert (run.status, run.graph_name, run.graph_ref) == (
+            RunStatus.SUSPENDED,
+            "langgraph:seq",
+            None,
+        )
+        assert _lines(log) == []
+
+        assert await driver.answer(q1.question_id, "yes", by="alice") is Outcome.APPLIED
+        applied = await store.get_question(q1.question_id)
+        assert (applied.status, applied.answered_by) == (QuestionStatus.APPLIED, "alice")
+        [q2] = await store.list_questions(run_id="t1", status=QuestionStatus.OPEN)
+        assert (q2.node_id, q2.turn, DEFAULT_CODEC.decode(q2.prompt_json)) == ("ask2", 2, "q2")
+        assert await driver.get_state("t1") == WaitState(
+            questions=frozenset({q2.question_id}), turn=2
+        )
+        assert (await store.get_run("t1")).status is RunStatus.SUSPENDED
+        assert _lines(log) == ["ask1-after"]
+
+        assert await driver.answer(q2.question_id, {"k": 2}) is Outcome.APPLIED
+        assert await final_values(driver, "t1") == {"a1": "yes", "a2": {"k": 2}, "done": True}
+        assert _lines(log) == ["ask1-after", "ask2-after", "done"]
+        run = await store.get_run("t1")
+        assert run.status is RunStatus.COMPLETED and run.finished_at is not None
+        assert await driver.get_state("t1") == WaitState(questions=frozenset(), turn=2)
+        statuses = [q.status for q in await store.list_questions(run_id="t1")]
+        assert statuses == [QuestionStatus.APPLIED, QuestionStatus.APPLIED]
+
+        # start and sync are idempotent: nothing runs again, no duplicate questions
+        assert await driver.start("t1", {}) == []
+        assert await driver.sync("t1") == []
+        assert len(await store.list_questions(run_id="t1")) == 2
+        assert _lines(log) == ["ask1-after", "ask2-after", "done"]
+
+
+async def test_start_twice_while_suspended_opens_no_duplicate(
+    tmp_path: Path, store: SQLiteStore
+) -> None:
+    log = tmp_path / "log.txt"
+    with sync_saver(tmp_path / "langgraph.db") as cp:
+        driver = LangGraphDriver(one_question_graph(cp, log), store)
+        [q] = await driver.start("t", {})
+        assert DEFAULT_CODEC.decode(q.prompt_json) == {"question": "go?"}
+        again = await LangGraphDriver(one_question_graph(cp, log), store).start("t", {})
+        assert [r.question_id for r in again] == [q.question_id]
+        assert len(await store.list_questions(run_id="t")) == 1
+        assert (await store.get_run("t")).status is RunStatus.SUSPENDED
+
+
+async def test_parallel_interrupts_are_answered_independently(
+    tmp_path: Path, store: SQLiteStore
+) -> None:
+    log = tmp_path / "log.txt"
+    with sync_saver(tmp_path / "langgraph.db") as cp:
+        driver = LangGraphDriver(parallel_questions_graph(cp, log), store)
+        questions = await driver.start("p", {})
+        by_node = {q.node_id: q for q in questions}
+        assert sorted(by_node) == ["left", "right"]
+        assert {q.turn for q in questions} == {1}
+
+        assert await driver.answer(by_node["right"].question_id, "R") is Outcome.APPLIED
+        still = await store.list_questions(run_id="p", status=QuestionStatus.OPEN)
+        assert [q.question_id for q in still] == [by_node["left"].question_id]
+        assert (await driver.get_state("p")).questions == {by_node["left"].question_id}
+
+        assert await driver.answer(by_node["left"].question_id, "L") is Outcome.APPLIED
+        assert await final_values(driver, "p") == {"a1": "L", "a2": "R", "done": True}
+        assert sorted(_lines(log)) == ["join", "left-after", "right-after"]
+
+
+# --- (2) races: exactly one answer applies, once --------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_concurrent_answers_and_resumes_apply_once(
+    tmp_path: Path, store: SQLiteStore, kind: str
+) -> None:
+    log = tmp_path / "log.txt"
+    async with saver(kind, tmp_path / "langgraph.db") as cp:
+        driver = LangGraphDriver(one_question_graph(cp, log), store)
+        [q] = await driver.start("race", {})
+        workers = [ResumeWorker(store=store, target=driver) for _ in range(8)]
+
+        async def resume_repeatedly(worker: ResumeWorker) -> list[Outcome]:
+            outcomes = []
+            for _ in range(4):
+                outcomes.append(await worker.resume(q.question_id))
+                await asyncio.sleep(0)
+            return outcomes
+
+        results = await asyncio.gather(
+            *(driver.answer(q.question_id, f"v{i}", by=f"user{i}") for i in range(32)),
+            *(resume_repeatedly(w) for w in workers),
+            return_exceptions=True,
+        )
+        answers, resumes = results[:32], results[32:]
+        assert all(isinstance(r, (Outcome, AlreadyAnswered)) for r in answers), answers
+        assert sum(isinstance(r, AlreadyAnswered) for r in answers) == 31
+        assert all(isinstance(r, list) for r in resumes), resumes
+        outcomes = [r for r in answers if isinstance(r, Outcome)]
+        outcomes += [o for r in resumes if isinstance(r, list) for o in r]
+        swept = await driver.worker.sweep()  # whoever was busy, the answer ends applied
+        outcomes += [o for o, n in swept.items() for _ in range(n)]
+
+        assert outcomes.count(Outcome.APPLIED) == 1
+        assert Outcome.SUPERSEDED not in outcomes and Outcome.FAILED not in outcomes
+        question = await store.get_question(q.question_id)
+        assert question.status is QuestionStatus.APPLIED
+        winner = DEFAULT_CODEC.decode(question.answer_json or "null")
+        assert question.answered_by == "user" + winner.removeprefix("v")
+        assert await final_values(driver, "race") == {"a1": winner, "done": True}
+        assert _lines(log) == ["ask-after", "after"]
+
+
+def _thread_main(
+    tmp_path: Path,
+    question_id: str,
+    index: int,
+    barrier: threading.Barrier,
+    results: list[Any],
+) -> None:
+    """One thread: its own event loop, store instance, LangGraph connection and driver."""
+
+    async def main() -> list[Any]:
+        async with SQLiteStore(tmp_path / "tailrace.db") as store:
+            with sync_saver(tmp_path / "langgraph.db") as cp:
+                driver = LangGraphDriver(one_question_graph(cp, tmp_path / "log.txt"), store)
+                worker = ResumeWorker(store=store, target=driver)
+                await asyncio.to_thread(barrier.wait)
+                return await asyncio.gather(
+                    *(driver.answer(question_id, f"t{index}a{i}") for i in range(4)),
+                    worker.resume(question_id),
+                    driver.worker.resume(question_id),
+                    return_exceptions=True,
+                )
+
+    results[index] = asyncio.run(main())
+
+
+async def test_threads_with_own_loops_and_drivers_apply_once(
+    tmp_path: Path, store: SQLiteStore
+) -> None:
+    log = tmp_path / "log.txt"
+    n = 8
+    with sync_saver(tmp_path / "langgraph.db") as cp:
+        driver = LangGraphDriver(one_question_graph(cp, log), store)
+        [q] = await driver.start("threads", {})
+        barrier = threading.Barrier(n)
+        results: list[Any] = [None] * n
+        threads = [
+            threading.Thread(
+                target=_thread_main, args=(tmp_path, q.question_id, i, barrier, results)
+            )
+            for i in range(n)
+        ]
+
+        def run_all() -> None:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+        await asyncio.to_thread(run_all)
+        flat = [r for per_thread in results for r in per_thread]
+        answers = [r for per_thread in results for r in per_thread[:4]]
+        assert len(answers) == 32
+        assert all(isinstance(r, (Outcome, AlreadyAnswered)) for r in flat), flat
+        assert sum(isinstance(r, AlreadyAnswered) for r in answers) == 31
+        outcomes = [r for r in flat if isinstance(r, Outcome)]
+        swept = await driver.worker.sweep()
+        outcomes += [o for o, n in swept.items() for _ in range(n)]
+        assert outcomes.count(Outcome.APPLIED) == 1
+        assert Outcome.SUPERSEDED not in outcomes and Outcome.FAILED not in outcomes
+
+        question = await store.get_question(q.question_id)
+        assert question.status is QuestionStatus.APPLIED
+        winner = DEFAULT_CODEC.decode(question.answer_json or "null")
+        assert await final_values(driver, "threads") == {"a1": winner, "done": True}
+        assert _lines(log) == ["ask-after", "after"]
+
+
+# --- (3) the turn guard after a crash between invoke and mark_applied -----------
+
+
+async def test_invoke_without_mark_applied_is_superseded_not_reapplied(
+    tmp_path: Path, store: SQLiteStore
+) -> None:
+    log = tmp_path / "log.txt"
+    with sync_saver(tmp_path / "langgraph.db") as cp:
+        driver = LangGraphDriver(one_question_graph(cp, log), store)
+        [q] = await driver.start("crash", {})
+        await store.answer(q.question_id, DEFAULT_CODEC.encode("late"))
+        question = await store.get_question(q.question_id)
+
+        assert await driver.invoke("crash", question, "late") is False  # then "crash"
+        assert _lines(log) == ["ask-after", "after"]
+        assert (await store.get_question(q.question_id)).status is QuestionStatus.ANSWERED
+
+        # after a restart: a new driver instance and worker re-drive the answer
+        restarted = LangGraphDriver(one_question_graph(cp, log), store)
+        worker = ResumeWorker(store=store, target=restarted)
+        assert await worker.sweep() == {Outcome.SUPERSEDED: 1}
+        assert await worker.sweep() == {}
+        assert (await store.get_question(q.question_id)).status in (
+            QuestionStatus.SUPERSEDED,
+            QuestionStatus.APPLIED,
+        )
+        assert await final_values(restarted, "crash") == {"a1": "late", "done": True}
+        assert _lines(log) == ["ask-after", "after"]
+        with pytest.raises(Exception, match="no longer waits"):
+            await restarted.invoke("crash", question, "again")
+        assert _lines(log) == ["ask-after", "after"]
+
+
+class Crash(BaseException):
+    """The process dies here."""
+
+
+class CrashOnMarkApplied:
+    """A store that dies after the graph resumed, before the ledger says so."""
+
+    def __init__(self, store: SQLiteStore) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def mark_applied(self, question_id: str) -> bool:
+        raise Crash
+
+
+async def test_worker_crash_before_mark_applied_then_sweep(
+    tmp_path: Path, store: SQLiteStore
+) -> None:
+    log = tmp_path / "log.txt"
+    with sync_saver(tmp_path / "langgraph.db") as cp:
+        driver = LangGraphDriver(one_question_graph(cp, log), store)
+        [q] = await driver.start("crash2", {})
+        await store.answer(q.question_id, DEFAULT_CODEC.encode("once"))
+        dying = ResumeWorker(store=CrashOnMarkApplied(store), target=driver)  # type: ignore[arg-type]
+        with pytest.raises(Crash):
+            await dying.resume(q.question_id)
+        assert _lines(log) == ["ask-after", "after"]
+
+        counts = await ResumeWorker(store=store, target=driver).sweep()
+        assert counts == {Outcome.SUPERSEDED: 1}
+        assert (await store.get_question(q.question_id)).status is QuestionStatus.SUPERSEDED
+        assert await final_values(driver, "crash2") == {"a1": "once", "done": True}
+        assert _lines(log) == ["ask-after", "after"]
+
+
+async def test_a_failed_step_is_retried_by_the_sweep_with_the_first_answer(
+    tmp_path: Path, store: SQLiteStore
+) -> None:
+    log = tmp_path / "log.txt"
+    failing = {"on": True}
+
+    def ask(state: State) -> State:
+        answer = interrupt("q")
+        if failing["on"]:
+            raise RuntimeError("flaky tool")
+        _log(log, "ask-after")
+        return {"a1": answer}
+
+    builder = StateGraph(State)
+    builder.add_node("ask", ask)
+    builder.add_edge(START, "ask")
+    builder.add_edge("ask", END)
+    with sync_saver(tmp_path / "langgraph.db") as cp:
+        driver = LangGraphDriver(builder.compile(checkpointer=cp), store)
+        [q] = await driver.start("flaky", {})
+        assert await driver.answer(q.question_id, "first") is Outcome.FAILED  # Q6: logged
+        assert (await store.get_question(q.question_id)).status is QuestionStatus.ANSWERED
+        run = await store.get_run("flaky")
+        assert run.error is not None and "flaky tool" in run.error
+
+        failing["on"] = False
+        assert await driver.worker.sweep() == {Outcome.APPLIED: 1}
+        assert await driver.worker.sweep() == {}
+        assert (await store.get_question(q.question_id)).status is QuestionStatus.APPLIED
+        assert await final_values(driver, "flaky") == {"a1": "first"}
+        assert _lines(log) == ["ask-after"]
+        run = await store.get_run("flaky")
+        assert (run.status, run.error) == (RunStatus.COMPLETED, None)
+
+
+# --- the lease is kept alive while a graph step runs ------------------------------
+
+
+async def test_lease_is_renewed_while_a_slow_step_runs(tmp_path: Path, store: SQLiteStore) -> None:
+    """A step longer than the lease ttl keeps the thread fenced, so no worker takes it over."""
+    entered, release = threading.Event(), threading.Event()
+    log = tmp_path / "log.txt"
+
+    def ask(state: State) -> State:
+        answer = interrupt("slow?")
+        entered.set()
+        release.wait(timeout=30)
+        _log(log, "ask-after")
+        return {"a1": answer}
+
+    builder = StateGraph(State)
+    builder.add_node("ask", ask)
+    builder.add_edge(START, "ask")
+    builder.add_edge("ask", END)
+    ttl = 0.3
+    with sync_saver(tmp_path / "langgraph.db") as cp:
+        driver = LangGraphDriver(builder.compile(checkpointer=cp), store, lease_ttl=ttl)
+        [q] = await driver.start("slow", {})
+        resume = asyncio.create_task(driver.answer(q.question_id, "ok"))
+        try:
+            assert await asyncio.to_thread(entered.wait, 30)
+            await asyncio.sleep(ttl * 4)  # well past the first expiry: only renewals keep it
+            with pytest.raises(LeaseHeld):
+                await store.acquire_lease("slow", "intruder", ttl)
+            other = LangGraphDriver(builder.compile(checkpointer=cp), store)
+            assert await other.worker.resume(q.question_id) is Outcome.BUSY
+        finally:
+            release.set()
+            outcome = await resume
+        assert outcome is Outcome.APPLIED
+        assert _lines(log) == ["ask-after"]
+        assert (await store.get_run("slow")).status is RunStatus.COMPLETED
+
+
+# --- a driver's worker leaves other runs' questions alone --------------------------
+
+
+async def test_sweeping_through_a_driver_never_supersedes_other_runs(
+    tmp_path: Path, store: SQLiteStore
+) -> None:
+    await store.create_run(
+        NewRun(
+            run_id="engine-run",
+            graph_name="some-tailrace-graph",
+            graph_ref="pkg.mod:graph",
+            fingerprint="f",
+            input_json="null",
+            created_at=1.0,
+        )
+    )
+    token = await store.acquire_lease("engine-run", "engine", 30.0)
+    question = QuestionRow(
+        question_id="engine-q",
+        run_id="engine-run",
+        node_id="gate",
+        visit=1,
+        turn=0,
+        prompt_json='"approve?"',
+    )
+    await store.commit(
+        "engine-run",
+        token,
+        Harvest(state_json="{}", status=RunStatus.SUSPENDED, questions=[question]),
+    )
+    await store.release_lease("engine-run", "engine", token)
+    await store.answer("engine-q", '"yes"')
+
+    with sync_saver(tmp_path / "langgraph.db") as cp:
+        driver = LangGraphDriver(one_question_graph(cp, tmp_path / "log.txt"), store)
+        assert await driver.worker.sweep() == {}  # not its run: skipped
+        assert (await store.get_question("engine-q")).status is QuestionStatus.ANSWERED
+        [q] = await driver.start("mine", {})
+        with pytest.raises(ValueError, match="not a thread"):
+            await driver.answer("engine-q", "no")
+        other = LangGraphDriver(one_question_graph(cp, tmp_path / "log.txt"), store, name="other")
+        with pytest.raises(ValueError, match="not a thread"):
+            await other.answer(q.question_id, "no")
+        assert (await store.get_question(q.question_id)).status is QuestionStatus.OPEN
+
+
+# --- misuse and the optional import -----------------------------------------------
+
+
+def test_a_graph_without_checkpointer_is_refused(tmp_path: Path) -> None:
+    graph = one_question_graph(None, tmp_path / "log.txt")
+    with pytest.raises(ValueError, match="checkpointer"):
+        LangGraphDriver(graph, SQLiteStore(tmp_path / "t.db"))
+
+
+@pytest.mark.parametrize(
+    "module", ["tailrace", "tailrace.integrations", "tailrace.integrations.langgraph"]
+)
+def test_importing_tailrace_does_not_import_langgraph(module: str) -> None:
+    code = f"import sys, {module}; assert 'langgraph' not in sys.modules, sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)
