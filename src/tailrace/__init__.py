@@ -25,6 +25,7 @@ from ._errors import RouteError as RouteError
 from ._errors import RunError as RunError
 from ._errors import RunExists as RunExists
 from ._errors import RunNotFound as RunNotFound
+from ._errors import StaleVersion as StaleVersion
 from ._errors import StallError as StallError
 from ._errors import StoreError as StoreError
 from ._errors import TailraceError as TailraceError
@@ -85,6 +86,7 @@ __all__ = [
     "RunExists",
     "RunNotFound",
     "RunResult",
+    "StaleVersion",
     "StallError",
     "StoreError",
     "TailraceError",

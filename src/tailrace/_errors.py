@@ -16,7 +16,8 @@ callers are expected to handle get their own class::
     │   └── NotResumable                 the run is finished, or cannot be resumed
     ├── StoreError                       the database failed (driver error chained)
     │   ├── UnsupportedFormat            a stored format version we cannot read (D4)
-    │   └── CorruptRecord                a stored row that does not decode
+    │   ├── CorruptRecord                a stored row that does not decode
+    │   └── StaleVersion                 an artifact commit lost its compare-and-set
     ├── LeaseError
     │   ├── LeaseHeld                    another live engine owns the run (D6)
     │   └── LeaseLost                    our lease was taken over; writes are fenced (D6)
@@ -84,6 +85,10 @@ class UnsupportedFormat(StoreError):
 
 class CorruptRecord(StoreError):
     """A stored record does not decode; the message names the run and node."""
+
+
+class StaleVersion(StoreError):
+    """An artifact commit expected a head version that is no longer the head."""
 
 
 class LeaseError(TailraceError):

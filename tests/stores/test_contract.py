@@ -526,7 +526,7 @@ async def test_sqlite_records_its_migrations(tmp_path: Path) -> None:
         rows = conn.execute("SELECT version FROM schema_migrations").fetchall()
         mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
     conn.close()
-    assert rows == [(1,), (2,)]
+    assert rows == [(1,), (2,), (3,)]
     assert mode == "wal"
 
 
@@ -609,7 +609,7 @@ async def test_postgres_refuses_a_newer_schema_and_writes_nothing(pg_backend: Ba
                 sql.Identifier(schema)
             )
         )
-        assert await cur.fetchall() == [(1,), (2,), (999,)]
+        assert await cur.fetchall() == [(1,), (2,), (3,), (999,)]
 
 
 @pytest.mark.postgres
@@ -641,7 +641,7 @@ async def test_postgres_concurrent_opens_of_a_fresh_schema_migrate_once() -> Non
             cur = await conn.execute(
                 sql.SQL("SELECT version FROM {}.schema_migrations").format(sql.Identifier(schema))
             )
-            assert await cur.fetchall() == [(1,), (2,)]
+            assert await cur.fetchall() == [(1,), (2,), (3,)]
     finally:
         await asyncio.gather(*(s.close() for s in racers))
         async with await psycopg.AsyncConnection.connect(POSTGRES_DSN, autocommit=True) as conn:

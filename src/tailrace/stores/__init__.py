@@ -21,6 +21,7 @@ import typing
 from ._base import FORMAT_VERSION as FORMAT_VERSION
 from ._base import QUESTION_TRANSITIONS as QUESTION_TRANSITIONS
 from ._base import TERMINAL_STATUSES as TERMINAL_STATUSES
+from ._base import ArtifactVersion as ArtifactVersion
 from ._base import EventRow as EventRow
 from ._base import FrozenInput as FrozenInput
 from ._base import Harvest as Harvest
@@ -43,6 +44,7 @@ __all__ = [
     "FORMAT_VERSION",
     "QUESTION_TRANSITIONS",
     "TERMINAL_STATUSES",
+    "ArtifactVersion",
     "EventRow",
     "FrozenInput",
     "Harvest",

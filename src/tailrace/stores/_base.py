@@ -101,6 +101,21 @@ class QuestionRow:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ArtifactVersion:
+    """One version of an evolving artifact (prompts, skills, rules) in the evolve ledger.
+
+    ``version`` counts from 1; ``entries_json`` holds the artifact's keyed text
+    entries; ``meta_json`` what produced it (the edit, scores, who merged it).
+    """
+
+    artifact_id: str
+    version: int
+    entries_json: str
+    meta_json: str = "{}"
+    created_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class NewRun:
     """What ``create_run`` stores for a new run."""
 
@@ -333,3 +348,24 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     async def expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
         """Ids of runs in status ``running`` whose lease expired before ``now`` (orphans)."""
+
+    # -- the evolve ledger ----------------------------------------------------------
+
+    @abc.abstractmethod
+    async def artifact_head(self, artifact_id: str) -> ArtifactVersion | None:
+        """The newest version of ``artifact_id``, or None if it has none."""
+
+    @abc.abstractmethod
+    async def commit_artifact(
+        self, artifact_id: str, expected: int, entries_json: str, meta_json: str = "{}"
+    ) -> ArtifactVersion:
+        """Compare-and-set: store version ``expected + 1`` if the head is ``expected``.
+
+        ``expected`` is 0 for the first version. A stale ``expected`` (someone
+        committed first) raises :class:`~tailrace.StaleVersion` and writes
+        nothing. ``entries_json``/``meta_json`` are stored as given.
+        """
+
+    @abc.abstractmethod
+    async def artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
+        """Every version of ``artifact_id``, oldest first."""

@@ -32,10 +32,12 @@ from .._errors import (
     StoreError,
     UnsupportedFormat,
 )
+from ._artifacts import ArtifactLedger
 from ._base import (
     FORMAT_VERSION,
     QUESTION_TRANSITIONS,
     RUN_TRANSITIONS,
+    ArtifactVersion,
     EventRow,
     FrozenInput,
     Harvest,
@@ -275,6 +277,7 @@ class MemoryStore(RunStore):
         self._frozen: dict[str, dict[tuple[str, int], FrozenInput]] = {}
         self._events: dict[str, dict[int, EventRow]] = {}
         self._questions: dict[str, QuestionRow] = {}
+        self._artifacts = ArtifactLedger(clock)
 
     async def open(self) -> None:
         """Nothing to connect; kept for the contract. Idempotent."""
@@ -593,3 +596,23 @@ class MemoryStore(RunStore):
                 row, status=QuestionStatus.SUPERSEDED
             )
             return True
+
+    # -- the evolve ledger --------------------------------------------------------
+
+    async def artifact_head(self, artifact_id: str) -> ArtifactVersion | None:
+        """The newest version of ``artifact_id``, or None if it has none."""
+        return self._artifacts.head(artifact_id)
+
+    async def commit_artifact(
+        self, artifact_id: str, expected: int, entries_json: str, meta_json: str = "{}"
+    ) -> ArtifactVersion:
+        """Store version ``expected + 1`` of ``artifact_id`` if its head is ``expected`` (0: none).
+
+        ``entries_json``/``meta_json`` are stored as given; a stale ``expected``
+        raises ``StaleVersion`` and writes nothing.
+        """
+        return self._artifacts.commit(artifact_id, expected, entries_json, meta_json)
+
+    async def artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
+        """Every version of ``artifact_id``, oldest first."""
+        return self._artifacts.history(artifact_id)

@@ -4,7 +4,10 @@ Built on psycopg 3 and its async pool. Every write is one transaction; a
 commit locks its run row (``SELECT ... FOR UPDATE``) before checking the
 fencing token, so two engines can never both write the same run (D6).
 Migrations run under a transaction-scoped advisory lock, so processes that
-start together do not race. The tables live in ``schema`` (``public`` by
+start together do not race. An artifact commit reads the head and inserts the
+next version in one transaction; of racing commits, the ``artifact_versions``
+primary key lets one insert through and the others' unique violations become
+:class:`~tailrace.StaleVersion`. The tables live in ``schema`` (``public`` by
 default), which lets several deployments, or tests, share one database.
 
 Requires the ``postgres`` extra: ``pip install 'tailrace[postgres]'``.
@@ -23,7 +26,9 @@ import psycopg_pool
 from psycopg import sql
 
 from .._errors import RunExists, RunNotFound, StoreError, UnsupportedFormat
+from ._artifacts import check_expected, stale_version
 from ._base import (
+    ArtifactVersion,
     EventRow,
     FrozenInput,
     Harvest,
@@ -55,19 +60,25 @@ from ._memory import (
 from ._sql import (
     ANSWER_QUESTION,
     APPLY_QUESTION,
+    ARTIFACT_HEAD_VERSION,
     CREATE_MIGRATIONS_TABLE,
     EVENT_COLUMNS,
     EXPIRED_LEASES,
+    INSERT_ARTIFACT,
     INSERT_RUN,
     MIGRATIONS,
     QUESTION_STATE,
     RUN_COLUMNS,
     SCHEMA_VERSION,
+    SELECT_ARTIFACT_HEAD,
+    SELECT_ARTIFACT_HISTORY,
     SELECT_QUESTION,
     SUPERSEDE_QUESTION,
     UNAPPLIED_ANSWERS,
     UPDATE_RUN,
     UPSERT_NODE,
+    artifact_from_row,
+    artifact_params,
     event_from_row,
     harvest_rows,
     list_questions_query,
@@ -445,6 +456,55 @@ class PostgresStore(RunStore):
         """
         async with self._connection(f"question {question_id!r}") as conn:
             return await _changed_one(conn, _pg(SUPERSEDE_QUESTION), (question_id,), question_id)
+
+    # -- the evolve ledger --------------------------------------------------------
+
+    async def artifact_head(self, artifact_id: str) -> ArtifactVersion | None:
+        """The newest version of ``artifact_id``, or None if it has none."""
+        async with self._connection(f"artifact {artifact_id!r}") as conn:
+            cur = await conn.execute(_pg(SELECT_ARTIFACT_HEAD), (artifact_id,))
+            row = await cur.fetchone()
+        return None if row is None else artifact_from_row(row)
+
+    async def commit_artifact(
+        self, artifact_id: str, expected: int, entries_json: str, meta_json: str = "{}"
+    ) -> ArtifactVersion:
+        """Store version ``expected + 1`` of ``artifact_id`` if its head is ``expected`` (0: none).
+
+        One transaction reads the head and inserts the next version; a racing
+        transaction that inserted it first makes ours fail on the primary key,
+        and that loss is reported like any stale ``expected``: ``StaleVersion``,
+        nothing written. ``entries_json``/``meta_json`` are stored as given.
+        """
+        check_expected(artifact_id, expected)
+        version = ArtifactVersion(
+            artifact_id=artifact_id, version=expected + 1, entries_json=entries_json,
+            meta_json=meta_json, created_at=self._clock(),
+        )  # fmt: skip
+        async with self._connection(f"artifact {artifact_id!r}") as conn:
+            try:
+                async with conn.transaction():
+                    head = await _artifact_head_version(conn, artifact_id)
+                    if head != expected:
+                        raise stale_version(artifact_id, expected, head)
+                    await conn.execute(_pg(INSERT_ARTIFACT), artifact_params(version))
+            except psycopg.errors.UniqueViolation as exc:  # lost the race: the winner committed
+                head = await _artifact_head_version(conn, artifact_id)
+                raise stale_version(artifact_id, expected, head) from exc
+        return version
+
+    async def artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
+        """Every version of ``artifact_id``, oldest first."""
+        async with self._connection(f"artifact {artifact_id!r}") as conn:
+            cur = await conn.execute(_pg(SELECT_ARTIFACT_HISTORY), (artifact_id,))
+            return [artifact_from_row(r) for r in await cur.fetchall()]
+
+
+async def _artifact_head_version(conn: _Conn, artifact_id: str) -> int:
+    """The head version of ``artifact_id``, 0 when it has none."""
+    cur = await conn.execute(_pg(ARTIFACT_HEAD_VERSION), (artifact_id,))
+    row = await cur.fetchone()
+    return int(row[0]) if row is not None else 0
 
 
 async def _write_harvest(conn: _Conn, run_id: str, harvest: Harvest, now: float) -> None:

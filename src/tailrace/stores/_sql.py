@@ -5,7 +5,8 @@ Written once in the common dialect: ``?`` placeholders (Postgres swaps in
 The question compare-and-sets are single ``UPDATE ... WHERE`` statements whose
 conditions mirror :func:`~tailrace.stores._memory.can_apply` and
 :func:`~tailrace.stores._memory.can_supersede`, so the database itself decides
-which of several racing writers wins (Q2, Q3).
+which of several racing writers wins (Q2, Q3). Artifact commits insert the
+next version under the ``artifact_versions`` primary key, which decides alike.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ._base import (
+    ArtifactVersion,
     EventRow,
     Harvest,
     NewRun,
@@ -101,6 +103,18 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
                 answered_at DOUBLE PRECISION, applied_at DOUBLE PRECISION)""",
             "CREATE INDEX questions_by_status ON questions (status)",
             "CREATE INDEX questions_by_run ON questions (run_id)",
+        ),
+    ),
+    (
+        3,
+        (
+            # The primary key is the evolve ledger's compare-and-set: of writers
+            # racing to store the same next version, exactly one insert succeeds.
+            """CREATE TABLE artifact_versions (
+                artifact_id TEXT NOT NULL, version INTEGER NOT NULL CHECK (version >= 1),
+                entries_json TEXT NOT NULL, meta_json TEXT NOT NULL,
+                created_at DOUBLE PRECISION NOT NULL,
+                PRIMARY KEY (artifact_id, version)) /*WITHOUT ROWID*/""",
         ),
     ),
 )
@@ -258,3 +272,32 @@ def list_questions_query(
         f"SELECT {QUESTION_COLUMNS} FROM questions {clause}ORDER BY created_at, question_id LIMIT ?"
     )
     return query, tuple(params)
+
+
+# --- the evolve ledger ------------------------------------------------------------
+
+ARTIFACT_FIELDS = ("artifact_id", "version", "entries_json", "meta_json", "created_at")
+ARTIFACT_COLUMNS = ", ".join(ARTIFACT_FIELDS)
+#: Values: artifact_id. One row: the head version, 0 when there is none.
+ARTIFACT_HEAD_VERSION = (
+    "SELECT COALESCE(MAX(version), 0) FROM artifact_versions WHERE artifact_id = ?"
+)
+SELECT_ARTIFACT_HEAD = (
+    f"SELECT {ARTIFACT_COLUMNS} FROM artifact_versions WHERE artifact_id = ? "
+    "ORDER BY version DESC LIMIT 1"
+)
+SELECT_ARTIFACT_HISTORY = (
+    f"SELECT {ARTIFACT_COLUMNS} FROM artifact_versions WHERE artifact_id = ? ORDER BY version"
+)
+INSERT_ARTIFACT = f"INSERT INTO artifact_versions ({ARTIFACT_COLUMNS}) VALUES (?, ?, ?, ?, ?)"
+
+
+def artifact_params(version: ArtifactVersion) -> tuple[object, ...]:
+    """Values of ``version`` in :data:`ARTIFACT_COLUMNS` order."""
+    v = version
+    return (v.artifact_id, v.version, v.entries_json, v.meta_json, v.created_at)
+
+
+def artifact_from_row(row: Sequence[Any]) -> ArtifactVersion:
+    """Decode ``row``, an ``artifact_versions`` row selected with :data:`ARTIFACT_COLUMNS`."""
+    return ArtifactVersion(**dict(zip(ARTIFACT_FIELDS, row, strict=True)))

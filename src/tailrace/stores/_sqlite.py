@@ -21,7 +21,9 @@ from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 from .._errors import RunExists, RunNotFound, StoreError, UnsupportedFormat
+from ._artifacts import check_expected, stale_version
 from ._base import (
+    ArtifactVersion,
     EventRow,
     FrozenInput,
     Harvest,
@@ -53,20 +55,26 @@ from ._memory import (
 from ._sql import (
     ANSWER_QUESTION,
     APPLY_QUESTION,
+    ARTIFACT_HEAD_VERSION,
     CREATE_MIGRATIONS_TABLE,
     EVENT_COLUMNS,
     EXPIRED_LEASES,
+    INSERT_ARTIFACT,
     INSERT_RUN,
     MIGRATIONS,
     QUESTION_STATE,
     RUN_COLUMNS,
     SCHEMA_VERSION,
+    SELECT_ARTIFACT_HEAD,
+    SELECT_ARTIFACT_HISTORY,
     SELECT_QUESTION,
     SUPERSEDE_QUESTION,
     UNAPPLIED_ANSWERS,
     UPDATE_RUN,
     UPSERT_NODE,
     append_only_rows,
+    artifact_from_row,
+    artifact_params,
     event_from_row,
     harvest_rows,
     list_questions_query,
@@ -492,6 +500,61 @@ class SQLiteStore(RunStore):
             f"question {question_id!r}",
             lambda conn: _changed_one(conn, SUPERSEDE_QUESTION, (question_id,), question_id),
         )
+
+    # -- the evolve ledger --------------------------------------------------------
+
+    async def artifact_head(self, artifact_id: str) -> ArtifactVersion | None:
+        """The newest version of ``artifact_id``, or None if it has none."""
+
+        def read(conn: sqlite3.Connection) -> ArtifactVersion | None:
+            row = conn.execute(SELECT_ARTIFACT_HEAD, (artifact_id,)).fetchone()
+            return None if row is None else artifact_from_row(row)
+
+        return await self._read(f"artifact {artifact_id!r}", read)
+
+    async def commit_artifact(
+        self, artifact_id: str, expected: int, entries_json: str, meta_json: str = "{}"
+    ) -> ArtifactVersion:
+        """Store version ``expected + 1`` of ``artifact_id`` if its head is ``expected`` (0: none).
+
+        On the writer thread, the head is read and the next version inserted in
+        one write transaction (``BEGIN IMMEDIATE`` keeps other processes out);
+        the primary key would refuse a duplicate version all the same.
+        ``entries_json``/``meta_json`` are stored as given; a stale ``expected``
+        raises ``StaleVersion`` and writes nothing.
+        """
+        check_expected(artifact_id, expected)
+
+        def apply(conn: sqlite3.Connection) -> ArtifactVersion:
+            head = _artifact_head_version(conn, artifact_id)
+            if head != expected:
+                raise stale_version(artifact_id, expected, head)
+            version = ArtifactVersion(
+                artifact_id=artifact_id, version=expected + 1, entries_json=entries_json,
+                meta_json=meta_json, created_at=self._clock(),
+            )  # fmt: skip
+            try:
+                conn.execute(INSERT_ARTIFACT, artifact_params(version))
+            except sqlite3.IntegrityError as exc:
+                head = _artifact_head_version(conn, artifact_id)
+                raise stale_version(artifact_id, expected, head) from exc
+            return version
+
+        return await self._write(f"artifact {artifact_id!r}", apply)
+
+    async def artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
+        """Every version of ``artifact_id``, oldest first."""
+        return await self._read(
+            f"artifact {artifact_id!r}",
+            lambda conn: [
+                artifact_from_row(r) for r in conn.execute(SELECT_ARTIFACT_HISTORY, (artifact_id,))
+            ],
+        )
+
+
+def _artifact_head_version(conn: sqlite3.Connection, artifact_id: str) -> int:
+    """The head version of ``artifact_id``, 0 when it has none."""
+    return int(conn.execute(ARTIFACT_HEAD_VERSION, (artifact_id,)).fetchone()[0])
 
 
 def _question_state(conn: sqlite3.Connection, question_id: str) -> tuple[QuestionStatus, Any]:
