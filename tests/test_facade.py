@@ -17,7 +17,7 @@ import pytest
 
 import tailrace
 
-FACADES = ["tailrace", "tailrace.tail", "tailrace.stores"]
+FACADES = ["tailrace", "tailrace.tail", "tailrace.stores", "tailrace.gates", "tailrace.evolve"]
 
 
 def _isort_key(name: str) -> tuple[int, str]:

@@ -17,6 +17,7 @@ from .._engine import Engine
 from .._errors import TailraceError
 from .._graph import Graph, resolve_reference
 from .._runloop import RunResult
+from ..evolve._cli import evolve_demo
 from ..stores import RunStatus, RunStore, open_store
 from ._timeline import node_table, question_table, timeline
 
@@ -28,6 +29,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+app.command("evolve-demo")(evolve_demo)
 console = Console()
 
 DEFAULT_DB = "tailrace.db"

@@ -1,0 +1,112 @@
+"""openai_compatible against a fake OpenAI-compatible server on loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+import pytest
+
+pytest.importorskip("httpx")
+
+from tailrace.evolve import Edit, Task, async_evolve, openai_compatible
+from tailrace.evolve._openai import CompletionError
+
+
+class FakeOpenAI(BaseHTTPRequestHandler):
+    """Answers /v1/chat/completions with the label the system prompt's rules give."""
+
+    requests: ClassVar[list[dict]] = []
+
+    def do_POST(self) -> None:
+        length = int(self.headers["Content-Length"])
+        body = json.loads(self.rfile.read(length))
+        self.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
+        if self.path != "/v1/chat/completions":
+            self._send(404, {"error": "no such route"})
+            return
+        if body["model"] == "broken":
+            self._send(200, {"unexpected": True})
+            return
+        system, user = body["messages"][0]["content"], body["messages"][1]["content"]
+        answer = "yes" if "say yes" in system else f"no ({user})"
+        self._send(200, {"choices": [{"message": {"role": "assistant", "content": answer}}]})
+
+    def _send(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    FakeOpenAI.requests = []
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+
+
+async def test_completion_sends_system_and_user_messages_with_the_key(server, monkeypatch):
+    monkeypatch.setenv("FAKE_KEY", "sk-test")
+    async with openai_compatible(server, "m1", "FAKE_KEY") as run:
+        out = await run("rules", Task(id="t", prompt="hello"))
+    assert out == "no (hello)"
+    [request] = FakeOpenAI.requests
+    assert request["auth"] == "Bearer sk-test"
+    assert request["model"] == "m1" and request["temperature"] == 0.0
+    assert request["messages"] == [
+        {"role": "system", "content": "rules"},
+        {"role": "user", "content": "hello"},
+    ]
+
+
+async def test_no_key_sends_no_authorization(server, monkeypatch):
+    monkeypatch.delenv("UNSET_KEY_FOR_TEST", raising=False)
+    async with openai_compatible(server, "m1", "UNSET_KEY_FOR_TEST", max_tokens=5) as run:
+        await run("x", Task(id="t", prompt="p"))
+    assert FakeOpenAI.requests[0]["auth"] is None
+    assert FakeOpenAI.requests[0]["max_tokens"] == 5
+
+
+async def test_errors_are_completion_errors(server):
+    async with openai_compatible(server, "broken", None) as run:
+        with pytest.raises(CompletionError, match="not a chat completion"):
+            await run("x", Task(id="t", prompt="p"))
+    async with openai_compatible(server + "/wrong", "m", None) as run:
+        with pytest.raises(CompletionError, match="HTTP 404"):
+            await run("x", Task(id="t", prompt="p"))
+    async with openai_compatible("http://127.0.0.1:9", "m", None, timeout=2.0) as run:
+        with pytest.raises(CompletionError, match="request failed"):
+            await run("x", Task(id="t", prompt="p"))
+
+
+async def test_the_adapter_drives_an_evolution(server):
+    tasks = [Task(id=f"t{i}", prompt=f"q{i}") for i in range(6)]
+
+    def reward(task, output):
+        return 1.0 if output == "yes" else 0.0
+
+    def propose(rendered, task, output, value):
+        return None if value == 1.0 else Edit(set={"instruction": "say yes"})
+
+    async with openai_compatible(server, "m1", None) as run:
+        result = await async_evolve(
+            tasks, reward, run=run, propose=propose, workers=2, max_rollouts=4
+        )
+    assert result.commits == 1 and result.held_out == 1.0
+    assert result.entries == {"instruction": "say yes"}
