@@ -83,6 +83,7 @@ class Engine:
         self._graphs: dict[str, Graph] = {}
         #: Runs this engine drives now: one driver per run even within one owner (D6).
         self._active: set[str] = set()
+        self._loops: dict[str, RunLoop] = {}
 
     # -- public API -----------------------------------------------------------
 
@@ -132,7 +133,12 @@ class Engine:
         return await self._with_questions(result)
 
     async def resume(
-        self, run_id: str, graph: Graph | None = None, *, force: bool = False
+        self,
+        run_id: str,
+        graph: Graph | None = None,
+        *,
+        force: bool = False,
+        patch: Any = None,
     ) -> RunResult:
         """Resume the durable run ``run_id`` where it stopped (D3, Q3).
 
@@ -142,13 +148,16 @@ class Engine:
         more are marked superseded. ``graph`` defaults to the one the run
         recorded (by ``module:attribute`` reference); a graph whose structural
         fingerprint differs is refused with :class:`GraphMismatch` unless
-        ``force`` is true. A suspended run with no new answer is returned
-        as it is, without a write.
+        ``force`` is true. A preempted run continues from its parked turn
+        boundaries, their values passed through ``patch`` (a mapping merged
+        into dict values, or a function), e.g. to render a newer artifact. A
+        suspended run with nothing new to do is returned as it is, without a
+        write.
         """
         with self._driving(run_id):
-            return await self._resume(run_id, graph, force)
+            return await self._resume(run_id, graph, force, patch)
 
-    async def _resume(self, run_id: str, graph: Graph | None, force: bool) -> RunResult:
+    async def _resume(self, run_id: str, graph: Graph | None, force: bool, patch: Any) -> RunResult:
         from ._persist import Persister
 
         store = self._require_store("resume")
@@ -171,13 +180,31 @@ class Engine:
             state, event_seq, turn = persister.restore(stored, await self._late_inputs(run_id))
             loop = self._loop_for(run_id, state, persister, event_seq, turn)
             applied = await loop.absorb_answers()
+            unparked = state.unpark(patch)
             if stored.run.status == "suspended" and not applied and not state.ready:
                 return await self._with_questions(loop.result("suspended"))
-            loop.emit(EventType.RUN_RESUMED, graph=graph.name, applied=applied)
+            loop.emit(EventType.RUN_RESUMED, graph=graph.name, applied=applied, unparked=unparked)
             if applied:
                 await loop.checkpoint()  # the apply is durable before any handler runs
             result = await loop.drive()
         return await self._with_questions(result)
+
+    def preempt(self, run_id: str) -> bool:
+        """Ask run ``run_id``, driven by this engine, to stop at its next turn boundaries.
+
+        Attempts in flight finish; what they would feed back into a loop is
+        parked, and the run is then stored ``suspended`` (``RunResult.preempted``)
+        until :meth:`resume` replays it, possibly against newer inputs
+        (partial rollouts). Returns False when this engine is not driving that
+        run. Needs a store to resume from.
+        """
+        loop = self._loops.get(run_id)
+        if loop is None:
+            return False
+        if self.store is None:
+            raise NotResumable(f"run {run_id!r}: preempting needs a store to resume from")
+        loop.preempt()
+        return True
 
     async def answer(
         self, question_id: str, value: Any, *, by: str | None = None, resume: bool = True
@@ -216,6 +243,7 @@ class Engine:
             yield
         finally:
             self._active.discard(run_id)
+            self._loops.pop(run_id, None)
 
     async def _late_inputs(self, run_id: str) -> list[LateInput]:
         assert self.store is not None
@@ -249,7 +277,7 @@ class Engine:
     def _loop_for(
         self, run_id: str, state: RunState, persister: Any, event_seq: int = 0, turn: int = 0
     ) -> RunLoop:
-        return RunLoop(
+        loop = self._loops[run_id] = RunLoop(
             run_id=run_id,
             state=state,
             publish=self.bus.publish if self.bus.active else None,
@@ -261,6 +289,7 @@ class Engine:
             event_seq=event_seq,
             turn=turn,
         )
+        return loop
 
     def _tail_for(self, topo: Topology) -> TailHooks | None:
         if self._tail is not None:

@@ -317,6 +317,10 @@ class Persister:
                     "seq": state.seq,
                     "events": loop.event_seq,
                     "turn": loop.turn,
+                    "parked": [
+                        [self.topo.ids[src], self.topo.ids[dst], value, _pairs(f, self.topo.ids)]
+                        for src, dst, value, f in state.parked
+                    ],
                     "edge_gen": [
                         [self.topo.ids[s], self.topo.ids[t], g]
                         for (s, t), g in state.edge_gen.items()
@@ -389,6 +393,10 @@ class Persister:
         state.seq = int(meta.get("seq", 0))
         index = self.topo.index
         state.edge_gen = {(index[s], index[t]): int(g) for s, t, g in meta.get("edge_gen", [])}
+        state.parked = [
+            (index[src], index[dst], value, _unpairs(f, index))
+            for src, dst, value, f in meta.get("parked", [])
+        ]
         state.late.extend(late)
         for node_id, row in stored.nodes.items():
             i = self.topo.index.get(node_id)

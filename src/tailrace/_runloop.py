@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -47,7 +48,8 @@ class RunResult:
     result of the graph's sink node (a dict by node when several sinks
     completed, None when none did); ``late_inputs`` lists
     inputs that arrived after their activation fired (E5); ``questions`` the
-    open questions of a suspended run.
+    open questions of a suspended run; ``preempted`` is true when the run
+    was suspended by ``Engine.preempt`` at a turn boundary.
     """
 
     run_id: str
@@ -61,6 +63,7 @@ class RunResult:
     questions: tuple[Any, ...] = ()
     duration: float = 0.0
     output: Any = None
+    preempted: bool = False
 
 
 class Attempt:
@@ -520,7 +523,16 @@ class RunLoop:
                 self.state.cancel(i)
                 self.emit(EventType.NODE_CANCELLED, i, ns.visits, ns.attempts)
 
+    def preempt(self) -> None:
+        """Stop the run at its next turn boundaries (in-loop edges) and suspend it (partial rollouts)."""
+        self.state.preempting = True
+        self.poke()
+
     async def _finish(self) -> RunResult:
+        if self.state.parked:  # preempted: suspend with the turns parked, no question
+            self.emit(EventType.RUN_SUSPENDED, reason="preempted", parked=len(self.state.parked))
+            await self._commit("suspended")
+            return dataclasses.replace(self.result("suspended"), preempted=True)
         questions = self.state.waiting_questions()
         if questions:  # E10: an open gate is a suspension, never a stall
             self.turn += 1

@@ -123,6 +123,8 @@ class RunState:
         "frozen",
         "late",
         "nodes",
+        "parked",
+        "preempting",
         "ready",
         "seq",
         "topo",
@@ -140,6 +142,10 @@ class RunState:
         self.frozen: list[tuple[int, int, list[Any]]] = []
         #: Nodes activated and waiting for dispatch, in activation order.
         self.ready: list[int] = []
+        #: Set by a preemption: in-loop deliveries (turn boundaries) are parked.
+        self.preempting = False
+        #: Parked deliveries: (source, target, value, frontier), replayed on resume.
+        self.parked: list[tuple[int, int, Any, dict[int, int] | None]] = []
 
     # -- transitions --------------------------------------------------------
 
@@ -176,7 +182,10 @@ class RunState:
         ns.has_result = True
         self.dirty[i] = None
         for edge in taken:
-            self._deliver(i, edge.target, value, ns.frontier)
+            if self.preempting and edge.in_loop:  # a turn boundary: stop here for now
+                self.parked.append((i, edge.target, value, ns.frontier))
+            else:
+                self._deliver(i, edge.target, value, ns.frontier)
         if ns.pending is not None:
             payload, frontier = ns.pending
             ns.pending = None
@@ -195,6 +204,18 @@ class RunState:
         """Complete waiting gate ``i`` with ``value`` and route it like a task."""
         self.nodes[i].question = None
         return self.complete(i, value)
+
+    def unpark(self, patch: Any = None) -> int:
+        """Replay parked deliveries (a preempted run resumes), values passed through ``patch``.
+
+        ``patch`` is None, a mapping merged into dict values, or a function of
+        the value. Returns how many deliveries were replayed.
+        """
+        parked, self.parked = self.parked, []
+        self.preempting = False
+        for s, t, value, frontier in parked:
+            self._deliver(s, t, apply_patch(value, patch), frontier)
+        return len(parked)
 
     def waiting_questions(self) -> dict[str, int]:
         """Question id -> gate index, for every gate waiting on an answer."""
@@ -337,6 +358,21 @@ def switch_edges(topo: Topology, i: int, route: Any) -> list[OutEdge]:
         routes = sorted({str(e.route) for e in edges})
         raise RouteError(f"switch {node_id!r} returned route {route!r}; its routes are {routes}")
     return taken
+
+
+def apply_patch(value: Any, patch: Any) -> Any:
+    """``value`` after ``patch``: None keeps it, a mapping updates a dict, a callable maps it.
+
+    >>> apply_patch({"turn": 2, "head": 1}, {"head": 3})
+    {'turn': 2, 'head': 3}
+    """
+    if patch is None:
+        return value
+    if callable(patch):
+        return patch(value)
+    if isinstance(value, dict):
+        return {**value, **patch}
+    raise TypeError(f"cannot patch a {type(value).__name__} with a mapping; pass a function")
 
 
 def _merge(a: dict[int, int] | None, b: dict[int, int] | None) -> dict[int, int] | None:
