@@ -105,7 +105,8 @@ class Engine:
         self._graphs.setdefault(topo.fingerprint, graph)
         run_id = run_id or uuid.uuid4().hex
         with self._driving(run_id):
-            return await self._run(graph, topo, input, run_id, graph_ref)
+            result = await self._run(graph, topo, input, run_id, graph_ref)
+            return await self._settle(result, graph, False)
 
     async def _run(
         self, graph: Graph, topo: Topology, input: Any, run_id: str, graph_ref: str | None
@@ -155,7 +156,34 @@ class Engine:
         write.
         """
         with self._driving(run_id):
-            return await self._resume(run_id, graph, force, patch)
+            result = await self._resume(run_id, graph, force, patch)
+            return await self._settle(result, graph, force)
+
+    async def _settle(self, result: RunResult, graph: Graph | None, force: bool) -> RunResult:
+        """After letting go of a suspended run, apply answers that lost the race for its lease (Q3).
+
+        An answerer records its answer before it tries the lease; if it found the
+        lease held, the answer landed before this engine released it, so it is
+        visible now.
+        """
+        from .stores import QuestionStatus
+
+        seen: set[str] = set()
+        while result.status == "suspended" and self.store is not None:
+            pending = {
+                q.question_id
+                for q in await self.store.list_questions(run_id=result.run_id)
+                if q.status is QuestionStatus.ANSWERED
+                or (q.status is QuestionStatus.EXPIRED and q.applied_at is None)
+            }
+            if not pending - seen:
+                return result
+            seen |= pending
+            try:
+                result = await self._resume(result.run_id, graph, force, None)
+            except LeaseHeld:
+                return result  # its holder re-checks in turn
+        return result
 
     async def _resume(self, run_id: str, graph: Graph | None, force: bool, patch: Any) -> RunResult:
         from ._persist import Persister
@@ -229,8 +257,8 @@ class Engine:
             return None
         try:
             return await self.resume(row.run_id)
-        except LeaseHeld:
-            return None
+        except (LeaseHeld, NotResumable):
+            return None  # another engine holds the run, or already applied the answer
 
     # -- internals ------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import importlib
 import inspect
 import itertools
 import json
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -404,8 +405,17 @@ def resolve_reference(ref: str) -> Any:
     return obj
 
 
+#: Importing a file publishes its module before running it: threads must take turns.
+_FILE_IMPORT_LOCK = threading.RLock()
+
+
 def load_file_module(path: str) -> Any:
     """Import a Python file as a module (once per resolved path) and return it."""
+    with _FILE_IMPORT_LOCK:
+        return _load_file_module(path)
+
+
+def _load_file_module(path: str) -> Any:
     import importlib.util
     import sys
     from pathlib import Path

@@ -490,12 +490,23 @@ class RunLoop:
         """E9: cancel and await siblings, one final write, NODE_FAILED last, re-raise."""
         await self._cancel_in_flight(record=True)
         self._release_slot()  # the failed node's; no queued sibling can take it now
+        self._supersede_waiting()
         ns = self.state.nodes[i]
         if ns.status is not NodeStatus.FAILED:
             self.state.fail(i)
         self.emit(EventType.NODE_FAILED, i, ns.visits, ns.attempts, error=_describe(exc))
         await self._commit("failed", _describe(exc))
         raise exc
+
+    def _supersede_waiting(self) -> None:
+        """The run ends without its gates' answers: cancel them, supersede their questions (Q3)."""
+        for question_id, g in sorted(self.state.waiting_questions().items(), key=lambda kv: kv[1]):
+            gs = self.state.nodes[g]
+            gs.question = None
+            self.state.cancel(g)
+            self.emit(EventType.NODE_CANCELLED, g, gs.visits, gs.attempts)
+            if self._persister is not None:
+                self._persister.superseded.append(question_id)
 
     async def _cancel_in_flight(self, *, record: bool) -> None:
         if self._tail is not None:

@@ -83,6 +83,8 @@ class EngineTarget:
         """Gates of run ``key`` that wait on a question (from the stored node rows)."""
         assert self.engine.store is not None
         stored = await self.engine.store.load_run(key)
+        if stored.run.status.value in ("completed", "failed", "cancelled"):
+            return WaitState(questions=frozenset())  # Q3: nothing waits on a finished run
         codec = self.engine.codec or DEFAULT_CODEC
         waiting = set()
         for row in stored.nodes.values():
@@ -125,6 +127,7 @@ class ResumeWorker:
             target = EngineTarget(engine)
         self.store = store
         self.target = target
+        engine = engine or (target.engine if isinstance(target, EngineTarget) else None)
         self.owner = owner or (engine.owner if engine is not None else f"worker:{id(self):x}")
         self.lease_ttl = engine.lease_ttl if engine is not None else lease_ttl
         self._locks: dict[str, asyncio.Lock] = {}
@@ -138,6 +141,9 @@ class ResumeWorker:
         question = await self.store.get_question(question_id)
         if not _unapplied(question) or not await self._handles(question):
             return Outcome.NOOP
+        target = self.target
+        if isinstance(target, EngineTarget) and question.run_id in target.engine._active:
+            return Outcome.BUSY  # this engine drives the run: it absorbs the answer itself (Q1)
         lock = self._locks.setdefault(question.run_id, asyncio.Lock())
         if lock.locked():
             return Outcome.BUSY
@@ -165,6 +171,8 @@ class ResumeWorker:
                 marked = await self.target.invoke(question.run_id, question, value)
             except (AlreadyAnswered, NotResumable, RunNotFound):
                 return Outcome.NOOP
+            except LeaseHeld:
+                return Outcome.BUSY
             except Exception:
                 logger.exception(
                     "resuming run %s for question %s failed", question.run_id, question.question_id
