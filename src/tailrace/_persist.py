@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tailrace.persist")
 
+#: Seconds a run's writer waits for more harvests to join a write (while not flushing).
+GROUP_WINDOW = 0.001
+
 #: How many harvests of one run may wait for the store before the loop waits too.
 MAX_QUEUED = 256
 
@@ -77,6 +80,7 @@ class Persister:
         self.superseded: list[str] = []
         self._queued: list[Harvest] = []
         self._writer: asyncio.Future[None] | None = None
+        self._flushing = False
         self._lost: LeaseLost | None = None
 
     # -- creation -----------------------------------------------------------
@@ -250,6 +254,10 @@ class Persister:
 
     async def _drain(self) -> None:
         while self._queued:
+            if not self._flushing:
+                # Let a few more harvests join this write: one write per millisecond
+                # costs the store (and the GIL) far less than one per harvest.
+                await asyncio.sleep(GROUP_WINDOW)
             batch, self._queued = self._queued, []
             await self.store.commit(self.run_id, self.token, merge_harvests(batch))
 
@@ -264,6 +272,13 @@ class Persister:
 
     async def flush(self) -> None:
         """Wait until every harvest so far is committed; raise the first failure."""
+        self._flushing = True
+        try:
+            await self._flush()
+        finally:
+            self._flushing = False
+
+    async def _flush(self) -> None:
         while self._writer is not None:
             writer = self._writer
             await writer
@@ -274,6 +289,13 @@ class Persister:
                     self._writer = asyncio.ensure_future(self._drain())
 
     async def _drain_quietly(self) -> None:
+        """On the way out (a stop, an error): write what was harvested, ignoring failures.
+
+        Harvests are whole, so writing them is always consistent; a fenced-out
+        owner's writes are refused by the store anyway (D6).
+        """
+        with contextlib.suppress(Exception):
+            await self.flush()
         writer, self._writer = self._writer, None
         self._queued = []
         if writer is not None:
@@ -311,22 +333,7 @@ class Persister:
         ]
         terminal = status is not RunStatus.RUNNING
         return Harvest(
-            state_json=self.codec.encode(
-                {
-                    "v": FORMAT_VERSION,
-                    "seq": state.seq,
-                    "events": loop.event_seq,
-                    "turn": loop.turn,
-                    "parked": [
-                        [self.topo.ids[src], self.topo.ids[dst], value, _pairs(f, self.topo.ids)]
-                        for src, dst, value, f in state.parked
-                    ],
-                    "edge_gen": [
-                        [self.topo.ids[s], self.topo.ids[t], g]
-                        for (s, t), g in state.edge_gen.items()
-                    ],
-                }
-            ),
+            state_json=self._state_json(loop),
             status=status,
             error=error,
             nodes=nodes,
@@ -338,6 +345,29 @@ class Persister:
             applied=applied,
             superseded=superseded,
             finished_at=time.time() if terminal and status is not RunStatus.SUSPENDED else None,
+        )
+
+    def _state_json(self, loop: RunLoop) -> str:
+        """The run's own counters; written by hand in the common case (no loops, nothing parked)."""
+        state = loop.state
+        if not state.parked and not state.edge_gen:
+            return (
+                f'{{"v":{FORMAT_VERSION},"seq":{state.seq},"events":{loop.event_seq},'
+                f'"turn":{loop.turn},"parked":[],"edge_gen":[]}}'
+            )
+        ids = self.topo.ids
+        return self.codec.encode(
+            {
+                "v": FORMAT_VERSION,
+                "seq": state.seq,
+                "events": loop.event_seq,
+                "turn": loop.turn,
+                "parked": [
+                    [ids[src], ids[dst], value, _pairs(f, ids)]
+                    for src, dst, value, f in state.parked
+                ],
+                "edge_gen": [[ids[s], ids[t], g] for (s, t), g in state.edge_gen.items()],
+            }
         )
 
     def _encode(self, value: Any, i: int, what: str) -> str:

@@ -288,7 +288,10 @@ class RunLoop:
         self._in_flight[task] = attempt
         task.add_done_callback(self._on_done)
         if self._record:
-            self.emit(EventType.NODE_STARTED, i, ns.visits, ns.attempts, hedge=hedge)
+            if hedge:
+                self.emit(EventType.NODE_STARTED, i, ns.visits, ns.attempts, hedge=True)
+            else:
+                self.emit(EventType.NODE_STARTED, i, ns.visits, ns.attempts)
         if self._tail is not None:
             self._tail.watch(self, attempt)
 

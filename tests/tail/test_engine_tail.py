@@ -267,7 +267,10 @@ async def test_t3_hedge_first_wins_loser_cancelled() -> None:
     assert (result.stragglers, result.hedges) == (1, 1)
     assert loser_cancelled  # cancelled *and awaited* before run() returned
     assert leftover_tasks() == []
-    assert [e.data["hedge"] for e in of(events, tr.EventType.NODE_STARTED, "h")] == [False, True]
+    assert [e.data.get("hedge", False) for e in of(events, tr.EventType.NODE_STARTED, "h")] == [
+        False,
+        True,
+    ]
     assert len(of(events, tr.EventType.NODE_STRAGGLER, "h")) == 1
     assert len(of(events, tr.EventType.NODE_HEDGED, "h")) == 1
     [completed] = of(events, tr.EventType.NODE_COMPLETED, "h")
