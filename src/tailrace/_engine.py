@@ -84,6 +84,7 @@ class Engine:
         #: Runs this engine drives now: one driver per run even within one owner (D6).
         self._active: set[str] = set()
         self._loops: dict[str, RunLoop] = {}
+        self._preempt_pending: set[str] = set()
 
     # -- public API -----------------------------------------------------------
 
@@ -212,7 +213,7 @@ class Engine:
             if stored.run.status == "suspended" and not applied and not state.ready:
                 return await self._with_questions(loop.result("suspended"))
             loop.emit(EventType.RUN_RESUMED, graph=graph.name, applied=applied, unparked=unparked)
-            if applied:
+            if applied or unparked:
                 await loop.checkpoint()  # the apply is durable before any handler runs
             result = await loop.drive()
         return await self._with_questions(result)
@@ -226,11 +227,14 @@ class Engine:
         (partial rollouts). Returns False when this engine is not driving that
         run. Needs a store to resume from.
         """
-        loop = self._loops.get(run_id)
-        if loop is None:
-            return False
         if self.store is None:
             raise NotResumable(f"run {run_id!r}: preempting needs a store to resume from")
+        loop = self._loops.get(run_id)
+        if loop is None:
+            if run_id not in self._active:
+                return False
+            self._preempt_pending.add(run_id)  # starting: preempt once its loop exists
+            return True
         loop.preempt()
         return True
 
@@ -272,6 +276,7 @@ class Engine:
         finally:
             self._active.discard(run_id)
             self._loops.pop(run_id, None)
+            self._preempt_pending.discard(run_id)
 
     async def _late_inputs(self, run_id: str) -> list[LateInput]:
         assert self.store is not None
@@ -317,6 +322,9 @@ class Engine:
             event_seq=event_seq,
             turn=turn,
         )
+        if run_id in self._preempt_pending:
+            self._preempt_pending.discard(run_id)
+            loop.preempt()
         return loop
 
     def _tail_for(self, topo: Topology) -> TailHooks | None:

@@ -259,7 +259,8 @@ class Persister:
                 # costs the store (and the GIL) far less than one per harvest.
                 await asyncio.sleep(GROUP_WINDOW)
             batch, self._queued = self._queued, []
-            await self.store.commit(self.run_id, self.token, merge_harvests(batch))
+            for group in _same_status_runs(batch):  # a status change is its own write
+                await self.store.commit(self.run_id, self.token, merge_harvests(group))
 
     def _raise_failure(self) -> None:
         if self._lost is not None:
@@ -487,6 +488,17 @@ def _pairs(frontier: dict[int, int] | None, ids: tuple[str, ...]) -> list[list[A
 
 def _unpairs(pairs: list[list[Any]] | None, index: dict[str, int]) -> dict[int, int] | None:
     return None if pairs is None else {index[k]: int(v) for k, v in pairs}
+
+
+def _same_status_runs(batch: list[Harvest]) -> list[list[Harvest]]:
+    """Split ``batch`` where the status changes, so the store checks each transition."""
+    groups: list[list[Harvest]] = []
+    for harvest in batch:
+        if groups and groups[-1][-1].status is harvest.status:
+            groups[-1].append(harvest)
+        else:
+            groups.append([harvest])
+    return groups
 
 
 def merge_harvests(batch: list[Harvest]) -> Harvest:

@@ -5,6 +5,9 @@ into edits, and a merger commits the edits that beat the head on held-out
 tasks into a versioned ledger in the run store. :func:`evolve` runs
 synchronous rounds with a barrier; :func:`async_evolve` runs N workers and one
 merger without one, with straggler detection and re-runs from a resume queue.
+When the rollout is a tailrace graph whose turns are loop visits, a straggler
+is preempted at a turn boundary and resumed, conversation intact, against the
+newer head (partial rollouts; ``EvolutionResult.partial`` keeps the pairs).
 """
 
 from ._accept import Acceptance as Acceptance

@@ -11,7 +11,10 @@ Long tail: with a ``duration_estimator`` each rollout gets a timer at
 ``straggler_factor x estimate``; crossing it counts a straggler. With a
 ``resume_queue`` the straggling attempt is cut, its task queued, and the next
 idle worker whose shard owns it re-runs it against the current head; when the
-queue refuses (``max_attempts`` reached) the attempt runs to completion.
+queue refuses (``max_attempts`` reached) the attempt runs to completion. When
+``run`` is a loop graph the straggler is not cut but preempted at its next
+turn boundary and later resumed, conversation intact, against the newer head
+(partial rollouts, :mod:`._partial`).
 """
 
 from __future__ import annotations
@@ -21,17 +24,18 @@ import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .._engine import Engine
 from .._graph import Graph
 from ..stores import RunStore
 from ..tail import DurationEstimator, ResumeItem, ResumeQueue
-from ..tail._hooks import MIN_STRAGGLER_DELAY
 from ._accept import Acceptance
 from ._audit import AuditScheduler
-from ._core import Evolution, Progress, Proposal, Settings, first_error, prepare
+from ._core import Evolution, Progress, Proposal, Settings, first_error, prepare, straggler_limit
 from ._ledger import Version
 from ._model import Artifact, ProposeFn, RewardFn, RunFn, Task, shard
+from ._partial import PartialRollouts, durable_engine
 from ._result import EvolutionResult
 
 
@@ -61,8 +65,10 @@ class _AsyncLoop:
         estimator: DurationEstimator | None,
         straggler_factor: float,
         resume_queue: ResumeQueue | None,
+        partial: PartialRollouts | None = None,
     ) -> None:
         self.evo = evolution
+        self.partial = partial
         self.shards = shard(evolution.train, workers)
         self.async_ratio = async_ratio
         self.estimator = estimator
@@ -101,9 +107,9 @@ class _AsyncLoop:
         while not self.stop.is_set() and self.budget.claim():
             item = self.resume_queue.pop_for(owned) if self.resume_queue is not None else None
             if item is not None:
-                task, resumed = self.evo.by_id[item.task_id], True
+                task = self.evo.by_id[item.task_id]
             elif tasks:
-                task, resumed = tasks[cursor % len(tasks)], False
+                task = tasks[cursor % len(tasks)]
                 cursor += 1
             else:
                 self.budget.refund()
@@ -112,30 +118,35 @@ class _AsyncLoop:
             assert head is not None
             started = time.perf_counter()
             try:
-                proposal = await self._train_step(task, head, resumed)
+                proposal = await self._train_step(task, head, item)
             finally:
                 self.busy[index] += time.perf_counter() - started
             if proposal is not None:
                 self.proposals.put_nowait(proposal)
             self.evo.report()
 
-    async def _train_step(self, task: Task, head: Version, resumed: bool) -> Proposal | None:
-        outcome = await self._attempt(task, head, resumed)
-        if outcome is None:  # cut as a straggler; its task is queued
+    async def _train_step(
+        self, task: Task, head: Version, item: ResumeItem | None
+    ) -> Proposal | None:
+        outcome = await self._attempt(task, head, item)
+        if outcome is None:  # cut (or preempted) as a straggler; its task is queued
             self.budget.refund()
             return None
         output, value = outcome
         self.evo.rollouts += 1
-        self.evo.resumed += int(resumed)
+        self.evo.resumed += int(item is not None)
         return await self.evo.propose(task, head, output, value)
 
     async def _attempt(
-        self, task: Task, head: Version, resumed: bool
-    ) -> tuple[object, float] | None:
-        """One training rollout; None when it straggled and was cut for a re-run."""
+        self, task: Task, head: Version, item: ResumeItem | None
+    ) -> tuple[Any, float] | None:
+        """One training rollout; None when it straggled and was cut (or preempted) for a re-run."""
+        if self.partial is not None:
+            return await self.partial.attempt(task, head, item)
+        resumed = item is not None
         if self.estimator is None:
             return await self.evo.rollout(task, head, phase="train", resumed=resumed)
-        limit = max(MIN_STRAGGLER_DELAY, self.factor * self.estimator.estimate(task.cost))
+        limit = straggler_limit(self.estimator, self.factor, task)
         started = time.perf_counter()
         attempt = asyncio.create_task(self.evo.rollout(task, head, phase="train", resumed=resumed))
         try:
@@ -227,7 +238,12 @@ async def async_evolve(
         reward: ``reward(task, output) -> float`` in ``[0, 1]`` (checked).
         run: ``run(rendered, task) -> output`` (sync or async), or a tailrace
             ``Graph`` run with input ``{"rendered": ..., "task": task.to_dict()}``
-            whose ``RunResult.output`` is the output.
+            whose ``RunResult.output`` is the output. A graph whose turns are
+            visits of a loop gets partial rollouts (with ``duration_estimator``
+            and ``resume_queue``): write it so that every turn reads
+            ``rendered`` from the payload going around the loop and passes it
+            on (a resumed run has the newer head patched in there), and keep
+            the turns so far in the payload (say a ``"conversation"`` list).
         propose: ``propose(rendered, task, output, reward) -> Edit | None``.
         artifact: The first version (an :class:`Artifact` or its entries); when
             the store already holds ``artifact_id`` the stored head is resumed
@@ -250,7 +266,14 @@ async def async_evolve(
         straggler_factor: The straggler threshold as a multiple of the estimate.
         resume_queue: Where straggling tasks are queued for a re-run against the
             current head by a worker owning them; items already in it are run first.
-        engine: Runs ``run`` when it is a graph (default ``Engine()``).
+            With a graph ``run``, a straggler is instead preempted at its next
+            turn boundary and queued with its run id (``external_handle``), its
+            turn, the version it rendered and its parked ``"conversation"``; the
+            worker that pops it resumes the run with ``patch={"rendered": <head>}``
+            and the pair of versions is recorded in ``EvolutionResult.partial``.
+        engine: Runs ``run`` when it is a graph (default ``Engine()``). Partial
+            rollouts need a store: training rollouts then run on ``engine`` if
+            it has one, else on an engine over ``store`` (the evolution's store).
         progress: Called with a :class:`Progress` after every rollout and sweep.
 
     Raises:
@@ -286,6 +309,16 @@ async def async_evolve(
         engine=engine,
     )
     try:
+        partial = None
+        if isinstance(run, Graph) and duration_estimator is not None and resume_queue is not None:
+            partial = PartialRollouts(
+                evolution,
+                run,
+                durable_engine(engine, evolution.ledger.store),
+                resume_queue,
+                duration_estimator,
+                straggler_factor,
+            )
         loop = _AsyncLoop(
             evolution,
             workers=workers,
@@ -293,6 +326,7 @@ async def async_evolve(
             estimator=duration_estimator,
             straggler_factor=straggler_factor,
             resume_queue=resume_queue,
+            partial=partial,
         )
         wall = await loop.drive()
         return evolution.result(

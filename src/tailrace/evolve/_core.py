@@ -21,6 +21,8 @@ from typing import Any
 from .._engine import Engine
 from .._graph import Graph
 from ..stores import MemoryStore, RunStore
+from ..tail import DurationEstimator
+from ..tail._hooks import MIN_STRAGGLER_DELAY
 from ._accept import Acceptance, mean
 from ._audit import AuditScheduler
 from ._ledger import Ledger, Version
@@ -170,10 +172,20 @@ class Evolution:
             output = result.output
         else:
             output = await call_user(self.run_fn, rendered, task)
+        return output, await self.score(task, output, phase=phase)
+
+    async def score(self, task: Task, output: Any, *, phase: str) -> float:
+        """The checked reward of ``output`` on ``task``; counts held-out rollouts.
+
+        Args:
+            task: The task the output is for.
+            output: What the rollout produced.
+            phase: ``"train"`` or ``"eval"`` (counted in ``eval_rollouts``).
+        """
         value = check_reward(task, await call_user(self.reward_fn, task, output))
         if phase == "eval":
             self.eval_rollouts += 1
-        return output, value
+        return value
 
     async def propose(
         self, task: Task, head: Version, output: Any, value: float
@@ -345,6 +357,17 @@ def first_error() -> Iterator[None]:
         while isinstance(first, BaseExceptionGroup):
             first = first.exceptions[0]
         raise first from None
+
+
+def straggler_limit(estimator: DurationEstimator, factor: float, task: Task) -> float:
+    """Seconds after which a rollout of ``task`` is a straggler: ``factor`` x its estimate.
+
+    Args:
+        estimator: Estimates the rollout's duration from ``task.cost``.
+        factor: The multiple of the estimate.
+        task: The task about to be run.
+    """
+    return max(MIN_STRAGGLER_DELAY, factor * estimator.estimate(task.cost))
 
 
 def _rank_size(requested: int | None, n_held: int) -> int:

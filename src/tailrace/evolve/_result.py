@@ -75,8 +75,12 @@ class EvolutionResult:
         utilisation: ``sum(worker_busy) / (workers x wall)``.
         rollouts_per_second: ``rollouts / wall``.
         audit_trust: Trust in the cheap ranking layer at the end.
-        partial: Cross-version pairs of partial rollouts (``{"task_id",
-            "versions", ...}``), one per rollout resumed at a turn boundary.
+        partial: Cross-version pairs of partial rollouts, one per resume of a
+            rollout preempted at a turn boundary: ``{"task_id", "run_id",
+            "from_version"`` (what its first turns rendered), ``"to_version"``
+            (the head patched in for the rest), ``"turns_before"``,
+            ``"turns_after"``, ``"status"}`` (``"completed"``, or
+            ``"preempted"`` when it straggled again and was queued anew).
     """
 
     mode: str
