@@ -141,7 +141,8 @@ class Persister:
         self.token = await self.store.acquire_lease(self.run_id, engine.owner, engine.lease_ttl)
         main = asyncio.current_task()
         assert main is not None
-        beat = asyncio.create_task(self._heartbeat(main), name=f"lease:{self.run_id}")
+        stop = asyncio.Event()
+        beat = asyncio.create_task(self._heartbeat(main, stop), name=f"lease:{self.run_id}")
         try:
             yield
             await self.flush()
@@ -150,17 +151,21 @@ class Persister:
                 raise self._lost from None
             raise
         finally:
-            beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
+            # Stopped, not cancelled: a beat in the middle of a query finishes it
+            # (cancelling a driver mid-query can leave its connection stuck).
+            stop.set()
+            await asyncio.gather(beat, return_exceptions=True)
             await self._drain_quietly()
             if self._lost is None:
                 await self.store.release_lease(self.run_id, engine.owner, self.token)
 
-    async def _heartbeat(self, main: asyncio.Task[Any]) -> None:
+    async def _heartbeat(self, main: asyncio.Task[Any], stop: asyncio.Event) -> None:
         interval = self.engine.lease_ttl / 3
         while True:
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+            if stop.is_set():
+                return
             try:
                 await self.store.heartbeat(
                     self.run_id, self.engine.owner, self.token, self.engine.lease_ttl
