@@ -1021,6 +1021,53 @@ async def test_d6_transient_heartbeat_error_is_survived(backend: Backend) -> Non
     assert (await backend.store.get_run(run_id)).status == RunStatus.COMPLETED
 
 
+class SwallowsACancel(SpyStore):
+    """A heartbeat that loses one cancellation, as psycopg_pool does on CPython 3.11.
+
+    psycopg_pool waits for a free connection with ``asyncio.wait_for``; on 3.11,
+    when a cancellation races with the pool handing a connection over, wait_for
+    returns the connection and the CancelledError is gone (fixed in 3.12). The
+    crash torture hit this: a child hung forever in ``leased()``'s ``await beat``
+    after its run had completed, its lease renewed by the stray heartbeat.
+    """
+
+    def __init__(self, inner: RunStore) -> None:
+        super().__init__(inner)
+        self.beats = 0
+        self.swallowed = 0
+
+    async def heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
+        self.beats += 1
+        if self.beats == 1:
+            try:
+                await asyncio.sleep(0.5)  # waiting for a pooled connection...
+            except asyncio.CancelledError:
+                self.swallowed += 1  # ...handed over just as the cancel came
+        await self.inner.heartbeat(run_id, owner, token, ttl)
+
+
+async def test_d6_heartbeat_stops_even_if_a_store_call_loses_its_cancellation(
+    backend: Backend,
+) -> None:
+    probe = Probe()
+    g = fork_graph(probe)
+    probe.held = {"d"}
+    store = SwallowsACancel(backend.store)
+    run_id = new_id("d6-swallow")
+    task = asyncio.create_task(spy_engine(store, lease_ttl=0.15).run(g, "in", run_id=run_id))
+    await until(lambda: store.beats >= 1, "a heartbeat in flight")
+    probe.release_all()
+    done, _ = await asyncio.wait({task}, timeout=5.0)
+    if not done:  # hung in leased(): stop it for good, then fail
+        task.cancel()
+        await asyncio.wait({task}, timeout=5.0)
+        pytest.fail("Engine.run hung after its run completed: the heartbeat never stopped")
+    assert task.result().status == "completed"
+    assert store.swallowed <= 1
+    record = await backend.store.get_run(run_id)
+    assert record.status == RunStatus.COMPLETED and record.lease_owner is None
+
+
 async def test_d6_same_owner_may_reacquire_a_dead_engines_lease(backend: Backend) -> None:
     probe = Probe()
     g, run_id = await crashed_fork(backend, probe, "d6-owner")
