@@ -218,6 +218,14 @@ class Engine:
             result = await loop.drive()
         return await self._with_questions(result)
 
+    def is_driving(self, run_id: str) -> bool:
+        """Whether this engine is running or resuming ``run_id`` right now."""
+        return run_id in self._active
+
+    def knows_graph(self, fingerprint: str) -> bool:
+        """Whether this engine ran a graph with this structural ``fingerprint`` (so it can resume it)."""
+        return fingerprint in self._graphs
+
     def preempt(self, run_id: str) -> bool:
         """Ask run ``run_id``, driven by this engine, to stop at its next turn boundaries.
 

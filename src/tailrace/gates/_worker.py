@@ -77,7 +77,7 @@ class EngineTarget:
 
     def handles(self, run: RunRecord) -> bool:
         """Runs of tailrace graphs this engine can find again (by reference or because it ran them)."""
-        return run.graph_ref is not None or run.fingerprint in self.engine._graphs
+        return run.graph_ref is not None or self.engine.knows_graph(run.fingerprint)
 
     async def get_state(self, key: str) -> WaitState:
         """Gates of run ``key`` that wait on a question (from the stored node rows)."""
@@ -142,7 +142,7 @@ class ResumeWorker:
         if not _unapplied(question) or not await self._handles(question):
             return Outcome.NOOP
         target = self.target
-        if isinstance(target, EngineTarget) and question.run_id in target.engine._active:
+        if isinstance(target, EngineTarget) and target.engine.is_driving(question.run_id):
             return Outcome.BUSY  # this engine drives the run: it absorbs the answer itself (Q1)
         lock = self._locks.setdefault(question.run_id, asyncio.Lock())
         if lock.locked():
