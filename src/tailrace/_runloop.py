@@ -601,6 +601,3 @@ def _outcome_error(task: asyncio.Task[Any]) -> BaseException | None:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-__all__ = ["Attempt", "NodeKind", "NodeReport", "RunLoop", "RunResult"]
