@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
-import socket
 import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -23,6 +21,7 @@ from ._admission import AdmissionPolicy, SlotQueue, resolve_policy
 from ._errors import EncodeError, GraphMismatch, LeaseHeld, NotResumable
 from ._events import EventBus, EventType
 from ._graph import Graph
+from ._owner import make_owner
 from ._runloop import RunLoop, RunResult
 from ._state import LateInput, RunState
 from ._topology import Topology
@@ -74,7 +73,7 @@ class Engine:
         self.store = store
         self.bus = bus if bus is not None else EventBus()
         self.codec = codec
-        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.owner = owner or make_owner()
         self.lease_ttl = lease_ttl
         self.straggler_factor = straggler_factor
         self._tail = tail
@@ -217,6 +216,16 @@ class Engine:
                 await loop.checkpoint()  # the apply is durable before any handler runs
             result = await loop.drive()
         return await self._with_questions(result)
+
+    def register(self, *graphs: Graph) -> None:
+        """Let this engine resume runs of ``graphs`` without importing them.
+
+        A run is matched by its graph's structural fingerprint. This is how a
+        daemon is told about graphs defined in files: stored references are
+        only ever imported as modules, never executed as files (trust model).
+        """
+        for graph in graphs:
+            self._graphs.setdefault(graph.compile().fingerprint, graph)
 
     def is_driving(self, run_id: str) -> bool:
         """Whether this engine is running or resuming ``run_id`` right now."""
