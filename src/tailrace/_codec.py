@@ -12,7 +12,11 @@ know are refused, so what is stored always reads back equal.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Protocol, runtime_checkable
+
+#: A lone surrogate: valid in a Python str, not in UTF-8, so no database takes it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @runtime_checkable
@@ -45,12 +49,35 @@ class JsonCodec:
         self._decoder = json.JSONDecoder(object_hook=object_hook)
 
     def encode(self, value: Any) -> str:
-        """Return ``value`` as compact JSON; raises ``TypeError``/``ValueError`` if it is not JSON."""
-        return self._encoder.encode(value)
+        """Return ``value`` as compact JSON; raises ``TypeError``/``ValueError`` if it is not JSON.
+
+        Refused as well, because no store could keep them (D5): nesting deeper
+        than Python's recursion limit, and strings with lone surrogates.
+
+        >>> JsonCodec().encode("\ud800")
+        Traceback (most recent call last):
+        ...
+        ValueError: a string holds a lone surrogate ('\\ud800' at offset 1): not valid UTF-8
+        """
+        try:
+            text = self._encoder.encode(value)
+        except RecursionError:
+            raise ValueError("the value is nested too deeply to encode") from None
+        if not text.isascii():
+            bad = _SURROGATE.search(text)
+            if bad is not None:
+                raise ValueError(
+                    f"a string holds a lone surrogate ({bad.group()!r} at offset "
+                    f"{bad.start()}): not valid UTF-8"
+                )
+        return text
 
     def decode(self, text: str) -> Any:
         """Return the value ``text`` encodes; ``ValueError`` if it is not JSON."""
-        return self._decoder.decode(text)
+        try:
+            return self._decoder.decode(text)
+        except RecursionError:
+            raise ValueError("the stored value is nested too deeply to decode") from None
 
 
 def _revive(data: dict[str, Any]) -> Any:

@@ -103,7 +103,7 @@ class Engine:
         """
         topo = graph.compile()
         self._graphs.setdefault(topo.fingerprint, graph)
-        run_id = run_id or uuid.uuid4().hex
+        run_id = uuid.uuid4().hex if run_id is None else checked_run_id(run_id)
         with self._driving(run_id):
             result = await self._run(graph, topo, input, run_id, graph_ref)
             return await self._settle(result, graph, False)
@@ -201,11 +201,13 @@ class Engine:
                 f"but {graph.name!r} now has {topo.fingerprint}; pass force=True to resume anyway"
             )
         persister = Persister(self, run_id, topo, stored.run)
-        persister.restore(stored, [])  # D4: refuse unreadable rows before writing anything
+        await persister.restore(stored, [])  # D4: refuse unreadable rows before writing anything
         async with persister.leased():
             stored = await store.load_run(run_id)  # re-read under the lease
             _check_resumable(stored.run)
-            state, event_seq, turn = persister.restore(stored, await self._late_inputs(run_id))
+            state, event_seq, turn = await persister.restore(
+                stored, await self._late_inputs(run_id)
+            )
             loop = self._loop_for(run_id, state, persister, event_seq, turn)
             applied = await loop.absorb_answers()
             unparked = state.unpark(patch)
@@ -226,6 +228,21 @@ class Engine:
         """
         for graph in graphs:
             self._graphs.setdefault(graph.compile().fingerprint, graph)
+
+    async def fail_run(self, run_id: str, reason: str) -> None:
+        """Record the durable run ``run_id`` as failed with ``reason``, without loading its graph.
+
+        For a run that can never be resumed (its graph does not load any more,
+        its stored rows do not decode): a daemon says so once, in the store,
+        instead of retrying it. Its open questions are superseded. A run that
+        already finished is left as it is; a live owner's lease is respected
+        (:class:`LeaseHeld`).
+        """
+        from ._persist import mark_failed
+
+        self._require_store("fail_run")
+        with self._driving(run_id):
+            await mark_failed(self, run_id, reason)
 
     def is_driving(self, run_id: str) -> bool:
         """Whether this engine is running or resuming ``run_id`` right now."""
@@ -359,6 +376,19 @@ class Engine:
         if self.store is None:
             raise NotResumable(f"{what} needs a durable store: Engine(store=SQLiteStore(...))")
         return self.store
+
+
+def checked_run_id(run_id: Any) -> str:
+    """``run_id`` if it is text every store can key on; else a ``ValueError`` naming it."""
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"run id must be a non-empty string, got {run_id!r}")
+    if "\x00" in run_id or any(0xD800 <= ord(c) <= 0xDFFF for c in run_id):
+        raise ValueError(
+            f"run id {run_id!r} holds a NUL or a lone surrogate; no store can key on it"
+        )
+    if len(run_id) > 512:
+        raise ValueError(f"run id {run_id[:40]!r}... is {len(run_id)} characters long; at most 512")
+    return run_id
 
 
 def _check_resumable(record: Any) -> None:

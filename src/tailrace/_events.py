@@ -24,6 +24,7 @@ class EventType(enum.StrEnum):
     RUN_COMPLETED = "run_completed"
     RUN_SUSPENDED = "run_suspended"
     RUN_CANCELLED = "run_cancelled"
+    RUN_FAILED = "run_failed"
     NODE_STARTED = "node_started"
     NODE_COMPLETED = "node_completed"
     NODE_FAILED = "node_failed"

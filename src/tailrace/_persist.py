@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from ._codec import DEFAULT_CODEC, Codec
@@ -24,11 +24,14 @@ from ._errors import (
     CorruptRecord,
     EncodeError,
     GraphError,
+    LeaseHeld,
     LeaseLost,
     StoreError,
     UnsupportedFormat,
 )
+from ._events import EventType
 from ._graph import Graph, resolve_reference
+from ._owner import owner_is_dead
 from ._state import LateInput, NodeState, NodeStatus, RunState
 from .stores._base import (
     FORMAT_VERSION,
@@ -60,6 +63,14 @@ GROUP_WINDOW = 0.001
 #: How many harvests of one run may wait for the store before the loop waits too.
 MAX_QUEUED = 256
 
+#: Version of the node rows' ``data_json``. Version 2 may refer to a result row
+#: instead of repeating a large value (``result_ref``, ``payload_ref``).
+NODE_ROW_VERSION = 2
+
+#: Encoded results at least this long are stored once, in their result row;
+#: node rows refer to them (a 50 MB result is not written three times).
+REF_MIN_CHARS = 1024
+
 
 class Persister:
     """Writes one run's harvests to the store under its lease."""
@@ -82,6 +93,12 @@ class Persister:
         self._writer: asyncio.Future[None] | None = None
         self._flushing = False
         self._lost: LeaseLost | None = None
+        #: The first write that failed; nothing after it is written (D2).
+        self.failure: BaseException | None = None
+        #: Called once when a write fails, so the run loop wakes at once.
+        self.on_failure: Callable[[], None] | None = None
+        #: node index -> (visit, value) of its latest large result, stored once.
+        self._big: dict[int, tuple[int, Any]] = {}
 
     # -- creation -----------------------------------------------------------
 
@@ -117,28 +134,53 @@ class Persister:
 
     @staticmethod
     def find_graph(record: RunRecord) -> Graph:
-        """Import the graph a run recorded (``module:attribute``)."""
-        if not record.graph_ref:
+        """Import the graph a run recorded, by module reference only (``package.module:attr``).
+
+        ``record`` is the stored run. Its ``graph_ref`` is data anyone with
+        write access to the store could have written, so a file reference
+        (``path/to/file.py:graph``) is never executed here (trust model,
+        ``docs/trust.md``): the reader opts in by passing or registering the graph.
+        """
+        from ._graph import is_file_reference
+
+        ref, run_id = record.graph_ref, record.run_id
+        if not ref:
             raise GraphError(
-                f"run {record.run_id!r} recorded no graph reference; pass the graph to resume()"
+                f"run {run_id!r} recorded no graph reference; pass the graph "
+                f"(engine.resume(run_id, graph)) or register it (engine.register(graph))"
+            )
+        if is_file_reference(ref):
+            path = ref.rpartition(":")[0]
+            raise GraphError(
+                f"run {run_id!r} names its graph by the file reference {ref!r}; a stored "
+                "reference is never executed as a file. Opt in by passing the graph "
+                "(engine.resume(run_id, graph)) or registering it (engine.register(graph)), "
+                f"or on the command line: tailrace resume {run_id} --graphs {path} "
+                f"(or tailrace serve --graphs {path})"
             )
         try:
-            graph = resolve_reference(record.graph_ref)
-        except (ImportError, AttributeError, ValueError) as exc:
+            graph = resolve_reference(ref)
+        except Exception as exc:  # ImportError, AttributeError, GraphError, or the import failing
             raise GraphError(
-                f"run {record.run_id!r}: cannot import its graph {record.graph_ref!r}: {exc}"
+                f"run {run_id!r}: cannot import its graph {ref!r}: {type(exc).__name__}: {exc}"
             ) from exc
         if not isinstance(graph, Graph):
-            raise GraphError(f"run {record.run_id!r}: {record.graph_ref!r} is not a Graph")
+            raise GraphError(f"run {run_id!r}: {ref!r} is not a Graph")
         return graph
 
     # -- lease ----------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def leased(self) -> AsyncIterator[None]:
-        """Hold the run's lease (D6) with a heartbeat; flush commits and release on exit."""
+        """Hold the run's lease (D6) with a heartbeat; flush commits and release on exit.
+
+        The way out always runs to its end, shielded from cancellation: what was
+        harvested is written and the lease released even when the caller is
+        cancelled (a ``wait_for`` around ``engine.run``), then the cancellation
+        goes on.
+        """
         engine = self.engine
-        self.token = await self.store.acquire_lease(self.run_id, engine.owner, engine.lease_ttl)
+        self.token = await acquire_lease(self.store, self.run_id, engine.owner, engine.lease_ttl)
         main = asyncio.current_task()
         assert main is not None
         stop = asyncio.Event()
@@ -151,13 +193,16 @@ class Persister:
                 raise self._lost from None
             raise
         finally:
-            # Stopped, not cancelled: a beat in the middle of a query finishes it
-            # (cancelling a driver mid-query can leave its connection stuck).
-            stop.set()
-            await asyncio.gather(beat, return_exceptions=True)
-            await self._drain_quietly()
-            if self._lost is None:
-                await self.store.release_lease(self.run_id, engine.owner, self.token)
+            await run_to_end(self._let_go(stop, beat))
+
+    async def _let_go(self, stop: asyncio.Event, beat: asyncio.Task[None]) -> None:
+        # Stopped, not cancelled: a beat in the middle of a query finishes it
+        # (cancelling a driver mid-query can leave its connection stuck).
+        stop.set()
+        await asyncio.gather(beat, return_exceptions=True)
+        await self._drain_quietly()
+        if self._lost is None:
+            await release_quietly(self.store, self.run_id, self.engine.owner, self.token)
 
     async def _heartbeat(self, main: asyncio.Task[Any], stop: asyncio.Event) -> None:
         interval = self.engine.lease_ttl / 3
@@ -181,18 +226,20 @@ class Persister:
 
     # -- per harvest ----------------------------------------------------------
 
-    def canonical(self, node_id: str, result: Any) -> Any:
+    def canonical(self, node_id: str, visit: int, result: Any) -> Any:
         """Encode ``result`` now (a bad one fails its node before any commit, D5) and
         return it as it reads back, so a run sees the same values whether or not it
         was resumed in between (JSON has no tuples and only string keys)."""
         try:
             text = self.codec.encode(result)
-        except (TypeError, ValueError) as exc:
+            value = self.codec.decode(text)
+        except (TypeError, ValueError, RecursionError) as exc:
             raise EncodeError(
-                f"run {self.run_id!r}: result of node {node_id!r} cannot be encoded: {exc}"
+                f"run {self.run_id!r}: result of node {node_id!r} (visit {visit}) "
+                f"cannot be encoded: {exc}"
             ) from exc
         self._encoded[self.topo.index[node_id]] = text
-        return self.codec.decode(text)
+        return value
 
     async def unapplied_answers(self) -> list[tuple[str, Any]]:
         """(question id, decoded answer) of this run's answers not yet applied, oldest first."""
@@ -240,6 +287,10 @@ class Persister:
         text = self._encoded.pop(i, None)
         if text is None:
             text = self.codec.encode(result)
+        if len(text) >= REF_MIN_CHARS:
+            self._big[i] = (visit, result)
+        else:
+            self._big.pop(i, None)
         self._results.append(ResultRow(node_id=self.topo.ids[i], visit=visit, value_json=text))
 
     async def commit(
@@ -250,7 +301,7 @@ class Persister:
         One write per run is in flight at a time; harvests produced meanwhile
         are merged, in order, into the next write (run-level group commit).
         """
-        self._raise_failure()
+        self.raise_failure()
         self._queued.append(self._harvest(loop, events, RunStatus(status), error))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.ensure_future(self._drain())
@@ -258,23 +309,30 @@ class Persister:
             await self.flush()
 
     async def _drain(self) -> None:
-        while self._queued:
-            if not self._flushing:
-                # Let a few more harvests join this write: one write per millisecond
-                # costs the store (and the GIL) far less than one per harvest.
-                await asyncio.sleep(GROUP_WINDOW)
-            batch, self._queued = self._queued, []
-            for group in _same_status_runs(batch):  # a status change is its own write
-                await self.store.commit(self.run_id, self.token, merge_harvests(group))
+        try:
+            while self._queued:
+                if not self._flushing:
+                    # Let a few more harvests join this write: one write per millisecond
+                    # costs the store (and the GIL) far less than one per harvest.
+                    await asyncio.sleep(GROUP_WINDOW)
+                batch, self._queued = self._queued, []
+                for group in _same_status_runs(batch):  # a status change is its own write
+                    await self.store.commit(self.run_id, self.token, merge_harvests(group))
+        except Exception as exc:
+            # Nothing harvested after a failed write may be written (D2); the run
+            # loop is woken to stop dispatching, cancel its attempts and re-raise.
+            self._queued = []
+            if self.failure is None:
+                self.failure = exc
+                if self.on_failure is not None:
+                    self.on_failure()
 
-    def _raise_failure(self) -> None:
+    def raise_failure(self) -> None:
+        """Raise the lease loss or the store failure that stopped this run's writes, if any."""
         if self._lost is not None:
             raise self._lost
-        writer = self._writer
-        if writer is not None and writer.done() and not writer.cancelled():
-            exc = writer.exception()
-            if exc is not None:
-                raise exc
+        if self.failure is not None:
+            raise self.failure
 
     async def flush(self) -> None:
         """Wait until every harvest so far is committed; raise the first failure."""
@@ -287,12 +345,16 @@ class Persister:
     async def _flush(self) -> None:
         while self._writer is not None:
             writer = self._writer
-            await writer
+            # Shielded: cancelling the run must not cut a write in half (a driver
+            # cancelled mid-query can leave its connection stuck); the way out
+            # waits for it instead.
+            await asyncio.shield(writer)
             if self._writer is writer:
                 if not self._queued:
                     self._writer = None
                 else:
                     self._writer = asyncio.ensure_future(self._drain())
+        self.raise_failure()
 
     async def _drain_quietly(self) -> None:
         """On the way out (a stop, an error): write what was harvested, ignoring failures.
@@ -386,8 +448,8 @@ class Persister:
 
     def _node_row(self, i: int, ns: NodeState) -> NodeRow:
         ids = self.topo.ids
-        data = {
-            "v": FORMAT_VERSION,
+        data: dict[str, Any] = {
+            "v": NODE_ROW_VERSION,
             "fired": ns.fired,
             "visits": ns.visits,
             "attempts": ns.attempts,
@@ -399,7 +461,7 @@ class Persister:
                 None
                 if ns.inputs is None
                 else [
-                    [ids[s], seq, value, _pairs(f, ids)] for s, (seq, value, f) in ns.inputs.items()
+                    self._input_entry(s, seq, value, f) for s, (seq, value, f) in ns.inputs.items()
                 ]
             ),
             "pending": (
@@ -407,6 +469,9 @@ class Persister:
             ),
             "question": ns.question,
         }
+        if ns.retry_due is not None:
+            data["retry_due"] = ns.retry_due
+        self._refer_big_values(i, ns, data)
         return NodeRow(
             node_id=ids[i],
             status=ns.status.value,
@@ -414,10 +479,56 @@ class Persister:
             data_json=self._encode(data, i, "state"),
         )
 
+    def _big_ref(self, source: int, value: Any) -> int | None:
+        """The visit whose stored result ``value`` is, when it is a large one (13)."""
+        big = self._big.get(source)
+        return big[0] if big is not None and big[1] is value else None
+
+    def _input_entry(
+        self, s: int, seq: int, value: Any, frontier: dict[int, int] | None
+    ) -> list[Any]:
+        ids = self.topo.ids
+        visit = self._big_ref(s, value)
+        if visit is None:
+            return [ids[s], seq, value, _pairs(frontier, ids)]
+        return [ids[s], seq, None, _pairs(frontier, ids), visit]
+
+    def _refer_big_values(self, i: int, ns: NodeState, data: dict[str, Any]) -> None:
+        """Point at result rows instead of repeating large values in node rows."""
+        if ns.has_result:
+            visit = self._big_ref(i, ns.result)
+            if visit is not None:
+                data["result"] = None
+                data["result_ref"] = visit
+        if ns.payload is None:
+            return
+        for s in self.topo.in_sources[i]:
+            visit = self._big_ref(s, ns.payload)
+            if visit is not None:
+                data["payload"] = None
+                data["payload_ref"] = [self.topo.ids[s], visit]
+                return
+
     # -- restore ----------------------------------------------------------------
 
-    def restore(self, stored: StoredRun, late: list[LateInput]) -> tuple[RunState, int, int]:
-        """Rebuild the run state from its rows; running nodes go back to ready (D3)."""
+    async def restore(self, stored: StoredRun, late: list[LateInput]) -> tuple[RunState, int, int]:
+        """Rebuild the run state from its rows; running nodes go back to ready (D3).
+
+        A node that was running or backing off between retries keeps its attempt
+        count and the due time of its next attempt, so it continues its retry
+        policy instead of starting it over (E11).
+        """
+        rows = {node_id: self._decode_row(row) for node_id, row in stored.nodes.items()}
+        values = await self._referenced_results(rows)
+        return self._restore(stored, rows, values, late)
+
+    def _restore(
+        self,
+        stored: StoredRun,
+        rows: dict[str, dict[str, Any]],
+        values: dict[tuple[str, int], Any],
+        late: list[LateInput],
+    ) -> tuple[RunState, int, int]:
         run = stored.run
         if run.format_version > FORMAT_VERSION:
             raise UnsupportedFormat(
@@ -440,18 +551,58 @@ class Persister:
                 raise CorruptRecord(
                     f"run {self.run_id!r}: stored node {node_id!r} is not in the graph"
                 )
-            self._restore_node(state, i, row)
+            self._restore_node(state, i, row, rows[node_id], values)
         state.dirty.clear()
         if not stored.nodes:
             state.activate_entries(self._decode(run.input_json, "input"))
         return state, int(meta.get("events", 0)), int(meta.get("turn", 0))
 
-    def _restore_node(self, state: RunState, i: int, row: NodeRow) -> None:
+    def _decode_row(self, row: NodeRow) -> dict[str, Any]:
         data = self._decode(row.data_json, f"node {row.node_id!r}")
-        if not isinstance(data, dict) or data.get("v", 0) > FORMAT_VERSION:
+        if not isinstance(data, dict) or data.get("v", 0) > NODE_ROW_VERSION:
             raise UnsupportedFormat(
                 f"run {self.run_id!r}: node {row.node_id!r} has an unsupported format"
             )
+        return data
+
+    async def _referenced_results(
+        self, rows: dict[str, dict[str, Any]]
+    ) -> dict[tuple[str, int], Any]:
+        """Load the result rows that node rows refer to, each decoded once (shared)."""
+        wanted: set[tuple[str, int]] = set()
+        try:
+            for node_id, data in rows.items():
+                if "result_ref" in data:
+                    wanted.add((node_id, int(data["result_ref"])))
+                if "payload_ref" in data:
+                    source, visit = data["payload_ref"]
+                    wanted.add((str(source), int(visit)))
+                for entry in data.get("inputs") or ():
+                    if len(entry) > 4:
+                        wanted.add((str(entry[0]), int(entry[4])))
+        except (TypeError, ValueError) as exc:
+            raise CorruptRecord(f"run {self.run_id!r}: a node row refers badly: {exc!r}") from exc
+        values: dict[tuple[str, int], Any] = {}
+        for node_id in sorted({node_id for node_id, _ in wanted}):
+            for row in await self.store.results(self.run_id, node_id):
+                key = (row.node_id, row.visit)
+                if key in wanted:
+                    values[key] = self._decode(row.value_json, f"result of {node_id!r}")
+        missing = wanted - values.keys()
+        if missing:
+            raise CorruptRecord(
+                f"run {self.run_id!r}: node rows refer to missing results {sorted(missing)}"
+            )
+        return values
+
+    def _restore_node(
+        self,
+        state: RunState,
+        i: int,
+        row: NodeRow,
+        data: dict[str, Any],
+        values: dict[tuple[str, int], Any],
+    ) -> None:
         index = self.topo.index
         ns = state.nodes[i]
         try:
@@ -464,27 +615,139 @@ class Persister:
             ns.has_result = bool(data["has_result"])
             ns.frontier = _unpairs(data["frontier"], index)
             if data["inputs"] is not None:
-                ns.inputs = {
-                    index[s]: (int(seq), value, _unpairs(f, index))
-                    for s, seq, value, f in data["inputs"]
-                }
+                ns.inputs = {}
+                for entry in data["inputs"]:
+                    s, seq, value, f = entry[:4]
+                    if len(entry) > 4:
+                        value = self._shared(index[s], values, (s, int(entry[4])))
+                    ns.inputs[index[s]] = (int(seq), value, _unpairs(f, index))
             if data["pending"] is not None:
                 ns.pending = (data["pending"][0], _unpairs(data["pending"][1], index))
             ns.question = data.get("question")
+            if "result_ref" in data:
+                ns.result = self._shared(i, values, (row.node_id, int(data["result_ref"])))
+            if "payload_ref" in data:
+                source, visit = data["payload_ref"]
+                ns.payload = self._shared(index[source], values, (source, int(visit)))
+            due = data.get("retry_due")
+            ns.retry_due = None if due is None else float(due)
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptRecord(
                 f"run {self.run_id!r}: node {row.node_id!r} row does not decode: {exc!r}"
             ) from exc
         if ns.status in (NodeStatus.RUNNING, NodeStatus.QUEUED):
-            ns.status = NodeStatus.QUEUED  # D3: it was running; run that visit again
-            ns.attempts = 0
+            # D3: it was running; run that visit again, continuing its retry policy
+            # (E11): a crash-cut attempt runs again under its own number.
+            ns.status = NodeStatus.QUEUED
             state.ready.append(i)
+
+    def _shared(self, i: int, values: dict[tuple[str, int], Any], key: tuple[str, int]) -> Any:
+        """A referenced result, the same object wherever it is referenced (so it stays stored once)."""
+        value = values[key]
+        big = self._big.get(i)
+        if big is None or big[0] <= key[1]:
+            self._big[i] = (key[1], value)
+        return value
 
     def _decode(self, text: str, what: str) -> Any:
         try:
             return self.codec.decode(text)
         except ValueError as exc:
             raise CorruptRecord(f"run {self.run_id!r}: {what} does not decode: {exc}") from exc
+
+
+async def acquire_lease(store: RunStore, run_id: str, owner: str, ttl: float) -> int:
+    """Lease ``run_id`` for ``owner`` (D6); a lease whose owner provably died is taken over at once.
+
+    The owner is dead when it ran on this host and its process is gone (or
+    its pid now belongs to another process): there is no point waiting for
+    its lease to expire.
+    """
+    try:
+        return await store.acquire_lease(run_id, owner, ttl)
+    except LeaseHeld as exc:
+        holder = getattr(exc, "owner", None)
+        if not owner_is_dead(holder):
+            raise
+        logger.info("run %s: its lease owner %s is gone; taking over", run_id, holder)
+        return await store.acquire_lease(run_id, owner, ttl, steal_from=holder)
+
+
+async def release_quietly(store: RunStore, run_id: str, owner: str, token: int) -> None:
+    """Release a lease on the way out; a failure is logged (the lease then expires by itself)."""
+    try:
+        await store.release_lease(run_id, owner, token)
+    except (StoreError, LeaseLost) as exc:
+        logger.warning(
+            "run %s: could not release its lease (%s); it expires by itself", run_id, exc
+        )
+
+
+async def run_to_end(cleanup: Awaitable[None]) -> None:
+    """Await ``cleanup`` to its end even if the caller is cancelled meanwhile.
+
+    The cancellation is not swallowed: it is re-raised once the cleanup is done.
+    """
+    task = asyncio.ensure_future(cleanup)
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise  # the cleanup itself was cancelled
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+async def mark_failed(engine: Engine, run_id: str, reason: str) -> None:
+    """Record run ``run_id`` as failed with ``reason``, without its graph (a daemon's last word).
+
+    For a run that cannot be resumed (its graph does not load, its rows do not
+    decode): takes the lease, supersedes its open questions, writes the status
+    and a ``run_failed`` event, and releases.
+    """
+    store = engine.store
+    assert store is not None
+    record = await store.get_run(run_id)
+    if record.status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED):
+        return
+    token = await acquire_lease(store, run_id, engine.owner, engine.lease_ttl)
+    try:
+        open_ids = [
+            q.question_id
+            for q in await store.list_questions(run_id=run_id)
+            if q.status in (QuestionStatus.OPEN, QuestionStatus.ANSWERED)
+        ]
+        events = await store.events(run_id)
+        seq = max((e.seq for e in events), default=0) + 1
+        now = time.time()
+        event = EventRow(
+            seq=seq,
+            type=EventType.RUN_FAILED.value,
+            node_id=None,
+            visit=None,
+            attempt=None,
+            ts=now,
+            data_json=DEFAULT_CODEC.encode({"error": reason}),
+        )
+        harvest = Harvest(
+            state_json=record.state_json,
+            status=RunStatus.FAILED,
+            error=reason,
+            nodes=[],
+            results=[],
+            frozen=[],
+            events=[event],
+            nodes_done_delta=0,
+            superseded=open_ids,
+            finished_at=now,
+        )
+        await store.commit(run_id, token, harvest)
+    finally:
+        await run_to_end(release_quietly(store, run_id, engine.owner, token))
 
 
 def _pairs(frontier: dict[int, int] | None, ids: tuple[str, ...]) -> list[list[Any]] | None:

@@ -81,12 +81,14 @@ class Attempt:
         "visit",
     )
 
-    def __init__(self, index: int, visit: int, started: float, hedge: bool = False) -> None:
+    def __init__(
+        self, index: int, visit: int, started: float, hedge: bool = False, tries: int = 1
+    ) -> None:
         self.index = index
         self.visit = visit
         self.started = started
         self.hedge = hedge
-        self.tries = 1
+        self.tries = tries
         #: Set when the engine cancels it (a hedge loser): its end is not a failure.
         self.abandoned = False
         #: The straggler threshold (seconds) once this attempt crossed it (T3).
@@ -125,6 +127,8 @@ class RunLoop:
         self.topo = state.topo
         self._publish = publish
         self._persister = persister
+        if persister is not None:
+            persister.on_failure = self.poke  # a failed write stops the run at once
         self._record = publish is not None or persister is not None
         self._events: list[Event] = []
         self.event_seq = event_seq
@@ -189,6 +193,10 @@ class RunLoop:
                         self._wake = self.loop.create_future()
                         await self._wake
                         self._wake = None
+                    if self._persister is not None:
+                        # A write failed: dispatch nothing more; the handler below
+                        # cancels and awaits what runs, and re-raises (E9, D1).
+                        self._persister.raise_failure()
                     batch, self._done = self._done, []
                     failure = self._harvest(batch)
                     if failure is not None:
@@ -280,7 +288,7 @@ class RunLoop:
         now = time.monotonic()
         if not hedge:
             self.state.start(i, now)
-        attempt = Attempt(i, ns.visits, now, hedge)
+        attempt = Attempt(i, ns.visits, now, hedge, max(ns.attempts, 1))
         node = self.topo.nodes[i]
         coro = self._call(node, self._async[i], ns.payload, attempt)
         task = self.loop.create_task(coro, name=node.id)
@@ -311,9 +319,18 @@ class RunLoop:
             wake.set_result(None)
 
     async def _call(self, node: Node, is_async: bool, payload: Any, attempt: Attempt) -> Any:
-        """Run the handler with retries and timeout (E11); every failed try is an event."""
+        """Run the handler with retries and timeout (E11); every failed try is an event.
+
+        Each retry is committed and published when it happens, with the
+        attempt count and the due time of the next try, so a run resumed after
+        a crash continues the policy where it stood.
+        """
         retry = node.retry
-        tries = 1
+        tries = attempt.tries
+        due = self.state.nodes[attempt.index].retry_due
+        if due is not None and retry is not None and not attempt.hedge:
+            # Resumed while backing off: wait out what is left of that backoff.
+            await asyncio.sleep(min(max(0.0, due - time.time()), retry.delay(max(tries - 1, 1))))
         while True:
             set_current((self.run_id, node.id, attempt.visit, tries))
             try:
@@ -326,18 +343,25 @@ class RunLoop:
             except Exception as exc:
                 if retry is None or tries >= retry.attempts or not isinstance(exc, retry.retry_on):
                     raise
-                self.emit(
-                    EventType.NODE_RETRYING,
-                    attempt.index,
-                    attempt.visit,
-                    tries,
-                    error=_describe(exc),
-                    delay=retry.delay(tries),
-                )
-                await asyncio.sleep(retry.delay(tries))
+                delay = retry.delay(tries)
+                self._retrying(attempt, tries, exc, delay)
+                await asyncio.sleep(delay)
                 tries += 1
                 attempt.tries = tries
-                self.state.nodes[attempt.index].attempts = tries
+                self.state.nodes[attempt.index].retry_due = None  # the next try is no longer due
+
+    def _retrying(self, attempt: Attempt, tries: int, exc: BaseException, delay: float) -> None:
+        """Try ``tries`` failed and another follows after ``delay``: make it durable and live now."""
+        i = attempt.index
+        ns = self.state.nodes[i]
+        if ns.visits == attempt.visit and ns.status is NodeStatus.RUNNING:
+            ns.attempts = tries + 1
+            ns.retry_due = time.time() + delay
+            self.state.dirty[i] = None
+        self.emit(
+            EventType.NODE_RETRYING, i, attempt.visit, tries, error=_describe(exc), delay=delay
+        )
+        self.poke()  # an empty harvest commits and publishes it now (E11)
 
     async def _invoke(self, node: Node, is_async: bool, payload: Any) -> Any:
         if is_async:
@@ -389,7 +413,7 @@ class RunLoop:
         ns = state.nodes[i]
         if self._persister is not None:
             try:
-                result = self._persister.canonical(self.topo.ids[i], result)
+                result = self._persister.canonical(self.topo.ids[i], attempt.visit, result)
             except EncodeError as exc:
                 return exc
         if self.topo.nodes[i].kind is NodeKind.GATE:
@@ -600,4 +624,9 @@ def _outcome_error(task: asyncio.Task[Any]) -> BaseException | None:
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    """``Type: message`` as text any store takes: NUL and lone surrogates escaped."""
+    text = f"{type(exc).__name__}: {exc}"
+    if text.isascii():
+        return text.replace("\x00", "\\x00")
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text.replace("\x00", "\\x00")

@@ -85,6 +85,7 @@ class NodeState:
         "pending",
         "question",
         "result",
+        "retry_due",
         "started_at",
         "status",
         "visits",
@@ -104,6 +105,8 @@ class NodeState:
         #: Id of the question a gate in WAITING waits on (Q1).
         self.question: str | None = None
         self.started_at = 0.0
+        #: Wall-clock time the next attempt is due while backing off between retries (E11).
+        self.retry_due: float | None = None
 
     def move(self, to: NodeStatus, node_id: str) -> None:
         """Change status, refusing moves ``NODE_TRANSITIONS`` does not allow."""
@@ -158,7 +161,7 @@ class RunState:
         """Mark node ``i`` admitted (E3): its attempt starts now."""
         ns = self.nodes[i]
         ns.move(NodeStatus.RUNNING, self.topo.ids[i])
-        ns.attempts = 1
+        ns.attempts = max(ns.attempts, 1)  # a resumed node continues its attempts (E11)
         ns.started_at = now
         self.dirty[i] = None
 
@@ -303,6 +306,7 @@ class RunState:
         ns.payload = payload
         ns.frontier = frontier
         ns.attempts = 0
+        ns.retry_due = None
         self.dirty[t] = None
         self.ready.append(t)
 
