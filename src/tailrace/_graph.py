@@ -15,6 +15,7 @@ import importlib
 import inspect
 import itertools
 import json
+import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -57,10 +58,23 @@ class RetryPolicy:
     retry_on: tuple[type[BaseException], ...] = (Exception,)
 
     def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ValueError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
-        if self.backoff < 0 or self.max_backoff < 0 or self.multiplier < 1:
-            raise ValueError("RetryPolicy backoff values must be >= 0 and multiplier >= 1")
+        if not _is_int(self.attempts) or self.attempts < 1:
+            raise GraphError(f"RetryPolicy.attempts must be an integer >= 1, got {self.attempts!r}")
+        for field_name in ("backoff", "multiplier", "max_backoff"):
+            value = getattr(self, field_name)
+            if not _is_number(value) or value < 0 or (field_name == "multiplier" and value < 1):
+                raise GraphError(
+                    f"RetryPolicy.{field_name} must be a finite number "
+                    f"{'>= 1' if field_name == 'multiplier' else '>= 0'}, got {value!r}"
+                )
+        if not isinstance(self.retry_on, tuple | list):
+            raise GraphError(
+                f"RetryPolicy.retry_on must be a tuple of exception classes, got {self.retry_on!r}"
+            )
+        for entry in self.retry_on:
+            if not (isinstance(entry, type) and issubclass(entry, BaseException)):
+                raise GraphError(f"RetryPolicy.retry_on: {entry!r} is not an exception class")
+        object.__setattr__(self, "retry_on", tuple(self.retry_on))
 
     def delay(self, retry: int) -> float:
         """Seconds to wait before retry number ``retry`` (1-based)."""
@@ -77,15 +91,17 @@ class RetryPolicy:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RetryPolicy:
-        """Rebuild a policy from ``data``, the output of :meth:`to_dict`."""
-        return cls(
-            attempts=data["attempts"],
-            backoff=data["backoff"],
-            multiplier=data["multiplier"],
-            max_backoff=data["max_backoff"],
-            retry_on=tuple(resolve_reference(ref) for ref in data["retry_on"]),
-        )
+    def from_dict(cls, data: Mapping[str, Any], *, allow_files: bool = False) -> RetryPolicy:
+        """Rebuild a policy from ``data``, the output of :meth:`to_dict`.
+
+        Every ``retry_on`` entry must name a subclass of ``BaseException``;
+        ``allow_files`` lets entries name ``path/to/file.py:Class`` (executing
+        that file), see :func:`resolve_reference`. Malformed input raises
+        :class:`GraphError` naming the field.
+        """
+        from ._graph_codec import retry_policy_from_dict
+
+        return retry_policy_from_dict(cls, data, allow_files=allow_files)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,6 +180,11 @@ class Graph:
     _compiled: Any = field(default=None, repr=False, compare=False)
     _pairs: set[tuple[str, str]] = field(default_factory=set, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        # G1: a nameless graph is refused here, not later by a store's NOT NULL.
+        if not isinstance(self.name, str) or not self.name:
+            raise GraphError(f"graph name must be a non-empty string, got {self.name!r}")
+
     # -- building ---------------------------------------------------------
 
     def add_node(
@@ -200,28 +221,36 @@ class Graph:
         registered poller of a machine gate and ``deadline`` is the seconds
         after which an unanswered gate is answered with a ``GateTimeout`` (Q5).
         """
+        if not isinstance(name, str) or not name:
+            raise GraphError(f"node name must be a non-empty string, got {name!r}")
         try:
             node_kind = NodeKind(kind)
         except ValueError:
             raise GraphError(f"node {name!r}: unknown kind {kind!r}") from None
-        if not isinstance(name, str) or not name:
-            raise GraphError(f"node name must be a non-empty string, got {name!r}")
         if name in self.nodes:
             raise GraphError(f"duplicate node id {name!r}")
         if not callable(handler):
             raise GraphError(f"node {name!r}: handler {handler!r} is not callable")
-        if max_visits is not None and max_visits < 1:
-            raise GraphError(f"node {name!r}: max_visits must be >= 1, got {max_visits}")
-        if timeout is not None and timeout <= 0:
-            raise GraphError(f"node {name!r}: timeout must be > 0, got {timeout}")
+        _check_option_types(
+            name,
+            required=required,
+            max_visits=max_visits,
+            priority=priority,
+            any_of=any_of,
+            retry=retry,
+            timeout=timeout,
+            cost=cost,
+            estimate_key=estimate_key,
+            hedge=hedge,
+            poller=poller,
+            deadline=deadline,
+        )
         if required is not None and node_kind is not NodeKind.AGGREGATE:
             raise GraphError(f"node {name!r}: required= applies to aggregates only")
         if any_of and node_kind is NodeKind.AGGREGATE:
             raise GraphError(f"node {name!r}: an aggregate cannot be any_of")
         if (poller is not None or deadline is not None) and node_kind is not NodeKind.GATE:
             raise GraphError(f"node {name!r}: poller= and deadline= apply to gates only")
-        if deadline is not None and not deadline > 0:
-            raise GraphError(f"node {name!r}: deadline must be > 0 seconds, got {deadline}")
         node = Node(
             id=name,
             handler=handler,
@@ -244,6 +273,9 @@ class Graph:
 
     def add_edge(self, source: str, target: str, *, route: str | None = None) -> Edge:
         """Add an edge from ``source`` to ``target``; ``route`` labels a switch's edge."""
+        for value, label in ((source, "source"), (target, "target"), (route, "route")):
+            if not isinstance(value, str) and not (label == "route" and value is None):
+                raise GraphError(f"edge {source!r} -> {target!r}: {label} must be a string")
         for end, label in ((source, "source"), (target, "target")):
             if end not in self.nodes:
                 raise GraphError(f"edge {source!r} -> {target!r}: unknown {label} node {end!r}")
@@ -269,7 +301,11 @@ class Graph:
 
     def _decorator(self, kind: NodeKind, options: dict[str, Any]) -> Callable[[F], F]:
         def register(fn: F) -> F:
-            self.add_node(options.pop("name", None) or fn.__name__, fn, kind, **options)
+            name = options.pop("name", None) or fn.__name__
+            unknown = sorted(set(options) - NODE_OPTIONS)
+            if unknown:
+                raise GraphError(f"node {name!r}: unknown option {unknown[0]!r}")
+            self.add_node(name, fn, kind, **options)
             return fn
 
         return register
@@ -331,48 +367,84 @@ class Graph:
 
     @classmethod
     def from_dict(
-        cls, data: Mapping[str, Any], handlers: Mapping[str, Handler] | None = None
+        cls,
+        data: Mapping[str, Any],
+        handlers: Mapping[str, Handler] | None = None,
+        *,
+        allow_files: bool = False,
     ) -> Graph:
         """Rebuild a graph from :meth:`to_dict` output (G3).
 
         ``data`` is the document; ``handlers`` maps a handler reference (or a
-        node id) to a callable, overriding import by reference.
+        node id) to a callable, overriding import by reference. References are
+        importable modules (``package.module:attr``); a ``path/to/file.py:attr``
+        reference is refused unless ``allow_files`` is true, because loading
+        it executes the file (trust model: opt in only for files you trust).
+        A malformed document raises :class:`GraphError` naming the field and
+        the node (G1); a format version other than ours raises
+        :class:`~tailrace.UnsupportedFormat` (D4).
         """
-        version = data.get("format")
-        if version != GRAPH_FORMAT:
-            from ._errors import UnsupportedFormat
+        from ._graph_codec import graph_from_dict
 
-            raise UnsupportedFormat(
-                f"graph {data.get('name')!r}: unsupported graph format {version!r}"
-            )
-        handlers = dict(handlers or {})
-        graph = cls(data["name"])
-        for raw in data["nodes"]:
-            options = {k: v for k, v in raw.items() if k not in ("id", "kind", "handler")}
-            if "retry" in options:
-                options["retry"] = RetryPolicy.from_dict(options["retry"])
-            if isinstance(options.get("cost"), dict):
-                options["cost"] = _lookup(options["cost"]["ref"], raw["id"], handlers)
-            handler = _lookup(raw["handler"], raw["id"], handlers)
-            graph.add_node(raw["id"], handler, raw["kind"], **options)
-        for raw in data["edges"]:
-            graph.add_edge(raw["source"], raw["target"], route=raw.get("route"))
-        graph.validate()
-        return graph
+        return graph_from_dict(cls, data, handlers, allow_files=allow_files)
 
 
-def _lookup(ref: str, node_id: str, handlers: Mapping[str, Handler]) -> Handler:
-    if node_id in handlers:
-        return handlers[node_id]
-    if ref in handlers:
-        return handlers[ref]
-    try:
-        found = resolve_reference(ref)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise GraphError(f"node {node_id!r}: cannot resolve handler {ref!r}: {exc}") from exc
-    if not callable(found):
-        raise GraphError(f"node {node_id!r}: {ref!r} is not callable")
-    return found  # type: ignore[no-any-return]
+#: The keyword options of :meth:`Graph.add_node` (for the decorators and the codec).
+NODE_OPTIONS = frozenset(
+    {
+        "required",
+        "max_visits",
+        "priority",
+        "any_of",
+        "retry",
+        "timeout",
+        "cost",
+        "estimate_key",
+        "hedge",
+        "poller",
+        "deadline",
+    }
+)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    """A finite int or float: NaN would break orderings, infinities are not JSON."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or check(value)
+
+
+#: What each node option accepts, and how the error says so (G1: at build time,
+#: not as a TypeError when the run loop first compares it).
+_OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "required": (_optional(_is_int), "an integer"),
+    "max_visits": (_optional(lambda v: _is_int(v) and v >= 1), "an integer >= 1"),
+    "priority": (_is_number, "a finite number"),
+    "any_of": (lambda v: isinstance(v, bool), "True or False"),
+    "retry": (_optional(lambda v: isinstance(v, RetryPolicy)), "a RetryPolicy"),
+    "timeout": (_optional(lambda v: _is_number(v) and v > 0), "a finite number of seconds > 0"),
+    "cost": (
+        _optional(lambda v: callable(v) or (_is_number(v) and v >= 0)),
+        "a finite number >= 0 or a function of the input",
+    ),
+    "estimate_key": (_optional(lambda v: isinstance(v, str) and v != ""), "a non-empty string"),
+    "hedge": (lambda v: isinstance(v, bool), "True or False"),
+    "poller": (_optional(lambda v: isinstance(v, str) and v != ""), "a non-empty string"),
+    "deadline": (_optional(lambda v: _is_number(v) and v > 0), "a finite number of seconds > 0"),
+}
+
+
+def _check_option_types(node_id: str, **options: Any) -> None:
+    for option, value in options.items():
+        accepts, expected = _OPTION_RULES[option]
+        if not accepts(value):
+            raise GraphError(f"node {node_id!r}: {option} must be {expected}, got {value!r}")
 
 
 def callable_reference(fn: Callable[..., Any], node_id: str = "?") -> str:
@@ -388,21 +460,53 @@ def callable_reference(fn: Callable[..., Any], node_id: str = "?") -> str:
     return f"{module}:{qualname}"
 
 
-def resolve_reference(ref: str) -> Any:
-    """Import ``module:attr.path`` (or ``path/to/file.py:attr``) and return the object."""
+def is_file_reference(ref: str) -> bool:
+    """Whether ``ref`` names a Python file (``path/to/file.py:attr``) rather than a module."""
+    module_name = ref.rpartition(":")[0]
+    return module_name.endswith(".py") or "/" in module_name or "\\" in module_name
+
+
+def resolve_reference(ref: str, *, allow_files: bool = False) -> Any:
+    """Import ``package.module:attr.path`` and return the object.
+
+    ``ref`` names an importable module (one on ``sys.path``) and an attribute
+    path in it. A file reference, ``path/to/file.py:attr``, executes that file:
+    it is loaded only when ``allow_files`` is true, which a caller sets only
+    for a reference a trusted person gave it (the command line's
+    ``tailrace run path.py:graph``), never for one read from a store (trust
+    model, see ``docs/trust.md``). A malformed or refused reference raises
+    :class:`GraphError` (a ``ValueError``); a missing module or attribute
+    raises ``ImportError`` or ``AttributeError``.
+    """
+    if not isinstance(ref, str):
+        raise GraphError(f"reference {ref!r} is not a string")
     module_name, sep, attr_path = ref.rpartition(":")
     if not sep or not attr_path or not module_name:
-        raise ValueError(f"reference {ref!r} is not of the form 'module:attribute'")
-    obj: Any = (
-        load_file_module(module_name)
-        if module_name.endswith(".py")
-        else importlib.import_module(module_name)
-    )
-    for part in attr_path.split("."):
-        if part == "<locals>":
-            raise ValueError(f"reference {ref!r} points into a function's locals")
+        raise GraphError(f"reference {ref!r} is not of the form 'module:attribute'")
+    parts = attr_path.split(".")
+    if "<locals>" in parts:
+        raise GraphError(f"reference {ref!r} points into a function's locals")
+    if not all(part.isidentifier() for part in parts):
+        raise GraphError(f"reference {ref!r}: {attr_path!r} is not an attribute path")
+    obj = _import_for(ref, module_name, allow_files)
+    for part in parts:
         obj = getattr(obj, part)
     return obj
+
+
+def _import_for(ref: str, module_name: str, allow_files: bool) -> Any:
+    if is_file_reference(ref):
+        if not allow_files:
+            raise GraphError(
+                f"reference {ref!r} names a file; loading it would execute it, so file "
+                "references are loaded only when the caller opts in (allow_files=True)"
+            )
+        if module_name.endswith(".py"):
+            return load_file_module(module_name)
+    if not all(part.isidentifier() for part in module_name.split(".")):
+        # Also refuses relative names ('.x'), which import_module meets with a TypeError.
+        raise GraphError(f"reference {ref!r}: {module_name!r} is not an importable module name")
+    return importlib.import_module(module_name)
 
 
 #: Importing a file publishes its module before running it: threads must take turns.

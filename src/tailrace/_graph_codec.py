@@ -1,0 +1,187 @@
+"""Reading a serialised graph back (G3), refusing malformed input with ``GraphError`` (G1).
+
+A graph document is data that may come from anywhere (a file, a store, a
+request), so every field is checked before it reaches :meth:`Graph.add_node`:
+a missing key, a wrong type or an unknown option raises :class:`GraphError`
+naming the field and the node, never a ``KeyError``/``TypeError``. References
+(handlers, cost functions, ``retry_on`` classes) resolve as importable modules
+only; a file reference is loaded only when the caller passed
+``allow_files=True`` (trust model, ``docs/trust.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ._errors import GraphError, UnsupportedFormat
+from ._graph import GRAPH_FORMAT, NODE_OPTIONS, RetryPolicy, resolve_reference
+
+if TYPE_CHECKING:
+    from ._graph import Graph, Handler
+
+_GRAPH_FIELDS = frozenset({"format", "name", "nodes", "edges"})
+_NODE_FIELDS = frozenset({"id", "kind", "handler"}) | NODE_OPTIONS
+_EDGE_FIELDS = frozenset({"source", "target", "route"})
+_RETRY_FIELDS = ("attempts", "backoff", "multiplier", "max_backoff", "retry_on")
+_COST_FIELDS = frozenset({"ref"})
+
+_TYPE_WORDS = {str: "a string", list: "a list", int: "an integer"}
+
+
+def graph_from_dict(
+    cls: type[Graph],
+    data: Any,
+    handlers: Mapping[str, Handler] | None,
+    *,
+    allow_files: bool,
+) -> Graph:
+    """Build a ``cls`` from ``data`` (see :meth:`Graph.from_dict`)."""
+    doc = _object(data, "graph document")
+    _check_format(doc)
+    _refuse_unknown(doc, _GRAPH_FIELDS, "graph document")
+    graph = cls(_field(doc, "name", str, "graph document"))
+    where = f"graph {graph.name!r}"
+    resolver = _Resolver(handlers, allow_files)
+    for index, raw in enumerate(_field(doc, "nodes", list, where)):
+        _add_node(graph, raw, f"{where}: nodes[{index}]", resolver)
+    for index, raw in enumerate(_field(doc, "edges", list, where)):
+        _add_edge(graph, raw, f"{where}: edges[{index}]")
+    graph.validate()
+    return graph
+
+
+def retry_policy_from_dict(cls: type[RetryPolicy], data: Any, *, allow_files: bool) -> RetryPolicy:
+    """Build a ``cls`` from ``data`` (see :meth:`RetryPolicy.from_dict`)."""
+    doc = _object(data, "retry policy")
+    _refuse_unknown(doc, frozenset(_RETRY_FIELDS), "retry policy")
+    values = {name: _present(doc, name, "retry policy") for name in _RETRY_FIELDS}
+    refs = _field(doc, "retry_on", list, "retry policy")
+    values["retry_on"] = tuple(_exception_class(ref, allow_files) for ref in refs)
+    return cls(**values)  # __post_init__ checks the numbers' types and ranges
+
+
+def _add_node(graph: Graph, raw: Any, where: str, resolver: _Resolver) -> None:
+    node = _object(raw, where)
+    node_id = _field(node, "id", str, where)
+    where = f"graph {graph.name!r}: node {node_id!r}"
+    kind = _field(node, "kind", str, where)
+    ref = _field(node, "handler", str, where)
+    _refuse_unknown(node, _NODE_FIELDS, where)
+    # to_dict leaves out options at their default, so an explicit null means the same.
+    options = {k: v for k, v in node.items() if k in NODE_OPTIONS and v is not None}
+    if "retry" in options:
+        try:
+            options["retry"] = RetryPolicy.from_dict(
+                options["retry"], allow_files=resolver.allow_files
+            )
+        except GraphError as exc:
+            raise GraphError(f"{where}: field 'retry': {exc}") from exc
+    if isinstance(options.get("cost"), Mapping):  # a cost function, by reference
+        options["cost"] = resolver.cost(options["cost"], f"{where}: field 'cost'")
+    handler = resolver.handler(ref, node_id, f"{where}: field 'handler'")
+    graph.add_node(node_id, handler, kind, **options)
+
+
+def _add_edge(graph: Graph, raw: Any, where: str) -> None:
+    edge = _object(raw, where)
+    source = _field(edge, "source", str, where)
+    target = _field(edge, "target", str, where)
+    where = f"graph {graph.name!r}: edge {source!r} -> {target!r}"
+    _refuse_unknown(edge, _EDGE_FIELDS, where)
+    route = edge.get("route")
+    if route is not None and not isinstance(route, str):
+        raise GraphError(f"{where}: field 'route' must be a string, got {_show(route)}")
+    graph.add_edge(source, target, route=route)
+
+
+class _Resolver:
+    """Finds the callables a document names: the caller's mapping first, then by reference."""
+
+    def __init__(self, handlers: Mapping[str, Handler] | None, allow_files: bool) -> None:
+        if handlers is not None and not isinstance(handlers, Mapping):
+            raise GraphError(f"handlers must be a mapping, got {_show(handlers)}")
+        self.handlers = dict(handlers or {})
+        self.allow_files = allow_files
+
+    def handler(self, ref: str, node_id: str, where: str) -> Handler:
+        """The node's handler: mapped by node id, else by reference, else imported."""
+        if node_id in self.handlers:
+            return _callable(self.handlers[node_id], where, f"handlers[{node_id!r}]")
+        return self._by_reference(ref, where)
+
+    def cost(self, raw: Mapping[str, Any], where: str) -> Handler:
+        """A cost function named ``{"ref": "module:attr"}`` (mapped by reference only)."""
+        _refuse_unknown(raw, _COST_FIELDS, where)
+        return self._by_reference(_field(raw, "ref", str, where), where)
+
+    def _by_reference(self, ref: str, where: str) -> Handler:
+        if ref in self.handlers:
+            return _callable(self.handlers[ref], where, f"handlers[{ref!r}]")
+        return _callable(_resolve(ref, self.allow_files, where), where, repr(ref))
+
+
+def _exception_class(ref: Any, allow_files: bool) -> type[BaseException]:
+    where = f"retry_on entry {_show(ref)}"
+    if not isinstance(ref, str):
+        raise GraphError(f"{where} must be a 'module:Class' reference string")
+    found = _resolve(ref, allow_files, where)
+    if not (isinstance(found, type) and issubclass(found, BaseException)):
+        raise GraphError(f"{where} is not an exception class (it names {_show(found)})")
+    return found
+
+
+def _resolve(ref: str, allow_files: bool, where: str) -> Any:
+    try:
+        return resolve_reference(ref, allow_files=allow_files)
+    except GraphError as exc:
+        raise GraphError(f"{where}: {exc}") from exc
+    except Exception as exc:  # ImportError, AttributeError, or the module failing to import
+        raise GraphError(f"{where}: cannot resolve {ref!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def _callable(found: Any, where: str, what: str) -> Handler:
+    if not callable(found):
+        raise GraphError(f"{where}: {what} is not callable (it is {_show(found)})")
+    return found  # type: ignore[no-any-return]
+
+
+def _check_format(doc: Mapping[str, Any]) -> None:
+    version = _present(doc, "format", "graph document")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise GraphError(f"graph document: field 'format' must be an integer, got {_show(version)}")
+    if version != GRAPH_FORMAT:  # D4: a newer writer's document is not guessed at
+        raise UnsupportedFormat(
+            f"graph {_show(doc.get('name'))}: unsupported graph format {version!r}"
+        )
+
+
+def _object(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise GraphError(f"{where} must be an object, got {_show(value)}")
+    return value
+
+
+def _present(doc: Mapping[str, Any], name: str, where: str) -> Any:
+    if name not in doc:
+        raise GraphError(f"{where}: missing field {name!r}")
+    return doc[name]
+
+
+def _field(doc: Mapping[str, Any], name: str, kind: type, where: str) -> Any:
+    value = _present(doc, name, where)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise GraphError(f"{where}: field {name!r} must be {_TYPE_WORDS[kind]}, got {_show(value)}")
+    return value
+
+
+def _refuse_unknown(doc: Mapping[Any, Any], known: frozenset[str], where: str) -> None:
+    for key in doc:
+        if key not in known:
+            raise GraphError(f"{where}: unknown field {_show(key)}")
+
+
+def _show(value: Any) -> str:
+    """``repr`` cut short: a hostile document must not make the message huge."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
