@@ -96,7 +96,25 @@ class LeaseError(TailraceError):
 
 
 class LeaseHeld(LeaseError):
-    """Another engine holds a live lease on the run."""
+    """Another engine holds a live lease on the run.
+
+    Args:
+        message: what happened and what the user can do.
+        owner: the lease's holder, when the store knew it.
+        expires_at: when that lease expires (wall clock, seconds since the
+            epoch), when the store knew it.
+
+    An engine that proves ``owner`` dead (``tailrace._owner.owner_is_dead``)
+    may take the run over at once with ``acquire_lease(..., steal_from=owner)``
+    instead of waiting until ``expires_at`` (D6).
+    """
+
+    def __init__(
+        self, message: str, *, owner: str | None = None, expires_at: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.owner = owner
+        self.expires_at = expires_at
 
 
 class LeaseLost(LeaseError):

@@ -36,9 +36,9 @@ from tailrace.stores import (
 )
 from tailrace.stores._sql import (
     CREATE_MIGRATIONS_TABLE,
-    INSERT_QUESTION,
     INSERT_RUN,
     MIGRATIONS,
+    QUESTION_FIELDS,
     new_run_params,
     question_params,
 )
@@ -357,6 +357,13 @@ def _old_question() -> QuestionRow:
     )  # fmt: skip
 
 
+def _old_question_insert() -> tuple[str, tuple[object, ...]]:
+    """Insert ``_old_question()`` into a version-2 table (before migration 4 added columns)."""
+    fields = QUESTION_FIELDS[: QUESTION_FIELDS.index("applied_at") + 1]
+    text = f"INSERT INTO questions ({', '.join(fields)}) VALUES ({', '.join('?' * len(fields))})"
+    return text, question_params(_old_question())[: len(fields)]
+
+
 async def _old_rows_remain_and_the_ledger_works(store: RunStore) -> None:
     assert (await store.get_run("old")).input_json == "null"
     assert (await store.get_question("q-old")).status is QuestionStatus.OPEN
@@ -373,7 +380,7 @@ async def test_sqlite_upgrades_a_version_2_database(tmp_path: Path) -> None:
         conn.execute(statement.replace("/*WITHOUT ROWID*/", "WITHOUT ROWID"))
     conn.execute("INSERT INTO schema_migrations (version, applied_at) VALUES (1, 0), (2, 0)")
     conn.execute(INSERT_RUN, new_run_params(_old_run()))
-    conn.execute(INSERT_QUESTION, question_params(_old_question()))
+    conn.execute(*_old_question_insert())
     conn.close()
     async with SQLiteStore(path) as store:
         await _old_rows_remain_and_the_ledger_works(store)
@@ -382,7 +389,7 @@ async def test_sqlite_upgrades_a_version_2_database(tmp_path: Path) -> None:
     with sqlite3.connect(path) as conn:
         versions = conn.execute("SELECT version FROM schema_migrations ORDER BY version").fetchall()
     conn.close()
-    assert versions == [(1,), (2,), (3,)]
+    assert versions == [(v,) for v, _ in MIGRATIONS]
 
 
 @pytest.mark.postgres
@@ -406,7 +413,8 @@ async def test_postgres_upgrades_a_version_2_database() -> None:
                 await conn.execute(statement)
             await conn.execute("INSERT INTO schema_migrations VALUES (1, 0), (2, 0)")
             await conn.execute(INSERT_RUN.replace("?", "%s"), new_run_params(_old_run()))
-            await conn.execute(INSERT_QUESTION.replace("?", "%s"), question_params(_old_question()))
+            sql_text, values = _old_question_insert()
+            await conn.execute(sql_text.replace("?", "%s"), values)
             await conn.commit()
         racers = [PostgresStore(POSTGRES_DSN, schema=schema) for _ in range(3)]
         try:
@@ -419,7 +427,7 @@ async def test_postgres_upgrades_a_version_2_database() -> None:
             cur = await conn.execute(
                 sql.SQL("SELECT version FROM {}.schema_migrations ORDER BY version").format(ident)
             )
-            assert await cur.fetchall() == [(1,), (2,), (3,)]
+            assert await cur.fetchall() == [(v,) for v, _ in MIGRATIONS]
     finally:
         async with await psycopg.AsyncConnection.connect(POSTGRES_DSN, autocommit=True) as conn:
             await conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(ident))

@@ -41,6 +41,7 @@ from tailrace.stores import (
     open_store,
 )
 from tailrace.stores._floor import postgres_raw_commit_rate, sqlite_raw_commit_rate
+from tailrace.stores._sql import MIGRATIONS
 
 if TYPE_CHECKING:
     from conftest import Backend
@@ -526,7 +527,7 @@ async def test_sqlite_records_its_migrations(tmp_path: Path) -> None:
         rows = conn.execute("SELECT version FROM schema_migrations").fetchall()
         mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
     conn.close()
-    assert rows == [(1,), (2,), (3,)]
+    assert rows == [(v,) for v, _ in MIGRATIONS]
     assert mode == "wal"
 
 

@@ -23,10 +23,15 @@ from collections.abc import Callable
 
 from .._errors import StaleVersion
 from ._base import ArtifactVersion
+from ._rules import check_name
 
 
 def check_expected(artifact_id: str, expected: int) -> None:
-    """Raise ``ValueError`` unless ``expected``, the head version a commit to ``artifact_id`` expects, is an int >= 0."""
+    """Raise ``ValueError`` unless ``expected``, the head version a commit to ``artifact_id`` expects, is an int >= 0.
+
+    ``artifact_id`` itself must hold no NUL or lone surrogate (see ``_rules.check_name``).
+    """
+    check_name("artifact_id", artifact_id)
     if isinstance(expected, bool) or not isinstance(expected, int) or expected < 0:
         raise ValueError(
             f"artifact {artifact_id!r}: expected head version must be an int >= 0 "
@@ -58,6 +63,7 @@ class ArtifactLedger:
 
     def head(self, artifact_id: str) -> ArtifactVersion | None:
         """The newest version of ``artifact_id``, or None if it has none."""
+        check_name("artifact_id", artifact_id)
         with self._lock:
             versions = self._versions.get(artifact_id)
             return versions[-1] if versions else None
@@ -84,5 +90,6 @@ class ArtifactLedger:
 
     def history(self, artifact_id: str) -> list[ArtifactVersion]:
         """Every version of ``artifact_id``, oldest first (empty if it has none)."""
+        check_name("artifact_id", artifact_id)
         with self._lock:
             return list(self._versions.get(artifact_id, ()))

@@ -6,7 +6,9 @@ this seam already encoded as text, so stores never see Python objects and a
 result that cannot be encoded fails before anything is written (D5).
 
 Stores map their driver's exceptions to :class:`~tailrace.StoreError` (and
-its subclasses) at this seam; the engine never imports a driver.
+its subclasses) at this seam; the engine never imports a driver. The rules
+every backend applies live in ``_rules`` and the SQL both SQL backends share,
+migrations included, in ``_sql``.
 """
 
 from __future__ import annotations
@@ -82,6 +84,11 @@ class QuestionRow:
     ``turn`` is the run's turn when the question opened; ``deadline`` an
     absolute wall-clock time or None; ``poller`` names a machine gate's
     poller. ``run_id`` may name a LangGraph thread driven by tailrace.
+
+    ``apply_error``, ``apply_attempts`` and ``retry_at`` record answers a
+    daemon could not apply (see :meth:`RunStore.defer_answer`): the last
+    reason, how many times applying failed, and when to try again. They stay
+    as history once the question is applied or superseded.
     """
 
     question_id: str
@@ -98,6 +105,9 @@ class QuestionRow:
     created_at: float = 0.0
     answered_at: float | None = None
     applied_at: float | None = None
+    apply_error: str | None = None
+    apply_attempts: int = 0
+    retry_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -228,7 +238,34 @@ class RunStore(abc.ABC):
     Leases (D6): ``acquire_lease`` grants a lease when none is live, returning a
     fencing token that increases on every change of owner; ``commit`` and
     ``heartbeat`` with a stale token raise :class:`~tailrace.LeaseLost`.
+
+    Cancellation: every method is cancellation-safe. A cancelled call either
+    did not happen or happened completely (never half a transaction), and a
+    cancelled ``acquire_lease`` leaves no lease behind: a lease it granted is
+    released before ``CancelledError`` propagates.
+
+    Names: ids and names passed in (``run_id``, ``node_id``, question and
+    artifact ids, ``owner``, ``steal_from``, ``by``, the names in a
+    :class:`NewRun` or a :class:`Harvest`) must not contain NUL or a lone
+    surrogate, which no database keeps as text: every store raises
+    ``ValueError`` naming the field, before touching the database. Free-text
+    error messages (``Harvest.error``, ``defer_answer``'s ``error``) are
+    stored with those characters escaped instead (``\\x00``, ``\\udXXX``).
+    JSON payloads are the codec's to keep clean (D5).
+
+    Read-only stores: a backend constructed with ``read_only=True`` (see
+    :func:`~tailrace.stores.open_store`) reads an existing database and never
+    writes to it: ``open`` applies no migrations (a schema older than this
+    code's is a clear :class:`~tailrace.StoreError`, a newer one
+    :class:`~tailrace.UnsupportedFormat`, a missing database an error naming
+    it), and every write method raises :class:`~tailrace.StoreError` with
+    nothing written. Reading works next to a writer in another process.
     """
+
+    @property
+    def read_only(self) -> bool:
+        """Whether this store was opened read-only (it then refuses every write)."""
+        return False
 
     async def __aenter__(self) -> RunStore:
         await self.open()
@@ -239,7 +276,12 @@ class RunStore(abc.ABC):
 
     @abc.abstractmethod
     async def open(self) -> None:
-        """Connect and apply pending numbered migrations. Idempotent."""
+        """Connect and apply pending numbered migrations (none when read-only). Idempotent.
+
+        Opening a database that is already at this code's schema version takes
+        no write lock: the version is read first, and only a database that
+        needs migrating is migrated.
+        """
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -284,12 +326,25 @@ class RunStore(abc.ABC):
         """Events of a run with ``seq > after_seq``, in seq order."""
 
     @abc.abstractmethod
-    async def acquire_lease(self, run_id: str, owner: str, ttl: float) -> int:
-        """Lease the run to ``owner`` for ``ttl`` seconds and return the fencing token.
+    async def acquire_lease(
+        self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
+    ) -> int:
+        """Lease the run to ``owner`` for ``ttl`` seconds and return the fencing token (D6).
+
+        Args:
+            run_id: the run to lease.
+            owner: who takes the lease.
+            ttl: seconds until the lease expires unless extended by ``heartbeat``.
+            steal_from: take over a live lease held by exactly this owner (a
+                compare-and-set on the holder): the caller proved it dead.
 
         Re-acquiring a live lease one already owns keeps its token. A live lease
-        of another owner raises :class:`~tailrace.LeaseHeld`; an expired one is
-        taken over with a new, larger token.
+        held by ``steal_from``, or an expired one, is taken over with a new,
+        larger token, so the old holder's writes are fenced out. A live lease
+        of any other owner raises :class:`~tailrace.LeaseHeld`, whose ``owner``
+        and ``expires_at`` name the holder and when its lease ends, and whose
+        message says what the user can do. :class:`~tailrace.RunNotFound` for
+        an unknown run.
         """
 
     @abc.abstractmethod
@@ -334,16 +389,54 @@ class RunStore(abc.ABC):
         """Questions, oldest first, filtered by ``status`` and ``run_id``, at most ``limit``."""
 
     @abc.abstractmethod
-    async def unapplied_answers(self, *, limit: int = 100) -> list[QuestionRow]:
-        """Answered (or expired) questions whose answer was not applied yet, oldest first (Q4)."""
+    async def unapplied_answers(
+        self, *, limit: int = 100, now: float | None = None
+    ) -> list[QuestionRow]:
+        """Answered (or expired) questions whose answer is due to be applied (Q4).
+
+        Args:
+            limit: the most rows returned.
+            now: wall-clock time deciding which deferred answers are due
+                (default: the store's clock).
+
+        Only answers not applied yet whose ``retry_at`` is None or at most
+        ``now``. Fresh answers (``retry_at`` None) come first, oldest
+        ``answered_at`` first; then deferred ones, earliest ``retry_at`` first
+        (ties by question id). So answers a daemon cannot apply, once
+        deferred, never hide one it can: however many are stuck, a new answer
+        is at the head of the list.
+        """
+
+    @abc.abstractmethod
+    async def defer_answer(self, question_id: str, *, error: str, retry_at: float) -> None:
+        """Record that applying ``question_id``'s answer failed, and when to try again.
+
+        Args:
+            question_id: the question whose answer could not be applied.
+            error: why; stored as ``apply_error`` (escaped, see above, and
+                cut to 4000 characters).
+            retry_at: wall-clock time before which ``unapplied_answers`` leaves
+                the answer out; a finite number, else ``ValueError``.
+
+        Increments ``apply_attempts``. Only a question whose answer is still
+        unapplied (``answered``, or ``expired`` with no ``applied_at``) is
+        changed, in one atomic update; on any other it does nothing.
+        :class:`~tailrace.QuestionNotFound` if the question is unknown.
+        """
 
     @abc.abstractmethod
     async def mark_applied(self, question_id: str) -> bool:
-        """Outside a harvest (drivers of external graphs): apply-CAS; False if already applied or superseded."""
+        """Outside a harvest (drivers of external graphs): apply-CAS; False if already applied or superseded.
+
+        ``apply_error``/``apply_attempts``/``retry_at`` are kept as history.
+        """
 
     @abc.abstractmethod
     async def supersede(self, question_id: str) -> bool:
-        """Mark a question ``superseded`` unless applied; False if it already was final."""
+        """Mark a question ``superseded`` unless applied; False if it already was final.
+
+        ``apply_error``/``apply_attempts``/``retry_at`` are kept as history.
+        """
 
     @abc.abstractmethod
     async def expired_leases(self, now: float, *, limit: int = 100) -> list[str]:

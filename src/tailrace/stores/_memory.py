@@ -1,8 +1,7 @@
-"""In-memory run store, and the store rules every backend shares.
+"""In-memory run store.
 
-The rules (fencing, lease grants, status transitions, format checks) are plain
-functions over values read from the backend, so the memory, SQLite and
-Postgres stores apply the very same decisions inside their own transactions.
+It applies the rules every backend shares (``_rules``) under one lock. Those
+rules are re-exported here for backends that import them from this module.
 
 >>> import asyncio
 >>> async def demo() -> int:
@@ -19,24 +18,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
-from .._errors import (
-    AlreadyAnswered,
-    CorruptRecord,
-    LeaseHeld,
-    LeaseLost,
-    QuestionNotFound,
-    RunExists,
-    RunNotFound,
-    StoreError,
-    UnsupportedFormat,
-)
+from .._errors import RunExists, RunNotFound, StoreError
 from ._artifacts import ArtifactLedger
 from ._base import (
-    FORMAT_VERSION,
-    QUESTION_TRANSITIONS,
-    RUN_TRANSITIONS,
     ArtifactVersion,
     EventRow,
     FrozenInput,
@@ -51,206 +37,33 @@ from ._base import (
     RunStore,
     StoredRun,
 )
-
-#: ``state_json`` of a run that has not committed a harvest yet.
-EMPTY_STATE_JSON = "{}"
-
-# --- rules shared by every backend -------------------------------------------
-
-
-def check_ttl(ttl: float) -> None:
-    """Raise ``ValueError`` unless ``ttl`` is a positive, finite number of seconds."""
-    if not ttl > 0 or ttl == float("inf"):
-        raise ValueError(f"lease ttl must be a positive number of seconds, got {ttl!r}")
-
-
-def check_new_format(run: NewRun) -> None:
-    """Raise :class:`UnsupportedFormat` if ``run`` is in a format this code cannot read back (D4)."""
-    if run.format_version > FORMAT_VERSION:
-        raise UnsupportedFormat(
-            f"run {run.run_id!r}: cannot create a run in format {run.format_version}; "
-            f"this tailrace writes format {FORMAT_VERSION}"
-        )
-
-
-def check_readable(run_id: str, format_version: int) -> None:
-    """Raise :class:`UnsupportedFormat` naming ``run_id`` if ``format_version`` is newer than ours (D4)."""
-    if format_version > FORMAT_VERSION:
-        raise UnsupportedFormat(
-            f"run {run_id!r} is stored in format {format_version}, newer than this "
-            f"tailrace supports ({FORMAT_VERSION}); upgrade tailrace to read it"
-        )
-
-
-def parse_status(run_id: str, text: str) -> RunStatus:
-    """Decode the stored status ``text`` of run ``run_id``; :class:`CorruptRecord` if unknown."""
-    try:
-        return RunStatus(text)
-    except ValueError:
-        raise CorruptRecord(f"run {run_id!r} has unknown status {text!r}") from None
-
-
-def check_commit(
-    run_id: str,
-    *,
-    current: RunStatus,
-    format_version: int,
-    lease_token: int,
-    token: int,
-    new: RunStatus,
-) -> None:
-    """Decide whether a harvest may be written to run ``run_id``.
-
-    Checks, in order: the row's ``format_version`` (D4); that ``token`` equals
-    the row's ``lease_token`` (fencing, D6, else :class:`LeaseLost`); that the
-    ``current`` status may become ``new`` (else :class:`StoreError`).
-    """
-    check_readable(run_id, format_version)
-    if token != lease_token:
-        raise LeaseLost(
-            f"run {run_id!r}: lease token {token} is stale (current token {lease_token}); "
-            "another engine took the run over, nothing was written"
-        )
-    if new not in RUN_TRANSITIONS[current]:
-        raise StoreError(
-            f"run {run_id!r}: illegal status transition {current.value} -> {new.value}"
-        )
-
-
-def grant_lease(
-    run_id: str,
-    owner: str,
-    *,
-    now: float,
-    holder: str | None,
-    expires: float | None,
-    lease_token: int,
-) -> int:
-    """Return the fencing token ``owner`` gets on run ``run_id`` at ``now`` (D6).
-
-    ``holder``, ``expires`` and ``lease_token`` describe the current lease. A
-    live lease of the same owner keeps its token; a live lease of another
-    owner raises :class:`LeaseHeld`; any fresh grant (no lease, an expired or
-    a released one) gets the next, larger token.
-    """
-    live = holder is not None and expires is not None and expires > now
-    if live and holder == owner:
-        return lease_token
-    if live:
-        assert expires is not None
-        raise LeaseHeld(f"run {run_id!r} is leased by {holder!r} for another {expires - now:.3f}s")
-    return lease_token + 1
-
-
-def check_holder(
-    run_id: str, owner: str, token: int, *, holder: str | None, lease_token: int
-) -> None:
-    """Raise :class:`LeaseLost` unless ``owner`` still holds run ``run_id`` with ``token``.
-
-    ``holder`` and ``lease_token`` describe the current lease.
-    """
-    if holder != owner or lease_token != token:
-        raise LeaseLost(
-            f"run {run_id!r}: lease of {owner!r} with token {token} was lost "
-            f"(holder {holder!r}, token {lease_token})"
-        )
-
-
-def duplicate_in_harvest(run_id: str, harvest: Harvest) -> str | None:
-    """Describe a row ``harvest`` of run ``run_id`` repeats itself (result, frozen input, event)."""
-    checks: tuple[tuple[str, Iterable[object]], ...] = (
-        ("result", ((r.node_id, r.visit) for r in harvest.results)),
-        ("frozen input", ((f.node_id, f.activation) for f in harvest.frozen)),
-        ("event", (e.seq for e in harvest.events)),
-        ("question", (q.question_id for q in harvest.questions)),
-    )
-    for kind, keys in checks:
-        seen: set[object] = set()
-        for key in keys:
-            if key in seen:
-                return f"run {run_id!r}: harvest repeats {kind} {key!r}"
-            seen.add(key)
-    return None
-
-
-# --- question rules (Q2-Q5), shared by every backend -----------------------------
-# The SQL stores phrase the same conditions as WHERE clauses (see ``_sql``) so
-# that the compare-and-set is one atomic UPDATE; these functions are the
-# reference the memory store applies and the error messages all stores give.
-
-
-def answer_status(question_id: str, status: QuestionStatus) -> QuestionStatus:
-    """``status`` as the status an answer to ``question_id`` sets; ``ValueError`` unless ``answered`` or ``expired``."""
-    if status not in (QuestionStatus.ANSWERED, QuestionStatus.EXPIRED):
-        raise ValueError(
-            f"question {question_id!r}: an answer sets status 'answered' or 'expired', "
-            f"not {str(status)!r}"
-        )
-    return QuestionStatus(status)
-
-
-def check_new_questions(run_id: str, harvest: Harvest) -> None:
-    """Raise ``ValueError`` unless every question ``harvest`` of run ``run_id`` opens is open and unanswered."""
-    for q in harvest.questions:
-        answered = (q.answer_json, q.answered_by, q.answered_at, q.applied_at) != (None,) * 4
-        if q.status is not QuestionStatus.OPEN or answered:
-            raise ValueError(
-                f"run {run_id!r}: question {q.question_id!r} must be inserted open and "
-                f"unanswered (got status {str(q.status)!r}); nothing of this harvest was written"
-            )
-
-
-def parse_question_status(question_id: str, text: str) -> QuestionStatus:
-    """Decode the stored status ``text`` of question ``question_id``; :class:`CorruptRecord` if unknown."""
-    try:
-        return QuestionStatus(text)
-    except ValueError:
-        raise CorruptRecord(f"question {question_id!r} has unknown status {text!r}") from None
-
-
-def applied_status(status: QuestionStatus) -> QuestionStatus:
-    """The status a question in ``status`` has once its answer is applied (``expired`` stays)."""
-    return QuestionStatus.APPLIED if status is QuestionStatus.ANSWERED else status
-
-
-def can_apply(status: QuestionStatus, applied_at: float | None) -> bool:
-    """Whether the answer of a question in ``status``, applied at ``applied_at``, may be applied now (Q3)."""
-    return applied_at is None and applied_status(status) in QUESTION_TRANSITIONS[status]
-
-
-def can_supersede(status: QuestionStatus, applied_at: float | None) -> bool:
-    """Whether a question in ``status``, applied at ``applied_at``, may still become ``superseded``."""
-    return applied_at is None and QuestionStatus.SUPERSEDED in QUESTION_TRANSITIONS[status]
-
-
-def question_not_found(question_id: str) -> QuestionNotFound:
-    """The error for an unknown ``question_id``."""
-    return QuestionNotFound(f"no question {question_id!r} in the store")
-
-
-def not_open(question_id: str, status: QuestionStatus) -> AlreadyAnswered:
-    """The error for answering question ``question_id`` that is in ``status``, not ``open`` (Q2)."""
-    return AlreadyAnswered(
-        f"question {question_id!r} is already {status.value}, not open: "
-        "the first answer won and nothing was changed"
-    )
-
-
-def not_applicable(
-    question_id: str, status: QuestionStatus, applied_at: float | None, *, run_id: str | None
-) -> AlreadyAnswered:
-    """The error for applying question ``question_id`` in ``status`` (applied at ``applied_at``).
-
-    ``run_id`` names the run whose harvest was refused, or None outside a harvest.
-    """
-    already = applied_at is not None and status is not QuestionStatus.APPLIED
-    state = f"{status.value} and already applied" if already else status.value
-    where = f"run {run_id!r}: " if run_id is not None else ""
-    tail = "; nothing of this harvest was written" if run_id is not None else ""
-    return AlreadyAnswered(
-        f"{where}question {question_id!r} is {state}, so its answer cannot be applied{tail}"
-    )
-
+from ._rules import EMPTY_STATE_JSON as EMPTY_STATE_JSON
+from ._rules import answer_status as answer_status
+from ._rules import applied_status as applied_status
+from ._rules import can_apply as can_apply
+from ._rules import can_supersede as can_supersede
+from ._rules import (
+    check_apply_deferral,
+    check_harvest,
+    check_name,
+    check_names,
+    due,
+    due_order,
+    printable_text,
+)
+from ._rules import check_commit as check_commit
+from ._rules import check_holder as check_holder
+from ._rules import check_new_format as check_new_format
+from ._rules import check_new_questions as check_new_questions
+from ._rules import check_readable as check_readable
+from ._rules import check_ttl as check_ttl
+from ._rules import duplicate_in_harvest as duplicate_in_harvest
+from ._rules import grant_lease as grant_lease
+from ._rules import not_applicable as not_applicable
+from ._rules import not_open as not_open
+from ._rules import parse_question_status as parse_question_status
+from ._rules import parse_status as parse_status
+from ._rules import question_not_found as question_not_found
 
 # --- the store ---------------------------------------------------------------
 
@@ -286,6 +99,7 @@ class MemoryStore(RunStore):
         """Nothing to flush; data is kept for a later ``open``. Idempotent."""
 
     def _run(self, run_id: str) -> RunRecord:
+        check_name("run_id", run_id)
         try:
             return self._runs[run_id]
         except KeyError:
@@ -294,6 +108,10 @@ class MemoryStore(RunStore):
     async def create_run(self, run: NewRun) -> None:
         """Store a new run with status ``running``; ``RunExists`` if ``run.run_id`` is taken."""
         check_new_format(run)
+        check_names(
+            run_id=run.run_id, graph_name=run.graph_name, graph_ref=run.graph_ref,
+            fingerprint=run.fingerprint,
+        )  # fmt: skip
         with self._lock:
             if run.run_id in self._runs:
                 raise RunExists(f"run {run.run_id!r} already exists")
@@ -322,7 +140,7 @@ class MemoryStore(RunStore):
 
     async def commit(self, run_id: str, token: int, harvest: Harvest) -> None:
         """Apply ``harvest`` to ``run_id`` atomically if ``token`` is current (D1, D6, Q3)."""
-        check_new_questions(run_id, harvest)
+        check_harvest(run_id, harvest)
         with self._lock:
             record = self._run(run_id)
             check_commit(
@@ -345,7 +163,7 @@ class MemoryStore(RunStore):
                 record,
                 state_json=harvest.state_json,
                 status=harvest.status,
-                error=harvest.error,
+                error=None if harvest.error is None else printable_text(harvest.error),
                 updated_at=now,
                 finished_at=harvest.finished_at
                 if harvest.finished_at is not None
@@ -431,6 +249,7 @@ class MemoryStore(RunStore):
 
     async def results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
         """Result rows of ``run_id`` (only ``node_id``'s if given), by node then visit."""
+        check_name("node_id", node_id)
         with self._lock:
             self._run(run_id)
             rows = [r for r in self._results[run_id].values() if node_id in (None, r.node_id)]
@@ -450,9 +269,12 @@ class MemoryStore(RunStore):
             rows = [e for seq, e in self._events[run_id].items() if seq > after_seq]
         return sorted(rows, key=lambda e: e.seq)
 
-    async def acquire_lease(self, run_id: str, owner: str, ttl: float) -> int:
-        """Lease ``run_id`` to ``owner`` for ``ttl`` seconds; return the fencing token (D6)."""
+    async def acquire_lease(
+        self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
+    ) -> int:
+        """Lease ``run_id`` to ``owner`` for ``ttl`` seconds, from ``steal_from`` if it holds it; return the token (D6)."""
         check_ttl(ttl)
+        check_names(run_id=run_id, owner=owner, steal_from=steal_from)
         with self._lock:
             record = self._run(run_id)
             now = self._clock()
@@ -463,6 +285,7 @@ class MemoryStore(RunStore):
                 holder=record.lease_owner,
                 expires=record.lease_expires,
                 lease_token=record.lease_token,
+                steal_from=steal_from,
             )
             self._runs[run_id] = dataclasses.replace(
                 record, lease_owner=owner, lease_expires=now + ttl, lease_token=token
@@ -472,6 +295,7 @@ class MemoryStore(RunStore):
     async def heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
         """Extend ``owner``'s lease on ``run_id`` to ``ttl`` from now; ``LeaseLost`` if ``token`` is stale."""
         check_ttl(ttl)
+        check_name("owner", owner)
         with self._lock:
             record = self._run(run_id)
             check_holder(
@@ -481,6 +305,7 @@ class MemoryStore(RunStore):
 
     async def release_lease(self, run_id: str, owner: str, token: int) -> None:
         """Drop ``owner``'s lease on ``run_id`` if still held with ``token``; else do nothing."""
+        check_names(run_id=run_id, owner=owner)
         with self._lock:
             record = self._runs.get(run_id)
             if record and record.lease_owner == owner and record.lease_token == token:
@@ -503,6 +328,7 @@ class MemoryStore(RunStore):
     # -- the question ledger (Q2-Q5) ---------------------------------------------
 
     def _question(self, question_id: str) -> QuestionRow:
+        check_name("question_id", question_id)
         try:
             return self._questions[question_id]
         except KeyError:
@@ -528,6 +354,7 @@ class MemoryStore(RunStore):
         ``QuestionNotFound`` if unknown, ``ValueError`` for another ``status``.
         """
         status = answer_status(question_id, status)
+        check_name("by", by, context=f"question {question_id!r}: ")
         with self._lock:
             row = self._question(question_id)
             if row.status is not QuestionStatus.OPEN:
@@ -552,6 +379,7 @@ class MemoryStore(RunStore):
         limit: int | None = None,
     ) -> list[QuestionRow]:
         """Questions oldest first (``created_at``, then id), only those in ``status`` and of ``run_id`` if given, at most ``limit``."""
+        check_name("run_id", run_id)
         with self._lock:
             rows = [
                 q
@@ -561,12 +389,33 @@ class MemoryStore(RunStore):
         rows.sort(key=lambda q: (q.created_at, q.question_id))
         return rows if limit is None else rows[: max(limit, 0)]
 
-    async def unapplied_answers(self, *, limit: int = 100) -> list[QuestionRow]:
-        """Answered or expired questions not applied yet, oldest ``answered_at`` first, at most ``limit`` (Q4)."""
+    async def unapplied_answers(
+        self, *, limit: int = 100, now: float | None = None
+    ) -> list[QuestionRow]:
+        """Unapplied answers due at ``now`` (default: the clock): fresh ones, then deferred ones (Q4)."""
+        at = self._clock() if now is None else now
         with self._lock:
-            rows = [q for q in self._questions.values() if can_apply(q.status, q.applied_at)]
-        rows.sort(key=lambda q: (q.answered_at or 0.0, q.question_id))
+            rows = [
+                q
+                for q in self._questions.values()
+                if can_apply(q.status, q.applied_at) and due(q.retry_at, at)
+            ]
+        rows.sort(key=due_order)
         return rows[: max(limit, 0)]
+
+    async def defer_answer(self, question_id: str, *, error: str, retry_at: float) -> None:
+        """Record a failed apply of ``question_id``'s answer: ``error``, one more attempt, ``retry_at``.
+
+        Only while the answer is unapplied; ``QuestionNotFound`` if absent.
+        """
+        text = check_apply_deferral(question_id, error, retry_at)
+        with self._lock:
+            row = self._question(question_id)
+            if can_apply(row.status, row.applied_at):
+                self._questions[question_id] = dataclasses.replace(
+                    row, apply_error=text, apply_attempts=row.apply_attempts + 1,
+                    retry_at=float(retry_at),
+                )  # fmt: skip
 
     async def mark_applied(self, question_id: str) -> bool:
         """Apply question ``question_id``'s answer outside a harvest; False if it cannot be (Q3).

@@ -3,8 +3,8 @@
 Written once in the common dialect: ``?`` placeholders (Postgres swaps in
 ``%s``), and a ``/*WITHOUT ROWID*/`` comment that SQLite turns into the clause.
 The question compare-and-sets are single ``UPDATE ... WHERE`` statements whose
-conditions mirror :func:`~tailrace.stores._memory.can_apply` and
-:func:`~tailrace.stores._memory.can_supersede`, so the database itself decides
+conditions mirror :func:`~tailrace.stores._rules.can_apply` and
+:func:`~tailrace.stores._rules.can_supersede`, so the database itself decides
 which of several racing writers wins (Q2, Q3). Artifact commits insert the
 next version under the ``artifact_versions`` primary key, which decides alike.
 """
@@ -24,7 +24,7 @@ from ._base import (
     RunRecord,
     RunStatus,
 )
-from ._memory import EMPTY_STATE_JSON, parse_question_status, parse_status
+from ._rules import EMPTY_STATE_JSON, parse_question_status, parse_status, printable_text
 
 # --- runs, node states, results, frozen inputs, events --------------------------
 
@@ -117,6 +117,16 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
                 PRIMARY KEY (artifact_id, version)) /*WITHOUT ROWID*/""",
         ),
     ),
+    (
+        4,
+        (
+            # Answers a daemon could not apply back off instead of blocking the
+            # sweep (issue 9, finding 5): the reason, the count, the next try.
+            "ALTER TABLE questions ADD COLUMN apply_error TEXT",
+            "ALTER TABLE questions ADD COLUMN apply_attempts INTEGER NOT NULL DEFAULT 0",
+            "ALTER TABLE questions ADD COLUMN retry_at DOUBLE PRECISION",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 CREATE_MIGRATIONS_TABLE = (
@@ -195,10 +205,16 @@ def node_params(run_id: str, harvest: Harvest) -> list[tuple[object, ...]]:
     return [(run_id, n.node_id, n.status, n.visits, n.data_json) for n in harvest.nodes]
 
 
+def stored_error(error: str | None) -> str | None:
+    """A run's ``error`` as stored: NUL and lone surrogates escaped (see ``printable_text``)."""
+    return None if error is None else printable_text(error)
+
+
 def run_update_params(run_id: str, harvest: Harvest, now: float) -> tuple[object, ...]:
     """Values for :data:`UPDATE_RUN` applying ``harvest`` to run ``run_id`` at time ``now``."""
     return (
-        harvest.state_json, harvest.status.value, harvest.error, now, harvest.finished_at,
+        harvest.state_json, harvest.status.value, stored_error(harvest.error), now,
+        harvest.finished_at,
         harvest.nodes_done_delta, run_id,
     )  # fmt: skip
 
@@ -208,6 +224,7 @@ def run_update_params(run_id: str, harvest: Harvest, now: float) -> tuple[object
 QUESTION_FIELDS = (
     "question_id", "run_id", "node_id", "visit", "turn", "prompt_json", "poller", "deadline",
     "status", "answer_json", "answered_by", "created_at", "answered_at", "applied_at",
+    "apply_error", "apply_attempts", "retry_at",
 )  # fmt: skip
 QUESTION_COLUMNS = ", ".join(QUESTION_FIELDS)
 _QUESTION_VALUES = ", ".join("?" * len(QUESTION_FIELDS))
@@ -233,10 +250,26 @@ SUPERSEDE_QUESTION = (
     "UPDATE questions SET status = 'superseded' WHERE question_id = ? "
     "AND (status IN ('open', 'answered') OR (status = 'expired' AND applied_at IS NULL))"
 )
-#: Q4: values: limit.
+#: Q4: values: limit. Superseded by :data:`DUE_ANSWERS`; kept only until the
+#: Postgres store moves over (it ignores ``retry_at``).
 UNAPPLIED_ANSWERS = (
     f"SELECT {QUESTION_COLUMNS} FROM questions WHERE {_APPLICABLE} "
     "ORDER BY answered_at, question_id LIMIT ?"
+)
+#: Q4, with backoff: values: now, limit. Fresh answers first by
+#: ``answered_at``, then deferred ones by ``retry_at`` (the order of
+#: ``_rules.due_order``), so deferred answers never hide a fresh one.
+DUE_ANSWERS = (
+    f"SELECT {QUESTION_COLUMNS} FROM questions WHERE {_APPLICABLE} "
+    "AND (retry_at IS NULL OR retry_at <= ?) "
+    "ORDER BY CASE WHEN retry_at IS NULL THEN 0 ELSE 1 END, "
+    "COALESCE(retry_at, answered_at, 0), question_id LIMIT ?"
+)
+#: Values: apply_error, retry_at, question_id. Changes the row only while its
+#: answer is still unapplied (``can_apply``); no row changes otherwise.
+DEFER_ANSWER = (
+    "UPDATE questions SET apply_error = ?, apply_attempts = apply_attempts + 1, retry_at = ? "
+    f"WHERE question_id = ? AND {_APPLICABLE}"
 )
 
 
@@ -245,6 +278,7 @@ def question_params(q: QuestionRow) -> tuple[object, ...]:
     return (
         q.question_id, q.run_id, q.node_id, q.visit, q.turn, q.prompt_json, q.poller, q.deadline,
         q.status.value, q.answer_json, q.answered_by, q.created_at, q.answered_at, q.applied_at,
+        q.apply_error, q.apply_attempts, q.retry_at,
     )  # fmt: skip
 
 

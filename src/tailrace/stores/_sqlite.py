@@ -37,12 +37,15 @@ from ._base import (
     RunStore,
     StoredRun,
 )
-from ._memory import (
+from ._rules import (
     answer_status,
+    check_apply_deferral,
     check_commit,
+    check_harvest,
     check_holder,
+    check_name,
+    check_names,
     check_new_format,
-    check_new_questions,
     check_readable,
     check_ttl,
     grant_lease,
@@ -57,6 +60,8 @@ from ._sql import (
     APPLY_QUESTION,
     ARTIFACT_HEAD_VERSION,
     CREATE_MIGRATIONS_TABLE,
+    DEFER_ANSWER,
+    DUE_ANSWERS,
     EVENT_COLUMNS,
     EXPIRED_LEASES,
     INSERT_ARTIFACT,
@@ -69,7 +74,6 @@ from ._sql import (
     SELECT_ARTIFACT_HISTORY,
     SELECT_QUESTION,
     SUPERSEDE_QUESTION,
-    UNAPPLIED_ANSWERS,
     UPDATE_RUN,
     UPSERT_NODE,
     append_only_rows,
@@ -250,6 +254,10 @@ class SQLiteStore(RunStore):
     async def create_run(self, run: NewRun) -> None:
         """Store ``run`` with status ``running``; ``RunExists`` if its id is taken."""
         check_new_format(run)
+        check_names(
+            run_id=run.run_id, graph_name=run.graph_name, graph_ref=run.graph_ref,
+            fingerprint=run.fingerprint,
+        )  # fmt: skip
 
         def apply(conn: sqlite3.Connection) -> None:
             if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run.run_id,)).fetchone():
@@ -260,7 +268,7 @@ class SQLiteStore(RunStore):
 
     async def commit(self, run_id: str, token: int, harvest: Harvest) -> None:
         """Apply ``harvest`` to ``run_id`` in one transaction if ``token`` is current (D1, D6, Q3)."""
-        check_new_questions(run_id, harvest)
+        check_harvest(run_id, harvest)
         await self._write(
             f"run {run_id!r}", lambda conn: self._apply_harvest(conn, run_id, token, harvest)
         )
@@ -288,6 +296,7 @@ class SQLiteStore(RunStore):
 
     async def load_run(self, run_id: str) -> StoredRun:
         """Return run ``run_id`` with its node rows; ``UnsupportedFormat`` if written by a newer tailrace."""
+        check_name("run_id", run_id)
 
         def read(conn: sqlite3.Connection) -> StoredRun:
             record = _select_run(conn, run_id)
@@ -305,6 +314,7 @@ class SQLiteStore(RunStore):
 
     async def get_run(self, run_id: str) -> RunRecord:
         """Return the record of run ``run_id``; ``RunNotFound`` if absent."""
+        check_name("run_id", run_id)
         return await self._read(f"run {run_id!r}", lambda conn: _select_run(conn, run_id))
 
     async def list_runs(
@@ -323,6 +333,7 @@ class SQLiteStore(RunStore):
 
     async def results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
         """Result rows of ``run_id`` (only ``node_id``'s if given), by node then visit."""
+        check_names(run_id=run_id, node_id=node_id)
 
         def read(conn: sqlite3.Connection) -> list[ResultRow]:
             _require_run(conn, run_id)
@@ -337,6 +348,7 @@ class SQLiteStore(RunStore):
 
     async def frozen_inputs(self, run_id: str) -> list[FrozenInput]:
         """First-k decisions of ``run_id``, by node then activation (E4)."""
+        check_name("run_id", run_id)
 
         def read(conn: sqlite3.Connection) -> list[FrozenInput]:
             _require_run(conn, run_id)
@@ -351,6 +363,7 @@ class SQLiteStore(RunStore):
 
     async def events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
         """Events of ``run_id`` with ``seq > after_seq``, in seq order."""
+        check_name("run_id", run_id)
 
         def read(conn: sqlite3.Connection) -> list[EventRow]:
             _require_run(conn, run_id)
@@ -362,16 +375,20 @@ class SQLiteStore(RunStore):
 
         return await self._read(f"run {run_id!r}", read)
 
-    async def acquire_lease(self, run_id: str, owner: str, ttl: float) -> int:
-        """Lease ``run_id`` to ``owner`` for ``ttl`` seconds; return the fencing token (D6)."""
+    async def acquire_lease(
+        self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
+    ) -> int:
+        """Lease ``run_id`` to ``owner`` for ``ttl`` seconds, from ``steal_from`` if it holds it; return the token (D6)."""
         check_ttl(ttl)
+        check_names(run_id=run_id, owner=owner, steal_from=steal_from)
 
         def apply(conn: sqlite3.Connection) -> int:
             holder, expires, lease_token = _select_lease(conn, run_id)
             now = self._clock()
             token = grant_lease(
-                run_id, owner, now=now, holder=holder, expires=expires, lease_token=lease_token
-            )
+                run_id, owner, now=now, holder=holder, expires=expires, lease_token=lease_token,
+                steal_from=steal_from,
+            )  # fmt: skip
             conn.execute(
                 "UPDATE runs SET lease_owner = ?, lease_expires = ?, lease_token = ? WHERE run_id = ?",
                 (owner, now + ttl, token, run_id),
@@ -383,6 +400,7 @@ class SQLiteStore(RunStore):
     async def heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
         """Extend ``owner``'s lease on ``run_id`` to ``ttl`` from now; ``LeaseLost`` if ``token`` is stale."""
         check_ttl(ttl)
+        check_names(run_id=run_id, owner=owner)
 
         def apply(conn: sqlite3.Connection) -> None:
             holder, _expires, lease_token = _select_lease(conn, run_id)
@@ -395,6 +413,7 @@ class SQLiteStore(RunStore):
 
     async def release_lease(self, run_id: str, owner: str, token: int) -> None:
         """Drop ``owner``'s lease on ``run_id`` if still held with ``token``; else do nothing."""
+        check_names(run_id=run_id, owner=owner)
         await self._write(
             f"run {run_id!r}",
             lambda conn: conn.execute(
@@ -434,6 +453,8 @@ class SQLiteStore(RunStore):
         ``QuestionNotFound`` if unknown, ``ValueError`` for another ``status``.
         """
         new_status = answer_status(question_id, status)
+        check_names(question_id=question_id)
+        check_name("by", by, context=f"question {question_id!r}: ")
 
         def apply(conn: sqlite3.Connection) -> QuestionRow:
             values = (new_status.value, answer_json, by, self._clock(), question_id)
@@ -446,6 +467,7 @@ class SQLiteStore(RunStore):
 
     async def get_question(self, question_id: str) -> QuestionRow:
         """Return question ``question_id``; ``QuestionNotFound`` if absent."""
+        check_name("question_id", question_id)
 
         def read(conn: sqlite3.Connection) -> QuestionRow:
             row = conn.execute(SELECT_QUESTION, (question_id,)).fetchone()
@@ -463,6 +485,7 @@ class SQLiteStore(RunStore):
         limit: int | None = None,
     ) -> list[QuestionRow]:
         """Questions oldest first (``created_at``, then id), only those in ``status`` and of ``run_id`` if given, at most ``limit``."""
+        check_name("run_id", run_id)
         query, params = list_questions_query(status, run_id)
         params += (-1 if limit is None else max(limit, 0),)
         return await self._read(
@@ -470,12 +493,27 @@ class SQLiteStore(RunStore):
             lambda conn: [question_from_row(r) for r in conn.execute(query, params)],
         )
 
-    async def unapplied_answers(self, *, limit: int = 100) -> list[QuestionRow]:
-        """Answered or expired questions not applied yet, oldest ``answered_at`` first, at most ``limit`` (Q4)."""
-        params = (max(limit, 0),)
+    async def unapplied_answers(
+        self, *, limit: int = 100, now: float | None = None
+    ) -> list[QuestionRow]:
+        """Unapplied answers due at ``now`` (default: the clock): fresh ones, then deferred ones (Q4)."""
+        params = (self._clock() if now is None else now, max(limit, 0))
         return await self._read(
             "listing unapplied answers",
-            lambda conn: [question_from_row(r) for r in conn.execute(UNAPPLIED_ANSWERS, params)],
+            lambda conn: [question_from_row(r) for r in conn.execute(DUE_ANSWERS, params)],
+        )
+
+    async def defer_answer(self, question_id: str, *, error: str, retry_at: float) -> None:
+        """Record a failed apply of ``question_id``'s answer in one atomic update, if still unapplied.
+
+        ``QuestionNotFound`` if absent.
+        """
+        check_name("question_id", question_id)
+        text = check_apply_deferral(question_id, error, retry_at)
+        values = (text, float(retry_at), question_id)
+        await self._write(
+            f"question {question_id!r}",
+            lambda conn: _changed_one(conn, DEFER_ANSWER, values, question_id),
         )
 
     async def mark_applied(self, question_id: str) -> bool:
@@ -485,6 +523,7 @@ class SQLiteStore(RunStore):
         becomes ``applied``, ``expired`` stays so, both get ``applied_at``.
         ``QuestionNotFound`` if absent.
         """
+        check_name("question_id", question_id)
 
         def apply(conn: sqlite3.Connection) -> bool:
             return _changed_one(conn, APPLY_QUESTION, (self._clock(), question_id), question_id)
@@ -496,6 +535,7 @@ class SQLiteStore(RunStore):
 
         ``QuestionNotFound`` if absent.
         """
+        check_name("question_id", question_id)
         return await self._write(
             f"question {question_id!r}",
             lambda conn: _changed_one(conn, SUPERSEDE_QUESTION, (question_id,), question_id),
@@ -505,6 +545,7 @@ class SQLiteStore(RunStore):
 
     async def artifact_head(self, artifact_id: str) -> ArtifactVersion | None:
         """The newest version of ``artifact_id``, or None if it has none."""
+        check_name("artifact_id", artifact_id)
 
         def read(conn: sqlite3.Connection) -> ArtifactVersion | None:
             row = conn.execute(SELECT_ARTIFACT_HEAD, (artifact_id,)).fetchone()
@@ -544,6 +585,7 @@ class SQLiteStore(RunStore):
 
     async def artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
         """Every version of ``artifact_id``, oldest first."""
+        check_name("artifact_id", artifact_id)
         return await self._read(
             f"artifact {artifact_id!r}",
             lambda conn: [
