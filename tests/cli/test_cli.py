@@ -7,6 +7,7 @@ itself with SIGKILL in the middle of a node.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ from typer.testing import CliRunner, Result
 
 from tailrace.cli._app import app
 from tailrace.cli._timeline import attempt_bars
-from tailrace.stores import EventRow
+from tailrace.stores import EventRow, SQLiteStore
 
 ROOT = Path(__file__).resolve().parents[2]
 RESEARCH = ROOT / "examples" / "research.py"
@@ -169,9 +170,20 @@ def test_resume_of_a_completed_run_is_a_clear_error(research_run: tuple[Path, Re
     assert_says(result, "error: run 'r1' is completed; nothing to resume")
 
 
+def empty_store(path: Path) -> Path:
+    """A store with no runs at ``path`` (read-only commands refuse a missing file)."""
+
+    async def create() -> None:
+        async with SQLiteStore(path):
+            pass
+
+    asyncio.run(create())
+    return path
+
+
 @pytest.mark.parametrize("command", ["show", "resume"])
 def test_an_unknown_run_is_a_clear_error(command: str, tmp_path: Path) -> None:
-    result = invoke(command, "nope", "--db", tmp_path / "t.db")
+    result = invoke(command, "nope", "--db", empty_store(tmp_path / "t.db"))
     assert result.exit_code == 1
     assert_says(result, "error: no run 'nope' in the store")
 
@@ -202,11 +214,12 @@ def test_a_bad_graph_spec_names_the_culprit(spec: str, message: str, tmp_path: P
     assert not db.exists()  # nothing was stored for a run that never started
 
 
-def test_input_that_is_not_json_is_a_clear_error(tmp_path: Path) -> None:
+def test_input_that_is_not_json_is_a_usage_error_naming_input(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     result = invoke("run", f"{RESEARCH}:graph", "--input", "tail latency", "--db", db)
     assert result.exit_code == 2
-    assert_says(result, "--input is not JSON")
+    assert_says(result, "Invalid value for '--input': not JSON: Expecting value: line 1 column 1")
+    assert "run failed" not in result.output  # nothing ran
     assert not db.exists()
 
 
@@ -323,11 +336,14 @@ def test_a_lease_ttl_that_is_not_a_number_is_a_usage_error(tmp_path: Path) -> No
 
 CRASHY = """
 import asyncio
+import contextlib
 import os
 import signal
+import sqlite3
+import time
 from pathlib import Path
 
-from tailrace import Graph
+from tailrace import Graph, current_node
 
 HERE = Path(__file__).parent
 graph = Graph("crashy")
@@ -338,10 +354,18 @@ def _log(name):
         f.write("ran\\n")
 
 
+def _committed(db, run_id, node_id):
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        row = conn.execute(
+            "SELECT 1 FROM results WHERE run_id = ? AND node_id = ?", (run_id, node_id)
+        ).fetchone()
+    return row is not None
+
+
 @graph.task()
 def first(x):
     _log("first")
-    return f"first({x})"
+    return x
 
 
 @graph.task()
@@ -350,11 +374,14 @@ async def second(x):
     marker = HERE / "crashed.marker"
     if not marker.exists():
         marker.write_text("")
-        # Give the pipelined commit of first's completion time to land, then die
-        # the hard way: no finally blocks, no lease release.
-        await asyncio.sleep(0.3)
+        # Wait until first's completion is committed (commits are pipelined),
+        # then die the hard way: no finally blocks, no lease release.
+        deadline = time.monotonic() + 30
+        while not _committed(x["db"], current_node().run_id, "first"):
+            assert time.monotonic() < deadline, "first was never committed"
+            await asyncio.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
-    return f"second({x})"
+    return f"second({x['name']})"
 
 
 graph.add_edge("first", "second")
@@ -374,33 +401,30 @@ def tailrace(args: Sequence[object], cwd: Path) -> subprocess.CompletedProcess[s
     )
 
 
-def resume_when_lease_expires(db: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """``tailrace resume r1``, retried while the dead process's lease is still live."""
-    deadline = time.monotonic() + 20
-    while True:
-        done = tailrace(["resume", "r1", "--db", db, "--lease-ttl", "0.5"], cwd)
-        if done.returncode == 0 or "is leased by" not in done.stdout:
-            return done
-        assert time.monotonic() < deadline, done.stdout
-        time.sleep(0.2)
-
-
 def test_resume_after_the_process_was_killed(tmp_path: Path) -> None:
     assert SCRIPT.is_file(), f"the console script is not installed at {SCRIPT}"
     module = tmp_path / "crashy.py"
     module.write_text(CRASHY)
     db = tmp_path / "t.db"
 
-    run = ["run", "crashy.py:graph", "--db", db, "--run-id", "r1", "--input", '"x"']
-    crashed = tailrace([*run, "--lease-ttl", "0.5"], tmp_path)
+    payload = json.dumps({"db": str(db), "name": "x"})
+    crashed = tailrace(["run", "crashy.py:graph", "--db", db, "--run-id", "r1", "-i", payload], tmp_path)
     assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
     listed = tailrace(["runs", "--db", db], tmp_path)
-    assert table_rows(listed.stdout)["r1"][2] == "running"  # orphaned, not finished
+    # Its owner is provably gone: orphaned at once, not after the 30 s lease.
+    assert table_rows(listed.stdout)["r1"][2] == "running (orphaned)", listed.stdout
 
-    resumed = resume_when_lease_expires(db, tmp_path)
+    # The store names a graph file: resume does not execute it on the store's word.
+    refused = tailrace(["resume", "r1", "--db", db], tmp_path)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert f"tailrace resume r1 --graphs {module}" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert (tmp_path / "second.log").read_text().count("ran") == 1  # nothing ran
+
+    resumed = tailrace(["resume", "r1", "--db", db, "--graphs", "crashy.py"], tmp_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "run r1 completed" in resumed.stdout
-    assert output_json(resumed.stdout) == "second(first(x))"
+    assert output_json(resumed.stdout) == "second(x)"
     # D3: the committed node is reused, the interrupted one runs again.
     assert (tmp_path / "first.log").read_text().count("ran") == 1
     assert (tmp_path / "second.log").read_text().count("ran") == 2
@@ -410,9 +434,9 @@ def test_resume_after_the_process_was_killed(tmp_path: Path) -> None:
     shown = tailrace(["show", "r1", "--db", db], tmp_path)
     assert "status completed" in shown.stdout
     assert "second#1" in shown.stdout
-    again = tailrace(["resume", "r1", "--db", db, "--lease-ttl", "0.5"], tmp_path)
+    again = tailrace(["resume", "r1", "--db", db, "--graphs", "crashy.py"], tmp_path)
     assert again.returncode == 1
-    assert "is completed; nothing to resume" in again.stdout
+    assert "is completed; nothing to resume" in again.stderr
 
 
 # -- regressions of bugs found while writing these tests ---------------------------

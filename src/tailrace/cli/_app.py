@@ -1,27 +1,43 @@
-"""``tailrace`` subcommands: run, runs, show, resume (typer + rich)."""
+"""``tailrace`` subcommands: run, resume, runs, show, questions, answer, serve (typer + rich).
+
+Everything printed that came from a user or a store goes through
+``_render`` (shown literally, never as markup); every failure is one line
+from ``_session``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-from collections.abc import Awaitable, Callable
-from pathlib import Path
-from typing import Annotated, Any, TypeVar
+import shlex
+import time
+import uuid
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.table import Column, Table
+from rich.table import Column
+from rich.text import Text
 
 from .._engine import Engine
-from .._errors import TailraceError
-from .._graph import Graph, resolve_reference
+from .._errors import GraphError
+from .._graph import Graph
+from .._owner import owner_is_dead
 from .._runloop import RunResult
 from ..evolve._cli import evolve_demo
-from ..stores import RunStatus, RunStore, open_store
-from ._timeline import node_table, question_table, timeline
-
-T = TypeVar("T")
+from ..stores import QuestionStatus, RunRecord, RunStatus, RunStore
+from ._load import is_file_spec, load_graph, load_graphs, load_pollers
+from ._render import json_text, node_table, question_table, table_of, text
+from ._session import (
+    CommandError,
+    FailureWatch,
+    console,
+    db_argument,
+    db_location,
+    finish,
+    shown_location,
+    with_store,
+)
+from ._timeline import timeline
 
 app = typer.Typer(
     name="tailrace",
@@ -30,9 +46,6 @@ app = typer.Typer(
     add_completion=False,
 )
 app.command("evolve-demo")(evolve_demo)
-console = Console()
-
-DEFAULT_DB = "tailrace.db"
 
 LeaseTtlOption = Annotated[
     float,
@@ -52,42 +65,14 @@ DbOption = Annotated[
     ),
 ]
 
-
-def db_location(db: str | None) -> str:
-    """The store location: ``--db``, else ``$TAILRACE_DB``, else ``./tailrace.db``."""
-    return db or os.environ.get("TAILRACE_DB") or DEFAULT_DB
-
-
-def load_graph(spec: str) -> tuple[Graph, str]:
-    """Load ``MODULE_OR_FILE:GRAPH``; returns the graph and a reference other processes can import."""
-    module, sep, attr = spec.rpartition(":")
-    if not sep or not module or not attr:
-        raise typer.BadParameter(f"{spec!r} is not MODULE_OR_FILE:GRAPH", param_hint="GRAPH")
-    if module.endswith(".py"):
-        module = str(Path(module).resolve())
-    ref = f"{module}:{attr}"
-    try:
-        graph = resolve_reference(ref)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise typer.BadParameter(f"cannot load {spec!r}: {exc}", param_hint="GRAPH") from exc
-    if not isinstance(graph, Graph):
-        raise typer.BadParameter(f"{spec!r} is a {type(graph).__name__}, not a tailrace Graph")
-    return graph, ref
-
-
-def _with_store(db: str | None, work: Callable[[RunStore], Awaitable[T]]) -> T:
-    async def main() -> T:
-        async with open_store(db_location(db)) as store:
-            return await work(store)
-
-    try:
-        return asyncio.run(main())
-    except TailraceError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from exc
-    except Exception as exc:  # a handler's own exception: the run failed (E9)
-        console.print(f"[red]error:[/red] the run failed: {type(exc).__name__}: {exc}")
-        raise typer.Exit(1) from exc
+GraphsOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--graphs",
+        help="FILE_OR_MODULE[:GRAPH] whose graphs runs may be resumed with (repeatable); "
+        "graph files named in the store are never executed.",
+    ),
+]
 
 
 def _print_result(result: RunResult) -> None:
@@ -95,17 +80,39 @@ def _print_result(result: RunResult) -> None:
     if result.questions:
         console.print(question_table(result.questions, title="open questions"))
         console.print("answer with: tailrace answer QUESTION_ID VALUE")
+    late = f", {len(result.late_inputs)} late inputs" if result.late_inputs else ""
     console.print(
-        f"run [bold]{result.run_id}[/bold] {result.status} in {result.duration:.3f}s"
-        + (f", {len(result.late_inputs)} late inputs" if result.late_inputs else "")
+        text("run ", (result.run_id, "bold"), f" {result.status} in {result.duration:.3f}s{late}")
     )
-    console.print_json(json.dumps(result.output, default=repr))
+    console.print(json_text(result.output), soft_wrap=True)
+
+
+def _resume_command(run_id: str, db: str | None, graphs: list[str]) -> str:
+    """The exact command that resumes ``run_id``, ready to paste into a shell."""
+    words = ["tailrace", "resume", shlex.quote(run_id), db_argument(db)]
+    words += [f"--graphs {shlex.quote(spec)}" for spec in graphs]
+    return " ".join(words)
+
+
+def _interrupted(run_id: str, db: str | None, graphs: list[str]) -> Text:
+    return text(
+        ("interrupted:", "yellow"),
+        f" run {run_id} stopped; what it committed is kept.\nresume it with: ",
+        (_resume_command(run_id, db, graphs), "bold"),
+    )
+
+
+def _parse_json(value: str, hint: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"not JSON: {exc}", param_hint=hint) from exc
 
 
 @app.command()
 def run(
     graph: Annotated[
-        str, typer.Argument(help="MODULE_OR_FILE:GRAPH, e.g. examples/hello.py:graph")
+        str, typer.Argument(help="MODULE_OR_FILE:GRAPH, e.g. examples/research.py:graph")
     ],
     input: Annotated[str, typer.Option("--input", "-i", help="Run input as JSON.")] = "null",
     db: DbOption = None,
@@ -114,36 +121,99 @@ def run(
     capacity: Annotated[int | None, typer.Option(help="Bound on handlers in flight.")] = None,
     lease_ttl: LeaseTtlOption = 30.0,
 ) -> None:
-    """Run a graph durably and print a per-node summary and its output."""
+    """Run a graph durably and print a per-node summary and its output.
+
+    Ctrl-C stops the run and prints the command that resumes it.
+    """
     loaded, ref = load_graph(graph)
-    try:
-        payload = json.loads(input)
-    except json.JSONDecodeError as exc:
-        raise typer.BadParameter(f"--input is not JSON: {exc}") from exc
+    payload = _parse_json(input, "'--input'")
+    run_id = run_id or uuid.uuid4().hex  # known before it starts, for the resume hint
+    watch = FailureWatch()
     if memory:
-        result = asyncio.run(Engine(capacity=capacity).run(loaded, payload, run_id=run_id))
+        engine = Engine(capacity=capacity, bus=watch.bus)
+        result = finish(
+            lambda: engine.run(loaded, payload, run_id=run_id),
+            watch=watch,
+            interrupted=lambda: text(("interrupted:", "yellow"), f" run {run_id} ran in memory"),
+        )
     else:
-        result = _with_store(
+        # A file graph is resumed only with --graphs naming it: the store's word is not enough.
+        graphs = [ref] if is_file_spec(ref.rpartition(":")[0]) else []
+        result = with_store(
             db,
-            lambda store: Engine(store=store, capacity=capacity, lease_ttl=lease_ttl).run(
-                loaded, payload, run_id=run_id, graph_ref=ref
-            ),
+            lambda store: Engine(
+                store=store, capacity=capacity, lease_ttl=lease_ttl, bus=watch.bus
+            ).run(loaded, payload, run_id=run_id, graph_ref=ref),
+            watch=watch,
+            interrupted=lambda: _interrupted(run_id, db, graphs),
         )
     _print_result(result)
+
+
+async def _resume_here(
+    engine: Engine, store: RunStore, run_id: str, graphs: list[Graph], force: bool
+) -> RunResult:
+    """Resume ``run_id`` with a graph named by ``--graphs`` or importable by its reference."""
+    record = await store.get_run(run_id)
+    engine.register(*graphs)
+    chosen = None
+    if graphs and not engine.knows_graph(record.fingerprint):
+        # The run's graph changed shape: the same name, with --force, resumes with it.
+        chosen = next((g for g in graphs if g.name == record.graph_name), None)
+        if chosen is None:
+            names = ", ".join(repr(g.name) for g in graphs)
+            raise CommandError(
+                f"run {run_id!r} ran graph {record.graph_name!r} (fingerprint "
+                f"{record.fingerprint}); --graphs named none with that shape or name: {names}"
+            )
+    try:
+        return await engine.resume(run_id, chosen, force=force)
+    except GraphError as exc:
+        ref_module = (record.graph_ref or "").rpartition(":")[0]
+        where = ref_module if is_file_spec(ref_module) else "path/to/graphs.py"
+        hint = f"tailrace resume {shlex.quote(run_id)} --graphs {shlex.quote(where)}"
+        raise CommandError(f"{exc}; name the file or module that defines it: {hint}") from exc
 
 
 @app.command()
 def resume(
     run_id: Annotated[str, typer.Argument(help="The run to resume.")],
     db: DbOption = None,
+    graphs: GraphsOption = None,
     force: Annotated[bool, typer.Option(help="Resume even if the graph changed shape.")] = False,
     lease_ttl: LeaseTtlOption = 30.0,
 ) -> None:
-    """Resume a run where it stopped: running nodes re-run, completed ones are reused."""
-    result = _with_store(
-        db, lambda store: Engine(store=store, lease_ttl=lease_ttl).resume(run_id, force=force)
+    """Resume a run where it stopped: running nodes re-run, completed ones are reused.
+
+    The run's graph is the one ``--graphs`` names with the run's fingerprint,
+    else the module its reference names; a graph file recorded in the store
+    is never executed (trust model).
+    """
+    loaded = load_graphs(graphs)
+    watch = FailureWatch()
+    result = with_store(
+        db,
+        lambda store: _resume_here(
+            Engine(store=store, lease_ttl=lease_ttl, bus=watch.bus), store, run_id, loaded, force
+        ),
+        watch=watch,
+        interrupted=lambda: _interrupted(run_id, db, graphs or []),
     )
     _print_result(result)
+
+
+def run_status(record: RunRecord, now: float) -> str:
+    """A run's status; a ``running`` run that no live engine holds is ``running (orphaned)``.
+
+    Nobody holds it when its lease was released or expired, or when its owner
+    is a process on this host that is provably gone (D6).
+    """
+    if record.status is not RunStatus.RUNNING:
+        return record.status.value
+    expired = record.lease_expires is None or record.lease_expires <= now
+    if record.lease_owner is None or expired or owner_is_dead(record.lease_owner):
+        return "running (orphaned)"
+    return record.status.value
 
 
 @app.command("runs")
@@ -152,22 +222,28 @@ def list_runs(
     status: Annotated[RunStatus | None, typer.Option(help="Only runs with this status.")] = None,
     limit: Annotated[int, typer.Option(help="At most this many runs.")] = 50,
 ) -> None:
-    """List runs, newest first: status, start, duration and nodes done."""
-    records = _with_store(db, lambda store: store.list_runs(status=status, limit=limit))
-    table = Table(
-        Column("run", no_wrap=True), "graph", "status", "started", "duration", "nodes done"
+    """List runs, newest first: status, start, duration and nodes done.
+
+    A running run that no live process holds shows as ``running (orphaned)``:
+    resume it, or let serve adopt it.
+    """
+    records = with_store(
+        db, lambda store: store.list_runs(status=status, limit=limit), read_only=True
     )
-    for r in records:
-        end = r.finished_at or r.updated_at
-        table.add_row(
+    now = time.time()
+    headers = (Column("run", no_wrap=True), "graph", "status", "started", "duration", "nodes done")
+    rows = (
+        (
             r.run_id,
             r.graph_name,
-            r.status.value,
+            run_status(r, now),
             _clock(r.created_at),
-            f"{end - r.created_at:.3f}s",
+            f"{(r.finished_at or r.updated_at) - r.created_at:.3f}s",
             str(r.nodes_done),
         )
-    console.print(table)
+        for r in records
+    )
+    console.print(table_of(headers, rows))
 
 
 @app.command()
@@ -181,16 +257,21 @@ def show(
         stored = await store.load_run(run_id)
         return stored, await store.events(run_id)
 
-    stored, events = _with_store(db, gather)
+    stored, events = with_store(db, gather, read_only=True)
     record = stored.run
+    error = f" error: {record.error}" if record.error else ""
     console.print(
-        f"run [bold]{record.run_id}[/bold] graph {record.graph_name} "
-        f"status {record.status.value}" + (f" error: {record.error}" if record.error else "")
+        text(
+            "run ",
+            (record.run_id, "bold"),
+            f" graph {record.graph_name} status {run_status(record, time.time())}{error}",
+        ),
+        soft_wrap=True,
     )
-    table = Table("node", "status", "visits")
-    for node_id, row in stored.nodes.items():
-        table.add_row(node_id, row.status, str(row.visits))
-    console.print(table)
+    if record.graph_ref:
+        console.print(text(f"graph reference: {record.graph_ref}"), soft_wrap=True)
+    rows = ((node_id, row.status, str(row.visits)) for node_id, row in stored.nodes.items())
+    console.print(table_of(("node", "status", "visits"), rows))
     console.print(timeline(events, width=max(console.width - 30, 20)))
 
 
@@ -207,37 +288,72 @@ def questions(
     run_id: Annotated[str | None, typer.Option("--run", help="Only this run's questions.")] = None,
 ) -> None:
     """List questions: open ones wait for an answer (tailrace answer)."""
-    from ..stores import QuestionStatus
-
     status = QuestionStatus.OPEN if open_only else None
-    rows = _with_store(db, lambda store: store.list_questions(status=status, run_id=run_id))
+    rows = with_store(
+        db, lambda store: store.list_questions(status=status, run_id=run_id), read_only=True
+    )
     console.print(question_table(rows))
+
+
+async def _answer_here(
+    engine: Engine,
+    question_id: str,
+    payload: Any,
+    by: str | None,
+    resume: bool,
+    graphs: list[Graph],
+) -> RunResult | None:
+    engine.register(*graphs)
+    try:
+        return await engine.answer(question_id, payload, by=by, resume=resume)
+    except GraphError as exc:
+        raise CommandError(
+            f"answer recorded, but its run cannot be resumed here: {exc}; "
+            "name the file or module that defines its graph with --graphs, "
+            "or let tailrace serve --graphs apply it"
+        ) from exc
 
 
 @app.command()
 def answer(
     question_id: Annotated[str, typer.Argument(help="The question to answer.")],
-    value: Annotated[str, typer.Argument(help="The answer, as JSON (a bare word is a string).")],
+    value: Annotated[
+        str, typer.Argument(help="The answer as JSON, e.g. '\"yes\"' or '{\"ok\": true}'.")
+    ],
     db: DbOption = None,
+    raw: Annotated[bool, typer.Option("--raw", help="VALUE is a plain string, not JSON.")] = False,
     by: Annotated[str | None, typer.Option(help="Who answers.")] = None,
     no_resume: Annotated[
         bool, typer.Option("--no-resume", help="Only record the answer; serve applies it.")
     ] = False,
+    graphs: GraphsOption = None,
     lease_ttl: LeaseTtlOption = 30.0,
 ) -> None:
-    """Answer a question (first answer wins) and resume its run here."""
-    try:
-        payload = json.loads(value)
-    except json.JSONDecodeError:
-        payload = value
-    result = _with_store(
+    """Answer a question (first answer wins) and resume its run here.
+
+    VALUE is JSON; malformed JSON is refused and nothing is recorded. With
+    ``--raw`` it is taken as a plain string.
+    """
+    payload = value if raw else _parse_json(value, "VALUE")
+    loaded = load_graphs(graphs)
+    watch = FailureWatch()
+    result = with_store(
         db,
-        lambda store: Engine(store=store, lease_ttl=lease_ttl).answer(
-            question_id, payload, by=by, resume=not no_resume
+        lambda store: _answer_here(
+            Engine(store=store, lease_ttl=lease_ttl, bus=watch.bus),
+            question_id,
+            payload,
+            by,
+            not no_resume,
+            loaded,
         ),
+        watch=watch,
     )
     if result is None:
-        console.print(f"answered {question_id}; its run is resumed by its owner or serve")
+        console.print(
+            text(f"answered {question_id}; its run is resumed by its owner or serve"),
+            soft_wrap=True,
+        )
         return
     _print_result(result)
 
@@ -249,20 +365,22 @@ def serve(
         list[str] | None,
         typer.Option(help="NAME=MODULE_OR_FILE:CALLABLE, a machine gate's poller (repeatable)."),
     ] = None,
+    graphs: GraphsOption = None,
     lease_ttl: LeaseTtlOption = 30.0,
     max_interval: Annotated[float, typer.Option(help="Longest idle wait, seconds.")] = 2.0,
 ) -> None:
-    """Serve: resume answered runs, poll machine gates, adopt runs whose owner died."""
+    """Serve: resume answered runs, poll machine gates, adopt runs whose owner died.
+
+    Runs are resumed with the graphs ``--graphs`` names, or with graphs
+    importable as modules by their stored reference; graph files named in
+    the store are never executed (trust model).
+    """
     import signal
 
     from ..gates import Server
 
-    pollers = {}
-    for spec in poller or []:
-        name, sep, ref = spec.partition("=")
-        if not sep:
-            raise typer.BadParameter(f"{spec!r} is not NAME=MODULE:CALLABLE", param_hint="--poller")
-        pollers[name] = resolve_reference(ref)
+    pollers = load_pollers(poller)
+    loaded = load_graphs(graphs)
 
     async def work(store: RunStore) -> Any:
         stop = asyncio.Event()
@@ -270,9 +388,11 @@ def serve(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         engine = Engine(store=store, lease_ttl=lease_ttl)
+        engine.register(*loaded)
         server = Server(engine, pollers=pollers, max_interval=max_interval)
-        console.print(f"serving {db_location(db)} as {engine.owner}")
+        location = shown_location(db_location(db))
+        console.print(text(f"serving {location} as {engine.owner}"), soft_wrap=True)
         return await server.run(stop)
 
-    stats = _with_store(db, work)
-    console.print(f"stopped: {stats}")
+    stats = with_store(db, work)
+    console.print(text(f"stopped: {stats}"), soft_wrap=True)

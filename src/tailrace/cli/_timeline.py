@@ -1,15 +1,14 @@
-"""Terminal renderings: the per-node summary table and a Gantt-style timeline."""
+"""A Gantt-style timeline of every node attempt of a run."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rich.table import Column, Table
 from rich.text import Text
 
-from .._runloop import RunResult
-from ..stores import EventRow, QuestionRow
+from ..stores import EventRow
+from ._render import visible
 
 _ENDS = {"node_completed": "green", "node_failed": "red", "node_cancelled": "yellow"}
 
@@ -22,34 +21,6 @@ class Bar:
     start: float
     end: float
     style: str
-
-
-def node_table(result: RunResult) -> Table:
-    """Status, visits, attempts and time spent per node."""
-    table = Table("node", "status", "visits", "attempts", "duration")
-    for node_id, report in result.nodes.items():
-        table.add_row(
-            node_id,
-            report.status,
-            str(report.visits),
-            str(report.attempts),
-            f"{report.duration * 1000:.1f} ms",
-        )
-    return table
-
-
-def question_table(rows: Sequence[QuestionRow], *, title: str | None = None) -> Table:
-    """Questions: id, run, gate, turn, status, prompt and answer."""
-    table = Table(
-        Column("question", no_wrap=True), "run", "gate", "turn", "status", "prompt", "answer",
-        title=title,
-    )  # fmt: skip
-    for q in rows:
-        table.add_row(
-            q.question_id, q.run_id, q.node_id, str(q.turn), q.status.value,
-            q.prompt_json, q.answer_json or "",
-        )  # fmt: skip
-    return table
 
 
 def attempt_bars(events: Sequence[EventRow]) -> list[Bar]:
@@ -89,12 +60,12 @@ def timeline(events: Sequence[EventRow], *, width: int = 60) -> Text:
         return Text("(no node attempts recorded)")
     t0 = min(b.start for b in bars)
     span = max(max(b.end for b in bars) - t0, 1e-9)
-    label_width = min(max(len(b.label) for b in bars), 24)
+    label_width = min(max(len(visible(b.label)) for b in bars), 24)
     out = Text()
     for bar in bars:
         left = int((bar.start - t0) / span * width)
         length = max(1, int((bar.end - bar.start) / span * width))
-        out.append(f"{bar.label[:label_width]:<{label_width}} ")
+        out.append(f"{visible(bar.label)[:label_width]:<{label_width}} ")  # node ids are data
         out.append(" " * left)
         out.append("█" * length, style=bar.style)
         out.append(f" {(bar.end - bar.start) * 1000:.1f} ms\n")

@@ -1,0 +1,168 @@
+"""One command's session: where the store is, opening it, and what an error means.
+
+A command fails in one of a few ways, and the message says which (finding 11
+of the hardening issue): the store could not be opened (nothing ran), the
+engine refused (a :class:`~tailrace.TailraceError`: an unknown run, a lease
+held elsewhere), a handler failed the run (E9: the node and its own
+exception), or the user pressed Ctrl-C (exit code 130, with how to go on).
+Each is one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shlex
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from .._errors import TailraceError
+from .._events import Event, EventBus, EventType
+from ..stores import RunStore, open_store
+from ._render import text
+
+T = TypeVar("T")
+
+DEFAULT_DB = "tailrace.db"
+
+console = Console()
+errors = Console(stderr=True)
+
+_POSTGRES = ("postgresql://", "postgres://")
+_MEMORY = (":memory:", "memory:")
+
+
+def db_location(db: str | None) -> str:
+    """The store location: ``--db``, else ``$TAILRACE_DB``, else ``./tailrace.db``."""
+    return db or os.environ.get("TAILRACE_DB") or DEFAULT_DB
+
+
+def shown_location(location: str) -> str:
+    """``location`` fit to print: a URL's password is never echoed."""
+    if not location.startswith(_POSTGRES):
+        return location
+    parts = urllib.parse.urlsplit(location)
+    if parts.password is None:
+        return location
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def db_argument(db: str | None) -> str:
+    """``--db ...`` for a command to paste: the same store as this one, from any directory."""
+    if db is None and os.environ.get("TAILRACE_DB"):
+        return '--db "$TAILRACE_DB"'
+    location = db_location(db)
+    if not location.startswith(_POSTGRES) and location not in _MEMORY:
+        location = str(Path(location).resolve())
+    return f"--db {shlex.quote(location)}"
+
+
+class CommandError(Exception):
+    """An error already phrased for the user (printed as ``error: MESSAGE``, exit code 1)."""
+
+
+class StoreUnavailable(Exception):
+    """The store could not be opened; nothing ran."""
+
+    def __init__(self, location: str, reason: BaseException) -> None:
+        super().__init__(f"cannot open store {shown_location(location)}: {reason}")
+
+
+def fail(*message: str | tuple[str, str], code: int = 1) -> NoReturn:
+    """Print ``error: MESSAGE`` (shown literally) on stderr and exit with ``code``."""
+    errors.print(text(("error:", "red"), " ", *message), soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _check_exists(location: str) -> None:
+    if location.startswith(_POSTGRES) or location in _MEMORY:
+        return
+    if not Path(location).exists():
+        raise StoreUnavailable(location, FileNotFoundError(f"no database at {location}"))
+
+
+@contextlib.asynccontextmanager
+async def opened(location: str, *, read_only: bool = False) -> AsyncIterator[RunStore]:
+    """The store at ``location``, opened; a failure to open is :class:`StoreUnavailable`.
+
+    A read-only command never creates a database: a missing file is an error naming it.
+    """
+    if read_only:
+        _check_exists(location)
+    store: RunStore | None = None
+    try:
+        store = open_store(location)
+        await store.open()
+    except Exception as exc:  # a bad location, a missing driver, an unreachable server
+        if store is not None:
+            with contextlib.suppress(Exception):  # best effort: it never opened
+                await store.close()
+        raise StoreUnavailable(location, exc) from exc
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+class FailureWatch:
+    """Listens on an engine's bus for the node that failed a run (E9 emits it last)."""
+
+    def __init__(self) -> None:
+        self.bus = EventBus()
+        self.failed: Event | None = None
+        self.bus.subscribe(self._seen, EventType.NODE_FAILED)
+
+    def _seen(self, event: Event) -> None:
+        self.failed = event
+
+    def describe(self, exc: BaseException) -> str:
+        """What failed: the run and node a handler exception came from, when it is known."""
+        cause = f"{type(exc).__name__}: {exc}"
+        if self.failed is None:
+            return cause
+        event = self.failed
+        return f"run {event.run_id!r} failed: node {event.node_id!r} raised {cause}"
+
+
+def finish(
+    main: Callable[[], Coroutine[Any, Any, T]],
+    *,
+    watch: FailureWatch | None = None,
+    interrupted: Callable[[], Text] | None = None,
+) -> T:
+    """Run ``main`` to completion; turn every way it can fail into one line and an exit code."""
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt as exc:
+        errors.print(interrupted() if interrupted else text("interrupted"), soft_wrap=True)
+        raise typer.Exit(130) from exc
+    except (StoreUnavailable, CommandError, TailraceError) as exc:
+        fail(str(exc))
+    except Exception as exc:  # a handler's own exception (E9), or a driver's
+        fail((watch or FailureWatch()).describe(exc))
+
+
+def with_store(
+    db: str | None,
+    work: Callable[[RunStore], Awaitable[T]],
+    *,
+    read_only: bool = False,
+    watch: FailureWatch | None = None,
+    interrupted: Callable[[], Text] | None = None,
+) -> T:
+    """Open the store ``db`` names, run ``work`` on it, close it; errors as in :func:`finish`."""
+    location = db_location(db)
+
+    async def main() -> T:
+        async with opened(location, read_only=read_only) as store:
+            return await work(store)
+
+    return finish(main, watch=watch, interrupted=interrupted)
