@@ -140,7 +140,7 @@ def lease_held(run_id: str, holder: str, expires: float, now: float) -> LeaseHel
     return LeaseHeld(
         f"run {run_id!r} is leased by {holder!r} for another {max(expires - now, 0.0):.1f} s. "
         "Wait that long for the lease to expire, then try again; if that owner's process "
-        "is gone, an engine on its host takes the run over at once.",
+        "is gone, the lease is taken over at once by an engine on its host.",
         owner=holder,
         expires_at=expires,
     )
