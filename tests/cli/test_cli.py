@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -408,7 +407,9 @@ def test_resume_after_the_process_was_killed(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
 
     payload = json.dumps({"db": str(db), "name": "x"})
-    crashed = tailrace(["run", "crashy.py:graph", "--db", db, "--run-id", "r1", "-i", payload], tmp_path)
+    crashed = tailrace(
+        ["run", "crashy.py:graph", "--db", db, "--run-id", "r1", "-i", payload], tmp_path
+    )
     assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
     listed = tailrace(["runs", "--db", db], tmp_path)
     # Its owner is provably gone: orphaned at once, not after the 30 s lease.

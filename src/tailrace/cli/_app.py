@@ -12,6 +12,7 @@ import json
 import shlex
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import typer
@@ -75,11 +76,19 @@ GraphsOption = Annotated[
 ]
 
 
-def _print_result(result: RunResult) -> None:
+def _print_result(
+    result: RunResult, db: str | None, graphs: Sequence[str] = (), *, durable: bool = True
+) -> None:
+    """The node table, open questions and how to answer them, the summary, the output."""
     console.print(node_table(result))
     if result.questions:
         console.print(question_table(result.questions, title="open questions"))
-        console.print("answer with: tailrace answer QUESTION_ID VALUE")
+        if durable:
+            words = ["tailrace answer QUESTION_ID VALUE", db_argument(db)]
+            words += [f"--graphs {shlex.quote(spec)}" for spec in graphs]
+            console.print(text("answer with: ", " ".join(words)), soft_wrap=True)
+        else:
+            console.print("the run is in memory: its questions end with this process")
     late = f", {len(result.late_inputs)} late inputs" if result.late_inputs else ""
     console.print(
         text("run ", (result.run_id, "bold"), f" {result.status} in {result.duration:.3f}s{late}")
@@ -87,14 +96,14 @@ def _print_result(result: RunResult) -> None:
     console.print(json_text(result.output), soft_wrap=True)
 
 
-def _resume_command(run_id: str, db: str | None, graphs: list[str]) -> str:
+def _resume_command(run_id: str, db: str | None, graphs: Sequence[str]) -> str:
     """The exact command that resumes ``run_id``, ready to paste into a shell."""
     words = ["tailrace", "resume", shlex.quote(run_id), db_argument(db)]
     words += [f"--graphs {shlex.quote(spec)}" for spec in graphs]
     return " ".join(words)
 
 
-def _interrupted(run_id: str, db: str | None, graphs: list[str]) -> Text:
+def _interrupted(run_id: str, db: str | None, graphs: Sequence[str]) -> Text:
     return text(
         ("interrupted:", "yellow"),
         f" run {run_id} stopped; what it committed is kept.\nresume it with: ",
@@ -128,6 +137,8 @@ def run(
     loaded, ref = load_graph(graph)
     payload = _parse_json(input, "'--input'")
     run_id = run_id or uuid.uuid4().hex  # known before it starts, for the resume hint
+    # A file graph is resumed only with --graphs naming it: the store's word is not enough.
+    graphs = [ref] if is_file_spec(ref.rpartition(":")[0]) else []
     watch = FailureWatch()
     if memory:
         engine = Engine(capacity=capacity, bus=watch.bus)
@@ -137,8 +148,6 @@ def run(
             interrupted=lambda: text(("interrupted:", "yellow"), f" run {run_id} ran in memory"),
         )
     else:
-        # A file graph is resumed only with --graphs naming it: the store's word is not enough.
-        graphs = [ref] if is_file_spec(ref.rpartition(":")[0]) else []
         result = with_store(
             db,
             lambda store: Engine(
@@ -147,7 +156,7 @@ def run(
             watch=watch,
             interrupted=lambda: _interrupted(run_id, db, graphs),
         )
-    _print_result(result)
+    _print_result(result, db, graphs, durable=not memory)
 
 
 async def _resume_here(
@@ -169,6 +178,8 @@ async def _resume_here(
     try:
         return await engine.resume(run_id, chosen, force=force)
     except GraphError as exc:
+        if "--graphs" in str(exc):
+            raise  # the engine already said how
         ref_module = (record.graph_ref or "").rpartition(":")[0]
         where = ref_module if is_file_spec(ref_module) else "path/to/graphs.py"
         hint = f"tailrace resume {shlex.quote(run_id)} --graphs {shlex.quote(where)}"
@@ -199,7 +210,7 @@ def resume(
         watch=watch,
         interrupted=lambda: _interrupted(run_id, db, graphs or []),
     )
-    _print_result(result)
+    _print_result(result, db, graphs or [])
 
 
 def run_status(record: RunRecord, now: float) -> str:
@@ -307,11 +318,8 @@ async def _answer_here(
     try:
         return await engine.answer(question_id, payload, by=by, resume=resume)
     except GraphError as exc:
-        raise CommandError(
-            f"answer recorded, but its run cannot be resumed here: {exc}; "
-            "name the file or module that defines its graph with --graphs, "
-            "or let tailrace serve --graphs apply it"
-        ) from exc
+        how = "" if "--graphs" in str(exc) else "; name its graph's file or module with --graphs"
+        raise CommandError(f"answer recorded, but its run was not resumed: {exc}{how}") from exc
 
 
 @app.command()
@@ -355,7 +363,7 @@ def answer(
             soft_wrap=True,
         )
         return
-    _print_result(result)
+    _print_result(result, db, graphs or [])
 
 
 @app.command()
