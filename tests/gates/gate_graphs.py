@@ -1,7 +1,9 @@
 """Graphs the gate tests resume from other engines, threads and processes.
 
-Other processes import this file by path (``graph_ref=f"{GRAPH_FILE}:approval"``),
-so it holds only graphs and the side-file helpers their handlers use. A node
+Other processes load this file by path, so it holds only graphs and the
+side-file helpers their handlers use. Runs record ``graph_ref=f"{GRAPH_FILE}:approval"``,
+a file reference that no engine executes (trust model): engines that resume
+them are told the graphs instead (:func:`engine`, ``serve --graphs``). A node
 that must run exactly once appends one line per execution to a side file
 (append + fsync) named in the answer it receives, so executions are counted
 even in processes that were SIGKILLed afterwards.
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import tailrace as tr
+from tailrace.stores import RunStore
 
 GRAPH_FILE = Path(__file__).resolve()
 
@@ -116,3 +119,10 @@ async def fragile_deploy(answer: Any) -> Any:
 
 
 fragile.chain("review", "deploy")
+
+
+def engine(store: RunStore | None, **options: Any) -> tr.Engine:
+    """An engine on ``store`` told about every graph of this file (as a daemon is with ``--graphs``)."""
+    made = tr.Engine(store=store, **options)
+    made.register(approval, padded, fragile)
+    return made

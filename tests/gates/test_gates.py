@@ -92,8 +92,8 @@ class Backend:
         return store
 
     async def engine(self, **options: Any) -> tr.Engine:
-        """An engine (its own owner) on a new store instance."""
-        return tr.Engine(store=await self.store(), **options)
+        """An engine (its own owner) on a new store instance, told about the gate graphs."""
+        return graphs.engine(await self.store(), **options)
 
 
 async def _drop_schema(dsn: str, schema: str) -> None:
@@ -302,7 +302,7 @@ async def test_q2_32_concurrent_answers_one_wins_the_rest_already_answered(
     run_id, question = await suspended_approval(owner)
     qid = question.question_id
     stores = [await backend.store() for _ in range(4)]
-    engines = [tr.Engine(store=stores[i % len(stores)]) for i in range(32)]
+    engines = [graphs.engine(stores[i % len(stores)]) for i in range(32)]
 
     async def answer(i: int) -> tr.RunResult | None:
         return await engines[i].answer(qid, side_value(side, actor=i), by=f"actor-{i}", resume=True)
@@ -505,7 +505,7 @@ async def test_q3_resume_worker_is_single_flight_across_workers_and_stores(
     run_id, question = await suspended_approval(owner)
     await owner.answer(question.question_id, side_value(side), by="alice", resume=False)
     stores = [await backend.store() for _ in range(4)]
-    workers = [ResumeWorker(engine=tr.Engine(store=stores[i % 4])) for i in range(8)]
+    workers = [ResumeWorker(engine=graphs.engine(stores[i % 4])) for i in range(8)]
     # Each worker twice: a second call on one worker hits its in-process single flight.
     calls = [w.resume(question.question_id) for w in workers for _ in range(2)]
 
@@ -808,7 +808,10 @@ def test_cli_run_questions_answer_resume_to_completion(tmp_path: Path) -> None:
     assert listed.exit_code == 0, listed.output
     assert question.question_id in listed.output and "open" in listed.output
 
-    answered = cli("answer", question.question_id, '{"ok": true}', "--by", "alice", "--db", db)
+    answered = cli(
+        "answer", question.question_id, '{"ok": true}', "--by", "alice", "--db", db,
+        "--graphs", GRAPH_FILE,
+    )  # fmt: skip
     assert answered.exit_code == 0, answered.output
     assert "run cli-run completed" in answered.output
     assert '"shipped"' in answered.output
@@ -820,7 +823,7 @@ def test_cli_run_questions_answer_resume_to_completion(tmp_path: Path) -> None:
     everything = cli("questions", "--db", db)
     assert question.question_id in everything.output and "applied" in everything.output
 
-    again = cli("answer", question.question_id, "no", "--db", db)
+    again = cli("answer", question.question_id, '"no"', "--db", db, "--graphs", GRAPH_FILE)
     assert again.exit_code == 1
     assert "already" in again.output
 
@@ -829,11 +832,11 @@ def test_cli_answer_no_resume_then_resume_command(tmp_path: Path) -> None:
     db = tmp_path / "cli.db"
     assert cli("run", f"{GRAPH_FILE}:approval", "--db", db, "--run-id", "r2").exit_code == 0
     [question] = _questions(db)
-    recorded = cli("answer", question.question_id, "yes", "--no-resume", "--db", db)
+    recorded = cli("answer", question.question_id, '"yes"', "--no-resume", "--db", db)
     assert recorded.exit_code == 0, recorded.output
     assert "resumed by its owner or serve" in recorded.output
     assert _questions(db)[0].status is QuestionStatus.ANSWERED
-    resumed = cli("resume", "r2", "--db", db)
+    resumed = cli("resume", "r2", "--db", db, "--graphs", GRAPH_FILE)
     assert resumed.exit_code == 0, resumed.output
     assert "run r2 completed" in resumed.output
     assert _questions(db)[0].status is QuestionStatus.APPLIED
@@ -930,7 +933,7 @@ async def test_bug_an_answer_recorded_while_a_resume_holds_the_lease_is_not_lost
     """
     store = PausingStore()
     async with store:
-        holder, answerer = tr.Engine(store=store), tr.Engine(store=store)
+        holder, answerer = graphs.engine(store), graphs.engine(store)
         run_id, question = await suspended_approval(holder)
         store.armed = True
         resuming = asyncio.create_task(holder.resume(run_id))
@@ -1045,7 +1048,7 @@ async def test_bug_the_winning_answer_does_not_raise_when_another_engine_applied
     reports an error and exits 1 for an answer that took effect."""
     store = SlowAnswerStore()
     async with store:
-        winner, other = tr.Engine(store=store), tr.Engine(store=store)
+        winner, other = graphs.engine(store), graphs.engine(store)
         run_id, question = await suspended_approval(winner)
         store.armed = True
         answering = asyncio.create_task(winner.answer(question.question_id, "yes", by="alice"))

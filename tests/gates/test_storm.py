@@ -166,7 +166,7 @@ class ThreadActors:
 
     async def _loop(self, i: int) -> None:
         async with self.db.store() as store:
-            engine = tr.Engine(store=store)
+            engine = graphs.engine(store)
             worker = ResumeWorker(engine=engine)
             self.outbox.put({"ready": f"t{i}"})
             while True:
@@ -307,15 +307,11 @@ async def _suspend(engine: tr.Engine, n: int) -> tuple[str, str]:
 
 
 async def _warm_up(db: Database, engine: tr.Engine) -> None:
-    """Import the graph by reference once on this thread before 16 threads do it at once.
-
-    ``resolve_reference`` publishes a file module in ``sys.modules`` before it
-    has executed it, so threads racing on the very first import could see it
-    half-built; that is a start-up artifact, not what this test is about.
-    """
+    """One answer and resume on this thread alone, by another engine told the graphs,
+    so a broken set-up fails here rather than in 20 racing actors."""
     run_id, qid = await _suspend(engine, -1)
     async with db.store() as store:
-        fresh = tr.Engine(store=store)
+        fresh = graphs.engine(store)
         await fresh.answer(qid, "warm-up", resume=False)
         assert (await fresh.resume(run_id)).status == "completed"
 
@@ -407,7 +403,8 @@ class ServeProcess:
         self.log = log
         with log.open("a") as err:
             self.proc = subprocess.Popen(
-                [*command, "serve", "--db", db.target, "--lease-ttl", "0.5", "--max-interval", "0.1"],
+                [*command, "serve", "--db", db.target, "--graphs", str(GRAPH_FILE),
+                 "--lease-ttl", "0.5", "--max-interval", "0.1"],
                 stdout=subprocess.PIPE, stderr=err, text=True, env=env,
             )  # fmt: skip
         self.lines: queue.Queue[str] = queue.Queue()
@@ -535,17 +532,22 @@ graph.chain("review", "done")
 """
 
 
-def test_bug_threads_resuming_by_file_reference_import_the_graph_once(tmp_path: Path) -> None:
-    """D6/Q3: engines in several threads resuming runs whose graph is ``path.py:graph``.
+def test_threads_resuming_by_module_reference_all_find_the_graph(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D6/Q3: engines in 8 threads resume runs whose stored graph is ``module:graph``
+    at once, while that (slow) module is imported for the first time: each finds
+    the whole graph, none a half-built module.
 
-    ``resolve_reference`` (``_graph.load_file_module``) puts the module in
-    ``sys.modules`` *before* executing it and takes no lock, so a second
-    thread gets the half-built module and ``resume`` raises ``GraphError``
-    ("cannot import its graph ... has no attribute 'graph'").
+    Stored file references are never executed (trust model), so a daemon
+    resumes by module reference (or by graphs it was told); this was first
+    found with file references, whose loader published the module before
+    running it.
     """
-    module = tmp_path / "slow_graph.py"
-    module.write_text(SLOW_IMPORT)
-    slow = _load(f"tailrace_tests_slow_{uuid.uuid4().hex[:8]}", module)  # not the engine's copy
+    name = f"tailrace_tests_slow_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(SLOW_IMPORT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    slow = _load(f"{name}_owner", tmp_path / f"{name}.py")  # the owner's copy, not the module
     db = tmp_path / "import.db"
     n = 8
 
@@ -554,20 +556,22 @@ def test_bug_threads_resuming_by_file_reference_import_the_graph_once(tmp_path: 
             engine = tr.Engine(store=store)
             run_ids = []
             for i in range(n):
-                result = await engine.run(slow.graph, i, graph_ref=f"{module}:graph")
+                result = await engine.run(slow.graph, i, graph_ref=f"{name}:graph")
                 await engine.answer(result.questions[0].question_id, i, resume=False)
                 run_ids.append(result.run_id)
             return run_ids
 
     run_ids = asyncio.run(suspend_and_answer())
+    assert name not in sys.modules
     barrier = threading.Barrier(n)
     errors: list[str] = []
+    statuses: list[str] = []
 
     def resume(run_id: str) -> None:
         async def go() -> None:
             async with actor.make_store("sqlite", str(db)) as store:
                 await asyncio.to_thread(barrier.wait)
-                await tr.Engine(store=store).resume(run_id)
+                statuses.append((await tr.Engine(store=store).resume(run_id)).status)
 
         try:
             asyncio.run(go())
@@ -580,3 +584,4 @@ def test_bug_threads_resuming_by_file_reference_import_the_graph_once(tmp_path: 
     for thread in threads:
         thread.join(WAIT)
     assert errors == []
+    assert statuses == ["completed"] * n

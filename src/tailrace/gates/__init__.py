@@ -7,7 +7,7 @@
   gates, take over runs whose owner died.
 """
 
-from ._serve import Poller as Poller
+from ._polling import Poller as Poller
 from ._serve import Server as Server
 from ._serve import ServeStats as ServeStats
 from ._serve import serve as serve

@@ -3,6 +3,18 @@
 Shaped like huey's consumer: each iteration does what work there is; the
 wait between iterations doubles while idle and resets when work arrives;
 an iteration's error is logged and survived; ``stop`` ends it gracefully.
+
+Two loops run side by side: the *work loop* re-drives answers through the
+resume worker and adopts runs whose owner died; the *gate loop* fires
+deadlines and starts time-limited polls (``_polling``), so neither a slow
+resume nor a stuck poller delays a deadline. A poller's answer wakes the
+work loop at once.
+
+Nothing is retried in a hot loop: an answer that cannot be applied is
+deferred in the store with backoff (``ResumeWorker``); a run that cannot be
+adopted is marked failed when it never can be, and otherwise retried with
+backoff; each is logged once with its reason.
+
 Several serve loops on one database cooperate: leases make resumes
 single-flight and the ledger's compare-and-set makes answers first-wins.
 """
@@ -10,38 +22,47 @@ single-flight and the ledger's compare-and-set makes answers first-wins.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .._codec import DEFAULT_CODEC
-from .._errors import AlreadyAnswered, LeaseHeld, NotResumable, RunNotFound
-from ._timeout import GateTimeout
-from ._worker import Outcome, ResumeWorker
+from .._errors import LeaseHeld, LeaseLost, NotResumable, RunNotFound
+from ._polling import GatePolling, Poller
+from ._worker import Outcome, Resumable, ResumeWorker, describe
 
 if TYPE_CHECKING:
     from .._engine import Engine
-    from ..stores import QuestionRow
 
 logger = logging.getLogger("tailrace.serve")
 
-#: A machine gate's poller: given the question's prompt, return its answer, or None while pending.
-Poller = Callable[[Any], Any]
 Hook = Callable[[], Awaitable[None] | None]
 
 
 @dataclass(slots=True)
 class ServeStats:
-    """What a serve loop did so far."""
+    """What a serve loop did so far.
+
+    ``applied``/``superseded`` count answers; ``stuck`` counts deferrals of
+    answers that could not be applied (each is retried with backoff);
+    ``failed`` counts runs that failed under this loop (a handler error while
+    resuming or adopting, or a run marked failed because it can never be
+    resumed); ``polled``/``poll_timeouts`` count polls and those cut by the
+    time limit; ``expired`` deadlines that fired; ``adopted`` runs taken
+    over from a dead owner; ``errors`` failed iterations, polls and
+    adoptions; ``outcomes`` every resume outcome by name.
+    """
 
     iterations: int = 0
     applied: int = 0
     superseded: int = 0
+    stuck: int = 0
+    failed: int = 0
     polled: int = 0
+    poll_timeouts: int = 0
     expired: int = 0
     adopted: int = 0
     errors: int = 0
@@ -51,9 +72,31 @@ class ServeStats:
 class Server:
     """One serve loop over ``engine`` (which must have a store).
 
-    ``pollers`` maps the names machine gates declare (``poller=``) to
-    callables; ``interval`` is the first wait when idle, doubling up to
-    ``max_interval``; ``on_startup``/``on_shutdown`` run around the loop.
+    Args:
+        engine: resumes tailrace runs; its store holds the ledger and leases.
+        pollers: maps the names machine gates declare (``poller=``) to
+            callables, sync or async, given the question's prompt and
+            returning its answer or None while pending.
+        targets: more :class:`~tailrace.gates.Resumable` targets besides the
+            engine (a :class:`~tailrace.integrations.langgraph.LangGraphDriver`,
+            say). A question goes to the first target whose ``handles(run)``
+            accepts its run (the engine first); machine gates and deadlines of
+            their questions are served exactly like tailrace gates, and a
+            target's orphaned runs go to its ``adopt`` if it has one.
+        interval: first wait between iterations when idle, seconds.
+        max_interval: the idle wait doubles up to this.
+        poll_timeout: time limit of one poll, seconds; a poll past it is
+            abandoned (an async one cancelled) and tried again later.
+        poll_threads: at most this many threads run sync pollers at once
+            (daemon threads, so a stuck poller never blocks exit).
+        retry_base: first wait before an answer or adoption that failed is
+            tried again, seconds; it doubles on each failure.
+        retry_max: longest such wait, seconds.
+        on_startup: called (or awaited) before the loop starts.
+        on_shutdown: called (or awaited) after it stops.
+
+    ``once()`` runs one iteration by hand; polls it starts run on in the
+    background until :meth:`aclose` (``run`` closes by itself).
     """
 
     def __init__(
@@ -61,8 +104,13 @@ class Server:
         engine: Engine,
         *,
         pollers: Mapping[str, Poller] | None = None,
+        targets: Sequence[Resumable] = (),
         interval: float = 0.05,
         max_interval: float = 2.0,
+        poll_timeout: float = 10.0,
+        poll_threads: int = 16,
+        retry_base: float = 1.0,
+        retry_max: float = 300.0,
         on_startup: Hook | None = None,
         on_shutdown: Hook | None = None,
     ) -> None:
@@ -70,111 +118,154 @@ class Server:
             raise ValueError("serve needs an engine with a store")
         self.engine = engine
         self.store = engine.store
-        self.pollers = dict(pollers or {})
         self.interval = interval
         self.max_interval = max_interval
+        self.retry_base = retry_base
+        self.retry_max = retry_max
         self.on_startup = on_startup
         self.on_shutdown = on_shutdown
-        self.worker = ResumeWorker(engine=engine)
+        self.worker = ResumeWorker(
+            engine=engine, targets=targets, retry_base=retry_base, retry_max=retry_max
+        )
         self.stats = ServeStats()
-        self._missing: set[str] = set()
+        self._wake = asyncio.Event()
+        self.gates = GatePolling(
+            self.store,
+            engine.codec or DEFAULT_CODEC,
+            pollers or {},
+            timeout=poll_timeout,
+            threads=poll_threads,
+            stats=self.stats,
+            wake=self._wake.set,
+        )
+        self.pollers = self.gates.pollers
+        #: Orphans whose adoption failed for a reason that may pass: (failures, retry time).
+        self._adoption_backoff: dict[str, tuple[int, float]] = {}
 
     async def run(self, stop: asyncio.Event) -> ServeStats:
         """Serve until ``stop`` is set; returns the stats."""
         await _call_hook(self.on_startup)
-        wait = self.interval
         try:
-            while not stop.is_set():
-                try:
-                    work = await self.once()
-                except Exception:
-                    self.stats.errors += 1
-                    logger.exception("serve iteration failed; going on")
-                    work = 0
-                wait = self.interval if work else min(wait * 2, self.max_interval)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), wait)
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._gate_loop(stop), name="serve:gates")
+                await self._work_loop(stop)
         finally:
+            await self.aclose()
             await _call_hook(self.on_shutdown)
         return self.stats
 
     async def once(self) -> int:
-        """One iteration: re-drive answers, poll machine gates, adopt orphans; returns work done."""
+        """One iteration: fire deadlines and start due polls, re-drive answers, adopt orphans; returns work done."""
+        work = await self.gates.tick()
+        return work + await self._iteration()
+
+    async def aclose(self) -> None:
+        """Stop the polls in flight (a sync poller's thread is abandoned, not waited for)."""
+        await self.gates.aclose()
+
+    # -- the two loops ------------------------------------------------------------
+
+    async def _work_loop(self, stop: asyncio.Event) -> None:
+        wait = self.interval
+        while not stop.is_set():
+            work = await self._guarded(self._iteration)
+            wait = self.interval if work else min(wait * 2, self.max_interval)
+            await _nap((stop, self._wake), wait)
+            self._wake.clear()
+
+    async def _gate_loop(self, stop: asyncio.Event) -> None:
+        wait = self.interval
+        while not stop.is_set():
+            work = await self._guarded(self.gates.tick)
+            if work:
+                self._wake.set()  # answers to apply: the work loop need not wait out its nap
+            wait = self.interval if work else min(wait * 2, self.max_interval)
+            deadline = self.gates.next_deadline
+            if deadline is not None:  # wake for the next deadline, not a nap later (Q5)
+                wait = min(wait, max(deadline - time.time(), 0.001))
+            await _nap((stop,), wait)
+
+    async def _guarded(self, step: Callable[[], Awaitable[int]]) -> int:
+        try:
+            return await step()
+        except Exception:
+            self.stats.errors += 1
+            logger.exception("serve iteration failed; going on")
+            return 0
+
+    async def _iteration(self) -> int:
         self.stats.iterations += 1
         work = self._count(await self.worker.sweep())
-        work += await self._poll_gates()
-        work += await self._adopt_orphans()
-        return work
+        return work + await self._adopt_orphans()
 
     def _count(self, outcomes: Mapping[Outcome, int]) -> int:
         for outcome, n in outcomes.items():
             self.stats.outcomes[outcome.value] = self.stats.outcomes.get(outcome.value, 0) + n
         self.stats.applied += outcomes.get(Outcome.APPLIED, 0)
         self.stats.superseded += outcomes.get(Outcome.SUPERSEDED, 0)
-        return outcomes.get(Outcome.APPLIED, 0) + outcomes.get(Outcome.SUPERSEDED, 0)
+        self.stats.stuck += outcomes.get(Outcome.DEFERRED, 0)
+        self.stats.failed += outcomes.get(Outcome.FAILED, 0)
+        return sum(
+            outcomes.get(o, 0)
+            for o in (Outcome.APPLIED, Outcome.SUPERSEDED, Outcome.FAILED, Outcome.DEFERRED)
+        )
 
-    async def _poll_gates(self) -> int:
-        from ..stores import QuestionStatus
-
-        work = 0
-        for question in await self.store.list_questions(status=QuestionStatus.OPEN):
-            try:
-                work += await self._poll_one(question)
-            except Exception:
-                self.stats.errors += 1
-                logger.exception("polling question %s failed", question.question_id)
-        return work
-
-    async def _poll_one(self, question: QuestionRow) -> int:
-        from ..stores import QuestionStatus
-
-        codec = self.engine.codec or DEFAULT_CODEC
-        if question.deadline is not None and time.time() >= question.deadline:
-            value = GateTimeout(question_id=question.question_id, deadline=question.deadline)
-            by, status = "deadline", QuestionStatus.EXPIRED
-            self.stats.expired += 1
-        elif question.poller is not None:
-            poller = self.pollers.get(question.poller)
-            if poller is None:
-                if question.poller not in self._missing:
-                    self._missing.add(question.poller)
-                    logger.warning("no poller named %r is registered", question.poller)
-                return 0
-            self.stats.polled += 1
-            value = await _call_poller(poller, codec.decode(question.prompt_json))
-            if value is None:
-                return 0
-            by, status = f"poller:{question.poller}", QuestionStatus.ANSWERED
-        else:
-            return 0
-        try:
-            await self.store.answer(question.question_id, codec.encode(value), by=by, status=status)
-        except AlreadyAnswered:
-            return 0  # another serve (or a person) was first
-        self._count({await self.worker.resume(question.question_id): 1})
-        return 1
+    # -- orphans ------------------------------------------------------------------
 
     async def _adopt_orphans(self) -> int:
-        """Resume runs whose owner's lease expired (it crashed) (D6)."""
+        """Take over runs whose owner's lease expired (it crashed) (D6)."""
         now = time.time()
-        adopted = 0
-        for run_id in await self.store.expired_leases(now):
-            record = await self.store.get_run(run_id)
-            if record.graph_ref is None:
-                continue  # nothing to import it by (an external graph's thread, a __main__ graph)
-            if record.lease_owner is None and now - record.created_at < self.engine.lease_ttl:
-                continue  # just created; its engine is about to lease it
+        orphans = await self.store.expired_leases(now)
+        self._adoption_backoff = {
+            r: b for r, b in self._adoption_backoff.items() if r in set(orphans)
+        }
+        work = 0
+        for run_id in orphans:
+            failures, retry_at = self._adoption_backoff.get(run_id, (0, 0.0))
+            if retry_at > now:
+                continue
             try:
-                await self.engine.resume(run_id)
-            except (LeaseHeld, NotResumable, RunNotFound):
-                continue
-            except Exception:
-                self.stats.errors += 1
-                logger.exception("adopting run %s failed; it is marked failed", run_id)
-                continue
-            adopted += 1
-            self.stats.adopted += 1
-        return adopted
+                work += await self._adopt(run_id, now)
+            except (LeaseHeld, LeaseLost, NotResumable, RunNotFound):
+                continue  # another serve took it, or it finished meanwhile
+            except Exception as exc:
+                await self._adoption_failed(run_id, exc, failures)
+                work += 1
+        return work
+
+    async def _adopt(self, run_id: str, now: float) -> int:
+        record = await self.store.get_run(run_id)
+        adopt = getattr(self.worker.target_for(record), "adopt", None)
+        if adopt is None:
+            return 0  # no target here drives it (another driver's thread, an unknown graph)
+        if record.lease_owner is None and now - record.created_at < self.worker.lease_ttl:
+            return 0  # just created; its engine is about to lease it
+        await adopt(run_id)
+        self._adoption_backoff.pop(run_id, None)
+        self.stats.adopted += 1
+        return 1
+
+    async def _adoption_failed(self, run_id: str, exc: Exception, failures: int) -> None:
+        """A failed run is counted once (E9, Q6); anything else is retried with backoff, logged once."""
+        from ..stores import RunStatus
+
+        try:
+            status = (await self.store.get_run(run_id)).status
+        except Exception:
+            status = None
+        if status is RunStatus.FAILED:
+            self.stats.failed += 1
+            logger.warning("run %s failed while being adopted: %s", run_id, describe(exc))
+            return
+        self.stats.errors += 1
+        delay = min(self.retry_base * 2 ** min(failures, 32), self.retry_max)
+        self._adoption_backoff[run_id] = (failures + 1, time.time() + delay)
+        logger.log(
+            logging.WARNING if failures == 0 else logging.DEBUG,
+            "cannot adopt run %s (attempt %d, next in %.3g s): %s",
+            run_id, failures + 1, delay, describe(exc),
+            exc_info=exc if failures == 0 else None,
+        )  # fmt: skip
 
 
 async def serve(
@@ -182,24 +273,36 @@ async def serve(
     stop: asyncio.Event,
     *,
     pollers: Mapping[str, Poller] | None = None,
+    targets: Sequence[Resumable] = (),
     interval: float = 0.05,
     max_interval: float = 2.0,
+    poll_timeout: float = 10.0,
 ) -> ServeStats:
     """Run a :class:`Server` over ``engine`` until ``stop`` is set.
 
-    ``pollers``, ``interval`` and ``max_interval`` are as in :class:`Server`.
+    ``pollers``, ``targets``, ``interval``, ``max_interval`` and
+    ``poll_timeout`` are as in :class:`Server`.
     """
-    server = Server(engine, pollers=pollers, interval=interval, max_interval=max_interval)
+    server = Server(
+        engine,
+        pollers=pollers,
+        targets=targets,
+        interval=interval,
+        max_interval=max_interval,
+        poll_timeout=poll_timeout,
+    )
     return await server.run(stop)
 
 
-async def _call_poller(poller: Poller, prompt: Any) -> Any:
-    if inspect.iscoroutinefunction(poller):
-        return await poller(prompt)
-    result = await asyncio.to_thread(poller, prompt)
-    if inspect.isawaitable(result):
-        return await result
-    return result
+async def _nap(events: Sequence[asyncio.Event], seconds: float) -> None:
+    """Wait ``seconds`` or until one of ``events`` is set."""
+    waiters = [asyncio.create_task(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
 
 
 async def _call_hook(hook: Hook | None) -> None:
