@@ -83,7 +83,7 @@ def __getattr__(name: str) -> typing.Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def open_store(url_or_path: str | os.PathLike[str]) -> RunStore:
+def open_store(url_or_path: str | os.PathLike[str], *, read_only: bool = False) -> RunStore:
     """Return an unopened store for ``url_or_path``; use it as ``async with store:``.
 
     Args:
@@ -91,10 +91,16 @@ def open_store(url_or_path: str | os.PathLike[str]) -> RunStore:
             :class:`PostgresStore`; ``:memory:`` or ``memory:`` for
             :class:`MemoryStore`; anything else is a file path for
             :class:`SQLiteStore`.
+        read_only: open an existing database to read it only: no migrations,
+            no file created (a missing one is an error naming it), every
+            write refused (see :class:`RunStore`). Commands that only read
+            (``tailrace runs``, ``show``) pass it, so they work next to a
+            writer and on read-only media. A memory store has nothing to
+            protect and ignores it.
     """
     target = os.fspath(url_or_path)
     if target.startswith(_POSTGRES_SCHEMES):
-        return _import_postgres_store()(target)
+        return _import_postgres_store()(target, read_only=read_only)
     if target in _MEMORY_NAMES:
         return MemoryStore()
-    return SQLiteStore(target)
+    return SQLiteStore(target, read_only=read_only)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
-from .._errors import RunExists, RunNotFound, StoreError, UnsupportedFormat
+from .._errors import RunExists, RunNotFound, StoreError
 from ._artifacts import check_expected, stale_version
 from ._base import (
     ArtifactVersion,
@@ -54,22 +54,20 @@ from ._rules import (
     parse_question_status,
     parse_status,
     question_not_found,
+    read_only_refusal,
 )
 from ._sql import (
     ANSWER_QUESTION,
     APPLY_QUESTION,
     ARTIFACT_HEAD_VERSION,
-    CREATE_MIGRATIONS_TABLE,
     DEFER_ANSWER,
     DUE_ANSWERS,
     EVENT_COLUMNS,
     EXPIRED_LEASES,
     INSERT_ARTIFACT,
     INSERT_RUN,
-    MIGRATIONS,
     QUESTION_STATE,
     RUN_COLUMNS,
-    SCHEMA_VERSION,
     SELECT_ARTIFACT_HEAD,
     SELECT_ARTIFACT_HISTORY,
     SELECT_QUESTION,
@@ -88,6 +86,7 @@ from ._sql import (
     record_from_row,
     run_update_params,
 )
+from ._sqlite_files import prepare_for_writing, read_only_connection, read_only_uri
 from ._sqlite_threads import Readers, Writer
 
 T = TypeVar("T")
@@ -104,48 +103,6 @@ def first_duplicate(conn: sqlite3.Connection, run_id: str, harvest: Harvest) -> 
     return f"run {run_id!r}: a row of this harvest"
 
 
-def _newer_schema(where: str, version: int) -> UnsupportedFormat:
-    return UnsupportedFormat(
-        f"{where}: database schema version {version} is newer than this tailrace "
-        f"supports ({SCHEMA_VERSION}); upgrade tailrace. Nothing was written."
-    )
-
-
-def _recorded_version(conn: sqlite3.Connection) -> int | None:
-    """The highest applied migration, or ``None`` when the database has never been migrated."""
-    exists = conn.execute(
-        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_migrations'"
-    ).fetchone()
-    if exists is None:
-        return None
-    row = conn.execute("SELECT MAX(version) FROM schema_migrations").fetchone()
-    return int(row[0]) if row[0] is not None else 0
-
-
-def _migrate(conn: sqlite3.Connection, where: str) -> None:
-    """Apply pending migrations in one write transaction, recording each (D4)."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        current = _recorded_version(conn)
-        if current is None:
-            conn.execute(CREATE_MIGRATIONS_TABLE)
-            current = 0
-        if current > SCHEMA_VERSION:
-            raise _newer_schema(where, current)
-        for version, statements in MIGRATIONS:
-            if version > current:
-                for statement in statements:
-                    conn.execute(statement.replace("/*WITHOUT ROWID*/", "WITHOUT ROWID"))
-                conn.execute(
-                    "INSERT INTO schema_migrations (version, applied_at) VALUES (?, ?)",
-                    (version, time.time()),
-                )
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-
-
 # --- the store -----------------------------------------------------------------
 
 
@@ -153,7 +110,8 @@ class SQLiteStore(RunStore):
     """The embedded default store: one SQLite file in WAL mode.
 
     Args:
-        path: the database file; created, with its schema, on ``open``.
+        path: the database file; created, with its schema, on ``open`` (unless
+            ``read_only``).
         synchronous: ``"normal"`` (default; a commit survives a process crash,
             the last ones may be lost on power failure) or ``"full"`` (survives
             power failure, several times slower).
@@ -161,6 +119,10 @@ class SQLiteStore(RunStore):
         readers: number of reader threads (each has its own connection).
         max_batch: most write requests grouped into one transaction.
         clock: wall clock for lease expiry, seconds since the epoch.
+        read_only: read an existing database and never write to it: no
+            migrations, no WAL switch, no file created; writes raise
+            ``StoreError``. Works next to a writer in another process and on
+            read-only media (see ``_sqlite_files``).
     """
 
     def __init__(
@@ -172,6 +134,7 @@ class SQLiteStore(RunStore):
         readers: int = 2,
         max_batch: int = 512,
         clock: Callable[[], float] = time.time,
+        read_only: bool = False,
     ) -> None:
         self._path = os.fspath(path)
         if self._path in ("", ":memory:") or self._path.startswith("file:"):
@@ -187,6 +150,8 @@ class SQLiteStore(RunStore):
         self._reader_count = readers
         self._max_batch = max_batch
         self._clock = clock
+        self._read_only = read_only
+        self._read_uri: str | None = None  # the read-only URI, once open
         self._writer: Writer | None = None
         self._readers: Readers | None = None
 
@@ -195,7 +160,14 @@ class SQLiteStore(RunStore):
         """The database file."""
         return self._path
 
+    @property
+    def read_only(self) -> bool:
+        """Whether this store reads only (it then refuses every write)."""
+        return self._read_only
+
     def _connect(self) -> sqlite3.Connection:
+        if self._read_uri is not None:
+            return read_only_connection(self._read_uri, self._busy_timeout)
         conn = sqlite3.connect(
             self._path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False
         )
@@ -209,13 +181,7 @@ class SQLiteStore(RunStore):
         except sqlite3.Error as exc:
             raise StoreError(f"{where}: cannot open: {exc}") from exc
         try:
-            version = _recorded_version(conn)  # before anything writes, WAL switch included
-            if version is not None and version > SCHEMA_VERSION:
-                raise _newer_schema(where, version)
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise StoreError(f"{where}: cannot switch to WAL mode (got {mode!r})")
-            _migrate(conn, where)
+            prepare_for_writing(conn, where)
         except sqlite3.Error as exc:
             conn.close()
             raise StoreError(f"{where}: cannot open: {exc}") from exc
@@ -225,11 +191,14 @@ class SQLiteStore(RunStore):
         return conn
 
     async def open(self) -> None:
-        """Create or migrate the database, start the writer and readers. Idempotent."""
-        if self._writer is not None:
+        """Create or migrate the database (or check it, read-only), start the threads. Idempotent."""
+        if self._readers is not None:
             return
-        conn = await asyncio.to_thread(self._open_writer_connection)
-        self._writer = Writer(conn, max_batch=self._max_batch, name="tailrace-sqlite-writer")
+        if self._read_only:
+            self._read_uri = await asyncio.to_thread(read_only_uri, self._path, self._busy_timeout)
+        else:
+            conn = await asyncio.to_thread(self._open_writer_connection)
+            self._writer = Writer(conn, max_batch=self._max_batch, name="tailrace-sqlite-writer")
         self._readers = Readers(self._connect, self._reader_count)
 
     async def close(self) -> None:
@@ -242,8 +211,10 @@ class SQLiteStore(RunStore):
             await asyncio.to_thread(readers.close)
 
     async def _write(self, context: str, apply: Callable[[sqlite3.Connection], T]) -> T:
-        if self._writer is None:
+        if self._readers is None:
             raise StoreError(f"{context}: the SQLite store is not open")
+        if self._writer is None:
+            raise read_only_refusal(f"SQLite store {self._path!r}", context)
         return await self._writer.submit(context, apply)
 
     async def _read(self, context: str, read: Callable[[sqlite3.Connection], T]) -> T:
