@@ -672,3 +672,22 @@ def test_answer_without_graphs_records_the_answer_and_says_how_to_apply_it(
     resumed = invoke("resume", "g1", "--db", db, "--graphs", tmp_path / "gated.py")
     assert resumed.exit_code == 0, resumed.output
     assert '"answer": "yes"' in resumed.stdout
+
+
+# -- finding 7: reading commands never write -------------------------------------------------
+
+
+def test_reading_commands_work_while_another_process_holds_the_write_lock(
+    tmp_path: Path,
+) -> None:
+    db, _ = suspended_run(tmp_path)
+    with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as writer:
+        writer.execute("BEGIN IMMEDIATE")  # as a writer mid-transaction would
+        try:
+            for args in (["runs"], ["show", "g1"], ["questions"]):
+                result = invoke(*args, "--db", db)
+                clean(result)
+                assert result.exit_code == 0, result.output
+                assert "g1" in result.stdout
+        finally:
+            writer.execute("ROLLBACK")

@@ -82,24 +82,16 @@ def fail(*message: str | tuple[str, str], code: int = 1) -> NoReturn:
     raise typer.Exit(code)
 
 
-def _check_exists(location: str) -> None:
-    if location.startswith(_POSTGRES) or location in _MEMORY:
-        return
-    if not Path(location).exists():
-        raise StoreUnavailable(location, FileNotFoundError(f"no database at {location}"))
-
-
 @contextlib.asynccontextmanager
 async def opened(location: str, *, read_only: bool = False) -> AsyncIterator[RunStore]:
     """The store at ``location``, opened; a failure to open is :class:`StoreUnavailable`.
 
-    A read-only command never creates a database: a missing file is an error naming it.
+    A read-only store never writes: it works next to a writer and on
+    read-only media, and a missing file is an error naming it (finding 7).
     """
-    if read_only:
-        _check_exists(location)
     store: RunStore | None = None
     try:
-        store = open_store(location)
+        store = open_store(location, read_only=read_only)
         await store.open()
     except Exception as exc:  # a bad location, a missing driver, an unreachable server
         if store is not None:
