@@ -21,12 +21,10 @@ import asyncio
 import importlib.util
 import json
 import logging
-import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -48,16 +46,13 @@ from tailrace.gates import (
 )
 from tailrace.stores import MemoryStore, QuestionRow, QuestionStatus, RunStore, SQLiteStore
 
-POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
-GRAPH_FILE = Path(__file__).resolve().with_name("gate_graphs.py")
-TIMEOUT = 20.0
+HERE = Path(__file__).resolve().parent
 
 
-def _load_graphs() -> ModuleType:
-    """``gate_graphs.py`` as a module (it is referenced by path, not on ``sys.path``)."""
-    name = "tailrace_tests_gate_graphs"
+def _load(name: str, path: Path) -> ModuleType:
+    """A helper file of this directory as a module (``tests/`` is not a package)."""
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, GRAPH_FILE)
+        spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
@@ -65,109 +60,25 @@ def _load_graphs() -> ModuleType:
     return sys.modules[name]
 
 
-graphs = _load_graphs()
+backends = _load("tailrace_tests_gate_backends", HERE / "backends.py")
+graphs = backends.graphs
+Backend = backends.Backend
+backend = backends.backend  # the fixture: each store in turn
+side = backends.side
+eventually = backends.eventually
+run_status = backends.run_status
+_is = backends.is_status
+GRAPH_FILE = backends.GRAPH_FILE
+TIMEOUT = backends.TIMEOUT
 APPROVAL_REF = f"{GRAPH_FILE}:approval"
 FRAGILE_REF = f"{GRAPH_FILE}:fragile"
-
-
-# -- backends -------------------------------------------------------------------------
-
-
-@dataclass
-class Backend:
-    """A database under test: ``store()`` opens another store instance on it."""
-
-    name: str
-    factory: Callable[[], RunStore]
-    opened: list[RunStore] = field(default_factory=list)
-    shared: RunStore | None = None
-
-    async def store(self) -> RunStore:
-        """A new opened store on the same database (memory: the one shared store)."""
-        if self.shared is not None:
-            return self.shared
-        store = self.factory()
-        await store.open()
-        self.opened.append(store)
-        return store
-
-    async def engine(self, **options: Any) -> tr.Engine:
-        """An engine (its own owner) on a new store instance, told about the gate graphs."""
-        return graphs.engine(await self.store(), **options)
-
-
-async def _drop_schema(dsn: str, schema: str) -> None:
-    import psycopg
-    from psycopg import sql
-
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        await conn.execute(
-            sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
-        )
-
-
-@pytest.fixture(
-    params=[
-        "memory",
-        "sqlite",
-        pytest.param(
-            "postgres",
-            marks=[
-                pytest.mark.postgres,
-                pytest.mark.skipif(
-                    POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set"
-                ),
-            ],
-        ),
-    ]
-)
-async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
-    """Each store in turn on a fresh database; every store it opened is closed afterwards."""
-    schema = None
-    if request.param == "memory":
-        shared = MemoryStore()
-        await shared.open()
-        b = Backend("memory", lambda: shared, shared=shared)
-    elif request.param == "sqlite":
-        path = tmp_path / "gates.db"
-        b = Backend("sqlite", lambda: SQLiteStore(path))
-    else:
-        from tailrace.stores import PostgresStore
-
-        assert POSTGRES_DSN is not None
-        dsn = POSTGRES_DSN
-        schema = f"tailrace_gates_{uuid.uuid4().hex[:12]}"
-        b = Backend("postgres", lambda: PostgresStore(dsn, schema=schema, max_size=4))
-    try:
-        yield b
-    finally:
-        for store in [*b.opened, *([b.shared] if b.shared else [])]:
-            await store.close()
-        if schema is not None:
-            assert POSTGRES_DSN is not None
-            await _drop_schema(POSTGRES_DSN, schema)
 
 
 # -- helpers ----------------------------------------------------------------------------
 
 
-async def eventually(
-    check: Callable[[], Awaitable[bool]], what: str, within: float = TIMEOUT
-) -> None:
-    """Poll ``check`` until it is true; fail naming ``what`` after ``within`` seconds."""
-    deadline = time.monotonic() + within
-    while not await check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 async def event_types(store: RunStore, run_id: str) -> list[str]:
     return [e.type for e in await store.events(run_id)]
-
-
-async def run_status(store: RunStore, run_id: str) -> str:
-    return (await store.get_run(run_id)).status.value
 
 
 async def suspended_approval(
@@ -183,11 +94,6 @@ async def suspended_approval(
 def side_value(side: Path, **extra: Any) -> dict[str, Any]:
     """An answer that tells ``ship`` where to count its executions."""
     return {"side": str(side), **extra}
-
-
-@pytest.fixture
-def side(tmp_path: Path) -> Path:
-    return tmp_path / "side.log"
 
 
 # -- Q1: a gate waits, other branches keep running --------------------------------------
@@ -517,10 +423,6 @@ async def test_q3_resume_worker_is_single_flight_across_workers_and_stores(
     assert graphs.executions(side, run_id, "ship") == 1
     assert (await event_types(store, run_id)).count("question_answered") == 1
     assert (await store.get_question(question.question_id)).status is QuestionStatus.APPLIED
-
-
-async def _is(store: RunStore, run_id: str, status: str) -> bool:
-    return await run_status(store, run_id) == status
 
 
 async def test_q3_concurrent_engine_resumes_apply_once(backend: Backend, side: Path) -> None:
