@@ -144,6 +144,7 @@ class GatePolling:
         self._answered = 0
         self._missing: set[str] = set()
         self._complained: set[str] = set()
+        self._threads_full = False
 
     def polling(self, question_id: str) -> bool:
         """Whether a poll of ``question_id`` is still running (an abandoned thread counts)."""
@@ -206,7 +207,15 @@ class GatePolling:
                 logger.warning("no poller named %r is registered", question.poller)
             return
         if not _is_async(poller) and self.threads.full:
-            return  # every poll thread is taken (stuck pollers): try on a later tick
+            if not self._threads_full:
+                logger.warning(
+                    "all %d poll threads are busy (pollers past their time limit that have "
+                    "not returned); sync polls wait for one to return",
+                    self.threads.limit,
+                )
+            self._threads_full = True
+            return
+        self._threads_full = False
         qid = question.question_id
         task = asyncio.create_task(self._poll(question, poller), name=f"poll:{qid}")
         self._tasks[qid] = task
