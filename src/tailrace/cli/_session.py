@@ -136,10 +136,14 @@ def finish(
     except KeyboardInterrupt as exc:
         errors.print(interrupted() if interrupted else text("interrupted"), soft_wrap=True)
         raise typer.Exit(130) from exc
-    except (StoreUnavailable, CommandError, TailraceError) as exc:
+    except (StoreUnavailable, CommandError) as exc:
         fail(str(exc))
-    except Exception as exc:  # a handler's own exception (E9), or a driver's
-        fail((watch or FailureWatch()).describe(exc))
+    except Exception as exc:
+        if watch is not None and watch.failed is not None:
+            fail(watch.describe(exc))  # a handler's own exception, whatever its class (E9)
+        if isinstance(exc, TailraceError):
+            fail(str(exc))  # the engine refused: the message names the run, node or question
+        fail(f"{type(exc).__name__}: {exc}")  # a store's argument check, a driver
 
 
 def with_store(
