@@ -333,5 +333,6 @@ async def async_evolve(
             mode="async", stop_reason=loop.stop_reason, wall=wall, busy=loop.busy
         )
     finally:
+        evolution.close()  # abandoned sync calls (cut stragglers) never hold the caller
         if owned is not None:
             await owned.close()

@@ -41,6 +41,7 @@ from ._model import (
     split_tasks,
 )
 from ._result import EvolutionResult, Sweep
+from ._threads import DaemonExecutor
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,6 +142,11 @@ class Evolution:
         self.stragglers = 0
         self.resumed = 0
         self.partial: list[Mapping[str, Any]] = []
+        self.executor = DaemonExecutor()
+
+    def close(self) -> None:
+        """Release the executor of user sync callables without waiting for abandoned calls."""
+        self.executor.shutdown(wait=False)
 
     # -- rollouts -------------------------------------------------------------
 
@@ -171,7 +177,7 @@ class Evolution:
                 )
             output = result.output
         else:
-            output = await call_user(self.run_fn, rendered, task)
+            output = await call_user(self.run_fn, rendered, task, executor=self.executor)
         return output, await self.score(task, output, phase=phase)
 
     async def score(self, task: Task, output: Any, *, phase: str) -> float:
@@ -182,7 +188,9 @@ class Evolution:
             output: What the rollout produced.
             phase: ``"train"`` or ``"eval"`` (counted in ``eval_rollouts``).
         """
-        value = check_reward(task, await call_user(self.reward_fn, task, output))
+        value = check_reward(
+            task, await call_user(self.reward_fn, task, output, executor=self.executor)
+        )
         if phase == "eval":
             self.eval_rollouts += 1
         return value
@@ -192,7 +200,10 @@ class Evolution:
     ) -> Proposal | None:
         """Ask the proposer for an edit from one training rollout."""
         edit = check_edit(
-            task, await call_user(self.propose_fn, head.rendered, task, output, value)
+            task,
+            await call_user(
+                self.propose_fn, head.rendered, task, output, value, executor=self.executor
+            ),
         )
         if edit is None:
             return None
@@ -411,21 +422,23 @@ async def prepare(
     if store is None:
         store = owned = MemoryStore()
     await store.open()
+    evolution: Evolution | None = None
     try:
-        ledger = Ledger(store, artifact_id, template)
         evolution = Evolution(
             train=train,
             held_out=held_out,
             reward=reward,
             run=run,
             propose=propose,
-            ledger=ledger,
+            ledger=Ledger(store, artifact_id, template),
             settings=settings,
             audit=audit if audit is not None else AuditScheduler(),
             engine=engine,
         )
         await evolution.start()
     except BaseException:
+        if evolution is not None:
+            evolution.close()
         if owned is not None:
             await owned.close()
         raise

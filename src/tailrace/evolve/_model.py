@@ -14,7 +14,9 @@ proposer turns a rollout into an :class:`Edit` (or None).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
+import functools
 import inspect
 import math
 import random
@@ -299,18 +301,25 @@ def set_rollout(context: RolloutContext) -> None:
     _current.set(context)
 
 
-async def call_user(fn: Callable[..., Any], *args: Any) -> Any:
+async def call_user(
+    fn: Callable[..., Any], *args: Any, executor: concurrent.futures.Executor | None = None
+) -> Any:
     """Call a user callable: await it if async, else run it in a thread (off the loop).
 
     Args:
         fn: The callable.
         args: Its positional arguments.
+        executor: Where a sync ``fn`` runs (the evolution's daemon threads, so
+            an abandoned call never holds the interpreter open); None uses
+            asyncio's default executor.
     """
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 - async callable objects
     ):
         return await fn(*args)
-    result = await asyncio.to_thread(fn, *args)
+    # The copied context carries the rollout context into the thread, as to_thread does.
+    call = functools.partial(contextvars.copy_context().run, fn, *args)
+    result = await asyncio.get_running_loop().run_in_executor(executor, call)
     if inspect.isawaitable(result):
         return await _await(result)
     return result

@@ -44,8 +44,8 @@ class Sweep:
     threshold: float
     held_out: float
     cheap_agreed: bool
-    rollouts: int
-    elapsed: float
+    rollouts: int = 0
+    elapsed: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,15 +140,10 @@ class EvolutionResult:
         version = data.get("format", RESULT_FORMAT)
         if version != RESULT_FORMAT:
             raise ValueError(f"unsupported EvolutionResult format {version!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        missing = [f.name for f in dataclasses.fields(cls) if _required(f) and f.name not in values]
-        if missing:
-            raise ValueError(f"EvolutionResult is missing required fields: {missing}")
-        sweep_fields = {f.name for f in dataclasses.fields(Sweep)}
+        values = _known_fields(cls, data, "EvolutionResult")
         values["history"] = tuple(
-            Sweep(**{k: v for k, v in s.items() if k in sweep_fields})
-            for s in values.get("history", ())
+            Sweep(**_known_fields(Sweep, s, f"EvolutionResult history[{i}]"))
+            for i, s in enumerate(values.get("history", ()))
         )
         values["worker_busy"] = tuple(values.get("worker_busy", ()))
         values["partial"] = tuple(values.get("partial", ()))
@@ -163,6 +158,22 @@ class EvolutionResult:
         """
         with open(path, encoding="utf-8") as fh:
             return cls.from_dict(json.load(fh))
+
+
+def _known_fields(cls: type, data: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """The fields of ``cls`` found in ``data``; unknown keys are ignored, defaults fill the rest.
+
+    Raises:
+        ValueError: ``data`` is not a mapping, or lacks a field without a default.
+    """
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{what} must be a JSON object, got {type(data).__name__}")
+    fields = dataclasses.fields(cls)
+    values = {f.name: data[f.name] for f in fields if f.name in data}
+    missing = [f.name for f in fields if _required(f) and f.name not in values]
+    if missing:
+        raise ValueError(f"{what} is missing required fields: {missing}")
+    return values
 
 
 def _required(f: dataclasses.Field[Any]) -> bool:

@@ -179,5 +179,6 @@ async def evolve(
             reason, wall, busy = await _drive(evolution, workers, max_rounds, round_timeout)
         return evolution.result(mode="sync", stop_reason=reason, wall=wall, busy=busy)
     finally:
+        evolution.close()  # abandoned sync calls (cut stragglers) never hold the caller
         if owned is not None:
             await owned.close()
