@@ -1,4 +1,10 @@
-"""Long tail in the async loop: stragglers while running, re-runs from the resume queue."""
+"""Long tail in the async loop: stragglers while running, re-runs from the resume queue.
+
+Straggler timers here never sit at the 5 ms floor for ordinary rollouts: a
+:class:`Scripted` estimator gives the one task meant to straggle (cost
+``SLOW``) a short timer and every other rollout an hour, so a loaded machine
+cannot turn an ordinary rollout into a straggler and the counts are exact.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +24,25 @@ class Call:
     rendered: str
 
 
-def _tasks(n: int) -> list[Task]:
-    return [Task(id=f"t{i}", prompt=f"task {i}") for i in range(n)]
+SLOW = 7.0  # the cost of the task meant to straggle
+
+
+class Scripted(DurationEstimator):
+    """Estimates ``quick`` seconds for a rollout of cost ``SLOW``, an hour for any other."""
+
+    def __init__(self, quick: float) -> None:
+        super().__init__(prior=3600.0)
+        self.quick = quick
+
+    def estimate(self, cost: float) -> float:
+        return self.quick if cost == SLOW else 3600.0
+
+
+def _tasks(n: int, slow: str | None = None) -> list[Task]:
+    return [
+        Task(id=f"t{i}", prompt=f"task {i}", meta={"cost": SLOW if f"t{i}" == slow else 1.0})
+        for i in range(n)
+    ]
 
 
 async def _straggler_scenario(*, proposals: bool) -> tuple[list[Call], dict[str, int], object]:
@@ -47,7 +70,7 @@ async def _straggler_scenario(*, proposals: bool) -> tuple[list[Call], dict[str,
 
     store = MemoryStore()
     result = await async_evolve(
-        _tasks(8),
+        _tasks(8, slow="t0"),
         reward,
         run=run,
         propose=propose,
@@ -56,7 +79,9 @@ async def _straggler_scenario(*, proposals: bool) -> tuple[list[Call], dict[str,
         workers=2,  # shards: [t0, t2] and [t1, t3]
         held_out_frac=0.5,
         max_rollouts=6,
-        duration_estimator=DurationEstimator(prior=0.05),  # t0 is cut after 0.15 s
+        # t0 is cut after 0.6 s: worker 1's proposals (sub-millisecond rollouts)
+        # are committed long before, even on a loaded machine.
+        duration_estimator=Scripted(quick=0.2),
         resume_queue=ResumeQueue(max_attempts=1),
     )
     versions = {
@@ -133,22 +158,22 @@ async def test_stragglers_are_counted_and_finish_without_a_queue():
     async def run(rendered: str, task: Task) -> str:
         ctx = current_rollout()
         if ctx is not None and ctx.phase == "train" and task.id == "t1":
-            await asyncio.sleep(0.2)  # far past 3 x the 1 ms prior
+            await asyncio.sleep(0.2)  # a slow rollout, far past its 5 ms timer
         return "x"
 
     result = await async_evolve(
-        _tasks(8),
+        _tasks(8, slow="t1"),
         lambda task, output: 1.0,
         run=run,
         propose=lambda *args: None,
         held_out_frac=0.5,
         workers=2,
-        max_rollouts=4,
-        duration_estimator=DurationEstimator(prior=0.001),
+        max_rollouts=2,  # one rollout each: t0 and t1
+        duration_estimator=Scripted(quick=0.001),  # t1's timer: the 5 ms floor
     )
-    assert result.stragglers >= 1
+    assert result.stragglers == 1
     assert result.resumed == 0
-    assert result.rollouts == 4
+    assert result.rollouts == 2  # the straggler was not cut: it finished
 
 
 async def test_queue_refusal_lets_the_straggler_finish():
@@ -159,20 +184,20 @@ async def test_queue_refusal_lets_the_straggler_finish():
     async def run(rendered: str, task: Task) -> str:
         ctx = current_rollout()
         if ctx is not None and ctx.phase == "train" and task.id == "t1":
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # a slow rollout, far past its 5 ms timer
         return "x"
 
     result = await async_evolve(
-        _tasks(8),
+        _tasks(8, slow="t1"),
         lambda task, output: 1.0,
         run=run,
         propose=lambda *args: None,
         held_out_frac=0.5,
         workers=2,
-        max_rollouts=4,
-        duration_estimator=DurationEstimator(prior=0.001),
+        max_rollouts=2,  # one rollout each: t0 and t1
+        duration_estimator=Scripted(quick=0.001),  # t1's timer: the 5 ms floor
         resume_queue=queue,
     )
-    assert result.stragglers >= 1 and result.resumed == 0
-    assert queue.dropped >= 1
-    assert result.rollouts == 4
+    assert result.stragglers == 1 and result.resumed == 0
+    assert queue.dropped == 1  # refused, so the straggler ran to its end
+    assert result.rollouts == 2
