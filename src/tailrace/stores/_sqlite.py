@@ -14,6 +14,7 @@ the busy timeout serialise their writers. The threads live in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sqlite3
 import time
@@ -87,7 +88,7 @@ from ._sql import (
     run_update_params,
 )
 from ._sqlite_files import prepare_for_writing, read_only_connection, read_only_uri
-from ._sqlite_threads import Readers, Writer
+from ._sqlite_threads import Readers, Undo, Writer, finish_despite_cancellation
 
 T = TypeVar("T")
 
@@ -101,6 +102,17 @@ def first_duplicate(conn: sqlite3.Connection, run_id: str, harvest: Harvest) -> 
         except sqlite3.IntegrityError:
             return what
     return f"run {run_id!r}: a row of this harvest"
+
+
+async def _open_in_thread(connect: Callable[[], sqlite3.Connection]) -> sqlite3.Connection:
+    """``connect()`` on a thread; if the caller is cancelled meanwhile, the connection is closed."""
+    opening = asyncio.ensure_future(asyncio.to_thread(connect))
+    try:
+        return await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):  # it failed to open: nothing to close
+            (await finish_despite_cancellation(opening)).close()
+        raise
 
 
 # --- the store -----------------------------------------------------------------
@@ -197,25 +209,45 @@ class SQLiteStore(RunStore):
         if self._read_only:
             self._read_uri = await asyncio.to_thread(read_only_uri, self._path, self._busy_timeout)
         else:
-            conn = await asyncio.to_thread(self._open_writer_connection)
+            conn = await _open_in_thread(self._open_writer_connection)
             self._writer = Writer(conn, max_batch=self._max_batch, name="tailrace-sqlite-writer")
         self._readers = Readers(self._connect, self._reader_count)
 
     async def close(self) -> None:
-        """Commit every write already submitted, then stop the threads. Idempotent."""
+        """Commit every write already submitted, then stop the threads. Idempotent.
+
+        Once begun, closing completes even if the caller is cancelled meanwhile
+        (the cancellation is re-raised afterwards), so no thread or connection
+        is left behind.
+        """
         writer, readers = self._writer, self._readers
         self._writer = self._readers = None
-        if writer is not None:
-            await asyncio.to_thread(writer.stop)
-        if readers is not None:
-            await asyncio.to_thread(readers.close)
 
-    async def _write(self, context: str, apply: Callable[[sqlite3.Connection], T]) -> T:
+        def stop() -> None:
+            if writer is not None:
+                writer.stop()
+            if readers is not None:
+                readers.close()
+
+        stopping = asyncio.ensure_future(asyncio.to_thread(stop))
+        try:
+            await asyncio.shield(stopping)
+        except asyncio.CancelledError:
+            await finish_despite_cancellation(stopping)
+            raise
+
+    async def _write(
+        self,
+        context: str,
+        apply: Callable[[sqlite3.Connection], T],
+        *,
+        undo: Undo[T] | None = None,
+    ) -> T:
         if self._readers is None:
             raise StoreError(f"{context}: the SQLite store is not open")
         if self._writer is None:
             raise read_only_refusal(f"SQLite store {self._path!r}", context)
-        return await self._writer.submit(context, apply)
+        return await self._writer.submit(context, apply, undo=undo)
 
     async def _read(self, context: str, read: Callable[[sqlite3.Connection], T]) -> T:
         if self._readers is None:
@@ -349,11 +381,15 @@ class SQLiteStore(RunStore):
     async def acquire_lease(
         self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
     ) -> int:
-        """Lease ``run_id`` to ``owner`` for ``ttl`` seconds, from ``steal_from`` if it holds it; return the token (D6)."""
+        """Lease ``run_id`` to ``owner`` for ``ttl`` seconds, from ``steal_from`` if it holds it; return the token (D6).
+
+        Cancelled once the writer has started it, the call waits for it and
+        releases a lease it newly granted before ``CancelledError`` propagates.
+        """
         check_ttl(ttl)
         check_names(run_id=run_id, owner=owner, steal_from=steal_from)
 
-        def apply(conn: sqlite3.Connection) -> int:
+        def apply(conn: sqlite3.Connection) -> tuple[int, bool]:
             holder, expires, lease_token = _select_lease(conn, run_id)
             now = self._clock()
             token = grant_lease(
@@ -364,9 +400,14 @@ class SQLiteStore(RunStore):
                 "UPDATE runs SET lease_owner = ?, lease_expires = ?, lease_token = ? WHERE run_id = ?",
                 (owner, now + ttl, token, run_id),
             )
-            return token
+            return token, token != lease_token  # a new grant, not a renewal of one's own
 
-        return await self._write(f"run {run_id!r}", apply)
+        def undo(granted: tuple[int, bool]) -> Callable[[sqlite3.Connection], object] | None:
+            token, new = granted  # a renewal is left alone: the caller held that lease before
+            return (lambda conn: _release(conn, run_id, owner, token)) if new else None
+
+        token, _ = await self._write(f"run {run_id!r}", apply, undo=undo)
+        return token
 
     async def heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
         """Extend ``owner``'s lease on ``run_id`` to ``ttl`` from now; ``LeaseLost`` if ``token`` is stale."""
@@ -385,14 +426,7 @@ class SQLiteStore(RunStore):
     async def release_lease(self, run_id: str, owner: str, token: int) -> None:
         """Drop ``owner``'s lease on ``run_id`` if still held with ``token``; else do nothing."""
         check_names(run_id=run_id, owner=owner)
-        await self._write(
-            f"run {run_id!r}",
-            lambda conn: conn.execute(
-                "UPDATE runs SET lease_owner = NULL, lease_expires = NULL "
-                "WHERE run_id = ? AND lease_owner = ? AND lease_token = ?",
-                (run_id, owner, token),
-            ),
-        )
+        await self._write(f"run {run_id!r}", lambda conn: _release(conn, run_id, owner, token))
 
     async def expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
         """Ids of ``running`` runs with no lease or one that expired before ``now``, at most ``limit``."""
@@ -618,6 +652,14 @@ def _select_run(conn: sqlite3.Connection, run_id: str) -> RunRecord:
 
 def _require_run(conn: sqlite3.Connection, run_id: str) -> None:
     _one(conn, "SELECT 1 FROM runs WHERE run_id = ?", run_id)
+
+
+def _release(conn: sqlite3.Connection, run_id: str, owner: str, token: int) -> None:
+    conn.execute(
+        "UPDATE runs SET lease_owner = NULL, lease_expires = NULL "
+        "WHERE run_id = ? AND lease_owner = ? AND lease_token = ?",
+        (run_id, owner, token),
+    )
 
 
 def _select_lease(conn: sqlite3.Connection, run_id: str) -> tuple[str | None, float | None, int]:

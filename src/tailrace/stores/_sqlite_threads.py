@@ -6,12 +6,22 @@ single :class:`Writer` thread drains every request waiting, applies them in one
 ``tailrace_write`` (so a fenced-out or refused request is rolled back alone),
 and only after COMMIT resolves each caller's future on its own loop.
 :class:`Readers` run reads on threads with their own read-only connections.
+
+Cancellation (issue 9, finding 4): the writer *claims* the requests of a group
+under a lock before it begins the transaction. A caller cancelled before its
+request was claimed withdraws it and the writer skips it: it did not happen. A
+request already claimed runs to COMMIT or rollback regardless, so the write
+connection is never left mid-transaction; a caller that passed an ``undo``
+(``acquire_lease``: release the lease it just granted) waits for the outcome,
+shielded, and commits the undo before ``CancelledError`` propagates, so the
+call did not happen in effect either.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import sqlite3
 import threading
@@ -23,6 +33,7 @@ from typing import Any, TypeVar, cast
 from .._errors import StoreError
 
 T = TypeVar("T")
+logger = logging.getLogger("tailrace.stores")
 
 # --- the writer thread ---------------------------------------------------------
 
@@ -33,23 +44,45 @@ class _Write:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Any]
     context: str
+    #: Both flags change only under the writer's lock. ``claimed``: the writer
+    #: took it into a group (it will run); ``abandoned``: nobody waits for it
+    #: any more (skipped if not claimed yet, its outcome dropped otherwise).
+    claimed: bool = False
+    abandoned: bool = False
 
 
 _Outcome = tuple[_Write, bool, object]
+#: Given what a write returned, the write that undoes it (or None: nothing to undo).
+Undo = Callable[[T], Callable[[sqlite3.Connection], object] | None]
 
 
-def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
-    if future.done():  # the caller was cancelled meanwhile
+def _settle(write: _Write, ok: bool, value: Any) -> None:
+    if write.future.done() or write.abandoned:  # nobody is waiting for it any more
         return
     if ok:
-        future.set_result(value)
+        write.future.set_result(value)
     else:
-        future.set_exception(value)
+        write.future.set_exception(value)
 
 
 def _deliver(write: _Write, ok: bool, value: object) -> None:
     with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
-        write.loop.call_soon_threadsafe(_settle, write.future, ok, value)
+        write.loop.call_soon_threadsafe(_settle, write, ok, value)
+
+
+async def finish_despite_cancellation(future: asyncio.Future[T]) -> T:
+    """Wait for ``future`` however often the waiting task is cancelled meanwhile.
+
+    Only for work that is already under way and bounded (a claimed write, a
+    thread that is closing connections); the caller re-raises the
+    cancellation afterwards, so it is delayed, never swallowed.
+    """
+    while True:
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.cancelled():
+                raise
 
 
 def _store_error(message: str, cause: BaseException) -> StoreError:
@@ -76,15 +109,60 @@ class Writer:
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
-    async def submit(self, context: str, apply: Callable[[sqlite3.Connection], T]) -> T:
-        """Queue ``apply`` and wait until the group it joined has committed."""
+    async def submit(
+        self,
+        context: str,
+        apply: Callable[[sqlite3.Connection], T],
+        *,
+        undo: Undo[T] | None = None,
+    ) -> T:
+        """Queue ``apply`` and wait until the group it joined has committed.
+
+        Cancelled before the writer claimed it, it is skipped. Cancelled
+        after, it completes; with ``undo``, the write ``undo(result)`` returns
+        is committed too before ``CancelledError`` propagates.
+        """
+        write = self._enqueue(context, apply)
+        try:
+            return cast("T", await asyncio.shield(write.future))
+        except asyncio.CancelledError:
+            if self._withdraw(write, waiting=undo is not None) and undo is not None:
+                await self._undo_after_cancellation(write, undo)
+            raise
+
+    def _enqueue(self, context: str, apply: Callable[[sqlite3.Connection], object]) -> _Write:
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
+        write = _Write(apply, loop, loop.create_future(), context)
         with self._lock:
             if self._stopping:
                 raise StoreError(f"{context}: the SQLite store is closed")
-            self._queue.put(_Write(apply, loop, future, context))
-        return await future
+            self._queue.put(write)
+        return write
+
+    def _withdraw(self, write: _Write, *, waiting: bool) -> bool:
+        """The caller of ``write`` was cancelled: whether the writer had claimed it already.
+
+        Unclaimed, it is abandoned (the writer skips it). Claimed, it runs;
+        it is abandoned too unless the caller is ``waiting`` for its outcome.
+        """
+        with self._lock:
+            if not write.claimed or not waiting:
+                write.abandoned = True
+            return write.claimed
+
+    async def _undo_after_cancellation(self, write: _Write, undo: Undo[Any]) -> None:
+        try:
+            value = await finish_despite_cancellation(write.future)
+        except Exception:  # the write failed: there is nothing to undo
+            return
+        compensation = undo(value)
+        if compensation is None:
+            return
+        context = f"{write.context}: undoing a cancelled call"
+        try:
+            await finish_despite_cancellation(self._enqueue(context, compensation).future)
+        except Exception:  # closing, or the database failed: say so, the caller is gone
+            logger.warning("%s failed", context, exc_info=True)
 
     def stop(self) -> None:
         """Apply every write queued so far, then end the thread (blocking)."""
@@ -122,8 +200,16 @@ class Writer:
                 return batch, False
         return batch, True
 
+    def _claim(self, batch: list[_Write]) -> list[_Write]:
+        """The requests of ``batch`` whose callers still wait, now claimed: they will run."""
+        with self._lock:
+            live = [w for w in batch if not w.abandoned]
+            for w in live:
+                w.claimed = True
+        return live
+
     def _commit_batch(self, batch: list[_Write]) -> None:
-        live = [w for w in batch if not w.future.cancelled()]  # cancelled before it began
+        live = self._claim(batch)  # a caller cancelled before this point withdrew its request
         if not live:
             return
         try:
