@@ -609,3 +609,380 @@ def test_g3_callable_object_handler_is_not_silently_replaced_by_its_class():
         return
     rebuilt = tr.Graph.from_dict(data)
     assert tr.run(rebuilt, 5).results == tr.run(g, 5).results == {"obj": 5}
+
+
+# ---------------------------------------------------------------------------
+# G1 for serialised input: a malformed document is a GraphError naming the field
+# ---------------------------------------------------------------------------
+
+
+def _doc():
+    """A valid document with every kind of field, as JSON text would give it."""
+    return json.loads(_rich_graph().to_json())
+
+
+def _node(data, node_id):
+    return next(n for n in data["nodes"] if n["id"] == node_id)
+
+
+def _edit(path, value=KeyError):
+    """A function applying one edit at ``path`` (``KeyError``: delete the key)."""
+
+    def apply(data):
+        *parents, last = path
+        target = data
+        for part in parents:
+            target = target[part]
+        if value is KeyError:
+            del target[last]
+        else:
+            target[last] = value
+
+    return apply
+
+
+def _at_node(node_id, *path, value=KeyError):
+    """Like :func:`_edit`, inside the node named ``node_id``."""
+
+    def apply(data):
+        _edit(path, value)(_node(data, node_id))
+
+    return apply
+
+
+MALFORMED = [
+    # (what, edit, words the message must contain)
+    ("missing name", _edit(["name"]), ["'name'"]),
+    ("missing nodes", _edit(["nodes"]), ["'nodes'"]),
+    ("missing edges", _edit(["edges"]), ["'edges'"]),
+    ("missing format", _edit(["format"]), ["'format'"]),
+    ("missing node id", _edit(["nodes", 0, "id"]), ["nodes[0]", "'id'"]),
+    ("missing kind", _at_node("fetch", "kind"), ["'fetch'", "'kind'"]),
+    ("missing handler", _at_node("fetch", "handler"), ["'fetch'", "'handler'"]),
+    ("missing source", _edit(["edges", 0, "source"]), ["edges[0]", "'source'"]),
+    ("missing target", _edit(["edges", 1, "target"]), ["edges[1]", "'target'"]),
+    ("missing retry field", _at_node("fetch", "retry", "attempts"), ["'fetch'", "attempts"]),
+    ("missing cost ref", _at_node("fetch", "cost", "ref"), ["'fetch'", "'ref'"]),
+    ("nodes is a number", _edit(["nodes"], 5), ["'nodes'"]),
+    ("name is a number", _edit(["name"], 5), ["'name'"]),
+    ("name is null", _edit(["name"], None), ["'name'"]),
+    ("name is empty", _edit(["name"], ""), ["name"]),
+    ("format is text", _edit(["format"], "1"), ["'format'"]),
+    ("format is true", _edit(["format"], True), ["'format'"]),
+    ("nodes is an object", _edit(["nodes"], {}), ["'nodes'"]),
+    ("node is a number", _edit(["nodes", 0], 3), ["nodes[0]"]),
+    ("node id is a number", _edit(["nodes", 0, "id"], 3), ["nodes[0]", "'id'"]),
+    ("kind is a list", _at_node("fetch", "kind", value=[]), ["'fetch'", "'kind'"]),
+    ("kind is unknown", _at_node("fetch", "kind", value="teleport"), ["'fetch'", "teleport"]),
+    ("handler is a list", _at_node("fetch", "handler", value=[]), ["'fetch'", "'handler'"]),
+    ("handler is no reference", _at_node("fetch", "handler", value="nope"), ["'fetch'", "nope"]),
+    (
+        "handler is missing",
+        _at_node("fetch", "handler", value="no_such_mod_zz:f"),
+        ["'fetch'", "no_such_mod_zz"],
+    ),
+    ("handler not callable", _at_node("fetch", "handler", value="math:pi"), ["'fetch'", "math:pi"]),
+    ("priority is text", _at_node("start", "priority", value="high"), ["'start'", "priority"]),
+    ("max_visits is text", _at_node("check", "max_visits", value="5"), ["'check'", "max_visits"]),
+    ("timeout is a list", _at_node("start", "timeout", value=[1]), ["'start'", "timeout"]),
+    ("any_of is text", _at_node("any", "any_of", value="yes"), ["'any'", "any_of"]),
+    ("required is text", _at_node("merge", "required", value="1"), ["'merge'", "required"]),
+    ("retry is text", _at_node("fetch", "retry", value="x"), ["'fetch'", "'retry'"]),
+    (
+        "attempts is text",
+        _at_node("fetch", "retry", "attempts", value="3"),
+        ["'fetch'", "attempts"],
+    ),
+    (
+        "retry_on is text",
+        _at_node("fetch", "retry", "retry_on", value="builtins:ValueError"),
+        ["'fetch'", "retry_on"],
+    ),
+    (
+        "retry_on names a function",
+        _at_node("fetch", "retry", "retry_on", value=["os:getcwd"]),
+        ["'fetch'", "retry", "os:getcwd"],
+    ),
+    ("cost is text", _at_node("other", "cost", value="2"), ["'other'", "cost"]),
+    ("cost ref is a number", _at_node("fetch", "cost", "ref", value=3), ["'fetch'", "'ref'"]),
+    ("edge source is null", _edit(["edges", 0, "source"], None), ["edges[0]", "'source'"]),
+    ("edge route is a number", _edit(["edges", 0, "route"], 3), ["'route'"]),
+    ("edge to nowhere", _edit(["edges", 0, "target"], "ghost"), ["ghost"]),
+    ("unknown top-level field", _edit(["extra"], 1), ["'extra'"]),
+    ("unknown node option", _at_node("start", "prio", value=3), ["'start'", "'prio'"]),
+    ("unknown edge field", _edit(["edges", 0, "weight"], 1), ["'weight'"]),
+    ("unknown retry field", _at_node("fetch", "retry", "jitter", value=1), ["'fetch'", "jitter"]),
+    ("unknown cost field", _at_node("fetch", "cost", "extra", value=1), ["'fetch'", "'extra'"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"), [pytest.param(e, w, id=what) for what, e, w in MALFORMED]
+)
+def test_g1_malformed_document_is_a_graph_error_naming_the_field(edit, words):
+    data = _doc()
+    edit(data)
+    with pytest.raises(tr.GraphError) as info:
+        tr.Graph.from_dict(data)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+@pytest.mark.parametrize("data", [None, [], "graph", 3])
+def test_g1_a_document_that_is_not_an_object_is_a_graph_error(data):
+    with pytest.raises(tr.GraphError, match="graph document"):
+        tr.Graph.from_dict(data)
+
+
+def test_g1_explicit_nulls_mean_defaults_as_to_dict_writes_them():
+    data = _doc()
+    _node(data, "done")["priority"] = None
+    _node(data, "done")["timeout"] = None
+    assert tr.Graph.from_dict(data).to_dict() == _doc()
+
+
+def test_g1_handlers_mapping_values_must_be_callable():
+    with pytest.raises(tr.GraphError, match=r"'start'.*not callable"):
+        tr.Graph.from_dict(_doc(), {"start": 42})
+
+
+def test_g1_cost_by_reference_is_not_replaced_by_the_node_ids_handler():
+    def replacement(x):
+        return x
+
+    rebuilt = tr.Graph.from_dict(_doc(), {"fetch": replacement})
+    assert rebuilt.nodes["fetch"].handler is replacement
+    assert rebuilt.nodes["fetch"].cost is h_cost
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("priority", "high"),
+        ("priority", None),
+        ("priority", float("nan")),
+        ("priority", True),
+        ("max_visits", "3"),
+        ("max_visits", 1.5),
+        ("max_visits", 0),
+        ("timeout", "1"),
+        ("timeout", float("inf")),
+        ("timeout", -1),
+        ("cost", "cheap"),
+        ("cost", -1.0),
+        ("any_of", "yes"),
+        ("hedge", 1),
+        ("retry", 3),
+        ("estimate_key", 7),
+        ("estimate_key", ""),
+    ],
+)
+def test_g1_a_node_option_of_the_wrong_type_fails_at_build_time(option, value):
+    g = tr.Graph("g")
+    with pytest.raises(tr.GraphError) as info:
+        g.add_node("culprit", noop, **{option: value})
+    assert "culprit" in str(info.value) and option in str(info.value)
+    assert g.nodes == {}
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("required", "2"), ("required", 1.0)],
+)
+def test_g1_aggregate_quorum_of_the_wrong_type_fails_at_build_time(option, value):
+    with pytest.raises(tr.GraphError, match=r"merge.*required"):
+        tr.Graph("g").add_node("merge", h_merge, tr.NodeKind.AGGREGATE, **{option: value})
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("poller", 5), ("poller", ""), ("deadline", "soon"), ("deadline", 0)]
+)
+def test_g1_gate_options_of_the_wrong_type_fail_at_build_time(option, value):
+    with pytest.raises(tr.GraphError, match=f"gate.*{option}"):
+        tr.Graph("g").add_node("gate", noop, tr.NodeKind.GATE, **{option: value})
+
+
+def test_g1_priority_high_fails_before_any_run():
+    g = tr.Graph("g")
+    with pytest.raises(tr.GraphError, match=r"'work'.*priority"):
+
+        @g.task(priority="high")
+        def work(x):
+            return x
+
+    assert g.nodes == {}
+
+
+def test_g1_decorator_with_an_unknown_option_names_node_and_option():
+    g = tr.Graph("g")
+    with pytest.raises(tr.GraphError, match=r"'work'.*'prio'"):
+
+        @g.task(prio=3)
+        def work(x):
+            return x
+
+
+@pytest.mark.parametrize("name", [None, "", 3, b"g"])
+def test_g1_graph_name_must_be_a_non_empty_string(name):
+    with pytest.raises(tr.GraphError, match="graph name"):
+        tr.Graph(name)
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "route"), [(["a"], "b", None), ("a", None, None), ("a", "b", 3)]
+)
+def test_g1_edge_endpoints_and_route_must_be_strings(source, target, route):
+    g = tr.Graph("g")
+    g.add_node("a", noop)
+    g.add_node("b", noop)
+    with pytest.raises(tr.GraphError, match="must be a string"):
+        g.add_edge(source, target, route=route)
+
+
+# -- fuzzing from_dict: it only ever succeeds or raises GraphError ---------------------
+
+REFERENCES = [
+    f"{__name__}:h_task",
+    f"{__name__}:h_merge",
+    "builtins:ValueError",
+    "builtins:int",
+    "os:getcwd",
+    "math:pi",
+    "tailrace:Graph",
+    "zz_tailrace_fuzz_missing:x",
+    "/nonexistent/dir/graph.py:graph",
+    "graph.py:x",
+    ".relative:x",
+    "a:b:c",
+    ":",
+    "",
+]
+FIELDS = [
+    "format",
+    "name",
+    "nodes",
+    "edges",
+    "id",
+    "kind",
+    "handler",
+    "source",
+    "target",
+    "route",
+    "ref",
+    "retry",
+    "attempts",
+    "backoff",
+    "multiplier",
+    "max_backoff",
+    "retry_on",
+    "required",
+    "max_visits",
+    "priority",
+    "any_of",
+    "timeout",
+    "cost",
+    "estimate_key",
+    "hedge",
+    "poller",
+    "deadline",
+]
+
+
+def _json_values():
+    from hypothesis import strategies as st
+
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.integers(min_value=-(2**70), max_value=2**70)
+        | st.floats()
+        | st.sampled_from(REFERENCES + [k.value for k in tr.NodeKind] + ["start", "fetch"])
+        | st.text(max_size=6)
+    )
+    return st.recursive(
+        scalars,
+        lambda inner: (
+            st.lists(inner, max_size=3)
+            | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=4), inner, max_size=3)
+        ),
+        max_leaves=8,
+    )
+
+
+def _mutate(data, draw):
+    """Apply one random edit somewhere in ``data``: delete, replace or add."""
+    from hypothesis import strategies as st
+
+    target = data
+    while True:
+        children = list(target.items()) if isinstance(target, dict) else list(enumerate(target))
+        containers = [(k, v) for k, v in children if isinstance(v, dict | list) and v]
+        if not containers or draw(st.integers(0, 4)) == 0:  # mostly go deep
+            break
+        target = draw(st.sampled_from(containers))[1]
+    action = draw(st.sampled_from(["delete", "replace", "add"]))
+    keys = list(target) if isinstance(target, dict) else list(range(len(target)))
+    if action == "add" or not keys:
+        value = draw(_json_values())
+        if isinstance(target, dict):
+            target[draw(st.sampled_from(FIELDS) | st.text(max_size=4))] = value
+        else:
+            target.append(value)
+    elif action == "delete":
+        del target[draw(st.sampled_from(keys))]
+    else:
+        target[draw(st.sampled_from(keys))] = draw(_json_values())
+
+
+def _check_only_graph_errors(data):
+    fmt = data.get("format") if isinstance(data, dict) else None
+    try:
+        graph = tr.Graph.from_dict(data)
+    except tr.UnsupportedFormat:
+        # D4: only a well-formed version number we do not know.
+        assert isinstance(fmt, int) and not isinstance(fmt, bool) and fmt != 1
+        return
+    except tr.GraphError:
+        return
+    # G3 holds for whatever it accepted.
+    again = tr.Graph.from_dict(json.loads(graph.to_json()))
+    assert again.to_json() == graph.to_json()
+
+
+def test_g1_fuzz_mutated_documents_only_ever_raise_graph_error():
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.data())
+    def check(data):
+        doc = _doc()
+        for _ in range(data.draw(st.integers(min_value=1, max_value=3))):
+            _mutate(doc, data.draw)
+        _check_only_graph_errors(doc)
+
+    check()
+
+
+def test_g1_fuzz_arbitrary_documents_only_ever_raise_graph_error():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    documents = (
+        st.fixed_dictionaries(
+            {"format": st.just(1)},
+            optional={
+                "name": _json_values(),
+                "nodes": st.lists(_json_values(), max_size=3),
+                "edges": st.lists(_json_values(), max_size=3),
+            },
+        )
+        | _json_values()
+    )
+
+    @settings(max_examples=300, deadline=None)
+    @given(documents)
+    def check(doc):
+        _check_only_graph_errors(doc)
+
+    check()
