@@ -44,6 +44,7 @@ from tailrace._errors import (
     UnsupportedFormat,
 )
 from tailrace._graph import load_file_module
+from tailrace._persist import NODE_ROW_VERSION
 from tailrace.stores import (
     FORMAT_VERSION,
     Harvest,
@@ -795,7 +796,7 @@ async def test_d4_future_node_format_is_refused_and_nothing_written(backend: Bac
     g, run_id = await crashed_fork(backend, probe, "d4-node")
     row = (await backend.raw_nodes(run_id))["b"]
     data = json.loads(row.data_json)
-    data["v"] = FORMAT_VERSION + 1
+    data["v"] = NODE_ROW_VERSION + 1
     await backend.set_node_data(run_id, "b", json.dumps(data))
     before = await snapshot(backend, run_id)
 
@@ -1098,15 +1099,19 @@ async def test_resume_race_with_a_finishing_engine_is_not_resumable(backend: Bac
     probe = Probe()
     g, run_id = await crashed_fork(backend, probe, "race")
     gate = asyncio.Event()
+    waiting = asyncio.Event()
 
     class SlowLease(SpyStore):
-        async def acquire_lease(self, run_id: str, owner: str, ttl: float) -> int:
+        async def acquire_lease(
+            self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
+        ) -> int:
+            waiting.set()
             await gate.wait()
-            return await self.inner.acquire_lease(run_id, owner, ttl)
+            return await self.inner.acquire_lease(run_id, owner, ttl, steal_from=steal_from)
 
     late = spy_engine(SlowLease(backend.store), owner="late")
     late_task = asyncio.create_task(late.resume(run_id, g))
-    await asyncio.sleep(0.05)  # late has read the run (running) and waits for its lease
+    await waiting.wait()  # late has read the run (running) and waits for its lease
     assert (await engine(backend, owner="early").resume(run_id, g)).status == "completed"
     runs = Counter(probe.runs)
     gate.set()

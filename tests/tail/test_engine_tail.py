@@ -10,6 +10,7 @@ every run that a bug could hang is wrapped in ``asyncio.timeout``.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -469,23 +470,31 @@ async def test_t3_hedged_result_committed_exactly_once(store: RunStore) -> None:
 
 
 async def test_t3_no_hedge_starts_once_the_run_is_failing() -> None:
-    # E9 cancels "slow" while its straggler timer is still armed; the attempt takes
-    # 200 ms to clean up, and the timer (30 ms) fires meanwhile. No backup may start
-    # then: it would outlive the run, owned by nobody.
-    engine, events = recorded({"tail": trained(slow=FAST)})
+    # E9 cancels "slow" while its straggler timer is still armed; the attempt's
+    # cleanup outlasts the timer, which fires meanwhile. No backup may start then:
+    # it would outlive the run, owned by nobody. "boom" fails as soon as "slow" has
+    # started, and the timer sits at 3 x 100 ms, so the failure is harvested
+    # long before it fires even on a loaded machine.
+    estimate = 0.1
+    engine, events = recorded({"tail": trained(slow=estimate)})
     calls: list[str] = []
+    slow_started = asyncio.Event()
 
     async def boom(x: Any) -> None:
-        await asyncio.sleep(0.005)
+        await slow_started.wait()
         raise RuntimeError("boom")
 
     async def slow(x: Any) -> str:
         calls.append("start")
+        started = time.monotonic()
+        slow_started.set()
         try:
             await hang()
         except asyncio.CancelledError:
             calls.append("cancelled")
-            await asyncio.sleep(0.2)  # cleanup; the cancellation is re-raised after it
+            # Cleanup until well past the timer's due time; the cancellation is
+            # re-raised after it.
+            await asyncio.sleep(max(0.0, started + 6 * estimate - time.monotonic()))
             raise
         return "slow"
 

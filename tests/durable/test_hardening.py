@@ -1,0 +1,447 @@
+"""Hardening of durable runs (issue 9): values no store keeps, retries across a
+crash, retry events live, large results stored once, dead owners taken over.
+
+Each test runs on memory, SQLite (a real file) and Postgres (when
+``TAILRACE_TEST_POSTGRES_DSN`` is set); the crash tests SIGKILL a real child
+process and need a store another process can open (SQLite, Postgres).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import signal
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tailrace as tr
+from tailrace._graph import load_file_module
+from tailrace.stores import Harvest, MemoryStore, RunStatus, RunStore, SQLiteStore
+
+POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
+GUARD = 30.0  # seconds; only there so that a bug fails the test instead of hanging it
+
+_postgres = pytest.param(
+    "postgres",
+    marks=[
+        pytest.mark.postgres,
+        pytest.mark.skipif(POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set"),
+    ],
+)
+
+
+async def _drop_schema(schema: str) -> None:
+    import psycopg
+    from psycopg import sql
+
+    assert POSTGRES_DSN is not None
+    async with await psycopg.AsyncConnection.connect(POSTGRES_DSN, autocommit=True) as conn:
+        await conn.execute(
+            sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
+        )
+
+
+@pytest.fixture
+async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """A location another process can open too: a SQLite file, or a Postgres DSN with a
+    fresh schema after a ``#`` (see ``open_location``)."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "runs.db")
+        return
+    assert POSTGRES_DSN is not None
+    schema = f"tailrace_hard_{uuid.uuid4().hex[:12]}"
+    yield f"{POSTGRES_DSN}#{schema}"
+    await _drop_schema(schema)
+
+
+def open_location(location: str) -> RunStore:
+    """The store at ``location``: a SQLite path, or ``DSN#schema`` for Postgres."""
+    from tailrace.stores import SQLiteStore
+
+    if location.startswith("postgresql"):
+        from tailrace.stores import PostgresStore
+
+        dsn, schema = location.rsplit("#", 1)
+        return PostgresStore(dsn, schema=schema)
+    return SQLiteStore(location)
+
+
+#: The child scripts open their store with the same function.
+OPEN_LOCATION = inspect.getsource(open_location)
+
+
+async def _spawn(script: Path, location: str, **env: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, str(script), location, env={**os.environ, **env}
+    )
+
+
+async def _reap(child: asyncio.subprocess.Process) -> None:
+    if child.returncode is None:
+        child.kill()
+        await child.wait()
+
+
+@pytest.fixture(params=["memory", "sqlite", _postgres])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[RunStore]:
+    """Each store in turn, on a fresh database."""
+    if request.param == "memory":
+        async with MemoryStore() as memory:
+            yield memory
+        return
+    if request.param == "sqlite":
+        async with SQLiteStore(tmp_path / "runs.db") as sqlite:
+            yield sqlite
+        return
+    from tailrace.stores import PostgresStore
+
+    assert POSTGRES_DSN is not None
+    schema = f"tailrace_hard_{uuid.uuid4().hex[:12]}"
+    try:
+        async with PostgresStore(POSTGRES_DSN, schema=schema) as pg:
+            yield pg
+    finally:
+        await _drop_schema(schema)
+
+
+# -- finding 3: values the codec lets through but a store refuses ----------------
+
+
+def _deep(n: int) -> Any:
+    value: Any = "bottom"
+    for _ in range(n):
+        value = [value]
+    return value
+
+
+BAD_RESULTS: dict[str, Callable[[], Any]] = {
+    "deeper than the recursion limit": lambda: _deep(sys.getrecursionlimit() * 4),
+    "a lone surrogate": lambda: {"text": "caf\ud800"},
+    "a lone surrogate in a key": lambda: {"\udcff": 1},
+}
+
+
+@pytest.mark.parametrize("what", sorted(BAD_RESULTS))
+async def test_3_a_value_no_store_keeps_fails_its_node_before_any_commit(
+    store: RunStore, what: str
+) -> None:
+    ran: list[str] = []
+
+    async def produce(x: Any) -> Any:
+        return BAD_RESULTS[what]()
+
+    g = tr.Graph("bad-value")
+    g.add_node("ok", _record(ran, "ok"))
+    g.add_node("produce", produce)
+    g.add_node("after", _record(ran, "after"))
+    g.chain("ok", "produce", "after")
+    engine = tr.Engine(store=store)
+    with pytest.raises(tr.EncodeError, match=r"node 'produce' \(visit 1\)"):
+        async with asyncio.timeout(GUARD):
+            await engine.run(g, 1, run_id=f"bad-{len(what)}")
+    record = await store.get_run(f"bad-{len(what)}")
+    assert record.status == RunStatus.FAILED, record  # failed, never left running
+    assert "produce" in (record.error or "")
+    assert [r.node_id for r in await store.results(record.run_id)] == ["ok"]
+    assert ran == ["ok"]
+
+
+@pytest.mark.parametrize(
+    "message", ["NUL \x00 inside", "surrogate \ud800 inside", "[/etc/app.conf] \x00\ud800"]
+)
+async def test_3_handler_errors_with_nul_or_surrogates_are_stored_readably(
+    store: RunStore, message: str
+) -> None:
+    g = tr.Graph("bad-error")
+
+    @g.task()
+    async def boom(x: Any) -> None:
+        raise ValueError(message)
+
+    with pytest.raises(ValueError) as raised:
+        await tr.Engine(store=store).run(g, None, run_id="bad-error")
+    assert str(raised.value) == message  # the handler's own exception, unwrapped (E9)
+    record = await store.get_run("bad-error")
+    assert record.status == RunStatus.FAILED
+    assert record.error is not None and record.error.startswith("ValueError: ")
+    assert "\x00" not in record.error
+    record.error.encode("utf-8")  # every store can hold it; no lone surrogate left
+
+
+async def test_3_nul_in_a_result_string_round_trips(store: RunStore) -> None:
+    g = tr.Graph("nul")
+
+    @g.task()
+    async def produce(x: Any) -> str:
+        return "a\x00b"
+
+    result = await tr.Engine(store=store).run(g, None, run_id="nul")
+    assert result.output == "a\x00b"
+    assert [r.value_json for r in await store.results("nul")] == ['"a\\u0000b"']
+
+
+@pytest.mark.parametrize("run_id", ["", "a\x00b", "x\ud800"])
+async def test_3_run_ids_no_store_can_key_on_are_refused_up_front(
+    store: RunStore, run_id: str
+) -> None:
+    g = tr.Graph("ids")
+    g.add_node("a", _record([], "a"))
+    with pytest.raises(ValueError, match="run id"):
+        await tr.Engine(store=store).run(g, None, run_id=run_id)
+    assert await store.list_runs() == []
+
+
+def _record(ran: list[str], name: str) -> Callable[[Any], Any]:
+    async def handler(x: Any) -> Any:
+        ran.append(name)
+        return x
+
+    handler.__name__ = name
+    return handler
+
+
+# -- finding 18: every retry is an event, committed and published when it happens
+
+
+async def test_18_a_retry_is_durable_and_published_while_the_node_backs_off(
+    store: RunStore,
+) -> None:
+    seen = asyncio.Event()
+    events: list[tr.Event] = []
+
+    def listener(event: tr.Event) -> None:
+        events.append(event)
+        seen.set()
+
+    bus = tr.EventBus()
+    bus.subscribe(listener, tr.EventType.NODE_RETRYING)
+    g = tr.Graph("retry-live")
+
+    @g.task(retry=tr.RetryPolicy(attempts=3, backoff=3600.0))
+    async def flaky(x: Any) -> None:
+        raise RuntimeError("try again")
+
+    task = asyncio.create_task(tr.Engine(store=store, bus=bus).run(g, None, run_id="live"))
+    async with asyncio.timeout(GUARD):
+        await seen.wait()  # published while the node sleeps its hour-long backoff
+
+    async def committed() -> list[tr.Event]:
+        return [e for e in await store.events("live") if e.type == "node_retrying"]
+
+    stored = await _wait_for(committed, "the retry to be committed during the backoff")
+    assert [(e.node_id, e.attempt) for e in events] == [("flaky", 1)]
+    assert [(e.node_id, e.attempt) for e in stored] == [("flaky", 1)]
+    assert not task.done()
+    node = (await store.load_run("live")).nodes["flaky"]
+    assert '"attempts":2' in node.data_json and "retry_due" in node.data_json
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+# -- finding 17: a retried node keeps its attempts across a crash ----------------
+
+CHILD = """
+from __future__ import annotations
+import asyncio, os, sys
+import tailrace as tr
+OPEN_LOCATION
+
+g = tr.Graph("retried")
+
+# The first retry follows at once, the second an hour later: killed in between.
+@g.task(retry=tr.RetryPolicy(attempts=3, backoff=0.001, multiplier=3.6e6, max_backoff=3600))
+async def flaky(x):
+    node = tr.current_node()
+    with open(os.environ["LOG"], "a") as log:
+        log.write(f"{node.attempt}\\n")
+    if node.attempt < 3:
+        raise RuntimeError(f"attempt {node.attempt} failed")
+    return "third time lucky"
+
+async def main():
+    async with open_location(sys.argv[1]) as store:
+        await tr.Engine(store=store, lease_ttl=3600).run(g, None, run_id="retried")
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+async def _wait_for(check: Callable[[], Any], what: str) -> Any:
+    deadline = time.monotonic() + GUARD
+    while time.monotonic() < deadline:
+        value = await check()
+        if value:
+            return value
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize("store_url", ["sqlite", _postgres], indirect=True)
+async def test_17_a_node_killed_during_its_backoff_continues_its_retry_policy(
+    tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = tmp_path / "retried.py"
+    script.write_text(textwrap.dedent(CHILD).replace("OPEN_LOCATION", OPEN_LOCATION))
+    log = tmp_path / "attempts.log"
+    monkeypatch.setenv("LOG", str(log))  # the child, and this process when it resumes
+    child = await _spawn(script, store_url)
+    try:
+        async with open_location(store_url) as store:
+
+            async def second_retry_committed() -> bool:
+                try:
+                    events = await store.events("retried")
+                except tr.RunNotFound:
+                    return False
+                return [e.attempt for e in events if e.type == "node_retrying"] == [1, 2]
+
+            # Both failures are committed while the node waits an hour before try 3.
+            await _wait_for(second_retry_committed, "the second retry to be committed")
+            child.send_signal(signal.SIGKILL)
+            await child.wait()
+            assert log.read_text().split() == ["1", "2"]
+
+            # The resumed node waits out what is left of its backoff: make it short.
+            row = (await store.load_run("retried")).nodes["flaky"]
+            assert '"attempts":3' in row.data_json
+            module = load_file_module(str(script))
+            engine = tr.Engine(store=store, owner="rescuer")
+            await _expire_backoff(store, engine, module.g)
+    finally:
+        await _reap(child)
+    assert log.read_text().split() == ["1", "2", "3"]  # not 1, 2, 1, 2, 3
+
+
+async def _expire_backoff(store: RunStore, engine: tr.Engine, graph: tr.Graph) -> None:
+    """Resume with the backoff's due time moved to now (the stored due time is an hour away)."""
+    import json
+
+    from tailrace.stores import NodeRow
+
+    stored = await store.load_run("retried")
+    row = stored.nodes["flaky"]
+    data = json.loads(row.data_json)
+    assert data["retry_due"] > time.time() + 60  # the due time survived the crash
+    data["retry_due"] = time.time()
+    patched = NodeRow(
+        node_id="flaky", status=row.status, visits=row.visits, data_json=json.dumps(data)
+    )
+    token = await store.acquire_lease("retried", "patcher", 60, steal_from=stored.run.lease_owner)
+    await store.commit("retried", token, Harvest(state_json=stored.run.state_json, nodes=[patched]))
+    await store.release_lease("retried", "patcher", token)
+    async with asyncio.timeout(GUARD):
+        result = await engine.resume("retried", graph)
+    assert (result.status, result.output) == ("completed", "third time lucky")
+    assert result.nodes["flaky"].attempts == 3
+
+
+# -- finding 13: a large result is stored once ------------------------------------
+
+
+async def test_13_a_large_result_is_stored_once_and_restored_by_reference(
+    store: RunStore,
+) -> None:
+    big = "x" * 2_000_000
+    g = tr.Graph("big")
+
+    @g.task()
+    async def produce(x: Any) -> str:
+        return big
+
+    @g.gate()
+    async def review(text: str) -> str:
+        return f"review {len(text)} characters"
+
+    @g.task()
+    async def consume(answer: Any) -> Any:
+        return answer
+
+    g.chain("produce", "review", "consume")
+    first = await tr.Engine(store=store).run(g, None, run_id="big")
+    assert first.status == "suspended"
+    stored = await store.load_run("big")
+    node_chars = sum(len(row.data_json) for row in stored.nodes.values())
+    result_chars = sum(len(r.value_json) for r in await store.results("big"))
+    assert result_chars >= len(big)
+    assert node_chars < 10_000, node_chars  # node rows refer to the result row
+    (question,) = first.questions
+    await store.answer(question.question_id, '"ok"', by="test")
+    second = await tr.Engine(store=store).resume("big", g)  # a fresh engine restores from rows
+    assert second.status == "completed"
+    assert second.results["produce"] == big  # the referenced value, read back
+    assert second.output == "ok"
+
+
+# -- finding 10: a crashed owner's run is taken over at once ---------------------
+
+HANGER = """
+from __future__ import annotations
+import asyncio, sys
+import tailrace as tr
+OPEN_LOCATION
+
+g = tr.Graph("hanger")
+
+@g.task()
+async def hang(x):
+    await asyncio.Event().wait()
+
+async def main():
+    async with open_location(sys.argv[1]) as store:
+        await tr.Engine(store=store, lease_ttl=3600).run(g, None, run_id="orphan")
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("store_url", ["sqlite", _postgres], indirect=True)
+async def test_10_a_run_whose_local_owner_died_is_taken_over_without_waiting(
+    tmp_path: Path, store_url: str
+) -> None:
+    script = tmp_path / "hanger.py"
+    script.write_text(textwrap.dedent(HANGER).replace("OPEN_LOCATION", OPEN_LOCATION))
+    child = await _spawn(script, store_url)
+    try:
+        async with open_location(store_url) as store:
+
+            async def started() -> bool:
+                try:
+                    events = await store.events("orphan")
+                except tr.RunNotFound:
+                    return False
+                return any(e.type == "node_started" for e in events)
+
+            await _wait_for(started, "the child to start its node")
+            live = tr.Engine(store=store, owner="impatient")
+            with pytest.raises(tr.LeaseHeld, match="orphan"):
+                await live.resume("orphan", load_file_module(str(script)).g)
+            child.send_signal(signal.SIGKILL)
+            await child.wait()
+            record = await store.get_run("orphan")
+            assert record.lease_expires is not None and record.lease_expires > time.time() + 600
+            task = asyncio.create_task(
+                tr.Engine(store=store, owner="rescuer").resume(
+                    "orphan", load_file_module(str(script)).g
+                )
+            )
+
+            async def taken_over() -> bool:
+                return (await store.get_run("orphan")).lease_owner == "rescuer"
+
+            await _wait_for(taken_over, "the rescuer to take the lease over")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    finally:
+        await _reap(child)
