@@ -241,8 +241,18 @@ async def test_serve_applying_an_answer_never_executes_the_runs_file_reference(
     await Server(await backend.engine()).once()
     assert hostile.executions() == 0
     assert (await store.get_run(run_id)).status.value == "suspended"
+    [row] = await store.list_questions(run_id=run_id)
+    assert row.status is QuestionStatus.ANSWERED  # kept for a reader that opts in
 
-    # Opting in (the daemon was handed the graph: `serve --graphs`) applies it.
+
+async def test_serve_told_the_graph_applies_answers_of_a_run_named_by_file(
+    backend: Backend, hostile: Hostile
+) -> None:
+    """The opt-in of a daemon (``serve --graphs path.py`` registers the file's graphs)."""
+    owner = await backend.engine()
+    run_id, question_id = await suspended(owner, hostile.ref("graph"))
+    await owner.answer(question_id, "yes", resume=False)
+    store = await backend.store()
     told = await backend.engine()
     told.register(approval)
     await Server(told).once()
