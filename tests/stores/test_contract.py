@@ -610,16 +610,23 @@ async def test_postgres_refuses_a_newer_schema_and_writes_nothing(pg_backend: Ba
                 sql.Identifier(schema)
             )
         )
-        assert await cur.fetchall() == [(1,), (2,), (3,), (999,)]
+        assert await cur.fetchall() == [(v,) for v, _ in MIGRATIONS] + [(999,)]
 
 
 @pytest.mark.postgres
 async def test_postgres_driver_errors_become_store_errors(pg_backend: Backend) -> None:
     backend = pg_backend
     import psycopg
+    from psycopg import sql
 
+    from tailrace.stores import PostgresStore
+
+    assert isinstance(backend.store, PostgresStore) and POSTGRES_DSN is not None
+    async with await psycopg.AsyncConnection.connect(POSTGRES_DSN, autocommit=True) as conn:
+        table = sql.Identifier(backend.store.schema, "runs")
+        await conn.execute(sql.SQL("DROP TABLE {} CASCADE").format(table))
     with pytest.raises(StoreError, match="bad") as info:
-        await backend.store.create_run(new_run("bad\x00id"))
+        await backend.store.create_run(new_run("bad"))
     assert isinstance(info.value.__cause__, psycopg.Error)
 
 
@@ -642,7 +649,7 @@ async def test_postgres_concurrent_opens_of_a_fresh_schema_migrate_once() -> Non
             cur = await conn.execute(
                 sql.SQL("SELECT version FROM {}.schema_migrations").format(sql.Identifier(schema))
             )
-            assert await cur.fetchall() == [(1,), (2,), (3,)]
+            assert await cur.fetchall() == [(v,) for v, _ in MIGRATIONS]
     finally:
         await asyncio.gather(*(s.close() for s in racers))
         async with await psycopg.AsyncConnection.connect(POSTGRES_DSN, autocommit=True) as conn:
