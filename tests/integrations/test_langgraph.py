@@ -26,7 +26,7 @@ from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import interrupt
 
-from tailrace import AlreadyAnswered, LeaseHeld
+from tailrace import AlreadyAnswered, LeaseHeld, NotResumable
 from tailrace._codec import DEFAULT_CODEC
 from tailrace.gates import Outcome, ResumeWorker, WaitState
 from tailrace.integrations.langgraph import LangGraphDriver
@@ -455,13 +455,18 @@ async def test_a_failed_step_is_retried_by_the_sweep_with_the_first_answer(
     with sync_saver(tmp_path / "langgraph.db") as cp:
         driver = LangGraphDriver(builder.compile(checkpointer=cp), store)
         [q] = await driver.start("flaky", {})
-        assert await driver.answer(q.question_id, "first") is Outcome.FAILED  # Q6: logged
-        assert (await store.get_question(q.question_id)).status is QuestionStatus.ANSWERED
+        # Q6: logged; the answer stays, deferred with backoff (not retried at once)
+        assert await driver.answer(q.question_id, "first") is Outcome.DEFERRED
+        question = await store.get_question(q.question_id)
+        assert (question.status, question.apply_attempts) == (QuestionStatus.ANSWERED, 1)
+        assert question.apply_error is not None and "flaky tool" in question.apply_error
         run = await store.get_run("flaky")
         assert run.error is not None and "flaky tool" in run.error
+        with pytest.raises(NotResumable, match="suspended"):
+            await driver.adopt("flaky")  # a daemon leaves it to the answer's retry
 
         failing["on"] = False
-        assert await driver.worker.sweep() == {Outcome.APPLIED: 1}
+        assert await driver.worker.resume(q.question_id) is Outcome.APPLIED
         assert await driver.worker.sweep() == {}
         assert (await store.get_question(q.question_id)).status is QuestionStatus.APPLIED
         assert await final_values(driver, "flaky") == {"a1": "first"}

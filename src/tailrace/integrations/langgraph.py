@@ -13,6 +13,16 @@ exactly once by a :class:`~tailrace.gates.ResumeWorker` (Q3, Q4)::
 LangGraph is imported only when a driver is built, so ``import tailrace``
 never needs it (``pip install 'tailrace[langgraph]'``).
 
+Machine gates (Q5): an interrupt whose value is a dict naming a ``"poller"``
+and/or a ``"deadline"`` in seconds (build it with :func:`machine_gate`) is
+recorded with that poller and an absolute deadline, so a
+:class:`~tailrace.gates.Server` that has the driver among its targets polls
+it and answers it, or answers it with a :class:`~tailrace.gates.GateTimeout`
+once the deadline passed (route on :func:`as_gate_timeout`). Everything the
+daemon needs is in the ledger and LangGraph's checkpoint, so a restarted
+daemon carries on: open questions are polled again, answered ones swept,
+and threads whose driver died mid-step are taken over (:meth:`LangGraphDriver.adopt`).
+
 Why a resume never applies twice, although LangGraph's checkpoint and
 tailrace's ledger cannot be written in one transaction:
 
@@ -20,6 +30,13 @@ tailrace's ledger cannot be written in one transaction:
   takes it before :meth:`LangGraphDriver.invoke`, which keeps it alive while
   the graph runs, so no second driver (thread, process) resumes the thread
   at the same time (D6).
+- *Whoever holds the lease applies every answer.* An answer that finds the
+  thread busy was recorded before it tried the lease. The holder resumes all
+  answered interrupts of the thread at once (one ``Command(resume={id:
+  value, ...})``), again after each step for answers that arrived while it
+  ran, and the driver's worker looks at the ledger once more after letting
+  go (:class:`~tailrace.integrations._langgraph_worker.SettlingWorker`), so
+  a ``busy`` answer is never left behind.
 - *Turn guard on LangGraph's own record.* A question id names exactly one
   interrupt (:meth:`LangGraphDriver.question_id`). Once the step a resume
   ran is committed to the thread's checkpoint, LangGraph no longer reports
@@ -28,10 +45,11 @@ tailrace's ledger cannot be written in one transaction:
   when LangGraph offers strict resumes, it checks again itself and refuses,
   before writing anything, a resume naming a consumed interrupt.
 - *The crash window.* ``invoke`` returns False and the worker marks the
-  question applied afterwards. A crash in between leaves it ``answered``;
-  the restart sweep (Q4) re-drives it, finds the interrupt no longer pending
-  and marks it ``superseded``: the answer was applied once, and the ledger
-  does not claim it twice.
+  question applied afterwards (the other answers one step applied are marked
+  in the step's bookkeeping commit). A crash in between leaves a question
+  ``answered``; the restart sweep (Q4) re-drives it, finds the interrupt no
+  longer pending and marks it ``superseded``: the answer was applied once,
+  and the ledger does not claim it twice.
 - *A failed step* (the node raised after ``interrupt`` returned, Q6) commits
   nothing in LangGraph: the worker reports ``failed``, the question stays
   ``answered``, the run row records the error, and a later sweep retries the
@@ -54,7 +72,7 @@ from typing import Any
 
 from .._codec import DEFAULT_CODEC
 from .._errors import LeaseHeld, LeaseLost, NotResumable, RunExists, RunNotFound
-from ..gates import Outcome, ResumeWorker, WaitState
+from ..gates import Outcome, WaitState
 from ..stores import (
     TERMINAL_STATUSES,
     Harvest,
@@ -65,24 +83,21 @@ from ..stores import (
     RunStatus,
     RunStore,
 )
+from . import _langgraph_support as lg
+from ._langgraph_support import Pending, as_gate_timeout, machine_gate
+from ._langgraph_worker import SettlingWorker
 
 logger = logging.getLogger("tailrace.integrations.langgraph")
 
-__all__ = ["LangGraphDriver"]
+__all__ = ["LangGraphDriver", "as_gate_timeout", "machine_gate", "open_driver"]
 
 #: ``graph_name`` of the run rows this driver creates is this prefix plus its name.
 GRAPH_NAME_PREFIX = "langgraph:"
 #: ``fingerprint`` of those rows: LangGraph, not tailrace, knows the graph's shape.
 FINGERPRINT = "langgraph"
 
-
-@dataclass(frozen=True, slots=True)
-class _Pending:
-    """One interrupt the thread waits on, as LangGraph reports it."""
-
-    interrupt_id: str
-    node: str
-    value: Any
+#: Answers one graph step applies: question id -> (interrupt id, value).
+_Batch = dict[str, tuple[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,14 +113,16 @@ class LangGraphDriver:
     """Drives a compiled LangGraph graph's interrupts through tailrace's question ledger.
 
     It is :class:`~tailrace.gates.Resumable`, so a
-    :class:`~tailrace.gates.ResumeWorker` applies answers to it exactly once.
+    :class:`~tailrace.gates.ResumeWorker` applies answers to it exactly once,
+    and a :class:`~tailrace.gates.Server` given it as a target serves its
+    threads (sweep, machine gates, adoption).
 
     Args:
         graph: a compiled LangGraph graph with a checkpointer (``graph.compile(checkpointer=...)``).
         store: the tailrace store holding the question ledger and the run leases;
             it must be open.
         name: names the graph in the run rows (``graph_name = "langgraph:" + name``);
-            default ``graph.name``.
+            default ``graph.name``. Give different graphs on one store different names.
         owner: this driver's name in leases; default a fresh unique one. Give
             each driver instance its own: two instances sharing an owner would
             share leases too.
@@ -140,16 +157,16 @@ class LangGraphDriver:
             )
         if not lease_ttl > 0:
             raise ValueError(f"lease_ttl must be a positive number of seconds, got {lease_ttl!r}")
-        self._command = _command_class()
+        self._command = lg.command_class()
         self.graph = graph
         self.store = store
         self.name = name or str(getattr(graph, "name", None) or "graph")
         self.owner = owner or f"langgraph:{self.name}:{uuid.uuid4().hex[:12]}"
         self.lease_ttl = lease_ttl
-        self.use_async = _has_async_api(checkpointer) if use_async is None else use_async
+        self.use_async = lg.has_async_api(checkpointer) if use_async is None else use_async
         self._base_config = dict(config or {})
         #: The worker :meth:`answer` resumes with; its own owner, so it never shares our leases.
-        self.worker = ResumeWorker(
+        self.worker = SettlingWorker(
             store=store, target=self, owner=f"{self.owner}/resume", lease_ttl=lease_ttl
         )
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
@@ -189,59 +206,56 @@ class LangGraphDriver:
             # superseded; invoke then refuses (NotResumable: the worker's NOOP).
             unapplied = await self.store.list_questions(run_id=key)
             waiting = {q.question_id for q in unapplied if q.applied_at is None}
-            return WaitState(questions=frozenset(waiting), turn=_turn_of(record))
-        pending = _pending_interrupts(await self._snapshot(key))
-        turn = 0 if record is None else _turn_of(record)
+            return WaitState(questions=frozenset(waiting), turn=lg.turn_of(record))
+        pending = await self._pending(key)
+        turn = 0 if record is None else lg.turn_of(record)
         return WaitState(questions=frozenset(self.question_id(key, i) for i in pending), turn=turn)
 
     async def invoke(self, key: str, question: QuestionRow, value: Any) -> bool:
-        """Resume thread ``key`` with ``Command(resume=...)``: ``value`` answers ``question``.
+        """Resume thread ``key``: ``value`` answers ``question``, with every other answered interrupt.
 
         Run it under the thread's lease, as :class:`~tailrace.gates.ResumeWorker`
         does; with no live lease the driver takes one itself. It checks that
         ``question``'s interrupt is still pending (else
         :class:`~tailrace.NotResumable`, and nothing runs), marks the run
-        ``running``, resumes exactly that interrupt, then records any new
-        interrupts as questions (the turn advances). Returns False: the
-        caller marks ``question`` applied (see the module docstring for why
-        that cannot double-apply). A run that is not a thread of this
-        driver's graph raises :class:`~tailrace.NotResumable` too.
+        ``running``, and resumes that interrupt together with every other
+        pending interrupt the ledger has an answer for, in one
+        ``Command(resume={interrupt_id: value, ...})``. It records new
+        interrupts as questions (the turn advances) and marks the other
+        answers applied in the same commit; then it applies, step by step,
+        answers that arrived while the graph ran, until none is left (a
+        failure there is logged and left to a sweep: ``question`` was
+        applied). Returns False: the caller marks ``question`` applied (see
+        the module docstring for why that cannot double-apply). A run that
+        is not a thread of this driver's graph raises
+        :class:`~tailrace.NotResumable` too.
         """
         if not self._drives(await self.store.get_run(key)):
             raise NotResumable(f"run {key!r} is not a thread of {GRAPH_NAME_PREFIX + self.name!r}")
         async with self._thread_lock(key), self._lease_for(key) as lease:
-            pending = _pending_interrupts(await self._snapshot(key))
+            pending = await self._pending(key)
             match = [i for i in pending if self.question_id(key, i) == question.question_id]
             if not match:
                 raise NotResumable(
                     f"thread {key!r} no longer waits on question {question.question_id!r}"
                 )
-            await self._mark_running(key, lease.token)
-            command = self._command(resume={match[0]: value})
-            try:
-                await self._drive(key, command, lease, strict=True)
-            except _unknown_interrupt_error() as exc:
-                await self._record_after_failure(key, lease.token, None)
-                raise NotResumable(
-                    f"thread {key!r}: LangGraph refused the resume of "
-                    f"{question.question_id!r}: {exc}"
-                ) from exc
-            except Exception as exc:
-                await self._record_after_failure(key, lease.token, exc)
-                raise
-            await self._record(key, lease.token)
+            batch = await self._answered(key, pending)
+            batch[question.question_id] = (match[0], value)
+            await self._resume_step(key, lease, batch, marked_by_caller=question.question_id)
+            await self._apply_late_answers(key, lease)
         return False
 
-    # -- starting and answering -------------------------------------------------
+    # -- starting, answering, taking over -----------------------------------------
 
     async def start(self, thread_id: str, input: Any) -> list[QuestionRow]:
         """Run thread ``thread_id`` on ``input`` until it finishes or interrupts; return its questions.
 
         Creates the thread's run row (kept if it exists) so leases can fence
         it, runs the graph under the thread's lease, and opens one question
-        per pending interrupt, with the interrupt's value (JSON) as prompt.
-        Idempotent: a thread LangGraph already has a checkpoint for is not run
-        again, only its bookkeeping is redone (no duplicate questions). Raises
+        per pending interrupt, with the interrupt's value (JSON) as prompt
+        (and its poller and deadline, see :func:`machine_gate`). Idempotent: a
+        thread LangGraph already has a checkpoint for is not run again, only
+        its bookkeeping is redone (no duplicate questions). Raises
         :class:`~tailrace.LeaseHeld` while another driver works on the thread.
         """
         with contextlib.suppress(RunExists):  # a re-run, or a thread started before
@@ -251,18 +265,16 @@ class LangGraphDriver:
                     graph_name=GRAPH_NAME_PREFIX + self.name,
                     graph_ref=None,
                     fingerprint=FINGERPRINT,
-                    input_json=_encode(input),
+                    input_json=lg.encode(input),
                     created_at=time.time(),
                 )
             )
         async with self._thread_lock(thread_id), self._own_lease(thread_id) as lease:
-            if not _has_checkpoint(await self._snapshot(thread_id)):
-                try:
-                    await self._drive(thread_id, input, lease, strict=False)
-                except Exception as exc:
-                    await self._record_after_failure(thread_id, lease.token, exc)
-                    raise
-            return await self._record(thread_id, lease.token)
+            if not lg.has_checkpoint(await self._snapshot(thread_id)):
+                await self._step_or_record_failure(thread_id, input, lease)
+            questions = await self._record(thread_id, lease.token)
+        await self.worker.settle(thread_id)  # answers that found the thread busy meanwhile
+        return questions
 
     async def sync(self, thread_id: str) -> list[QuestionRow]:
         """Redo the bookkeeping of thread ``thread_id`` from LangGraph's checkpoint; return its questions.
@@ -273,7 +285,32 @@ class LangGraphDriver:
         raises :class:`~tailrace.LeaseHeld` while another driver works on the thread.
         """
         async with self._thread_lock(thread_id), self._own_lease(thread_id) as lease:
-            return await self._record(thread_id, lease.token)
+            questions = await self._record(thread_id, lease.token)
+        await self.worker.settle(thread_id)
+        return questions
+
+    async def adopt(self, thread_id: str) -> None:
+        """Take over thread ``thread_id``, whose driver died mid-step (D6): serve calls it for orphans.
+
+        For runs the store reports with an expired lease (``expired_leases``).
+        Under the thread's lease it redoes the bookkeeping from LangGraph's
+        checkpoint (questions for interrupts the dead driver never recorded,
+        machine gates included), continues a graph step the crash cut off
+        (LangGraph re-runs that step's nodes), and applies answers that were
+        waiting. A thread stopped by a failed step is left to the sweep that
+        retries its answer; one with no answer left to retry it, or that died
+        before LangGraph saved anything, is marked failed with the reason.
+        Raises :class:`~tailrace.NotResumable` when there is nothing to take
+        over (not this driver's thread, not ``running``, just created, a
+        failed step waiting for its retry), :class:`~tailrace.LeaseHeld`
+        while a live driver holds it.
+        """
+        self._check_orphan(await self.store.get_run(thread_id))
+        async with self._thread_lock(thread_id), self._own_lease(thread_id) as lease:
+            record = await self.store.get_run(thread_id)
+            self._check_orphan(record)
+            await self._take_over(record, lease)
+        await self.worker.settle(thread_id)
 
     async def answer(self, question_id: str, value: Any, by: str | None = None) -> Outcome:
         """Answer ``question_id`` with ``value`` (first answer wins, Q2), then resume its thread.
@@ -281,7 +318,8 @@ class LangGraphDriver:
         ``by`` names who answered. Raises :class:`~tailrace.AlreadyAnswered`
         when another answer won, ``ValueError`` for a question of a run this
         driver does not drive. Returns what the resume did: ``applied``, or
-        ``busy`` when another worker holds the thread and applies it (Q3).
+        ``busy`` when another worker holds the thread: that worker applies
+        this answer before it lets the thread go (Q3).
         """
         question = await self.store.get_question(question_id)
         if not self._drives(await self.store.get_run(question.run_id)):
@@ -292,51 +330,134 @@ class LangGraphDriver:
         await self.store.answer(question_id, DEFAULT_CODEC.encode(value), by=by)
         return await self.worker.resume(question_id)
 
-    # -- bookkeeping --------------------------------------------------------------
-
     def handles(self, run: RunRecord) -> bool:
-        """Whether ``run`` is a thread of this driver's graph (the worker skips others)."""
+        """Whether ``run`` is a thread of this driver's graph (workers and daemons skip others)."""
         return run.graph_name == GRAPH_NAME_PREFIX + self.name
 
     _drives = handles
 
-    async def _record(
-        self, thread_id: str, token: int, *, error: str | None = None
-    ) -> list[QuestionRow]:
-        """Make the ledger match LangGraph's checkpoint of ``thread_id``, in one commit."""
+    def _check_orphan(self, record: RunRecord) -> None:
+        """Raise NotResumable unless ``record`` is a thread of ours that a dead driver left running."""
+        if not self._drives(record):
+            raise NotResumable(
+                f"run {record.run_id!r} is not a thread of {GRAPH_NAME_PREFIX + self.name!r}"
+            )
+        if record.status is not RunStatus.RUNNING:
+            raise NotResumable(f"thread {record.run_id!r} is {record.status}: nothing to take over")
+        if record.lease_owner is None and time.time() - record.created_at < self.lease_ttl:
+            raise NotResumable(f"thread {record.run_id!r} was just created; its starter leases it")
+
+    async def _take_over(self, record: RunRecord, lease: _Lease) -> None:
+        thread_id = record.run_id
         snapshot = await self._snapshot(thread_id)
-        pending = _pending_interrupts(snapshot)
+        if record.error is not None:
+            if await self._answered(thread_id, lg.pending_interrupts(snapshot)):
+                raise NotResumable(
+                    f"thread {thread_id!r} stopped on a failed step; "
+                    "the sweep retries it with its answer"
+                )
+            await self._fail(
+                record, lease, f"its step failed, with no answer to retry it: {record.error}"
+            )
+        elif not lg.has_checkpoint(snapshot):
+            await self._fail(record, lease, "its driver died before LangGraph saved a checkpoint")
+        else:
+            if not lg.pending_interrupts(snapshot) and lg.stopped_mid_graph(snapshot):
+                await self._step_or_record_failure(thread_id, None, lease)  # the cut-off step
+            await self._record(thread_id, lease.token)
+
+    async def _fail(self, record: RunRecord, lease: _Lease, reason: str) -> None:
+        logger.warning("thread %s is marked failed: %s", record.run_id, reason)
+        await self._commit(record, lease.token, lg.failed_harvest(record, reason))
+
+    # -- graph steps ----------------------------------------------------------------
+
+    async def _resume_step(
+        self, key: str, lease: _Lease, batch: _Batch, *, marked_by_caller: str | None
+    ) -> None:
+        """Resume the interrupts of ``batch`` in one graph step; record it, marking the answers applied."""
+        await self._mark_running(key, lease.token)
+        command = self._command(resume={iid: value for iid, value in batch.values()})
+        try:
+            await self._drive(key, command, lease, strict=True)
+        except lg.unknown_interrupt_error() as exc:
+            await self._record_after_failure(key, lease.token, None)
+            raise NotResumable(
+                f"thread {key!r}: LangGraph refused the resume of {sorted(batch)}: {exc}"
+            ) from exc
+        except Exception as exc:
+            await self._record_after_failure(key, lease.token, exc)
+            raise
+        applied = [qid for qid in batch if qid != marked_by_caller]
+        await self._record(key, lease.token, applied=applied)
+
+    async def _apply_late_answers(self, key: str, lease: _Lease) -> None:
+        """Apply answers that arrived while the last step ran, until none is left (Q3)."""
+        while batch := await self._answered(key, await self._pending(key)):
+            try:
+                await self._resume_step(key, lease, batch, marked_by_caller=None)
+            except Exception:
+                # The caller's own answer is applied; these stay answered for a sweep.
+                logger.exception("thread %s: applying answers %s failed", key, sorted(batch))
+                return
+
+    async def _answered(self, key: str, pending: Mapping[str, Pending]) -> _Batch:
+        """Answers in the ledger, not applied yet, for interrupts of ``key`` that are pending."""
+        interrupts = {self.question_id(key, iid): iid for iid in pending}
+        return {
+            q.question_id: (interrupts[q.question_id], DEFAULT_CODEC.decode(q.answer_json))
+            for q in await self.store.list_questions(run_id=key)
+            if q.question_id in interrupts and lg.unapplied(q) and q.answer_json is not None
+        }
+
+    async def _step_or_record_failure(
+        self, thread_id: str, graph_input: Any, lease: _Lease
+    ) -> None:
+        try:
+            await self._drive(thread_id, graph_input, lease, strict=False)
+        except Exception as exc:
+            await self._record_after_failure(thread_id, lease.token, exc)
+            raise
+
+    # -- bookkeeping --------------------------------------------------------------
+
+    async def _record(
+        self,
+        thread_id: str,
+        token: int,
+        *,
+        error: str | None = None,
+        applied: list[str] | None = None,
+    ) -> list[QuestionRow]:
+        """Make the ledger match LangGraph's checkpoint of ``thread_id``, in one commit.
+
+        ``applied`` names answers the step just applied; they are marked in the same commit.
+        """
+        snapshot = await self._snapshot(thread_id)
+        pending = lg.pending_interrupts(snapshot)
         record = await self.store.get_run(thread_id)
         ledger = {q.question_id: q for q in await self.store.list_questions(run_id=thread_id)}
         ids = {self.question_id(thread_id, i): p for i, p in pending.items()}
-        turn = _turn_of(record)
+        turn = lg.turn_of(record)
         fresh = [qid for qid in ids if qid not in ledger]
         if fresh:
             turn += 1  # the thread suspended on new interrupts
         now = time.time()
         rows = {
-            qid: QuestionRow(
-                question_id=qid,
-                run_id=thread_id,
-                node_id=ids[qid].node,
-                visit=_step_of(snapshot),
-                turn=turn,
-                prompt_json=_encode(ids[qid].value),
-                created_at=now,
-            )
-            for qid in fresh
+            qid: lg.question_row(qid, thread_id, ids[qid], snapshot, turn, now) for qid in fresh
         }
         stale = [
             q.question_id
             for q in ledger.values()
             if q.status is QuestionStatus.OPEN and q.question_id not in ids
         ]
-        status = _status_of(snapshot, pending)
+        status = lg.status_of(snapshot, pending)
         harvest = Harvest(
-            state_json=DEFAULT_CODEC.encode({"driver": "langgraph", "turn": turn}),
+            state_json=lg.state_json(turn),
             status=status,
             error=error,
             questions=list(rows.values()),
+            applied=applied or (),
             superseded=stale,
             finished_at=now if status is RunStatus.COMPLETED else None,
         )
@@ -354,11 +475,11 @@ class LangGraphDriver:
             logger.exception("thread %s: bookkeeping after a failed step failed", thread_id)
 
     async def _mark_running(self, thread_id: str, token: int) -> None:
-        """Record that a resume began (and leave ``suspended``, so the next suspension is legal)."""
+        """Record that a step began (and leave ``suspended``, so the next suspension is legal)."""
         record = await self.store.get_run(thread_id)
         if record.status is RunStatus.SUSPENDED:
-            state = DEFAULT_CODEC.encode({"driver": "langgraph", "turn": _turn_of(record)})
-            await self.store.commit(thread_id, token, Harvest(state_json=state))
+            harvest = Harvest(state_json=lg.state_json(lg.turn_of(record)))
+            await self.store.commit(thread_id, token, harvest)
 
     async def _commit(self, record: RunRecord, token: int, harvest: Harvest) -> None:
         if record.status in TERMINAL_STATUSES:
@@ -366,6 +487,7 @@ class LangGraphDriver:
         unchanged = (
             not harvest.questions
             and not harvest.superseded
+            and not harvest.applied
             and harvest.error is None
             and harvest.status is record.status
             and harvest.state_json == record.state_json
@@ -436,7 +558,7 @@ class LangGraphDriver:
         config = dict(self._base_config)
         configurable = dict(config.get("configurable") or {})
         configurable["thread_id"] = thread_id
-        strict_key = _strict_resume_key() if strict else None
+        strict_key = lg.strict_resume_key() if strict else None
         if strict_key is not None:
             configurable[strict_key] = True
         config["configurable"] = configurable
@@ -447,6 +569,9 @@ class LangGraphDriver:
         if self.use_async:
             return await self.graph.aget_state(config)
         return await asyncio.to_thread(self.graph.get_state, config)
+
+    async def _pending(self, thread_id: str) -> dict[str, Pending]:
+        return lg.pending_interrupts(await self._snapshot(thread_id))
 
     async def _drive(
         self, thread_id: str, graph_input: Any, lease: _Lease, *, strict: bool
@@ -466,103 +591,23 @@ class LangGraphDriver:
             await asyncio.wait([renewal])
 
 
-# --- helpers over LangGraph's objects ------------------------------------------
+@contextlib.asynccontextmanager
+async def open_driver(
+    source: Any, store: RunStore, *, name: str | None = None, lease_ttl: float = 30.0
+) -> AsyncIterator[LangGraphDriver]:
+    """A :class:`LangGraphDriver` over what a daemon was told to serve; closes what it opened.
 
+    For ``tailrace serve`` and other daemons that load the graph by
+    reference: ``source`` is a compiled graph with a checkpointer, or what
+    makes one: a callable (sync or async) returning it, or a (sync or async)
+    context manager yielding it, e.g. one that opens an ``AsyncSqliteSaver``.
 
-def _command_class() -> Any:
-    try:
-        from langgraph.types import Command
-    except ImportError as exc:  # pragma: no cover - exercised without the extra
-        raise ImportError(
-            "LangGraphDriver needs LangGraph: pip install 'tailrace[langgraph]'"
-        ) from exc
-    return Command
-
-
-def _strict_resume_key() -> str | None:
-    """LangGraph's config key for strict resumes (refuse a consumed interrupt), if it has one."""
-    try:
-        from langgraph._internal._constants import CONFIG_KEY_STRICT_RESUME
-    except ImportError:
-        return None
-    return str(CONFIG_KEY_STRICT_RESUME)
-
-
-def _unknown_interrupt_error() -> type[Exception]:
-    try:
-        from langgraph.errors import UnknownInterruptError
-    except ImportError:
-        return _NeverRaised
-    return UnknownInterruptError
-
-
-class _NeverRaised(Exception):
-    """Stands in for an error class this LangGraph version lacks."""
-
-
-def _has_async_api(checkpointer: Any) -> bool:
-    """Whether ``checkpointer`` implements LangGraph's async checkpoint API."""
-    try:
-        from langgraph.checkpoint.sqlite import SqliteSaver
-    except ImportError:
-        pass
-    else:
-        if isinstance(checkpointer, SqliteSaver):
-            return False  # it defines the async methods only to raise NotImplementedError
-    from langgraph.checkpoint.base import BaseCheckpointSaver
-
-    return type(checkpointer).aget_tuple is not BaseCheckpointSaver.aget_tuple
-
-
-def _pending_interrupts(snapshot: Any) -> dict[str, _Pending]:
-    """Interrupts still waiting for an answer in ``snapshot`` (the latest state), by id, in order."""
-    nodes: dict[str, str] = {}
-    everything: list[Any] = []
-    for task in getattr(snapshot, "tasks", ()) or ():
-        for interrupt in getattr(task, "interrupts", ()) or ():
-            nodes.setdefault(str(interrupt.id), str(task.name))
-            everything.append(interrupt)
-    waiting = getattr(snapshot, "interrupts", None)
-    pending: dict[str, _Pending] = {}
-    for interrupt in everything if waiting is None else waiting:
-        iid = str(interrupt.id)
-        if iid not in pending:
-            pending[iid] = _Pending(iid, nodes.get(iid, ""), interrupt.value)
-    return pending
-
-
-def _has_checkpoint(snapshot: Any) -> bool:
-    return getattr(snapshot, "created_at", None) is not None or bool(
-        getattr(snapshot, "metadata", None)
-    )
-
-
-def _step_of(snapshot: Any) -> int:
-    metadata = getattr(snapshot, "metadata", None) or {}
-    step = metadata.get("step", 0) if isinstance(metadata, Mapping) else 0
-    return int(step) if isinstance(step, int) else 0
-
-
-def _status_of(snapshot: Any, pending: Mapping[str, _Pending]) -> RunStatus:
-    if pending:
-        return RunStatus.SUSPENDED
-    if getattr(snapshot, "next", ()):
-        return RunStatus.RUNNING  # stopped mid-graph (a failed step): not finished
-    return RunStatus.COMPLETED
-
-
-def _encode(value: Any) -> str:
-    """``value`` as JSON; what JSON cannot carry (LangChain messages, ...) as its ``repr``."""
-    try:
-        return DEFAULT_CODEC.encode(value)
-    except (TypeError, ValueError):
-        return DEFAULT_CODEC.encode(repr(value))
-
-
-def _turn_of(record: RunRecord) -> int:
-    try:
-        state = DEFAULT_CODEC.decode(record.state_json)
-    except ValueError:
-        return 0
-    turn = state.get("turn", 0) if isinstance(state, dict) else 0
-    return turn if isinstance(turn, int) else 0
+    Args:
+        source: the compiled graph, or its factory as above.
+        store: the open tailrace store the driver uses.
+        name: the driver's graph name (see :class:`LangGraphDriver`).
+        lease_ttl: the driver's lease time in seconds.
+    """
+    async with contextlib.AsyncExitStack() as stack:
+        graph = await lg.resolve_graph(source, stack)
+        yield LangGraphDriver(graph, store, name=name, lease_ttl=lease_ttl)
