@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import itertools
 import json
 import os
@@ -43,7 +44,6 @@ from tailrace._errors import (
     TailraceError,
     UnsupportedFormat,
 )
-from tailrace._graph import load_file_module
 from tailrace._persist import NODE_ROW_VERSION
 from tailrace.stores import (
     FORMAT_VERSION,
@@ -1219,19 +1219,22 @@ graph.chain("first", "second")
 
 
 async def test_resume_finds_the_graph_by_its_recorded_reference(
-    backend: Backend, tmp_path: Path
+    backend: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = tmp_path / f"graph_{uuid.uuid4().hex[:8]}.py"
-    path.write_text(textwrap.dedent(GRAPH_MODULE))
-    module = load_file_module(str(path))
+    # An importable module reference: stored file references are never executed
+    # (trust model, docs/trust.md), module references are imported.
+    name = f"graph_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(GRAPH_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
     module.release = asyncio.Event()
     run_id = new_id("by-ref")
     task = asyncio.create_task(
-        engine(backend).run(module.graph, 4, run_id=run_id, graph_ref=f"{path}:graph")
+        engine(backend).run(module.graph, 4, run_id=run_id, graph_ref=f"{name}:graph")
     )
     await until(running(backend, run_id, "second"), "second running")
     await crash(task)
-    assert (await backend.store.get_run(run_id)).graph_ref == f"{path}:graph"
+    assert (await backend.store.get_run(run_id)).graph_ref == f"{name}:graph"
     module.release.set()
 
     result = await engine(backend).resume(run_id)
