@@ -90,9 +90,8 @@ def _print_result(
         else:
             console.print("the run is in memory: its questions end with this process")
     late = f", {len(result.late_inputs)} late inputs" if result.late_inputs else ""
-    console.print(
-        text("run ", (result.run_id, "bold"), f" {result.status} in {result.duration:.3f}s{late}")
-    )
+    summary = f" {result.status} in {result.duration:.3f}s{late}"
+    console.print(text("run ", (result.run_id, "bold"), summary), soft_wrap=True)
     console.print(json_text(result.output), soft_wrap=True)
 
 
