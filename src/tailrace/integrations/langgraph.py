@@ -21,7 +21,13 @@ it and answers it, or answers it with a :class:`~tailrace.gates.GateTimeout`
 once the deadline passed (route on :func:`as_gate_timeout`). Everything the
 daemon needs is in the ledger and LangGraph's checkpoint, so a restarted
 daemon carries on: open questions are polled again, answered ones swept,
-and threads whose driver died mid-step are taken over (:meth:`LangGraphDriver.adopt`).
+and threads whose driver died mid-step are taken over (:meth:`LangGraphDriver.adopt`)::
+
+    def verify(state):  # a LangGraph node
+        verdict = interrupt(machine_gate({"check": "ci"}, poller="ci", deadline=3600))
+        return {"ci": verdict}   # as_gate_timeout(verdict) after an hour without CI
+
+    server = Server(Engine(store=store), targets=[driver], pollers={"ci": ci_status})
 
 Why a resume never applies twice, although LangGraph's checkpoint and
 tailrace's ledger cannot be written in one transaction:
@@ -51,10 +57,10 @@ tailrace's ledger cannot be written in one transaction:
   longer pending and marks it ``superseded``: the answer was applied once,
   and the ledger does not claim it twice.
 - *A failed step* (the node raised after ``interrupt`` returned, Q6) commits
-  nothing in LangGraph: the worker reports ``failed``, the question stays
-  ``answered``, the run row records the error, and a later sweep retries the
-  step, which LangGraph re-runs with the answer it recorded the first time.
-  Code inside a node may run again on such a retry (LangGraph's own
+  nothing in LangGraph: the worker defers the answer (it stays ``answered``
+  and is retried with backoff), the run row records the error, and the retry
+  re-runs the step, which LangGraph feeds the answer it recorded the first
+  time. Code inside a node may run again on such a retry (LangGraph's own
   at-least-once node semantics); a committed step never does.
 """
 
@@ -65,13 +71,11 @@ import contextlib
 import logging
 import time
 import uuid
-import weakref
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from .._codec import DEFAULT_CODEC
-from .._errors import LeaseHeld, LeaseLost, NotResumable, RunExists, RunNotFound
+from .._errors import NotResumable, RunExists, RunNotFound
 from ..gates import Outcome, WaitState
 from ..stores import (
     TERMINAL_STATUSES,
@@ -84,6 +88,7 @@ from ..stores import (
     RunStore,
 )
 from . import _langgraph_support as lg
+from ._langgraph_leases import Lease, ThreadLeases
 from ._langgraph_support import Pending, as_gate_timeout, machine_gate
 from ._langgraph_worker import SettlingWorker
 
@@ -98,15 +103,6 @@ FINGERPRINT = "langgraph"
 
 #: Answers one graph step applies: question id -> (interrupt id, value).
 _Batch = dict[str, tuple[str, Any]]
-
-
-@dataclass(frozen=True, slots=True)
-class _Lease:
-    """The run lease a graph step runs under; ``own`` when this driver took it (and releases it)."""
-
-    owner: str
-    token: int
-    own: bool
 
 
 class LangGraphDriver:
@@ -169,7 +165,7 @@ class LangGraphDriver:
         self.worker = SettlingWorker(
             store=store, target=self, owner=f"{self.owner}/resume", lease_ttl=lease_ttl
         )
-        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._leases = ThreadLeases(store, self.owner, lease_ttl)
 
     # -- naming -------------------------------------------------------------------
 
@@ -232,7 +228,7 @@ class LangGraphDriver:
         """
         if not self._drives(await self.store.get_run(key)):
             raise NotResumable(f"run {key!r} is not a thread of {GRAPH_NAME_PREFIX + self.name!r}")
-        async with self._thread_lock(key), self._lease_for(key) as lease:
+        async with self._leases.for_step(key) as lease:
             pending = await self._pending(key)
             match = [i for i in pending if self.question_id(key, i) == question.question_id]
             if not match:
@@ -269,7 +265,7 @@ class LangGraphDriver:
                     created_at=time.time(),
                 )
             )
-        async with self._thread_lock(thread_id), self._own_lease(thread_id) as lease:
+        async with self._leases.own(thread_id) as lease:
             if not lg.has_checkpoint(await self._snapshot(thread_id)):
                 await self._step_or_record_failure(thread_id, input, lease)
             questions = await self._record(thread_id, lease.token)
@@ -284,7 +280,7 @@ class LangGraphDriver:
         whose interrupt is gone, and updates the run's status. Idempotent;
         raises :class:`~tailrace.LeaseHeld` while another driver works on the thread.
         """
-        async with self._thread_lock(thread_id), self._own_lease(thread_id) as lease:
+        async with self._leases.own(thread_id) as lease:
             questions = await self._record(thread_id, lease.token)
         await self.worker.settle(thread_id)
         return questions
@@ -306,7 +302,7 @@ class LangGraphDriver:
         while a live driver holds it.
         """
         self._check_orphan(await self.store.get_run(thread_id))
-        async with self._thread_lock(thread_id), self._own_lease(thread_id) as lease:
+        async with self._leases.own(thread_id) as lease:
             record = await self.store.get_run(thread_id)
             self._check_orphan(record)
             await self._take_over(record, lease)
@@ -347,7 +343,7 @@ class LangGraphDriver:
         if record.lease_owner is None and time.time() - record.created_at < self.lease_ttl:
             raise NotResumable(f"thread {record.run_id!r} was just created; its starter leases it")
 
-    async def _take_over(self, record: RunRecord, lease: _Lease) -> None:
+    async def _take_over(self, record: RunRecord, lease: Lease) -> None:
         thread_id = record.run_id
         snapshot = await self._snapshot(thread_id)
         if record.error is not None:
@@ -366,14 +362,14 @@ class LangGraphDriver:
                 await self._step_or_record_failure(thread_id, None, lease)  # the cut-off step
             await self._record(thread_id, lease.token)
 
-    async def _fail(self, record: RunRecord, lease: _Lease, reason: str) -> None:
+    async def _fail(self, record: RunRecord, lease: Lease, reason: str) -> None:
         logger.warning("thread %s is marked failed: %s", record.run_id, reason)
         await self._commit(record, lease.token, lg.failed_harvest(record, reason))
 
     # -- graph steps ----------------------------------------------------------------
 
     async def _resume_step(
-        self, key: str, lease: _Lease, batch: _Batch, *, marked_by_caller: str | None
+        self, key: str, lease: Lease, batch: _Batch, *, marked_by_caller: str | None
     ) -> None:
         """Resume the interrupts of ``batch`` in one graph step; record it, marking the answers applied."""
         await self._mark_running(key, lease.token)
@@ -391,7 +387,7 @@ class LangGraphDriver:
         applied = [qid for qid in batch if qid != marked_by_caller]
         await self._record(key, lease.token, applied=applied)
 
-    async def _apply_late_answers(self, key: str, lease: _Lease) -> None:
+    async def _apply_late_answers(self, key: str, lease: Lease) -> None:
         """Apply answers that arrived while the last step ran, until none is left (Q3)."""
         while batch := await self._answered(key, await self._pending(key)):
             try:
@@ -410,9 +406,7 @@ class LangGraphDriver:
             if q.question_id in interrupts and lg.unapplied(q) and q.answer_json is not None
         }
 
-    async def _step_or_record_failure(
-        self, thread_id: str, graph_input: Any, lease: _Lease
-    ) -> None:
+    async def _step_or_record_failure(self, thread_id: str, graph_input: Any, lease: Lease) -> None:
         try:
             await self._drive(thread_id, graph_input, lease, strict=False)
         except Exception as exc:
@@ -499,59 +493,6 @@ class LangGraphDriver:
             await self.store.commit(record.run_id, token, Harvest(state_json=record.state_json))
         await self.store.commit(record.run_id, token, harvest)
 
-    # -- leases -------------------------------------------------------------------
-
-    def _thread_lock(self, thread_id: str) -> asyncio.Lock:
-        """This driver's lock for ``thread_id``: its own coroutines never share a lease."""
-        lock = self._locks.get(thread_id)
-        if lock is None:
-            lock = self._locks[thread_id] = asyncio.Lock()
-        return lock
-
-    @contextlib.asynccontextmanager
-    async def _own_lease(self, thread_id: str) -> AsyncIterator[_Lease]:
-        token = await self.store.acquire_lease(thread_id, self.owner, self.lease_ttl)
-        try:
-            yield _Lease(self.owner, token, own=True)
-        finally:
-            await self.store.release_lease(thread_id, self.owner, token)
-
-    @contextlib.asynccontextmanager
-    async def _lease_for(self, thread_id: str) -> AsyncIterator[_Lease]:
-        """The caller's live lease on ``thread_id`` (a worker's), else one of our own."""
-        lease = await self._take_or_adopt(thread_id)
-        try:
-            yield lease
-        finally:
-            if lease.own:
-                await self.store.release_lease(thread_id, lease.owner, lease.token)
-
-    async def _take_or_adopt(self, thread_id: str) -> _Lease:
-        for _ in range(3):
-            try:
-                token = await self.store.acquire_lease(thread_id, self.owner, self.lease_ttl)
-                return _Lease(self.owner, token, own=True)
-            except LeaseHeld:
-                record = await self.store.get_run(thread_id)
-            if record.lease_owner is not None:
-                # invoke runs under its caller's lease: write with that token, so a
-                # takeover of the caller's lease fences our writes too (D6).
-                return _Lease(record.lease_owner, record.lease_token, own=False)
-            # released meanwhile: try to take it
-        raise LeaseHeld(f"thread {thread_id!r}: its lease keeps changing hands")
-
-    async def _keep_alive(self, thread_id: str, lease: _Lease) -> None:
-        """Renew ``lease`` while a graph step runs, so nobody takes the thread over mid-step."""
-        while True:
-            await asyncio.sleep(self.lease_ttl / 3)
-            try:
-                await self.store.heartbeat(thread_id, lease.owner, lease.token, self.lease_ttl)
-            except LeaseLost:
-                logger.warning("thread %s: lease lost while its graph step ran", thread_id)
-                return
-            except Exception:  # a store hiccup: the next renewal may succeed
-                logger.exception("thread %s: renewing the lease failed", thread_id)
-
     # -- LangGraph calls ----------------------------------------------------------
 
     def _config(self, thread_id: str, *, strict: bool = False) -> dict[str, Any]:
@@ -573,14 +514,12 @@ class LangGraphDriver:
     async def _pending(self, thread_id: str) -> dict[str, Pending]:
         return lg.pending_interrupts(await self._snapshot(thread_id))
 
-    async def _drive(
-        self, thread_id: str, graph_input: Any, lease: _Lease, *, strict: bool
-    ) -> None:
+    async def _drive(self, thread_id: str, graph_input: Any, lease: Lease, *, strict: bool) -> None:
         """Run one graph invocation of ``thread_id`` on ``graph_input`` while renewing ``lease``."""
         config = self._config(thread_id, strict=strict)
         # One owned task, cancelled and awaited here (a TaskGroup would wrap the
         # graph's own exception in an ExceptionGroup).
-        renewal = asyncio.create_task(self._keep_alive(thread_id, lease))
+        renewal = asyncio.create_task(self._leases.keep_alive(thread_id, lease))
         try:
             if self.use_async:
                 await self.graph.ainvoke(graph_input, config)
