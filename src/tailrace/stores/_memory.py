@@ -1,7 +1,6 @@
 """In-memory run store.
 
-It applies the rules every backend shares (``_rules``) under one lock. Those
-rules are re-exported here for backends that import them from this module.
+It applies the rules every backend shares (``_rules``) under one lock.
 
 >>> import asyncio
 >>> async def demo() -> int:
@@ -37,33 +36,30 @@ from ._base import (
     RunStore,
     StoredRun,
 )
-from ._rules import EMPTY_STATE_JSON as EMPTY_STATE_JSON
-from ._rules import answer_status as answer_status
-from ._rules import applied_status as applied_status
-from ._rules import can_apply as can_apply
-from ._rules import can_supersede as can_supersede
 from ._rules import (
+    EMPTY_STATE_JSON,
+    answer_status,
+    applied_status,
+    can_apply,
+    can_supersede,
     check_apply_deferral,
+    check_commit,
     check_harvest,
+    check_holder,
     check_name,
     check_names,
+    check_new_format,
+    check_readable,
+    check_ttl,
     due,
     due_order,
+    duplicate_in_harvest,
+    grant_lease,
+    not_applicable,
+    not_open,
     printable_text,
+    question_not_found,
 )
-from ._rules import check_commit as check_commit
-from ._rules import check_holder as check_holder
-from ._rules import check_new_format as check_new_format
-from ._rules import check_new_questions as check_new_questions
-from ._rules import check_readable as check_readable
-from ._rules import check_ttl as check_ttl
-from ._rules import duplicate_in_harvest as duplicate_in_harvest
-from ._rules import grant_lease as grant_lease
-from ._rules import not_applicable as not_applicable
-from ._rules import not_open as not_open
-from ._rules import parse_question_status as parse_question_status
-from ._rules import parse_status as parse_status
-from ._rules import question_not_found as question_not_found
 
 # --- the store ---------------------------------------------------------------
 

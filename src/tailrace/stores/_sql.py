@@ -250,12 +250,6 @@ SUPERSEDE_QUESTION = (
     "UPDATE questions SET status = 'superseded' WHERE question_id = ? "
     "AND (status IN ('open', 'answered') OR (status = 'expired' AND applied_at IS NULL))"
 )
-#: Q4: values: limit. Superseded by :data:`DUE_ANSWERS`; kept only until the
-#: Postgres store moves over (it ignores ``retry_at``).
-UNAPPLIED_ANSWERS = (
-    f"SELECT {QUESTION_COLUMNS} FROM questions WHERE {_APPLICABLE} "
-    "ORDER BY answered_at, question_id LIMIT ?"
-)
 #: Q4, with backoff: values: now, limit. Fresh answers first by
 #: ``answered_at``, then deferred ones by ``retry_at`` (the order of
 #: ``_rules.due_order``), so deferred answers never hide a fresh one.
