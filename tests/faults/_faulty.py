@@ -7,7 +7,8 @@ pytest imports in ``importlib`` mode), under the name ``tailrace_tests_faulty``.
   SQLite file under ``tmp_path``, or Postgres (``TAILRACE_TEST_POSTGRES_DSN``)
   in a schema of its own, dropped afterwards.
 - :class:`DelegatingStore` forwards every method of the :class:`RunStore`
-  contract to a real store; :class:`FailingStore` makes its ``commit`` raise
+  contract to a real store; :class:`CancellingStore` cancels a task just
+  before forwarding its N-th call; :class:`FailingStore` makes its ``commit`` raise
   from the ``fail_at``-th call on, and lets handlers pace themselves on what its
   successful commits wrote, so a run makes a known least number of writes.
 - :class:`Recorder` builds async handlers that log each start and end per
@@ -100,6 +101,7 @@ async def postgres_store(dsn: str, **options: Any) -> AsyncIterator[RunStore]:
 
 def _delegate(name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
     async def method(self: DelegatingStore, *args: Any, **kwargs: Any) -> Any:
+        self.before(name)
         return await getattr(self.inner, name)(*args, **kwargs)
 
     method.__name__ = name
@@ -129,6 +131,33 @@ class DelegatingStore(_Forwarding):
     def read_only(self) -> bool:
         """Whether the wrapped store is read-only."""
         return self.inner.read_only
+
+    def before(self, name: str) -> None:
+        """Called before each forwarded call of method ``name``; a hook for subclasses."""
+
+
+class CancellingStore(DelegatingStore):
+    """Forwards everything; cancels ``target`` just before forwarding the ``at``-th call.
+
+    Whatever method that call is (creating the run, taking the lease, a
+    commit the run waits for, a heartbeat, the release), the cancellation
+    lands while the run is inside it or waiting for it. ``calls`` lists the
+    methods called, in order; ``at=0`` only counts.
+    """
+
+    def __init__(self, inner: RunStore, *, at: int = 0) -> None:
+        super().__init__(inner)
+        self.at = at
+        self.calls: list[str] = []
+        self.target: asyncio.Future[Any] | None = None
+        self.fired = False
+
+    def before(self, name: str) -> None:
+        """Count the call; cancel ``target`` if it is the ``at``-th."""
+        self.calls.append(name)
+        if len(self.calls) == self.at and self.target is not None:
+            self.fired = True
+            self.target.cancel()
 
 
 class FailingStore(DelegatingStore):
@@ -187,8 +216,8 @@ class Recorder:
     ``phase`` names the current stage of a test (handlers of two phases never
     overlap); ``pace`` (a :class:`FailingStore`) makes handlers wait for their
     own start to be durable in it before returning (see :meth:`task`); ``hang`` makes
-    :meth:`never_returns` handlers wait for ever. ``on_start(run_id, n)`` is
-    called at the ``n``-th start of a run, from inside the handler.
+    :meth:`never_returns` handlers wait for ever. ``on_start(run_id, phase, n)``
+    is called at the ``n``-th start of a run in a phase, from inside the handler.
     """
 
     def __init__(self) -> None:
@@ -200,8 +229,8 @@ class Recorder:
         self.returned: defaultdict[str, Counter[tuple[str, int]]] = defaultdict(Counter)
         self.cancelled: defaultdict[str, Counter[tuple[str, int]]] = defaultdict(Counter)
         self.payloads: dict[tuple[str, str, int], Any] = {}
-        self.run_starts: Counter[str] = Counter()
-        self.on_start: Callable[[str, int], None] | None = None
+        self.run_starts: Counter[tuple[str, str]] = Counter()
+        self.on_start: Callable[[str, str, int], None] | None = None
         #: Run id -> phase of its handlers, for tests that drive many runs at once.
         self.phase_of_run: dict[str, str] = {}
 
@@ -213,9 +242,9 @@ class Recorder:
         self.log.append(("start", phase, key))
         self.started[phase][key] += 1
         self.payloads[(phase, *key)] = payload
-        self.run_starts[ctx.run_id] += 1
+        self.run_starts[(ctx.run_id, phase)] += 1
         if self.on_start is not None:
-            self.on_start(ctx.run_id, self.run_starts[ctx.run_id])
+            self.on_start(ctx.run_id, phase, self.run_starts[(ctx.run_id, phase)])
         return phase, key
 
     def task(
@@ -291,6 +320,24 @@ async def guarded(awaitable: Coroutine[Any, Any, T], what: str, guard: float = H
             await asyncio.wait({task}, timeout=5.0)
         pytest.fail(f"{what} hung for {guard} s")
     return task.result()
+
+
+async def until(condition: Callable[[], bool], what: str, guard: float = HANG_GUARD) -> None:
+    """Poll ``condition()`` until it holds (a deadlock guard after ``guard`` s, never a timing check)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + guard
+    while not condition():
+        if loop.time() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(0.001)
+
+
+def after_hops(hops: int, fn: Callable[[], Any]) -> None:
+    """Call ``fn`` after ``hops`` turns of the event loop (0: now)."""
+    if hops == 0:
+        fn()
+    else:
+        asyncio.get_running_loop().call_soon(after_hops, hops - 1, fn)
 
 
 async def committed_keys(store: RunStore, run_id: str) -> dict[tuple[str, int], str]:
