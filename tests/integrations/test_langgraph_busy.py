@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import threading
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -30,7 +32,7 @@ from tailrace import AlreadyAnswered
 from tailrace._codec import DEFAULT_CODEC
 from tailrace.gates import Outcome
 from tailrace.integrations.langgraph import LangGraphDriver
-from tailrace.stores import QuestionRow, QuestionStatus, RunStatus, SQLiteStore
+from tailrace.stores import QuestionRow, QuestionStatus, RunStatus, RunStore, SQLiteStore
 
 HERE = Path(__file__).resolve().parent
 TRIALS = 20
@@ -50,10 +52,51 @@ def _load(name: str) -> ModuleType:
 lg = _load("lg_graphs")
 
 
+POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
+
+
 @pytest.fixture
 async def store(tmp_path: Path) -> AsyncIterator[SQLiteStore]:
     async with SQLiteStore(tmp_path / "tailrace.db") as s:
         yield s
+
+
+@pytest.fixture(
+    params=[
+        "sqlite",
+        pytest.param(
+            "postgres",
+            marks=[
+                pytest.mark.postgres,
+                pytest.mark.skipif(not POSTGRES_DSN, reason="TAILRACE_TEST_POSTGRES_DSN unset"),
+            ],
+        ),
+    ]
+)
+async def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[RunStore]:
+    """The tailrace store on SQLite, or on Postgres in a schema of its own."""
+    if request.param == "sqlite":
+        async with SQLiteStore(tmp_path / "tailrace.db") as s:
+            yield s
+        return
+    from tailrace.stores import PostgresStore
+
+    assert POSTGRES_DSN is not None
+    schema = f"lg_busy_{uuid.uuid4().hex[:12]}"
+    try:
+        async with PostgresStore(POSTGRES_DSN, schema=schema, max_size=4) as s:
+            yield s
+    finally:
+        await _drop_schema(POSTGRES_DSN, schema)
+
+
+async def _drop_schema(dsn: str, schema: str) -> None:
+    import psycopg
+    from psycopg import sql
+
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        drop = sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
+        await conn.execute(drop)
 
 
 async def _start(driver: LangGraphDriver, thread_id: str) -> dict[str, QuestionRow]:
@@ -64,7 +107,7 @@ async def _start(driver: LangGraphDriver, thread_id: str) -> dict[str, QuestionR
 
 
 async def _assert_completed_once(
-    driver: LangGraphDriver, store: SQLiteStore, log: Path, thread_id: str, left: Any, right: Any
+    driver: LangGraphDriver, store: RunStore, log: Path, thread_id: str, left: Any, right: Any
 ) -> None:
     """The graph finished with both answers, each post-interrupt node ran once, the ledger agrees."""
     config = {"configurable": {"thread_id": thread_id}}
@@ -90,8 +133,9 @@ async def _assert_completed_once(
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 async def test_both_answers_at_once_complete_the_graph_without_a_sweep(
-    tmp_path: Path, store: SQLiteStore, kind: str
+    tmp_path: Path, any_store: RunStore, kind: str
 ) -> None:
+    store = any_store
     log = tmp_path / "log.txt"
     async with lg.saver(kind, tmp_path / "langgraph.db") as cp:
         driver = LangGraphDriver(lg.parallel_graph(cp, log), store)
