@@ -327,7 +327,7 @@ async def test_threads_with_own_loops_and_drivers_apply_once(
     tmp_path: Path, store: SQLiteStore
 ) -> None:
     log = tmp_path / "log.txt"
-    n = 8
+    n = 16
     with sync_saver(tmp_path / "langgraph.db") as cp:
         driver = LangGraphDriver(one_question_graph(cp, log), store)
         [q] = await driver.start("threads", {})
@@ -349,9 +349,9 @@ async def test_threads_with_own_loops_and_drivers_apply_once(
         await asyncio.to_thread(run_all)
         flat = [r for per_thread in results for r in per_thread]
         answers = [r for per_thread in results for r in per_thread[:4]]
-        assert len(answers) == 32
+        assert len(answers) == 4 * n
         assert all(isinstance(r, (Outcome, AlreadyAnswered)) for r in flat), flat
-        assert sum(isinstance(r, AlreadyAnswered) for r in answers) == 31
+        assert sum(isinstance(r, AlreadyAnswered) for r in answers) == 4 * n - 1
         outcomes = [r for r in flat if isinstance(r, Outcome)]
         swept = await driver.worker.sweep()
         outcomes += [o for o, n in swept.items() for _ in range(n)]
