@@ -76,7 +76,7 @@ def test_trust_rises_by_a_quarter_capped_and_halves_on_disagreement():
 
 
 def test_collect_false_keeps_nothing():
-    audit = AuditScheduler()
+    audit = AuditScheduler(collect=False)
     assert audit.submit("x", blast_radius=2, uncertainty=0.5, artifact_id="a") == 2.0
     assert len(audit) == 0 and audit.pop() is None
 

@@ -4,10 +4,18 @@ Rollouts run the rendered artifact on training tasks, a proposer turns them
 into edits, and a merger commits the edits that beat the head on held-out
 tasks into a versioned ledger in the run store. :func:`evolve` runs
 synchronous rounds with a barrier; :func:`async_evolve` runs N workers and one
-merger without one, with straggler detection and re-runs from a resume queue.
-When the rollout is a tailrace graph whose turns are loop visits, a straggler
-is preempted at a turn boundary and resumed, conversation intact, against the
-newer head (partial rollouts; ``EvolutionResult.partial`` keeps the pairs).
+merger without one, with straggler detection, re-runs from a resume queue and
+detached stragglers. When the rollout is a tailrace graph whose turns are loop
+visits, a straggler is preempted at a turn boundary and resumed, conversation
+intact, against the newer head (partial rollouts; ``EvolutionResult.partial``
+keeps the pairs).
+
+Each merge decision is routed by an :class:`AuditScheduler` (the oracle, the
+cheap ranking layer, queued audits paid from ``oracle_budget``); failing user
+calls are recorded and retried (:class:`Retry`, ``EvolutionResult.errors``);
+``max_seconds``, ``max_calls``, ``max_cost`` and ``patience`` end a loop with a
+``stop_reason``; :func:`record_usage` and a :class:`Price` table give usage and
+cost; ``selection="pareto"`` keeps a GEPA-style pool of candidates.
 """
 
 from ._accept import Acceptance as Acceptance
@@ -20,6 +28,8 @@ from ._audit import AuditScheduler as AuditScheduler
 from ._core import Progress as Progress
 from ._core import Proposal as Proposal
 from ._demo import DemoDomain as DemoDomain
+from ._failures import FailedAttempt as FailedAttempt
+from ._failures import Retry as Retry
 from ._ledger import Ledger as Ledger
 from ._ledger import Version as Version
 from ._model import Artifact as Artifact
@@ -33,9 +43,13 @@ from ._model import split_tasks as split_tasks
 from ._openai import CompletionError as CompletionError
 from ._openai import OpenAICompatible as OpenAICompatible
 from ._openai import openai_compatible as openai_compatible
+from ._pool import Member as Member
 from ._result import EvolutionResult as EvolutionResult
 from ._result import Sweep as Sweep
 from ._sync import evolve as evolve
+from ._usage import Price as Price
+from ._usage import Usage as Usage
+from ._usage import record_usage as record_usage
 
 __all__ = [
     "FAST_MAX",
@@ -47,13 +61,18 @@ __all__ = [
     "DemoDomain",
     "Edit",
     "EvolutionResult",
+    "FailedAttempt",
     "Ledger",
+    "Member",
     "OpenAICompatible",
+    "Price",
     "Progress",
     "Proposal",
+    "Retry",
     "RolloutContext",
     "Sweep",
     "Task",
+    "Usage",
     "Verdict",
     "Version",
     "async_evolve",
@@ -62,6 +81,7 @@ __all__ = [
     "evolve",
     "openai_compatible",
     "prob_beats",
+    "record_usage",
     "render_entries",
     "split_tasks",
 ]

@@ -2,19 +2,29 @@
 
 Each worker owns a shard of the training tasks and runs rollouts back to back,
 always against the newest head (it re-reads the head the merger publishes
-before every rollout: resync on commit). Proposals go to a single merger, the
-only ledger writer, which drops proposals lagging more than ``async_ratio``
+before every rollout: resync on commit), or with ``selection="pareto"`` against
+a parent sampled from the pool. Proposals go to a single merger, the only
+ledger writer, which drops proposals lagging more than ``async_ratio``
 versions behind head and sweeps the rest. Nobody waits for the slowest
 rollout, so worker utilisation stays near 1 on heavy-tailed latencies.
 
 Long tail: with a ``duration_estimator`` each rollout gets a timer at
-``straggler_factor x estimate``; crossing it counts a straggler. With a
-``resume_queue`` the straggling attempt is cut, its task queued, and the next
-idle worker whose shard owns it re-runs it against the current head; when the
-queue refuses (``max_attempts`` reached) the attempt runs to completion. When
-``run`` is a loop graph the straggler is not cut but preempted at its next
-turn boundary and later resumed, conversation intact, against the newer head
-(partial rollouts, :mod:`._partial`).
+``straggler_factor x estimate``; crossing it counts a straggler, and then, in
+this order of preference:
+
+- with ``detach_stragglers=n`` and fewer than ``n`` detached, the straggler
+  keeps running in the background and its worker takes the next task; its
+  result, when it arrives, is used like any other (its proposal is judged
+  like any lagging one). Nothing is thrown away: right for spikes that are
+  queueing, where a re-run would take as long again or cost a second call;
+- with a ``resume_queue`` that accepts it, the attempt is cut, its task
+  queued, and the next idle worker whose shard owns it re-runs it against the
+  current head: right for spikes that are transient;
+- otherwise the worker waits for it.
+
+When ``run`` is a loop graph the straggler is not cut but preempted at its
+next turn boundary and later resumed, conversation intact, against the newer
+head (partial rollouts, :mod:`._partial`).
 """
 
 from __future__ import annotations
@@ -32,16 +42,28 @@ from ..stores import RunStore
 from ..tail import DurationEstimator, ResumeItem, ResumeQueue
 from ._accept import Acceptance
 from ._audit import AuditScheduler
-from ._core import Evolution, Progress, Proposal, Settings, first_error, prepare, straggler_limit
+from ._core import (
+    Evolution,
+    Progress,
+    Proposal,
+    first_error,
+    prepare,
+    settings_from,
+    straggler_limit,
+)
+from ._failures import Retry, UnitFailed
 from ._ledger import Version
 from ._model import Artifact, ProposeFn, RewardFn, RunFn, Task, shard
 from ._partial import PartialRollouts, durable_engine
+from ._pool import Member
 from ._result import EvolutionResult
+from ._sweep import sweep
+from ._usage import Price
 
 
 @dataclass(slots=True)
 class _Budget:
-    """Rollout slots: claimed before a rollout starts, given back when a straggler is cut."""
+    """Rollout slots: claimed before a rollout starts, given back when it does not complete."""
 
     left: int
 
@@ -55,6 +77,22 @@ class _Budget:
         self.left += 1
 
 
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """One training rollout a worker runs: the task, what it renders, and who asked."""
+
+    index: int
+    task: Task
+    head: Version
+    parent: Member | None
+    item: ResumeItem | None
+    started: float
+
+
+_CUT = object()  # the attempt was cut (its task queued) or preempted
+_DETACHED = object()  # the attempt runs on in the background
+
+
 class _AsyncLoop:
     def __init__(
         self,
@@ -65,6 +103,7 @@ class _AsyncLoop:
         estimator: DurationEstimator | None,
         straggler_factor: float,
         resume_queue: ResumeQueue | None,
+        detach_stragglers: int = 0,
         partial: PartialRollouts | None = None,
     ) -> None:
         self.evo = evolution
@@ -74,16 +113,22 @@ class _AsyncLoop:
         self.estimator = estimator
         self.factor = straggler_factor
         self.resume_queue = resume_queue
+        self.detach_limit = detach_stragglers
+        self.detached = 0
         self.budget = _Budget(evolution.settings.max_rollouts)
         self.busy = [0.0] * workers
+        self.used = [0.0] * workers
         self.proposals: asyncio.Queue[Proposal | None] = asyncio.Queue()
-        self.stop = asyncio.Event()
-        self.stop_reason = "budget"
+        self.crew: asyncio.TaskGroup | None = None
+        self._detached_attempts: set[asyncio.Task[Any]] = set()
+
+    def stopping(self) -> bool:
+        return self.evo.limit_reached() is not None
 
     async def drive(self) -> float:
         """Run workers and the merger; return the wall time of the rollout phase."""
         if self.evo.reached_target():
-            self.stop_reason = "target"
+            self.evo.stop("target")
             return 0.0
         started = time.perf_counter()
         with first_error():
@@ -92,9 +137,14 @@ class _AsyncLoop:
     async def _run_all(self, started: float) -> float:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._merger())
-            async with asyncio.TaskGroup() as crew:
-                for index, tasks in enumerate(self.shards):
-                    crew.create_task(self._worker(index, tasks))
+            try:
+                async with asyncio.timeout_at(self.evo.deadline):
+                    async with asyncio.TaskGroup() as crew:
+                        self.crew = crew
+                        for index, tasks in enumerate(self.shards):
+                            crew.create_task(self._worker(index, tasks))
+            except TimeoutError:  # max_seconds: the rollouts in flight were cut
+                self.evo.stop("max_seconds")
             wall = time.perf_counter() - started
             self.proposals.put_nowait(None)  # the merger drains what is left, then exits
         return wall
@@ -104,7 +154,7 @@ class _AsyncLoop:
     async def _worker(self, index: int, tasks: Sequence[Task]) -> None:
         owned = {t.id for t in tasks}
         cursor = 0
-        while not self.stop.is_set() and self.budget.claim():
+        while not self.stopping() and self.budget.claim():
             item = self.resume_queue.pop_for(owned) if self.resume_queue is not None else None
             if item is not None:
                 task = self.evo.by_id[item.task_id]
@@ -114,57 +164,104 @@ class _AsyncLoop:
             else:
                 self.budget.refund()
                 return
-            head = self.evo.head  # resync: the newest head the merger published
-            assert head is not None
-            started = time.perf_counter()
+            head, parent = self.evo.parent_for_rollout()  # resync: the newest head
+            step = _Step(index, task, head, parent, item, time.perf_counter())
             try:
-                proposal = await self._train_step(task, head, item)
+                await self._train_step(step)
             finally:
-                self.busy[index] += time.perf_counter() - started
-            if proposal is not None:
-                self.proposals.put_nowait(proposal)
+                self.busy[index] += time.perf_counter() - step.started
             self.evo.report()
 
-    async def _train_step(
-        self, task: Task, head: Version, item: ResumeItem | None
-    ) -> Proposal | None:
-        outcome = await self._attempt(task, head, item)
-        if outcome is None:  # cut (or preempted) as a straggler; its task is queued
+    async def _train_step(self, step: _Step) -> None:
+        try:
+            outcome = await self._attempt(step)
+        except UnitFailed:
+            self.evo.window.add(True)
+            self.budget.refund()  # the slot counts completed rollouts only
+            return
+        if outcome is _CUT:  # cut (or preempted) as a straggler; its task is queued
             self.budget.refund()
-            return None
+            return
+        if outcome is _DETACHED:
+            return
+        await self._complete(step, outcome, time.perf_counter() - step.started)
+
+    async def _complete(self, step: _Step, outcome: Any, worker_time: float) -> None:
+        """A rollout's result is used: count it, ask for a proposal, hand it to the merger."""
         output, value = outcome
         self.evo.rollouts += 1
-        self.evo.resumed += int(item is not None)
-        return await self.evo.propose(task, head, output, value)
+        self.evo.resumed += int(step.item is not None)
+        proposal = await self.evo.propose(step.task, step.head, output, value, step.parent)
+        self.used[step.index] += worker_time
+        if proposal is not None:
+            self.proposals.put_nowait(proposal)
 
-    async def _attempt(
-        self, task: Task, head: Version, item: ResumeItem | None
-    ) -> tuple[Any, float] | None:
-        """One training rollout; None when it straggled and was cut (or preempted) for a re-run."""
+    async def _attempt(self, step: _Step) -> Any:
+        """One training rollout: its outcome, or ``_CUT`` / ``_DETACHED`` for a straggler."""
+        task, head = step.task, step.head
         if self.partial is not None:
-            return await self.partial.attempt(task, head, item)
-        resumed = item is not None
+            return await self._partial_attempt(step)
+        resumed = step.item is not None
         if self.estimator is None:
             return await self.evo.rollout(task, head, phase="train", resumed=resumed)
         limit = straggler_limit(self.estimator, self.factor, task)
-        started = time.perf_counter()
         attempt = asyncio.create_task(self.evo.rollout(task, head, phase="train", resumed=resumed))
         try:
             done, _ = await asyncio.wait({attempt}, timeout=limit)
             if not done:
                 self.evo.stragglers += 1
+                if self._detach(step, attempt):
+                    return _DETACHED
                 if self._requeue(task, head):
                     attempt.cancel()
                     await asyncio.wait({attempt})
-                    return None
+                    return _CUT
             outcome = await attempt
         finally:
-            if not attempt.done():  # we were cancelled: never leave the attempt behind
-                attempt.cancel()
+            if not attempt.done() and attempt not in self._detached_attempts:
+                attempt.cancel()  # we were cancelled: never leave the attempt behind
                 with contextlib.suppress(asyncio.CancelledError):
                     await attempt
-        self.estimator.observe(task.cost, time.perf_counter() - started)
+        self.estimator.observe(task.cost, time.perf_counter() - step.started)
         return outcome
+
+    async def _partial_attempt(self, step: _Step) -> Any:
+        assert self.partial is not None
+        try:
+            outcome = await self.partial.attempt(step.task, step.head, step.item)
+        except UnitFailed:
+            raise
+        except Exception as exc:  # the graph failed: recorded, the loop goes on
+            raise self.evo.failed("run", "train", step.task, step.head.version, exc) from exc
+        return _CUT if outcome is None else outcome
+
+    # -- stragglers -------------------------------------------------------------------
+
+    def _detach(self, step: _Step, attempt: asyncio.Task[Any]) -> bool:
+        """Leave ``attempt`` running in the background if a detach slot is free."""
+        if self.detached >= self.detach_limit or self.crew is None:
+            return False
+        self.detached += 1
+        self._detached_attempts.add(attempt)
+        worker_time = time.perf_counter() - step.started
+        self.crew.create_task(self._finish_detached(step, attempt, worker_time))
+        return True
+
+    async def _finish_detached(
+        self, step: _Step, attempt: asyncio.Task[Any], worker_time: float
+    ) -> None:
+        try:
+            outcome = await attempt
+        except UnitFailed:
+            self.evo.window.add(True)
+            self.budget.refund()
+            return
+        finally:
+            self.detached -= 1
+            self._detached_attempts.discard(attempt)
+        assert self.estimator is not None
+        self.estimator.observe(step.task.cost, time.perf_counter() - step.started)
+        await self._complete(step, outcome, worker_time)
 
     def _requeue(self, task: Task, head: Version) -> bool:
         if self.resume_queue is None:
@@ -189,16 +286,23 @@ class _AsyncLoop:
             pending[:] = self._fresh(pending)
             batch = pending[: self.evo.settings.max_candidates]
             del pending[: self.evo.settings.max_candidates]
-            if batch and not self.stop.is_set():
-                await self.evo.sweep(batch)
+            if batch and not self.stopping():
+                await sweep(self.evo, batch)
                 if self.evo.reached_target():
-                    self.stop_reason = "target"
-                    self.stop.set()
+                    self.evo.stop("target")
             if closing and not pending:
                 return
+            if self.stopping():
+                pending.clear()  # no more sweeps: wait for the workers' sentinel
 
     def _fresh(self, proposals: Sequence[Proposal]) -> list[Proposal]:
-        """Proposals at most ``async_ratio`` versions behind head; the rest are counted and dropped."""
+        """Proposals at most ``async_ratio`` versions behind head; the rest are counted and dropped.
+
+        A Pareto proposal is judged against its own parent, which never goes
+        stale, so none is dropped.
+        """
+        if self.evo.pool is not None:
+            return list(proposals)
         head = self.evo.head
         assert head is not None
         fresh = [p for p in proposals if head.version - p.base_version <= self.async_ratio]
@@ -225,9 +329,21 @@ async def async_evolve(
     rank_size: int | None = None,
     max_candidates: int = 4,
     audit: AuditScheduler | None = None,
+    audits_per_sweep: int = 1,
+    selection: str = "head",
     duration_estimator: DurationEstimator | None = None,
     straggler_factor: float = 3.0,
     resume_queue: ResumeQueue | None = None,
+    detach_stragglers: int = 0,
+    retry: Retry | None = None,
+    max_error_rate: float = 0.5,
+    error_window: int = 20,
+    max_seconds: float | None = None,
+    max_calls: int | None = None,
+    max_cost: float | None = None,
+    prices: Mapping[str, Price] | None = None,
+    patience: int | None = None,
+    quality: float | None = None,
     engine: Engine | None = None,
     progress: Callable[[Progress], None] | None = None,
 ) -> EvolutionResult:
@@ -236,14 +352,15 @@ async def async_evolve(
     Args:
         tasks: At least 4 tasks with unique ids; split into training and held-out.
         reward: ``reward(task, output) -> float`` in ``[0, 1]`` (checked).
-        run: ``run(rendered, task) -> output`` (sync or async), or a tailrace
-            ``Graph`` run with input ``{"rendered": ..., "task": task.to_dict()}``
-            whose ``RunResult.output`` is the output. A graph whose turns are
-            visits of a loop gets partial rollouts (with ``duration_estimator``
-            and ``resume_queue``): write it so that every turn reads
-            ``rendered`` from the payload going around the loop and passes it
-            on (a resumed run has the newer head patched in there), and keep
-            the turns so far in the payload (say a ``"conversation"`` list).
+        run: ``run(rendered, task) -> output`` (sync or async; sync ones run on
+            daemon threads, so one cut while blocked never holds the process
+            open), or a tailrace ``Graph`` run with input ``{"rendered": ...,
+            "task": task.to_dict()}`` whose ``RunResult.output`` is the output.
+            A graph whose turns are visits of a loop gets partial rollouts (with
+            ``duration_estimator`` and ``resume_queue``): write it so that every
+            turn reads ``rendered`` from the payload going around the loop and
+            passes it on (a resumed run has the newer head patched in there),
+            and keep the turns so far in the payload (say a ``"conversation"`` list).
         propose: ``propose(rendered, task, output, reward) -> Edit | None``.
         artifact: The first version (an :class:`Artifact` or its entries); when
             the store already holds ``artifact_id`` the stored head is resumed
@@ -254,13 +371,20 @@ async def async_evolve(
         max_rollouts: Budget of completed training rollouts.
         target: Stop once the head's mean held-out reward reaches this.
         held_out_frac: Fraction of tasks held out for acceptance (default 0.4).
-        shuffle_seed: Shuffle tasks with this seed before splitting; None keeps their order.
+        shuffle_seed: Shuffle tasks with this seed before splitting; None keeps
+            their order. Also seeds Pareto parent sampling (None: 0).
         async_ratio: Proposals whose rollout rendered a head more than this many
-            versions behind the current one are dropped.
+            versions behind the current one are dropped (head selection only).
         acceptance: The held-out gate (default :class:`Acceptance`).
         rank_size: How many held-out tasks rank candidates cheaply (default a quarter).
         max_candidates: Most candidates ranked per sweep.
-        audit: Learns trust in the cheap ranking from every sweep (default a new one).
+        audit: Routes each sweep's decision to the oracle or the cheap layer,
+            learns trust, queues audits and holds ``oracle_budget`` (default a
+            new :class:`AuditScheduler`; see :mod:`tailrace.evolve` for the
+            routing rules).
+        audits_per_sweep: Most queued audits a sweep buys from the oracle budget.
+        selection: ``"head"`` (every rollout renders the head) or ``"pareto"``
+            (parents sampled from the front of candidates best on some held-out task).
         duration_estimator: Enables straggler detection: a rollout running past
             ``straggler_factor`` times its estimate (for ``task.cost``) is a straggler.
         straggler_factor: The straggler threshold as a multiple of the estimate.
@@ -271,6 +395,25 @@ async def async_evolve(
             turn, the version it rendered and its parked ``"conversation"``; the
             worker that pops it resumes the run with ``patch={"rendered": <head>}``
             and the pair of versions is recorded in ``EvolutionResult.partial``.
+        detach_stragglers: How many stragglers may run on in the background
+            while their workers take new tasks (0: none); preferred to cutting.
+        retry: How failing ``run``/``reward``/``propose`` calls are retried
+            (default :class:`Retry`: 3 attempts, timeouts, connection errors
+            and the adapter's 429/5xx, honouring ``Retry-After``).
+        max_error_rate: Stop (``"errors"``) once more than this fraction of the
+            last ``error_window`` units of work failed every attempt; 1.0 never stops.
+        error_window: How many recent units the error rate is measured over.
+        max_seconds: Stop (``"max_seconds"``) this many seconds after the
+            initial scoring; rollouts and evaluations in flight are cut.
+        max_calls: Stop (``"max_calls"``) once this many user calls were made;
+            work in flight finishes.
+        max_cost: Stop (``"max_cost"``) once the priced usage reaches this.
+        prices: Model name mapped to its :class:`Price` (for cost).
+        patience: Stop (``"patience"``) after this many merge sweeps in a row
+            without a held-out improvement.
+        quality: The held-out reward whose first reaching is reported as
+            ``time_to_quality``/``cost_to_quality`` (default ``target``); it
+            does not stop the loop.
         engine: Runs ``run`` when it is a graph (default ``Engine()``). Partial
             rollouts need a store: training rollouts then run on ``engine`` if
             it has one, else on an engine over ``store`` (the evolution's store).
@@ -286,16 +429,9 @@ async def async_evolve(
         raise ValueError(f"async_ratio must be >= 0, got {async_ratio}")
     if straggler_factor <= 1.0:
         raise ValueError(f"straggler_factor must be > 1, got {straggler_factor}")
-    settings = Settings(
-        max_rollouts=max_rollouts,
-        target=target,
-        held_out_frac=held_out_frac,
-        shuffle_seed=shuffle_seed,
-        rank_size=rank_size,
-        max_candidates=max_candidates,
-        acceptance=acceptance or Acceptance(),
-        progress=progress,
-    )
+    if detach_stragglers < 0:
+        raise ValueError(f"detach_stragglers must be >= 0, got {detach_stragglers}")
+    settings = settings_from(locals())
     evolution, owned = await prepare(
         tasks,
         reward,
@@ -326,11 +462,12 @@ async def async_evolve(
             estimator=duration_estimator,
             straggler_factor=straggler_factor,
             resume_queue=resume_queue,
+            detach_stragglers=detach_stragglers,
             partial=partial,
         )
         wall = await loop.drive()
         return evolution.result(
-            mode="async", stop_reason=loop.stop_reason, wall=wall, busy=loop.busy
+            mode="async", stop_reason="budget", wall=wall, busy=loop.busy, used=loop.used
         )
     finally:
         evolution.close()  # abandoned sync calls (cut stragglers) never hold the caller

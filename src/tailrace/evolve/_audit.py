@@ -5,10 +5,20 @@ model) judges every change; an oracle (the full held-out set, a person, a big
 model) is costly and rationed. Items are audited by priority
 ``blast_radius x uncertainty / trust``: wide changes, unsure verdicts and an
 untrusted cheap layer go first. Trust is per artifact and learnt by comparing
-the two layers: +0.25 (capped at 1) when they agreed, halved when they did
-not. The evolution loops measure it for free on every merge: the cheap verdict
-is the candidate's score on the ranking subset, the oracle's is the full
-held-out verdict.
+the two layers: +0.25 when they agreed, halved when they did not, kept within
+``[TRUST_MIN, TRUST_MAX] = [0.25, 1.0]``. The evolution loops measure it on
+every comparison they make: the cheap verdict is the candidate's score on the
+ranking subset, the oracle's is the full held-out verdict.
+
+Why a cap of 1 and a floor of 0.25 (agentdescent caps trust at 4.0 and floors
+it at 0.25): trust here is read against the 0.75 gate of :meth:`force_oracle`.
+With a cap of 4 a long agreement streak banks trust, and a cheap layer that
+goes bad (the head got good and the ranking subset no longer tells candidates
+apart) decides alone through three disagreements in a row (4 -> 2 -> 1 -> 0.5)
+before the oracle sees a change again; with a cap of 1, the first disagreement
+sends the next decision to the oracle. The floor keeps the priority's divisor
+bounded (an untrusted layer multiplies priorities by at most 4) and makes trust
+recoverable: two agreements lift it from the floor back to the gate.
 
 >>> audit = AuditScheduler()
 >>> audit.force_oracle(FAST_MAX + 1, "prompt"), audit.force_oracle(1, "prompt")
@@ -31,6 +41,12 @@ FAST_MAX = 3
 
 #: Below this trust the cheap layer's verdict is not enough.
 TRUST_FLOOR = 0.75
+
+#: Trust never rises above this (agreements add 0.25 up to it).
+TRUST_MAX = 1.0
+
+#: Trust never falls below this (disagreements halve it down to it).
+TRUST_MIN = 0.25
 
 #: How many items a collecting scheduler keeps; the lowest priorities are shed beyond it.
 HEAP_CAP = 4096
@@ -66,16 +82,19 @@ class AuditScheduler:
             False, :meth:`submit` only returns the priority.
         oracle_budget: How many oracle calls :meth:`spend_oracle` grants;
             None for no limit.
-        initial_trust: Trust in the cheap layer for an artifact never measured.
+        initial_trust: Trust in the cheap layer for an artifact never measured,
+            in ``[TRUST_MIN, TRUST_MAX]``.
     """
 
     def __init__(
-        self, *, collect: bool = False, oracle_budget: int | None = None, initial_trust: float = 0.5
+        self, *, collect: bool = True, oracle_budget: int | None = None, initial_trust: float = 0.5
     ) -> None:
         if oracle_budget is not None and oracle_budget < 0:
             raise ValueError(f"oracle_budget must be >= 0 or None, got {oracle_budget}")
-        if not 0.0 < initial_trust <= 1.0:
-            raise ValueError(f"initial_trust must be in (0, 1], got {initial_trust}")
+        if not TRUST_MIN <= initial_trust <= TRUST_MAX:
+            raise ValueError(
+                f"initial_trust must be in [{TRUST_MIN}, {TRUST_MAX}], got {initial_trust}"
+            )
         self.collect = collect
         self.oracle_budget = oracle_budget
         self.initial_trust = initial_trust
@@ -99,6 +118,10 @@ class AuditScheduler:
         """
         return self._trust.get(artifact_id, self.initial_trust)
 
+    def trust_by_artifact(self) -> dict[str, float]:
+        """Trust in the cheap layer for every artifact measured so far."""
+        return dict(self._trust)
+
     def record(self, *, agreed: bool, artifact_id: str) -> float:
         """Record whether the cheap layer agreed with the oracle; return the new trust.
 
@@ -107,7 +130,7 @@ class AuditScheduler:
             artifact_id: The artifact judged.
         """
         old = self.trust(artifact_id)
-        new = min(1.0, old + 0.25) if agreed else old / 2.0
+        new = min(TRUST_MAX, old + 0.25) if agreed else max(TRUST_MIN, old / 2.0)
         self._trust[artifact_id] = new
         self.comparisons += 1
         self.agreements += int(agreed)
@@ -133,6 +156,13 @@ class AuditScheduler:
             artifact_id: The artifact; trust below ``TRUST_FLOOR`` forces the oracle.
         """
         return blast_radius > FAST_MAX or self.trust(artifact_id) < TRUST_FLOOR
+
+    @property
+    def oracle_left(self) -> int | None:
+        """Oracle calls the budget still grants; None for no limit."""
+        if self.oracle_budget is None:
+            return None
+        return max(0, self.oracle_budget - self.oracle_used)
 
     def spend_oracle(self) -> bool:
         """Take one oracle call from the budget; False (and counted) when none is left."""

@@ -1,21 +1,26 @@
-"""What both evolution loops share: rollouts, held-out scoring, and the merge sweep.
+"""What both evolution loops share: rollouts with retries, held-out scoring, limits, the result.
 
-:class:`Evolution` owns the ledger and the head. A *merge sweep* takes the
-pending proposals, applies each edit to the head, ranks the candidates on a
-cheap subset of the held-out tasks, scores the best on the full held-out set
-and commits it when the Beta-posterior gate accepts. The sweep is the only
-place that writes the ledger, so whichever loop drives it has one writer.
+:class:`Evolution` owns the ledger, the head (or the Pareto pool) and every
+counter. User calls go through :meth:`Evolution.call`, which records
+failures and retries transient ones (:mod:`._failures`); units of work that
+still fail are dropped and counted in an error window. The merge sweep
+(:mod:`._sweep`) is the only place that writes the ledger, so whichever loop
+drives it has one writer. :meth:`Evolution.limit_reached` is where every
+budget (``max_calls``, ``max_cost``, ``patience``, the error rate, the oracle)
+turns into a stop reason; ``max_seconds`` is a deadline the loops enforce.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import contextvars
+import dataclasses
+import itertools
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._engine import Engine
@@ -25,6 +30,7 @@ from ..tail import DurationEstimator
 from ..tail._hooks import MIN_STRAGGLER_DELAY
 from ._accept import Acceptance, mean
 from ._audit import AuditScheduler
+from ._failures import ErrorWindow, FailedAttempt, Retry, UnitFailed, error_name
 from ._ledger import Ledger, Version
 from ._model import (
     Artifact,
@@ -40,25 +46,34 @@ from ._model import (
     set_rollout,
     split_tasks,
 )
+from ._pool import Member, Pool
 from ._result import EvolutionResult, Sweep
 from ._threads import DaemonExecutor
+from ._usage import Price, UsageMeter, install_meter, uninstall_meter
+
+#: Values of ``selection``.
+SELECTIONS = ("head", "pareto")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Proposal:
-    """An edit a worker proposed, and the head version its rollout rendered.
+    """An edit a worker proposed, and what its rollout rendered.
 
     Args:
         edit: The proposed change.
-        base_version: The version the rollout ran against.
+        base_version: The ledger head version when the rollout started.
         task_id: The training task it came from.
         reward: The rollout's reward.
+        parent: The pool member the rollout rendered (with ``selection="pareto"``
+            the edit is judged against it; with ``"head"``, against the head
+            at the time of the sweep). None when built by hand: the head.
     """
 
     edit: Edit
     base_version: int
     task_id: str
     reward: float
+    parent: Member | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +86,9 @@ class Progress:
         version: The current head version.
         held_out: The head's mean held-out reward.
         sweeps: Merge sweeps so far.
+        calls: User calls made so far (every attempt).
+        cost: Cost so far under the price table.
+        errors: Failed attempts recorded so far.
     """
 
     rollouts: int
@@ -78,6 +96,9 @@ class Progress:
     version: int
     held_out: float
     sweeps: int
+    calls: int = 0
+    cost: float = 0.0
+    errors: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,18 +113,63 @@ class Settings:
     max_candidates: int
     acceptance: Acceptance
     progress: Callable[[Progress], None] | None
+    retry: Retry = field(default_factory=Retry)
+    max_error_rate: float = 0.5
+    error_window: int = 20
+    max_seconds: float | None = None
+    max_calls: int | None = None
+    max_cost: float | None = None
+    patience: int | None = None
+    prices: Mapping[str, Price] = field(default_factory=dict)
+    quality: float | None = None
+    selection: str = "head"
+    audits_per_sweep: int = 1
 
     def __post_init__(self) -> None:
-        if self.max_rollouts < 0:
-            raise ValueError(f"max_rollouts must be >= 0, got {self.max_rollouts}")
-        if self.max_candidates < 1:
-            raise ValueError(f"max_candidates must be >= 1, got {self.max_candidates}")
-        if self.target is not None and not 0.0 <= self.target <= 1.0:
-            raise ValueError(f"target must be in [0, 1], got {self.target}")
+        for name in ("max_rollouts", "max_candidates", "error_window", "audits_per_sweep"):
+            value = getattr(self, name)
+            low = 1 if name in ("max_candidates", "error_window") else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name in ("target", "quality"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        for name in ("max_seconds", "max_cost"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a number > 0 or None, got {value!r}")
+        for name in ("max_calls", "patience"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        if not isinstance(self.retry, Retry):
+            raise ValueError(f"retry must be a Retry, got {self.retry!r}")
+
+    @property
+    def quality_bar(self) -> float | None:
+        """The held-out reward whose first reaching is reported (``quality``, else ``target``)."""
+        return self.quality if self.quality is not None else self.target
+
+
+def settings_from(options: Mapping[str, Any]) -> Settings:
+    """The :class:`Settings` among a loop's keyword arguments (its ``locals()``), defaults filled.
+
+    Args:
+        options: The loop function's arguments by name.
+    """
+    names = {f.name for f in dataclasses.fields(Settings)}
+    values = {k: v for k, v in options.items() if k in names}
+    values["acceptance"] = values.get("acceptance") or Acceptance()
+    values["retry"] = values.get("retry") or Retry()
+    values["prices"] = dict(values.get("prices") or {})
+    return Settings(**values)
 
 
 class Evolution:
-    """The shared state of one evolution: ledger, head, held-out scores, counters."""
+    """The shared state of one evolution: ledger, head or pool, limits, counters."""
 
     def __init__(
         self,
@@ -130,23 +196,119 @@ class Evolution:
         self.engine = engine if engine is not None or not isinstance(run, Graph) else Engine()
         self.rank_size = _rank_size(settings.rank_size, len(held_out))
         self.head: Version | None = None
-        self.head_rewards: list[float] | None = None
+        self.head_member: Member | None = None
+        self.pool: Pool | None = None
+        self.member_ids = itertools.count(1)
         self.initial_held_out = 0.0
         self.history: list[Sweep] = []
         self.started = time.perf_counter()
+        self.deadline: float | None = None  # loop time; set by start() from max_seconds
         self.rollouts = 0
         self.eval_rollouts = 0
+        self.calls = 0
         self.commits = 0
         self.proposals = 0
         self.stale_dropped = 0
         self.stragglers = 0
         self.resumed = 0
+        self.audits_bought = 0
         self.partial: list[Mapping[str, Any]] = []
+        self.reversals: list[Mapping[str, Any]] = []
+        self.errors: list[FailedAttempt] = []
+        self.window = ErrorWindow(settings.error_window, settings.max_error_rate)
+        self.meter = UsageMeter(settings.prices)
+        self.quality_at: tuple[float, float, int] | None = None
+        self.last_score = 0.0
+        self.best_held_out = 0.0
+        self.flat_sweeps = 0
+        self.meter_token: contextvars.Token[UsageMeter | None] | None = None
+        self.stop_reason: str | None = None
         self.executor = DaemonExecutor()
 
+    def install(self) -> None:
+        """Meter the usage of every call made from the current context on (see :meth:`close`)."""
+        self.meter_token = install_meter(self.meter)
+
     def close(self) -> None:
-        """Release the executor of user sync callables without waiting for abandoned calls."""
+        """Stop metering; release the executor of user sync callables without waiting for them."""
+        if self.meter_token is not None:
+            uninstall_meter(self.meter_token)
+            self.meter_token = None
         self.executor.shutdown(wait=False)
+
+    # -- user calls ---------------------------------------------------------------
+
+    async def attempt(
+        self,
+        stage: str,
+        phase: str,
+        task: Task,
+        version: int,
+        call: Callable[[], Awaitable[Any]],
+    ) -> Any:
+        """Await ``call()`` under the retry policy; record every failed attempt.
+
+        Args:
+            stage: ``"run"``, ``"reward"`` or ``"propose"`` (recorded).
+            phase: ``"train"`` or ``"eval"`` (recorded).
+            task: The task the call is for.
+            version: The ledger version it renders.
+            call: Makes one attempt.
+
+        Raises:
+            UnitFailed: every attempt failed, or the error was not transient.
+        """
+        retry = self.settings.retry
+        for attempt in range(1, retry.attempts + 1):
+            self.calls += 1
+            try:
+                return await call()
+            except Exception as exc:  # a user's failure: recorded, maybe retried
+                again = attempt < retry.attempts and retry.transient(exc)
+                failure = FailedAttempt(
+                    task_id=task.id,
+                    phase=phase,
+                    stage=stage,
+                    attempt=attempt,
+                    error=error_name(exc),
+                    message=str(exc),
+                    version=version,
+                    retried=again,
+                )
+                self.errors.append(failure)
+                if not again:
+                    raise UnitFailed(failure) from exc
+                await retry.sleep(retry.delay(attempt, exc))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def failed(
+        self, stage: str, phase: str, task: Task, version: int, exc: Exception
+    ) -> UnitFailed:
+        """Record ``exc`` as a failed, not retried attempt; return the error that drops the unit.
+
+        Args:
+            stage: ``"run"``, ``"reward"`` or ``"propose"``.
+            phase: ``"train"`` or ``"eval"``.
+            task: The task.
+            version: The version rendered.
+            exc: What was raised.
+        """
+        failure = FailedAttempt(
+            task_id=task.id,
+            phase=phase,
+            stage=stage,
+            attempt=1,
+            error=error_name(exc),
+            message=str(exc),
+            version=version,
+            retried=False,
+        )
+        self.errors.append(failure)
+        return UnitFailed(failure)
+
+    def user(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Awaitable[Any]]:
+        """One attempt of a user callable, sync ones on the evolution's daemon threads."""
+        return lambda: call_user(fn, *args, executor=self.executor)
 
     # -- rollouts -------------------------------------------------------------
 
@@ -156,6 +318,9 @@ class Evolution:
         """Run ``head`` on ``task`` and score it; returns ``(output, reward)``.
 
         Runs in its own task so the rollout context stays with this call.
+
+        Raises:
+            UnitFailed: the run or the reward failed on every attempt.
         """
         return await asyncio.create_task(self._rollout(task, head, phase, resumed))
 
@@ -167,81 +332,189 @@ class Evolution:
         )
         rendered = head.rendered
         if isinstance(self.run_fn, Graph):
-            assert self.engine is not None
-            result = await self.engine.run(
-                self.run_fn, {"rendered": rendered, "task": task.to_dict()}
+            graph = self.run_fn
+            output = await self.attempt(
+                "run", phase, task, head.version, lambda: self._run_graph(graph, rendered, task)
             )
-            if result.status != "completed":
-                raise RuntimeError(
-                    f"rollout graph {self.run_fn.name!r} on task {task.id!r} ended {result.status}"
-                )
-            output = result.output
         else:
-            output = await call_user(self.run_fn, rendered, task, executor=self.executor)
-        return output, await self.score(task, output, phase=phase)
+            output = await self.attempt(
+                "run", phase, task, head.version, self.user(self.run_fn, rendered, task)
+            )
+        return output, await self.score(task, output, phase=phase, version=head.version)
 
-    async def score(self, task: Task, output: Any, *, phase: str) -> float:
+    async def _run_graph(self, graph: Graph, rendered: str, task: Task) -> Any:
+        assert self.engine is not None
+        result = await self.engine.run(graph, {"rendered": rendered, "task": task.to_dict()})
+        if result.status != "completed":
+            raise RuntimeError(
+                f"rollout graph {graph.name!r} on task {task.id!r} ended {result.status}"
+            )
+        return result.output
+
+    async def score(self, task: Task, output: Any, *, phase: str, version: int = 0) -> float:
         """The checked reward of ``output`` on ``task``; counts held-out rollouts.
 
         Args:
             task: The task the output is for.
             output: What the rollout produced.
             phase: ``"train"`` or ``"eval"`` (counted in ``eval_rollouts``).
+            version: The version the output came from (recorded with failures).
+
+        Raises:
+            UnitFailed: the reward failed on every attempt.
+            ValueError: the reward is not a number in ``[0, 1]`` (a bug, never retried).
         """
-        value = check_reward(
-            task, await call_user(self.reward_fn, task, output, executor=self.executor)
+        value = await self.attempt(
+            "reward", phase, task, version, self.user(self.reward_fn, task, output)
         )
         if phase == "eval":
             self.eval_rollouts += 1
-        return value
+        return check_reward(task, value)
 
     async def propose(
-        self, task: Task, head: Version, output: Any, value: float
+        self, task: Task, head: Version, output: Any, value: float, parent: Member | None = None
     ) -> Proposal | None:
-        """Ask the proposer for an edit from one training rollout."""
-        edit = check_edit(
-            task,
-            await call_user(
-                self.propose_fn, head.rendered, task, output, value, executor=self.executor
-            ),
-        )
+        """Ask the proposer for an edit from one training rollout; None when it had none or failed."""
+        call = self.user(self.propose_fn, head.rendered, task, output, value)
+        try:
+            proposed = await self.attempt("propose", "train", task, head.version, call)
+        except UnitFailed:
+            self.window.add(True)
+            return None
+        self.window.add(False)
+        edit = check_edit(task, proposed)
         if edit is None:
             return None
         self.proposals += 1
-        return Proposal(edit=edit, base_version=head.version, task_id=task.id, reward=value)
+        return Proposal(
+            edit=edit, base_version=head.version, task_id=task.id, reward=value, parent=parent
+        )
 
     async def evaluate(
         self, artifact: Artifact, version: int, tasks: Sequence[Task]
     ) -> list[float]:
-        """Rewards of ``artifact`` on ``tasks``, all run concurrently."""
+        """Rewards of ``artifact`` on ``tasks``, all run concurrently; a failed one scores 0."""
         probe = Version(version=version, artifact=artifact, meta={})
         with first_error():
             async with asyncio.TaskGroup() as tg:
-                runs = [tg.create_task(self.rollout(t, probe, phase="eval")) for t in tasks]
-        return [r.result()[1] for r in runs]
+                runs = [tg.create_task(self._eval_one(t, probe)) for t in tasks]
+        return [r.result() for r in runs]
 
-    # -- the head ---------------------------------------------------------------
+    async def _eval_one(self, task: Task, probe: Version) -> float:
+        try:
+            _, value = await self.rollout(task, probe, phase="eval")
+        except UnitFailed:
+            self.window.add(True)
+            return 0.0  # a candidate that cannot be scored is not accepted on that task
+        self.window.add(False)
+        return value
+
+    # -- the head and the pool ------------------------------------------------------
 
     async def start(self) -> None:
         """Open the ledger (resuming a stored head) and score the head on the held-out set."""
         self.head = await self.ledger.open()
-        self.head_rewards = await self.evaluate(
-            self.head.artifact, self.head.version, self.held_out
-        )
-        self.initial_held_out = mean(self.head_rewards)
+        rewards = await self.evaluate(self.head.artifact, self.head.version, self.held_out)
+        self.set_head(self.head, self.new_member(self.head.artifact, rewards, None))
+        if self.settings.selection == "pareto":
+            assert self.head_member is not None
+            self.pool = Pool(self.head_member, self.settings.shuffle_seed or 0)
+        self.initial_held_out = self.best_held_out = mean(rewards)
         self.started = time.perf_counter()
+        if self.settings.max_seconds is not None:
+            self.deadline = asyncio.get_running_loop().time() + self.settings.max_seconds
+        self.note_quality()
+
+    def set_head(self, head: Version, member: Member | None) -> None:
+        """Make ``head`` the head, scored as ``member`` (None: not measured yet)."""
+        self.head = head
+        self.head_member = member  # None after a rebased commit: measured before the next sweep
+        if member is not None:
+            self.last_score = member.mean
+
+    def new_member(
+        self, artifact: Artifact, rewards: Sequence[float], parent: Member | None
+    ) -> Member:
+        """A pool member for a scored candidate."""
+        return Member(
+            id=next(self.member_ids),
+            artifact=artifact,
+            rewards=tuple(rewards),
+            parent=None if parent is None else parent.id,
+        )
+
+    async def measured_head(self) -> Member:
+        """The head as a member, scoring it first when a rebased commit left it unmeasured."""
+        if self.head_member is None:
+            head = self.head
+            assert head is not None
+            rewards = await self.evaluate(head.artifact, head.version, self.held_out)
+            self.set_head(head, self.new_member(head.artifact, rewards, None))
+        assert self.head_member is not None
+        return self.head_member
+
+    def parent_for_rollout(self) -> tuple[Version, Member | None]:
+        """What the next training rollout renders: the head, or a parent sampled from the pool."""
+        head = self.head
+        assert head is not None
+        if self.pool is None:
+            return head, self.head_member
+        parent = self.pool.sample()
+        return Version(version=head.version, artifact=parent.artifact, meta={}), parent
 
     @property
     def held_out_score(self) -> float:
-        """Mean held-out reward of the head (its last known scores)."""
-        return mean(self.head_rewards or [])
+        """Mean held-out reward of the head (its last measured scores)."""
+        return self.head_member.mean if self.head_member is not None else self.last_score
 
     def reached_target(self) -> bool:
         """Whether the head's held-out reward reached ``target``."""
         target = self.settings.target
-        return (
-            target is not None and self.head_rewards is not None and self.held_out_score >= target
-        )
+        return target is not None and self.head_member is not None and self.held_out_score >= target
+
+    def note_quality(self) -> None:
+        """Remember when, at what cost and after how many rollouts the quality bar was first met."""
+        bar = self.settings.quality_bar
+        if bar is None or self.quality_at is not None or self.head_member is None:
+            return
+        if self.held_out_score >= bar:
+            self.quality_at = (time.perf_counter() - self.started, self.meter.cost, self.rollouts)
+
+    def note_sweep(self) -> None:
+        """Count sweeps without a held-out improvement (``patience``)."""
+        score = self.held_out_score
+        if score > self.best_held_out + 1e-12:
+            self.best_held_out = score
+            self.flat_sweeps = 0
+        else:
+            self.flat_sweeps += 1
+        self.note_quality()
+
+    # -- limits ---------------------------------------------------------------------
+
+    def limit_reached(self) -> str | None:
+        """The stop reason of the first budget exhausted, or None (sticky once set)."""
+        if self.stop_reason is not None:
+            return self.stop_reason
+        s = self.settings
+        reason = None
+        if self.window.exceeded():
+            reason = "errors"
+        elif s.max_calls is not None and self.calls >= s.max_calls:
+            reason = "max_calls"
+        elif s.max_cost is not None and self.meter.cost >= s.max_cost:
+            reason = "max_cost"
+        elif s.patience is not None and self.flat_sweeps >= s.patience:
+            reason = "patience"
+        elif self.deadline is not None and asyncio.get_running_loop().time() >= self.deadline:
+            reason = "max_seconds"
+        self.stop_reason = reason
+        return reason
+
+    def stop(self, reason: str) -> None:
+        """Stop for ``reason`` unless a stop reason is already set."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
 
     def report(self) -> None:
         """Call the progress callback, if any."""
@@ -254,84 +527,28 @@ class Evolution:
                 version=self.head.version,
                 held_out=self.held_out_score,
                 sweeps=len(self.history),
+                calls=self.calls,
+                cost=self.meter.cost,
+                errors=len(self.errors),
             )
         )
 
-    # -- the merge sweep ----------------------------------------------------------
-
-    async def sweep(self, proposals: Sequence[Proposal]) -> Sweep | None:
-        """Rank ``proposals`` on the cheap subset, gate the best on the held-out set, commit it.
-
-        Returns the sweep's record, or None when no proposal changes the head.
-        """
-        head = self.head
-        assert head is not None
-        if self.head_rewards is None:  # a rebased commit: the new head was never scored
-            self.head_rewards = await self.evaluate(head.artifact, head.version, self.held_out)
-        base = self.head_rewards
-        edits = _distinct_edits(head, proposals)[: self.settings.max_candidates]
-        if not edits:
-            return None
-        subset = self.held_out[: self.rank_size]
-        candidates = [head.artifact.apply(edit) for edit in edits]
-        with first_error():
-            async with asyncio.TaskGroup() as tg:  # rank every candidate at once
-                scoring = [
-                    tg.create_task(self.evaluate(c, head.version, subset)) for c in candidates
-                ]
-        ranked = [(e, c, s.result()) for e, c, s in zip(edits, candidates, scoring, strict=True)]
-        edit, candidate, cheap = max(ranked, key=lambda r: mean(r[2]))  # first best wins ties
-        rest = await self.evaluate(candidate, head.version, self.held_out[self.rank_size :])
-        full = cheap + rest
-        verdict = self.settings.acceptance.decide(full, base, head.version)
-        cheap_says = mean(cheap) > mean(base[: self.rank_size])
-        agreed = cheap_says == verdict.accepted
-        self.audit.record(agreed=agreed, artifact_id=self.ledger.artifact_id)
-        if verdict.accepted:
-            meta = {
-                "probability": verdict.probability,
-                "threshold": verdict.threshold,
-                "held_out": verdict.candidate_mean,
-                "sweep": len(self.history) + 1,
-            }
-            new = await self.ledger.commit(head, edit, meta)
-            self.head = current = new
-            self.head_rewards = full if new.meta.get("rebased_onto") is None else None
-            self.commits += 1
-            self.audit.submit(
-                str(new.version),
-                blast_radius=edit.blast_radius,
-                uncertainty=1.0 - abs(2.0 * verdict.probability - 1.0),
-                artifact_id=self.ledger.artifact_id,
-            )
-        else:
-            current = head
-        record = Sweep(
-            index=len(self.history) + 1,
-            base_version=head.version,
-            candidates=len(edits),
-            accepted=verdict.accepted,
-            version=current.version,
-            probability=verdict.probability,
-            threshold=verdict.threshold,
-            held_out=self.held_out_score,
-            cheap_agreed=agreed,
-            rollouts=self.rollouts,
-            elapsed=time.perf_counter() - self.started,
-        )
-        self.history.append(record)
-        self.report()
-        return record
-
-    # -- the result ---------------------------------------------------------------
+    # -- the result -----------------------------------------------------------------
 
     def result(
-        self, *, mode: str, stop_reason: str, wall: float, busy: Sequence[float]
+        self,
+        *,
+        mode: str,
+        stop_reason: str,
+        wall: float,
+        busy: Sequence[float],
+        used: Sequence[float],
     ) -> EvolutionResult:
         """Build the :class:`EvolutionResult`."""
         head = self.head
         assert head is not None
         workers = max(1, len(busy))
+        quality = self.quality_at
         return EvolutionResult(
             mode=mode,
             artifact_id=self.ledger.artifact_id,
@@ -341,7 +558,7 @@ class Evolution:
             held_out=self.held_out_score,
             initial_held_out=self.initial_held_out,
             history=tuple(self.history),
-            stop_reason=stop_reason,
+            stop_reason=self.stop_reason or stop_reason,
             rollouts=self.rollouts,
             eval_rollouts=self.eval_rollouts,
             commits=self.commits,
@@ -351,10 +568,34 @@ class Evolution:
             resumed=self.resumed,
             wall=wall,
             worker_busy=tuple(busy),
-            utilisation=min(1.0, math.fsum(busy) / (workers * wall)) if wall > 0 else 0.0,
+            worker_used=tuple(used),
+            utilisation=min(1.0, math.fsum(used) / (workers * wall)) if wall > 0 else 0.0,
             rollouts_per_second=self.rollouts / wall if wall > 0 else 0.0,
             audit_trust=self.audit.trust(self.ledger.artifact_id),
+            trust=self.audit.trust_by_artifact(),
+            audits=self.audits_bought,
+            oracle_refused=self.audit.oracle_refused,
+            reversals=tuple(self.reversals),
             partial=tuple(self.partial),
+            errors=tuple(self.errors),
+            failed_units=self.window.failed_units,
+            calls=self.calls,
+            usage=self.meter.snapshot(),
+            cost=self.meter.cost,
+            quality=self.settings.quality_bar,
+            time_to_quality=None if quality is None else quality[0],
+            cost_to_quality=None if quality is None else quality[1],
+            rollouts_to_quality=None if quality is None else quality[2],
+            selection=self.settings.selection,
+            pool=tuple(
+                {
+                    "id": m.id,
+                    "parent": m.parent,
+                    "held_out": m.mean,
+                    "entries": dict(m.artifact.entries),
+                }
+                for m in (self.pool.front if self.pool is not None else [])
+            ),
         )
 
 
@@ -389,19 +630,6 @@ def _rank_size(requested: int | None, n_held: int) -> int:
     return min(requested, n_held)
 
 
-def _distinct_edits(head: Version, proposals: Sequence[Proposal]) -> list[Edit]:
-    """Edits that change the head, each once, in proposal order."""
-    seen: set[str] = set()
-    edits = []
-    for p in proposals:
-        key = json.dumps(p.edit.to_dict(), sort_keys=True)
-        if key in seen or head.artifact.apply(p.edit).entries == head.artifact.entries:
-            continue
-        seen.add(key)
-        edits.append(p.edit)
-    return edits
-
-
 async def prepare(
     tasks: Sequence[Task],
     reward: RewardFn,
@@ -415,7 +643,11 @@ async def prepare(
     audit: AuditScheduler | None,
     engine: Engine | None,
 ) -> tuple[Evolution, RunStore | None]:
-    """Validate, split, open the ledger and score the head; returns the evolution and a store to close."""
+    """Validate, split, open the ledger and score the head; returns the evolution and a store to close.
+
+    The evolution's usage meter is installed in the caller's context (so the
+    initial scoring is metered too); :meth:`Evolution.close` removes it.
+    """
     train, held_out = split_tasks(tasks, settings.held_out_frac, settings.shuffle_seed)
     template = artifact if isinstance(artifact, Artifact) else Artifact(entries=artifact or {})
     owned: RunStore | None = None
@@ -435,6 +667,7 @@ async def prepare(
             audit=audit if audit is not None else AuditScheduler(),
             engine=engine,
         )
+        evolution.install()
         await evolution.start()
     except BaseException:
         if evolution is not None:

@@ -13,6 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._failures import FailedAttempt
+from ._usage import Usage
+
 #: Version of the saved JSON document.
 RESULT_FORMAT = 1
 
@@ -30,9 +33,19 @@ class Sweep:
         probability: Posterior probability that the best beat the base.
         threshold: The bar it had to clear.
         held_out: The head's mean held-out reward after the sweep.
-        cheap_agreed: Whether the ranking subset's verdict matched the held-out one.
-        rollouts: Training rollouts completed when the sweep ended.
-        elapsed: Seconds since the evolution started.
+        cheap_agreed: Whether the ranking subset's verdict matched the full
+            held-out one; None when the full verdict was not computed.
+        rollouts: Training rollouts completed when the sweep ended (0 in
+            results saved before it existed).
+        elapsed: Seconds since the rollout phase started (0 likewise).
+        route: How the decision was made: ``"oracle"`` (forced to the full
+            held-out evaluation and paid from the oracle budget), ``"cheap"``
+            (the ranking subset decided; an acceptance is always measured on
+            the full set before it is committed) or ``"refused"`` (forced to the
+            oracle with its budget spent: not merged).
+        reversed: The full held-out evaluation overturned the cheap verdict.
+        audits: Queued audits this sweep bought from the oracle budget.
+        admitted: With ``selection="pareto"``: the candidate joined the pool.
     """
 
     index: int
@@ -43,9 +56,13 @@ class Sweep:
     probability: float
     threshold: float
     held_out: float
-    cheap_agreed: bool
+    cheap_agreed: bool | None
     rollouts: int = 0
     elapsed: float = 0.0
+    route: str = "oracle"
+    reversed: bool = False
+    audits: int = 0
+    admitted: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,7 +78,11 @@ class EvolutionResult:
         held_out: Mean held-out reward of the final head.
         initial_held_out: Mean held-out reward of the head the run started from.
         history: One :class:`Sweep` per merge sweep, in order.
-        stop_reason: ``"budget"``, ``"target"`` or ``"rounds"``.
+        stop_reason: Why the loop ended: ``"budget"`` (``max_rollouts``),
+            ``"target"``, ``"rounds"`` (``max_rounds``), ``"max_seconds"``,
+            ``"max_calls"``, ``"max_cost"``, ``"patience"``, ``"errors"``
+            (``max_error_rate`` exceeded) or ``"oracle_budget"`` (the oracle
+            budget is spent while trust is below the gate: nothing can merge).
         rollouts: Training rollouts completed.
         eval_rollouts: Held-out rollouts run by the merger.
         commits: Versions committed by this run.
@@ -71,16 +92,43 @@ class EvolutionResult:
             ``round_timeout`` in sync rounds).
         resumed: Tasks re-run from the resume queue.
         wall: Seconds the rollout phase took.
-        worker_busy: Seconds each worker spent in rollouts.
-        utilisation: ``sum(worker_busy) / (workers x wall)``.
+        worker_busy: Seconds each worker spent in rollout attempts.
+        worker_used: Seconds each worker spent in attempts whose result was
+            used (cut stragglers excluded; a detached straggler counts).
+        utilisation: ``sum(worker_used) / (workers x wall)``.
         rollouts_per_second: ``rollouts / wall``.
         audit_trust: Trust in the cheap ranking layer at the end.
+        trust: Trust per artifact the audit scheduler measured.
+        audits: Oracle calls bought from the oracle budget (forced decisions
+            and queued audits).
+        oracle_refused: Oracle calls refused because the budget was spent.
+        reversals: Decisions the full held-out evaluation reversed: ``{"sweep",
+            "kind"`` (``"accept_overturned"``: the cheap layer accepted, the
+            full set did not, nothing was merged; ``"reject_overturned"``: an
+            audit accepted what the cheap layer rejected, and it was merged),
+            ``"edit", "base_version", "version", "cheap_probability",
+            "probability"}``.
         partial: Cross-version pairs of partial rollouts, one per resume of a
             rollout preempted at a turn boundary: ``{"task_id", "run_id",
             "from_version"`` (what its first turns rendered), ``"to_version"``
             (the head patched in for the rest), ``"turns_before"``,
             ``"turns_after"``, ``"status"}`` (``"completed"``, or
             ``"preempted"`` when it straggled again and was queued anew).
+        errors: Every failed attempt of a user call (:class:`FailedAttempt`).
+        failed_units: Units of work (rollouts, proposals, held-out scores)
+            whose every attempt failed and that were dropped.
+        calls: User calls made (``run``, ``reward``, ``propose``; every attempt).
+        usage: Tokens and cost per model (:class:`Usage`).
+        cost: Total cost under the price table.
+        quality: The held-out reward ``time_to_quality`` refers to
+            (``quality``, else ``target``), None when neither was given.
+        time_to_quality: Seconds from the start of the rollout phase until
+            the head's held-out reward first reached ``quality``; None if never.
+        cost_to_quality: The cost spent by then (initial scoring included).
+        rollouts_to_quality: Training rollouts completed by then.
+        selection: ``"head"`` or ``"pareto"``.
+        pool: With ``"pareto"``: the final front, ``{"id", "parent",
+            "held_out", "entries"}`` per member.
     """
 
     mode: str
@@ -105,11 +153,27 @@ class EvolutionResult:
     rollouts_per_second: float = 0.0
     audit_trust: float = 0.0
     partial: tuple[Mapping[str, Any], ...] = field(default=())
+    worker_used: tuple[float, ...] = ()
+    trust: dict[str, float] = field(default_factory=dict)
+    audits: int = 0
+    oracle_refused: int = 0
+    reversals: tuple[Mapping[str, Any], ...] = ()
+    errors: tuple[FailedAttempt, ...] = ()
+    failed_units: int = 0
+    calls: int = 0
+    usage: tuple[Usage, ...] = ()
+    cost: float = 0.0
+    quality: float | None = None
+    time_to_quality: float | None = None
+    cost_to_quality: float | None = None
+    rollouts_to_quality: int | None = None
+    selection: str = "head"
+    pool: tuple[Mapping[str, Any], ...] = ()
 
     def learning_curve(self) -> list[tuple[int, float]]:
-        """``(rollouts, held-out reward)`` at the start and after every sweep that committed."""
+        """``(rollouts, held-out reward)`` at the start and after every sweep that moved the head."""
         points = [(0, self.initial_held_out)]
-        points.extend((s.rollouts, s.held_out) for s in self.history if s.accepted)
+        points.extend((s.rollouts, s.held_out) for s in self.history if s.version != s.base_version)
         return points
 
     def to_dict(self) -> dict[str, Any]:
@@ -145,8 +209,16 @@ class EvolutionResult:
             Sweep(**_known_fields(Sweep, s, f"EvolutionResult history[{i}]"))
             for i, s in enumerate(values.get("history", ()))
         )
-        values["worker_busy"] = tuple(values.get("worker_busy", ()))
-        values["partial"] = tuple(values.get("partial", ()))
+        for name in ("worker_busy", "worker_used", "partial", "reversals", "pool"):
+            values[name] = tuple(values.get(name, ()))
+        values["errors"] = tuple(
+            FailedAttempt(**_known_fields(FailedAttempt, e, f"EvolutionResult errors[{i}]"))
+            for i, e in enumerate(values.get("errors", ()))
+        )
+        values["usage"] = tuple(
+            Usage(**_known_fields(Usage, u, f"EvolutionResult usage[{i}]"))
+            for i, u in enumerate(values.get("usage", ()))
+        )
         return cls(**values)
 
     @classmethod

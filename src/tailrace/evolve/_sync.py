@@ -1,7 +1,8 @@
 """The synchronous loop: rounds with a barrier, the baseline the async loop is measured against.
 
 Each round, every worker runs the next task of its shard against the same
-head; the round waits for all of them (the barrier), or for ``round_timeout``
+head (or with ``selection="pareto"`` against a parent sampled from the pool);
+the round waits for all of them (the barrier), or for ``round_timeout``
 seconds after which the unfinished rollouts are cancelled and counted as
 stragglers. The round's proposals then go through one merge sweep, while the
 workers wait. One slow rollout holds up every worker, which is the cost the
@@ -19,79 +20,104 @@ from .._graph import Graph
 from ..stores import RunStore
 from ._accept import Acceptance
 from ._audit import AuditScheduler
-from ._core import Evolution, Progress, Proposal, Settings, first_error, prepare
+from ._core import Evolution, Progress, Proposal, first_error, prepare, settings_from
+from ._failures import Retry, UnitFailed
 from ._ledger import Version
 from ._model import Artifact, ProposeFn, RewardFn, RunFn, Task, shard
+from ._pool import Member
 from ._result import EvolutionResult
+from ._sweep import sweep
+from ._usage import Price
 
 
-async def _train_step(
-    evo: Evolution, task: Task, head: Version, busy: list[float], index: int
-) -> Proposal | None:
-    started = time.perf_counter()
-    try:
-        output, value = await evo.rollout(task, head, phase="train")
-        evo.rollouts += 1
-        return await evo.propose(task, head, output, value)
-    finally:
-        busy[index] += time.perf_counter() - started
+class _Rounds:
+    """Per-worker time accounting of the rounds: busy in attempts, and in attempts that were used."""
 
+    def __init__(self, evo: Evolution, workers: int, round_timeout: float | None) -> None:
+        self.evo = evo
+        self.round_timeout = round_timeout
+        self.busy = [0.0] * workers
+        self.used = [0.0] * workers
 
-async def _round(
-    evo: Evolution,
-    picks: Sequence[tuple[int, Task]],
-    busy: list[float],
-    round_timeout: float | None,
-) -> list[Proposal]:
-    head = evo.head
-    assert head is not None
-    steps = [
-        asyncio.create_task(_train_step(evo, task, head, busy, index)) for index, task in picks
-    ]
-    try:
-        done, pending = await asyncio.wait(steps, timeout=round_timeout)
-    finally:
-        for step in steps:
-            step.cancel()  # a no-op for finished ones; cuts the round's stragglers
-        await asyncio.wait(steps)
-    evo.stragglers += len(pending)
-    proposals = []
-    for step in steps:  # in worker order: deterministic
-        if step in done:
-            proposal = step.result()  # re-raises a rollout's error
-            if proposal is not None:
-                proposals.append(proposal)
-    evo.report()
-    return proposals
+    async def step(
+        self, index: int, task: Task, head: Version, parent: Member | None
+    ) -> Proposal | None:
+        started = time.perf_counter()
+        try:
+            try:
+                output, value = await self.evo.rollout(task, head, phase="train")
+            except UnitFailed:
+                self.evo.window.add(True)
+                return None
+            self.evo.rollouts += 1
+            proposal = await self.evo.propose(task, head, output, value, parent)
+            self.used[index] += time.perf_counter() - started
+            return proposal
+        finally:
+            self.busy[index] += time.perf_counter() - started
+
+    async def round(self, picks: Sequence[tuple[int, Task]]) -> list[Proposal]:
+        """Run one round; return its proposals in worker order."""
+        steps = []
+        for index, task in picks:
+            head, parent = self.evo.parent_for_rollout()
+            steps.append(asyncio.create_task(self.step(index, task, head, parent)))
+        try:
+            done, pending = await asyncio.wait(steps, timeout=self._timeout())
+        finally:
+            for step in steps:
+                step.cancel()  # a no-op for finished ones; cuts the round's stragglers
+            await asyncio.wait(steps)
+        self.evo.stragglers += len(pending)
+        if pending and self._past_deadline():
+            self.evo.stop("max_seconds")
+        proposals = []
+        for step in steps:  # in worker order: deterministic
+            if step in done:
+                proposal = step.result()  # re-raises a contract violation (a bug)
+                if proposal is not None:
+                    proposals.append(proposal)
+        self.evo.report()
+        return proposals
+
+    def _timeout(self) -> float | None:
+        """``round_timeout``, shortened to what is left before the ``max_seconds`` deadline."""
+        if self.evo.deadline is None:
+            return self.round_timeout
+        left = max(0.0, self.evo.deadline - asyncio.get_running_loop().time())
+        return left if self.round_timeout is None else min(left, self.round_timeout)
+
+    def _past_deadline(self) -> bool:
+        deadline = self.evo.deadline
+        return deadline is not None and asyncio.get_running_loop().time() >= deadline
 
 
 async def _drive(
     evo: Evolution, workers: int, max_rounds: int | None, round_timeout: float | None
-) -> tuple[str, float, list[float]]:
+) -> tuple[float, _Rounds]:
     shards = shard(evo.train, workers)
-    busy = [0.0] * workers
+    rounds = _Rounds(evo, workers, round_timeout)
     left = evo.settings.max_rollouts
-    rounds = 0
+    count = 0
     started = time.perf_counter()
     if evo.reached_target():
-        return "target", 0.0, busy
-    reason = "budget"
-    while left > 0:
-        if max_rounds is not None and rounds >= max_rounds:
-            reason = "rounds"
+        evo.stop("target")
+        return 0.0, rounds
+    while left > 0 and evo.limit_reached() is None:
+        if max_rounds is not None and count >= max_rounds:
+            evo.stop("rounds")
             break
-        picks = [(i, s[rounds % len(s)]) for i, s in enumerate(shards) if s][:left]
+        picks = [(i, s[count % len(s)]) for i, s in enumerate(shards) if s][:left]
         if not picks:
             break
         left -= len(picks)
-        rounds += 1
-        proposals = await _round(evo, picks, busy, round_timeout)
-        if proposals:
-            await evo.sweep(proposals)
+        count += 1
+        proposals = await rounds.round(picks)
+        if proposals and evo.limit_reached() is None:
+            await sweep(evo, proposals)
         if evo.reached_target():
-            reason = "target"
-            break
-    return reason, time.perf_counter() - started, busy
+            evo.stop("target")
+    return time.perf_counter() - started, rounds
 
 
 async def evolve(
@@ -114,6 +140,17 @@ async def evolve(
     rank_size: int | None = None,
     max_candidates: int = 4,
     audit: AuditScheduler | None = None,
+    audits_per_sweep: int = 1,
+    selection: str = "head",
+    retry: Retry | None = None,
+    max_error_rate: float = 0.5,
+    error_window: int = 20,
+    max_seconds: float | None = None,
+    max_calls: int | None = None,
+    max_cost: float | None = None,
+    prices: Mapping[str, Price] | None = None,
+    patience: int | None = None,
+    quality: float | None = None,
     engine: Engine | None = None,
     progress: Callable[[Progress], None] | None = None,
 ) -> EvolutionResult:
@@ -122,8 +159,10 @@ async def evolve(
     Args:
         tasks: At least 4 tasks with unique ids; split into training and held-out.
         reward: ``reward(task, output) -> float`` in ``[0, 1]`` (checked).
-        run: ``run(rendered, task) -> output`` (sync or async), or a tailrace
-            ``Graph`` run with input ``{"rendered": ..., "task": task.to_dict()}``.
+        run: ``run(rendered, task) -> output`` (sync or async; sync ones run on
+            daemon threads, so one cut by ``round_timeout`` never holds the
+            process open), or a tailrace ``Graph`` run with input
+            ``{"rendered": ..., "task": task.to_dict()}``.
         propose: ``propose(rendered, task, output, reward) -> Edit | None``.
         artifact: The first version (an :class:`Artifact` or its entries); a
             stored head for ``artifact_id`` is resumed instead.
@@ -136,11 +175,30 @@ async def evolve(
             rollouts (counted as stragglers); None waits for all.
         target: Stop once the head's mean held-out reward reaches this.
         held_out_frac: Fraction of tasks held out for acceptance (default 0.4).
-        shuffle_seed: Shuffle tasks with this seed before splitting; None keeps their order.
+        shuffle_seed: Shuffle tasks with this seed before splitting; None keeps
+            their order. Also seeds Pareto parent sampling (None: 0).
         acceptance: The held-out gate (default :class:`Acceptance`).
         rank_size: How many held-out tasks rank candidates cheaply (default a quarter).
         max_candidates: Most candidates ranked per sweep.
-        audit: Learns trust in the cheap ranking from every sweep (default a new one).
+        audit: Routes each sweep's decision to the oracle or the cheap layer,
+            learns trust, queues audits and holds ``oracle_budget`` (default a
+            new :class:`AuditScheduler`).
+        audits_per_sweep: Most queued audits a sweep buys from the oracle budget.
+        selection: ``"head"`` or ``"pareto"`` (see :func:`async_evolve`).
+        retry: How failing ``run``/``reward``/``propose`` calls are retried
+            (default :class:`Retry`).
+        max_error_rate: Stop (``"errors"``) once more than this fraction of the
+            last ``error_window`` units of work failed every attempt; 1.0 never stops.
+        error_window: How many recent units the error rate is measured over.
+        max_seconds: Stop (``"max_seconds"``) this many seconds after the
+            initial scoring; the round or evaluation in flight is cut.
+        max_calls: Stop (``"max_calls"``) once this many user calls were made.
+        max_cost: Stop (``"max_cost"``) once the priced usage reaches this.
+        prices: Model name mapped to its :class:`Price` (for cost).
+        patience: Stop (``"patience"``) after this many merge sweeps in a row
+            without a held-out improvement.
+        quality: The held-out reward whose first reaching is reported as
+            ``time_to_quality``/``cost_to_quality`` (default ``target``).
         engine: Runs ``run`` when it is a graph (default ``Engine()``).
         progress: Called with a :class:`Progress` after every round and sweep.
 
@@ -152,16 +210,7 @@ async def evolve(
         raise ValueError(f"workers must be >= 1, got {workers}")
     if round_timeout is not None and not round_timeout > 0:
         raise ValueError(f"round_timeout must be > 0 seconds or None, got {round_timeout}")
-    settings = Settings(
-        max_rollouts=max_rollouts,
-        target=target,
-        held_out_frac=held_out_frac,
-        shuffle_seed=shuffle_seed,
-        rank_size=rank_size,
-        max_candidates=max_candidates,
-        acceptance=acceptance or Acceptance(),
-        progress=progress,
-    )
+    settings = settings_from(locals())
     evolution, owned = await prepare(
         tasks,
         reward,
@@ -176,8 +225,10 @@ async def evolve(
     )
     try:
         with first_error():
-            reason, wall, busy = await _drive(evolution, workers, max_rounds, round_timeout)
-        return evolution.result(mode="sync", stop_reason=reason, wall=wall, busy=busy)
+            wall, rounds = await _drive(evolution, workers, max_rounds, round_timeout)
+        return evolution.result(
+            mode="sync", stop_reason="budget", wall=wall, busy=rounds.busy, used=rounds.used
+        )
     finally:
         evolution.close()  # abandoned sync calls (cut stragglers) never hold the caller
         if owned is not None:
