@@ -180,7 +180,7 @@ async def test_failed_commit_stops_the_run_and_it_resumes_without_rerunning_comm
 
 def _assert_nothing_started_after_the_failure(log: list[Any]) -> None:
     """No handler was dispatched once the write failed (the loop woke and stopped at once)."""
-    failed_at = log.index(("store_failed", next(e[1] for e in log if e[0] == "store_failed")))
+    failed_at = next(i for i, entry in enumerate(log) if entry[0] == "store_failed")
     late = [entry for entry in log[failed_at:] if entry[0] == "start"]
     assert not late, f"handlers started after the store failed: {late}"
 
