@@ -322,9 +322,11 @@ async def test_the_pool_replaces_connections_the_server_killed(
     async with pg.store(min_size=2, max_size=2) as store:
         token = await leased_run(store)
         await until(lambda: _count(pg.store_backends(), 2), "two pooled connections")
+        killed = await pg.store_backends()
         async with pg.raw() as raw:
-            for pid in await pg.store_backends():
+            for pid in killed:
                 await raw.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        await until(lambda: _gone(pg.store_backends(), killed), "the killed sessions gone")
         await store.heartbeat("r1", "owner-A", token, TTL)
         assert (await store.get_run("r1")).lease_owner == "owner-A"
     # The pool checked each connection before handing it out: no call ever saw a dead one.
@@ -333,6 +335,10 @@ async def test_the_pool_replaces_connections_the_server_killed(
 
 async def _count(pids: Any, n: int) -> bool:
     return len(await pids) >= n
+
+
+async def _gone(pids: Any, killed: list[int]) -> bool:
+    return not set(await pids) & set(killed)
 
 
 async def test_a_transaction_whose_backend_is_killed_is_rerun_whole(

@@ -15,7 +15,8 @@ Faults. A lost connection, a server restart (admin or crash shutdown, "the
 database system is starting up"), a serialization failure or a deadlock
 makes a call re-run its whole transaction on a fresh connection, with
 bounded exponential backoff and jitter, for up to ``retry_budget`` seconds;
-the pool checks each connection before handing it out. A write whose
+the pool checks each connection before handing it out (a ping when the
+server sent it something, such as the end of a killed session). A write whose
 ``COMMIT`` may have reached the server before the connection died is never
 applied twice: each write transaction learns its id from the server first,
 and the retry asks ``pg_xact_status`` whether that transaction committed
@@ -43,6 +44,7 @@ import itertools
 import logging
 import math
 import random
+import select
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
@@ -277,7 +279,7 @@ class PostgresStore(RunStore):
             open=False,
             kwargs={"autocommit": True, "connect_timeout": self._connect_timeout},
             configure=self._configure,
-            check=psycopg_pool.AsyncConnectionPool.check_connection,  # a restart breaks them all
+            check=_check_connection,  # a restart breaks them all
             timeout=self._retry_budget,
         )
         await pool.open(wait=False)  # the first call waits for a connection, within its budget
@@ -858,6 +860,31 @@ class PostgresStore(RunStore):
 
 
 # --- faults ---------------------------------------------------------------------------
+
+
+async def _check_connection(conn: _Conn) -> None:
+    """The pool's check before it hands ``conn`` out: raise if the server closed it.
+
+    A server that restarts, or terminates a backend, closes its socket (after a
+    FATAL message), so an idle connection it killed has something to read.
+    Only then is the connection pinged (``AsyncConnectionPool.check_connection``,
+    one round trip): a quiet socket costs one ``poll`` instead of a round trip
+    on every call. A connection that dies unnoticed all the same fails its
+    first statement, and the call re-runs on a fresh one.
+    """
+    if conn.closed or conn.broken:
+        raise psycopg.OperationalError("the connection is closed")
+    if _readable(conn.pgconn.socket):
+        await psycopg_pool.AsyncConnectionPool.check_connection(conn)
+
+
+def _readable(fd: int) -> bool:
+    """Whether socket ``fd`` has data or an end of file waiting, without blocking."""
+    if hasattr(select, "poll"):  # no FD_SETSIZE limit
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(0))
+    return bool(select.select([fd], [], [], 0)[0])
 
 
 def _transient(exc: BaseException) -> bool:
