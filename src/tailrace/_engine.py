@@ -45,6 +45,18 @@ class Engine:
     ``straggler_factor`` flags attempts running past that many times their
     estimate (T3); ``tail`` supplies duration estimators and hedging (default:
     built when a node declares a cost or hedges, or admission is ``"lpt"``).
+
+    ``durability`` says when a completion must be durable (with a store).
+    ``"async"``, the default, pipelines commits: a successor may start while
+    its upstream's completion is still being written, so after a crash both
+    re-run (a committed visit never does; D1). ``"sync"`` starts a node's
+    successors only once its completion is committed, so a step with side
+    effects never runs on an upstream value that a crash could lose; the
+    completions of one wake-up share one write (group commit). The default is
+    ``"async"`` because it costs no latency per step and agent steps are
+    mostly idempotent; choose ``"sync"`` for runs whose steps act on the
+    world (LangGraph's ``durability="sync"``, DBOS's checkpoint-before-return).
+    A run can override it: ``run(..., durability=...)``.
     """
 
     def __init__(
@@ -60,6 +72,7 @@ class Engine:
         lease_ttl: float = 30.0,
         straggler_factor: float = 3.0,
         tail: TailHooks | None = None,
+        durability: str = "async",
     ) -> None:
         if run_capacity is not None and run_capacity < 1:
             raise ValueError(f"run_capacity must be >= 1 or None, got {run_capacity}")
@@ -67,6 +80,7 @@ class Engine:
             raise ValueError(f"lease_ttl must be a positive number of seconds, got {lease_ttl}")
         if straggler_factor <= 1.0:
             raise ValueError(f"straggler_factor must be > 1, got {straggler_factor}")
+        self.durability = _checked_durability(durability)
         self.policy = resolve_policy(admission)
         self.slots = SlotQueue(capacity) if capacity is not None else None
         self.run_capacity = run_capacity
@@ -84,6 +98,8 @@ class Engine:
         self._active: set[str] = set()
         self._loops: dict[str, RunLoop] = {}
         self._preempt_pending: set[str] = set()
+        #: Per-run durability overrides, while the run is driven here.
+        self._durability_of: dict[str, str] = {}
 
     # -- public API -----------------------------------------------------------
 
@@ -94,16 +110,21 @@ class Engine:
         *,
         run_id: str | None = None,
         graph_ref: str | None = None,
+        durability: str | None = None,
     ) -> RunResult:
         """Run ``graph`` on ``input`` and return its :class:`RunResult`.
 
         ``run_id`` names the run (default: a fresh uuid); ``graph_ref``
         (``module:attribute``) tells another process where to find the graph
-        to resume it. A handler's exception is re-raised unwrapped (E9).
+        to resume it; ``durability`` overrides the engine's for this run
+        (``"async"`` or ``"sync"``). A handler's exception is re-raised
+        unwrapped (E9).
         """
         topo = graph.compile()
         self._graphs.setdefault(topo.fingerprint, graph)
         run_id = uuid.uuid4().hex if run_id is None else checked_run_id(run_id)
+        if durability is not None:
+            self._durability_of[run_id] = _checked_durability(durability)
         with self._driving(run_id):
             result = await self._run(graph, topo, input, run_id, graph_ref)
             return await self._settle(result, graph, False)
@@ -311,6 +332,7 @@ class Engine:
             self._active.discard(run_id)
             self._loops.pop(run_id, None)
             self._preempt_pending.discard(run_id)
+            self._durability_of.pop(run_id, None)
 
     async def _late_inputs(self, run_id: str) -> list[LateInput]:
         assert self.store is not None
@@ -355,6 +377,7 @@ class Engine:
             tail=self._tail_for(state.topo),
             event_seq=event_seq,
             turn=turn,
+            durability=self._durability_of.get(run_id, self.durability),
         )
         if run_id in self._preempt_pending:
             self._preempt_pending.discard(run_id)
@@ -376,6 +399,12 @@ class Engine:
         if self.store is None:
             raise NotResumable(f"{what} needs a durable store: Engine(store=SQLiteStore(...))")
         return self.store
+
+
+def _checked_durability(durability: Any) -> str:
+    if durability not in ("async", "sync"):
+        raise ValueError(f"durability must be 'async' or 'sync', got {durability!r}")
+    return str(durability)
 
 
 def checked_run_id(run_id: Any) -> str:

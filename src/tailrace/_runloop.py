@@ -121,8 +121,11 @@ class RunLoop:
         tail: TailHooks | None = None,
         event_seq: int = 0,
         turn: int = 0,
+        durability: str = "async",
     ) -> None:
         self.run_id = run_id
+        #: "sync": successors start only once their upstream's completion is durable.
+        self._sync = durability == "sync" and persister is not None
         self.state = state
         self.topo = state.topo
         self._publish = publish
@@ -201,6 +204,11 @@ class RunLoop:
                     failure = self._harvest(batch)
                     if failure is not None:
                         await self._fail(*failure)
+                    if self._sync and self.state.ready:
+                        # Durability "sync": what this harvest completed is durable
+                        # before anything that consumes it starts; completions that
+                        # arrive meanwhile join the next write (group commit).
+                        await self.checkpoint()
                     self._dispatch_ready()
                     await self._commit()
                 # Answers that came in while other branches ran: take them now

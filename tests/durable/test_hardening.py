@@ -78,10 +78,8 @@ def open_location(location: str) -> RunStore:
 OPEN_LOCATION = inspect.getsource(open_location)
 
 
-async def _spawn(script: Path, location: str, **env: str) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable, str(script), location, env={**os.environ, **env}
-    )
+async def _spawn(script: Path, location: str, *args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(sys.executable, str(script), location, *args)
 
 
 async def _reap(child: asyncio.subprocess.Process) -> None:
@@ -445,3 +443,138 @@ async def test_10_a_run_whose_local_owner_died_is_taken_over_without_waiting(
                 await task
     finally:
         await _reap(child)
+
+
+# -- durability modes (issue 13): "sync" never runs a successor on a lost value ---
+
+
+class HeldCommits:
+    """A store whose commits of ``node``'s result wait until ``release`` is set."""
+
+    def __init__(self, inner: RunStore, node: str) -> None:
+        self.inner = inner
+        self.node = node
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def commit(self, run_id: str, token: int, harvest: Harvest) -> None:
+        if any(r.node_id == self.node for r in harvest.results):
+            self.entered.set()
+            await self.release.wait()
+        await self.inner.commit(run_id, token, harvest)
+
+
+@pytest.mark.parametrize("durability", ["sync", "async"])
+async def test_13_sync_starts_a_successor_only_once_its_upstream_is_durable(
+    store: RunStore, durability: str
+) -> None:
+    held = HeldCommits(store, "a")
+    b_started = asyncio.Event()
+    g = tr.Graph("modes")
+
+    @g.task()
+    async def a(x: Any) -> int:
+        return 1
+
+    @g.task()
+    async def b(x: int) -> int:
+        b_started.set()
+        return x + 1
+
+    g.add_edge("a", "b")
+    engine = tr.Engine(store=held, durability=durability)  # type: ignore[arg-type]
+    task = asyncio.create_task(engine.run(g, None, run_id=f"modes-{durability}"))
+    async with asyncio.timeout(GUARD):
+        await held.entered.wait()  # a's completion is being written, not yet durable
+        if durability == "async":
+            await b_started.wait()  # pipelined: b runs on a value not yet durable
+        else:
+            for _ in range(50):  # the loop gets every chance to start b; it must not
+                await asyncio.sleep(0.001)
+            assert not b_started.is_set()
+        held.release.set()
+        result = await task
+    assert result.output == 2 and b_started.is_set()
+
+
+async def test_13_durability_is_checked_and_overridable_per_run(store: RunStore) -> None:
+    with pytest.raises(ValueError, match="durability"):
+        tr.Engine(store=store, durability="eventually")
+    g = tr.Graph("per-run")
+    g.add_node("a", _record([], "a"))
+    with pytest.raises(ValueError, match="durability"):
+        await tr.Engine(store=store).run(g, 1, durability="later")
+    assert (await tr.Engine(store=store).run(g, 1, durability="sync")).output == 1
+
+
+RANDOM_CHAIN = """
+from __future__ import annotations
+import asyncio, os, sys, uuid
+import tailrace as tr
+OPEN_LOCATION
+
+g = tr.Graph("random-chain")
+STEPS = 40
+
+def step(i):
+    async def handler(x):
+        value = f"{i}:{uuid.uuid4().hex}"  # a different value each time it runs
+        with open(os.environ["LOG"], "a") as log:
+            log.write(f"{i} {x} {value}\\n")  # the input this step acted on
+        await asyncio.sleep(0.002)
+        return value
+    handler.__name__ = f"s{i}"
+    return handler
+
+for i in range(STEPS):
+    g.add_node(f"s{i}", step(i))
+g.chain(*[f"s{i}" for i in range(STEPS)])
+
+async def main():
+    async with open_location(sys.argv[1]) as store:
+        engine = tr.Engine(store=store, lease_ttl=3600, durability="sync")
+        run = engine.resume("chain", g) if sys.argv[2] == "resume" else engine.run(
+            g, "start", run_id="chain")
+        await run
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("store_url", ["sqlite", _postgres], indirect=True)
+async def test_13_sync_a_successor_never_acted_on_a_value_a_crash_lost(
+    tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = tmp_path / "random_chain.py"
+    script.write_text(textwrap.dedent(RANDOM_CHAIN).replace("OPEN_LOCATION", OPEN_LOCATION))
+    log = tmp_path / "steps.log"
+    monkeypatch.setenv("LOG", str(log))
+    mode = "run"
+    for kill_after in (3, 9, 17, 26):  # SIGKILL after that many steps ran, then resume
+        child = await _spawn(script, store_url, mode)
+        try:
+
+            async def ran_enough(n: int = kill_after) -> bool:
+                return log.exists() and len(log.read_text().splitlines()) >= n
+
+            await _wait_for(ran_enough, f"{kill_after} steps to run")
+            child.send_signal(signal.SIGKILL)
+            await child.wait()
+        finally:
+            await _reap(child)
+        mode = "resume"
+    child = await _spawn(script, store_url, "resume")
+    assert await asyncio.wait_for(child.wait(), GUARD) == 0
+    async with open_location(store_url) as store:
+        assert (await store.get_run("chain")).status == RunStatus.COMPLETED
+        committed = {r.value_json.strip('"') for r in await store.results("chain")}
+    acted_on = [line.split()[1] for line in log.read_text().splitlines()]
+    # Every input a step acted on was durable: an upstream value a crash lost never fed
+    # a successor (in "async" mode it may have).
+    lost = [value for value in acted_on if value != "start" and value not in committed]
+    assert lost == []
+    assert len(committed) == 40
