@@ -291,7 +291,10 @@ class PostgresStore(RunStore):
             await asyncio.gather(*self._cleanups, return_exceptions=True)
         pool, self._pool = self._pool, None
         if pool is not None:
-            await pool.close()
+            try:
+                await pool.close()
+            except psycopg.Error as exc:
+                raise StoreError(f"{self._where}: closing the pool: {exc}") from exc
 
     def _open_pool(self, context: str) -> _Pool:
         if self._pool is None:
@@ -337,9 +340,8 @@ class PostgresStore(RunStore):
 
     def _cleanup_done(self, task: asyncio.Task[Any]) -> None:
         self._cleanups.discard(task)
-        if (
-            not task.cancelled() and task.exception() is not None
-        ):  # retrieved: the caller may be gone
+        # Retrieve the outcome here: a cancelled caller never awaits it.
+        if not task.cancelled() and task.exception() is not None:
             logger.debug("%s: cleanup failed", self._where, exc_info=task.exception())
 
     async def _read(self, context: str, work: _Work[_T]) -> _T:
@@ -399,7 +401,7 @@ class PostgresStore(RunStore):
                     async with conn.transaction():
                         return await work(conn, run)
             except psycopg_pool.PoolTimeout as exc:
-                raise await self._no_connection(context, exc) from exc
+                raise await self._no_connection(context, exc, in_doubt=in_doubt) from exc
             except (psycopg.Error, UnicodeEncodeError, _InDoubt) as exc:
                 if not _transient(exc):
                     raise _refusal(context, exc, texts) from exc
@@ -407,19 +409,30 @@ class PostgresStore(RunStore):
                 await _pause(context, exc, attempt, deadline)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _no_connection(self, context: str, exc: psycopg_pool.PoolTimeout) -> StoreError:
-        """The error for a call that got no connection within its budget, with the server's reason."""
+    async def _no_connection(
+        self, context: str, exc: psycopg_pool.PoolTimeout, *, in_doubt: str | None
+    ) -> StoreError:
+        """The error for a call that got no connection within its budget, with the server's reason.
+
+        ``in_doubt`` is the id of an earlier attempt whose COMMIT may have landed.
+        """
+        unknown = (
+            f"; the connection was lost during the COMMIT of transaction {in_doubt}: "
+            "whether it was written is unknown"
+            if in_doubt is not None
+            else ""
+        )
         try:
             probe = await self._connect()
         except psycopg.Error as reason:
             return StoreError(
                 f"{context}: cannot reach the Postgres server "
-                f"(retried for {self._retry_budget:g} s): {reason}"
+                f"(retried for {self._retry_budget:g} s): {reason}{unknown}"
             )
         await probe.close()
         return StoreError(
             f"{context}: no pooled Postgres connection came free within "
-            f"{self._retry_budget:g} s (max_size={self._max_size}): {exc}"
+            f"{self._retry_budget:g} s (max_size={self._max_size}): {exc}{unknown}"
         )
 
     # -- schema ---------------------------------------------------------------------
@@ -909,7 +922,9 @@ async def _pause(context: str, exc: BaseException, attempt: int, deadline: float
     """Sleep before attempt ``attempt + 1``: exponential, jittered, within ``deadline``; else give up."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise StoreError(f"{context}: {exc} (gave up after {attempt} attempts)") from exc
+        unknown = " (the connection was lost during COMMIT: whether it was written is unknown)"
+        outcome = unknown if isinstance(exc, _InDoubt) else ""
+        raise StoreError(f"{context}: {exc}{outcome} (gave up after {attempt} attempts)") from exc
     # Full jitter: engines that lost the server together do not come back in step.
     pause = random.uniform(0, min(_LONGEST_PAUSE, _FIRST_PAUSE * 2 ** (attempt - 1)))
     log = logger.warning if attempt == 1 else logger.info
