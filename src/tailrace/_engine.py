@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._admission import AdmissionPolicy, SlotQueue, resolve_policy
@@ -25,9 +25,11 @@ from ._owner import make_owner
 from ._runloop import RunLoop, RunResult
 from ._state import LateInput, RunState
 from ._topology import Topology
+from .executors._base import ExecutorTable
 
 if TYPE_CHECKING:
     from ._codec import Codec
+    from .executors import Executor
     from .stores import RunStore
     from .tail._hooks import TailHooks
 
@@ -57,6 +59,14 @@ class Engine:
     mostly idempotent; choose ``"sync"`` for runs whose steps act on the
     world (LangGraph's ``durability="sync"``, DBOS's checkpoint-before-return).
     A run can override it: ``run(..., durability=...)``.
+
+    ``executor`` is where attempts of nodes that name no executor run (None,
+    the default, or a :class:`~tailrace.executors.LocalExecutor`: in this
+    process); ``executors`` maps the names that nodes' ``executor=`` options
+    use to executors, e.g. ``{"ray": RayExecutor()}``. A node naming an
+    executor the engine does not have fails its run at the start, before
+    anything is written (:class:`GraphError`). The engine never closes them:
+    whoever made them does (see :mod:`tailrace.executors`).
     """
 
     def __init__(
@@ -73,6 +83,8 @@ class Engine:
         straggler_factor: float = 3.0,
         tail: TailHooks | None = None,
         durability: str = "async",
+        executor: Executor | None = None,
+        executors: Mapping[str, Executor] | None = None,
     ) -> None:
         if run_capacity is not None and run_capacity < 1:
             raise ValueError(f"run_capacity must be >= 1 or None, got {run_capacity}")
@@ -91,6 +103,7 @@ class Engine:
         self.lease_ttl = lease_ttl
         self.straggler_factor = straggler_factor
         self._tail = tail
+        self._executors = ExecutorTable(executor, executors)
         #: Graphs this engine ran, by fingerprint, so it can resume their runs
         #: even when they cannot be imported (defined in ``__main__``, say).
         self._graphs: dict[str, Graph] = {}
@@ -121,6 +134,7 @@ class Engine:
         unwrapped (E9).
         """
         topo = graph.compile()
+        self._executors.plan(topo)  # an unknown executor name fails here, before any write
         self._graphs.setdefault(topo.fingerprint, graph)
         run_id = uuid.uuid4().hex if run_id is None else checked_run_id(run_id)
         if durability is not None:
@@ -221,6 +235,7 @@ class Engine:
                 f"run {run_id!r} started with graph fingerprint {stored.run.fingerprint}, "
                 f"but {graph.name!r} now has {topo.fingerprint}; pass force=True to resume anyway"
             )
+        self._executors.plan(topo)  # an unknown executor name fails here, before any write
         persister = Persister(self, run_id, topo, stored.run)
         await persister.restore(stored, [])  # D4: refuse unreadable rows before writing anything
         async with persister.leased():
@@ -378,6 +393,7 @@ class Engine:
             event_seq=event_seq,
             turn=turn,
             durability=self._durability_of.get(run_id, self.durability),
+            executors=self._executors.plan(state.topo),
         )
         if run_id in self._preempt_pending:
             self._preempt_pending.discard(run_id)

@@ -122,6 +122,9 @@ class Node:
     hedge: bool = False
     poller: str | None = None
     deadline: float | None = None
+    executor: str | None = None
+    resources: Mapping[str, float] | None = None
+    runtime_env: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form; the handler is named by reference."""
@@ -146,6 +149,9 @@ class Node:
             "hedge": self.hedge or None,
             "poller": self.poller,
             "deadline": self.deadline,
+            "executor": self.executor,
+            "resources": dict(self.resources) if self.resources is not None else None,
+            "runtime_env": _json_copy(self.runtime_env) if self.runtime_env is not None else None,
         }
         data.update({k: v for k, v in optional.items() if v is not None})
         return data
@@ -204,6 +210,9 @@ class Graph:
         hedge: bool = False,
         poller: str | None = None,
         deadline: float | None = None,
+        executor: str | None = None,
+        resources: Mapping[str, float] | None = None,
+        runtime_env: Mapping[str, Any] | None = None,
     ) -> Node:
         """Add a node and return it.
 
@@ -220,6 +229,12 @@ class Graph:
         gate's handler returns the question's prompt (Q1); ``poller`` names the
         registered poller of a machine gate and ``deadline`` is the seconds
         after which an unanswered gate is answered with a ``GateTimeout`` (Q5).
+        ``executor`` names where attempts run, one of the engine's
+        ``executors`` (default: the engine's ``executor``; an unknown name
+        fails the run at its start); ``resources`` (``num_cpus``,
+        ``num_gpus``, ``memory`` in bytes, or custom resource names, each a
+        number >= 0) and ``runtime_env`` (a JSON object) are passed to that
+        executor, e.g. Ray's task options (see ``tailrace.executors``).
         """
         if not isinstance(name, str) or not name:
             raise GraphError(f"node name must be a non-empty string, got {name!r}")
@@ -244,6 +259,9 @@ class Graph:
             hedge=hedge,
             poller=poller,
             deadline=deadline,
+            executor=executor,
+            resources=resources,
+            runtime_env=runtime_env,
         )
         if required is not None and node_kind is not NodeKind.AGGREGATE:
             raise GraphError(f"node {name!r}: required= applies to aggregates only")
@@ -266,6 +284,9 @@ class Graph:
             hedge=hedge,
             poller=poller,
             deadline=deadline,
+            executor=executor,
+            resources=None if resources is None else dict(resources),
+            runtime_env=None if runtime_env is None else _json_copy(runtime_env),
         )
         self.nodes[name] = node
         self._compiled = None
@@ -403,6 +424,9 @@ NODE_OPTIONS = frozenset(
         "hedge",
         "poller",
         "deadline",
+        "executor",
+        "resources",
+        "runtime_env",
     }
 )
 
@@ -418,6 +442,29 @@ def _is_number(value: Any) -> bool:
 
 def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda value: value is None or check(value)
+
+
+def _is_resources(value: Any) -> bool:
+    return isinstance(value, Mapping) and all(
+        isinstance(k, str) and k != "" and _is_number(v) and v >= 0 for k, v in value.items()
+    )
+
+
+def _is_json_object(value: Any) -> bool:
+    """A mapping with string keys that strict JSON can encode (G3: it round-trips)."""
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        return False
+    try:
+        json.dumps(dict(value), allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return True
+
+
+def _json_copy(value: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy as JSON reads it back, so later changes to the caller's mapping do not leak in."""
+    copied: dict[str, Any] = json.loads(json.dumps(dict(value), allow_nan=False))
+    return copied
 
 
 #: What each node option accepts, and how the error says so (G1: at build time,
@@ -437,6 +484,12 @@ _OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "hedge": (lambda v: isinstance(v, bool), "True or False"),
     "poller": (_optional(lambda v: isinstance(v, str) and v != ""), "a non-empty string"),
     "deadline": (_optional(lambda v: _is_number(v) and v > 0), "a finite number of seconds > 0"),
+    "executor": (_optional(lambda v: isinstance(v, str) and v != ""), "a non-empty string"),
+    "resources": (
+        _optional(_is_resources),
+        "a mapping of resource names to finite numbers >= 0",
+    ),
+    "runtime_env": (_optional(_is_json_object), "a JSON object (string keys)"),
 }
 
 

@@ -24,9 +24,11 @@ from ._errors import EncodeError, RunError, StallError
 from ._events import Event, EventType
 from ._graph import Node, NodeKind
 from ._state import LateInput, NodeStatus, RunState
+from .executors._base import AttemptContext
 
 if TYPE_CHECKING:
     from ._persist import Persister
+    from .executors import Executor
     from .tail._hooks import TailHooks
 
 
@@ -122,8 +124,11 @@ class RunLoop:
         event_seq: int = 0,
         turn: int = 0,
         durability: str = "async",
+        executors: list[Executor | None] | None = None,
     ) -> None:
         self.run_id = run_id
+        #: Per node: the executor its attempts go to, None inline (executors/).
+        self._executors = executors
         #: "sync": successors start only once their upstream's completion is durable.
         self._sync = durability == "sync" and persister is not None
         self.state = state
@@ -147,6 +152,10 @@ class RunLoop:
         self._wake: asyncio.Future[None] | None = None
         self.loop = asyncio.get_running_loop()
         self._async = self.topo.is_async
+        if executors is not None:  # nodes sent to an executor take the _invoke path
+            self._async = tuple(
+                a and e is None for a, e in zip(self._async, executors, strict=True)
+            )
         self._durations = [0.0] * len(self.topo.ids)
         self._late_seen = len(state.late)
         self.started_at = time.monotonic()
@@ -344,10 +353,10 @@ class RunLoop:
             try:
                 if node.timeout is not None:
                     async with asyncio.timeout(node.timeout):
-                        return await self._invoke(node, is_async, payload)
+                        return await self._invoke(node, is_async, payload, attempt)
                 if is_async:
                     return await node.handler(payload)
-                return await self._invoke(node, is_async, payload)
+                return await self._invoke(node, is_async, payload, attempt)
             except Exception as exc:
                 if retry is None or tries >= retry.attempts or not isinstance(exc, retry.retry_on):
                     raise
@@ -371,7 +380,18 @@ class RunLoop:
         )
         self.poke()  # an empty harvest commits and publishes it now (E11)
 
-    async def _invoke(self, node: Node, is_async: bool, payload: Any) -> Any:
+    async def _invoke(self, node: Node, is_async: bool, payload: Any, attempt: Attempt) -> Any:
+        if self._executors is not None:
+            executor = self._executors[attempt.index]
+            if executor is not None:  # the node runs elsewhere; the loop keeps E11/T3 around it
+                where = AttemptContext(
+                    run_id=self.run_id,
+                    node_id=node.id,
+                    visit=attempt.visit,
+                    attempt=attempt.tries,
+                    hedge=attempt.hedge,
+                )
+                return await executor.invoke(node, payload, where)
         if is_async:
             return await node.handler(payload)
         context = contextvars.copy_context()
