@@ -44,8 +44,12 @@ def test_route_follows_the_first_matching_rule():
 
 async def test_run_demo_both_modes_learn():
     for mode in ("async", "sync"):
-        result = await run_demo(mode=mode, tasks=30, rollouts=60, latency=0.0)
-        assert result.mode == mode and result.held_out > result.initial_held_out
+        for selection in ("head", "pareto"):
+            result = await run_demo(
+                mode=mode, tasks=30, rollouts=60, latency=0.0, selection=selection, quality=0.3
+            )
+            assert result.mode == mode and result.held_out > result.initial_held_out
+            assert result.selection == selection and result.cost > 0
 
 
 def test_evolve_demo_command_prints_the_curve_and_saves(tmp_path):
@@ -58,13 +62,19 @@ def test_evolve_demo_command_prints_the_curve_and_saves(tmp_path):
     result = CliRunner().invoke(app, [*args, "--save", str(out)])
     assert result.exit_code == 0, result.output
     assert "learning curve" in result.output and "held-out reward" in result.output
+    assert (
+        "time / cost to 0.75" in result.output and "tokens (prompt / completion)" in result.output
+    )
     first = json.loads(out.read_text())
+    assert first["usage"][0]["model"] == "demo-router" and first["cost"] > 0
     again = CliRunner().invoke(app, [*args, "--save", str(out), "--mode", "sync"])
     assert again.exit_code == 0, again.output
     second = json.loads(out.read_text())
     assert second["initial_held_out"] == first["held_out"]  # same --db: resumed
     bad = CliRunner().invoke(app, ["evolve-demo", "--mode", "nope"])
     assert bad.exit_code != 0
+    bad = CliRunner().invoke(app, ["evolve-demo", "--selection", "nope"])
+    assert bad.exit_code != 0 and "--selection" in bad.output
 
 
 def test_example_runs_and_both_loops_improve(capsys):

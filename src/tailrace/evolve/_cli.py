@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -20,7 +20,7 @@ from ..stores import RunStore, open_store
 from ..tail import DurationEstimator, ResumeQueue
 from ._async import async_evolve
 from ._core import Progress as EvolveProgress
-from ._demo import DemoDomain
+from ._demo import DEMO_PRICES, DemoDomain
 from ._result import EvolutionResult
 from ._sync import evolve
 
@@ -35,6 +35,8 @@ async def run_demo(
     latency: float = 0.004,
     noise: float = 0.25,
     target: float | None = None,
+    quality: float | None = 0.75,
+    selection: str = "head",
     store: RunStore | None = None,
     on_progress: Callable[[EvolveProgress], None] | None = None,
 ) -> EvolutionResult:
@@ -49,32 +51,15 @@ async def run_demo(
         latency: Base rollout latency in seconds (spikes are 12x, 15% of the time).
         noise: Probability that a proposal is wrong.
         target: Stop once the held-out reward reaches this.
+        quality: Report time and cost to this held-out reward (``time_to_quality``).
+        selection: ``"head"`` or ``"pareto"``.
         store: Where the ledger lives (in memory when None).
         on_progress: Called with each :class:`~tailrace.evolve.Progress`.
     """
     if mode not in ("async", "sync"):
         raise ValueError(f"mode must be 'async' or 'sync', got {mode!r}")
     demo = DemoDomain(n_tasks=tasks, seed=seed, latency=latency, noise=noise)
-    estimator = DurationEstimator(prior=latency) if mode == "async" else None
-    queue = ResumeQueue(max_attempts=1) if mode == "async" else None
-    loop = async_evolve if mode == "async" else None
-    if loop is None:
-        return await evolve(
-            demo.tasks,
-            demo.reward,
-            run=demo.run,
-            propose=demo.propose,
-            artifact=demo.initial,
-            store=store,
-            artifact_id=f"demo-routing-{seed}",
-            workers=workers,
-            max_rollouts=rollouts,
-            target=target,
-            progress=on_progress,
-        )
-    return await loop(
-        demo.tasks,
-        demo.reward,
+    common: dict[str, Any] = dict(
         run=demo.run,
         propose=demo.propose,
         artifact=demo.initial,
@@ -83,9 +68,19 @@ async def run_demo(
         workers=workers,
         max_rollouts=rollouts,
         target=target,
+        quality=quality,
+        selection=selection,
+        prices=DEMO_PRICES,
         progress=on_progress,
-        duration_estimator=estimator,
-        resume_queue=queue,
+    )
+    if mode == "sync":
+        return await evolve(demo.tasks, demo.reward, **common)
+    return await async_evolve(
+        demo.tasks,
+        demo.reward,
+        duration_estimator=DurationEstimator(prior=latency),
+        resume_queue=ResumeQueue(max_attempts=1),
+        **common,
     )
 
 
@@ -100,7 +95,7 @@ def curve_table(result: EvolutionResult) -> Table:
         table.add_column(header, justify="right" if header else "left")
     table.add_row("0", "1", f"{result.initial_held_out:.3f}", "", "")
     for sweep in result.history:
-        if sweep.accepted:
+        if sweep.version != sweep.base_version:
             bar = "#" * round(sweep.held_out * 30)
             table.add_row(
                 str(sweep.rollouts),
@@ -130,7 +125,21 @@ def summary_table(result: EvolutionResult) -> Table:
         "rollouts/s": f"{result.rollouts_per_second:,.1f}",
         "worker utilisation": f"{result.utilisation:.1%}",
         "cheap-ranking trust": f"{result.audit_trust:.2f}",
+        "audits bought / reversals": f"{result.audits} / {len(result.reversals)}",
+        "calls / failed attempts": f"{result.calls} / {len(result.errors)}",
+        "tokens (prompt / completion)": " / ".join(
+            f"{sum(getattr(u, f) for u in result.usage):,}"
+            for f in ("prompt_tokens", "completion_tokens")
+        ),
+        "cost": f"{result.cost:.6f}",
     }
+    if result.quality is not None:
+        reached = result.time_to_quality is not None
+        rows[f"time / cost to {result.quality:.2f}"] = (
+            f"{result.time_to_quality:.2f} s / {result.cost_to_quality:.6f}"
+            if reached
+            else "not reached"
+        )
     for key, value in rows.items():
         table.add_row(key, value)
     return table
@@ -146,6 +155,10 @@ def evolve_demo(
     target: Annotated[
         float | None, typer.Option(min=0.0, max=1.0, help="Stop at this held-out reward.")
     ] = None,
+    quality: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Report time and cost to this reward.")
+    ] = 0.75,
+    selection: Annotated[str, typer.Option(help="head (one head) or pareto (GEPA pool).")] = "head",
     db: Annotated[
         str | None, typer.Option("--db", help="Keep the ledger in this store (default: memory).")
     ] = None,
@@ -157,12 +170,16 @@ def evolve_demo(
 
     Options: ``mode`` (async or sync), ``tasks``, ``workers``, ``rollouts``
     (budget), ``seed``, ``latency`` (base seconds per rollout), ``target``
-    (held-out reward to stop at), ``db`` (a store location: running again with
-    the same ``db`` resumes the evolution) and ``save`` (a JSON result file).
+    (held-out reward to stop at), ``quality`` (report time and cost to this
+    held-out reward), ``selection`` (head or pareto), ``db`` (a store
+    location: running again with the same ``db`` resumes the evolution) and
+    ``save`` (a JSON result file).
     """
     console = Console()
     if mode not in ("async", "sync"):
         raise typer.BadParameter("must be 'async' or 'sync'", param_hint="--mode")
+    if selection not in ("head", "pareto"):
+        raise typer.BadParameter("must be 'head' or 'pareto'", param_hint="--selection")
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -187,6 +204,8 @@ def evolve_demo(
                     seed=seed,
                     latency=latency,
                     target=target,
+                    quality=quality,
+                    selection=selection,
                     store=store,
                     on_progress=on_progress,
                 )

@@ -423,7 +423,7 @@ class Evolution:
         self.started = time.perf_counter()
         if self.settings.max_seconds is not None:
             self.deadline = asyncio.get_running_loop().time() + self.settings.max_seconds
-        self.note_quality()
+        self.note_quality(0.0)
 
     def set_head(self, head: Version, member: Member | None) -> None:
         """Make ``head`` the head, scored as ``member`` (None: not measured yet)."""
@@ -472,23 +472,31 @@ class Evolution:
         target = self.settings.target
         return target is not None and self.head_member is not None and self.held_out_score >= target
 
-    def note_quality(self) -> None:
-        """Remember when, at what cost and after how many rollouts the quality bar was first met."""
+    def note_quality(self, elapsed: float) -> None:
+        """Remember when, at what cost and after how many rollouts the quality bar was first met.
+
+        Args:
+            elapsed: Seconds since the rollout phase started (a sweep's ``elapsed``).
+        """
         bar = self.settings.quality_bar
         if bar is None or self.quality_at is not None or self.head_member is None:
             return
         if self.held_out_score >= bar:
-            self.quality_at = (time.perf_counter() - self.started, self.meter.cost, self.rollouts)
+            self.quality_at = (elapsed, self.meter.cost, self.rollouts)
 
-    def note_sweep(self) -> None:
-        """Count sweeps without a held-out improvement (``patience``)."""
+    def note_sweep(self, elapsed: float) -> None:
+        """Count sweeps without a held-out improvement (``patience``); note the quality bar.
+
+        Args:
+            elapsed: The sweep's ``elapsed``.
+        """
         score = self.held_out_score
         if score > self.best_held_out + 1e-12:
             self.best_held_out = score
             self.flat_sweeps = 0
         else:
             self.flat_sweeps += 1
-        self.note_quality()
+        self.note_quality(elapsed)
 
     # -- limits ---------------------------------------------------------------------
 

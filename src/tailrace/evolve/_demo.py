@@ -8,7 +8,8 @@ and answers ``unknown`` when none applies. Rollout latency is heavy-tailed
 ``spike_prob``), and the proposer is noisy: on a failed task it proposes the
 right rule, except with probability ``noise`` a rule with a wrong label.
 Everything is seeded by the task and call number, so a run's outcomes do not
-depend on scheduling.
+depend on scheduling. Each rollout reports its usage (a word is a token) under
+``DEMO_MODEL``, priced by ``DEMO_PRICES``.
 
 >>> demo = DemoDomain(n_tasks=8, seed=1, latency=0.0)
 >>> task = demo.tasks[0]
@@ -29,6 +30,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from ._model import Artifact, Edit, Task
+from ._usage import Price, record_usage
+
+#: The name the demo's "model" reports its usage under, and a price for it
+#: (a small hosted model's list price per million tokens), so the demo shows cost.
+DEMO_MODEL = "demo-router"
+DEMO_PRICES = {DEMO_MODEL: Price(prompt=0.15, completion=0.60)}
 
 #: Teams and the keywords that route to them.
 KEYWORDS: dict[str, tuple[str, ...]] = {
@@ -149,6 +156,12 @@ class DemoDomain:
         self._calls[task.id] += 1
         delay = self.rollout_latency(task, self._calls[task.id])
         self.runs += 1
+        # A word is a token here: the rules and the message in, one label out.
+        record_usage(
+            model=DEMO_MODEL,
+            prompt_tokens=len(rendered.split()) + len(task.prompt.split()),
+            completion_tokens=1,
+        )
         self.spikes += int(delay > self.latency)
         if delay > 0:
             await self.sleep(delay)

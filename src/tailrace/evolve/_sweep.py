@@ -98,7 +98,7 @@ async def sweep(evo: Evolution, proposals: Sequence[Proposal]) -> Sweep | None:
         admitted=evo.pool is not None and judgement.verdict.accepted,
     )
     evo.history.append(record)
-    evo.note_sweep()
+    evo.note_sweep(record.elapsed)
     evo.report()
     return record
 

@@ -43,6 +43,7 @@ class _Rounds:
         self, index: int, task: Task, head: Version, parent: Member | None
     ) -> Proposal | None:
         started = time.perf_counter()
+        used = False
         try:
             try:
                 output, value = await self.evo.rollout(task, head, phase="train")
@@ -51,10 +52,12 @@ class _Rounds:
                 return None
             self.evo.rollouts += 1
             proposal = await self.evo.propose(task, head, output, value, parent)
-            self.used[index] += time.perf_counter() - started
+            used = True
             return proposal
         finally:
-            self.busy[index] += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self.busy[index] += elapsed
+            self.used[index] += elapsed if used else 0.0
 
     async def round(self, picks: Sequence[tuple[int, Task]]) -> list[Proposal]:
         """Run one round; return its proposals in worker order."""
