@@ -54,7 +54,7 @@ class JsonCodec:
         Refused as well, because no store could keep them (D5): nesting deeper
         than Python's recursion limit, and strings with lone surrogates.
 
-        >>> JsonCodec().encode("\ud800")
+        >>> JsonCodec().encode("\\ud800")
         Traceback (most recent call last):
         ...
         ValueError: a string holds a lone surrogate ('\\ud800' at offset 1): not valid UTF-8
