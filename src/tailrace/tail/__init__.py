@@ -5,6 +5,7 @@ Each is usable on its own; the engine's admission policy builds on them.
 
 from ._estimator import DurationEstimator as DurationEstimator
 from ._lpt import fifo_makespan as fifo_makespan
+from ._lpt import list_makespan as list_makespan
 from ._lpt import lpt_schedule as lpt_schedule
 from ._lpt import makespan_lower_bound as makespan_lower_bound
 from ._resume_queue import ResumeItem as ResumeItem
@@ -15,6 +16,7 @@ __all__ = [
     "ResumeItem",
     "ResumeQueue",
     "fifo_makespan",
+    "list_makespan",
     "lpt_schedule",
     "makespan_lower_bound",
 ]

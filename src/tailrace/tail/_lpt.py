@@ -21,6 +21,16 @@ LPT 7), and from 3 workers on it can exceed ``4/3 * makespan_lower_bound``,
 because that bound is not OPT (four unit tasks on three workers: bound 4/3,
 LPT = OPT = 2). Since OPT <= round-robin, LPT is within ``4/3 - 1/(3n)`` of
 round-robin, and on heavy-tailed inputs it wins or ties almost always.
+
+Two baselines, and the difference matters. :func:`fifo_makespan` is
+*round-robin* (task ``i`` on worker ``i % n``, agentdescent's name and
+meaning): it ignores loads, so a long task stalls its worker's whole share.
+:func:`list_makespan` is *greedy list scheduling in arrival order* (Graham
+1966: each task, as it arrives, goes to the least-loaded worker), what any
+work-conserving queue of ``n`` workers does, the engine's fifo admission
+included; it is within ``2 - 1/n`` of OPT. LPT is list scheduling after
+sorting longest-first, so the gain LPT brings over a real queue is the gap to
+:func:`list_makespan`, much smaller than the gap to round-robin.
 """
 
 from __future__ import annotations
@@ -76,7 +86,8 @@ def lpt_schedule(weights: Sequence[float], n_workers: int) -> tuple[list[list[in
 def fifo_makespan(weights: Sequence[float], n_workers: int) -> float:
     """Return the makespan of round-robin assignment: task ``i`` runs on worker ``i % n_workers``.
 
-    This is the baseline LPT is measured against (T2).
+    Round-robin ignores loads (agentdescent's ``fifo_makespan``); compare with
+    :func:`list_makespan` too, the baseline a real queue achieves (T2).
 
     Args:
         weights: Duration of each task (finite, >= 0), by task index.
@@ -93,6 +104,34 @@ def fifo_makespan(weights: Sequence[float], n_workers: int) -> float:
     for task, weight in enumerate(weights):
         loads[task % n_workers] += weight
     return max(loads)
+
+
+def list_makespan(weights: Sequence[float], n_workers: int) -> float:
+    """Return the makespan of greedy list scheduling in arrival order (T2's fair baseline).
+
+    Each task, in index order, goes to the least-loaded worker (the lowest
+    index among equally loaded ones): what a work-conserving queue of
+    ``n_workers`` workers does. Graham (1966): within ``2 - 1/n_workers`` of
+    the optimum, and at most ``total / n + (1 - 1/n) * max weight``.
+
+    Args:
+        weights: Duration of each task (finite, >= 0), by task index.
+        n_workers: How many workers run the tasks; at least 1.
+
+    Raises:
+        ValueError: ``n_workers < 1``, or a weight is negative or not finite.
+
+    >>> list_makespan([2, 3, 2, 3, 2], n_workers=2)
+    6.0
+    >>> list_makespan([5, 1, 1, 1, 5], n_workers=2), fifo_makespan([5, 1, 1, 1, 5], n_workers=2)
+    (8.0, 11.0)
+    """
+    _validate(weights, n_workers)
+    heap = [(0.0, worker) for worker in range(n_workers)]
+    for weight in weights:
+        load, worker = heapq.heappop(heap)
+        heapq.heappush(heap, (load + weight, worker))
+    return max(load for load, _ in heap)
 
 
 def makespan_lower_bound(weights: Sequence[float], n_workers: int) -> float:
