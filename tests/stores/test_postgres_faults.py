@@ -533,7 +533,7 @@ async def cancel_acquire(store: PostgresStore, run_id: str, hops: int) -> str:
     return "finished-first"
 
 
-# --- findings 3 and 3': text Postgres cannot keep, and the driver's errors -----------------------
+# --- finding 3 (NUL and lone surrogates on Postgres), driver errors, read-only --------------
 
 
 def with_result(value_json: str, node_id: str = "a") -> Harvest:
