@@ -13,7 +13,8 @@ callers are expected to handle get their own class::
     │   ├── RunNotFound (KeyError)       no run with that id
     │   ├── RunExists                    a run with that id already exists
     │   ├── GraphMismatch                the graph changed shape since the run began
-    │   └── NotResumable                 the run is finished, or cannot be resumed
+    │   ├── NotResumable                 the run is finished, or cannot be resumed
+    │   └── ExecutorLost                 the worker running an attempt died (retryable)
     ├── StoreError                       the database failed (driver error chained)
     │   ├── UnsupportedFormat            a stored format version we cannot read (D4)
     │   ├── CorruptRecord                a stored row that does not decode
@@ -73,6 +74,15 @@ class GraphMismatch(RunError):
 
 class NotResumable(RunError):
     """The run is finished or otherwise cannot be resumed."""
+
+
+class ExecutorLost(RunError):
+    """The process or host running a node attempt died (a Ray worker, a Ray node).
+
+    The message names the run, node, visit and try; the executor's own error
+    is chained as ``__cause__``. It fails that try like a handler error, so
+    the node's ``RetryPolicy`` applies (give such nodes one) and the run goes on.
+    """
 
 
 class StoreError(TailraceError):

@@ -123,8 +123,9 @@ class Node:
     poller: str | None = None
     deadline: float | None = None
     executor: str | None = None
-    resources: Mapping[str, float] | None = None
-    runtime_env: Mapping[str, Any] | None = None
+    # Mappings, so left out of the hash (a Node stays hashable); equality still compares them.
+    resources: Mapping[str, float] | None = field(default=None, hash=False)
+    runtime_env: Mapping[str, Any] | None = field(default=None, hash=False)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form; the handler is named by reference."""
