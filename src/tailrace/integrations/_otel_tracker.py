@@ -1,0 +1,409 @@
+"""The span bookkeeping behind :mod:`tailrace.integrations.otel`: one span per run, one per attempt.
+
+Three sources tell a :class:`SpanTracker` about a run, in no fixed order:
+
+- the instrumented ``Engine.run``/``Engine.resume`` call opens and closes the
+  run span (:meth:`SpanTracker.open_run`, :meth:`SpanTracker.close_run`): it is
+  the one place that sees every ending, a failure, a stall or a cancellation
+  included, of which the event log records only some;
+- the run's events (:meth:`SpanTracker.on_event`), published after each
+  commit, decide an attempt's outcome (completed, failed, cancelled,
+  retrying) and flag stragglers and hedges (T3), late inputs (E5) and gates
+  (Q1);
+- the tracing executor (:meth:`SpanTracker.begin_attempt`,
+  :meth:`SpanTracker.finish_attempt`) runs inside the attempt's task, so it
+  knows the attempt's exact start and end, the exception it raised, and makes
+  its span current for the handler.
+
+An attempt's span is started by whichever of its ``NODE_STARTED`` event or
+its executor call comes first, and the other joins it, so each attempt has
+one span. It ends once its outcome is decided *and* its executor call (if
+any) returned, at the executor's end time when there was one, so a span's
+duration is the handler's even though the deciding event is published later.
+Whatever is still open when the run's call returns is ended then (an
+abandoned hedge loser, attempts cut by a cancellation), so no span is left
+open. All of this runs on the engine's event loop, so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, Status, StatusCode, Tracer
+from opentelemetry.util.types import AttributeValue
+
+from .._events import Event, EventType
+
+# Attribute names, documented in the ``otel`` module's docstring.
+RUN_ID = "tailrace.run_id"
+GRAPH = "tailrace.graph"
+NODE = "tailrace.node"
+VISIT = "tailrace.visit"
+ATTEMPT = "tailrace.attempt"
+OUTCOME = "tailrace.outcome"
+STRAGGLER = "tailrace.straggler"
+HEDGED = "tailrace.hedged"
+BACKUP = "tailrace.backup"
+EXECUTOR = "tailrace.executor"
+QUESTION_ID = "tailrace.question_id"
+
+COMPLETED = "completed"
+FAILED = "failed"
+CANCELLED = "cancelled"
+RETRYING = "retrying"
+#: A run call the engine would not drive (``LeaseHeld``, ``NotResumable``).
+REFUSED = "refused"
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1_000_000_000)
+
+
+@dataclass(slots=True, eq=False)
+class AttemptSpan:
+    """One attempt (one try, or one hedge backup) of a node visit, and what is known of its end."""
+
+    run_id: str
+    node: str
+    visit: int
+    tries: int
+    hedge: bool
+    span: Span
+    #: An executor call ran (or runs) this attempt.
+    claimed: bool = False
+    #: The executor call has not returned yet: the span may not end.
+    running: bool = False
+    #: What the executor saw: ``completed``, ``failed`` or ``cancelled``.
+    seen: str | None = None
+    #: When the executor call returned (ns since the epoch).
+    returned_at: int | None = None
+    #: The outcome decided by the run's events, and when it was decided.
+    outcome: str | None = None
+    decided_at: int | None = None
+    #: A failure the executor did not see raised (a result that cannot be encoded, E8's bad route).
+    error: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class RunSpan:
+    """The run span of one ``run``/``resume`` call and the attempt spans under it."""
+
+    run_id: str
+    span: Span
+    context: Context
+    attempts: dict[tuple[str, int], list[AttemptSpan]] = field(default_factory=dict)
+    #: After a NODE_RETRYING (event-only mode): when the next try of that visit begins.
+    next_try_at: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def open_attempts(self) -> Iterator[AttemptSpan]:
+        """Every attempt span not ended yet."""
+        for attempts in self.attempts.values():
+            yield from attempts
+
+
+class SpanTracker:
+    """Builds run and attempt spans from engine calls, events and executor calls (see module docstring).
+
+    ``tracer`` makes the spans.
+    """
+
+    def __init__(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+        self.runs: dict[str, RunSpan] = {}
+
+    # -- runs ------------------------------------------------------------------
+
+    def open_run(self, run_id: str, name: str, attributes: dict[str, Any]) -> RunSpan | None:
+        """Start the run span of ``run_id`` under the current context; None if one is open already."""
+        if run_id in self.runs:
+            return None  # the same run driven twice at once: the engine refuses the second
+        span = self.tracer.start_span(name, attributes={RUN_ID: run_id, **attributes})
+        run = RunSpan(run_id=run_id, span=span, context=trace.set_span_in_context(span))
+        self.runs[run_id] = run
+        return run
+
+    def close_run(self, run: RunSpan, outcome: str, exc: BaseException | None = None) -> None:
+        """End every span of ``run`` still open, then the run span with ``outcome``."""
+        if self.runs.get(run.run_id) is run:
+            del self.runs[run.run_id]
+        now = time.time_ns()
+        for attempt in list(run.open_attempts()):
+            if attempt.outcome is None:
+                attempt.outcome = FAILED if attempt.seen == FAILED else CANCELLED
+                attempt.decided_at = now
+            attempt.running = False  # the run is over: nothing may keep its span open
+            self._end(run, attempt)
+        run.span.set_attribute(OUTCOME, outcome)
+        if exc is not None and outcome == FAILED:
+            run.span.record_exception(exc)
+            run.span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        run.span.end()
+
+    # -- the executor's view ---------------------------------------------------
+
+    def begin_attempt(
+        self,
+        run_id: str,
+        node_id: str,
+        visit: int,
+        tries: int,
+        hedge: bool | None,
+        executor: str,
+    ) -> AttemptSpan | None:
+        """The executor starts an attempt: its span (joined or new), or None for a run not traced.
+
+        ``hedge`` is None when the executor cannot tell; a second attempt of a
+        visit whose primary is still running is then its hedge backup (T3).
+        """
+        run = self.runs.get(run_id)
+        if run is None:
+            return None
+        attempts = run.attempts.setdefault((node_id, visit), [])
+        attempt = _unclaimed(attempts, tries, hedge)
+        if attempt is None:
+            if hedge is None:
+                hedge = any(a.running and not a.hedge for a in attempts)
+            attempt = self._start(run, node_id, visit, tries, hedge, time.time_ns())
+        attempt.claimed = attempt.running = True
+        attempt.span.set_attribute(EXECUTOR, executor)
+        return attempt
+
+    def finish_attempt(self, attempt: AttemptSpan, seen: str, exc: BaseException | None) -> None:
+        """The executor call of ``attempt`` returned (``seen``: completed, failed or cancelled)."""
+        attempt.running = False
+        run = self.runs.get(attempt.run_id)
+        if run is None or attempt not in run.attempts.get((attempt.node, attempt.visit), ()):
+            return  # the run's end closed it already
+        attempt.seen = seen
+        attempt.returned_at = time.time_ns()
+        if exc is not None:
+            attempt.span.record_exception(exc)
+            attempt.span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        self._end(run, attempt)
+
+    # -- events ----------------------------------------------------------------
+
+    def on_event(self, event: Event) -> None:
+        """Apply one published event of a traced run (events of other runs are ignored)."""
+        run = self.runs.get(event.run_id)
+        if run is None:
+            return
+        handler = _HANDLERS.get(event.type)
+        if handler is not None:
+            handler(self, run, event)
+
+    def _run_started(self, run: RunSpan, event: Event) -> None:
+        graph = str(event.data.get("graph", ""))
+        run.span.set_attribute(GRAPH, graph)
+        verb = "resume" if event.type is EventType.RUN_RESUMED else "run"
+        run.span.update_name(f"tailrace.{verb} {graph}")
+
+    def _node_started(self, run: RunSpan, event: Event) -> None:
+        node, visit, tries = _where(event)
+        hedge = bool(event.data.get("hedge", False))
+        attempts = run.attempts.setdefault((node, visit), [])
+        if _find(attempts, tries, hedge) is None:  # else its executor call came first
+            self._start(run, node, visit, tries, hedge, _ns(event.ts))
+
+    def _straggler(self, run: RunSpan, event: Event) -> None:
+        primary = self._primary(run, event)
+        if primary is not None:
+            primary.span.set_attribute(STRAGGLER, True)
+            primary.span.add_event(
+                "straggler",
+                {k: float(event.data[k]) for k in ("elapsed", "estimate", "factor")},
+                timestamp=_ns(event.ts),
+            )
+
+    def _hedged(self, run: RunSpan, event: Event) -> None:
+        primary = self._primary(run, event)
+        if primary is not None:
+            primary.span.set_attribute(HEDGED, True)
+
+    def _retrying(self, run: RunSpan, event: Event) -> None:
+        node, visit, tries = _where(event)
+        attempts = run.attempts.setdefault((node, visit), [])
+        failed = [
+            a for a in attempts if a.outcome is None and a.seen == FAILED and a.tries == tries
+        ]
+        attempt = failed[0] if failed else self._lazy(run, event, hedge=False)
+        attempt.error = str(event.data.get("error", ""))
+        delay = float(event.data.get("delay", 0.0))
+        run.next_try_at[(node, visit)] = _ns(event.ts + delay)
+        self._decide(run, attempt, RETRYING, event)
+
+    def _completed(self, run: RunSpan, event: Event) -> None:
+        winner = self._lazy(run, event, hedge=bool(event.data.get("hedge", False)))
+        self._settle_visit(run, event, winner, COMPLETED)
+
+    def _failed(self, run: RunSpan, event: Event) -> None:
+        node, visit, _ = _where(event)
+        attempts = run.attempts.get((node, visit), [])
+        # The attempt that failed is the one its executor saw end (raised, or
+        # returned a result the run could not take); without an executor, the primary.
+        culprits = [a for a in attempts if a.outcome is None and a.seen in (FAILED, COMPLETED)]
+        culprit = culprits[0] if culprits else self._lazy(run, event, hedge=False)
+        culprit.error = str(event.data.get("error", ""))
+        self._settle_visit(run, event, culprit, FAILED)
+
+    def _cancelled(self, run: RunSpan, event: Event) -> None:
+        node, visit, _ = _where(event)
+        for attempt in list(run.attempts.get((node, visit), [])):
+            if attempt.outcome is None:
+                self._decide(run, attempt, CANCELLED, event)
+
+    def _question_opened(self, run: RunSpan, event: Event) -> None:
+        question = _question(event)
+        run.span.add_event("question_opened", question, timestamp=_ns(event.ts))
+        # A gate's handler returned its prompt: the attempt completed, the node waits (Q1).
+        gate = self._lazy(run, event, hedge=False)
+        gate.span.add_event("question_opened", question, timestamp=_ns(event.ts))
+        self._settle_visit(run, event, gate, COMPLETED)
+
+    def _question_answered(self, run: RunSpan, event: Event) -> None:
+        run.span.add_event("question_answered", _question(event), timestamp=_ns(event.ts))
+
+    def _late_input(self, run: RunSpan, event: Event) -> None:
+        node, visit, _ = _where(event)
+        late: dict[str, AttributeValue] = {
+            NODE: node,
+            VISIT: visit,
+            "tailrace.source": str(event.data.get("source", "")),
+            "tailrace.reason": str(event.data.get("reason", "")),
+        }
+        run.span.add_event("late_input", late, timestamp=_ns(event.ts))
+
+    def _aggregate_fired(self, run: RunSpan, event: Event) -> None:
+        node, visit, _ = _where(event)
+        fired: dict[str, AttributeValue] = {NODE: node, VISIT: visit}
+        run.span.add_event("aggregate_fired", fired, timestamp=_ns(event.ts))
+
+    # -- attempts --------------------------------------------------------------
+
+    def _start(
+        self, run: RunSpan, node: str, visit: int, tries: int, hedge: bool, at: int
+    ) -> AttemptSpan:
+        span = self.tracer.start_span(
+            f"tailrace.node {node}",
+            context=run.context,
+            start_time=at,
+            attributes={
+                RUN_ID: run.run_id,
+                NODE: node,
+                VISIT: visit,
+                ATTEMPT: tries,
+                BACKUP: hedge,
+                HEDGED: hedge,
+                STRAGGLER: False,
+            },
+        )
+        attempt = AttemptSpan(
+            run_id=run.run_id, node=node, visit=visit, tries=tries, hedge=hedge, span=span
+        )
+        run.attempts.setdefault((node, visit), []).append(attempt)
+        return attempt
+
+    def _lazy(self, run: RunSpan, event: Event, *, hedge: bool) -> AttemptSpan:
+        """The open attempt an event speaks of; one started now if no event or call opened it.
+
+        Only a try after a retry has no ``NODE_STARTED`` of its own: it begins
+        when the backoff that the ``NODE_RETRYING`` event announced is over.
+        """
+        node, visit, tries = _where(event)
+        attempts = run.attempts.setdefault((node, visit), [])
+        found = _find(attempts, tries, hedge)
+        if found is not None:
+            return found
+        began = run.next_try_at.pop((node, visit), _ns(event.ts))
+        return self._start(run, node, visit, tries, hedge, min(began, _ns(event.ts)))
+
+    def _primary(self, run: RunSpan, event: Event) -> AttemptSpan | None:
+        node, visit, _ = _where(event)
+        open_primaries = [
+            a for a in run.attempts.get((node, visit), []) if a.outcome is None and not a.hedge
+        ]
+        return open_primaries[-1] if open_primaries else None
+
+    def _settle_visit(self, run: RunSpan, event: Event, chosen: AttemptSpan, outcome: str) -> None:
+        """``chosen`` ended the visit with ``outcome``; its rivals failed or are cancelled (T3)."""
+        node, visit, _ = _where(event)
+        for attempt in list(run.attempts.get((node, visit), [])):
+            if attempt is chosen:
+                self._decide(run, attempt, outcome, event)
+            elif attempt.outcome is None:
+                rival = FAILED if attempt.seen == FAILED else CANCELLED
+                self._decide(run, attempt, rival, event)
+
+    def _decide(self, run: RunSpan, attempt: AttemptSpan, outcome: str, event: Event) -> None:
+        attempt.outcome = outcome
+        attempt.decided_at = _ns(event.ts)
+        self._end(run, attempt)
+
+    def _end(self, run: RunSpan, attempt: AttemptSpan) -> None:
+        """End ``attempt``'s span once its outcome is known and its executor call returned."""
+        if attempt.outcome is None or attempt.running:
+            return
+        attempts = run.attempts.get((attempt.node, attempt.visit), [])
+        if attempt not in attempts:
+            return  # ended already
+        attempts.remove(attempt)
+        if not attempts:
+            del run.attempts[(attempt.node, attempt.visit)]
+        span = attempt.span
+        span.set_attribute(OUTCOME, attempt.outcome)
+        if attempt.outcome in (FAILED, RETRYING) and attempt.seen != FAILED:
+            # The executor saw no exception (no executor, or a result the run refused).
+            span.set_status(Status(StatusCode.ERROR, attempt.error or attempt.outcome))
+        end = attempt.returned_at if attempt.returned_at is not None else attempt.decided_at
+        span.end(end_time=end)
+
+
+def _where(event: Event) -> tuple[str, int, int]:
+    return event.node_id or "", event.visit or 0, event.attempt or 1
+
+
+def _question(event: Event) -> dict[str, AttributeValue]:
+    """The attributes of a gate's span events: question id, gate node, visit (Q1-Q3)."""
+    node, visit, _ = _where(event)
+    return {QUESTION_ID: str(event.data.get("question_id", "")), NODE: node, VISIT: visit}
+
+
+def _find(attempts: list[AttemptSpan], tries: int, hedge: bool) -> AttemptSpan | None:
+    """The open attempt with this hedge flag, of try ``tries`` if there is one."""
+    candidates = [a for a in attempts if a.outcome is None and a.hedge == hedge]
+    for attempt in candidates:
+        if attempt.tries == tries:
+            return attempt
+    return candidates[-1] if candidates else None
+
+
+def _unclaimed(attempts: list[AttemptSpan], tries: int, hedge: bool | None) -> AttemptSpan | None:
+    """An event-born span of this try that no executor call has joined yet."""
+    for attempt in attempts:
+        if attempt.claimed or attempt.outcome is not None or attempt.tries != tries:
+            continue
+        if hedge is None or attempt.hedge == hedge:
+            return attempt
+    return None
+
+
+_HANDLERS: dict[EventType, Any] = {
+    EventType.RUN_STARTED: SpanTracker._run_started,
+    EventType.RUN_RESUMED: SpanTracker._run_started,
+    EventType.NODE_STARTED: SpanTracker._node_started,
+    EventType.NODE_STRAGGLER: SpanTracker._straggler,
+    EventType.NODE_HEDGED: SpanTracker._hedged,
+    EventType.NODE_RETRYING: SpanTracker._retrying,
+    EventType.NODE_COMPLETED: SpanTracker._completed,
+    EventType.NODE_FAILED: SpanTracker._failed,
+    EventType.NODE_CANCELLED: SpanTracker._cancelled,
+    EventType.QUESTION_OPENED: SpanTracker._question_opened,
+    EventType.QUESTION_ANSWERED: SpanTracker._question_answered,
+    EventType.NODE_LATE_INPUT: SpanTracker._late_input,
+    EventType.AGGREGATE_FIRED: SpanTracker._aggregate_fired,
+}

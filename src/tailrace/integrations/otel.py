@@ -1,0 +1,288 @@
+"""OpenTelemetry tracing for an engine: a span per run, a span per node attempt.
+
+``instrument(engine)`` traces every run and resume of that engine (``pip install
+'tailrace[otel]'``; bring your own SDK and exporter)::
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from tailrace.integrations.otel import instrument
+
+    engine = Engine(store=SQLiteStore("runs.db"))
+    tracing = instrument(engine, tracer_provider=TracerProvider())
+    await engine.run(graph, question)      # one trace: the run, each attempt, your spans
+    tracing.uninstrument()                 # or: with instrument(engine): ...
+
+Spans, all carrying ``tailrace.run_id``:
+
+- ``tailrace.run <graph>`` (``tailrace.resume <graph>`` for a resume) spans
+  one ``Engine.run``/``Engine.resume`` call, as a child of whatever span is
+  current where it is called. ``tailrace.graph``; ``tailrace.outcome`` is
+  ``completed``, ``suspended`` (open gates, or preempted), ``failed`` (status
+  error, the exception recorded), ``cancelled`` (the caller cancelled it) or
+  ``refused`` (the engine would not drive it: ``LeaseHeld``, ``NotResumable``).
+  Its events: ``question_opened`` and ``question_answered`` (gates, Q1-Q3, with
+  ``tailrace.question_id``, ``tailrace.node``, ``tailrace.visit``),
+  ``late_input`` (an input that arrived after its first-k aggregate fired, E5,
+  with ``tailrace.source``) and ``aggregate_fired``.
+- ``tailrace.node <node>`` spans one attempt: one try of one node visit (a
+  retried node has one span per try, E11) or a hedge's backup (T3).
+  ``tailrace.node``, ``tailrace.visit``, ``tailrace.attempt`` (the try),
+  ``tailrace.executor`` (``local``, or the name a node's ``executor=`` uses),
+  ``tailrace.straggler`` (it ran past its straggler threshold; a
+  ``straggler`` event says when), ``tailrace.hedged`` (a backup raced it, or it
+  is the backup), ``tailrace.backup`` (it is the backup) and
+  ``tailrace.outcome``: ``completed``, ``failed`` (status error, the handler's
+  exception recorded), ``cancelled`` (a hedge loser, a sibling of a failure,
+  a cancelled run) or ``retrying`` (it failed and another try follows; status
+  error). A gate's attempt completes when its question opens.
+
+While a handler runs, its attempt's span is the current span (for async
+handlers, and for sync ones in their worker thread), so spans the handler
+starts, an LLM call's say, are children of it. Every span is ended by the
+time the run's call returns or raises, cancellation included.
+
+>>> import asyncio
+>>> from opentelemetry.sdk.trace import TracerProvider
+>>> from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+>>> from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+>>> from tailrace import Engine, Graph
+>>> exporter = InMemorySpanExporter()
+>>> provider = TracerProvider()
+>>> provider.add_span_processor(SimpleSpanProcessor(exporter))
+>>> g = Graph("double")
+>>> @g.task()
+... async def double(x):
+...     return 2 * x
+>>> engine = Engine()
+>>> with instrument(engine, tracer_provider=provider):
+...     result = asyncio.run(engine.run(g, 21))
+>>> sorted(span.name for span in exporter.get_finished_spans())
+['tailrace.node double', 'tailrace.run double']
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
+
+from opentelemetry import trace
+from opentelemetry.trace import TracerProvider
+
+from .._errors import LeaseHeld, NotResumable
+from ..executors import AttemptContext, Executor, LocalExecutor
+from ..executors._base import ExecutorTable
+from ._otel_tracker import CANCELLED, COMPLETED, FAILED, GRAPH, REFUSED, SpanTracker
+
+if TYPE_CHECKING:
+    from .._engine import Engine
+    from .._graph import Node
+    from .._runloop import RunResult
+
+__all__ = ["Instrumentation", "OtelExecutor", "instrument"]
+
+
+class OtelExecutor:
+    """Runs each attempt through ``inner`` with the attempt's span current; made by :func:`instrument`.
+
+    ``inner`` is the executor that really runs the handler (None: a
+    :class:`~tailrace.executors.LocalExecutor`); ``instrumentation`` is the
+    :class:`Instrumentation` whose spans it joins; ``name`` is the
+    ``tailrace.executor`` attribute of its attempts (default: derived from
+    ``inner``'s class, ``local`` for a ``LocalExecutor``).
+    """
+
+    __slots__ = ("_tracker", "inner", "name")
+
+    def __init__(
+        self,
+        inner: Executor | None = None,
+        *,
+        instrumentation: Instrumentation,
+        name: str | None = None,
+    ) -> None:
+        self.inner: Executor = inner if inner is not None else LocalExecutor()
+        self.name = name or _kind(self.inner)
+        self._tracker = instrumentation.tracker
+
+    async def invoke(self, node: Node, payload: Any, context: AttemptContext) -> Any:
+        """Run ``node``'s handler on ``payload`` through ``inner`` inside the span of attempt ``context``."""
+        tracker = self._tracker
+        attempt = tracker.begin_attempt(
+            context.run_id,
+            context.node_id,
+            context.visit,
+            context.attempt,
+            context.hedge,
+            self.name,
+        )
+        if attempt is None:  # a run this engine drives outside run()/resume()
+            return await self.inner.invoke(node, payload, context)
+        try:
+            with trace.use_span(
+                attempt.span, record_exception=False, set_status_on_exception=False
+            ):
+                result = await self.inner.invoke(node, payload, context)
+        except asyncio.CancelledError:
+            tracker.finish_attempt(attempt, CANCELLED, None)
+            raise
+        except BaseException as exc:
+            tracker.finish_attempt(attempt, FAILED, exc)
+            raise
+        tracker.finish_attempt(attempt, COMPLETED, None)
+        return result
+
+    async def aclose(self) -> None:
+        """Close ``inner``."""
+        await self.inner.aclose()
+
+
+class Instrumentation:
+    """The tracing that :func:`instrument` installed on ``engine``; ``uninstrument()`` removes it.
+
+    ``engine`` is the traced engine and ``tracker`` the span bookkeeping it
+    feeds. Use it as a context manager to uninstrument on exit.
+    """
+
+    def __init__(self, engine: Engine, tracker: SpanTracker) -> None:
+        self.engine = engine
+        self.tracker = tracker
+        self._table: ExecutorTable = engine._executors
+        self._unsubscribe: Callable[[], None] | None = None
+
+    def _install(self) -> None:
+        engine = self.engine
+        if "run" in vars(engine) or "resume" in vars(engine):
+            raise ValueError(f"engine {engine.owner!r} is instrumented already")
+        engine._executors = _traced_table(self._table, self)
+        self._unsubscribe = engine.bus.subscribe(self.tracker.on_event)
+        vars(engine)["run"] = _traced_run(self.tracker, engine.run)
+        vars(engine)["resume"] = _traced_resume(self.tracker, engine.resume)
+
+    def uninstrument(self) -> None:
+        """Stop tracing the engine's runs (runs already started keep their spans); idempotent."""
+        if self._unsubscribe is None:
+            return
+        self._unsubscribe()
+        self._unsubscribe = None
+        vars(self.engine).pop("run", None)
+        vars(self.engine).pop("resume", None)
+        self.engine._executors = self._table
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.uninstrument()
+
+
+def instrument(engine: Engine, *, tracer_provider: TracerProvider | None = None) -> Instrumentation:
+    """Trace every run and resume of ``engine`` with OpenTelemetry (spans listed in the module docs).
+
+    ``engine`` gets a listener on its event bus, its executors wrapped in
+    :class:`OtelExecutor` (so each attempt's span is current in its handler)
+    and traced ``run``/``resume`` methods. ``tracer_provider`` makes the
+    tracer (default: the global one, ``opentelemetry.trace.get_tracer_provider()``).
+    Instrumenting an engine twice raises ``ValueError``.
+    """
+    from .. import __version__
+
+    tracer = trace.get_tracer(__name__, __version__, tracer_provider)
+    instrumentation = Instrumentation(engine, SpanTracker(tracer))
+    instrumentation._install()
+    return instrumentation
+
+
+# -- the engine's executors, wrapped ------------------------------------------------------
+
+
+def _traced_table(table: ExecutorTable, instrumentation: Instrumentation) -> ExecutorTable:
+    """A copy of ``table`` whose every executor (the inline default too) runs through a span.
+
+    The seam offers no public way to wrap an engine's executors after it was
+    built, so this reads the table's own fields; see the report of issue 12.
+    """
+    default = OtelExecutor(table._default, instrumentation=instrumentation)
+    named: Mapping[str, Executor] = {
+        name: OtelExecutor(inner, instrumentation=instrumentation, name=name)
+        for name, inner in table._named.items()
+    }
+    return ExecutorTable(default, named)
+
+
+def _kind(executor: Executor) -> str:
+    """``local`` for a LocalExecutor, ``ray`` for a RayExecutor: the class name, lower case, less ``Executor``."""
+    name = type(executor).__name__
+    return (name.removesuffix("Executor") or name).lower()
+
+
+# -- the engine's run and resume, traced --------------------------------------------------
+
+
+def _traced_run(
+    tracker: SpanTracker, run: Callable[..., Awaitable[RunResult]]
+) -> Callable[..., Awaitable[RunResult]]:
+    async def traced_run(graph: Any, input: Any = None, **options: Any) -> RunResult:
+        if options.get("run_id") is None:
+            options["run_id"] = uuid.uuid4().hex  # as the engine would: the span needs it first
+        name = getattr(graph, "name", "")
+        return await _within_run_span(
+            tracker,
+            options["run_id"],
+            f"tailrace.run {name}",
+            {GRAPH: name},
+            lambda: run(graph, input, **options),
+        )
+
+    return traced_run
+
+
+def _traced_resume(
+    tracker: SpanTracker, resume: Callable[..., Awaitable[RunResult]]
+) -> Callable[..., Awaitable[RunResult]]:
+    async def traced_resume(run_id: str, graph: Any = None, **options: Any) -> RunResult:
+        name = getattr(graph, "name", None)
+        attributes = {} if name is None else {GRAPH: name}
+        return await _within_run_span(
+            tracker,
+            run_id,
+            "tailrace.resume" if name is None else f"tailrace.resume {name}",
+            attributes,
+            lambda: resume(run_id, graph, **options),
+        )
+
+    return traced_resume
+
+
+async def _within_run_span(
+    tracker: SpanTracker,
+    run_id: Any,
+    name: str,
+    attributes: dict[str, Any],
+    call: Callable[[], Awaitable[RunResult]],
+) -> RunResult:
+    """Await ``call()`` inside the run span of ``run_id``; end it, and all under it, however it ends."""
+    run = tracker.open_run(str(run_id), name, attributes)
+    if run is None:  # this run is being driven already: the engine refuses the call
+        return await call()
+    try:
+        with trace.use_span(run.span, record_exception=False, set_status_on_exception=False):
+            result = await call()
+    except asyncio.CancelledError:
+        tracker.close_run(run, CANCELLED)
+        raise
+    except (LeaseHeld, NotResumable) as exc:
+        run.span.record_exception(exc)
+        tracker.close_run(run, REFUSED)
+        raise
+    except BaseException as exc:
+        tracker.close_run(run, FAILED, exc)
+        raise
+    tracker.close_run(run, result.status)
+    return result
