@@ -287,6 +287,39 @@ async def test_hedge_has_two_attempt_spans_and_the_loser_is_cancelled(
     assert primary.status.status_code is StatusCode.UNSET  # cancelled on purpose, not an error
 
 
+async def test_a_timed_out_try_is_retried_and_its_span_says_why(
+    traces: Traces, engine_store: Any
+) -> None:
+    # The executor call is cancelled by the node's timeout; the run loop turns
+    # that into a TimeoutError and a retry (E11): the span is a failed try.
+    calls = 0
+
+    async def slow_once(x: Any) -> str:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await hang()
+        return "second try"
+
+    g = tr.Graph("timeout")
+    g.add_node("t", slow_once, timeout=0.01, retry=tr.RetryPolicy(attempts=2))
+    engine = tr.Engine(store=engine_store)
+    instrument(engine, tracer_provider=traces.provider)
+    async with asyncio.timeout(GUARD):
+        result = await engine.run(g, 0)
+
+    assert result.output == "second try"
+    assert traces.left_open() == []
+    first, second = sorted(traces.named("tailrace.node t"), key=lambda s: s.start_time or 0)
+    assert (attrs(first)["tailrace.attempt"], attrs(first)["tailrace.outcome"]) == (1, "retrying")
+    assert first.status.status_code is StatusCode.ERROR
+    assert (first.status.description or "").startswith("TimeoutError")
+    assert (attrs(second)["tailrace.attempt"], attrs(second)["tailrace.outcome"]) == (
+        2,
+        "completed",
+    )
+
+
 async def test_handler_failure_marks_its_span_error_and_cancels_siblings(
     traces: Traces, engine_store: Any
 ) -> None:
@@ -364,6 +397,9 @@ async def test_user_span_in_a_handler_is_a_child_of_its_attempt(traces: Traces, 
     g.add_node("ask", async_handler if kind == "async" else call_llm)
     g.chain("first", "ask")
     engine = tr.Engine()
+    # Event listeners run in the run's task: their spans nest under the run span.
+    in_listener: list[trace.Span] = []
+    engine.bus.subscribe(lambda e: in_listener.append(trace.get_current_span()))
     instrument(engine, tracer_provider=traces.provider)
     with tracer.start_as_current_span("request") as request:
         async with asyncio.timeout(GUARD):
@@ -377,6 +413,7 @@ async def test_user_span_in_a_handler_is_a_child_of_its_attempt(traces: Traces, 
     llm = traces.one("llm")
     assert llm.parent is not None and llm.parent.span_id == ask.context.span_id
     assert llm.context.trace_id == run.context.trace_id
+    assert {s.get_span_context().span_id for s in in_listener} == {run.context.span_id}
     assert trace.get_current_span() is trace.INVALID_SPAN  # nothing leaked into the caller
 
 
@@ -479,6 +516,38 @@ async def test_cancelling_the_run_ends_every_open_span(traces: Traces, engine_st
         "user h",
         "user h",
     ]
+
+
+async def test_attempts_whose_handler_never_ran_still_get_ended_spans(traces: Traces) -> None:
+    # Without a store, NODE_STARTED is published before the attempt's task runs.
+    # A listener cancels both tasks then, so no executor call ever joins the
+    # spans those events opened; the engine records the two as failed (E9: a
+    # handler task that ended cancelled failed), and so do their spans.
+    g = tr.Graph("never")
+    g.add_node("src", lambda x: x)
+    for name in ("a", "b"):
+        g.add_node(name, lambda x: x)
+        g.add_edge("src", name)
+    engine = tr.Engine()
+    instrument(engine, tracer_provider=traces.provider)
+
+    def cut(event: tr.Event) -> None:
+        if event.node_id == "b":
+            for task in asyncio.all_tasks():
+                if task.get_name() in ("a", "b"):  # the run loop names a task by its node
+                    task.cancel()
+
+    engine.bus.subscribe(cut, tr.EventType.NODE_STARTED)
+    with pytest.raises(asyncio.CancelledError):
+        async with asyncio.timeout(GUARD):
+            await engine.run(g, 0)
+
+    assert traces.left_open() == []
+    never = [traces.one("tailrace.node a"), traces.one("tailrace.node b")]
+    assert [attrs(s)["tailrace.outcome"] for s in never] == ["failed", "failed"]
+    assert [s.status.status_code for s in never] == [StatusCode.ERROR, StatusCode.ERROR]
+    assert all("tailrace.executor" not in attrs(s) for s in never)  # no executor call
+    assert attrs(traces.one("tailrace.node src"))["tailrace.executor"] == "local"
 
 
 # -- installing and removing ----------------------------------------------------------------------

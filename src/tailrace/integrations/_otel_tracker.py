@@ -97,8 +97,6 @@ class RunSpan:
     span: Span
     context: Context
     attempts: dict[tuple[str, int], list[AttemptSpan]] = field(default_factory=dict)
-    #: After a NODE_RETRYING (event-only mode): when the next try of that visit begins.
-    next_try_at: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def open_attempts(self) -> Iterator[AttemptSpan]:
         """Every attempt span not ended yet."""
@@ -152,13 +150,12 @@ class SpanTracker:
         node_id: str,
         visit: int,
         tries: int,
-        hedge: bool | None,
+        hedge: bool,
         executor: str,
     ) -> AttemptSpan | None:
         """The executor starts an attempt: its span (joined or new), or None for a run not traced.
 
-        ``hedge`` is None when the executor cannot tell; a second attempt of a
-        visit whose primary is still running is then its hedge backup (T3).
+        ``hedge`` marks a backup attempt (T3); ``executor`` names where it runs.
         """
         run = self.runs.get(run_id)
         if run is None:
@@ -166,8 +163,6 @@ class SpanTracker:
         attempts = run.attempts.setdefault((node_id, visit), [])
         attempt = _unclaimed(attempts, tries, hedge)
         if attempt is None:
-            if hedge is None:
-                hedge = any(a.running and not a.hedge for a in attempts)
             attempt = self._start(run, node_id, visit, tries, hedge, time.time_ns())
         attempt.claimed = attempt.running = True
         attempt.span.set_attribute(EXECUTOR, executor)
@@ -233,8 +228,6 @@ class SpanTracker:
         ]
         attempt = failed[0] if failed else self._lazy(run, event, hedge=False)
         attempt.error = str(event.data.get("error", ""))
-        delay = float(event.data.get("delay", 0.0))
-        run.next_try_at[(node, visit)] = _ns(event.ts + delay)
         self._decide(run, attempt, RETRYING, event)
 
     def _completed(self, run: RunSpan, event: Event) -> None:
@@ -309,18 +302,16 @@ class SpanTracker:
         return attempt
 
     def _lazy(self, run: RunSpan, event: Event, *, hedge: bool) -> AttemptSpan:
-        """The open attempt an event speaks of; one started now if no event or call opened it.
+        """The open attempt an event speaks of.
 
-        Only a try after a retry has no ``NODE_STARTED`` of its own: it begins
-        when the backoff that the ``NODE_RETRYING`` event announced is over.
+        Its executor call or its ``NODE_STARTED`` opened it; should neither
+        have, a span starts at the event, so the outcome is still recorded.
         """
         node, visit, tries = _where(event)
-        attempts = run.attempts.setdefault((node, visit), [])
-        found = _find(attempts, tries, hedge)
+        found = _find(run.attempts.setdefault((node, visit), []), tries, hedge)
         if found is not None:
             return found
-        began = run.next_try_at.pop((node, visit), _ns(event.ts))
-        return self._start(run, node, visit, tries, hedge, min(began, _ns(event.ts)))
+        return self._start(run, node, visit, tries, hedge, _ns(event.ts))
 
     def _primary(self, run: RunSpan, event: Event) -> AttemptSpan | None:
         node, visit, _ = _where(event)
@@ -382,12 +373,11 @@ def _find(attempts: list[AttemptSpan], tries: int, hedge: bool) -> AttemptSpan |
     return candidates[-1] if candidates else None
 
 
-def _unclaimed(attempts: list[AttemptSpan], tries: int, hedge: bool | None) -> AttemptSpan | None:
+def _unclaimed(attempts: list[AttemptSpan], tries: int, hedge: bool) -> AttemptSpan | None:
     """An event-born span of this try that no executor call has joined yet."""
     for attempt in attempts:
-        if attempt.claimed or attempt.outcome is not None or attempt.tries != tries:
-            continue
-        if hedge is None or attempt.hedge == hedge:
+        joinable = not attempt.claimed and attempt.outcome is None
+        if joinable and attempt.tries == tries and attempt.hedge == hedge:
             return attempt
     return None
 
