@@ -439,6 +439,8 @@ async def test_gate_events_on_the_run_and_resume_spans(traces: Traces, tmp_path:
             suspended = await engine.run(g, 7)
             [question] = suspended.questions
             done = await engine.answer(question.question_id, "yes", by="alice")
+            with pytest.raises(tr.NotResumable):  # completed: nothing to resume
+                await engine.resume(suspended.run_id)
 
     assert done is not None and done.output == "after yes"
     assert traces.left_open() == []
@@ -457,8 +459,13 @@ async def test_gate_events_on_the_run_and_resume_spans(traces: Traces, tmp_path:
     resume = traces.one("tailrace.resume gated")
     assert attrs(resume)["tailrace.run_id"] == suspended.run_id
     assert attrs(resume)["tailrace.outcome"] == "completed"
+    assert len(events_named(resume, "run_resumed")) == 1
     [answered] = events_named(resume, "question_answered")
     assert answered["tailrace.question_id"] == question.question_id
+    refused = traces.one("tailrace.resume")  # it never learnt its graph: no RUN_RESUMED
+    assert attrs(refused)["tailrace.outcome"] == "refused"
+    assert refused.status.status_code is StatusCode.UNSET
+    assert events_named(refused, "exception")[0]["exception.type"].endswith("NotResumable")
     downstream = traces.one("tailrace.node after")
     assert downstream.parent is not None
     assert downstream.parent.span_id == resume.context.span_id

@@ -96,6 +96,10 @@ class RunSpan:
     run_id: str
     span: Span
     context: Context
+    #: ``tailrace.run`` or ``tailrace.resume``: the span's name, less the graph's.
+    verb: str
+    #: The span's name holds its graph (a resume learns it from RUN_RESUMED).
+    named: bool
     attempts: dict[tuple[str, int], list[AttemptSpan]] = field(default_factory=dict)
 
     def open_attempts(self) -> Iterator[AttemptSpan]:
@@ -116,12 +120,23 @@ class SpanTracker:
 
     # -- runs ------------------------------------------------------------------
 
-    def open_run(self, run_id: str, name: str, attributes: dict[str, Any]) -> RunSpan | None:
-        """Start the run span of ``run_id`` under the current context; None if one is open already."""
+    def open_run(self, run_id: str, verb: str, graph: str | None) -> RunSpan | None:
+        """Start the span of a ``verb`` (run, resume) call of ``run_id`` under the current context.
+
+        ``graph`` is the graph's name when the call knows it. Returns None when
+        that run has a span open already (the engine refuses a second driver).
+        """
         if run_id in self.runs:
-            return None  # the same run driven twice at once: the engine refuses the second
+            return None
+        name, attributes = (verb, {}) if graph is None else (f"{verb} {graph}", {GRAPH: graph})
         span = self.tracer.start_span(name, attributes={RUN_ID: run_id, **attributes})
-        run = RunSpan(run_id=run_id, span=span, context=trace.set_span_in_context(span))
+        run = RunSpan(
+            run_id=run_id,
+            span=span,
+            context=trace.set_span_in_context(span),
+            verb=verb,
+            named=graph is not None,
+        )
         self.runs[run_id] = run
         return run
 
@@ -193,10 +208,13 @@ class SpanTracker:
             handler(self, run, event)
 
     def _run_started(self, run: RunSpan, event: Event) -> None:
-        graph = str(event.data.get("graph", ""))
-        run.span.set_attribute(GRAPH, graph)
-        verb = "resume" if event.type is EventType.RUN_RESUMED else "run"
-        run.span.update_name(f"tailrace.{verb} {graph}")
+        if event.type is EventType.RUN_RESUMED:  # also when a run() call resumes its own run (Q3)
+            run.span.add_event("run_resumed", timestamp=_ns(event.ts))
+        if not run.named:
+            graph = str(event.data.get("graph", ""))
+            run.span.set_attribute(GRAPH, graph)
+            run.span.update_name(f"{run.verb} {graph}")
+            run.named = True
 
     def _node_started(self, run: RunSpan, event: Event) -> None:
         node, visit, tries = _where(event)

@@ -22,7 +22,8 @@ Spans, all carrying ``tailrace.run_id``:
   Its events: ``question_opened`` and ``question_answered`` (gates, Q1-Q3, with
   ``tailrace.question_id``, ``tailrace.node``, ``tailrace.visit``),
   ``late_input`` (an input that arrived after its first-k aggregate fired, E5,
-  with ``tailrace.source``) and ``aggregate_fired``.
+  with ``tailrace.source``), ``aggregate_fired`` and ``run_resumed`` (also
+  when a ``run`` call resumes its own suspended run to apply a late answer).
 - ``tailrace.node <node>`` spans one attempt: one try of one node visit (a
   retried node has one span per try, E11) or a hedge's backup (T3).
   ``tailrace.node``, ``tailrace.visit``, ``tailrace.attempt`` (the try),
@@ -73,7 +74,7 @@ from opentelemetry.trace import TracerProvider
 from .._errors import LeaseHeld, NotResumable
 from ..executors import AttemptContext, Executor, LocalExecutor
 from ..executors._base import ExecutorTable
-from ._otel_tracker import CANCELLED, COMPLETED, FAILED, GRAPH, REFUSED, SpanTracker
+from ._otel_tracker import CANCELLED, COMPLETED, FAILED, REFUSED, SpanTracker
 
 if TYPE_CHECKING:
     from .._engine import Engine
@@ -231,12 +232,11 @@ def _traced_run(
     async def traced_run(graph: Any, input: Any = None, **options: Any) -> RunResult:
         if options.get("run_id") is None:
             options["run_id"] = uuid.uuid4().hex  # as the engine would: the span needs it first
-        name = getattr(graph, "name", "")
         return await _within_run_span(
             tracker,
             options["run_id"],
-            f"tailrace.run {name}",
-            {GRAPH: name},
+            "tailrace.run",
+            getattr(graph, "name", None),
             lambda: run(graph, input, **options),
         )
 
@@ -247,13 +247,11 @@ def _traced_resume(
     tracker: SpanTracker, resume: Callable[..., Awaitable[RunResult]]
 ) -> Callable[..., Awaitable[RunResult]]:
     async def traced_resume(run_id: str, graph: Any = None, **options: Any) -> RunResult:
-        name = getattr(graph, "name", None)
-        attributes = {} if name is None else {GRAPH: name}
         return await _within_run_span(
             tracker,
             run_id,
-            "tailrace.resume" if name is None else f"tailrace.resume {name}",
-            attributes,
+            "tailrace.resume",
+            getattr(graph, "name", None),
             lambda: resume(run_id, graph, **options),
         )
 
@@ -263,12 +261,12 @@ def _traced_resume(
 async def _within_run_span(
     tracker: SpanTracker,
     run_id: Any,
-    name: str,
-    attributes: dict[str, Any],
+    verb: str,
+    graph: str | None,
     call: Callable[[], Awaitable[RunResult]],
 ) -> RunResult:
     """Await ``call()`` inside the run span of ``run_id``; end it, and all under it, however it ends."""
-    run = tracker.open_run(str(run_id), name, attributes)
+    run = tracker.open_run(str(run_id), verb, graph)
     if run is None:  # this run is being driven already: the engine refuses the call
         return await call()
     try:
