@@ -39,6 +39,7 @@ from ._session import (
     with_store,
 )
 from ._timeline import timeline
+from ._ui import ui
 
 app = typer.Typer(
     name="tailrace",
@@ -47,6 +48,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.command("evolve-demo")(evolve_demo)
+app.command("ui")(ui)
 
 LeaseTtlOption = Annotated[
     float,

@@ -7,10 +7,22 @@ from dataclasses import dataclass
 
 from rich.text import Text
 
+from .._attempts import Attempt, Outcome, attempts_from_events
 from ..stores import EventRow
 from ._render import visible
 
-_ENDS = {"node_completed": "green", "node_failed": "red", "node_cancelled": "yellow"}
+#: Colour per outcome; attempts cut by a crash and hedges that lost are grey.
+_STYLES = {
+    Outcome.COMPLETED: "green",
+    Outcome.FAILED: "red",
+    Outcome.RETRIED: "dark_orange",
+    Outcome.CANCELLED: "yellow",
+    Outcome.LOST: "grey50",
+    Outcome.CUT: "grey50",
+    Outcome.RUNNING: "blue",
+    Outcome.ASKED: "magenta",
+    Outcome.WAITING: "grey70",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,34 +35,19 @@ class Bar:
     style: str
 
 
+def _bar(attempt: Attempt) -> Bar:
+    label = f"{attempt.label} hedge" if attempt.hedge else attempt.label
+    return Bar(label, attempt.start, attempt.end, _STYLES[attempt.outcome])
+
+
 def attempt_bars(events: Sequence[EventRow]) -> list[Bar]:
-    """Pair each NODE_STARTED with the event that ended that attempt.
+    """A bar per attempt, try and gate wait (``tailrace._attempts`` decides how each ended).
 
     An attempt still open when the run was resumed was interrupted by a crash
     (or a stop): its bar ends at the resume, in grey. A hedge's rival that
     lost ends when the winner completed.
     """
-    open_at: dict[tuple[str, int | None], list[float]] = {}
-    bars: list[Bar] = []
-    last = max((e.ts for e in events), default=0.0)
-    for e in events:
-        if e.type == "run_resumed":
-            for (node_id, visit), starts in open_at.items():
-                bars.extend(Bar(f"{node_id}#{visit}", t, e.ts, "grey50") for t in starts)
-            open_at.clear()
-        if e.node_id is None:
-            continue
-        key = (e.node_id, e.visit)
-        if e.type == "node_started":
-            open_at.setdefault(key, []).append(e.ts)
-        elif e.type in _ENDS and key in open_at:
-            starts = open_at.pop(key)
-            label = f"{e.node_id}#{e.visit}"
-            bars.append(Bar(label, starts[0], e.ts, _ENDS[e.type]))
-            bars.extend(Bar(f"{label} hedge", t, e.ts, "grey50") for t in starts[1:])
-    for (node_id, visit), starts in open_at.items():
-        bars.extend(Bar(f"{node_id}#{visit}", t, last, "blue") for t in starts)
-    return sorted(bars, key=lambda b: (b.start, b.label))
+    return [_bar(a) for a in attempts_from_events(events)]
 
 
 def timeline(events: Sequence[EventRow], *, width: int = 60) -> Text:

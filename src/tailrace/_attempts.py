@@ -1,0 +1,237 @@
+"""Every node attempt of a run, derived from its durable events (pure; no I/O).
+
+Both the terminal timeline (``tailrace show``) and the dashboard's Gantt
+(``tailrace ui``) draw what :func:`attempts_from_events` returns, so they
+never disagree on how an attempt ended:
+
+- a ``node_started`` opens an attempt; ``node_completed``, ``node_failed`` and
+  ``node_cancelled`` close it (E9, E11);
+- each ``node_retrying`` closes one try as ``retried`` and the next try starts
+  after its backoff (E11), so every try is a segment of its own;
+- a ``node_started`` with ``hedge`` is a backup attempt (T3); the first of the
+  rivals to complete wins and the others end ``lost`` at that moment;
+- ``node_straggler`` marks the running attempt it flagged (T3);
+- a gate's attempt ends when its question opens (``asked``) and a ``waiting``
+  segment runs until the answer is applied (Q1, Q3);
+- an attempt still open when the run was resumed was cut by a crash or a stop:
+  it ends ``cut`` at the resume (D3);
+- a ``node_late_input`` marks the completed attempt of its source as ``late``
+  (E5).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .stores import EventRow
+
+
+class Outcome(enum.StrEnum):
+    """How one node attempt (or try, or wait) ended."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    RETRIED = "retried"
+    CANCELLED = "cancelled"
+    LOST = "lost"
+    CUT = "cut"
+    RUNNING = "running"
+    ASKED = "asked"
+    WAITING = "waiting"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Attempt:
+    """One segment of a node visit on the timeline.
+
+    ``attempt`` is the try number the events carry (None for waits);
+    ``hedge`` marks a backup attempt; ``straggler_at`` is when the attempt was
+    flagged a straggler (wall clock), if it was; ``late`` marks a completion
+    that arrived after its aggregate had fired; ``error`` is the failure text
+    of a failed or retried try.
+    """
+
+    node_id: str
+    visit: int | None
+    attempt: int | None
+    start: float
+    end: float
+    outcome: Outcome
+    hedge: bool = False
+    straggler_at: float | None = None
+    late: bool = False
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        """``node#visit``, as both timelines label a row."""
+        return f"{self.node_id}#{self.visit}"
+
+    @property
+    def duration(self) -> float:
+        """Seconds from start to end."""
+        return self.end - self.start
+
+
+@dataclass(slots=True)
+class _Open:
+    """An attempt that has started and not ended yet."""
+
+    start: float
+    attempt: int | None
+    hedge: bool
+    straggler_at: float | None = None
+
+
+_Key = tuple[str, int | None]
+
+
+@dataclass(slots=True)
+class _Walk:
+    """The fold over the event log: open attempts, open waits, finished segments."""
+
+    open: dict[_Key, list[_Open]] = field(default_factory=dict)
+    waiting: dict[_Key, float] = field(default_factory=dict)
+    done: list[Attempt] = field(default_factory=list)
+
+    def close(self, key: _Key, item: _Open, end: float, outcome: Outcome, **extra: Any) -> None:
+        self.done.append(
+            Attempt(
+                node_id=key[0], visit=key[1], attempt=item.attempt, start=item.start, end=end,
+                outcome=outcome, hedge=item.hedge, straggler_at=item.straggler_at, **extra,
+            )
+        )  # fmt: skip
+
+    def close_all(self, key: _Key, end: float, first: Outcome, rest: Outcome, **extra: Any) -> None:
+        """Close every open attempt of ``key``: the main one as ``first``, rivals as ``rest``."""
+        items = self.open.pop(key, [])
+        for n, item in enumerate(items):
+            self.close(key, item, end, first if n == 0 else rest, **(extra if n == 0 else {}))
+
+    def close_wait(self, key: _Key, end: float, outcome: Outcome) -> None:
+        start = self.waiting.pop(key, None)
+        if start is not None:
+            self.done.append(
+                Attempt(node_id=key[0], visit=key[1], attempt=None, start=start, end=end,
+                        outcome=outcome)
+            )  # fmt: skip
+
+
+def event_data(event: EventRow) -> dict[str, Any]:
+    """The event's data as a dict; ``{}`` when it does not decode to one."""
+    try:
+        data = json.loads(event.data_json)
+    except (TypeError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def attempts_from_events(
+    events: Sequence[EventRow], *, live: bool = True, now: float | None = None
+) -> list[Attempt]:
+    """Every attempt, try and wait of a run, sorted by start then label.
+
+    Args:
+        events: the run's durable events, in ``seq`` order.
+        live: whether the run may still be running: attempts still open at the
+            end are then ``running``; otherwise (a finished or orphaned run)
+            nothing will close them and they are ``cut``.
+        now: where open segments end; the last event's time when None.
+    """
+    walk = _Walk()
+    for event in events:
+        _step(walk, event)
+    end = now if now is not None else max((e.ts for e in events), default=0.0)
+    for key, items in walk.open.items():
+        for item in items:
+            walk.close(key, item, max(end, item.start), Outcome.RUNNING if live else Outcome.CUT)
+    for key, start in walk.waiting.items():
+        walk.done.append(
+            Attempt(node_id=key[0], visit=key[1], attempt=None, start=start,
+                    end=max(end, start), outcome=Outcome.WAITING)
+        )  # fmt: skip
+    attempts = _mark_late(walk.done, events)
+    return sorted(attempts, key=lambda a: (a.start, a.label, a.hedge, a.attempt or 0))
+
+
+def _step(walk: _Walk, e: EventRow) -> None:
+    if e.type == "run_resumed":
+        for cut in list(walk.open):
+            walk.close_all(cut, e.ts, Outcome.CUT, Outcome.CUT)
+        return
+    if e.node_id is None:
+        return
+    key: _Key = (e.node_id, e.visit)
+    if e.type == "node_started":
+        hedge = bool(event_data(e).get("hedge"))
+        walk.open.setdefault(key, []).append(_Open(e.ts, e.attempt, hedge))
+    elif e.type == "node_retrying":
+        _retry(walk, key, e)
+    elif e.type == "node_straggler":
+        for item in walk.open.get(key, []):
+            if not item.hedge and item.straggler_at is None:
+                item.straggler_at = e.ts
+    elif e.type == "node_completed":
+        _complete(walk, key, e)
+    elif e.type == "node_failed":
+        error = event_data(e).get("error")
+        walk.close_all(key, e.ts, Outcome.FAILED, Outcome.LOST, error=_text(error))
+    elif e.type == "node_cancelled":
+        walk.close_all(key, e.ts, Outcome.CANCELLED, Outcome.CANCELLED)
+        walk.close_wait(key, e.ts, Outcome.CANCELLED)
+    elif e.type == "question_opened":
+        walk.close_all(key, e.ts, Outcome.ASKED, Outcome.LOST)
+        walk.waiting[key] = e.ts
+    elif e.type == "question_answered":
+        walk.close_wait(key, e.ts, Outcome.COMPLETED)
+
+
+def _retry(walk: _Walk, key: _Key, e: EventRow) -> None:
+    """Try ``e.attempt`` failed: close it and open the next try after the backoff (E11)."""
+    items = walk.open.get(key)
+    if not items:
+        return
+    item = next((i for i in items if not i.hedge), items[0])
+    data = event_data(e)
+    walk.close(key, item, e.ts, Outcome.RETRIED, error=_text(data.get("error")))
+    delay = data.get("delay")
+    wait = float(delay) if isinstance(delay, int | float) and delay > 0 else 0.0
+    tries = e.attempt if e.attempt is not None else (item.attempt or 1)
+    items[items.index(item)] = _Open(e.ts + wait, tries + 1, item.hedge, item.straggler_at)
+
+
+def _complete(walk: _Walk, key: _Key, e: EventRow) -> None:
+    """The winner completed; rivals still running lost the race (T3)."""
+    items = walk.open.pop(key, [])
+    if not items:
+        return
+    hedge = bool(event_data(e).get("hedge"))
+    winner = next((i for i in items if i.hedge == hedge), items[0])
+    for item in items:
+        walk.close(key, item, e.ts, Outcome.COMPLETED if item is winner else Outcome.LOST)
+
+
+def _mark_late(done: list[Attempt], events: Sequence[EventRow]) -> list[Attempt]:
+    """Mark the completion of each late input's source (emitted in the same harvest, E5)."""
+    marked = list(done)
+    for e in events:
+        if e.type != "node_late_input":
+            continue
+        source = event_data(e).get("source")
+        candidates = [
+            n
+            for n, a in enumerate(marked)
+            if a.node_id == source and a.outcome is Outcome.COMPLETED and a.end <= e.ts
+        ]
+        if candidates:
+            n = max(candidates, key=lambda k: marked[k].end)
+            marked[n] = replace(marked[n], late=True)
+    return marked
+
+
+def _text(value: object) -> str | None:
+    return None if value is None else str(value)

@@ -1,0 +1,107 @@
+"""``tailrace ui``: serve the web dashboard over a store (needs the ``web`` extra)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Annotated
+
+import typer
+
+from ..stores import open_store
+from ._load import load_graphs
+from ._render import text
+from ._session import console, db_location, errors, fail, shown_location, with_store
+
+_MEMORY = (":memory:", "memory:")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (0: any free port); a busy port is one clear line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def ui(
+    db: Annotated[
+        str | None,
+        typer.Option("--db", help="Store: a SQLite path (default ./tailrace.db or $TAILRACE_DB) or a postgresql:// URL."),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on; 127.0.0.1 keeps it on this machine.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0: any free port).")] = 8765,
+    token: Annotated[
+        str | None,
+        typer.Option(envvar="TAILRACE_UI_TOKEN", help="Secret every change must carry (default: generated and printed)."),
+    ] = None,
+    read_only: Annotated[bool, typer.Option("--read-only", help="Only show: hide and refuse answering and resuming.")] = False,
+    graphs: Annotated[
+        list[str] | None,
+        typer.Option("--graphs", help="FILE_OR_MODULE[:GRAPH] whose runs are drawn whole and resumed here (repeatable)."),
+    ] = None,
+    artifact: Annotated[
+        list[str] | None, typer.Option("--artifact", help="An evolve artifact id to list on the evolution page (repeatable)."),
+    ] = None,
+    lease_ttl: Annotated[
+        float, typer.Option("--lease-ttl", min=0.001, envvar="TAILRACE_LEASE_TTL", help="Lease seconds of runs resumed here."),
+    ] = 30.0,
+) -> None:  # fmt: skip
+    """Serve a web dashboard: runs, a live Gantt of every attempt, questions to answer, evolutions.
+
+    Open the printed address. Reading needs nothing; answering and resuming
+    are POSTs that need the token (``--token``, or one generated and printed
+    here; the printed address carries it once and the browser remembers it).
+    An answered question's run resumes in this process when its graph is
+    importable or named with ``--graphs``; otherwise ``tailrace serve``
+    applies it.
+    """
+    try:
+        import uvicorn
+
+        from ..ui import UiConfig, create_app, new_token
+        from ..ui._security import LOOPBACK_HOSTS, is_loopback
+    except ImportError as exc:
+        fail(f"tailrace ui needs the 'web' extra ({exc.name} is missing): pip install 'tailrace[web]'", code=2)  # fmt: skip
+    location = db_location(db)
+    if location in _MEMORY:
+        fail(
+            "a memory store lives inside one process: point --db at a SQLite file or a postgresql:// URL"
+        )
+    loaded = load_graphs(graphs)
+    with_store(db, lambda store: store.list_runs(limit=1), read_only=read_only)  # fails in one line
+    secret = token or new_token()
+    config = UiConfig(
+        store=lambda ro: open_store(location, read_only=ro),
+        token=secret,
+        location=shown_location(location),
+        read_only=read_only,
+        graphs=loaded,
+        artifacts=tuple(artifact or ()),
+        allowed_hosts=LOOPBACK_HOSTS if is_loopback(host) else ("*",),
+        lease_ttl=lease_ttl,
+    )
+    sock = _listen(host, port)
+    address = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
+    login = address + "/runs" + ("" if read_only else f"?token={secret}")
+    console.print(
+        text(f"tailrace ui: {config.location}" + (" (read-only)" if read_only else "")),
+        soft_wrap=True,
+    )
+    console.print(text("open ", (login, "bold")), soft_wrap=True)
+    if not read_only and token is None:
+        console.print(text(f"token for changes: {secret}"), soft_wrap=True)
+    if not is_loopback(host):
+        errors.print(text(("warning:", "yellow"), f" listening on {host}: whoever reaches it can read every run"), soft_wrap=True)  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(config), log_level="warning", timeout_graceful_shutdown=2)
+    )
+    server.run(sockets=[sock])
+    if not server.started:
+        fail("the dashboard did not start (see the log above)")

@@ -1,0 +1,79 @@
+"""Which graph a stored run ran: one handed to the dashboard, or one importable by module.
+
+A run records its graph as ``graph_ref`` and a structural fingerprint. The
+dashboard draws the full graph when it was handed one with that fingerprint
+(``tailrace ui --graphs``) or when the reference names an importable module;
+a stored **file** reference is never executed (trust model, docs/trust.md),
+and a graph whose shape changed since the run began is not used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .._errors import GraphError
+from .._graph import Graph, is_file_reference
+from .._persist import Persister
+from ..stores import RunRecord
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Found:
+    """The graph for a run, or None with the reason the page shows instead."""
+
+    graph: Graph | None
+    reason: str
+
+
+class GraphCatalog:
+    """Graphs by fingerprint, plus a cache of module imports by reference.
+
+    Args:
+        graphs: graphs the user named (``--graphs``); their runs are drawn
+            and resumed whatever reference the store records.
+    """
+
+    def __init__(self, graphs: Iterable[Graph] = ()) -> None:
+        self._by_fingerprint = {g.fingerprint(): g for g in graphs}
+        self._imported: dict[str, Graph | GraphError] = {}
+
+    def registered(self, fingerprint: str) -> Graph | None:
+        """The graph handed in with this fingerprint, if any."""
+        return self._by_fingerprint.get(fingerprint)
+
+    async def find(self, record: RunRecord) -> Found:
+        """The graph ``record`` ran, if this dashboard may and can load it."""
+        graph = self._by_fingerprint.get(record.fingerprint)
+        if graph is not None:
+            return Found(graph=graph, reason="named with --graphs")
+        ref = record.graph_ref
+        if not ref:
+            return Found(graph=None, reason="the run recorded no graph reference")
+        if is_file_reference(ref):
+            return Found(
+                graph=None,
+                reason=f"its graph is the file {ref!r}, which a stored reference never executes; "
+                "start the dashboard with --graphs naming that file to draw and resume it",
+            )
+        loaded = self._imported.get(ref)
+        if loaded is None:
+            loaded = self._imported[ref] = await asyncio.to_thread(_import, record)
+        if isinstance(loaded, GraphError):
+            return Found(graph=None, reason=str(loaded))
+        if loaded.fingerprint() != record.fingerprint:
+            return Found(
+                graph=None,
+                reason=f"{ref} changed shape since the run began (fingerprint "
+                f"{loaded.fingerprint()}, the run's is {record.fingerprint})",
+            )
+        return Found(graph=loaded, reason=f"imported from {ref}")
+
+
+def _import(record: RunRecord) -> Graph | GraphError:
+    """Import the module reference (the engine's own lookup, which refuses files)."""
+    try:
+        return Persister.find_graph(record)
+    except GraphError as exc:
+        return exc

@@ -1,0 +1,76 @@
+"""Every URL the dashboard links to, built in one place.
+
+Ids are arbitrary text (a run id may hold ``/``, ``?`` or ``#``), so each is
+percent-encoded whole and sits last in its path, after a prefix that says
+what it is: ``/runs/ID``, ``/stream/runs/ID``, ``/answer/ID``...
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+
+__all__ = [
+    "answer_url",
+    "artifact_url",
+    "inbox_url",
+    "question_url",
+    "resume_url",
+    "run_url",
+    "runs_url",
+    "static_url",
+    "stream_url",
+]
+
+
+def _quoted(value: str) -> str:
+    return urllib.parse.quote(value, safe="")
+
+
+def _query(**params: object) -> str:
+    kept = {k: str(v) for k, v in params.items() if v is not None and v != ""}
+    return "?" + urllib.parse.urlencode(kept) if kept else ""
+
+
+def runs_url(status: str | None = None, graph: str | None = None, page: int = 1) -> str:
+    """The runs list, filtered by ``status`` and ``graph``, at ``page``."""
+    return "/runs" + _query(status=status, graph=graph, page=page if page > 1 else None)
+
+
+def run_url(run_id: str) -> str:
+    """A run's page."""
+    return "/runs/" + _quoted(run_id)
+
+
+def stream_url(run_id: str, after: int) -> str:
+    """A run's server-sent events, starting after event ``after``."""
+    return "/stream/runs/" + _quoted(run_id) + _query(after=after)
+
+
+def resume_url(run_id: str) -> str:
+    """Where a resume of ``run_id`` is POSTed."""
+    return "/resume/runs/" + _quoted(run_id)
+
+
+def inbox_url(tab: str | None = None) -> str:
+    """The questions inbox at ``tab``."""
+    return "/questions" + _query(tab=tab)
+
+
+def question_url(question_id: str) -> str:
+    """A question's page."""
+    return "/questions/" + _quoted(question_id)
+
+
+def answer_url(question_id: str) -> str:
+    """Where an answer to ``question_id`` is POSTed."""
+    return "/answer/" + _quoted(question_id)
+
+
+def artifact_url(artifact_id: str) -> str:
+    """An artifact's evolution page."""
+    return "/evolution/" + _quoted(artifact_id)
+
+
+def static_url(path: str) -> str:
+    """A packaged static file (CSS, JavaScript, icon)."""
+    return "/static/" + path

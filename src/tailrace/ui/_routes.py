@@ -1,0 +1,242 @@
+"""The dashboard's endpoints: pages that read, POSTs that change state, the live stream.
+
+Reading needs nothing; every state change (answer, resume) is a POST that
+must carry the token (``_security``) and is refused in read-only mode.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.parse
+from typing import Any
+
+from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response, StreamingResponse
+
+from .._errors import AlreadyAnswered, EncodeError
+from ..stores import TERMINAL_STATUSES, QuestionStatus
+from ._config import UiState
+from ._links import artifact_url, run_url, stream_url
+from ._pages import Auth, Pages
+from ._security import TOKEN_COOKIE, TOKEN_FIELD, TOKEN_HEADER, token_matches
+from ._stream import run_updates
+from ._views import (
+    RUN_FILTERS,
+    Tab,
+    artifact_view,
+    inbox,
+    question_view,
+    run_view,
+    runs_page,
+)
+
+
+def ui_state(request: Request) -> UiState:
+    """The state the app's lifespan opened."""
+    state: UiState = request.app.state.ui
+    return state
+
+
+def pages_of(request: Request) -> Pages:
+    """The app's templates."""
+    pages: Pages = request.app.state.pages
+    return pages
+
+
+def auth_of(request: Request) -> Auth:
+    """May this viewer change state, and does their browser already hold the token?"""
+    config = ui_state(request).config
+    if config.read_only:
+        return Auth(can_change=False, token=None)
+    held = token_matches(config.token, request.cookies.get(TOKEN_COOKIE))
+    return Auth(can_change=True, token=config.token if held else None)
+
+
+def path_id(request: Request, name: str) -> str:
+    """The id in the path; 400 for text no store can key on (NUL, lone surrogates)."""
+    value: str = request.path_params[name]
+    if "\x00" in value or any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+        raise HTTPException(400, f"{name.replace('_', ' ')} {value!r} is not a valid id")
+    return value
+
+
+async def page(request: Request, name: str, *, section: str, status_code: int = 200,
+               **context: Any) -> Response:  # fmt: skip
+    """Render ``name`` with what every page shows (open questions count, the viewer's auth)."""
+    state = ui_state(request)
+    open_count = len(await state.reader.list_questions(status=QuestionStatus.OPEN))
+    return pages_of(request).page(
+        name, status_code=status_code, section=section, open_questions=open_count,
+        auth=auth_of(request), **context,
+    )  # fmt: skip
+
+
+def with_cookie(response: Response, token: str) -> Response:
+    """Remember in this browser that it holds the token (fills forms in; never authorises)."""
+    response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict", path="/")
+    return response
+
+
+async def refused(request: Request, form: FormData) -> Response | None:
+    """The response refusing this state change, or None when it may go ahead."""
+    config = ui_state(request).config
+    if config.read_only:
+        return await page(request, "error.html", section="", status_code=403,
+                          heading="Read-only", back=None,
+                          message="This dashboard was started with --read-only: it changes nothing.")  # fmt: skip
+    given = request.headers.get(TOKEN_HEADER) or form.get(TOKEN_FIELD)
+    if not isinstance(given, str) or not token_matches(config.token, given):
+        return await page(request, "error.html", section="", status_code=403,
+                          heading="Refused: the token is missing or wrong", back=request.headers.get("referer"),
+                          message="A change needs the token `tailrace ui` printed when it started "
+                          "(the form's token field, or the X-Tailrace-Token header). Nothing was changed.")  # fmt: skip
+    return None
+
+
+# -- pages -------------------------------------------------------------------------------
+
+
+async def runs(request: Request) -> Response:
+    """The runs list: filter by status and graph, newest first, paginated."""
+    status = request.query_params.get("status") or None
+    if status is not None and status not in RUN_FILTERS:
+        raise HTTPException(400, f"unknown status {status!r}; one of {', '.join(RUN_FILTERS)}")
+    try:
+        number = int(request.query_params.get("page", "1"))
+    except ValueError:
+        number = 1
+    state = ui_state(request)
+    view = await runs_page(
+        state.reader, status=status, graph=request.query_params.get("graph") or None,
+        page=number, page_size=state.config.page_size, now=time.time(),
+    )  # fmt: skip
+    return await page(request, "runs.html", section="runs", view=view)
+
+
+async def run(request: Request) -> Response:
+    """A run: its graph, every attempt, late inputs, questions and event log; live."""
+    run_id = path_id(request, "run_id")
+    state = ui_state(request)
+    view = await run_view(state.reader, state.catalog, run_id, now=time.time())
+    note = state.resumer.notes.get(run_id) if state.resumer else None
+    finished = view.status in {s.value for s in TERMINAL_STATUSES}
+    data = {"run_id": run_id, "stream": None if finished else stream_url(run_id, view.last_seq)}
+    answered = request.query_params.get("answered")
+    flash = f"Your answer to question {answered} was recorded." if answered else None
+    return await page(request, "run.html", section="runs", v=view, note=note, flash=flash,
+                      page_data=data)  # fmt: skip
+
+
+async def stream(request: Request) -> Response:
+    """Server-sent events with the run page's changes."""
+    run_id = path_id(request, "run_id")
+    state = ui_state(request)
+    await state.reader.get_run(run_id)  # 404 before a stream starts
+    try:
+        after = int(request.headers.get("last-event-id") or request.query_params.get("after", "0"))
+    except ValueError:
+        after = 0
+    updates = run_updates(state, pages_of(request), run_id, after, auth_of(request))
+    return StreamingResponse(
+        updates,
+        media_type="text/event-stream",
+        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+    )
+
+
+async def questions(request: Request) -> Response:
+    """The inbox: open, answered, expired, stuck, superseded, all."""
+    name = request.query_params.get("tab") or Tab.OPEN.value
+    try:
+        tab = Tab(name)
+    except ValueError:
+        raise HTTPException(400, f"unknown tab {name!r}; one of {', '.join(Tab)}") from None
+    view = await inbox(ui_state(request).reader, tab)
+    return await page(request, "questions.html", section="questions", view=view,
+                      tabs=[t.value for t in Tab])  # fmt: skip
+
+
+async def question(request: Request) -> Response:
+    """One question, with its answer or a form to answer it."""
+    row = await ui_state(request).reader.get_question(path_id(request, "question_id"))
+    return await page(request, "question.html", section="questions", q=question_view(row),
+                      lost=False, problem=None)  # fmt: skip
+
+
+async def evolution(request: Request) -> Response:
+    """Artifacts named with ``--artifact``, and a lookup by id."""
+    wanted = request.query_params.get("artifact")
+    if wanted:
+        return RedirectResponse(artifact_url(wanted.strip()), status_code=303)
+    state = ui_state(request)
+    views = [await artifact_view(state.reader, a) for a in state.config.artifacts]
+    return await page(request, "evolution.html", section="evolution", artifacts=views)
+
+
+async def artifact(request: Request) -> Response:
+    """An artifact's versions and held-out reward per version."""
+    view = await artifact_view(ui_state(request).reader, path_id(request, "artifact_id"))
+    return await page(request, "artifact.html", section="evolution", a=view)
+
+
+# -- state changes -------------------------------------------------------------------------
+
+
+def _answer_value(form: FormData) -> Any:
+    """The answer the form carries: JSON, or plain text when ``raw`` is ticked."""
+    text = form.get("answer")
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("the answer is empty")
+    if form.get("raw"):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"the answer is not JSON ({exc.msg} at character {exc.pos}); "
+            'write a string in quotes ("yes") or tick "plain text"'
+        ) from None
+
+
+async def answer(request: Request) -> Response:
+    """Answer a question (first answer wins, Q2), then resume its run here in the background."""
+    question_id = path_id(request, "question_id")
+    form = await request.form()
+    refusal = await refused(request, form)
+    if refusal is not None:
+        return refusal
+    state = ui_state(request)
+    assert state.engine is not None and state.resumer is not None  # not read-only
+    row = await state.reader.get_question(question_id)
+    by = form.get("by")
+    by = by.strip()[:200] if isinstance(by, str) and by.strip() else None
+    try:
+        await state.engine.answer(question_id, _answer_value(form), by=by, resume=False)
+    except AlreadyAnswered:
+        won = question_view(await state.reader.get_question(question_id))
+        return await page(request, "question.html", section="questions", status_code=409,
+                          q=won, lost=True, problem=None)  # fmt: skip
+    except (ValueError, EncodeError) as exc:
+        return await page(request, "question.html", section="questions", status_code=400,
+                          q=question_view(row), lost=False,
+                          problem=f"Nothing was recorded: {exc}")  # fmt: skip
+    state.resumer.start(row.run_id)
+    target = f"{run_url(row.run_id)}?answered={urllib.parse.quote(question_id, safe='')}"
+    return with_cookie(RedirectResponse(target, status_code=303), state.config.token)
+
+
+async def resume(request: Request) -> Response:
+    """Resume a run here in the background (an orphaned one, or one holding an answer)."""
+    run_id = path_id(request, "run_id")
+    form = await request.form()
+    refusal = await refused(request, form)
+    if refusal is not None:
+        return refusal
+    state = ui_state(request)
+    assert state.resumer is not None  # not read-only
+    await state.reader.get_run(run_id)  # 404 for an unknown run
+    state.resumer.start(run_id)
+    return with_cookie(RedirectResponse(run_url(run_id), status_code=303), state.config.token)

@@ -1,0 +1,89 @@
+"""The run page's live updates: server-sent events polled from the store.
+
+The stream reads the run's events after the last one it has every
+``poll_interval`` (~200 ms), so it sees what any process commits, this one or
+another on the same database. When something changed it sends one ``update``:
+the page's parts that changed, re-rendered by the same macros as the page
+(escaped), and the new event-log rows to append; the page's script swaps them
+in without a reload. A finished run gets a last update and ``end``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..stores import TERMINAL_STATUSES, EventRow
+from ._config import UiState
+from ._pages import Auth, Pages
+from ._views import RunView, event_lines, run_view
+
+#: A live run's running bars grow: refresh its parts at least this often (seconds).
+LIVE_REFRESH = 1.0
+#: A comment this often keeps proxies from closing an idle stream (seconds).
+KEEP_ALIVE = 15.0
+
+
+def sse(event: str, data: Any, *, event_id: int | None = None) -> str:
+    """One server-sent event; ``data`` as JSON on one line (ASCII, so no line separator)."""
+    head = f"event: {event}\n" + (f"id: {event_id}\n" if event_id is not None else "")
+    return f"{head}data: {json.dumps(data)}\n\n"
+
+
+def render_parts(pages: Pages, view: RunView, state: UiState, auth: Auth) -> dict[str, str]:
+    """The page's live parts, by element id."""
+    note = state.resumer.notes.get(view.run_id) if state.resumer else None
+    return {
+        "run-header": pages.part("_run.html", "header", view, note, auth),
+        "run-questions": pages.part("_run.html", "questions", view, auth),
+        "run-graph": pages.part("_run.html", "graph_card", view),
+        "run-gantt": pages.part("_run.html", "gantt", view.gantt),
+        "run-late": pages.part("_run.html", "late", view),
+        "run-nodes": pages.part("_run.html", "nodes", view),
+    }
+
+
+async def run_updates(
+    state: UiState, pages: Pages, run_id: str, after: int, auth: Auth
+) -> AsyncIterator[str]:
+    """Server-sent events for ``run_id``'s page, which shows events up to ``after``."""
+    reader = state.reader
+    events: list[EventRow] = list(await reader.events(run_id))
+    view = await run_view(reader, state.catalog, run_id, now=time.time(), events=events)
+    shown = render_parts(pages, view, state, auth)
+    sent_seq, sent_at = after, time.monotonic()
+    note = _note(state, run_id)
+    while True:
+        record = await reader.get_run(run_id)  # before the events: a final status has them all
+        events.extend(await reader.events(run_id, after_seq=events[-1].seq if events else 0))
+        last = events[-1].seq if events else 0
+        finished = record.status in TERMINAL_STATUSES
+        due = view.live and time.monotonic() - sent_at >= LIVE_REFRESH
+        noted = _note(state, run_id) is not note
+        if last > sent_seq or due or finished or noted:
+            note = _note(state, run_id)
+            view = await run_view(reader, state.catalog, run_id, now=time.time(), events=events)
+            parts = render_parts(pages, view, state, auth)
+            changed = {k: v for k, v in parts.items() if shown.get(k) != v}
+            fresh = [e for e in events if e.seq > sent_seq]
+            if changed or fresh:
+                rows = pages.part("_run.html", "event_rows", event_lines(fresh, record.created_at))
+                update = {"seq": last, "status": view.status, "parts": changed, "rows": rows}
+                yield sse("update", update, event_id=last)
+                shown.update(changed)
+                sent_seq, sent_at = last, time.monotonic()
+        if finished:
+            yield sse("end", {"status": record.status.value})
+            return
+        if time.monotonic() - sent_at >= KEEP_ALIVE:
+            yield ": keep-alive\n\n"
+            sent_at = time.monotonic()
+        await asyncio.sleep(state.config.poll_interval)
+
+
+def _note(state: UiState, run_id: str) -> object:
+    """The resume note of ``run_id`` (part of the header), to notice when it changes."""
+    return state.resumer.notes.get(run_id) if state.resumer else None

@@ -1,0 +1,448 @@
+"""What each page shows, read from the store: runs, one run, questions, an artifact.
+
+Every function here only reads (the dashboard's reader store is opened
+read-only) and returns plain records the templates render; stored text stays
+text until Jinja2 escapes it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .._attempts import attempts_from_events, event_data
+from .._owner import owner_is_dead
+from ..stores import (
+    EventRow,
+    QuestionRow,
+    QuestionStatus,
+    RunRecord,
+    RunStatus,
+    RunStore,
+    StoredRun,
+)
+from ._catalog import GraphCatalog
+from ._curve import Curve, VersionRow, reward_curve, version_rows
+from ._format import clock, decode, event_text, pretty, preview, seconds
+from ._gantt import Gantt, gantt
+from ._layout import Drawing, layout, shape_from_store, shape_of_graph
+
+#: The run page lists at most this many of the newest events (the stream appends more).
+EVENT_LIMIT = 1000
+ORPHANED = "orphaned"
+#: Status filters of the runs page; ``orphaned`` is a running run no live process holds.
+RUN_FILTERS = ("running", ORPHANED, "suspended", "completed", "failed", "cancelled")
+
+
+class Tab(enum.StrEnum):
+    """The questions inbox's tabs."""
+
+    OPEN = "open"
+    ANSWERED = "answered"
+    EXPIRED = "expired"
+    STUCK = "stuck"
+    SUPERSEDED = "superseded"
+    ALL = "all"
+
+
+def shown_status(record: RunRecord, now: float) -> str:
+    """A run's status; ``orphaned`` for a running run no live engine holds (D6).
+
+    Nobody holds it when its lease was released or expired, or when its owner
+    is a process on this host that is provably gone.
+    """
+    if record.status is not RunStatus.RUNNING:
+        return record.status.value
+    expired = record.lease_expires is None or record.lease_expires <= now
+    if record.lease_owner is None or expired or owner_is_dead(record.lease_owner):
+        return ORPHANED
+    return record.status.value
+
+
+# -- the runs list ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunRow:
+    """One line of the runs list."""
+
+    run_id: str
+    graph: str
+    status: str
+    started: str
+    duration: str
+    nodes_done: int
+    questions: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunsPage:
+    """A page of runs, newest first, with the counts per status the filters offer."""
+
+    rows: tuple[RunRow, ...]
+    counts: dict[str, int]
+    total: int
+    matching: int
+    graphs: tuple[str, ...]
+    status: str | None
+    graph: str | None
+    page: int
+    pages: int
+
+
+async def runs_page(
+    store: RunStore,
+    *,
+    status: str | None,
+    graph: str | None,
+    page: int,
+    page_size: int,
+    now: float,
+) -> RunsPage:
+    """Runs filtered by ``status`` (one of :data:`RUN_FILTERS`) and ``graph``, paginated.
+
+    Args:
+        store: where the runs are.
+        status: only runs shown with this status; None for all.
+        graph: only runs of this graph name; None for all.
+        page: which page, from 1; past the last, the last.
+        page_size: runs per page.
+        now: wall clock deciding which leases are live.
+    """
+    records = await store.list_runs()  # newest first
+    open_by_run = Counter(q.run_id for q in await store.list_questions(status=QuestionStatus.OPEN))
+    of_graph = [r for r in records if graph is None or r.graph_name == graph]
+    shown = [(r, shown_status(r, now)) for r in of_graph]
+    counts = Counter(s for _, s in shown)
+    chosen = [(r, s) for r, s in shown if status is None or s == status]
+    pages = max(1, -(-len(chosen) // page_size))
+    page = min(max(page, 1), pages)
+    window = chosen[(page - 1) * page_size : page * page_size]
+    rows = tuple(
+        RunRow(
+            run_id=r.run_id,
+            graph=r.graph_name,
+            status=s,
+            started=clock(r.created_at),
+            duration=seconds(
+                (r.finished_at or (now if s == "running" else r.updated_at)) - r.created_at
+            ),
+            nodes_done=r.nodes_done,
+            questions=open_by_run.get(r.run_id, 0),
+        )
+        for r, s in window
+    )
+    return RunsPage(
+        rows=rows,
+        counts={f: counts.get(f, 0) for f in RUN_FILTERS},
+        total=len(of_graph),
+        matching=len(chosen),
+        graphs=tuple(sorted({r.graph_name for r in records})),
+        status=status,
+        graph=graph,
+        page=page,
+        pages=pages,
+    )
+
+
+# -- questions ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QuestionView:
+    """A question as the inbox and run pages show it; ``state`` is its tab."""
+
+    question_id: str
+    run_id: str
+    node_id: str
+    visit: int
+    status: str
+    state: str
+    headline: str | None
+    prompt: str
+    created: str
+    deadline: str | None
+    poller: str | None
+    answer: str | None
+    answered_by: str | None
+    answered: str | None
+    applied: str | None
+    apply_error: str | None
+    apply_attempts: int
+    retry_at: str | None
+
+
+def question_state(q: QuestionRow) -> Tab:
+    """The inbox tab of ``q``: stuck when a daemon failed to apply its answer and still has not."""
+    unapplied = q.status is QuestionStatus.ANSWERED or (
+        q.status is QuestionStatus.EXPIRED and q.applied_at is None
+    )
+    if q.apply_error is not None and unapplied:
+        return Tab.STUCK
+    if q.status in (QuestionStatus.ANSWERED, QuestionStatus.APPLIED):
+        return Tab.ANSWERED
+    return Tab(q.status.value)
+
+
+def headline(prompt_json: str) -> str | None:
+    """The question a structured prompt asks (its ``question``/``prompt``/``text`` string), if any."""
+    value = decode(prompt_json)
+    if isinstance(value, dict):
+        for key in ("question", "prompt", "text", "message", "title"):
+            if isinstance(value.get(key), str):
+                return str(value[key])
+    return None
+
+
+def question_view(q: QuestionRow) -> QuestionView:
+    """``q`` decoded for reading (prompt and answer as text)."""
+    return QuestionView(
+        question_id=q.question_id,
+        run_id=q.run_id,
+        node_id=q.node_id,
+        visit=q.visit,
+        status=q.status.value,
+        state=question_state(q).value,
+        headline=headline(q.prompt_json),
+        prompt=pretty(q.prompt_json),
+        created=clock(q.created_at),
+        deadline=None if q.deadline is None else clock(q.deadline),
+        poller=q.poller,
+        answer=None if q.answer_json is None else pretty(q.answer_json),
+        answered_by=q.answered_by,
+        answered=None if q.answered_at is None else clock(q.answered_at),
+        applied=None if q.applied_at is None else clock(q.applied_at),
+        apply_error=q.apply_error,
+        apply_attempts=q.apply_attempts,
+        retry_at=None if q.retry_at is None else clock(q.retry_at),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Inbox:
+    """The questions of one tab and how many each tab holds."""
+
+    tab: Tab
+    counts: dict[str, int]
+    questions: tuple[QuestionView, ...]
+
+
+async def inbox(store: RunStore, tab: Tab) -> Inbox:
+    """Questions of ``tab``: open ones oldest first (waiting longest), the rest newest first."""
+    rows = await store.list_questions()
+    states = [(q, question_state(q)) for q in rows]
+    counts = Counter(s.value for _, s in states)
+    chosen = [q for q, s in states if tab is Tab.ALL or s is tab]
+    if tab is not Tab.OPEN:
+        chosen.sort(key=lambda q: q.answered_at or q.created_at, reverse=True)
+    return Inbox(
+        tab=tab,
+        counts={t.value: (len(rows) if t is Tab.ALL else counts.get(t.value, 0)) for t in Tab},
+        questions=tuple(question_view(q) for q in chosen),
+    )
+
+
+# -- one run -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeInfo:
+    """A node row with its last result, shortened."""
+
+    id: str
+    status: str
+    visits: int
+    result: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LateRow:
+    """An input that reached an aggregate after it fired (E5)."""
+
+    node: str
+    activation: int | None
+    source: str
+    reason: str
+    at: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EventLine:
+    """One event of the log; ``at`` is the time since the run started."""
+
+    seq: int
+    at: str
+    type: str
+    node: str | None
+    visit: int | None
+    attempt: int | None
+    data: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunView:
+    """Everything the run page shows, at one moment."""
+
+    run_id: str
+    graph_name: str
+    graph_ref: str | None
+    fingerprint: str
+    status: str
+    live: bool
+    started: str
+    duration: str
+    nodes_done: int
+    error: str | None
+    input: str
+    drawing: Drawing
+    graph_note: str
+    gantt: Gantt
+    late: tuple[LateRow, ...]
+    events: tuple[EventLine, ...]
+    events_total: int
+    last_seq: int
+    questions: tuple[QuestionView, ...]
+    nodes: tuple[NodeInfo, ...]
+    resumable: bool
+
+
+async def run_view(
+    store: RunStore,
+    catalog: GraphCatalog,
+    run_id: str,
+    *,
+    now: float,
+    events: Sequence[EventRow] | None = None,
+    stored: StoredRun | None = None,
+) -> RunView:
+    """Read ``run_id`` and build its page; ``events``/``stored`` reuse what a stream already read.
+
+    Args:
+        store: where the run is.
+        catalog: finds the run's graph to draw it whole.
+        run_id: the run.
+        now: wall clock: where running attempts end, which leases are live.
+        events: the run's events when already read (all of them).
+        stored: the run and its node rows when already read.
+    """
+    stored = stored if stored is not None else await store.load_run(run_id)
+    events = events if events is not None else await store.events(run_id)
+    record = stored.run
+    status = shown_status(record, now)
+    live = status == "running"
+    found = await catalog.find(record)
+    shape = shape_of_graph(found.graph) if found.graph is not None else None
+    shape = shape or shape_from_store(stored.nodes, events)
+    drawing = layout(shape, stored.nodes)
+    questions = await store.list_questions(run_id=run_id)
+    return RunView(
+        run_id=record.run_id,
+        graph_name=record.graph_name,
+        graph_ref=record.graph_ref,
+        fingerprint=record.fingerprint,
+        status=status,
+        live=live,
+        started=clock(record.created_at),
+        duration=seconds(
+            (record.finished_at or (now if live else record.updated_at)) - record.created_at
+        ),
+        nodes_done=record.nodes_done,
+        error=record.error,
+        input=pretty(record.input_json),
+        drawing=drawing,
+        graph_note=found.reason,
+        gantt=gantt(attempts_from_events(events, live=live, now=now if live else None)),
+        late=late_inputs(events),
+        events=tuple(event_lines(events[-EVENT_LIMIT:], record.created_at)),
+        events_total=len(events),
+        last_seq=events[-1].seq if events else 0,
+        questions=tuple(question_view(q) for q in questions),
+        nodes=await _nodes(store, stored, [n.id for n in shape.nodes]),
+        resumable=_resumable(status, questions),
+    )
+
+
+def _resumable(status: str, questions: Sequence[QuestionRow]) -> bool:
+    """An orphaned run, or a suspended one holding an answer not applied yet, can be resumed."""
+    if status == ORPHANED:
+        return True
+    return status == "suspended" and any(
+        q.status is QuestionStatus.ANSWERED
+        or (q.status is QuestionStatus.EXPIRED and q.applied_at is None)
+        for q in questions
+    )
+
+
+async def _nodes(store: RunStore, stored: StoredRun, order: list[str]) -> tuple[NodeInfo, ...]:
+    """Node rows in the graph's order (definition, or first start), each with its last result."""
+    last: dict[str, str] = {}
+    for row in await store.results(stored.run.run_id):  # by node, then visit: the last wins
+        last[row.node_id] = row.value_json
+    rank = {node_id: n for n, node_id in enumerate(order)}
+    return tuple(
+        NodeInfo(id=n, status=row.status, visits=row.visits, result=preview(last.get(n)))
+        for n, row in sorted(stored.nodes.items(), key=lambda item: rank.get(item[0], len(rank)))
+    )
+
+
+def late_inputs(events: Sequence[EventRow]) -> tuple[LateRow, ...]:
+    """Every late input the run recorded (``node_late_input`` events, E5)."""
+    return tuple(
+        LateRow(
+            node=e.node_id or "",
+            activation=e.visit,
+            source=str(data.get("source", "")),
+            reason=str(data.get("reason", "")),
+            at=clock(e.ts),
+        )
+        for e in events
+        if e.type == "node_late_input"
+        for data in (event_data(e),)
+    )
+
+
+def event_lines(events: Sequence[EventRow], t0: float) -> list[EventLine]:
+    """``events`` as log lines, timed from ``t0``."""
+    return [
+        EventLine(
+            seq=e.seq,
+            at=seconds(e.ts - t0),
+            type=e.type,
+            node=e.node_id,
+            visit=e.visit,
+            attempt=e.attempt,
+            data=event_text(e.data_json),
+        )
+        for e in events
+    ]
+
+
+# -- evolution -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ArtifactView:
+    """An artifact's ledger: versions newest first, the reward curve, commit counts."""
+
+    artifact_id: str
+    versions: tuple[VersionRow, ...]
+    curve: Curve | None
+    commits: int
+    rebased: int
+    best: VersionRow | None
+
+
+async def artifact_view(store: RunStore, artifact_id: str) -> ArtifactView:
+    """Read ``artifact_id``'s versions from the evolve ledger."""
+    rows = version_rows(await store.artifact_history(artifact_id))
+    scored = [r for r in rows if r.held_out is not None]
+    return ArtifactView(
+        artifact_id=artifact_id,
+        versions=tuple(reversed(rows)),
+        curve=reward_curve(rows),
+        commits=sum(not r.initial for r in rows),
+        rebased=sum(r.rebased_onto is not None for r in rows),
+        best=max(scored, key=lambda r: r.held_out or 0.0) if scored else None,
+    )
