@@ -3,8 +3,10 @@
 - :class:`GateTimeout`: the answer of a gate whose deadline passed.
 - :class:`ResumeWorker`: applies answers single-flight and turn-guarded,
   for tailrace runs (:class:`EngineTarget`) or anything :class:`Resumable`.
-- :func:`serve`: the daemon loop: resume answered questions, poll machine
-  gates, take over runs whose owner died.
+- :func:`serve`: the daemon loop: resume answered questions (deferring with
+  backoff those it cannot apply), poll machine gates concurrently under a
+  time limit, fire deadlines on time, take over runs whose owner died; for
+  the engine and any extra :class:`Resumable` targets.
 """
 
 from ._polling import Poller as Poller
