@@ -163,3 +163,11 @@ async def test_a_sigkilled_driver_resumes_and_no_committed_visit_runs_again(
     # Ray stopped the dead driver's task: the worker running the first join is gone.
     first_join = next(row[3] for row in graphs.executions(str(directory)) if row[0] == "join")
     await until(lambda: not alive(first_join), "the dead driver's join worker to be stopped")
+
+
+def test_the_guides_example_runs(ray_session: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    guide = Path(__file__).parents[2] / "docs" / "ray.md"
+    example = guide.read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    # Not importable by the workers: Ray pickles its handlers by value.
+    exec(compile(example, str(guide), "exec"), {"__name__": "ray_guide_example"})
+    assert capsys.readouterr().out == "{'total': 333332833333500000}\n"

@@ -284,7 +284,9 @@ def _outcome_error(exc: Exception, context: AttemptContext) -> Exception:
     if isinstance(exc, errors.RayTaskError):
         cause = getattr(exc, "cause", None)
         if isinstance(cause, Exception) and not isinstance(cause, errors.TaskCancelledError):
-            cause.add_note(f"raised in a Ray task:\n{getattr(exc, 'traceback_str', '')}")
+            remote = getattr(exc, "traceback_str", "")
+            if remote:
+                cause.add_note(f"raised in a Ray task:\n{remote}")
             return cause
     lost = (
         errors.WorkerCrashedError,
