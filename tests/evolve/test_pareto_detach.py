@@ -132,10 +132,40 @@ async def test_a_detached_straggler_runs_on_while_its_worker_takes_the_next_task
             detach_stragglers=1,
             resume_queue=ResumeQueue(max_attempts=1),  # detaching is preferred to cutting
         )
-    assert order == ["start t0", "start t1", "end t1", "end t0"]
+    # t1 ran while t0 was still running; t0 then finished (its own attempt, or the
+    # backup the idle worker starts once the budget is spent, whichever came first).
+    assert order[:3] == ["start t0", "start t1", "end t1"] and "end t0" in order
     assert result.stragglers == 1 and result.resumed == 0 and result.rollouts == 2
-    # The straggler's result was used, so the worker's time on it counts as used.
     assert result.worker_used[0] > 0
+
+
+async def test_once_the_budget_is_spent_idle_workers_back_up_detached_stragglers():
+    tasks = [
+        Task(id=f"t{i}", prompt="", meta={"cost": 7.0 if i == 0 else 1.0}) for i in range(8)
+    ]
+    first_t0 = True
+
+    async def run(rendered: str, task: Task) -> str:
+        nonlocal first_t0
+        context = current_rollout()
+        if context is not None and context.phase == "train" and task.id == "t0" and first_t0:
+            first_t0 = False
+            await asyncio.Event().wait()  # the original never finishes: only a backup can
+        return "x"
+
+    async with asyncio.timeout(HANG_GUARD):
+        result = await async_evolve(
+            tasks,
+            lambda t, o: 1.0,
+            run=run,
+            propose=lambda *a: None,
+            held_out_frac=0.5,
+            workers=2,
+            max_rollouts=3,
+            duration_estimator=Scripted(),
+            detach_stragglers=1,
+        )
+    assert result.stragglers == 1 and result.rollouts == 3
 
 
 async def test_utilisation_counts_only_attempts_whose_result_was_used():
@@ -170,3 +200,31 @@ async def test_detach_stragglers_is_validated():
         await async_evolve(
             demo.tasks, demo.reward, run=demo.run, propose=demo.propose, detach_stragglers=-1
         )
+
+
+async def test_the_merger_hedges_held_out_rollouts_that_straggle():
+    tasks = [Task(id=f"t{i}", prompt="") for i in range(8)]
+    hung: set[str] = set()
+
+    async def run(rendered: str, task: Task) -> str:
+        context = current_rollout()
+        if context is not None and context.phase == "eval" and "k: " in rendered:
+            if task.id not in hung:  # each held-out task's first attempt on a candidate hangs
+                hung.add(task.id)
+                await asyncio.Event().wait()
+        return rendered
+
+    async with asyncio.timeout(HANG_GUARD):
+        result = await async_evolve(
+            tasks,
+            lambda t, o: 1.0 if "k: " in o else 0.0,
+            run=run,
+            propose=lambda *a: Edit(set={"k": "v"}),
+            held_out_frac=0.5,
+            workers=1,
+            max_rollouts=1,
+            duration_estimator=DurationEstimator(prior=0.001),  # a 5 ms limit
+        )
+    assert hung == {"t4", "t5", "t6", "t7"}
+    assert result.eval_hedges >= 4  # every hung attempt got a backup, which finished
+    assert result.commits == 1 and result.held_out == 1.0

@@ -16,7 +16,9 @@ this order of preference:
   keeps running in the background and its worker takes the next task; its
   result, when it arrives, is used like any other (its proposal is judged
   like any lagging one). Nothing is thrown away: right for spikes that are
-  queueing, where a re-run would take as long again or cost a second call;
+  queueing, where a re-run would take as long again or cost a second call.
+  Once the rollout budget is spent, idle workers back up the detached
+  stragglers (first to finish wins), so the loop does not end on their tail;
 - with a ``resume_queue`` that accepts it, the attempt is cut, its task
   queued, and the next idle worker whose shard owns it re-runs it against the
   current head: right for spikes that are transient;
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -89,6 +92,17 @@ class _Step:
     started: float
 
 
+@dataclass(slots=True, eq=False)
+class _Detached:
+    """A straggler running on in the background, and the attempts racing to finish it."""
+
+    step: _Step
+    worker_time: float  # what its worker spent on it before moving on
+    attempts: list[asyncio.Task[Any]]
+    hedged: bool = False
+    settled: bool = False
+
+
 _CUT = object()  # the attempt was cut (its task queued) or preempted
 _DETACHED = object()  # the attempt runs on in the background
 
@@ -114,13 +128,13 @@ class _AsyncLoop:
         self.factor = straggler_factor
         self.resume_queue = resume_queue
         self.detach_limit = detach_stragglers
-        self.detached = 0
+        self.detached: list[_Detached] = []
         self.budget = _Budget(evolution.settings.max_rollouts)
         self.busy = [0.0] * workers
         self.used = [0.0] * workers
         self.proposals: asyncio.Queue[Proposal | None] = asyncio.Queue()
         self.crew: asyncio.TaskGroup | None = None
-        self._detached_attempts: set[asyncio.Task[Any]] = set()
+        self._detached_attempts: set[asyncio.Task[Any]] = set()  # originals left running
 
     def stopping(self) -> bool:
         return self.evo.limit_reached() is not None
@@ -154,7 +168,15 @@ class _AsyncLoop:
     async def _worker(self, index: int, tasks: Sequence[Task]) -> None:
         owned = {t.id for t in tasks}
         cursor = 0
-        while not self.stopping() and self.budget.claim():
+        while not self.stopping():
+            if not self.budget.claim():
+                # Nothing left to start: back up a straggler still running, so the
+                # loop does not end waiting on its tail.
+                entry = next((d for d in self.detached if not d.hedged), None)
+                if entry is None:
+                    return
+                await self._hedge(index, entry)
+                continue
             item = self.resume_queue.pop_for(owned) if self.resume_queue is not None else None
             if item is not None:
                 task = self.evo.by_id[item.task_id]
@@ -239,29 +261,65 @@ class _AsyncLoop:
 
     def _detach(self, step: _Step, attempt: asyncio.Task[Any]) -> bool:
         """Leave ``attempt`` running in the background if a detach slot is free."""
-        if self.detached >= self.detach_limit or self.crew is None:
+        if len(self.detached) >= self.detach_limit or self.crew is None:
             return False
-        self.detached += 1
+        entry = _Detached(step, time.perf_counter() - step.started, [attempt])
+        self.detached.append(entry)
         self._detached_attempts.add(attempt)
-        worker_time = time.perf_counter() - step.started
-        self.crew.create_task(self._finish_detached(step, attempt, worker_time))
+        self.crew.create_task(self._settle(entry, attempt, None))
         return True
 
-    async def _finish_detached(
-        self, step: _Step, attempt: asyncio.Task[Any], worker_time: float
-    ) -> None:
+    async def _hedge(self, index: int, entry: _Detached) -> None:
+        """Race a backup attempt of a detached straggler on worker ``index``; first to finish wins."""
+        entry.hedged = True
+        step = entry.step
+        started = time.perf_counter()
+        backup = asyncio.create_task(
+            self.evo.rollout(step.task, step.head, phase="train", resumed=step.item is not None)
+        )
+        entry.attempts.append(backup)
         try:
-            outcome = await attempt
-        except UnitFailed:
+            await self._settle(entry, backup, index)
+        finally:
+            self.busy[index] += time.perf_counter() - started
+            if not backup.done():  # we were cancelled: never leave the backup behind
+                backup.cancel()
+                await asyncio.wait({backup})
+
+    async def _settle(
+        self, entry: _Detached, attempt: asyncio.Task[Any], worker: int | None
+    ) -> None:
+        """Wait for one attempt of a detached straggler; the first to succeed completes it.
+
+        ``worker`` is the worker running a backup (None: the original attempt,
+        whose worker moved on). The winner's worker time counts as used.
+        """
+        started = time.perf_counter()
+        await asyncio.wait({attempt})
+        self._detached_attempts.discard(attempt)
+        if entry.settled or attempt.cancelled():
+            return
+        error = attempt.exception()
+        if error is not None and not isinstance(error, UnitFailed):
+            raise error  # a contract violation: a bug
+        entry.attempts.remove(attempt)
+        if error is not None and entry.attempts:
+            return  # another attempt may still succeed
+        entry.settled = True
+        self.detached.remove(entry)
+        for other in entry.attempts:
+            other.cancel()
+        if error is not None:
             self.evo.window.add(True)
             self.budget.refund()
             return
-        finally:
-            self.detached -= 1
-            self._detached_attempts.discard(attempt)
-        assert self.estimator is not None
-        self.estimator.observe(step.task.cost, time.perf_counter() - step.started)
-        await self._complete(step, outcome, worker_time)
+        # A straggler's duration is not fed to the estimator (a cut one never is
+        # either): the limit tracks the typical rollout, not the tail it flags.
+        if worker is None:
+            await self._complete(entry.step, attempt.result(), entry.worker_time)
+        else:
+            backup = dataclasses.replace(entry.step, index=worker)
+            await self._complete(backup, attempt.result(), time.perf_counter() - started)
 
     def _requeue(self, task: Task, head: Version) -> bool:
         if self.resume_queue is None:
@@ -283,17 +341,18 @@ class _AsyncLoop:
                 more = self.proposals.get_nowait()
                 closing = closing or more is None
                 pending.extend([] if more is None else [more])
-            pending[:] = self._fresh(pending)
-            batch = pending[: self.evo.settings.max_candidates]
-            del pending[: self.evo.settings.max_candidates]
+            # Newest first: a proposal from a rollout of the current head is the
+            # likeliest to still be needed. The sweep ranks the first
+            # ``max_candidates`` distinct ones; the older rest are superseded by
+            # what the workers propose against the new head.
+            batch = self._fresh(pending)[::-1]
+            pending.clear()
             if batch and not self.stopping():
                 await sweep(self.evo, batch)
                 if self.evo.reached_target():
                     self.evo.stop("target")
-            if closing and not pending:
+            if closing:
                 return
-            if self.stopping():
-                pending.clear()  # no more sweeps: wait for the workers' sentinel
 
     def _fresh(self, proposals: Sequence[Proposal]) -> list[Proposal]:
         """Proposals at most ``async_ratio`` versions behind head; the rest are counted and dropped.
@@ -387,6 +446,9 @@ async def async_evolve(
             (parents sampled from the front of candidates best on some held-out task).
         duration_estimator: Enables straggler detection: a rollout running past
             ``straggler_factor`` times its estimate (for ``task.cost``) is a straggler.
+            The merger's held-out rollouts are hedged with it too: one running
+            past the limit gets a backup attempt (at most two), the first to
+            finish counts and the others are cancelled (``eval_hedges``).
         straggler_factor: The straggler threshold as a multiple of the estimate.
         resume_queue: Where straggling tasks are queued for a re-run against the
             current head by a worker owning them; items already in it are run first.
@@ -455,6 +517,9 @@ async def async_evolve(
                 duration_estimator,
                 straggler_factor,
             )
+        if duration_estimator is not None:  # the merger's held-out rollouts are hedged too
+            estimator = duration_estimator
+            evolution.eval_limit = lambda task: straggler_limit(estimator, straggler_factor, task)
         loop = _AsyncLoop(
             evolution,
             workers=workers,

@@ -201,7 +201,7 @@ class AuditScheduler:
             uncertainty=uncertainty,
             payload=payload,
         )
-        entry = (priority, -next(self._seq), item)  # equal priority: the older one is shed
+        entry = (priority, next(self._seq), item)
         if len(self._heap) < HEAP_CAP:
             heapq.heappush(self._heap, entry)
         else:

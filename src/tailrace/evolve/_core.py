@@ -54,6 +54,9 @@ from ._usage import Price, UsageMeter, install_meter, uninstall_meter
 #: Values of ``selection``.
 SELECTIONS = ("head", "pareto")
 
+#: Most backup attempts a hedged held-out rollout starts.
+EVAL_BACKUPS = 2
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Proposal:
@@ -211,9 +214,14 @@ class Evolution:
         self.stale_dropped = 0
         self.stragglers = 0
         self.resumed = 0
+        #: Seconds after which a held-out rollout gets a backup (None: never); set by the loop.
+        self.eval_limit: Callable[[Task], float] | None = None
+        self.eval_hedges = 0
         self.audits_bought = 0
         self.partial: list[Mapping[str, Any]] = []
         self.reversals: list[Mapping[str, Any]] = []
+        #: (parent member id, edit) pairs a sweep decided on: never judged again.
+        self.judged: set[tuple[int, str]] = set()
         self.errors: list[FailedAttempt] = []
         self.window = ErrorWindow(settings.error_window, settings.max_error_rate)
         self.meter = UsageMeter(settings.prices)
@@ -402,12 +410,50 @@ class Evolution:
 
     async def _eval_one(self, task: Task, probe: Version) -> float:
         try:
-            _, value = await self.rollout(task, probe, phase="eval")
+            if self.eval_limit is None:
+                _, value = await self.rollout(task, probe, phase="eval")
+            else:
+                value = await self._hedged_eval(task, probe, self.eval_limit(task))
         except UnitFailed:
             self.window.add(True)
             return 0.0  # a candidate that cannot be scored is not accepted on that task
         self.window.add(False)
         return value
+
+    async def _hedged_eval(self, task: Task, probe: Version, limit: float) -> float:
+        """A held-out rollout with backups: each ``limit`` seconds without a result starts one.
+
+        The first attempt to succeed counts and the others are cancelled; a
+        held-out score does not depend on which attempt produced it.
+
+        Raises:
+            UnitFailed: every attempt failed.
+        """
+        attempts = [asyncio.create_task(self.rollout(task, probe, phase="eval"))]
+        failure: UnitFailed | None = None
+        try:
+            while attempts:
+                done, _ = await asyncio.wait(
+                    attempts, timeout=limit, return_when=asyncio.FIRST_COMPLETED
+                )
+                for attempt in done:
+                    attempts.remove(attempt)
+                    error = attempt.exception()
+                    if error is None:
+                        return float(attempt.result()[1])
+                    if not isinstance(error, UnitFailed):
+                        raise error  # a contract violation: a bug, not a failure
+                    failure = error
+                if not done and len(attempts) <= EVAL_BACKUPS:
+                    self.eval_hedges += 1
+                    attempts.append(asyncio.create_task(self.rollout(task, probe, phase="eval")))
+            assert failure is not None
+            raise failure
+        finally:
+            for attempt in attempts:
+                attempt.cancel()
+            if attempts:
+                await asyncio.wait(attempts)
 
     # -- the head and the pool ------------------------------------------------------
 
@@ -574,6 +620,7 @@ class Evolution:
             stale_dropped=self.stale_dropped,
             stragglers=self.stragglers,
             resumed=self.resumed,
+            eval_hedges=self.eval_hedges,
             wall=wall,
             worker_busy=tuple(busy),
             worker_used=tuple(used),

@@ -91,6 +91,8 @@ class EvolutionResult:
         stragglers: Rollouts that ran past ``straggler_factor x estimate`` (or past
             ``round_timeout`` in sync rounds).
         resumed: Tasks re-run from the resume queue.
+        eval_hedges: Backup attempts started for held-out rollouts that ran
+            past the straggler limit (``async_evolve`` with a duration estimator).
         wall: Seconds the rollout phase took.
         worker_busy: Seconds each worker spent in rollout attempts.
         worker_used: Seconds each worker spent in attempts whose result was
@@ -169,6 +171,7 @@ class EvolutionResult:
     rollouts_to_quality: int | None = None
     selection: str = "head"
     pool: tuple[Mapping[str, Any], ...] = ()
+    eval_hedges: int = 0
 
     def learning_curve(self) -> list[tuple[int, float]]:
         """``(rollouts, held-out reward)`` at the start and after every sweep that moved the head."""

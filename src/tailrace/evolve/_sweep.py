@@ -1,9 +1,10 @@
 """The merge sweep: rank candidates cheaply, route the best through the audit scheduler, commit.
 
 A sweep applies each pending edit to its parent (the head, or with Pareto
-selection the pool member its rollout rendered), scores every candidate on
-the ranking subset of the held-out tasks, and takes the one that gains most
-over its parent there. That candidate is *routed* by the
+selection the pool member its rollout rendered), keeps the ``max_candidates``
+that most rollouts proposed, scores them on the ranking subset of the
+held-out tasks, and takes the one that gains most over its parent there
+(ties: the most proposed, then the first given). That candidate is *routed* by the
 :class:`~tailrace.evolve.AuditScheduler`:
 
 - to the **oracle** (the full held-out evaluation, one call from
@@ -121,6 +122,7 @@ async def _judge(evo: Evolution, proposals: Sequence[Proposal]) -> Judgement | N
     if not candidates:
         return None
     best = max(candidates, key=lambda c: _gain(evo, c))  # the first best wins ties
+    evo.judged.add((best.parent.id, json.dumps(best.edit.to_dict(), sort_keys=True)))
     cheap_verdict = _cheap_verdict(evo, best)
     edit = best.edit
     if evo.audit.force_oracle(edit.blast_radius, evo.ledger.artifact_id):
@@ -182,27 +184,38 @@ async def _full_decision(
 
 
 async def _ranked(evo: Evolution, proposals: Sequence[Proposal]) -> list[Candidate]:
-    """Distinct candidates that change their parent, scored on the ranking subset at once."""
+    """Distinct candidates that change their parent, scored on the ranking subset at once.
+
+    The ones most rollouts proposed go first (ties: in the order given): an
+    edit many failing rollouts asked for fixes the commonest failure, and
+    ranking keeps only ``max_candidates`` of them. An edit already judged
+    against the same parent is not judged again (a proposer that repeats a
+    rejected edit would otherwise hold every sweep).
+    """
     head_member = await evo.measured_head()
-    seen: set[tuple[int, str]] = set()
-    pairs: list[tuple[Edit, Member, Artifact]] = []
+    support: dict[tuple[int, str], int] = {}
+    pairs: dict[tuple[int, str], tuple[Edit, Member, Artifact]] = {}
     for p in proposals:
         parent = p.parent if evo.pool is not None and p.parent is not None else head_member
         key = (parent.id, json.dumps(p.edit.to_dict(), sort_keys=True))
-        artifact = parent.artifact.apply(p.edit)
-        if key in seen or artifact.entries == parent.artifact.entries:
+        if key in evo.judged:  # decided against this very parent already
             continue
-        seen.add(key)
-        pairs.append((p.edit, parent, artifact))
-    pairs = pairs[: evo.settings.max_candidates]
+        if key not in pairs:
+            artifact = parent.artifact.apply(p.edit)
+            if artifact.entries == parent.artifact.entries:
+                continue
+            pairs[key] = (p.edit, parent, artifact)
+        support[key] = support.get(key, 0) + 1
+    order = sorted(pairs, key=lambda k: -support[k])  # stable: ties keep the given order
+    chosen = [pairs[k] for k in order[: evo.settings.max_candidates]]
     subset = evo.held_out[: evo.rank_size]
     version = _head_version(evo)
     with first_error():
         async with asyncio.TaskGroup() as tg:  # rank every candidate at once
-            scoring = [tg.create_task(evo.evaluate(a, version, subset)) for _, _, a in pairs]
+            scoring = [tg.create_task(evo.evaluate(a, version, subset)) for _, _, a in chosen]
     return [
         Candidate(edit=e, parent=p, artifact=a, cheap=tuple(s.result()))
-        for (e, p, a), s in zip(pairs, scoring, strict=True)
+        for (e, p, a), s in zip(chosen, scoring, strict=True)
     ]
 
 
