@@ -126,6 +126,7 @@ class Node:
     # Mappings, so left out of the hash (a Node stays hashable); equality still compares them.
     resources: Mapping[str, float] | None = field(default=None, hash=False)
     runtime_env: Mapping[str, Any] | None = field(default=None, hash=False)
+    late: str = "record"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form; the handler is named by reference."""
@@ -153,6 +154,7 @@ class Node:
             "executor": self.executor,
             "resources": dict(self.resources) if self.resources is not None else None,
             "runtime_env": _json_copy(self.runtime_env) if self.runtime_env is not None else None,
+            "late": None if self.late == "record" else self.late,
         }
         data.update({k: v for k, v in optional.items() if v is not None})
         return data
@@ -214,6 +216,7 @@ class Graph:
         executor: str | None = None,
         resources: Mapping[str, float] | None = None,
         runtime_env: Mapping[str, Any] | None = None,
+        late: str = "record",
     ) -> Node:
         """Add a node and return it.
 
@@ -236,6 +239,11 @@ class Graph:
         ``num_gpus``, ``memory`` in bytes, or custom resource names, each a
         number >= 0) and ``runtime_env`` (a JSON object) are passed to that
         executor, e.g. Ray's task options (see ``tailrace.executors``).
+        ``late`` says what an aggregate does with inputs still running once it
+        has fired: ``"record"`` (the default) lets them finish and records them
+        as late inputs (E5); ``"cancel"`` cancels a running input once every
+        consumer it feeds has fired without it, recording it as a late,
+        cancelled input, so a run returns as soon as its output is decided.
         """
         if not isinstance(name, str) or not name:
             raise GraphError(f"node name must be a non-empty string, got {name!r}")
@@ -263,7 +271,10 @@ class Graph:
             executor=executor,
             resources=resources,
             runtime_env=runtime_env,
+            late=late,
         )
+        if late != "record" and node_kind is not NodeKind.AGGREGATE:
+            raise GraphError(f"node {name!r}: late= applies to aggregates only")
         if required is not None and node_kind is not NodeKind.AGGREGATE:
             raise GraphError(f"node {name!r}: required= applies to aggregates only")
         if any_of and node_kind is NodeKind.AGGREGATE:
@@ -288,6 +299,7 @@ class Graph:
             executor=executor,
             resources=None if resources is None else dict(resources),
             runtime_env=None if runtime_env is None else _json_copy(runtime_env),
+            late=late,
         )
         self.nodes[name] = node
         self._compiled = None
@@ -428,6 +440,7 @@ NODE_OPTIONS = frozenset(
         "executor",
         "resources",
         "runtime_env",
+        "late",
     }
 )
 
@@ -491,6 +504,7 @@ _OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "a mapping of resource names to finite numbers >= 0",
     ),
     "runtime_env": (_optional(_is_json_object), "a JSON object (string keys)"),
+    "late": (lambda v: v in ("record", "cancel"), "'record' or 'cancel'"),
 }
 
 

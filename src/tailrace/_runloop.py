@@ -158,6 +158,8 @@ class RunLoop:
             )
         self._durations = [0.0] * len(self.topo.ids)
         self._late_seen = len(state.late)
+        #: Aggregates with ``late="cancel"`` that fired in the current harvest.
+        self._fired_cancel: list[int] = []
         self.started_at = time.monotonic()
         self.stragglers = 0
         self.hedges = 0
@@ -433,8 +435,54 @@ class RunLoop:
                 )
             # Freed only now, so the event log never shows more than capacity in flight (E3).
             self._release_slot()
+        if self._fired_cancel and failure is None:
+            self._cancel_dead_inputs()
         self._emit_late()
         return failure
+
+    def _cancel_dead_inputs(self) -> None:
+        """Cancel inputs nobody will read: every consumer fired without them (``late="cancel"``)."""
+        fired, self._fired_cancel = self._fired_cancel, []
+        for t in fired:
+            for s in self.topo.in_sources[t]:
+                status = self.state.nodes[s].status
+                if status in (NodeStatus.RUNNING, NodeStatus.QUEUED) and self._unread(s):
+                    self._cancel_dead(s, t)
+
+    def _unread(self, s: int) -> bool:
+        """Whether node ``s``'s result could only arrive late: each consumer is an
+        aggregate with ``late="cancel"`` outside any loop with ``s`` that already fired."""
+        for edge in self.topo.out_edges[s]:
+            node = self.topo.nodes[edge.target]
+            if edge.in_loop or node.kind is not NodeKind.AGGREGATE or node.late != "cancel":
+                return False
+            if self.state.nodes[edge.target].fired < 1 or (node.max_visits or 1) != 1:
+                return False
+        return bool(self.topo.out_edges[s])
+
+    def _cancel_dead(self, s: int, t: int) -> None:
+        ns = self.state.nodes[s]
+        running = [a for a in self._in_flight.values() if a.index == s and not a.abandoned]
+        for attempt in running:
+            attempt.abandon()  # its end is no failure; its slot is freed here
+        if running:
+            self._release_slot()
+        ticket = self._tickets.pop(s, None)
+        if ticket is not None:
+            ticket.cancel()
+        if s in self.state.ready:
+            self.state.ready.remove(s)
+        self.live.pop(s, None)
+        self.state.cancel(s)
+        self.state.late.append(
+            LateInput(
+                node_id=self.topo.ids[t],
+                source_id=self.topo.ids[s],
+                activation=self.state.nodes[t].fired,
+                reason="cancelled",
+            )
+        )
+        self.emit(EventType.NODE_CANCELLED, s, ns.visits, ns.attempts, reason="late")
 
     def _complete(self, i: int, result: Any, attempt: Attempt, now: float) -> BaseException | None:
         state = self.state
@@ -469,6 +517,8 @@ class RunLoop:
         for t, activation, _payload in state.frozen[frozen_before:]:
             sources = [self.topo.ids[s] for s in self.topo.in_sources[t]]
             self.emit(EventType.AGGREGATE_FIRED, t, activation, None, sources=sources)
+            if self.topo.nodes[t].late == "cancel":
+                self._fired_cancel.append(t)
         return None
 
     def _open_question(self, i: int, prompt: Any, attempt: Attempt) -> None:
@@ -576,7 +626,10 @@ class RunLoop:
         if attempts:
             await asyncio.gather(*(a.task for a in attempts if a.task), return_exceptions=True)
         self._in_flight.clear()
-        holding = {a.index for a in attempts} | {a.index for a in self._done}
+        # Abandoned attempts (hedge losers, cancelled dead inputs) hold no slot.
+        holding = {a.index for a in attempts if not a.abandoned} | {
+            a.index for a in self._done if not a.abandoned
+        }
         for _ in holding:  # one slot per node visit, however many attempts raced
             self._release_slot()
         stopped = holding | set(tickets)
