@@ -187,7 +187,7 @@ def _step(walk: _Walk, e: EventRow) -> None:
         walk.close_all(key, e.ts, Outcome.ASKED, Outcome.LOST)
         walk.waiting[key] = e.ts
     elif e.type == "question_answered":
-        walk.close_wait(key, e.ts, Outcome.COMPLETED)
+        walk.close_wait(key, e.ts, Outcome.WAITING)
 
 
 def _retry(walk: _Walk, key: _Key, e: EventRow) -> None:

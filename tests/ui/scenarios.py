@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -117,14 +118,13 @@ approval.chain("draft", "approve", "ship")
 # -- tail: a retried try, a straggler and its hedge ------------------------------------------------
 
 tail = tr.Graph("tail")
-_flaky_calls: dict[str, int] = {}
 _hedge_calls: dict[str, int] = {}
 
 
 @tail.task(retry=tr.RetryPolicy(attempts=3, backoff=0.001))
 async def flaky(key: str) -> str:
-    _flaky_calls[key] = _flaky_calls.get(key, 0) + 1
-    if _flaky_calls[key] == 1:
+    node = tr.current_node()
+    if node is not None and node.attempt == 1:
         raise ConnectionError("<b>upstream</b> reset")
     return key
 
@@ -170,6 +170,35 @@ async def stuck(key: str) -> str:
 cut.chain("first", "stuck")
 
 
+# -- quick and local graphs --------------------------------------------------------------------------
+
+cut_free = tr.Graph("quick")
+
+
+@cut_free.task()
+async def only(x: Any) -> Any:
+    return x
+
+
+def local_graph() -> tr.Graph:
+    """``a -> b, a -> c``, built in a function, so no module reference can find it."""
+    g = tr.Graph("local")
+    for name in ("a", "b", "c"):
+        g.add_node(name, only)
+    g.add_edge("a", "b")
+    g.add_edge("a", "c")
+    return g
+
+
+def local_gate_graph() -> tr.Graph:
+    """``ask`` (a gate) ``-> after``, built in a function: only ``--graphs`` can name it."""
+    g = tr.Graph("local-gate")
+    g.add_node("ask", only, tr.NodeKind.GATE)
+    g.add_node("after", only)
+    g.add_edge("ask", "after")
+    return g
+
+
 # -- failing and hostile runs ------------------------------------------------------------------------
 
 failing = tr.Graph("failing")
@@ -209,7 +238,8 @@ async def make_runs(factory: Callable[[bool], RunStore]) -> dict[str, str]:
         engine = tr.Engine(store=store)
         await engine.run(research, "tail latency", run_id="r-research")
         await engine.run(approval, "v1.2", run_id="r-gated")
-        await tr.Engine(store=store, tail=trained_tail()).run(tail, "k", run_id="r-tail")
+        unique = uuid.uuid4().hex  # handlers key their behaviour on it, once per call
+        await tr.Engine(store=store, tail=trained_tail()).run(tail, unique, run_id="r-tail")
         with contextlib.suppress(ValueError):
             await engine.run(failing, "<x>", run_id="r-failed")
         await engine.run(hostile, HOSTILE, run_id=f"r-{HOSTILE}")
@@ -226,10 +256,12 @@ async def make_runs(factory: Callable[[bool], RunStore]) -> dict[str, str]:
 
 async def cut_and_resume(store: RunStore, run_id: str, *, resume: bool = True) -> None:
     """Run ``cut`` until ``stuck`` has started (durably), stop it there, then resume it."""
-    engine = tr.Engine(store=store)
-    task = asyncio.create_task(engine.run(cut, run_id, run_id=run_id))
-    while not await started(store, run_id, "stuck"):
-        await asyncio.sleep(0.005)  # polling the store for the observed state, not ordering
+    bus = tr.EventBus()
+    durable = asyncio.Event()  # events are published once committed
+    bus.subscribe(lambda e: e.node_id == "stuck" and durable.set(), tr.EventType.NODE_STARTED)
+    key = uuid.uuid4().hex
+    task = asyncio.create_task(tr.Engine(store=store, bus=bus).run(cut, key, run_id=run_id))
+    await durable.wait()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task

@@ -32,8 +32,13 @@ from ._layout import Drawing, layout, shape_from_store, shape_of_graph
 #: The run page lists at most this many of the newest events (the stream appends more).
 EVENT_LIMIT = 1000
 ORPHANED = "orphaned"
-#: Status filters of the runs page; ``orphaned`` is a running run no live process holds.
-RUN_FILTERS = ("running", ORPHANED, "suspended", "completed", "failed", "cancelled")
+#: Status filters of the runs page, in lifecycle order; ``orphaned`` is a running run no
+#: live process holds (shown after ``running``).
+RUN_FILTERS = tuple(
+    name
+    for status in RunStatus
+    for name in ((status.value, ORPHANED) if status is RunStatus.RUNNING else (status.value,))
+)
 
 
 class Tab(enum.StrEnum):
