@@ -43,10 +43,11 @@ def test_example_runs_and_prints_what_it_should(tmp_path: Path) -> None:
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    # search wins the first-1 answer; blame, the straggler, is recorded as late.
+    # search wins the first-1 answer; blame, the straggler nobody reads any more, is
+    # cancelled (late="cancel") and recorded as a late, cancelled input.
     assert done.stdout.splitlines() == [
         "similar issues to logs for TICKET-7 "
-        "(LateInput(node_id='answer', source_id='blame', activation=1, reason='fired'),)"
+        "(LateInput(node_id='answer', source_id='blame', activation=1, reason='cancelled'),)"
     ]
     assert list(tmp_path.iterdir()) == [script]  # tr.run keeps nothing on disk
 
