@@ -330,8 +330,11 @@ async def pareto_vs_head(cfg: Config) -> None:
     table = Table(
         f"4. Held-out reward after N rollouts, single head vs Pareto: demo domain, sync "
         f"rounds, zero latency, mean of {cfg.seeds} seeds (split and sampling seeded)",
-        [Column("selection"), *(Column(f"N={n}", right=True) for n in CURVE_POINTS)]
-        + [Column("stuck below 1.0 at the end", right=True)],
+        [
+            Column("selection"),
+            *(Column(f"N={n}", right=True) for n in CURVE_POINTS),
+            Column("stuck below 1.0 at the end", right=True),
+        ],
     )
     for selection in ("head", "pareto"):
         curves = []

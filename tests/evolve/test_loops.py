@@ -270,7 +270,7 @@ async def test_options_are_validated(loop, kwargs, message):
 
 async def test_async_specific_options_are_validated():
     demo = _demo()
-    for kwargs in ({"async_ratio": -1}, {"straggler_factor": 1.0}):
+    for kwargs in ({"async_ratio": -1}, {"straggler_factor": 1.0}, {"hedge_factor": 0.5}):
         with pytest.raises(ValueError):
             await async_evolve(
                 demo.tasks, demo.reward, run=demo.run, propose=demo.propose, **kwargs

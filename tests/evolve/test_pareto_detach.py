@@ -140,9 +140,7 @@ async def test_a_detached_straggler_runs_on_while_its_worker_takes_the_next_task
 
 
 async def test_once_the_budget_is_spent_idle_workers_back_up_detached_stragglers():
-    tasks = [
-        Task(id=f"t{i}", prompt="", meta={"cost": 7.0 if i == 0 else 1.0}) for i in range(8)
-    ]
+    tasks = [Task(id=f"t{i}", prompt="", meta={"cost": 7.0 if i == 0 else 1.0}) for i in range(8)]
     first_t0 = True
 
     async def run(rendered: str, task: Task) -> str:
@@ -208,10 +206,10 @@ async def test_the_merger_hedges_held_out_rollouts_that_straggle():
 
     async def run(rendered: str, task: Task) -> str:
         context = current_rollout()
-        if context is not None and context.phase == "eval" and "k: " in rendered:
-            if task.id not in hung:  # each held-out task's first attempt on a candidate hangs
-                hung.add(task.id)
-                await asyncio.Event().wait()
+        candidate = context is not None and context.phase == "eval" and "k: " in rendered
+        if candidate and task.id not in hung:  # the first attempt on each task hangs
+            hung.add(task.id)
+            await asyncio.Event().wait()
         return rendered
 
     async with asyncio.timeout(HANG_GUARD):

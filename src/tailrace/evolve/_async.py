@@ -392,6 +392,7 @@ async def async_evolve(
     selection: str = "head",
     duration_estimator: DurationEstimator | None = None,
     straggler_factor: float = 3.0,
+    hedge_factor: float = 1.5,
     resume_queue: ResumeQueue | None = None,
     detach_stragglers: int = 0,
     retry: Retry | None = None,
@@ -446,10 +447,15 @@ async def async_evolve(
             (parents sampled from the front of candidates best on some held-out task).
         duration_estimator: Enables straggler detection: a rollout running past
             ``straggler_factor`` times its estimate (for ``task.cost``) is a straggler.
-            The merger's held-out rollouts are hedged with it too: one running
-            past the limit gets a backup attempt (at most two), the first to
-            finish counts and the others are cancelled (``eval_hedges``).
+            The merger's held-out rollouts are hedged with it too (see
+            ``hedge_factor``).
         straggler_factor: The straggler threshold as a multiple of the estimate.
+        hedge_factor: A held-out rollout of the merger running past this
+            multiple of its estimate gets a backup attempt (at most two), the
+            first to finish counts and the others are cancelled
+            (``eval_hedges``). Lower than ``straggler_factor`` by default: a
+            hedge loses nothing but a call, and every worker waits on the
+            merger's next commit.
         resume_queue: Where straggling tasks are queued for a re-run against the
             current head by a worker owning them; items already in it are run first.
             With a graph ``run``, a straggler is instead preempted at its next
@@ -491,6 +497,8 @@ async def async_evolve(
         raise ValueError(f"async_ratio must be >= 0, got {async_ratio}")
     if straggler_factor <= 1.0:
         raise ValueError(f"straggler_factor must be > 1, got {straggler_factor}")
+    if hedge_factor <= 1.0:
+        raise ValueError(f"hedge_factor must be > 1, got {hedge_factor}")
     if detach_stragglers < 0:
         raise ValueError(f"detach_stragglers must be >= 0, got {detach_stragglers}")
     settings = settings_from(locals())
@@ -519,7 +527,7 @@ async def async_evolve(
             )
         if duration_estimator is not None:  # the merger's held-out rollouts are hedged too
             estimator = duration_estimator
-            evolution.eval_limit = lambda task: straggler_limit(estimator, straggler_factor, task)
+            evolution.eval_limit = lambda task: straggler_limit(estimator, hedge_factor, task)
         loop = _AsyncLoop(
             evolution,
             workers=workers,
