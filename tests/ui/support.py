@@ -5,12 +5,14 @@ Test modules import it by that name (``tests/`` is not a package).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import sys
+import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 from starlette.testclient import TestClient
 
@@ -18,6 +20,7 @@ from tailrace.stores import RunStore
 from tailrace.ui import UiConfig, create_app
 
 scenarios = sys.modules["tailrace_tests_ui_scenarios"]
+T = TypeVar("T")
 
 TOKEN = "test-token-0123456789"
 POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
@@ -58,3 +61,77 @@ def dashboard(factory: Factory, **options: Any) -> Iterator[TestClient]:
 def resumer_of(client: TestClient) -> Any:
     """The app's background resumer (to wait for a resume it started)."""
     return client.app.state.ui.resumer  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def served(config: UiConfig) -> Iterator[str]:
+    """The dashboard served by uvicorn on 127.0.0.1 (a free port) in a thread; yields its URL."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(config), log_level="warning", timeout_graceful_shutdown=2)
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + scenarios.GUARD
+        while not server.started:  # polling the observed state: uvicorn offers no event
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the dashboard did not start")
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(scenarios.GUARD)
+        sock.close()
+
+
+def in_thread(work: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run ``work`` to completion on a loop of its own thread (the test's thread drives a browser)."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def main() -> None:
+        try:
+            box["value"] = asyncio.run(work())
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=main)
+    thread.start()
+    thread.join(scenarios.GUARD)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]  # type: ignore[no-any-return]
+
+
+class Background:
+    """A coroutine running on its own thread's loop until it ends (a run the page watches)."""
+
+    def __init__(self, work: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+        import threading
+
+        self.error: BaseException | None = None
+        self.result: Any = None
+
+        def main() -> None:
+            try:
+                self.result = asyncio.run(work())
+            except BaseException as exc:
+                self.error = exc
+
+        self.thread = threading.Thread(target=main, daemon=True)
+        self.thread.start()
+
+    def join(self) -> Any:
+        self.thread.join(scenarios.GUARD)
+        assert not self.thread.is_alive(), "the background run did not end"
+        if self.error is not None:
+            raise self.error
+        return self.result

@@ -102,6 +102,10 @@ def ui(
     server = uvicorn.Server(
         uvicorn.Config(create_app(config), log_level="warning", timeout_graceful_shutdown=2)
     )
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])  # uvicorn stops gracefully, then re-raises the signal
+    except KeyboardInterrupt:
+        console.print("stopped")
+        raise typer.Exit(130) from None
     if not server.started:
         fail("the dashboard did not start (see the log above)")

@@ -53,7 +53,8 @@ async def run_updates(
     reader = state.reader
     events: list[EventRow] = list(await reader.events(run_id))
     view = await run_view(reader, state.catalog, run_id, now=time.time(), events=events)
-    shown = render_parts(pages, view, state, auth)
+    # What the page shows was rendered before this stream began: the first update sends every part.
+    shown: dict[str, str] = {}
     sent_seq, sent_at = after, time.monotonic()
     note = _note(state, run_id)
     while True:

@@ -1,0 +1,136 @@
+"""``tailrace ui``: the real console script in a subprocess, on 127.0.0.1 and a free port."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from tailrace.cli._app import app
+
+scenarios = sys.modules["tailrace_tests_ui_scenarios"]
+SCRIPT = Path(sys.executable).parent / "tailrace"
+DEADLINE = 30.0
+
+
+def start(*args: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """Start ``tailrace ui ARGS``; returns it and the lines it printed up to the address."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "300"}
+    env.pop("TAILRACE_UI_TOKEN", None)
+    proc = subprocess.Popen(
+        [str(SCRIPT), "ui", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + DEADLINE
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip("\n"))
+        if line.startswith("open "):
+            return proc, lines
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    raise AssertionError(f"tailrace ui printed no address: {lines}")
+
+
+@pytest.fixture
+def stopped() -> Iterator[list[subprocess.Popen[str]]]:
+    """Processes to stop at the end (SIGKILL if they are still there)."""
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def gated_db(path: Path) -> str:
+    async def make() -> str:
+        async with scenarios.opened(scenarios.sqlite_factory(path)) as store:
+            import tailrace as tr
+
+            result = await tr.Engine(store=store).run(scenarios.approval, "cli", run_id="cli-run")
+            return str(result.questions[0].question_id)
+
+    return asyncio.run(make())
+
+
+def test_it_prints_an_address_with_a_token_serves_pages_and_accepts_a_token_change(
+    tmp_path: Path, stopped: list[subprocess.Popen[str]]
+) -> None:
+    db = tmp_path / "runs.db"
+    qid = gated_db(db)
+    proc, lines = start("--db", str(db), "--port", "0")
+    stopped.append(proc)
+    address = lines[-1].removeprefix("open ")
+    match = re.fullmatch(r"http://127\.0\.0\.1:(\d+)/runs\?token=([\w-]+)", address)
+    assert match, lines
+    token = match.group(2)
+    assert lines[0] == f"tailrace ui: {db}"
+    with httpx.Client(base_url=f"http://127.0.0.1:{match.group(1)}") as client:
+        home = client.get(address, follow_redirects=True)
+        assert home.status_code == 200 and "cli-run" in home.text
+        refused = client.post(f"/answer/{qid}", data={"answer": '"no"', "token": "guess"})
+        answered = client.post(f"/answer/{qid}", data={"answer": '"yes"', "token": token})
+    assert (refused.status_code, answered.status_code) == (403, 303)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: a graceful stop, then the usual exit code
+    assert proc.wait(DEADLINE) == 130
+    assert proc.stdout is not None and "stopped" in proc.stdout.read()
+
+
+def test_read_only_prints_no_token_and_refuses_changes(
+    tmp_path: Path, stopped: list[subprocess.Popen[str]]
+) -> None:
+    db = tmp_path / "runs.db"
+    qid = gated_db(db)
+    proc, lines = start("--db", str(db), "--port", "0", "--read-only", "--token", "fixed-token")
+    stopped.append(proc)
+    assert "(read-only)" in lines[0]
+    url = lines[-1].removeprefix("open ")
+    assert "token" not in url
+    with httpx.Client() as client:
+        page = client.get(url.replace("/runs", "/questions"))
+        refused = client.post(
+            url.replace("/runs", f"/answer/{qid}"), data={"answer": '"x"', "token": "fixed-token"}
+        )
+    assert 'class="answer-form"' not in page.text and refused.status_code == 403
+    proc.send_signal(signal.SIGTERM)  # uvicorn stops gracefully, then dies of the signal
+    assert proc.wait(DEADLINE) == -signal.SIGTERM
+
+
+def test_a_missing_store_a_memory_store_and_a_busy_port_are_one_line_errors(tmp_path: Path) -> None:
+    runner = CliRunner()
+    missing = runner.invoke(app, ["ui", "--db", str(tmp_path / "nope.db"), "--read-only"])
+    memory = runner.invoke(app, ["ui", "--db", ":memory:"])
+    assert (
+        missing.exit_code == 1
+        and "cannot open store" in missing.output
+        and "nope.db" in missing.output
+    )
+    assert memory.exit_code == 1 and "memory store lives inside one process" in memory.output
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        taken = runner.invoke(app, ["ui", "--db", str(tmp_path / "t.db"), "--port", str(port)])
+    assert taken.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in taken.output
