@@ -374,7 +374,7 @@ async def main(cfg: Config) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2, help="runs per row; the best is kept")
-    parser.add_argument("--seeds", type=int, default=6, help="seeds for parts 3 and 4")
+    parser.add_argument("--seeds", type=int, default=8, help="seeds for parts 3 and 4")
     parser.add_argument("--seed", type=int, default=0, help="seed of the latency sequence")
     parser.add_argument("--quick", action="store_true", help="fewer rollouts (a smoke run)")
     args = parser.parse_args()

@@ -117,3 +117,32 @@ def test_a_sweep_missing_a_required_field_is_named() -> None:
     data["history"] = ["not a sweep"]
     with pytest.raises(ValueError, match=r"history\[0\] must be a JSON object"):
         EvolutionResult.from_dict(data)
+
+
+async def test_errors_usage_and_reversals_survive_save_and_load(tmp_path: Path) -> None:
+    from tailrace.evolve import FailedAttempt, Retry, Task, Usage, evolve, record_usage
+
+    calls = {"n": 0}
+
+    def run(rendered: str, task: Task) -> str:
+        calls["n"] += 1
+        record_usage(model="m", prompt_tokens=3, completion_tokens=1)
+        if calls["n"] % 3 == 0:
+            raise ConnectionError("dropped")
+        return rendered
+
+    tasks = [Task(id=f"t{i}", prompt="") for i in range(8)]
+    result = await evolve(
+        tasks,
+        lambda t, o: 0.0,
+        run=run,
+        propose=lambda *a: None,
+        max_rollouts=8,
+        retry=Retry(backoff=0.0),
+    )
+    assert result.errors and all(isinstance(e, FailedAttempt) for e in result.errors)
+    path = tmp_path / "result.json"
+    result.save(path)
+    loaded = EvolutionResult.load(path)
+    assert loaded == result
+    assert isinstance(loaded.usage[0], Usage) and isinstance(loaded.errors[0], FailedAttempt)

@@ -117,6 +117,8 @@ class DemoDomain:
         self.noise = noise
         self.sleep = sleep
         self.initial = Artifact(entries={}, renderer=render_rules)
+        #: The price table of the demo's "model" (pass it as ``prices=``).
+        self.prices = dict(DEMO_PRICES)
         self.tasks = [self._task(i) for i in range(n_tasks)]
         self._calls: Counter[str] = Counter()
         #: Rollouts run so far, and how many of them spiked.
