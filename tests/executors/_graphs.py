@@ -276,3 +276,14 @@ def placed() -> tr.Graph:
     g.add_node("wide", resources, resources={"num_cpus": 2})
     g.add_node("env", environment, runtime_env={"env_vars": {"TAILRACE_TEST_ENV": "from-node"}})
     return g
+
+
+def lone_slow(directory: str) -> tr.Graph:
+    """One node that waits until it is cancelled."""
+    g = tr.Graph("lone-slow")
+
+    async def slow(x: Any) -> str:
+        return await until_cancelled(directory, "slow")
+
+    g.add_node("slow", slow)
+    return g

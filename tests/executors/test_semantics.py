@@ -202,3 +202,17 @@ async def test_t3_hedge_backup_wins_loser_cancelled_one_result_committed(
             ("h", 1, 1, False),
             ("h", 1, 1, True),
         ]
+
+
+async def test_cancelling_the_run_stops_the_attempt_before_the_cancellation_returns(
+    harness: Harness, graphs: ModuleType, tmp_path: Path
+) -> None:
+    directory = workdir(tmp_path)
+    run = asyncio.create_task(harness.run(graphs.lone_slow(directory), 0, "cancelled"))
+    assert await graphs.until_marked(directory, "slow.started")  # a file: it crosses processes
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+
+    assert graphs.marked(directory, "slow.cancelled")  # stopped, and awaited, on every executor
+    assert (await harness.store.get_run("cancelled")).lease_owner is None

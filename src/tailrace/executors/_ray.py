@@ -92,7 +92,8 @@ class RayExecutor:
         self._owns_ray = False
         self._lock: asyncio.Lock | None = None
         self._functions: dict[int, tuple[Node, Any]] = {}
-        self._remotes: dict[Handler, Any] = {}
+        #: Ray remote functions by handler identity (a handler need not be hashable).
+        self._remotes: dict[int, tuple[Handler, Any]] = {}
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -167,11 +168,14 @@ class RayExecutor:
         cached = self._functions.get(id(node))
         if cached is not None and cached[0] is node:
             return cached[1]
-        remote = self._remotes.get(node.handler)
-        if remote is None:
-            ray = _import_ray()
-            remote = ray.remote(_task_for(node.handler, self.codec))
-            self._remotes[node.handler] = remote
+        known = self._remotes.get(id(node.handler))
+        if known is not None and known[0] is node.handler:
+            remote = known[1]
+        else:
+            remote = _import_ray().remote(_task_for(node.handler, self.codec))
+            if len(self._remotes) >= _MAX_FUNCTIONS:
+                self._remotes.clear()
+            self._remotes[id(node.handler)] = (node.handler, remote)
         options = task_options(
             {**self.resources, **(node.resources or {})},
             {**self.runtime_env, **(node.runtime_env or {})},
