@@ -25,8 +25,6 @@ from ._async import async_evolve as async_evolve
 from ._audit import FAST_MAX as FAST_MAX
 from ._audit import AuditItem as AuditItem
 from ._audit import AuditScheduler as AuditScheduler
-from ._core import Progress as Progress
-from ._core import Proposal as Proposal
 from ._demo import DemoDomain as DemoDomain
 from ._failures import FailedAttempt as FailedAttempt
 from ._failures import Retry as Retry
@@ -43,6 +41,8 @@ from ._model import split_tasks as split_tasks
 from ._openai import CompletionError as CompletionError
 from ._openai import OpenAICompatible as OpenAICompatible
 from ._openai import openai_compatible as openai_compatible
+from ._options import Progress as Progress
+from ._options import Proposal as Proposal
 from ._pool import Member as Member
 from ._result import EvolutionResult as EvolutionResult
 from ._result import Sweep as Sweep

@@ -45,18 +45,11 @@ from ..stores import RunStore
 from ..tail import DurationEstimator, ResumeItem, ResumeQueue
 from ._accept import Acceptance
 from ._audit import AuditScheduler
-from ._core import (
-    Evolution,
-    Progress,
-    Proposal,
-    first_error,
-    prepare,
-    settings_from,
-    straggler_limit,
-)
+from ._core import Evolution, first_error, prepare, straggler_limit
 from ._failures import Retry, UnitFailed
 from ._ledger import Version
 from ._model import Artifact, ProposeFn, RewardFn, RunFn, Task, shard
+from ._options import Progress, Proposal, settings_from
 from ._partial import PartialRollouts, durable_engine
 from ._pool import Member
 from ._result import EvolutionResult

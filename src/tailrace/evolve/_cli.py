@@ -19,8 +19,8 @@ from rich.table import Table
 from ..stores import RunStore, open_store
 from ..tail import DurationEstimator, ResumeQueue
 from ._async import async_evolve
-from ._core import Progress as EvolveProgress
 from ._demo import DEMO_PRICES, DemoDomain
+from ._options import Progress as EvolveProgress
 from ._result import EvolutionResult
 from ._sync import evolve
 

@@ -38,9 +38,10 @@ from typing import TypeVar
 
 from ._accept import Verdict, mean, prob_beats
 from ._audit import TRUST_FLOOR, AuditItem
-from ._core import Evolution, Proposal, first_error
+from ._core import Evolution, first_error
 from ._ledger import Version
 from ._model import Artifact, Edit
+from ._options import Proposal
 from ._pool import Member
 from ._result import Sweep
 
