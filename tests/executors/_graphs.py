@@ -287,3 +287,16 @@ def lone_slow(directory: str) -> tr.Graph:
 
     g.add_node("slow", slow)
     return g
+
+
+def blocked(directory: str, timeout: float) -> tr.Graph:
+    """One node blocked in one long sleep, which ray.cancel's interrupt does not wake."""
+    g = tr.Graph("blocked")
+
+    def sleeper(x: Any) -> str:
+        mark(directory, "sleeper.pid", str(os.getpid()))
+        time.sleep(DEADLINE)
+        return "slept"
+
+    g.add_node("sleeper", sleeper, timeout=timeout)
+    return g

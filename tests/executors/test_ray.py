@@ -81,6 +81,22 @@ async def test_a_sigkilled_worker_fails_the_try_and_the_retry_runs_on_another_wo
     assert [(row[0], row[2]) for row in graphs.executions(directory)] == [("work", 1), ("work", 2)]
 
 
+async def test_a_task_deaf_to_the_interrupt_is_killed_after_the_grace_period(
+    ray_session: Any, graphs: ModuleType, tmp_path: Path
+) -> None:
+    directory = str(tmp_path)
+    async with RayExecutor(cancel_grace=0.5) as ray_executor:
+        engine = tr.Engine(executor=ray_executor)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(GUARD):
+                await engine.run(graphs.blocked(directory, timeout=1.0), None)
+
+    # Its sleep would end after a minute and leave the worker alive for the next task:
+    # gone now means ray.cancel(force=True) killed it.
+    pid = int(graphs.read_mark(directory, "sleeper.pid"))
+    await until(lambda: not alive(pid), "the blocked worker to be killed")
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
