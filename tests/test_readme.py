@@ -1,4 +1,7 @@
-"""README.md says what works: its example runs, its two commands are what CI and users run."""
+"""README.md says what works: its example runs, its two commands are what CI and users run.
+
+Its concept table is checked with the docs site (``tests/test_docs.py``).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-CONCEPTS = ROOT / "docs" / "concepts.md"
 SCRIPT = Path(sys.executable).parent / "tailrace"
 
 
@@ -24,11 +26,6 @@ def _section(text: str, heading: str) -> str:
 
 def _code_blocks(text: str, language: str) -> list[str]:
     return re.findall(rf"^```{language}\n(.*?)^```", text, re.M | re.S)
-
-
-def _anchor(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to dashes."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
 def test_example_runs_and_prints_what_it_should(tmp_path: Path) -> None:
@@ -91,53 +88,3 @@ def test_main_job_command_works(tmp_path: Path) -> None:
     assert " completed in " in done.stdout
     assert "1 late input" in done.stdout
     assert '"draft 2: search notes on tail latency; papers notes on tail latency"' in done.stdout
-
-
-def test_concept_links_point_at_headings_of_the_concepts_doc() -> None:
-    links = re.findall(r"\(docs/concepts\.md#([\w-]+)\)", README.read_text())
-    assert links, "README.md links no concept"
-    headings = {
-        _anchor(line[3:]) for line in CONCEPTS.read_text().splitlines() if line.startswith("## ")
-    }
-    assert set(links) <= headings, f"dangling: {sorted(set(links) - headings)}"
-
-
-def test_concepts_doc_names_only_paths_that_exist() -> None:
-    text = CONCEPTS.read_text()
-    paths = set(re.findall(r"`([\w./]+(?:\.py|/))`", text))
-    assert paths
-    for path in sorted(paths):
-        if path.startswith(("tests/", "examples/", "src/")):
-            assert (ROOT / path).exists(), f"docs/concepts.md names missing {path}"
-        else:  # a module or package of the source tree
-            assert (ROOT / "src" / "tailrace" / path).exists(), f"no src/tailrace/{path}"
-
-
-def test_concepts_doc_has_its_sections_and_stays_short() -> None:
-    text = CONCEPTS.read_text()
-    headings = [line[3:] for line in text.splitlines() if line.startswith("## ")]
-    assert headings == ["Graph", "Run", "Engine", "Store", "Gates", "Long tail", "Semantics"]
-    semantics = _section(text, "Semantics")
-    for clause in [f"G{i}" for i in range(1, 4)] + [f"E{i}" for i in range(1, 12)]:
-        assert f"| {clause} |" in semantics, clause
-    for clause in [f"D{i}" for i in range(1, 7)] + [f"T{i}" for i in range(1, 5)]:
-        assert f"| {clause} |" in semantics, clause
-    assert "| Q1-Q6 |" in semantics
-    assert len(text.splitlines()) <= 380
-
-
-def test_concepts_doc_examples_run(tmp_path: Path) -> None:
-    blocks = _code_blocks(CONCEPTS.read_text(), "python")
-    assert len(blocks) >= 5
-    for i, code in enumerate(blocks):
-        script = tmp_path / f"concepts_{i}.py"
-        script.write_text(code)
-        done = subprocess.run(
-            [sys.executable, str(script)],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert done.returncode == 0, f"block {i}:\n{code}\n{done.stderr}"
-        assert done.stdout.strip(), f"block {i} printed nothing"
