@@ -277,4 +277,4 @@ async def test_sqlite_upgrades_a_version_3_database(tmp_path: Path) -> None:
     with sqlite3.connect(path) as conn:
         versions = conn.execute("SELECT version FROM schema_migrations ORDER BY version").fetchall()
     conn.close()
-    assert versions[-1] == (4,)
+    assert (4,) in versions  # migration 4 (deferred answers) among them

@@ -18,10 +18,13 @@ from __future__ import annotations
 import os
 import typing
 
+from ._base import CHANGE_KINDS as CHANGE_KINDS
 from ._base import FORMAT_VERSION as FORMAT_VERSION
+from ._base import LIVE_STATUSES as LIVE_STATUSES
 from ._base import QUESTION_TRANSITIONS as QUESTION_TRANSITIONS
 from ._base import TERMINAL_STATUSES as TERMINAL_STATUSES
 from ._base import ArtifactVersion as ArtifactVersion
+from ._base import ChangeFeed as ChangeFeed
 from ._base import EventRow as EventRow
 from ._base import FrozenInput as FrozenInput
 from ._base import Harvest as Harvest
@@ -29,11 +32,15 @@ from ._base import NewRun as NewRun
 from ._base import NodeRow as NodeRow
 from ._base import QuestionRow as QuestionRow
 from ._base import QuestionStatus as QuestionStatus
+from ._base import Queue as Queue
+from ._base import QueueStats as QueueStats
 from ._base import ResultRow as ResultRow
 from ._base import RunRecord as RunRecord
 from ._base import RunStatus as RunStatus
 from ._base import RunStore as RunStore
 from ._base import StoredRun as StoredRun
+from ._base import Submission as Submission
+from ._base import WorkerRow as WorkerRow
 from ._memory import MemoryStore as MemoryStore
 from ._sqlite import SQLiteStore as SQLiteStore
 
@@ -41,10 +48,13 @@ if typing.TYPE_CHECKING:
     from ._postgres import PostgresStore as PostgresStore
 
 __all__ = [
+    "CHANGE_KINDS",
     "FORMAT_VERSION",
+    "LIVE_STATUSES",
     "QUESTION_TRANSITIONS",
     "TERMINAL_STATUSES",
     "ArtifactVersion",
+    "ChangeFeed",
     "EventRow",
     "FrozenInput",
     "Harvest",
@@ -54,12 +64,16 @@ __all__ = [
     "PostgresStore",
     "QuestionRow",
     "QuestionStatus",
+    "Queue",
+    "QueueStats",
     "ResultRow",
     "RunRecord",
     "RunStatus",
     "RunStore",
     "SQLiteStore",
     "StoredRun",
+    "Submission",
+    "WorkerRow",
     "open_store",
 ]
 

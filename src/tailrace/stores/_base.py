@@ -14,17 +14,23 @@ migrations included, in ``_sql``.
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import math
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 
 #: Version of the rows this code writes (D4). Bumped on incompatible change.
 FORMAT_VERSION = 1
 
 
 class RunStatus(enum.StrEnum):
-    """Lifecycle of a run. Legal transitions live in ``RUN_TRANSITIONS``."""
+    """Lifecycle of a run. Legal transitions live in ``RUN_TRANSITIONS``.
 
+    ``queued``: submitted to a queue and not claimed by a worker yet.
+    """
+
+    QUEUED = "queued"
     RUNNING = "running"
     SUSPENDED = "suspended"
     COMPLETED = "completed"
@@ -33,6 +39,7 @@ class RunStatus(enum.StrEnum):
 
 
 RUN_TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
+    RunStatus.QUEUED: frozenset({RunStatus.RUNNING, RunStatus.FAILED, RunStatus.CANCELLED}),
     RunStatus.RUNNING: frozenset(
         {
             RunStatus.RUNNING,
@@ -49,6 +56,8 @@ RUN_TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
 }
 
 TERMINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
+#: Statuses of a run that has not finished: a dedup key is live while its run is in one.
+LIVE_STATUSES = frozenset({RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.SUSPENDED})
 
 
 class QuestionStatus(enum.StrEnum):
@@ -158,6 +167,19 @@ class RunRecord:
     lease_expires: float | None
     lease_token: int
     format_version: int
+    #: The queue the run was submitted to (None: started directly), and how it
+    #: was submitted (see :class:`Submission`).
+    queue_name: str | None = None
+    priority: int = 0
+    partition_key: str | None = None
+    dedup_key: str | None = None
+    cost: float | None = None
+    estimate: float | None = None
+    #: When it was submitted, and when a worker claimed it (None until then).
+    queued_at: float | None = None
+    started_at: float | None = None
+    #: When someone asked to cancel it while it ran (its driver stops at its next harvest).
+    cancel_requested_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -230,6 +252,163 @@ class StoredRun:
 
     run: RunRecord
     nodes: dict[str, NodeRow] = field(default_factory=dict)
+
+
+# --- queues and workers (scale-out: the store is the coordinator) -----------------
+
+#: How a queue orders the runs it hands out: by submit time, by ``priority``
+#: (higher first, then submit time), or longest estimated run first (``lpt``).
+QUEUE_ORDERS = ("fifo", "priority", "lpt")
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    """A named queue of runs and the limits every worker claiming from it keeps.
+
+    Args:
+        name: the queue's name (what ``submit(queue=...)`` names).
+        concurrency: most runs of this queue running at once across all
+            workers (None: no limit). A run holds its slot from its claim
+            until it finishes or suspends on a gate; a run whose worker died
+            keeps it until another worker, having adopted it, finishes it.
+        worker_concurrency: most runs of this queue one worker process drives
+            at once (None: only the worker's own ``concurrency``).
+        limit: most runs started (claimed) per ``period`` seconds across all
+            workers, a sliding window (None: no rate limit).
+        period: the rate limit's window in seconds.
+        order: ``"fifo"`` (submit order), ``"priority"`` (higher ``priority``
+            first, then submit order) or ``"lpt"`` (longest estimated run
+            first, then submit order; see ``Engine.submit``'s ``estimate``).
+
+    Runs submitted with a ``partition`` key start one at a time per key, in
+    submit order: the next one starts once the previous one finished.
+
+    >>> Queue("emails", concurrency=10, limit=100, period=60.0)
+    Queue(name='emails', concurrency=10, worker_concurrency=None, limit=100, period=60.0, order='fifo')
+    """
+
+    name: str
+    _: KW_ONLY
+    concurrency: int | None = None
+    worker_concurrency: int | None = None
+    limit: int | None = None
+    period: float = 1.0
+    order: str = "fifo"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"queue name must be a non-empty string, got {self.name!r}")
+        for what in ("concurrency", "worker_concurrency", "limit"):
+            value = getattr(self, what)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"queue {self.name!r}: {what} must be None or >= 1, got {value!r}")
+        if (
+            self.concurrency is not None
+            and self.worker_concurrency is not None
+            and self.worker_concurrency > self.concurrency
+        ):
+            raise ValueError(
+                f"queue {self.name!r}: worker_concurrency {self.worker_concurrency} exceeds "
+                f"concurrency {self.concurrency}"
+            )
+        if not (isinstance(self.period, int | float) and 0 < self.period < math.inf):
+            raise ValueError(
+                f"queue {self.name!r}: period must be a positive number of seconds, got {self.period!r}"
+            )
+        if self.order not in QUEUE_ORDERS:
+            raise ValueError(
+                f"queue {self.name!r}: order must be one of {', '.join(QUEUE_ORDERS)}, got {self.order!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Submission:
+    """How a run is submitted to a queue (``submit_run``).
+
+    ``queue`` names it; ``priority`` orders a ``priority`` queue (higher
+    first); ``partition`` makes runs with the same key start one at a time in
+    submit order; ``dedup_key`` makes a second submit with that key, while a
+    run holding it is live (queued, running or suspended), return that run;
+    ``cost`` is what the duration estimator was given and ``estimate`` the
+    seconds it predicted (an ``lpt`` queue hands out the largest first).
+    """
+
+    queue: str
+    priority: int = 0
+    partition: str | None = None
+    dedup_key: str | None = None
+    cost: float | None = None
+    estimate: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueueStats:
+    """One queue as ``queue_stats`` sees it: declared limits and what its runs do now.
+
+    ``queued``/``running``/``suspended`` count its runs in each status;
+    ``started`` those claimed within the last ``window`` seconds; ``workers``
+    the live workers that serve it; ``oldest_queued_at`` the submit time of
+    the longest-waiting queued run (None when none waits).
+    """
+
+    name: str
+    queue: Queue | None
+    queued: int
+    running: int
+    suspended: int
+    started: int
+    window: float
+    workers: int
+    oldest_queued_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerRow:
+    """A worker process as it last reported itself (``worker_seen``).
+
+    ``worker_id`` is its lease owner name (``host:pid:start:nonce``);
+    ``queues`` the queues it claims from; ``running`` how many runs it drove
+    at ``seen_at``.
+    """
+
+    worker_id: str
+    queues: tuple[str, ...]
+    concurrency: int
+    started_at: float
+    seen_at: float
+    running: int = 0
+
+
+#: What a change feed reports: a run was submitted, a question answered, a
+#: lease released (a run finished, suspended, or let go), a cancel requested.
+CHANGE_KINDS = frozenset({"submit", "answer", "release", "cancel"})
+
+
+class ChangeFeed(abc.ABC):
+    """Wake-ups from the store (see :meth:`RunStore.changes`)."""
+
+    @abc.abstractmethod
+    async def wait(self, seconds: float) -> frozenset[str]:
+        """The kinds of change (:data:`CHANGE_KINDS`) seen since the last call; empty after ``seconds`` with none.
+
+        A kind may be reported when nothing of it changed (a fallback that
+        polls reports them all); a change made after the feed opened is never
+        missed.
+        """
+
+
+class PollingFeed(ChangeFeed):
+    """The fallback feed: every ``interval`` seconds, it reports every kind."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+
+    async def wait(self, seconds: float) -> frozenset[str]:
+        """Sleep ``min(seconds, interval)``, then report every kind (or none if ``seconds`` was shorter)."""
+        import asyncio
+
+        await asyncio.sleep(max(0.0, min(seconds, self.interval)))
+        return CHANGE_KINDS if seconds >= self.interval else frozenset()
 
 
 class RunStore(abc.ABC):
@@ -309,9 +488,13 @@ class RunStore(abc.ABC):
 
     @abc.abstractmethod
     async def list_runs(
-        self, *, status: RunStatus | None = None, limit: int | None = None
+        self,
+        *,
+        status: RunStatus | None = None,
+        limit: int | None = None,
+        queue: str | None = None,
     ) -> list[RunRecord]:
-        """Runs, newest first, optionally only those with ``status``."""
+        """Runs, newest first, optionally only those with ``status`` and of ``queue``, at most ``limit``."""
 
     @abc.abstractmethod
     async def results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
@@ -462,3 +645,136 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     async def artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
         """Every version of ``artifact_id``, oldest first."""
+
+    # -- queues, claims and workers (scale-out) ----------------------------------
+    #
+    # The store is the coordinator: a run submitted to a queue is stored
+    # ``queued``; a worker *claims* runs, which atomically checks the queue's
+    # limits (declared with ``declare_queue``), marks them ``running`` and
+    # leases them to the worker, so no two workers ever get the same run.
+    # Postgres claims with ``FOR UPDATE SKIP LOCKED`` (and a per-queue
+    # advisory lock while a limit needs counting); SQLite in one ``BEGIN
+    # IMMEDIATE`` transaction; memory under its lock.
+
+    @abc.abstractmethod
+    async def submit_run(self, run: NewRun, submission: Submission) -> str:
+        """Store ``run`` as ``queued`` in ``submission.queue`` and return its id.
+
+        If ``submission.dedup_key`` is held by a live run of that queue
+        (queued, running or suspended), nothing is stored and that run's id
+        is returned instead. :class:`~tailrace.RunExists` if ``run.run_id`` is
+        taken. Wakes workers waiting on the queue (a ``submit`` change).
+        """
+
+    @abc.abstractmethod
+    async def claim_runs(self, queue: str, owner: str, ttl: float, *, limit: int) -> list[str]:
+        """Claim up to ``limit`` queued runs of ``queue`` for ``owner`` and return their ids, in queue order.
+
+        Args:
+            queue: the queue to claim from; its declared :class:`Queue` (or
+                the defaults, if never declared) gives the order and limits.
+            owner: the worker claiming (its lease owner name).
+            ttl: seconds the leases last unless renewed.
+            limit: the most runs to claim.
+
+        Atomically: the queue's ``concurrency`` is never exceeded (counting
+        its runs ``running``, and ``suspended`` ones whose lease is live),
+        nor its rate ``limit`` (runs with ``started_at`` within ``period``),
+        runs with a partition key start one at a time in submit order, and
+        each claimed run becomes ``running``, gets ``started_at``, and is
+        leased to ``owner`` with a new fencing token (D6). A run is claimed
+        by one caller only, across processes and hosts.
+        """
+
+    @abc.abstractmethod
+    async def claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
+        """Lease up to ``limit`` suspended runs that have an answer due, to ``owner``; one due question per run.
+
+        Args:
+            owner: the worker claiming.
+            ttl: seconds the leases last.
+            limit: the most runs.
+
+        Only runs with no live lease are taken (so a run is resumed by one
+        worker, Q3), answers in :meth:`unapplied_answers` order. A run of a
+        queue with a ``concurrency`` limit is taken only while the queue has
+        a free slot (its lease then holds the slot). The caller applies the
+        answer and releases the lease.
+        """
+
+    @abc.abstractmethod
+    async def request_cancel(self, run_id: str) -> RunStatus:
+        """Cancel a queued run now, or ask its driver to cancel a running or suspended one; return the status now.
+
+        A ``queued`` run becomes ``cancelled`` atomically (no worker can
+        claim it any more). A ``running`` or ``suspended`` run gets
+        ``cancel_requested_at`` (kept if already set) and stays as it is: its
+        driver (or whoever takes its lease) ends it. A finished run is left
+        as it is. Wakes workers (a ``cancel`` change).
+        :class:`~tailrace.RunNotFound` if absent.
+        """
+
+    @abc.abstractmethod
+    async def cancel_requests(self, owner: str) -> list[str]:
+        """Ids of ``running`` runs leased to ``owner`` with a cancel request."""
+
+    @abc.abstractmethod
+    async def runs_leased_by(self, owner: str, *, limit: int = 100) -> list[str]:
+        """Ids of ``running`` runs whose lease ``owner`` holds (live or not), at most ``limit``."""
+
+    @abc.abstractmethod
+    async def declare_queue(self, queue: Queue) -> None:
+        """Store ``queue``'s limits (replacing an earlier declaration); every claim from it keeps them."""
+
+    @abc.abstractmethod
+    async def queues(self) -> list[Queue]:
+        """Every declared queue, by name."""
+
+    @abc.abstractmethod
+    async def queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
+        """Declared queues and queues that have runs, by name, with their counts at ``now``.
+
+        ``started`` counts runs claimed within ``window`` seconds before
+        ``now``; ``workers`` the workers seen within ``window`` that serve
+        the queue.
+        """
+
+    @abc.abstractmethod
+    async def worker_seen(self, worker: WorkerRow) -> None:
+        """Record (insert or replace) ``worker``'s report of itself."""
+
+    @abc.abstractmethod
+    async def workers(self) -> list[WorkerRow]:
+        """Every worker that reported itself and was not forgotten, by id."""
+
+    @abc.abstractmethod
+    async def forget_worker(self, worker_id: str) -> None:
+        """Drop ``worker_id``'s report (it stopped, or died and its runs were adopted)."""
+
+    @abc.abstractmethod
+    async def run_durations(
+        self, fingerprint: str, *, limit: int = 200
+    ) -> list[tuple[float, float]]:
+        """``(cost, seconds)`` of the latest completed queued runs of the graph ``fingerprint``, newest first.
+
+        ``seconds`` runs from the claim to the finish; a run submitted with no
+        cost has cost 0. For the duration estimator an ``lpt`` queue orders by.
+        """
+
+    def changes(self) -> contextlib.AbstractAsyncContextManager[ChangeFeed]:
+        """A feed of wake-ups: ``async with store.changes() as feed: kinds = await feed.wait(1.0)``.
+
+        Postgres delivers ``LISTEN/NOTIFY`` notifications sent by
+        ``submit_run``, ``answer``, ``release_lease`` and ``request_cancel``
+        (falling back to polling while its listening connection is down);
+        SQLite checks ``PRAGMA data_version`` every few milliseconds and reads
+        which kind changed from a small ``signals`` table those writes bump;
+        memory delivers them as they happen. This default polls (a
+        :class:`PollingFeed` of 50 ms), for stores that have nothing better.
+        """
+        return _polling_changes()
+
+
+@contextlib.asynccontextmanager
+async def _polling_changes() -> AsyncIterator[ChangeFeed]:
+    yield PollingFeed(0.05)

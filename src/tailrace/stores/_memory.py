@@ -30,12 +30,17 @@ from ._base import (
     NodeRow,
     QuestionRow,
     QuestionStatus,
+    Queue,
     ResultRow,
     RunRecord,
     RunStatus,
     RunStore,
     StoredRun,
+    Submission,
+    WorkerRow,
 )
+from ._changes import ChangeHub
+from ._memory_queues import MemoryQueues
 from ._rules import (
     EMPTY_STATE_JSON,
     answer_status,
@@ -64,7 +69,7 @@ from ._rules import (
 # --- the store ---------------------------------------------------------------
 
 
-class MemoryStore(RunStore):
+class MemoryStore(MemoryQueues, RunStore):
     """A store in process memory: fast, thread-safe, gone when the process ends.
 
     Args:
@@ -87,6 +92,9 @@ class MemoryStore(RunStore):
         self._events: dict[str, dict[int, EventRow]] = {}
         self._questions: dict[str, QuestionRow] = {}
         self._artifacts = ArtifactLedger(clock)
+        self._queues: dict[str, Queue] = {}
+        self._workers: dict[str, WorkerRow] = {}
+        self._hub = ChangeHub()
 
     async def open(self) -> None:
         """Nothing to connect; kept for the contract. Idempotent."""
@@ -111,28 +119,40 @@ class MemoryStore(RunStore):
         with self._lock:
             if run.run_id in self._runs:
                 raise RunExists(f"run {run.run_id!r} already exists")
-            self._runs[run.run_id] = RunRecord(
-                run_id=run.run_id,
-                graph_name=run.graph_name,
-                graph_ref=run.graph_ref,
-                fingerprint=run.fingerprint,
-                status=RunStatus.RUNNING,
-                input_json=run.input_json,
-                state_json=EMPTY_STATE_JSON,
-                error=None,
-                created_at=run.created_at,
-                updated_at=run.created_at,
-                finished_at=None,
-                nodes_done=0,
-                lease_owner=None,
-                lease_expires=None,
-                lease_token=0,
-                format_version=run.format_version,
-            )
-            self._nodes[run.run_id] = {}
-            self._results[run.run_id] = {}
-            self._frozen[run.run_id] = {}
-            self._events[run.run_id] = {}
+            self._insert_run(run, None)
+
+    def _insert_run(self, run: NewRun, submission: Submission | None) -> None:
+        """Add the rows of a new run (``queued`` with a ``submission``); the caller holds the lock."""
+        q = submission
+        self._runs[run.run_id] = RunRecord(
+            run_id=run.run_id,
+            graph_name=run.graph_name,
+            graph_ref=run.graph_ref,
+            fingerprint=run.fingerprint,
+            status=RunStatus.RUNNING if q is None else RunStatus.QUEUED,
+            input_json=run.input_json,
+            state_json=EMPTY_STATE_JSON,
+            error=None,
+            created_at=run.created_at,
+            updated_at=run.created_at,
+            finished_at=None,
+            nodes_done=0,
+            lease_owner=None,
+            lease_expires=None,
+            lease_token=0,
+            format_version=run.format_version,
+            queue_name=None if q is None else q.queue,
+            priority=0 if q is None else q.priority,
+            partition_key=None if q is None else q.partition,
+            dedup_key=None if q is None else q.dedup_key,
+            cost=None if q is None else q.cost,
+            estimate=None if q is None else q.estimate,
+            queued_at=None if q is None else run.created_at,
+        )
+        self._nodes[run.run_id] = {}
+        self._results[run.run_id] = {}
+        self._frozen[run.run_id] = {}
+        self._events[run.run_id] = {}
 
     async def commit(self, run_id: str, token: int, harvest: Harvest) -> None:
         """Apply ``harvest`` to ``run_id`` atomically if ``token`` is current (D1, D6, Q3)."""
@@ -235,11 +255,20 @@ class MemoryStore(RunStore):
             return self._run(run_id)
 
     async def list_runs(
-        self, *, status: RunStatus | None = None, limit: int | None = None
+        self,
+        *,
+        status: RunStatus | None = None,
+        limit: int | None = None,
+        queue: str | None = None,
     ) -> list[RunRecord]:
-        """Runs newest first (``created_at``, then ``run_id``), only ``status`` ones if given, at most ``limit``."""
+        """Runs newest first (``created_at``, then ``run_id``), only ``status`` ones and of ``queue`` if given, at most ``limit``."""
+        check_name("queue", queue)
         with self._lock:
-            runs = [r for r in self._runs.values() if status is None or r.status == status]
+            runs = [
+                r
+                for r in self._runs.values()
+                if status in (None, r.status) and queue in (None, r.queue_name)
+            ]
         runs.sort(key=lambda r: (r.created_at, r.run_id), reverse=True)
         return runs if limit is None else runs[: max(limit, 0)]
 
@@ -304,10 +333,10 @@ class MemoryStore(RunStore):
         check_names(run_id=run_id, owner=owner)
         with self._lock:
             record = self._runs.get(run_id)
-            if record and record.lease_owner == owner and record.lease_token == token:
-                self._runs[run_id] = dataclasses.replace(
-                    record, lease_owner=None, lease_expires=None
-                )
+            if not (record and record.lease_owner == owner and record.lease_token == token):
+                return
+            self._runs[run_id] = dataclasses.replace(record, lease_owner=None, lease_expires=None)
+        self._hub.deliver(frozenset({"release"}))
 
     async def expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
         """Ids of ``running`` runs with no lease or one that expired before ``now``, at most ``limit``."""
@@ -360,7 +389,8 @@ class MemoryStore(RunStore):
                 answered_at=self._clock(),
             )  # fmt: skip
             self._questions[question_id] = row
-            return row
+        self._hub.deliver(frozenset({"answer"}))
+        return row
 
     async def get_question(self, question_id: str) -> QuestionRow:
         """Return question ``question_id``; ``QuestionNotFound`` if absent."""

@@ -47,7 +47,8 @@ from ._base import (
     RunStore,
     StoredRun,
 )
-from ._postgres_faults import Attempt, Conn, PostgresConnections, harvest_texts, nothing
+from ._postgres_faults import Attempt, Conn, harvest_texts, nothing
+from ._postgres_queues import PostgresQueues, notify
 from ._postgres_sql import (
     LOCK_FOR_COMMIT,
     LOCK_LEASE,
@@ -88,7 +89,6 @@ from ._sql import (
     DUE_ANSWERS,
     EVENT_COLUMNS,
     EXPIRED_LEASES,
-    RUN_COLUMNS,
     SELECT_ARTIFACT_HEAD,
     SELECT_ARTIFACT_HISTORY,
     SUPERSEDE_QUESTION,
@@ -100,9 +100,10 @@ from ._sql import (
     question_from_row,
     record_from_row,
 )
+from ._sql_queues import list_runs_query
 
 
-class PostgresStore(PostgresConnections, RunStore):
+class PostgresStore(PostgresQueues, RunStore):
     """A store in PostgreSQL, shared by any number of engines.
 
     Args:
@@ -207,16 +208,17 @@ class PostgresStore(PostgresConnections, RunStore):
         return await self._read(f"run {run_id!r}", read)
 
     async def list_runs(
-        self, *, status: RunStatus | None = None, limit: int | None = None
+        self,
+        *,
+        status: RunStatus | None = None,
+        limit: int | None = None,
+        queue: str | None = None,
     ) -> list[RunRecord]:
-        """Runs newest first (``created_at``, then ``run_id``), only ``status`` ones if given, at most ``limit``."""
-        where = "" if status is None else "WHERE status = %s"
-        params: tuple[object, ...] = () if status is None else (status.value,)
+        """Runs newest first (``created_at``, then ``run_id``), only ``status`` ones and of ``queue`` if given, at most ``limit``."""
+        check_name("queue", queue)
+        query, params = list_runs_query(None if status is None else status.value, queue)
         params += (None if limit is None else max(limit, 0),)
-        query = (
-            f"SELECT {RUN_COLUMNS} FROM runs {where} ORDER BY created_at DESC, run_id DESC LIMIT %s"
-        )
-        rows = await self._read("listing runs", fetch_all(query, params))
+        rows = await self._read("listing runs", fetch_all(pg(query), params))
         return [record_from_row(r) for r in rows]
 
     async def results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
@@ -323,11 +325,15 @@ class PostgresStore(PostgresConnections, RunStore):
         """Drop ``owner``'s lease on ``run_id`` if still held with ``token``; else do nothing."""
         check_names(run_id=run_id, owner=owner)
 
+        channel = self._channel
+
         async def release(conn: Conn, attempt: Attempt) -> None:
+            # One statement: the release and, if it released, a wake-up for workers.
             await conn.execute(
-                "UPDATE runs SET lease_owner = NULL, lease_expires = NULL "
-                "WHERE run_id = %s AND lease_owner = %s AND lease_token = %s",
-                (run_id, owner, token),
+                "WITH released AS (UPDATE runs SET lease_owner = NULL, lease_expires = NULL "
+                "WHERE run_id = %s AND lease_owner = %s AND lease_token = %s RETURNING 1) "
+                "SELECT pg_notify(%s, 'release') FROM released",
+                (run_id, owner, token, channel),
             )
 
         await self._write(f"run {run_id!r}", release, transaction=False)
@@ -364,12 +370,15 @@ class PostgresStore(PostgresConnections, RunStore):
         check_name("by", by, context=f"question {question_id!r}: ")
         values = (new_status.value, answer_json, by, self._clock(), question_id)
 
+        channel = self._channel
+
         async def set_answer(conn: Conn, attempt: Attempt) -> QuestionRow:
             cur = await conn.execute(PG_ANSWER_QUESTION, values)
             row = await cur.fetchone()
             if row is None:  # a question never goes back to open: this state is final enough
                 raise not_open(question_id, (await question_state(conn, question_id))[0])
             attempt.xid = row[-1]
+            await notify(conn, channel, "answer")
             return question_from_row(row[:-1])
 
         return await self._write(

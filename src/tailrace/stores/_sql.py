@@ -23,6 +23,7 @@ from ._base import (
     QuestionStatus,
     RunRecord,
     RunStatus,
+    Submission,
 )
 from ._rules import EMPTY_STATE_JSON, parse_question_status, parse_status, printable_text
 
@@ -31,13 +32,21 @@ from ._rules import EMPTY_STATE_JSON, parse_question_status, parse_status, print
 RUN_FIELDS = (
     "run_id", "graph_name", "graph_ref", "fingerprint", "status", "input_json", "state_json",
     "error", "created_at", "updated_at", "finished_at", "nodes_done", "lease_owner",
-    "lease_expires", "lease_token", "format_version",
+    "lease_expires", "lease_token", "format_version", "queue_name", "priority", "partition_key",
+    "dedup_key", "cost", "estimate", "queued_at", "started_at", "cancel_requested_at",
 )  # fmt: skip
 RUN_COLUMNS = ", ".join(RUN_FIELDS)
 EVENT_FIELDS = ("seq", "type", "node_id", "visit", "attempt", "ts", "data_json")
 EVENT_COLUMNS = ", ".join(EVENT_FIELDS)
 
-INSERT_RUN = f"INSERT INTO runs ({RUN_COLUMNS}) VALUES ({', '.join('?' * len(RUN_FIELDS))})"
+#: The columns a run is created with: those of migration 1 (later columns default).
+_CREATED_FIELDS = RUN_FIELDS[: RUN_FIELDS.index("format_version") + 1]
+INSERT_RUN = (
+    f"INSERT INTO runs ({', '.join(_CREATED_FIELDS)}) "
+    f"VALUES ({', '.join('?' * len(_CREATED_FIELDS))})"
+)
+#: A run submitted to a queue: every column (migration 5 added the queue's).
+INSERT_QUEUED_RUN = f"INSERT INTO runs ({RUN_COLUMNS}) VALUES ({', '.join('?' * len(RUN_FIELDS))})"
 UPSERT_NODE = (
     "INSERT INTO node_states (run_id, node_id, status, visits, data_json) VALUES (?, ?, ?, ?, ?) "
     "ON CONFLICT (run_id, node_id) DO UPDATE SET status = excluded.status, "
@@ -127,6 +136,51 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             "ALTER TABLE questions ADD COLUMN retry_at DOUBLE PRECISION",
         ),
     ),
+    (
+        5,
+        (
+            # Run queues (issue 10): a run submitted to a queue waits ``queued``
+            # until a worker claims it; the store is the coordinator.
+            "ALTER TABLE runs ADD COLUMN queue_name TEXT",
+            "ALTER TABLE runs ADD COLUMN priority INTEGER NOT NULL DEFAULT 0",
+            "ALTER TABLE runs ADD COLUMN partition_key TEXT",
+            "ALTER TABLE runs ADD COLUMN dedup_key TEXT",
+            "ALTER TABLE runs ADD COLUMN cost DOUBLE PRECISION",
+            "ALTER TABLE runs ADD COLUMN estimate DOUBLE PRECISION",
+            "ALTER TABLE runs ADD COLUMN queued_at DOUBLE PRECISION",
+            "ALTER TABLE runs ADD COLUMN started_at DOUBLE PRECISION",
+            "ALTER TABLE runs ADD COLUMN cancel_requested_at DOUBLE PRECISION",
+            # Claim candidates and per-queue counts.
+            "CREATE INDEX runs_by_queue ON runs (queue_name, status, queued_at, run_id) "
+            "WHERE queue_name IS NOT NULL",
+            # The rate limit: runs claimed within a window.
+            "CREATE INDEX runs_by_start ON runs (queue_name, started_at) "
+            "WHERE started_at IS NOT NULL",
+            "CREATE INDEX runs_by_partition ON runs (queue_name, partition_key, status) "
+            "WHERE partition_key IS NOT NULL",
+            # A dedup key is held while its run is live: the index refuses a second one.
+            "CREATE UNIQUE INDEX runs_by_dedup ON runs (queue_name, dedup_key) "
+            "WHERE dedup_key IS NOT NULL AND status IN ('queued', 'running', 'suspended')",
+            # The runs of a worker that died, and the durations an lpt queue estimates from.
+            "CREATE INDEX runs_by_owner ON runs (lease_owner) WHERE lease_owner IS NOT NULL",
+            "CREATE INDEX runs_by_fingerprint ON runs (fingerprint, finished_at) "
+            "WHERE started_at IS NOT NULL AND status = 'completed'",
+            """CREATE TABLE queues (
+                name TEXT PRIMARY KEY, concurrency INTEGER, worker_concurrency INTEGER,
+                rate_limit INTEGER, rate_period DOUBLE PRECISION NOT NULL,
+                ordering TEXT NOT NULL CHECK (ordering IN ('fifo', 'priority', 'lpt')),
+                declared_at DOUBLE PRECISION NOT NULL)""",
+            """CREATE TABLE workers (
+                worker_id TEXT PRIMARY KEY, queues_json TEXT NOT NULL, concurrency INTEGER NOT NULL,
+                started_at DOUBLE PRECISION NOT NULL, seen_at DOUBLE PRECISION NOT NULL,
+                running INTEGER NOT NULL DEFAULT 0)""",
+            # What SQLite watchers read when ``PRAGMA data_version`` moves: which
+            # kind of change happened (Postgres sends NOTIFY instead).
+            "CREATE TABLE signals (kind TEXT PRIMARY KEY, n BIGINT NOT NULL)",
+            "INSERT INTO signals (kind, n) VALUES ('submit', 0), ('answer', 0), "
+            "('release', 0), ('cancel', 0)",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 CREATE_MIGRATIONS_TABLE = (
@@ -148,11 +202,21 @@ def event_from_row(row: Sequence[Any]) -> EventRow:
 
 
 def new_run_params(run: NewRun) -> tuple[object, ...]:
-    """Values of the fresh ``runs`` row for ``run``, in :data:`RUN_COLUMNS` order."""
+    """Values of the fresh ``runs`` row for ``run``, for :data:`INSERT_RUN` (status ``running``)."""
     status, state, at = RunStatus.RUNNING.value, EMPTY_STATE_JSON, run.created_at
     return (
         run.run_id, run.graph_name, run.graph_ref, run.fingerprint, status, run.input_json,
         state, None, at, at, None, 0, None, None, 0, run.format_version,
+    )  # fmt: skip
+
+
+def queued_run_params(run: NewRun, submission: Submission) -> tuple[object, ...]:
+    """Values of the ``runs`` row of ``run`` submitted as ``submission``, for :data:`INSERT_QUEUED_RUN`."""
+    q = submission
+    head = (RunStatus.QUEUED.value if i == 4 else v for i, v in enumerate(new_run_params(run)))
+    return (
+        *head, q.queue, q.priority, q.partition, q.dedup_key, q.cost, q.estimate, run.created_at,
+        None, None,
     )  # fmt: skip
 
 

@@ -38,6 +38,7 @@ from ._base import (
     RunStore,
     StoredRun,
 )
+from ._changes import ChangeHub
 from ._rules import (
     answer_status,
     check_apply_deferral,
@@ -87,8 +88,10 @@ from ._sql import (
     record_from_row,
     run_update_params,
 )
+from ._sql_queues import list_runs_query
 from ._sqlite_files import prepare_for_writing, read_only_connection, read_only_uri
-from ._sqlite_threads import Readers, Undo, Writer, finish_despite_cancellation
+from ._sqlite_queues import DataVersionWatch, SQLiteQueues, bump
+from ._sqlite_threads import Readers, Undo, Writer, finish_despite_cancellation, insert_rows
 
 T = TypeVar("T")
 
@@ -118,7 +121,7 @@ async def _open_in_thread(connect: Callable[[], sqlite3.Connection]) -> sqlite3.
 # --- the store -----------------------------------------------------------------
 
 
-class SQLiteStore(RunStore):
+class SQLiteStore(SQLiteQueues, RunStore):
     """The embedded default store: one SQLite file in WAL mode.
 
     Args:
@@ -166,6 +169,7 @@ class SQLiteStore(RunStore):
         self._read_uri: str | None = None  # the read-only URI, once open
         self._writer: Writer | None = None
         self._readers: Readers | None = None
+        self._hub = ChangeHub(lambda hub: DataVersionWatch(self._connect).start(hub))
 
     @property
     def path(self) -> str:
@@ -220,6 +224,7 @@ class SQLiteStore(RunStore):
         (the cancellation is re-raised afterwards), so no thread or connection
         is left behind.
         """
+        await self._hub.close()
         writer, readers = self._writer, self._readers
         self._writer = self._readers = None
 
@@ -286,10 +291,10 @@ class SQLiteStore(RunStore):
             run_id, current=parse_status(run_id, status), format_version=format_version,
             lease_token=lease_token, token=token, new=harvest.status,
         )  # fmt: skip
-        conn.executemany(UPSERT_NODE, node_params(run_id, harvest))
+        insert_rows(conn, UPSERT_NODE, node_params(run_id, harvest))
         try:
             for sql, rows in append_only_rows(run_id, harvest):
-                conn.executemany(sql, rows)
+                insert_rows(conn, sql, rows)
         except sqlite3.IntegrityError as exc:  # nothing committed is rewritten (D1)
             what = first_duplicate(conn, run_id, harvest)
             raise StoreError(f"{what} already committed; nothing of it was written") from exc
@@ -321,14 +326,15 @@ class SQLiteStore(RunStore):
         return await self._read(f"run {run_id!r}", lambda conn: _select_run(conn, run_id))
 
     async def list_runs(
-        self, *, status: RunStatus | None = None, limit: int | None = None
+        self,
+        *,
+        status: RunStatus | None = None,
+        limit: int | None = None,
+        queue: str | None = None,
     ) -> list[RunRecord]:
-        """Runs newest first (``created_at``, then ``run_id``), only ``status`` ones if given, at most ``limit``."""
-        where = "" if status is None else "WHERE status = ?"
-        params: tuple[object, ...] = () if status is None else (status.value,)
-        sql = (
-            f"SELECT {RUN_COLUMNS} FROM runs {where} ORDER BY created_at DESC, run_id DESC LIMIT ?"
-        )
+        """Runs newest first (``created_at``, then ``run_id``), only ``status`` ones and of ``queue`` if given, at most ``limit``."""
+        check_name("queue", queue)
+        sql, params = list_runs_query(None if status is None else status.value, queue)
         params += (-1 if limit is None else max(limit, 0),)
         return await self._read(
             "listing runs", lambda conn: [record_from_row(r) for r in conn.execute(sql, params)]
@@ -466,6 +472,7 @@ class SQLiteStore(RunStore):
             rows = conn.execute(ANSWER_QUESTION, values).fetchall()
             if not rows:
                 raise not_open(question_id, _question_state(conn, question_id)[0])
+            bump(conn, "answer")
             return question_from_row(rows[0])
 
         return await self._write(f"question {question_id!r}", apply)
@@ -655,11 +662,13 @@ def _require_run(conn: sqlite3.Connection, run_id: str) -> None:
 
 
 def _release(conn: sqlite3.Connection, run_id: str, owner: str, token: int) -> None:
-    conn.execute(
+    released = conn.execute(
         "UPDATE runs SET lease_owner = NULL, lease_expires = NULL "
         "WHERE run_id = ? AND lease_owner = ? AND lease_token = ?",
         (run_id, owner, token),
     )
+    if released.rowcount:
+        bump(conn, "release")  # a run finished, suspended or was let go: workers look
 
 
 def _select_lease(conn: sqlite3.Connection, run_id: str) -> tuple[str | None, float | None, int]:

@@ -1,0 +1,190 @@
+"""Queue rules every backend shares: claim order, partitions, limits, records (issue 10).
+
+The memory store applies these functions directly; the SQL stores phrase the
+same decisions as queries (``_sql_queues``), checked against these by one
+contract suite. ``free_slots`` is where every claim's number comes from.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ._base import LIVE_STATUSES, Queue, QueueStats, RunRecord, RunStatus, WorkerRow
+from ._rules import check_name, check_ttl
+
+
+def claim_key(queue: Queue, run: RunRecord) -> tuple[Any, ...]:
+    """Sort key of a queued ``run`` in ``queue``: smaller is handed out first.
+
+    ``fifo``: submit time, then id; ``priority``: higher ``priority`` first;
+    ``lpt``: larger ``estimate`` first (none counts as 0).
+    """
+    tie = (run.queued_at or 0.0, run.run_id)
+    if queue.order == "priority":
+        return (-run.priority, *tie)
+    if queue.order == "lpt":
+        return (-(run.estimate or 0.0), *tie)
+    return tie
+
+
+def holds_slot(run: RunRecord, now: float) -> bool:
+    """Whether ``run`` counts against its queue's ``concurrency`` at ``now``.
+
+    Running runs do (a dead worker's too, until its adopter finishes them); a
+    suspended run does only while someone holds its lease, i.e. while it is
+    being resumed.
+    """
+    if run.status is RunStatus.RUNNING:
+        return True
+    return (
+        run.status is RunStatus.SUSPENDED
+        and run.lease_expires is not None
+        and run.lease_expires >= now
+    )
+
+
+def free_slots(queue: Queue, *, want: int, active: int, started_recently: int) -> int:
+    """How many runs a claim on ``queue`` may take: ``want``, within concurrency and rate limit."""
+    free = max(want, 0)
+    if queue.concurrency is not None:
+        free = min(free, queue.concurrency - active)
+    if queue.limit is not None:
+        free = min(free, queue.limit - started_recently)
+    return max(free, 0)
+
+
+def partition_blocked(run: RunRecord, runs: Iterable[RunRecord]) -> bool:
+    """Whether a queued ``run`` with a partition key must wait: a live run of its partition
+    started or was submitted before it (one at a time, in submit order)."""
+    if run.partition_key is None:
+        return False
+    mine = (run.queued_at or 0.0, run.run_id)
+    for other in runs:
+        if (
+            other.run_id == run.run_id
+            or other.queue_name != run.queue_name
+            or other.partition_key != run.partition_key
+        ):
+            continue
+        if other.status in (RunStatus.RUNNING, RunStatus.SUSPENDED):
+            return True
+        if other.status is RunStatus.QUEUED and (other.queued_at or 0.0, other.run_id) < mine:
+            return True
+    return False
+
+
+def check_claim(queue: str, owner: str, ttl: float, limit: int) -> None:
+    """Refuse a claim's bad arguments (``ValueError`` naming the field) before touching the store."""
+    check_name("queue", queue)
+    check_name("owner", owner)
+    check_ttl(ttl)
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        raise ValueError(f"claim limit must be an int, got {limit!r}")
+
+
+def dedup_holder(runs: Iterable[RunRecord], queue: str, dedup_key: str | None) -> RunRecord | None:
+    """The live run of ``queue`` that holds ``dedup_key``, if any."""
+    if dedup_key is None:
+        return None
+    for run in runs:
+        if run.queue_name == queue and run.dedup_key == dedup_key and run.status in LIVE_STATUSES:
+            return run
+    return None
+
+
+def queue_params(queue: Queue, now: float) -> tuple[object, ...]:
+    """Values of the ``queues`` row of ``queue`` declared at ``now``."""
+    q = queue
+    return (q.name, q.concurrency, q.worker_concurrency, q.limit, float(q.period), q.order, now)
+
+
+def queue_from_row(row: Sequence[Any]) -> Queue:
+    """Decode a ``queues`` row selected with ``QUEUE_COLUMNS``."""
+    name, concurrency, worker_concurrency, limit, period, order = row[:6]
+    return Queue(
+        name, concurrency=concurrency, worker_concurrency=worker_concurrency, limit=limit,
+        period=float(period), order=order,
+    )  # fmt: skip
+
+
+def worker_params(worker: WorkerRow) -> tuple[object, ...]:
+    """Values of the ``workers`` row of ``worker``."""
+    w = worker
+    queues = json.dumps(list(w.queues))
+    return (w.worker_id, queues, w.concurrency, w.started_at, w.seen_at, w.running)
+
+
+def worker_from_row(row: Sequence[Any]) -> WorkerRow:
+    """Decode a ``workers`` row selected with ``WORKER_COLUMNS``."""
+    worker_id, queues, concurrency, started_at, seen_at, running = row
+    return WorkerRow(
+        worker_id=worker_id, queues=tuple(json.loads(queues)), concurrency=concurrency,
+        started_at=started_at, seen_at=seen_at, running=running,
+    )  # fmt: skip
+
+
+def check_worker(worker: WorkerRow) -> None:
+    """Refuse names no store can keep in ``worker`` (``ValueError`` naming the field)."""
+    check_name("worker_id", worker.worker_id)
+    for name in worker.queues:
+        check_name("queue", name)
+
+
+def stats_of(
+    names: Iterable[str],
+    declared: dict[str, Queue],
+    runs: Iterable[RunRecord],
+    workers: Iterable[WorkerRow],
+    now: float,
+    window: float,
+) -> list[QueueStats]:
+    """Per-queue counts for ``queue_stats`` from plain records (the memory store's way)."""
+    runs, workers = list(runs), list(workers)
+    out: list[QueueStats] = []
+    for name in sorted(set(names) | declared.keys()):
+        mine = [r for r in runs if r.queue_name == name]
+        queued = [r for r in mine if r.status is RunStatus.QUEUED]
+        out.append(
+            QueueStats(
+                name=name,
+                queue=declared.get(name),
+                queued=len(queued),
+                running=sum(r.status is RunStatus.RUNNING for r in mine),
+                suspended=sum(r.status is RunStatus.SUSPENDED for r in mine),
+                started=sum(
+                    r.started_at is not None and now - window < r.started_at <= now for r in mine
+                ),
+                window=window,
+                workers=sum(name in w.queues and w.seen_at > now - window for w in workers),
+                oldest_queued_at=min((r.queued_at or 0.0 for r in queued), default=None),
+            )
+        )
+    return out
+
+
+def stats_from_counts(
+    counts: Iterable[Sequence[Any]],
+    declared: Iterable[Queue],
+    workers: Iterable[WorkerRow],
+    now: float,
+    window: float,
+) -> list[QueueStats]:
+    """``queue_stats`` from ``QUEUE_COUNTS`` rows (the SQL stores' way): every queue with runs or declared."""
+    by_name = {q.name: q for q in declared}
+    rows = {str(r[0]): r for r in counts}
+    live = [w for w in workers if w.seen_at > now - window]
+    out: list[QueueStats] = []
+    for name in sorted(rows.keys() | by_name.keys()):
+        _, queued, running, suspended, started, oldest = rows.get(name) or (name, 0, 0, 0, 0, None)
+        out.append(
+            QueueStats(
+                name=name, queue=by_name.get(name), queued=int(queued or 0),
+                running=int(running or 0), suspended=int(suspended or 0),
+                started=int(started or 0), window=window,
+                workers=sum(name in w.queues for w in live),
+                oldest_queued_at=None if oldest is None else float(oldest),
+            )
+        )  # fmt: skip
+    return out

@@ -1,0 +1,156 @@
+"""Queue SQL shared by the SQLite and Postgres stores (issue 10), in the common dialect.
+
+The statements mirror ``_queue_rules``: ``CLAIM_CANDIDATES`` is
+``partition_blocked`` and ``claim_key`` as a query, ``ACTIVE_IN_QUEUE`` is
+``holds_slot``. Postgres appends ``FOR UPDATE OF r SKIP LOCKED`` to the
+candidate queries, so concurrent claimers skip each other's rows instead of
+waiting for them.
+"""
+
+from __future__ import annotations
+
+from ._base import Queue
+from ._sql import RUN_COLUMNS
+
+QUEUE_COLUMNS = "name, concurrency, worker_concurrency, rate_limit, rate_period, ordering"
+WORKER_COLUMNS = "worker_id, queues_json, concurrency, started_at, seen_at, running"
+
+UPSERT_QUEUE = (
+    f"INSERT INTO queues ({QUEUE_COLUMNS}, declared_at) VALUES (?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (name) DO UPDATE SET concurrency = excluded.concurrency, "
+    "worker_concurrency = excluded.worker_concurrency, rate_limit = excluded.rate_limit, "
+    "rate_period = excluded.rate_period, ordering = excluded.ordering, "
+    "declared_at = excluded.declared_at"
+)
+SELECT_QUEUE = f"SELECT {QUEUE_COLUMNS} FROM queues WHERE name = ?"
+SELECT_QUEUES = f"SELECT {QUEUE_COLUMNS} FROM queues ORDER BY name"
+
+UPSERT_WORKER = (
+    f"INSERT INTO workers ({WORKER_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (worker_id) DO UPDATE SET queues_json = excluded.queues_json, "
+    "concurrency = excluded.concurrency, started_at = excluded.started_at, "
+    "seen_at = excluded.seen_at, running = excluded.running"
+)
+SELECT_WORKERS = f"SELECT {WORKER_COLUMNS} FROM workers ORDER BY worker_id"
+DELETE_WORKER = "DELETE FROM workers WHERE worker_id = ?"
+
+#: Values: queue, now. Runs holding a slot of the queue (``holds_slot``).
+ACTIVE_IN_QUEUE = (
+    "SELECT COUNT(*) FROM runs WHERE queue_name = ? AND (status = 'running' "
+    "OR (status = 'suspended' AND lease_expires >= ?))"
+)
+#: Values: queue, since. Runs claimed after ``since`` (the rate limit's window).
+STARTED_SINCE = "SELECT COUNT(*) FROM runs WHERE queue_name = ? AND started_at > ?"
+
+_ORDER = {
+    "fifo": "r.queued_at, r.run_id",
+    "priority": "r.priority DESC, r.queued_at, r.run_id",
+    "lpt": "COALESCE(r.estimate, 0) DESC, r.queued_at, r.run_id",
+}
+
+
+def claim_candidates(queue: Queue) -> str:
+    """Values: queue name, limit. Queued runs of the queue that may start now, in its order.
+
+    A run with a partition key qualifies only when no run of its partition is
+    running or suspended and none was submitted before it and still waits.
+    """
+    return (
+        "SELECT r.run_id FROM runs r WHERE r.queue_name = ? AND r.status = 'queued' "
+        "AND (r.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM runs o "
+        "WHERE o.queue_name = r.queue_name AND o.partition_key = r.partition_key "
+        "AND o.run_id <> r.run_id AND (o.status IN ('running', 'suspended') "
+        "OR (o.status = 'queued' AND (o.queued_at < r.queued_at "
+        "OR (o.queued_at = r.queued_at AND o.run_id < r.run_id)))))) "
+        f"ORDER BY {_ORDER[queue.order]} LIMIT ?"
+    )
+
+
+#: Values: owner, lease_expires, now, now, run_id. Exactly one row changes when
+#: the run was still queued.
+CLAIM_RUN = (
+    "UPDATE runs SET status = 'running', lease_owner = ?, lease_expires = ?, "
+    "lease_token = lease_token + 1, started_at = ?, updated_at = ? "
+    "WHERE run_id = ? AND status = 'queued'"
+)
+
+#: Values: now, now, limit. Due answers (``DUE_ANSWERS`` order) of suspended runs
+#: nobody holds, with the run's queue; a run may appear once per due question.
+ANSWER_CANDIDATES = (
+    "SELECT q.question_id, r.run_id, r.queue_name FROM questions q "
+    "JOIN runs r ON r.run_id = q.run_id "
+    "WHERE (q.status = 'answered' OR (q.status = 'expired' AND q.applied_at IS NULL)) "
+    "AND (q.retry_at IS NULL OR q.retry_at <= ?) AND r.status = 'suspended' "
+    "AND (r.lease_owner IS NULL OR r.lease_expires IS NULL OR r.lease_expires < ?) "
+    "ORDER BY CASE WHEN q.retry_at IS NULL THEN 0 ELSE 1 END, "
+    "COALESCE(q.retry_at, q.answered_at, 0), q.question_id LIMIT ?"
+)
+#: Values: owner, lease_expires, run_id, now. Leases a suspended run nobody holds.
+LEASE_FOR_ANSWER = (
+    "UPDATE runs SET lease_owner = ?, lease_expires = ?, lease_token = lease_token + 1 "
+    "WHERE run_id = ? AND status = 'suspended' "
+    "AND (lease_owner IS NULL OR lease_expires IS NULL OR lease_expires < ?)"
+)
+
+#: Values: now, now, run_id. A queued run becomes cancelled; no row changes otherwise.
+CANCEL_QUEUED = (
+    "UPDATE runs SET status = 'cancelled', finished_at = ?, updated_at = ? "
+    "WHERE run_id = ? AND status = 'queued'"
+)
+#: Values: now, run_id. Marks a running or suspended run for its driver to cancel.
+REQUEST_CANCEL = (
+    "UPDATE runs SET cancel_requested_at = COALESCE(cancel_requested_at, ?) "
+    "WHERE run_id = ? AND status IN ('running', 'suspended')"
+)
+#: Values: owner.
+CANCEL_REQUESTS = (
+    "SELECT run_id FROM runs WHERE lease_owner = ? AND status = 'running' "
+    "AND cancel_requested_at IS NOT NULL ORDER BY run_id"
+)
+#: Values: owner, limit.
+LEASED_BY = (
+    "SELECT run_id FROM runs WHERE lease_owner = ? AND status = 'running' ORDER BY run_id LIMIT ?"
+)
+#: Values: queue, dedup_key. The live run holding a dedup key.
+DEDUP_HOLDER = (
+    "SELECT run_id FROM runs WHERE queue_name = ? AND dedup_key = ? "
+    "AND status IN ('queued', 'running', 'suspended')"
+)
+#: Values: fingerprint, limit.
+RUN_DURATIONS = (
+    "SELECT COALESCE(cost, 0), finished_at - started_at FROM runs WHERE fingerprint = ? "
+    "AND status = 'completed' AND started_at IS NOT NULL AND finished_at IS NOT NULL "
+    "ORDER BY finished_at DESC LIMIT ?"
+)
+#: Values: window start, now. Per queue: queued, running, suspended,
+#: started within the window, oldest queued submit time.
+QUEUE_COUNTS = (
+    "SELECT queue_name, SUM(CASE WHEN status = 'queued' THEN 1 ELSE 0 END), "
+    "SUM(CASE WHEN status = 'running' THEN 1 ELSE 0 END), "
+    "SUM(CASE WHEN status = 'suspended' THEN 1 ELSE 0 END), "
+    "SUM(CASE WHEN started_at > ? AND started_at <= ? THEN 1 ELSE 0 END), "
+    "MIN(CASE WHEN status = 'queued' THEN queued_at END) "
+    "FROM runs WHERE queue_name IS NOT NULL GROUP BY queue_name"
+)
+
+
+def list_runs_query(status: str | None, queue: str | None) -> tuple[str, tuple[object, ...]]:
+    """``list_runs``'s query, newest first, filtered by ``status`` and ``queue``; it ends in ``LIMIT ?``."""
+    where: list[str] = []
+    params: list[object] = []
+    if status is not None:
+        where.append("status = ?")
+        params.append(status)
+    if queue is not None:
+        where.append("queue_name = ?")
+        params.append(queue)
+    clause = f"WHERE {' AND '.join(where)} " if where else ""
+    query = f"SELECT {RUN_COLUMNS} FROM runs {clause}ORDER BY created_at DESC, run_id DESC LIMIT ?"
+    return query, tuple(params)
+
+
+#: Values: kind. What a SQLite watcher reads when ``data_version`` moves.
+BUMP_SIGNAL = "UPDATE signals SET n = n + 1 WHERE kind = ?"
+SELECT_SIGNALS = "SELECT kind, n FROM signals"
+#: Values: queue. Whether a queue has a run waiting (a claim's cheap first look).
+ANY_QUEUED = "SELECT 1 FROM runs WHERE queue_name = ? AND status = 'queued' LIMIT 1"

@@ -1,0 +1,364 @@
+"""Queues, claims, cancel requests, workers and wake-ups: the store contract of issue 10.
+
+Run against every backend. Claims: a queued run is handed to one claimer
+only; a queue's concurrency, rate limit, order, partitions and dedup keys
+are kept by the store itself (the claim is atomic). Wake-ups: a change feed
+reports submits, answers, releases and cancel requests made through another
+store object on the same database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tailrace._errors import RunExists, RunNotFound
+from tailrace.stores import (
+    ChangeFeed,
+    Harvest,
+    NewRun,
+    QuestionRow,
+    QuestionStatus,
+    Queue,
+    RunStatus,
+    RunStore,
+    Submission,
+    WorkerRow,
+)
+
+if TYPE_CHECKING:
+    from conftest import Backend
+
+TTL = 30.0
+
+
+def new_run(run_id: str, *, at: float | None = None) -> NewRun:
+    return NewRun(
+        run_id=run_id, graph_name="g", graph_ref="pkg.mod:g", fingerprint="fp",
+        input_json="1", created_at=at if at is not None else 0.0,
+    )  # fmt: skip
+
+
+async def submit(
+    store: RunStore, run_id: str, queue: str = "q", *, at: float, **options: object
+) -> str:
+    return await store.submit_run(
+        new_run(run_id, at=at),
+        Submission(queue=queue, **options),  # type: ignore[arg-type]
+    )
+
+
+async def submit_many(store: RunStore, ids: list[str], queue: str = "q", **options: object) -> None:
+    for n, run_id in enumerate(ids):
+        await submit(store, run_id, queue, at=float(n + 1), **options)
+
+
+async def finish(store: RunStore, run_id: str, owner: str = "w1") -> None:
+    """Complete a claimed run the way its engine would: a terminal harvest, then release."""
+    token = (await store.get_run(run_id)).lease_token
+    await store.commit(
+        run_id, token, Harvest(state_json="{}", status=RunStatus.COMPLETED, finished_at=5.0)
+    )
+    await store.release_lease(run_id, owner, token)
+
+
+# --- submitting -------------------------------------------------------------------
+
+
+async def test_a_submitted_run_is_queued_with_its_submission(store: RunStore) -> None:
+    run_id = await submit(
+        store, "r1", at=3.0, priority=2, partition="p", dedup_key="k", cost=4.0, estimate=9.0
+    )
+    record = await store.get_run(run_id)
+    assert run_id == "r1"
+    assert record.status is RunStatus.QUEUED
+    assert (record.queue_name, record.priority, record.partition_key, record.dedup_key) == (
+        "q", 2, "p", "k",
+    )  # fmt: skip
+    assert (record.cost, record.estimate, record.queued_at, record.started_at) == (
+        4.0, 9.0, 3.0, None,
+    )  # fmt: skip
+    assert record.lease_owner is None
+    assert [r.run_id for r in await store.list_runs(queue="q", status=RunStatus.QUEUED)] == ["r1"]
+    assert await store.list_runs(queue="other") == []
+
+
+async def test_a_taken_run_id_is_refused(store: RunStore) -> None:
+    await submit(store, "r1", at=1.0)
+    with pytest.raises(RunExists, match="'r1'"):
+        await submit(store, "r1", at=2.0)
+
+
+async def test_a_live_dedup_key_returns_its_run_and_a_finished_one_frees_it(
+    store: RunStore,
+) -> None:
+    assert await submit(store, "r1", at=1.0, dedup_key="k") == "r1"
+    assert await submit(store, "r2", at=2.0, dedup_key="k") == "r1"  # nothing stored
+    with pytest.raises(RunNotFound):
+        await store.get_run("r2")
+    assert await submit(store, "r3", "other", at=3.0, dedup_key="k") == "r3"  # per queue
+    assert await store.claim_runs("q", "w1", TTL, limit=1) == ["r1"]
+    assert await submit(store, "r4", at=4.0, dedup_key="k") == "r1"  # running: still live
+    await finish(store, "r1")
+    assert await submit(store, "r5", at=5.0, dedup_key="k") == "r5"
+
+
+# --- claiming ---------------------------------------------------------------------
+
+
+async def test_a_claim_hands_runs_out_once_in_submit_order(backend: Backend) -> None:
+    store = backend.store
+    await submit_many(store, ["r1", "r2", "r3"])
+    now = backend.clock.now
+    assert await store.claim_runs("q", "w1", TTL, limit=2) == ["r1", "r2"]
+    assert await store.claim_runs("q", "w2", TTL, limit=5) == ["r3"]
+    assert await store.claim_runs("q", "w3", TTL, limit=5) == []
+    record = await store.get_run("r1")
+    assert record.status is RunStatus.RUNNING
+    assert (record.lease_owner, record.lease_expires, record.started_at) == ("w1", now + TTL, now)
+    assert record.lease_token == 1
+    # The claimant's engine then re-acquires its own live lease and keeps the token (D6).
+    assert await store.acquire_lease("r1", "w1", TTL) == 1
+    assert await store.runs_leased_by("w1") == ["r1", "r2"]
+
+
+async def test_priority_and_lpt_queues_order_their_claims(store: RunStore) -> None:
+    await store.declare_queue(Queue("prio", order="priority"))
+    await store.declare_queue(Queue("long", order="lpt"))
+    for n, (run_id, priority) in enumerate([("a", 0), ("b", 5), ("c", 5), ("d", -1)]):
+        await submit(store, run_id, "prio", at=float(n), priority=priority)
+    for n, (run_id, estimate) in enumerate([("e", 1.0), ("f", None), ("g", 30.0), ("h", 2.0)]):
+        await submit(store, run_id, "long", at=float(n), estimate=estimate)
+    assert await store.claim_runs("prio", "w", TTL, limit=9) == ["b", "c", "a", "d"]
+    assert await store.claim_runs("long", "w", TTL, limit=9) == ["g", "h", "e", "f"]
+
+
+async def test_concurrency_is_global_and_a_slot_frees_when_a_run_ends(backend: Backend) -> None:
+    store = backend.store
+    await store.declare_queue(Queue("q", concurrency=2))
+    await submit_many(store, ["r1", "r2", "r3", "r4"])
+    assert await store.claim_runs("q", "w1", TTL, limit=5) == ["r1", "r2"]
+    assert await store.claim_runs("q", "w2", TTL, limit=5) == []
+    await finish(store, "r1")
+    assert await store.claim_runs("q", "w2", TTL, limit=5) == ["r3"]
+    # A run suspended on a gate gives its slot back; being resumed (leased), it holds one.
+    token = (await store.get_run("r2")).lease_token
+    await store.commit("r2", token, Harvest(state_json="{}", status=RunStatus.SUSPENDED))
+    await store.release_lease("r2", "w1", token)
+    assert await store.claim_runs("q", "w2", TTL, limit=5) == ["r4"]
+    await store.acquire_lease("r2", "w3", TTL)
+    await finish(store, "r3", "w2")
+    assert await store.claim_runs("q", "w2", TTL, limit=5) == []  # r2 (leased) and r4 hold both
+
+
+async def test_the_rate_limit_is_a_sliding_window_of_claims(backend: Backend) -> None:
+    store = backend.store
+    await store.declare_queue(Queue("q", limit=2, period=10.0))
+    await submit_many(store, [f"r{i}" for i in range(5)])
+    assert await store.claim_runs("q", "w1", TTL, limit=5) == ["r0", "r1"]
+    await finish(store, "r0")
+    assert await store.claim_runs("q", "w1", TTL, limit=5) == []  # finished, still started
+    backend.clock.advance(10.5)
+    assert await store.claim_runs("q", "w2", TTL, limit=5) == ["r2", "r3"]
+
+
+async def test_a_partition_starts_one_run_at_a_time_in_submit_order(store: RunStore) -> None:
+    await store.declare_queue(Queue("q", order="priority"))
+    await submit(store, "a1", at=1.0, partition="A")
+    await submit(store, "b1", at=2.0, partition="B")
+    await submit(store, "a2", at=3.0, partition="A", priority=9)  # priority does not jump A's line
+    await submit(store, "free", at=4.0)
+    assert await store.claim_runs("q", "w", TTL, limit=9) == ["a1", "b1", "free"]
+    assert await store.claim_runs("q", "w", TTL, limit=9) == []
+    await finish(store, "a1", "w")
+    assert await store.claim_runs("q", "w", TTL, limit=9) == ["a2"]
+
+
+async def test_a_suspended_run_blocks_its_partition(store: RunStore) -> None:
+    await submit(store, "a1", at=1.0, partition="A")
+    await submit(store, "a2", at=2.0, partition="A")
+    assert await store.claim_runs("q", "w", TTL, limit=9) == ["a1"]
+    token = (await store.get_run("a1")).lease_token
+    await store.commit("a1", token, Harvest(state_json="{}", status=RunStatus.SUSPENDED))
+    await store.release_lease("a1", "w", token)
+    assert await store.claim_runs("q", "w", TTL, limit=9) == []
+
+
+async def test_claims_refuse_bad_names_before_touching_the_store(store: RunStore) -> None:
+    with pytest.raises(ValueError, match="queue"):
+        await store.claim_runs("q\x00", "w", TTL, limit=1)
+    with pytest.raises(ValueError, match="owner"):
+        await store.claim_runs("q", "w\x00", TTL, limit=1)
+    with pytest.raises(ValueError, match="ttl"):
+        await store.claim_runs("q", "w", 0.0, limit=1)
+    assert await store.claim_runs("q", "w", TTL, limit=0) == []
+
+
+async def test_racing_claimers_on_two_store_objects_never_share_a_run(backend: Backend) -> None:
+    if backend.sibling is None:
+        pytest.skip("a memory store is one process's own")
+    await submit_many(backend.store, [f"r{i:03d}" for i in range(60)])
+    async with backend.sibling() as other:
+
+        async def drain(store: RunStore, owner: str) -> list[str]:
+            got: list[str] = []
+            while batch := await store.claim_runs("q", owner, TTL, limit=3):
+                got += batch
+            return got
+
+        mine, theirs = await asyncio.gather(drain(backend.store, "w1"), drain(other, "w2"))
+    assert sorted(mine + theirs) == [f"r{i:03d}" for i in range(60)]
+    assert not set(mine) & set(theirs)
+
+
+# --- answers ------------------------------------------------------------------------
+
+
+async def suspended_with_answer(store: RunStore, run_id: str, queue: str = "q") -> str:
+    """A claimed run suspended on a question that has been answered; returns the question id."""
+    await submit(store, run_id, queue, at=1.0)
+    (claimed,) = await store.claim_runs(queue, "w0", TTL, limit=1)
+    token = (await store.get_run(claimed)).lease_token
+    question = QuestionRow(
+        question_id=f"q-{run_id}", run_id=run_id, node_id="gate", visit=1, turn=1,
+        prompt_json='"?"', created_at=1.0,
+    )  # fmt: skip
+    harvest = Harvest(state_json="{}", status=RunStatus.SUSPENDED, questions=(question,))
+    await store.commit(run_id, token, harvest)
+    await store.release_lease(run_id, "w0", token)
+    await store.answer(question.question_id, '"yes"')
+    return question.question_id
+
+
+async def test_an_answered_run_is_leased_to_one_claimer(store: RunStore) -> None:
+    question_id = await suspended_with_answer(store, "r1")
+    (row,) = await store.claim_answers("w1", TTL, limit=5)
+    assert (row.question_id, row.status) == (question_id, QuestionStatus.ANSWERED)
+    assert (await store.get_run("r1")).lease_owner == "w1"
+    assert await store.claim_answers("w2", TTL, limit=5) == []
+    token = (await store.get_run("r1")).lease_token
+    await store.release_lease("r1", "w1", token)  # not applied (the worker died, say)
+    assert [r.question_id for r in await store.claim_answers("w2", TTL, limit=5)] == [question_id]
+
+
+async def test_an_answer_waits_for_a_slot_of_its_queue(store: RunStore) -> None:
+    await store.declare_queue(Queue("q", concurrency=1))
+    await suspended_with_answer(store, "r1")
+    await submit(store, "busy", at=2.0)
+    assert await store.claim_runs("q", "w1", TTL, limit=1) == ["busy"]
+    assert await store.claim_answers("w2", TTL, limit=5) == []
+    await finish(store, "busy", "w1")
+    assert [r.run_id for r in await store.claim_answers("w2", TTL, limit=5)] == ["r1"]
+
+
+# --- cancelling ---------------------------------------------------------------------
+
+
+async def test_cancelling_a_queued_run_is_immediate_and_final(store: RunStore) -> None:
+    await submit_many(store, ["r1", "r2"])
+    assert await store.request_cancel("r1") is RunStatus.CANCELLED
+    record = await store.get_run("r1")
+    assert (record.status, record.finished_at is not None) == (RunStatus.CANCELLED, True)
+    assert await store.claim_runs("q", "w", TTL, limit=5) == ["r2"]
+    assert await store.request_cancel("r1") is RunStatus.CANCELLED  # idempotent
+
+
+async def test_cancelling_a_running_run_asks_its_driver(backend: Backend) -> None:
+    store = backend.store
+    await submit_many(store, ["r1"])
+    await store.claim_runs("q", "w1", TTL, limit=1)
+    assert await store.cancel_requests("w1") == []
+    assert await store.request_cancel("r1") is RunStatus.RUNNING
+    first = (await store.get_run("r1")).cancel_requested_at
+    assert first == backend.clock.now
+    backend.clock.advance(5)
+    await store.request_cancel("r1")
+    assert (await store.get_run("r1")).cancel_requested_at == first  # the first request counts
+    assert await store.cancel_requests("w1") == ["r1"]
+    assert await store.cancel_requests("w2") == []
+    await finish(store, "r1")
+    assert await store.request_cancel("r1") is RunStatus.COMPLETED  # finished: left alone
+    with pytest.raises(RunNotFound, match="'nope'"):
+        await store.request_cancel("nope")
+
+
+# --- queues, workers, durations ---------------------------------------------------------
+
+
+async def test_declared_queues_workers_and_stats(backend: Backend) -> None:
+    store = backend.store
+    now = backend.clock.now
+    await store.declare_queue(Queue("q", concurrency=3, limit=5, period=2.0, order="lpt"))
+    await store.declare_queue(Queue("q", concurrency=4))  # a later declaration replaces it
+    await store.declare_queue(Queue("empty"))
+    assert await store.queues() == [Queue("empty"), Queue("q", concurrency=4)]
+    await submit_many(store, ["r1", "r2", "r3"])
+    await submit(store, "x", "other", at=0.5)
+    await store.claim_runs("q", "w1", TTL, limit=1)
+    seen = WorkerRow(worker_id="w1", queues=("q",), concurrency=8, started_at=now, seen_at=now)
+    await store.worker_seen(seen)
+    stale = WorkerRow(worker_id="w0", queues=("q",), concurrency=8, started_at=0, seen_at=0)
+    await store.worker_seen(stale)
+    assert [w.worker_id for w in await store.workers()] == ["w0", "w1"]
+    stats = {s.name: s for s in await store.queue_stats(now, window=60.0)}
+    assert set(stats) == {"empty", "other", "q"}
+    q = stats["q"]
+    assert (q.queued, q.running, q.suspended, q.started, q.workers) == (2, 1, 0, 1, 1)
+    assert (q.queue, q.oldest_queued_at) == (Queue("q", concurrency=4), 2.0)
+    assert (stats["empty"].queued, stats["empty"].oldest_queued_at) == (0, None)
+    assert stats["other"].queue is None
+    await store.forget_worker("w0")
+    assert await store.workers() == [seen]
+
+
+async def test_run_durations_feed_the_estimator(backend: Backend) -> None:
+    store = backend.store
+    await submit(store, "r1", at=1.0, cost=2.0)
+    await submit(store, "r2", at=2.0)
+    await store.claim_runs("q", "w1", TTL, limit=2)
+    token = (await store.get_run("r1")).lease_token
+    finished = backend.clock.now + 3.0
+    await store.commit(
+        "r1", token, Harvest(state_json="{}", status=RunStatus.COMPLETED, finished_at=finished)
+    )
+    assert await store.run_durations("fp") == [(2.0, 3.0)]
+    assert await store.run_durations("other") == []
+
+
+# --- wake-ups ---------------------------------------------------------------------------
+
+
+async def until_kinds(feed: ChangeFeed, wanted: set[str], deadline: float = 10.0) -> set[str]:
+    """Kinds the feed reports until all of ``wanted`` were seen (or the deadline passed)."""
+    seen: set[str] = set()
+    end = time.monotonic() + deadline
+    while not wanted <= seen and time.monotonic() < end:
+        seen |= await feed.wait(0.5)
+    return seen
+
+
+async def test_a_change_feed_reports_writes_made_elsewhere(backend: Backend) -> None:
+    store = backend.store
+    writer_cm = backend.sibling() if backend.sibling is not None else None
+    async with store.changes() as feed:
+        writer = store if writer_cm is None else await writer_cm.__aenter__()
+        try:
+            question_id = await suspended_with_answer(writer, "r1")
+            assert {"submit", "answer", "release"} <= await until_kinds(
+                feed, {"submit", "answer", "release"}
+            )
+            await writer.request_cancel("r1")
+            assert "cancel" in await until_kinds(feed, {"cancel"})
+        finally:
+            if writer_cm is not None:
+                await writer_cm.__aexit__(None, None, None)
+    assert question_id == "q-r1"
+
+
+async def test_a_quiet_feed_waits_out_its_timeout(store: RunStore) -> None:
+    async with store.changes() as feed:
+        await feed.wait(0.0)  # whatever the set-up left behind
+        assert await feed.wait(0.05) == frozenset()
