@@ -416,6 +416,145 @@ class Engine:
             raise NotResumable(f"{what} needs a durable store: Engine(store=SQLiteStore(...))")
         return self.store
 
+    # -- queues (issue 10; the work is done in workers/) -----------------------
+
+    async def submit(
+        self,
+        graph: Graph,
+        input: Any = None,
+        *,
+        queue: str = "default",
+        run_id: str | None = None,
+        priority: int = 0,
+        partition: str | None = None,
+        dedup_key: str | None = None,
+        on_duplicate: str = "return",
+        cost: float | None = None,
+        estimate: float | None = None,
+        graph_ref: str | None = None,
+    ) -> str:
+        """Store a run of ``graph`` on ``input`` as ``queued`` in ``queue``; return its id at once.
+
+        A :class:`~tailrace.Worker` serving the queue runs it (see
+        ``docs/scale-out.md``); :meth:`wait` returns its result.
+
+        Args:
+            graph: the graph to run; workers find it by ``graph_ref`` or
+                because they were given it (``Worker(graphs=...)``).
+            input: the run's input (encoded now: a bad one fails here).
+            queue: the queue's name.
+            run_id: names the run (default: a fresh uuid).
+            priority: a ``priority`` queue hands out higher values first.
+            partition: runs with the same key start one at a time, in submit order.
+            dedup_key: while a run of this queue with this key is live
+                (queued, running or suspended), submitting again stores
+                nothing and returns that run's id, or raises
+                :class:`~tailrace.workers.DuplicateRun` (``on_duplicate``).
+            on_duplicate: ``"return"`` (the default) or ``"raise"``.
+            cost: what the duration estimator takes (e.g. the input's size).
+            estimate: the run's expected seconds, for ``lpt`` queues; default:
+                the estimator fitted on this graph's completed queued runs
+                (``seconds ~ b + m * cost``).
+            graph_ref: ``module:attribute`` of the graph (default: guessed).
+        """
+        from .workers._submit import submit_run
+
+        return await submit_run(
+            self, graph, input, queue=queue, run_id=run_id, priority=priority,
+            partition=partition, dedup_key=dedup_key, on_duplicate=on_duplicate, cost=cost,
+            estimate=estimate, graph_ref=graph_ref,
+        )  # fmt: skip
+
+    async def wait(
+        self,
+        run_id: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (the issue's API; DBOS's get_result too)
+        graph: Graph | None = None,
+    ) -> RunResult:
+        """The :class:`RunResult` of run ``run_id`` from the store, once it finished or suspended.
+
+        Whichever process ran it. A failed run raises
+        :class:`~tailrace.workers.RunFailed` with the stored error and result.
+
+        Args:
+            run_id: the run to wait for.
+            timeout: seconds to wait at most; then :class:`TimeoutError`.
+            graph: the run's graph, to compute ``output`` (default: one this
+                engine ran, submitted or was given, by fingerprint).
+        """
+        from .workers._wait import wait_for
+
+        return await wait_for(self, run_id, timeout=timeout, graph=graph)
+
+    async def cancel(self, run_id: str) -> str:
+        """Cancel run ``run_id``; return its status now.
+
+        A queued run is cancelled at once. A running one ends ``cancelled`` at
+        its next harvest (in-flight handlers cancelled, nothing committed
+        after), here if this engine drives it, else by its worker; one nobody
+        drives (suspended, or its owner dead) is cancelled at once.
+
+        Args:
+            run_id: the run to cancel.
+        """
+        from .workers._cancel import cancel_run
+
+        return await cancel_run(self, run_id)
+
+    def request_cancel(self, run_id: str) -> bool:
+        """Ask run ``run_id``, if this engine drives it, to end cancelled at its next harvest.
+
+        Returns False when this engine does not drive it (see :meth:`cancel`).
+
+        Args:
+            run_id: the run.
+        """
+        loop = self._loops.get(run_id)
+        if loop is None:
+            return False
+        loop.request_cancel()
+        return True
+
+    async def start_claimed(self, run_id: str, graph: Graph | None = None) -> RunResult:
+        """Drive a run this engine's owner claimed from a queue (``RUN_STARTED``), or resume it.
+
+        The claim leased it to this engine's owner, so the lease (and its
+        fencing token) is kept. A run that committed anything before (its
+        first claimant died) is resumed instead (D3).
+
+        Args:
+            run_id: the claimed run.
+            graph: its graph (default: registered, or imported by reference).
+        """
+        from ._persist import Persister
+
+        store = self._require_store("start a claimed run")
+        with self._driving(run_id):
+            stored = await store.load_run(run_id)
+            if not stored.nodes and stored.run.status == "running":
+                graph = (
+                    graph
+                    or self._graphs.get(stored.run.fingerprint)
+                    or Persister.find_graph(stored.run)
+                )
+                topo = graph.compile()
+                if topo.fingerprint != stored.run.fingerprint:
+                    raise GraphMismatch(
+                        f"run {run_id!r} was submitted with graph fingerprint "
+                        f"{stored.run.fingerprint}, but {graph.name!r} now has {topo.fingerprint}"
+                    )
+                self._executors.plan(topo)
+                persister = Persister(self, run_id, topo, stored.run)
+                async with persister.leased():
+                    state, event_seq, turn = await persister.restore(stored, [])
+                    loop = self._loop_for(run_id, state, persister, event_seq, turn)
+                    loop.emit(EventType.RUN_STARTED, graph=graph.name)
+                    result = await loop.drive()
+                result = await self._with_questions(result)
+                return await self._settle(result, graph, False)
+        return await self.resume(run_id, graph)
+
 
 def _checked_durability(durability: Any) -> str:
     if durability not in ("async", "sync"):

@@ -166,6 +166,8 @@ class RunLoop:
         #: Live attempts per node while a hedge may race (kept by the tail hooks).
         self.live: dict[int, list[Attempt]] = {}
         self.closing = False
+        #: Set by :meth:`request_cancel`: the run ends ``cancelled`` at its next wake-up.
+        self.cancel_requested = False
 
     # -- events ---------------------------------------------------------------
 
@@ -211,6 +213,8 @@ class RunLoop:
                         # A write failed: dispatch nothing more; the handler below
                         # cancels and awaits what runs, and re-raises (E9, D1).
                         self._persister.raise_failure()
+                    if self.cancel_requested:
+                        return await self._cancel()
                     batch, self._done = self._done, []
                     failure = self._harvest(batch)
                     if failure is not None:
@@ -646,6 +650,23 @@ class RunLoop:
         """Stop the run at its next turn boundaries (in-loop edges) and suspend it (partial rollouts)."""
         self.state.preempting = True
         self.poke()
+
+    def request_cancel(self) -> None:
+        """End the run ``cancelled`` at its next wake-up (``Engine.cancel``, issue 10).
+
+        In-flight attempts are cancelled and awaited, what the wake-up brought
+        is dropped, running nodes are recorded cancelled and open questions
+        superseded, in one final write; nothing is committed after it.
+        """
+        self.cancel_requested = True
+        self.poke()
+
+    async def _cancel(self) -> RunResult:
+        await self._cancel_in_flight(record=True)
+        self._supersede_waiting()
+        self.emit(EventType.RUN_CANCELLED)
+        await self._commit("cancelled")
+        return self.result("cancelled")
 
     async def _finish(self) -> RunResult:
         if self.state.parked:  # preempted: suspend with the turns parked, no question

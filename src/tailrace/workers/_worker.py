@@ -1,0 +1,465 @@
+"""The worker: claims runs from queues and serves gates, one daemon per process (issue 10).
+
+A :class:`Worker` does, over one store, everything ``tailrace serve`` did and
+what a fleet needs besides:
+
+- claims queued runs (``RunStore.claim_runs``: the queue's limits are kept by
+  the store, atomically) and drives them under their leases;
+- claims answered runs (``RunStore.claim_answers``: each run goes to one
+  worker, so N workers never read and fight over the same answers) and
+  applies the answers through the resume worker (Q3, exactly once);
+- polls machine gates and fires deadlines (Q5), as serve does;
+- adopts runs whose owner died (D6): at once when the owner is provably dead
+  (a worker on this host whose process is gone), else when its lease expires;
+- cancels the runs it drives that someone asked to cancel.
+
+It sleeps on the store's change feed (``LISTEN/NOTIFY`` on Postgres, a
+``data_version`` check every few milliseconds on SQLite) and polls every
+``poll_interval`` seconds as the fallback. Shaped like huey's consumer: a
+round's error is logged and survived; ``stop`` drains: no more claims, runs
+in flight get ``grace`` seconds to finish, then they are stopped where they
+are and their leases released, so another worker adopts them at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._engine import Engine
+from .._errors import LeaseHeld, LeaseLost, NotResumable, RunNotFound
+from .._graph import Graph
+from .._owner import owner_is_dead
+from .._runloop import RunResult
+from ..gates import Server
+from ..gates._polling import Poller
+from ..gates._worker import UNRESUMABLE, Outcome, Resumable, describe
+from ..stores import CHANGE_KINDS, QuestionRow, Queue, RunStatus, RunStore, WorkerRow
+from ._cancel import cancel_undriven
+
+logger = logging.getLogger("tailrace.workers")
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """What a worker did so far.
+
+    ``claimed`` queued runs it claimed; ``applied`` answers it applied;
+    ``adopted`` runs it took over from a dead owner; ``completed``,
+    ``suspended``, ``failed`` and ``cancelled`` how the runs it drove ended;
+    ``busy`` claims or adoptions another owner won; ``errors`` failed rounds
+    and jobs (logged); ``outcomes`` every answer's outcome by name.
+    """
+
+    claimed: int = 0
+    applied: int = 0
+    adopted: int = 0
+    completed: int = 0
+    suspended: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    busy: int = 0
+    errors: int = 0
+    rounds: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    run_id: str
+    kind: str  # "claim", "answer", "adopt"
+    queue: str | None = None
+
+
+class Worker:
+    """Claims and drives runs of ``queues`` from ``store``, and serves its gates.
+
+    Args:
+        store: the store the fleet shares (opened here if it is not).
+        queues: the queues to claim from: :class:`~tailrace.Queue` objects
+            (declared in the store, so every worker keeps the same limits) or
+            names (their declared limits, or none).
+        concurrency: most runs this worker drives at once (claimed, resumed
+            after an answer, or adopted).
+        graphs: graphs the runs may be of, besides those importable by their
+            stored reference (graph files named in the store are never
+            executed: trust model).
+        engine: the engine that drives runs (default: ``Engine(store=store,
+            lease_ttl=lease_ttl)``); its owner name is the worker's.
+        pollers: machine gates' pollers by name (as in :class:`~tailrace.gates.Server`).
+        targets: more resume targets, e.g. LangGraph drivers.
+        lease_ttl: lease lifetime of the default engine, seconds.
+        grace: seconds runs in flight get to finish once the worker stops.
+        poll_interval: seconds between two looks at the store with no wake-up.
+        heartbeat: seconds between two reports of this worker in the store
+            (``tailrace queues`` shows them) and two looks for dead workers.
+    """
+
+    def __init__(
+        self,
+        store: RunStore,
+        *,
+        queues: Sequence[Queue | str] = ("default",),
+        concurrency: int = 8,
+        graphs: Sequence[Graph] = (),
+        engine: Engine | None = None,
+        pollers: Mapping[str, Poller] | None = None,
+        targets: Sequence[Resumable] = (),
+        lease_ttl: float = 30.0,
+        grace: float = 30.0,
+        poll_interval: float = 1.0,
+        heartbeat: float = 1.0,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        for what, value in (("grace", grace), ("poll_interval", poll_interval)):
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"{what} must be a non-negative number of seconds, got {value}")
+        if not 0 < heartbeat < float("inf"):
+            raise ValueError(f"heartbeat must be a positive number of seconds, got {heartbeat}")
+        self.engine = engine or Engine(store=store, lease_ttl=lease_ttl)
+        if self.engine.store is not store:
+            raise ValueError("the worker's engine must use the worker's store")
+        self.engine.register(*graphs)
+        self.store = store
+        self.queues = [q if isinstance(q, Queue) else Queue(q) for q in queues]
+        self._declare = [q for q in queues if isinstance(q, Queue)]
+        names = [q.name for q in self.queues]
+        if len(set(names)) != len(names):
+            raise ValueError(
+                f"queues named twice: {sorted(n for n in set(names) if names.count(n) > 1)}"
+            )
+        self.concurrency = concurrency
+        self.grace = grace
+        self.poll_interval = poll_interval
+        self.heartbeat = heartbeat
+        self.owner = self.engine.owner
+        self.server = Server(self.engine, pollers=pollers, targets=targets)
+        self.stats = WorkerStats()
+        self._jobs: dict[asyncio.Task[None], _Job] = {}
+        self._here: set[str] = set()
+        self._by_queue: Counter[str] = Counter()
+        self._kinds: set[str] = set()
+        self._wake = asyncio.Event()
+        self._closing = asyncio.Event()
+        self._next_orphan_scan = 0.0
+        #: Workers on this host whose process is gone while they still hold runs.
+        self._dead: set[str] = set()
+        self._started_at = time.time()
+
+    # -- running ----------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event | None = None) -> WorkerStats:
+        """Work until ``stop`` is set (forever without one), then drain; returns the stats."""
+        stop = stop or asyncio.Event()
+        await self.store.open()
+        for queue in self._declare:
+            await self.store.declare_queue(queue)
+        # Queues named only: their stored declaration, if any, gives the limits.
+        declared = {q.name: q for q in await self.store.queues()}
+        self.queues = [
+            declared.get(q.name, q) if q not in self._declare else q for q in self.queues
+        ]
+        try:
+            async with self.store.changes() as feed, asyncio.TaskGroup() as group:
+                group.create_task(self._forward(feed), name="worker:wake-ups")
+                group.create_task(self._forward_stop(stop), name="worker:stop")
+                group.create_task(self._gate_loop(), name="worker:gates")
+                group.create_task(self._heartbeat_loop(), name="worker:heartbeat")
+                try:
+                    await self._work_loop(stop, group)
+                    await self._drain()
+                finally:
+                    self._closing.set()
+                    self._wake.set()
+        finally:
+            await self.server.aclose()
+            with contextlib.suppress(Exception):
+                await self.store.forget_worker(self.owner)
+        return self.stats
+
+    async def _forward(self, feed: Any) -> None:
+        while not self._closing.is_set():
+            kinds = await feed.wait(0.5)
+            if kinds:
+                self._kick(kinds)
+
+    async def _forward_stop(self, stop: asyncio.Event) -> None:
+        stop_waiter = asyncio.ensure_future(stop.wait())
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            await asyncio.wait((stop_waiter, closing), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_waiter.cancel()
+            closing.cancel()
+        self._wake.set()
+
+    def _kick(self, kinds: frozenset[str] | set[str]) -> None:
+        self._kinds |= kinds
+        self._wake.set()
+
+    async def _work_loop(self, stop: asyncio.Event, group: asyncio.TaskGroup) -> None:
+        poll_at = 0.0
+        while not stop.is_set():
+            now = time.monotonic()
+            polled = now >= poll_at
+            kinds, self._kinds = frozenset(self._kinds), set()
+            self._wake.clear()
+            if polled:
+                kinds, poll_at = CHANGE_KINDS | {"slot"}, now + self.poll_interval
+            self.stats.rounds += 1
+            try:
+                await self._round(kinds, group)
+            except Exception:
+                self.stats.errors += 1
+                logger.exception("worker round failed; going on")
+            if self._kinds or stop.is_set():
+                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(poll_at - time.monotonic(), 0.0)):
+                    await self._wake.wait()
+
+    async def _round(self, kinds: frozenset[str], group: asyncio.TaskGroup) -> None:
+        """One look at the store, doing only what the wake-up's ``kinds`` can have changed."""
+        if "cancel" in kinds:
+            await self._cancel_requested()
+        if kinds & {"answer", "release"} and self._free() > 0:
+            for question in await self.store.claim_answers(
+                self.owner, self.engine.lease_ttl, limit=self._free()
+            ):
+                self._start(group, _Job(question.run_id, "answer"), self._answer(question))
+        if kinds & {"submit", "release", "slot", "dead"}:
+            await self._claim(group)
+        if kinds & {"release", "slot"} and time.monotonic() >= self._next_orphan_scan:
+            self._next_orphan_scan = time.monotonic() + min(self.poll_interval, 0.25)
+            await self._adopt_orphans(group)
+        if self._dead and self._free() > 0:
+            await self._adopt_from_dead(group)
+
+    # -- claiming -----------------------------------------------------------------------
+
+    def _free(self, queue: Queue | None = None) -> int:
+        free = self.concurrency - len(self._jobs)
+        if queue is not None and queue.worker_concurrency is not None:
+            free = min(free, queue.worker_concurrency - self._by_queue[queue.name])
+        return max(free, 0)
+
+    async def _claim(self, group: asyncio.TaskGroup) -> None:
+        # Rotate the start so one busy queue does not starve the others.
+        start = self.stats.rounds % len(self.queues) if self.queues else 0
+        for queue in self.queues[start:] + self.queues[:start]:
+            free = self._free(queue)
+            if free <= 0:
+                continue
+            for run_id in await self.store.claim_runs(
+                queue.name, self.owner, self.engine.lease_ttl, limit=free
+            ):
+                self.stats.claimed += 1
+                self._start(group, _Job(run_id, "claim", queue.name), self._drive(run_id))
+
+    def _start(self, group: asyncio.TaskGroup, job: _Job, work: Awaitable[Any]) -> None:
+        """Run ``work`` as a job of this worker: it holds a slot (and its queue's) until it ends."""
+        self._here.add(job.run_id)
+        if job.queue is not None:
+            self._by_queue[job.queue] += 1
+        task = group.create_task(self._guard(job, work), name=f"worker:{job.kind}:{job.run_id}")
+        self._jobs[task] = job
+        task.add_done_callback(self._job_done)
+
+    def _job_done(self, task: asyncio.Task[None]) -> None:
+        job = self._jobs.pop(task, None)
+        if job is None:
+            return
+        self._here.discard(job.run_id)
+        if job.queue is not None:
+            self._by_queue[job.queue] -= 1
+        self._kick({"slot"})  # a slot is free: claim at once, no wake-up from the store needed
+
+    async def _guard(self, job: _Job, work: Awaitable[Any]) -> None:
+        """A job's end never ends the worker: a run's failure is counted and logged (Q6)."""
+        try:
+            result = await work
+        except (LeaseHeld, LeaseLost, NotResumable, RunNotFound) as exc:
+            self.stats.busy += 1
+            logger.debug("run %s: %s (another owner has it, or it ended)", job.run_id, exc)
+        except Exception as exc:
+            await self._job_failed(job, exc)
+        else:
+            if isinstance(result, RunResult):
+                self._count(result.status)
+
+    async def _job_failed(self, job: _Job, exc: Exception) -> None:
+        try:
+            status = (await self.store.get_run(job.run_id)).status
+        except Exception:
+            status = None
+        if status is RunStatus.FAILED:
+            self.stats.failed += 1
+            logger.warning("run %s failed: %s", job.run_id, describe(exc))
+            return
+        self.stats.errors += 1
+        logger.error("run %s (%s): %s", job.run_id, job.kind, describe(exc), exc_info=exc)
+
+    def _count(self, status: str) -> None:
+        if status in ("completed", "suspended", "cancelled"):
+            setattr(self.stats, status, getattr(self.stats, status) + 1)
+
+    async def _drive(self, run_id: str) -> RunResult | None:
+        """Drive a claimed run, unless it was asked to be cancelled before it started."""
+        record = await self.store.get_run(run_id)
+        if record.cancel_requested_at is not None:
+            await cancel_undriven(self.engine, run_id)
+            self.stats.cancelled += 1
+            return None
+        return await self._start_or_fail(run_id)
+
+    async def _start_or_fail(self, run_id: str) -> RunResult:
+        """Start (or resume) a queued run; one whose graph can never load is failed, once (Q6)."""
+        try:
+            return await self.engine.start_claimed(run_id)
+        except UNRESUMABLE as exc:
+            await self.engine.fail_run(run_id, f"cannot be started: {describe(exc)}")
+            raise
+
+    # -- answers, orphans, cancels ----------------------------------------------------------
+
+    async def _answer(self, question: QuestionRow) -> None:
+        """Apply a claimed answer (exactly once, Q3), then let go of the claim's lease."""
+        try:
+            outcome = await self.server.worker.resume(question.question_id)
+            self.stats.outcomes[outcome.value] = self.stats.outcomes.get(outcome.value, 0) + 1
+            if outcome is Outcome.APPLIED:
+                self.stats.applied += 1
+        finally:
+            await self._let_go(question.run_id)
+
+    async def _let_go(self, run_id: str) -> None:
+        """Release this worker's lease on ``run_id`` if a claim left it held (not while driving it)."""
+        if self.engine.is_driving(run_id):
+            return
+        record = await self.store.get_run(run_id)
+        if record.lease_owner == self.owner:
+            await self.store.release_lease(run_id, self.owner, record.lease_token)
+
+    async def _adopt_orphans(self, group: asyncio.TaskGroup) -> None:
+        """Take over runs whose lease expired, or whose owner is provably dead (D6)."""
+        now = time.time()
+        for run_id in await self.store.expired_leases(now, limit=max(self._free(), 1) * 4):
+            if self._free() <= 0:
+                return
+            if run_id not in self._here:
+                await self._adopt(group, run_id, now)
+
+    async def _adopt_from_dead(self, group: asyncio.TaskGroup) -> None:
+        """Adopt the runs of workers on this host whose process is gone, without waiting out their leases."""
+        now = time.time()
+        for owner in sorted(self._dead):
+            for run_id in await self.store.runs_leased_by(owner, limit=self._free() * 4):
+                if self._free() <= 0:
+                    return
+                if run_id not in self._here:
+                    await self._adopt(group, run_id, now)
+
+    async def _adopt(self, group: asyncio.TaskGroup, run_id: str, now: float) -> None:
+        try:
+            record = await self.store.get_run(run_id)
+        except RunNotFound:
+            return
+        if record.status is not RunStatus.RUNNING:
+            return
+        fresh = now - record.created_at < self.engine.lease_ttl
+        if record.lease_owner is None and record.queue_name is None and fresh:
+            return  # just created by an engine that is about to lease it
+        target = self.server.worker.target_for(record)
+        adopt = getattr(target, "adopt", None)
+        if adopt is None:
+            return  # no target here drives it (another driver's thread, an unknown graph)
+        self.stats.adopted += 1
+        if record.cancel_requested_at is not None:
+            work: Awaitable[Any] = cancel_undriven(self.engine, run_id)
+        elif record.queue_name is not None:
+            work = self._start_or_fail(run_id)  # maybe claimed and never started: start it
+        else:
+            work = adopt(run_id)
+        self._start(group, _Job(run_id, "adopt", record.queue_name), work)
+
+    async def _cancel_requested(self) -> None:
+        for run_id in await self.store.cancel_requests(self.owner):
+            self.engine.request_cancel(run_id)
+
+    # -- background loops ----------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        """Report this worker; adopt at once the runs of workers on this host that died."""
+        while not self._closing.is_set():
+            try:
+                await self._report()
+                await self._bury_dead()
+            except Exception:
+                self.stats.errors += 1
+                logger.exception("worker heartbeat failed; going on")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.heartbeat):
+                    await self._closing.wait()
+
+    async def _report(self) -> None:
+        await self.store.worker_seen(
+            WorkerRow(
+                worker_id=self.owner, queues=tuple(q.name for q in self.queues),
+                concurrency=self.concurrency, started_at=self._started_at, seen_at=time.time(),
+                running=len(self._jobs),
+            )
+        )  # fmt: skip
+
+    async def _bury_dead(self) -> None:
+        """Forget workers that are gone; their runs become orphans now rather than after their ttl."""
+        now = time.time()
+        for worker in await self.store.workers():
+            if worker.worker_id == self.owner:
+                continue
+            dead = owner_is_dead(worker.worker_id)
+            if not dead and worker.seen_at > now - max(60.0, 10 * self.heartbeat):
+                continue
+            if dead and await self.store.runs_leased_by(worker.worker_id, limit=1):
+                self._dead.add(worker.worker_id)
+                self._kick({"dead"})  # the work loop adopts them: the lease steals from the dead
+                continue
+            self._dead.discard(worker.worker_id)
+            await self.store.forget_worker(worker.worker_id)
+
+    async def _gate_loop(self) -> None:
+        """Machine gates and deadlines (Q5), as serve runs them: backs off while idle."""
+        wait = 0.05
+        while not self._closing.is_set():
+            try:
+                work = await self.server.gates.tick()
+            except Exception:
+                self.stats.errors += 1
+                logger.exception("gate tick failed; going on")
+                work = 0
+            wait = 0.05 if work else min(wait * 2, 2.0)
+            deadline = self.server.gates.next_deadline
+            if deadline is not None:
+                wait = min(wait, max(deadline - time.time(), 0.001))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self._closing.wait()
+
+    # -- stopping -------------------------------------------------------------------------
+
+    async def _drain(self) -> None:
+        """No more claims; runs in flight get ``grace`` seconds, then are stopped where they are."""
+        jobs = list(self._jobs)
+        if not jobs:
+            return
+        logger.info("worker %s draining %d runs (grace %.3g s)", self.owner, len(jobs), self.grace)
+        _, pending = await asyncio.wait(jobs, timeout=self.grace)
+        for task in pending:
+            task.cancel()  # each run's lease is released on its way out (Persister.leased)
+        await asyncio.gather(*pending, return_exceptions=True)
