@@ -41,6 +41,7 @@ from typing import Any
 
 from .._engine import Engine
 from .._graph import Graph
+from ..executors import Executor
 from ..stores import RunStore
 from ..tail import DurationEstimator, ResumeItem, ResumeQueue
 from ._accept import Acceptance
@@ -398,6 +399,7 @@ async def async_evolve(
     patience: int | None = None,
     quality: float | None = None,
     engine: Engine | None = None,
+    executor: Executor | None = None,
     progress: Callable[[Progress], None] | None = None,
 ) -> EvolutionResult:
     """Evolve an artifact with N asynchronous workers and one merger (no barrier).
@@ -478,6 +480,18 @@ async def async_evolve(
         engine: Runs ``run`` when it is a graph (default ``Engine()``). Partial
             rollouts need a store: training rollouts then run on ``engine`` if
             it has one, else on an engine over ``store`` (the evolution's store).
+        executor: Where each ``run``, ``reward`` and ``propose`` attempt runs
+            (say ``RayExecutor()``; default: here, sync callables on daemon
+            threads). Each attempt is one ``executor.invoke`` on a node
+            ``"run"``, ``"reward"`` or ``"propose"``; its input and result
+            cross as JSON (the task as ``Task.to_dict()``, an edit as
+            ``Edit.to_dict()``, rebuilt here), so a ``run`` output must be
+            JSON-able on an executor that ships it; the functions themselves
+            are pickled by Ray (cloudpickle). A graph ``run`` gets
+            ``Engine(executor=executor)`` unless ``engine`` is given. The
+            merger, the ledger and the audit stay in this process. A worker
+            lost under a call (:class:`~tailrace.ExecutorLost`) is recorded
+            and retried under ``retry`` like any transient failure.
         progress: Called with a :class:`Progress` after every rollout and sweep.
 
     Raises:
@@ -506,6 +520,7 @@ async def async_evolve(
         settings=settings,
         audit=audit,
         engine=engine,
+        executor=executor,
     )
     try:
         partial = None
@@ -513,7 +528,7 @@ async def async_evolve(
             partial = PartialRollouts(
                 evolution,
                 run,
-                durable_engine(engine, evolution.ledger.store),
+                durable_engine(engine, evolution.ledger.store, executor),
                 resume_queue,
                 duration_estimator,
                 straggler_factor,

@@ -23,6 +23,7 @@ from typing import Any
 
 from .._engine import Engine
 from .._graph import Graph
+from ..executors import Executor
 from ..stores import MemoryStore, RunStore
 from ..tail import DurationEstimator
 from ..tail._hooks import MIN_STRAGGLER_DELAY
@@ -45,6 +46,7 @@ from ._model import (
 )
 from ._options import Progress, Proposal, Settings
 from ._pool import Member, Pool
+from ._remote import RemoteCalls
 from ._result import EvolutionResult, Sweep
 from ._threads import DaemonExecutor
 from ._usage import UsageMeter, install_meter, uninstall_meter
@@ -54,7 +56,13 @@ EVAL_BACKUPS = 2
 
 
 class Evolution:
-    """The shared state of one evolution: ledger, head or pool, limits, counters."""
+    """The shared state of one evolution: ledger, head or pool, limits, counters.
+
+    With an ``executor``, every attempt of a ``run``, ``reward`` or
+    ``propose`` call is an ``executor.invoke`` (:mod:`._remote`) and a graph
+    ``run`` gets ``Engine(executor=executor)`` unless ``engine`` is given;
+    the ledger, the merger and the audit stay here.
+    """
 
     def __init__(
         self,
@@ -68,7 +76,12 @@ class Evolution:
         settings: Settings,
         audit: AuditScheduler,
         engine: Engine | None,
+        executor: Executor | None = None,
     ) -> None:
+        if executor is not None and not isinstance(executor, Executor):
+            raise TypeError(
+                f"executor: {executor!r} is not an executor (it needs invoke and aclose)"
+            )
         self.train = train
         self.held_out = held_out
         self.by_id = {t.id: t for t in (*train, *held_out)}
@@ -78,7 +91,10 @@ class Evolution:
         self.ledger = ledger
         self.settings = settings
         self.audit = audit
-        self.engine = engine if engine is not None or not isinstance(run, Graph) else Engine()
+        if engine is None and isinstance(run, Graph):
+            engine = Engine(executor=executor)
+        self.engine = engine
+        self.executor = executor
         self.rank_size = _rank_size(settings.rank_size, len(held_out))
         self.head: Version | None = None
         self.head_member: Member | None = None
@@ -113,7 +129,15 @@ class Evolution:
         self.flat_sweeps = 0
         self.meter_token: contextvars.Token[UsageMeter | None] | None = None
         self.stop_reason: str | None = None
-        self.executor = DaemonExecutor()
+        self.threads = DaemonExecutor()
+        #: The user's callables by role (no ``run`` when it is a graph).
+        self.functions: dict[str, Callable[..., Any]] = {"reward": reward, "propose": propose}
+        if not isinstance(run, Graph):
+            self.functions["run"] = run
+        self.remote: RemoteCalls | None = None
+        if executor is not None:
+            run_id = f"evolve:{ledger.artifact_id}"
+            self.remote = RemoteCalls(executor, self.functions, run_id, self.meter)
 
     def install(self) -> None:
         """Meter the usage of every call made from the current context on (see :meth:`close`)."""
@@ -124,7 +148,7 @@ class Evolution:
         if self.meter_token is not None:
             uninstall_meter(self.meter_token)
             self.meter_token = None
-        self.executor.shutdown(wait=False)
+        self.threads.shutdown(wait=False)
 
     # -- user calls ---------------------------------------------------------------
 
@@ -196,9 +220,20 @@ class Evolution:
         self.errors.append(failure)
         return UnitFailed(failure)
 
-    def user(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Awaitable[Any]]:
-        """One attempt of a user callable, sync ones on the evolution's daemon threads."""
-        return lambda: call_user(fn, *args, executor=self.executor)
+    def user(self, role: str, *args: Any) -> Callable[[], Awaitable[Any]]:
+        """The attempts of one call of the user's ``role`` callable with ``args``.
+
+        With an executor each attempt is one ``executor.invoke`` (:mod:`._remote`);
+        without, the callable runs here, sync ones on the evolution's daemon threads.
+
+        Args:
+            role: ``"run"``, ``"reward"`` or ``"propose"``.
+            args: The callable's positional arguments.
+        """
+        if self.remote is not None:
+            return self.remote.call(role, args)
+        fn = self.functions[role]
+        return lambda: call_user(fn, *args, executor=self.threads)
 
     # -- rollouts -------------------------------------------------------------
 
@@ -228,7 +263,7 @@ class Evolution:
             )
         else:
             output = await self.attempt(
-                "run", phase, task, head.version, self.user(self.run_fn, rendered, task)
+                "run", phase, task, head.version, self.user("run", rendered, task)
             )
         return output, await self.score(task, output, phase=phase, version=head.version)
 
@@ -255,7 +290,7 @@ class Evolution:
             ValueError: the reward is not a number in ``[0, 1]`` (a bug, never retried).
         """
         value = await self.attempt(
-            "reward", phase, task, version, self.user(self.reward_fn, task, output)
+            "reward", phase, task, version, self.user("reward", task, output)
         )
         if phase == "eval":
             self.eval_rollouts += 1
@@ -265,7 +300,7 @@ class Evolution:
         self, task: Task, head: Version, output: Any, value: float, parent: Member | None = None
     ) -> Proposal | None:
         """Ask the proposer for an edit from one training rollout; None when it had none or failed."""
-        call = self.user(self.propose_fn, head.rendered, task, output, value)
+        call = self.user("propose", head.rendered, task, output, value)
         try:
             proposed = await self.attempt("propose", "train", task, head.version, call)
         except UnitFailed:
@@ -579,6 +614,7 @@ async def prepare(
     settings: Settings,
     audit: AuditScheduler | None,
     engine: Engine | None,
+    executor: Executor | None = None,
 ) -> tuple[Evolution, RunStore | None]:
     """Validate, split, open the ledger and score the head; returns the evolution and a store to close.
 
@@ -603,6 +639,7 @@ async def prepare(
             settings=settings,
             audit=audit if audit is not None else AuditScheduler(),
             engine=engine,
+            executor=executor,
         )
         evolution.install()
         await evolution.start()

@@ -2,7 +2,8 @@
 
 A user call (``run``, ``reward`` or ``propose``) that raises is recorded as a
 :class:`FailedAttempt` and, when :class:`Retry` says the error is transient
-(a timeout, a dropped connection, an endpoint's 429 or 5xx), retried after a
+(a timeout, a dropped connection, an endpoint's 429 or 5xx, an executor's
+worker lost under the call), retried after a
 backoff, or after the delay the server asked for (``Retry-After``). A unit of
 work whose attempts all failed is dropped and the loop goes on: a training
 rollout yields no proposal, a held-out rollout scores 0 (which makes a
@@ -22,6 +23,8 @@ import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from .._errors import ExecutorLost
+
 
 class UnitFailed(Exception):
     """Internal: every attempt of a unit of work failed (its errors are already recorded)."""
@@ -35,10 +38,12 @@ class UnitFailed(Exception):
 class Retry:
     """How a failing ``run``, ``reward`` or ``propose`` call is retried.
 
-    An exception is transient when it is an instance of ``retry_on`` or has a
+    An exception is transient when it is an instance of ``retry_on``, has a
     true ``retryable`` attribute (the OpenAI-compatible adapter's
     :class:`CompletionError` does for 429, 5xx, timeouts and dropped
-    connections). Retry ``n`` waits ``min(backoff * multiplier**(n-1),
+    connections), or is :class:`~tailrace.ExecutorLost` (the executor's
+    worker died under the call: ``executor=RayExecutor()``), whatever
+    ``retry_on`` says. Retry ``n`` waits ``min(backoff * multiplier**(n-1),
     max_backoff)`` seconds, or the exception's ``retry_after`` seconds when it
     has one (the server's ``Retry-After``, honoured as given).
 
@@ -79,6 +84,9 @@ class Retry:
         Args:
             exc: What the call raised.
         """
+        # A lost worker (a Ray worker or node that died) says nothing about the call itself.
+        if isinstance(exc, ExecutorLost):
+            return True
         return isinstance(exc, self.retry_on) or getattr(exc, "retryable", False) is True
 
     def delay(self, retry: int, exc: BaseException) -> float:

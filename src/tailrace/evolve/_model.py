@@ -60,6 +60,18 @@ class Task:
         """The task as a JSON-ready dict (the ``task`` of a graph rollout's input)."""
         return {"id": self.id, "prompt": self.prompt, "meta": dict(self.meta)}
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Task:
+        """Rebuild a task from ``data``, the output of :meth:`to_dict`.
+
+        Args:
+            data: ``{"id": ..., "prompt": ..., "meta": {...}}`` (``meta`` optional).
+
+        >>> Task.from_dict(Task(id="t1", prompt="hi", meta={"cost": 2}).to_dict())
+        Task(id='t1', prompt='hi', meta={'cost': 2})
+        """
+        return cls(id=data["id"], prompt=data["prompt"], meta=dict(data.get("meta") or {}))
+
     @property
     def cost(self) -> float:
         """``meta["cost"]`` as a float, 1.0 when absent: the duration estimator's input."""

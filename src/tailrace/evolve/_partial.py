@@ -35,6 +35,7 @@ from .._engine import Engine
 from .._errors import RunNotFound
 from .._graph import Graph
 from .._runloop import RunResult
+from ..executors import Executor
 from ..stores import RunStatus, RunStore
 from ..tail import DurationEstimator, ResumeItem, ResumeQueue
 from ._core import Evolution, straggler_limit
@@ -44,20 +45,23 @@ from ._model import RolloutContext, Task, set_rollout
 T = TypeVar("T")
 
 
-def durable_engine(engine: Engine | None, store: RunStore) -> Engine:
+def durable_engine(
+    engine: Engine | None, store: RunStore, executor: Executor | None = None
+) -> Engine:
     """The engine partial rollouts run on: ``engine`` if it has a store, else one on ``store``.
 
     A preempted run must be stored to be resumed, so an engine without a store
     (the default for graph rollouts) is replaced, for training rollouts, by an
-    ``Engine(store=store)`` on the evolution's own store.
+    ``Engine(store=store, executor=executor)`` on the evolution's own store.
 
     Args:
         engine: The engine the caller passed to the loop, if any.
         store: The evolution's (opened) store, where the ledger lives.
+        executor: The loop's ``executor``, which the graph's nodes run on.
     """
     if engine is not None and engine.store is not None:
         return engine
-    return Engine(store=store)
+    return Engine(store=store, executor=executor)
 
 
 class PartialRollouts:

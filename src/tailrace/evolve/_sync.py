@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from .._engine import Engine
 from .._graph import Graph
+from ..executors import Executor
 from ..stores import RunStore
 from ._accept import Acceptance
 from ._audit import AuditScheduler
@@ -156,6 +157,7 @@ async def evolve(
     patience: int | None = None,
     quality: float | None = None,
     engine: Engine | None = None,
+    executor: Executor | None = None,
     progress: Callable[[Progress], None] | None = None,
 ) -> EvolutionResult:
     """Evolve an artifact in synchronous rounds: all workers, then a barrier, then one merge sweep.
@@ -204,6 +206,9 @@ async def evolve(
         quality: The held-out reward whose first reaching is reported as
             ``time_to_quality``/``cost_to_quality`` (default ``target``).
         engine: Runs ``run`` when it is a graph (default ``Engine()``).
+        executor: Where each ``run``, ``reward`` and ``propose`` attempt runs
+            (say ``RayExecutor()``; default: here); see :func:`async_evolve`.
+            The rounds, the merge sweeps and the ledger stay in this process.
         progress: Called with a :class:`Progress` after every round and sweep.
 
     Raises:
@@ -226,6 +231,7 @@ async def evolve(
         settings=settings,
         audit=audit,
         engine=engine,
+        executor=executor,
     )
     try:
         with first_error():

@@ -92,14 +92,32 @@ class UsageMeter:
             prompt_tokens: Its prompt tokens.
             completion_tokens: Its completion tokens.
         """
+        self.add_counts(model, 1, prompt_tokens, completion_tokens)
+
+    def add_counts(
+        self, model: str, calls: int, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        """Count ``calls`` responses' usage at once (what another meter's :meth:`counts` gave).
+
+        Args:
+            model: The model that answered.
+            calls: How many responses.
+            prompt_tokens: Their prompt tokens, summed.
+            completion_tokens: Their completion tokens, summed.
+        """
         price = self.prices.get(model)
         with self._lock:
             counts = self._tokens.setdefault(model, [0, 0, 0])
-            counts[0] += 1
+            counts[0] += calls
             counts[1] += prompt_tokens
             counts[2] += completion_tokens
             if price is not None:
                 self._cost += price.cost(prompt_tokens, completion_tokens)
+
+    def counts(self) -> list[list[str | int]]:
+        """``[model, calls, prompt_tokens, completion_tokens]`` per model, sorted: JSON-ready."""
+        with self._lock:
+            return [[model, *counts] for model, counts in sorted(self._tokens.items())]
 
     @property
     def cost(self) -> float:
