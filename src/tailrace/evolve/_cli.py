@@ -1,12 +1,15 @@
 """``tailrace evolve-demo``: the synthetic routing domain with a progress bar and a learning curve.
 
 Register it on the CLI app with ``app.command("evolve-demo")(evolve_demo)``.
-Needs the ``cli`` extra (typer, rich).
+Needs the ``cli`` extra (typer, rich). Paths and locations the user typed
+are printed through :func:`tailrace.cli._render.text` (never read as
+markup, CONVENTIONS 15); a store that cannot be opened or a result that
+cannot be saved is one ``error:`` line and exit code 1, as in every command
+(:mod:`tailrace.cli._session`).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,7 +19,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..stores import RunStore, open_store
+from ..cli._render import text
+from ..cli._session import fail, finish, opened
+from ..stores import RunStore
 from ..tail import DurationEstimator, ResumeQueue
 from ._async import async_evolve
 from ._demo import DEMO_PRICES, DemoDomain
@@ -145,6 +150,22 @@ def summary_table(result: EvolutionResult) -> Table:
     return table
 
 
+def progress_bar(console: Console) -> Progress:
+    """The demo's progress bar: rollouts done, head version and held-out reward.
+
+    Args:
+        console: Where it is drawn.
+    """
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("v{task.fields[version]} held-out {task.fields[held_out]:.3f}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
 def evolve_demo(
     mode: Annotated[str, typer.Option(help="async (workers + merger) or sync (rounds).")] = "async",
     tasks: Annotated[int, typer.Option(min=4, help="How many synthetic tasks.")] = 40,
@@ -180,42 +201,43 @@ def evolve_demo(
         raise typer.BadParameter("must be 'async' or 'sync'", param_hint="--mode")
     if selection not in ("head", "pareto"):
         raise typer.BadParameter("must be 'head' or 'pareto'", param_hint="--selection")
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("v{task.fields[version]} held-out {task.fields[held_out]:.3f}"),
-        TimeElapsedColumn(),
-        console=console,
-    ) as bar:
-        job = bar.add_task(f"evolve ({mode})", total=rollouts, version=1, held_out=0.0)
+    if save is not None and not save.parent.is_dir():  # refused before the run, not after it
+        fail(f"cannot save the result to {save}: there is no directory {save.parent}")
 
-        def on_progress(p: EvolveProgress) -> None:
-            bar.update(job, completed=p.rollouts, version=p.version, held_out=p.held_out)
+    async def demo(store: RunStore | None) -> EvolutionResult:
+        with progress_bar(console) as bar:
+            job = bar.add_task(f"evolve ({mode})", total=rollouts, version=1, held_out=0.0)
 
-        async def main() -> EvolutionResult:
-            store = open_store(db) if db else None
-            try:
-                return await run_demo(
-                    mode=mode,
-                    tasks=tasks,
-                    workers=workers,
-                    rollouts=rollouts,
-                    seed=seed,
-                    latency=latency,
-                    target=target,
-                    quality=quality,
-                    selection=selection,
-                    store=store,
-                    on_progress=on_progress,
-                )
-            finally:
-                if store is not None:
-                    await store.close()
+            def on_progress(p: EvolveProgress) -> None:
+                bar.update(job, completed=p.rollouts, version=p.version, held_out=p.held_out)
 
-        result = asyncio.run(main())
+            return await run_demo(
+                mode=mode,
+                tasks=tasks,
+                workers=workers,
+                rollouts=rollouts,
+                seed=seed,
+                latency=latency,
+                target=target,
+                quality=quality,
+                selection=selection,
+                store=store,
+                on_progress=on_progress,
+            )
+
+    async def main() -> EvolutionResult:
+        if not db:
+            return await demo(None)
+        # Opened before the bar shows: a store that cannot be opened is one error line.
+        async with opened(db) as store:
+            return await demo(store)
+
+    result = finish(main)
     console.print(curve_table(result))
     console.print(summary_table(result))
     if save is not None:
-        result.save(save)
-        console.print(f"result saved to {save}")
+        try:
+            result.save(save)
+        except OSError as exc:
+            fail(f"cannot save the result to {save}: {exc.strerror or exc}")
+        console.print(text("result saved to ", str(save)))
