@@ -76,8 +76,11 @@ def shots(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     folder = Path(wanted) if wanted else tmp_path_factory.mktemp("screenshots")
     folder.mkdir(parents=True, exist_ok=True)
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"\ndashboard screenshots: {folder}")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.ensure_newline()
+            reporter.write_line(f"dashboard screenshots: {folder}")
     return folder
 
 

@@ -75,32 +75,24 @@ class Gantt:
 
 
 def gantt(attempts: Sequence[Attempt]) -> Gantt:
-    """Lay ``attempts`` out: rows in order of first start, x scaled to the run's span."""
+    """Lay ``attempts`` out: a row per node visit in order of first start (its hedge just under it),
+    x scaled to the run's span."""
     if not attempts:
         return Gantt(width=LABEL_W + TRACK_W + RIGHT_PAD, height=AXIS_H, rows=(), bars=(), ticks=(),
                      span=0.0, counts={})  # fmt: skip
     t0 = min(a.start for a in attempts)
     span = max(max(a.end for a in attempts) - t0, 1e-3)
     scale = TRACK_W / span
-    row_of: dict[tuple[str, bool], int] = {}
-    rows: list[Row] = []
+    rows = _rows(attempts)
+    y_of = {(r.full_label.removesuffix(" hedge"), r.hedge): r.y for r in rows}
     bars: list[Bar] = []
     counts: dict[str, int] = {}
     for a in attempts:
-        key = (a.label, a.hedge)
-        if key not in row_of:
-            row_of[key] = len(rows)
-            full = f"{a.label} hedge" if a.hedge else a.label
-            rows.append(
-                Row(label=shorten(full, LABEL_CHARS), full_label=full,
-                    y=AXIS_H + len(rows) * ROW_H, hedge=a.hedge)
-            )  # fmt: skip
-        y = rows[row_of[key]].y + (ROW_H - BAR_H) / 2
-        x = LABEL_W + (a.start - t0) * scale
         straggler = None if a.straggler_at is None else LABEL_W + (a.straggler_at - t0) * scale
         bars.append(
-            Bar(x=x, y=y, w=max((a.end - a.start) * scale, 2.0), outcome=a.outcome.value,
-                hedge=a.hedge, late=a.late, straggler_x=straggler, title=_title(a, t0))
+            Bar(x=LABEL_W + (a.start - t0) * scale, y=y_of[(a.label, a.hedge)] + (ROW_H - BAR_H) / 2,
+                w=max((a.end - a.start) * scale, 2.0), outcome=a.outcome.value, hedge=a.hedge,
+                late=a.late, straggler_x=straggler, title=_title(a, t0))
         )  # fmt: skip
         counts[a.outcome.value] = counts.get(a.outcome.value, 0) + 1
         counts["straggler"] = counts.get("straggler", 0) + (a.straggler_at is not None)
@@ -114,6 +106,30 @@ def gantt(attempts: Sequence[Attempt]) -> Gantt:
         span=span,
         counts={k: v for k, v in counts.items() if v},
     )
+
+
+def _rows(attempts: Sequence[Attempt]) -> list[Row]:
+    """One row per node visit in order of first start; a visit's hedges get a row just under it."""
+    order: dict[str, None] = {}
+    hedged: set[str] = set()
+    for a in attempts:
+        order.setdefault(a.label, None)
+        if a.hedge:
+            hedged.add(a.label)
+    keys = [
+        (label, hedge)
+        for label in order
+        for hedge in ((False, True) if label in hedged else (False,))
+    ]
+    rows = []
+    for n, (label, hedge) in enumerate(keys):
+        full = f"{label} hedge" if hedge else label
+        rows.append(
+            Row(
+                label=shorten(full, LABEL_CHARS), full_label=full, y=AXIS_H + n * ROW_H, hedge=hedge
+            )
+        )
+    return rows
 
 
 def _title(a: Attempt, t0: float) -> str:
