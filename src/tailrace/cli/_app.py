@@ -1,4 +1,6 @@
-"""``tailrace`` subcommands: run, resume, runs, show, questions, answer, serve (typer + rich).
+"""``tailrace`` subcommands: run, resume, runs, show, questions, answer (typer + rich).
+
+The fleet commands (submit, worker and serve, cancel, queues) live in ``_fleet``.
 
 Everything printed that came from a user or a store goes through
 ``_render`` (shown literally, never as markup); every failure is one line
@@ -7,7 +9,6 @@ from ``_session``.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shlex
 import time
@@ -26,16 +27,16 @@ from .._owner import owner_is_dead
 from .._runloop import RunResult
 from ..evolve._cli import evolve_demo
 from ..stores import QuestionStatus, RunRecord, RunStatus, RunStore
-from ._load import is_file_spec, load_graph, load_graphs, load_pollers
+from ._fleet import QueueFilter
+from ._fleet import register as register_fleet
+from ._load import is_file_spec, load_graph, load_graphs
 from ._render import json_text, node_table, question_table, table_of, text
 from ._session import (
     CommandError,
     FailureWatch,
     console,
     db_argument,
-    db_location,
     finish,
-    shown_location,
     with_store,
 )
 from ._timeline import timeline
@@ -233,6 +234,7 @@ def list_runs(
     db: DbOption = None,
     status: Annotated[RunStatus | None, typer.Option(help="Only runs with this status.")] = None,
     limit: Annotated[int, typer.Option(help="At most this many runs.")] = 50,
+    queue: QueueFilter = None,
 ) -> None:
     """List runs, newest first: status, start, duration and nodes done.
 
@@ -240,7 +242,7 @@ def list_runs(
     resume it, or let serve adopt it.
     """
     records = with_store(
-        db, lambda store: store.list_runs(status=status, limit=limit), read_only=True
+        db, lambda store: store.list_runs(status=status, limit=limit, queue=queue), read_only=True
     )
     now = time.time()
     headers = (Column("run", no_wrap=True), "graph", "status", "started", "duration", "nodes done")
@@ -367,41 +369,4 @@ def answer(
     _print_result(result, db, graphs or [])
 
 
-@app.command()
-def serve(
-    db: DbOption = None,
-    poller: Annotated[
-        list[str] | None,
-        typer.Option(help="NAME=MODULE_OR_FILE:CALLABLE, a machine gate's poller (repeatable)."),
-    ] = None,
-    graphs: GraphsOption = None,
-    lease_ttl: LeaseTtlOption = 30.0,
-    max_interval: Annotated[float, typer.Option(help="Longest idle wait, seconds.")] = 2.0,
-) -> None:
-    """Serve: resume answered runs, poll machine gates, adopt runs whose owner died.
-
-    Runs are resumed with the graphs ``--graphs`` names, or with graphs
-    importable as modules by their stored reference; graph files named in
-    the store are never executed (trust model).
-    """
-    import signal
-
-    from ..gates import Server
-
-    pollers = load_pollers(poller)
-    loaded = load_graphs(graphs)
-
-    async def work(store: RunStore) -> Any:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        engine = Engine(store=store, lease_ttl=lease_ttl)
-        engine.register(*loaded)
-        server = Server(engine, pollers=pollers, max_interval=max_interval)
-        location = shown_location(db_location(db))
-        console.print(text(f"serving {location} as {engine.owner}"), soft_wrap=True)
-        return await server.run(stop)
-
-    stats = with_store(db, work)
-    console.print(text(f"stopped: {stats}"), soft_wrap=True)
+register_fleet(app)  # submit, worker (and serve, its other name), cancel, queues

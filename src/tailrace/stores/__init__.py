@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import typing
+import urllib.parse
 
 from ._base import CHANGE_KINDS as CHANGE_KINDS
 from ._base import FORMAT_VERSION as FORMAT_VERSION
@@ -102,7 +103,9 @@ def open_store(url_or_path: str | os.PathLike[str], *, read_only: bool = False) 
 
     Args:
         url_or_path: ``postgresql://...`` or ``postgres://...`` for
-            :class:`PostgresStore`; ``:memory:`` or ``memory:`` for
+            :class:`PostgresStore` (a ``schema=NAME`` query parameter, which
+            libpq does not know, picks the schema holding the tables;
+            default ``public``); ``:memory:`` or ``memory:`` for
             :class:`MemoryStore`; anything else is a file path for
             :class:`SQLiteStore`.
         read_only: open an existing database to read it only: no migrations,
@@ -114,7 +117,23 @@ def open_store(url_or_path: str | os.PathLike[str], *, read_only: bool = False) 
     """
     target = os.fspath(url_or_path)
     if target.startswith(_POSTGRES_SCHEMES):
-        return _import_postgres_store()(target, read_only=read_only)
+        dsn, schema = _split_schema(target)
+        return _import_postgres_store()(dsn, schema=schema, read_only=read_only)
     if target in _MEMORY_NAMES:
         return MemoryStore()
     return SQLiteStore(target, read_only=read_only)
+
+
+def _split_schema(url: str) -> tuple[str, str]:
+    """``url`` without its ``schema=`` query parameter, and that schema (default ``public``).
+
+    >>> _split_schema("postgresql://u@h/db?schema=fleet&sslmode=require")
+    ('postgresql://u@h/db?sslmode=require', 'fleet')
+    """
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    schemas = [v for k, v in query if k == "schema"]
+    if not schemas:
+        return url, "public"
+    rest = urllib.parse.urlencode([(k, v) for k, v in query if k != "schema"])
+    return urllib.parse.urlunsplit(parts._replace(query=rest)), schemas[-1]

@@ -1,0 +1,310 @@
+"""``tailrace`` fleet commands: submit, worker (and serve, its other name), cancel, queues (issue 10).
+
+A worker claims runs from queues and drives them, applies answers, polls
+machine gates and adopts runs of dead workers; ``serve`` is the same daemon
+(with no ``--queue`` it claims from the ``default`` queue). Everything printed
+that came from a user or a store goes through ``_render``; errors are one
+line from ``_session``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import time
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+import typer
+from rich.table import Column
+
+from .._engine import Engine
+from ..stores import Queue, QueueStats, RunStore
+from ..workers import RunFailed, Worker, WorkerStats
+from ._load import is_file_spec, load_graph, load_graphs, load_object, load_pollers
+from ._render import json_text, table_of, text
+from ._session import CommandError, console, db_location, shown_location, with_store
+
+DbOption = Annotated[
+    str | None,
+    typer.Option(
+        "--db",
+        help="Store: a SQLite path (default ./tailrace.db or $TAILRACE_DB) or a "
+        "postgresql:// URL (add ?schema=NAME for a schema other than public).",
+    ),
+]
+LeaseTtlOption = Annotated[
+    float,
+    typer.Option(
+        "--lease-ttl",
+        min=0.001,
+        envvar="TAILRACE_LEASE_TTL",
+        help="Seconds a run stays leased to a worker that died on another host before "
+        "another worker adopts it (a dead worker on this host is replaced at once).",
+    ),
+]
+QueueFilter = Annotated[
+    str | None, typer.Option("--queue", help="Only runs submitted to this queue.")
+]
+
+
+def register(app: typer.Typer) -> None:
+    """Add the fleet commands to ``app``."""
+    app.command("submit")(submit)
+    app.command("worker")(worker)
+    app.command(
+        "serve",
+        help="Serve: the worker under its older name (resume answered runs, poll machine "
+        "gates, adopt runs whose owner died, and claim queued runs).",
+    )(worker)
+    app.command("cancel")(cancel)
+    app.command("queues")(queues)
+
+
+# --- submit -------------------------------------------------------------------------------
+
+
+def submit(
+    graph: Annotated[
+        str, typer.Argument(help="MODULE_OR_FILE:GRAPH, e.g. examples/research.py:graph")
+    ],
+    input: Annotated[str, typer.Option("--input", "-i", help="Run input as JSON.")] = "null",
+    queue: Annotated[str, typer.Option("--queue", "-q", help="The queue.")] = "default",
+    db: DbOption = None,
+    run_id: Annotated[str | None, typer.Option(help="Name the run (default: random).")] = None,
+    priority: Annotated[int, typer.Option(help="Higher first, in a priority queue.")] = 0,
+    partition: Annotated[
+        str | None, typer.Option(help="Runs with one key start one at a time, in order.")
+    ] = None,
+    dedup_key: Annotated[
+        str | None, typer.Option(help="Return the live run with this key instead.")
+    ] = None,
+    cost: Annotated[float | None, typer.Option(help="The estimator's cost (lpt queues).")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait for the result and print it.")] = False,
+) -> None:
+    """Submit a run to a queue and print its id; a worker serving the queue runs it.
+
+    A run whose dedup key is held by a live run of the queue is not stored: the
+    live run's id is printed.
+    """
+    loaded, ref = load_graph(graph)
+    try:
+        payload = json.loads(input)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"not JSON: {exc}", param_hint="'--input'") from exc
+
+    async def work(store: RunStore) -> tuple[str, Any]:
+        engine = Engine(store=store)
+        stored = await engine.submit(
+            loaded, payload, queue=queue, run_id=run_id, priority=priority,
+            partition=partition, dedup_key=dedup_key, cost=cost, graph_ref=ref,
+        )  # fmt: skip
+        if not wait:
+            return stored, None
+        try:
+            return stored, await engine.wait(stored, graph=loaded)
+        except RunFailed as exc:
+            raise CommandError(str(exc)) from exc
+
+    stored, result = with_store(db, work)
+    if run_id is not None and stored != run_id:
+        console.print(text(f"dedup key {dedup_key} is held by live run "), text(stored))
+    console.print(text(stored), soft_wrap=True)
+    if result is not None:
+        console.print(text(f"run {stored} {result.status} in {result.duration:.3f}s"))
+        console.print(json_text(result.output), soft_wrap=True)
+
+
+# --- worker / serve ---------------------------------------------------------------------------
+
+
+def worker(
+    db: DbOption = None,
+    queue: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--queue",
+            "-q",
+            help="A queue to claim runs from (repeatable): NAME (its stored limits), or "
+            "MODULE_OR_FILE:ATTR naming a tailrace.Queue (declared, so every worker keeps "
+            "its limits). Default: the queue 'default'.",
+        ),
+    ] = None,
+    concurrency: Annotated[
+        int, typer.Option(min=1, help="Most runs this worker drives at once.")
+    ] = 8,
+    graphs: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--graphs",
+            help="FILE_OR_MODULE[:GRAPH] whose graphs runs may be of (repeatable); graph "
+            "files named in the store are never executed.",
+        ),
+    ] = None,
+    poller: Annotated[
+        list[str] | None,
+        typer.Option(help="NAME=MODULE_OR_FILE:CALLABLE, a machine gate's poller (repeatable)."),
+    ] = None,
+    langgraph: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--langgraph",
+            help="[NAME=]MODULE_OR_FILE:ATTR, a compiled LangGraph graph (or a function or "
+            "context manager making one) whose threads to serve (repeatable). Give each a "
+            "NAME=: LangGraph names every graph 'LangGraph'.",
+        ),
+    ] = None,
+    lease_ttl: LeaseTtlOption = 30.0,
+    grace: Annotated[
+        float, typer.Option(min=0, help="Seconds runs in flight get to finish on SIGTERM.")
+    ] = 30.0,
+    max_interval: Annotated[
+        float, typer.Option(min=0.001, help="Longest wait between two looks at the store.")
+    ] = 1.0,
+) -> None:
+    """Worker: claim queued runs and drive them; resume answered runs, poll machine gates, adopt runs whose owner died.
+
+    Any number of workers on any number of hosts share one store; claims make
+    sure no two drive the same run. SIGTERM (or Ctrl-C) drains: no more
+    claims, runs in flight get --grace seconds, then are stopped where they
+    are and their leases released, so another worker adopts them at once.
+    """
+    specs = queue or ["default"]
+    queues = [_load_queue(spec) for spec in specs]
+    loaded = load_graphs(graphs)
+    pollers = load_pollers(poller)
+    sources = [_load_langgraph(spec) for spec in langgraph or []]
+    location = shown_location(db_location(db))
+
+    async def work(store: RunStore) -> WorkerStats | list[str]:
+        async with contextlib.AsyncExitStack() as stack:
+            drivers = [
+                await stack.enter_async_context(_open_driver(source, store, name, lease_ttl))
+                for name, source in sources
+            ]
+            names = [d.name for d in drivers]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                return twice
+            daemon = Worker(
+                store, queues=queues, concurrency=concurrency, graphs=loaded, pollers=pollers,
+                targets=drivers, lease_ttl=lease_ttl, grace=grace, poll_interval=max_interval,
+            )  # fmt: skip
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            names_shown = ", ".join(q.name for q in daemon.queues)
+            console.print(
+                text(f"serving {location} as {daemon.owner}, queues: {names_shown}"),
+                soft_wrap=True,
+            )
+            return await daemon.run(stop)
+
+    outcome = with_store(db, work)
+    if isinstance(outcome, list):
+        raise typer.BadParameter(
+            f"graphs named twice: {', '.join(outcome)}; give each its own NAME= "
+            "(LangGraph names every graph 'LangGraph')",
+            param_hint="'--langgraph'",
+        )
+    console.print(text(f"stopped: {outcome}"), soft_wrap=True)
+
+
+def _load_queue(spec: str) -> Queue | str:
+    """``--queue``: a name, or ``MODULE_OR_FILE:ATTR`` naming a :class:`~tailrace.Queue`."""
+    if ":" not in spec:
+        if not spec:
+            raise typer.BadParameter("a queue name cannot be empty", param_hint="'--queue'")
+        return spec
+    found, _ = load_object(spec, hint="--queue", form="NAME or MODULE_OR_FILE:QUEUE")
+    if not isinstance(found, Queue):
+        raise typer.BadParameter(
+            f"{spec!r} is a {type(found).__name__}, not a tailrace.Queue", param_hint="'--queue'"
+        )
+    return found
+
+
+def _load_langgraph(spec: str) -> tuple[str | None, Any]:
+    """``--langgraph [NAME=]MODULE_OR_FILE:ATTR``: the driver's name (or None) and what to open."""
+    name, sep, ref = spec.partition("=")
+    if not sep or ":" in name or "/" in name or is_file_spec(name):
+        name, ref = "", spec
+    source, _ = load_object(ref, hint="--langgraph", form="[NAME=]MODULE_OR_FILE:ATTR")
+    return name or None, source
+
+
+def _open_driver(
+    source: Any, store: RunStore, name: str | None, lease_ttl: float
+) -> contextlib.AbstractAsyncContextManager[Any]:
+    try:
+        from ..integrations.langgraph import open_driver
+    except ImportError as exc:
+        raise CommandError(
+            f"--langgraph needs the langgraph extra ({exc}): pip install 'tailrace[langgraph]'"
+        ) from exc
+    return open_driver(source, store, name=name, lease_ttl=lease_ttl)
+
+
+# --- cancel --------------------------------------------------------------------------------
+
+
+def cancel(
+    run_id: Annotated[str, typer.Argument(help="The run to cancel.")],
+    db: DbOption = None,
+) -> None:
+    """Cancel a run: a queued one at once, a running one at its next harvest (its worker stops it)."""
+    status = with_store(db, lambda store: Engine(store=store).cancel(run_id))
+    if status == "running":
+        message = f"run {run_id}: cancel requested; its worker ends it at its next harvest"
+    else:
+        message = f"run {run_id}: {status}"
+    console.print(text(message), soft_wrap=True)
+
+
+# --- queues -----------------------------------------------------------------------------------
+
+
+def queues(
+    db: DbOption = None,
+    window: Annotated[
+        float, typer.Option(min=1.0, help="Seconds the start rate and workers are counted over.")
+    ] = 60.0,
+) -> None:
+    """List queues: limits, runs queued, running and suspended, start rate, workers seen."""
+    now = time.time()
+    stats = with_store(db, lambda store: store.queue_stats(now, window=window), read_only=True)
+    headers = (
+        Column("queue", no_wrap=True), "limits", "order", "queued", "running", "suspended",
+        f"started/s ({window:g}s)", "oldest wait", "workers",
+    )  # fmt: skip
+    console.print(table_of(headers, (_queue_row(s, now) for s in stats)))
+
+
+def _queue_row(stats: QueueStats, now: float) -> Sequence[str]:
+    return (
+        stats.name,
+        _limits(stats.queue),
+        stats.queue.order if stats.queue is not None else "fifo",
+        str(stats.queued),
+        str(stats.running),
+        str(stats.suspended),
+        f"{stats.started / stats.window:.3g}",
+        "-" if stats.oldest_queued_at is None else f"{now - stats.oldest_queued_at:.1f}s",
+        str(stats.workers),
+    )
+
+
+def _limits(queue: Queue | None) -> str:
+    if queue is None:
+        return "not declared"
+    parts = []
+    if queue.concurrency is not None:
+        parts.append(f"concurrency {queue.concurrency}")
+    if queue.worker_concurrency is not None:
+        parts.append(f"per worker {queue.worker_concurrency}")
+    if queue.limit is not None:
+        parts.append(f"{queue.limit} per {queue.period:g}s")
+    return ", ".join(parts) or "none"
