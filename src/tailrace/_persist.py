@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from ._codec import DEFAULT_CODEC, Codec
+from ._codec import DEFAULT_CODEC, Codec, JsonCodec
 from ._errors import (
     CorruptRecord,
     EncodeError,
@@ -51,8 +52,7 @@ from .stores._base import (
 
 if TYPE_CHECKING:
     from ._engine import Engine
-    from ._events import Event
-    from ._runloop import RunLoop
+    from ._runloop import EventTuple, RunLoop
     from ._topology import Topology
 
 logger = logging.getLogger("tailrace.persist")
@@ -89,8 +89,12 @@ class Persister:
         self._questions: list[QuestionRow] = []
         self.applied: list[str] = []
         self.superseded: list[str] = []
-        self._queued: list[Harvest] = []
+        self._queued: list[_Pending] = []
+        #: Harvests staged since the last write began (the store's backlog).
+        self._staged = 0
         self._writer: asyncio.Future[None] | None = None
+        #: The group window the writer waits out; a flush ends it early.
+        self._window: asyncio.Future[None] | None = None
         self._flushing = False
         self._lost: LeaseLost | None = None
         #: The first write that failed; nothing after it is written (D2).
@@ -99,6 +103,13 @@ class Persister:
         self.on_failure: Callable[[], None] | None = None
         #: node index -> (visit, value) of its latest large result, stored once.
         self._big: dict[int, tuple[int, Any]] = {}
+        #: node index -> (value, its JSON) of its latest small result, so node rows
+        #: reuse the text instead of encoding the value again.
+        self._texts: dict[int, tuple[Any, str]] = {}
+        #: The run's input and its JSON, for the entry nodes' rows.
+        self._input: tuple[Any, str] | None = None
+        #: Scalars read back from strict JSON as they went in: no decode needed.
+        self._plain = isinstance(self.codec, JsonCodec)
 
     # -- creation -----------------------------------------------------------
 
@@ -130,7 +141,9 @@ class Persister:
         )
         await engine.store.create_run(new)
         record = await engine.store.get_run(run_id)
-        return cls(engine, run_id, topo, record)
+        persister = cls(engine, run_id, topo, record)
+        persister._input = (input, input_json)
+        return persister
 
     @staticmethod
     def find_graph(record: RunRecord) -> Graph:
@@ -231,8 +244,11 @@ class Persister:
         return it as it reads back, so a run sees the same values whether or not it
         was resumed in between (JSON has no tuples and only string keys)."""
         try:
-            text = self.codec.encode(result)
-            value = self.codec.decode(text)
+            if self._plain and type(result) in _SCALARS:
+                text, value = _scalar_json(self.codec, result), result
+            else:
+                text = self.codec.encode(result)
+                value = self.codec.decode(text)
         except (TypeError, ValueError, RecursionError) as exc:
             raise EncodeError(
                 f"run {self.run_id!r}: result of node {node_id!r} (visit {visit}) "
@@ -289,35 +305,59 @@ class Persister:
             text = self.codec.encode(result)
         if len(text) >= REF_MIN_CHARS:
             self._big[i] = (visit, result)
+            self._texts.pop(i, None)
         else:
             self._big.pop(i, None)
-        self._results.append(ResultRow(node_id=self.topo.ids[i], visit=visit, value_json=text))
+            self._texts[i] = (result, text)
+        self._results.append(_make_result_row(self.topo.ids[i], visit, text))
 
     async def commit(
-        self, loop: RunLoop, events: list[Event], status: str, error: str | None
+        self, loop: RunLoop, events: list[EventTuple], status: str, error: str | None
     ) -> None:
-        """Commit one harvest with its ``events``; a terminal ``status`` waits for durability.
+        """Commit one harvest with its ``events``; a terminal ``status`` waits for durability."""
+        if self.stage(loop, events, status, error):
+            await self.flush()
+
+    def stage(
+        self, loop: RunLoop, events: list[EventTuple], status: str, error: str | None
+    ) -> bool:
+        """Queue one harvest with its ``events`` for the store; True if the caller must flush.
 
         One write per run is in flight at a time; harvests produced meanwhile
-        are merged, in order, into the next write (run-level group commit).
+        are merged, in order, into the next write (run-level group commit). The
+        caller flushes on a final ``status``, or when the store falls behind.
         """
         self.raise_failure()
-        self._queued.append(self._harvest(loop, events, RunStatus(status), error))
+        run_status = _STATUSES[status]
+        queued = self._queued
+        if not queued or queued[-1].status is not run_status:
+            queued.append(_Pending(run_status))  # a status change is its own write
+        self._add_harvest(queued[-1], loop, events, error)
+        self._staged += 1
         if self._writer is None or self._writer.done():
             self._writer = asyncio.ensure_future(self._drain())
-        if status != "running" or len(self._queued) > MAX_QUEUED:
-            await self.flush()
+        return run_status is not RunStatus.RUNNING or self._staged > MAX_QUEUED
 
     async def _drain(self) -> None:
         try:
             while self._queued:
                 if not self._flushing:
                     # Let a few more harvests join this write: one write per millisecond
-                    # costs the store (and the GIL) far less than one per harvest.
-                    await asyncio.sleep(GROUP_WINDOW)
+                    # costs the store (and the GIL) far less than one per harvest. A
+                    # flush ends the wait at once (durability "sync" waits for it).
+                    loop = asyncio.get_running_loop()
+                    self._window = loop.create_future()
+                    timer = loop.call_later(GROUP_WINDOW, _resolve, self._window)
+                    try:
+                        await self._window
+                    finally:
+                        timer.cancel()
+                        self._window = None
                 batch, self._queued = self._queued, []
-                for group in _same_status_runs(batch):  # a status change is its own write
-                    await self.store.commit(self.run_id, self.token, merge_harvests(group))
+                self._staged = 0
+                for pending in batch:
+                    harvest = pending.harvest(self.topo.ids)
+                    await self.store.commit(self.run_id, self.token, harvest)
         except Exception as exc:
             # Nothing harvested after a failed write may be written (D2); the run
             # loop is woken to stop dispatching, cancel its attempts and re-raise.
@@ -337,6 +377,7 @@ class Persister:
     async def flush(self) -> None:
         """Wait until every harvest so far is committed; raise the first failure."""
         self._flushing = True
+        _resolve(self._window)
         try:
             await self._flush()
         finally:
@@ -369,51 +410,66 @@ class Persister:
         if writer is not None:
             await asyncio.gather(writer, return_exceptions=True)
 
-    def _harvest(
-        self, loop: RunLoop, events: list[Event], status: RunStatus, error: str | None
-    ) -> Harvest:
+    def _add_harvest(
+        self, pending: _Pending, loop: RunLoop, events: list[EventTuple], error: str | None
+    ) -> None:
+        """Fold one harvest into the write being gathered: rows as they stand now (D1, D2)."""
         state = loop.state
-        nodes = [self._node_row(i, state.nodes[i]) for i in state.take_dirty()]
-        frozen = [
-            FrozenInput(
-                node_id=self.topo.ids[t],
-                activation=activation,
-                payload_json=self._encode(payload, t, "first-k payload"),
-            )
-            for t, activation, payload in state.frozen
-        ]
-        state.frozen.clear()
-        results, self._results = self._results, []
-        questions, self._questions = self._questions, []
-        applied, self.applied = self.applied, []
-        superseded, self.superseded = self.superseded, []
-        rows = [
-            EventRow(
-                seq=e.seq,
-                type=e.type.value,
-                node_id=e.node_id,
-                visit=e.visit,
-                attempt=e.attempt,
-                ts=e.ts,
-                data_json=self.codec.encode(e.data) if e.data else "{}",
-            )
-            for e in events
-        ]
-        terminal = status is not RunStatus.RUNNING
-        return Harvest(
-            state_json=self._state_json(loop),
-            status=status,
-            error=error,
-            nodes=nodes,
-            results=results,
-            frozen=frozen,
-            events=rows,
-            nodes_done_delta=len(results),
-            questions=questions,
-            applied=applied,
-            superseded=superseded,
-            finished_at=time.time() if terminal and status is not RunStatus.SUSPENDED else None,
-        )
+        ids = self.topo.ids
+        # Encoded first, folded in after: a value that fails to encode leaves the
+        # write being gathered as it was (harvests are whole, D1).
+        dirty = state.take_dirty()
+        rows = [self._node_row(i, state.nodes[i]) for i in dirty]
+        frozen = []
+        if state.frozen:
+            frozen = [
+                FrozenInput(
+                    node_id=ids[t],
+                    activation=activation,
+                    payload_json=self._encode(payload, t, "first-k payload"),
+                )
+                for t, activation, payload in state.frozen
+            ]
+            state.frozen.clear()
+        nodes = pending.nodes
+        for i, row in zip(dirty, rows, strict=True):
+            nodes[i] = row  # the latest row of a node wins
+        pending.frozen.extend(frozen)
+        if self._results:
+            pending.results.extend(self._results)
+            self._results = []
+        if self._questions:
+            pending.questions.extend(self._questions)
+            self._questions = []
+        if self.applied:
+            pending.applied.extend(self.applied)
+            self.applied = []
+        if self.superseded:
+            pending.superseded.extend(self.superseded)
+            self.superseded = []
+        if events:
+            pending.events.extend([self._event_row(e) for e in events])
+        pending.error = error
+        if not state.parked and not state.edge_gen:  # the common case: three counters
+            pending.state = (state.seq, loop.event_seq, loop.turn)
+        else:
+            pending.state = self._state_json(loop)
+        status = pending.status
+        if status is not RunStatus.RUNNING and status is not RunStatus.SUSPENDED:
+            pending.finished_at = time.time()
+
+    def _event_row(self, event: EventTuple) -> EventRow:
+        seq, type, node, visit, attempt, ts, data = event
+        if not data:
+            data_json = "{}"
+        elif type is EventType.NODE_COMPLETED and len(data) == 2:
+            # The most common event, written by hand (engine data: a float and a bool).
+            duration, hedge = data["duration"], data["hedge"]
+            data_json = f'{{"duration":{duration!r},"hedge":{"true" if hedge else "false"}}}'
+        else:
+            data_json = self.codec.encode(data)
+        node_id = None if node is None else self.topo.ids[node]
+        return _make_event_row(seq, type._value_, node_id, visit, attempt, ts, data_json)
 
     def _state_json(self, loop: RunLoop) -> str:
         """The run's own counters; written by hand in the common case (no loops, nothing parked)."""
@@ -446,7 +502,17 @@ class Persister:
                 f"run {self.run_id!r}: {what} of node {self.topo.ids[i]!r} cannot be encoded: {exc}"
             ) from exc
 
-    def _node_row(self, i: int, ns: NodeState) -> NodeRow:
+    def _node_row(self, i: int, ns: NodeState) -> NodeRow | PlainRow:
+        if (
+            ns.frontier is None
+            and ns.inputs is None
+            and ns.pending is None
+            and ns.question is None
+            and ns.retry_due is None
+        ):
+            row = self._plain_row(i, ns)
+            if row is not None:
+                return row
         ids = self.topo.ids
         data: dict[str, Any] = {
             "v": NODE_ROW_VERSION,
@@ -478,6 +544,45 @@ class Persister:
             visits=ns.visits,
             data_json=self._encode(data, i, "state"),
         )
+
+    def _plain_row(self, i: int, ns: NodeState) -> PlainRow | None:
+        """The row of a node outside loops and merges, from texts already encoded.
+
+        The same JSON :meth:`_node_row` writes, from the texts its payload and
+        result were stored with; None when a text is not at hand. It is kept as
+        a snapshot and composed only if it is still the node's latest row when
+        the write goes out (a node that starts and completes within one write
+        costs one row, not two).
+        """
+        payload = self._known_text(i, ns.payload)
+        if payload is None:
+            return None
+        if ns.has_result:
+            entry = self._texts.get(i)
+            if entry is None or entry[0] is not ns.result:
+                return None
+            result, has_result = entry[1], "true"
+        elif ns.result is None:
+            result, has_result = "null", "false"
+        else:
+            return None
+        return (ns.status._value_, ns.fired, ns.visits, ns.attempts, payload, result, has_result)
+
+    def _known_text(self, i: int, payload: Any) -> str | None:
+        """The JSON of node ``i``'s payload when it is the run input or an input's result."""
+        if payload is None:
+            return "null"
+        if self._input is not None and payload is self._input[0]:
+            return self._input[1]
+        sources = self.topo.in_sources[i]
+        if len(sources) > 8:  # an aggregate's payload is a new list anyway
+            return None
+        texts = self._texts
+        for s in sources:
+            entry = texts.get(s)
+            if entry is not None and entry[0] is payload:
+                return entry[1]
+        return None
 
     def _big_ref(self, source: int, value: Any) -> int | None:
         """The visit whose stored result ``value`` is, when it is a large one (13)."""
@@ -758,57 +863,181 @@ def _unpairs(pairs: list[list[Any]] | None, index: dict[str, int]) -> dict[int, 
     return None if pairs is None else {index[k]: int(v) for k, v in pairs}
 
 
-def _same_status_runs(batch: list[Harvest]) -> list[list[Harvest]]:
-    """Split ``batch`` where the status changes, so the store checks each transition."""
-    groups: list[list[Harvest]] = []
-    for harvest in batch:
-        if groups and groups[-1][-1].status is harvest.status:
-            groups[-1].append(harvest)
-        else:
-            groups.append([harvest])
-    return groups
+#: Types whose values strict JSON reads back unchanged (exact types: no subclasses).
+_SCALARS = frozenset({type(None), bool, int, float, str})
 
 
-def merge_harvests(batch: list[Harvest]) -> Harvest:
-    """Fold consecutive harvests of one run into one, keeping their order (D2).
+def _scalar_json(codec: Codec, value: Any) -> str:
+    """JSON of a scalar, as :class:`JsonCodec` writes it (floats must be finite)."""
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if type(value) is int:
+        return int.__repr__(value)
+    return codec.encode(value)  # str and float: the encoder's checks (surrogates, NaN)
+
+
+def _slot_setters(cls: type, names: tuple[str, ...]) -> tuple[Callable[[Any, Any], None], ...]:
+    """The slot setters of dataclass ``cls``, when ``names`` are exactly its fields (else ())."""
+    fields = tuple(f.name for f in dataclasses.fields(cls))
+    if fields != names or hasattr(cls, "__post_init__"):
+        return ()
+    return tuple(cls.__dict__[name].__set__ for name in names)
+
+
+# Rows are built by setting their slots: a frozen keyword ``__init__`` costs twice
+# as much, and a durable node makes four rows. Used only while the row classes
+# have exactly these fields and no ``__post_init__``; otherwise their ``__init__``.
+_EVENT_SLOTS = _slot_setters(
+    EventRow, ("seq", "type", "node_id", "visit", "attempt", "ts", "data_json")
+)
+_NODE_SLOTS = _slot_setters(NodeRow, ("node_id", "status", "visits", "data_json"))
+_RESULT_SLOTS = _slot_setters(ResultRow, ("node_id", "visit", "value_json"))
+_new = object.__new__
+
+
+def _make_event_row(
+    seq: int,
+    type: str,
+    node_id: str | None,
+    visit: int | None,
+    attempt: int | None,
+    ts: float,
+    data_json: str,
+) -> EventRow:
+    if not _EVENT_SLOTS:
+        return EventRow(
+            seq=seq,
+            type=type,
+            node_id=node_id,
+            visit=visit,
+            attempt=attempt,
+            ts=ts,
+            data_json=data_json,
+        )
+    a, b, c, d, e, f, g = _EVENT_SLOTS
+    row = _new(EventRow)
+    a(row, seq)
+    b(row, type)
+    c(row, node_id)
+    d(row, visit)
+    e(row, attempt)
+    f(row, ts)
+    g(row, data_json)
+    return row
+
+
+def _make_node_row(node_id: str, status: str, visits: int, data_json: str) -> NodeRow:
+    if not _NODE_SLOTS:
+        return NodeRow(node_id=node_id, status=status, visits=visits, data_json=data_json)
+    a, b, c, d = _NODE_SLOTS
+    row = _new(NodeRow)
+    a(row, node_id)
+    b(row, status)
+    c(row, visits)
+    d(row, data_json)
+    return row
+
+
+def _make_result_row(node_id: str, visit: int, value_json: str) -> ResultRow:
+    if not _RESULT_SLOTS:
+        return ResultRow(node_id=node_id, visit=visit, value_json=value_json)
+    a, b, c = _RESULT_SLOTS
+    row = _new(ResultRow)
+    a(row, node_id)
+    b(row, visit)
+    c(row, value_json)
+    return row
+
+
+#: A plain node row before it is composed: status, fired, visits, attempts,
+#: payload JSON, result JSON, has_result JSON (see ``Persister._plain_row``).
+PlainRow = tuple[str, int, int, int, str, str, str]
+
+
+def _compose(node_id: str, row: PlainRow) -> NodeRow:
+    status, fired, visits, attempts, payload, result, has_result = row
+    return _make_node_row(
+        node_id,
+        status,
+        visits,
+        f'{{"v":{NODE_ROW_VERSION},"fired":{fired},"visits":{visits},'
+        f'"attempts":{attempts},"payload":{payload},"result":{result},'
+        f'"has_result":{has_result},"frontier":null,"inputs":null,"pending":null,'
+        '"question":null}',
+    )
+
+
+def _resolve(future: asyncio.Future[None] | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)
+
+
+_STATUSES = {status.value: status for status in RunStatus}
+
+
+class _Pending:
+    """Consecutive harvests of one run with one status, merged in order into one write (D2).
 
     The latest row of each node wins; results, first-k decisions and events
-    are concatenated; the run's state and status are the last harvest's.
+    are concatenated; the run's state, error and status are the last harvest's.
     """
-    if len(batch) == 1:
-        return batch[0]
-    nodes: dict[str, NodeRow] = {}
-    results: list[ResultRow] = []
-    frozen: list[FrozenInput] = []
-    events: list[EventRow] = []
-    questions: list[QuestionRow] = []
-    applied: list[str] = []
-    superseded: list[str] = []
-    done = 0
-    finished_at = None
-    for h in batch:
-        questions.extend(h.questions)
-        applied.extend(h.applied)
-        superseded.extend(h.superseded)
-        for row in h.nodes:
-            nodes[row.node_id] = row
-        results.extend(h.results)
-        frozen.extend(h.frozen)
-        events.extend(h.events)
-        done += h.nodes_done_delta
-        finished_at = h.finished_at or finished_at
-    last = batch[-1]
-    return Harvest(
-        state_json=last.state_json,
-        status=last.status,
-        error=last.error,
-        nodes=list(nodes.values()),
-        results=results,
-        frozen=frozen,
-        events=events,
-        nodes_done_delta=done,
-        finished_at=finished_at,
-        questions=questions,
-        applied=applied,
-        superseded=superseded,
+
+    __slots__ = (
+        "applied",
+        "error",
+        "events",
+        "finished_at",
+        "frozen",
+        "nodes",
+        "questions",
+        "results",
+        "state",
+        "status",
+        "superseded",
     )
+
+    def __init__(self, status: RunStatus) -> None:
+        self.status = status
+        self.error: str | None = None
+        #: The run's state JSON, or its counters (seq, events, turn) to write it from.
+        self.state: str | tuple[int, int, int] = ""
+        self.finished_at: float | None = None
+        #: node index -> its latest row, or the snapshot to compose it from.
+        self.nodes: dict[int, NodeRow | PlainRow] = {}
+        self.results: list[ResultRow] = []
+        self.frozen: list[FrozenInput] = []
+        self.events: list[EventRow] = []
+        self.questions: list[QuestionRow] = []
+        self.applied: list[str] = []
+        self.superseded: list[str] = []
+
+    def harvest(self, ids: tuple[str, ...]) -> Harvest:
+        """The merged harvest, as the store takes it (``ids``: node ids by index)."""
+        state = self.state
+        if not isinstance(state, str):
+            seq, events, turn = state
+            state = (
+                f'{{"v":{FORMAT_VERSION},"seq":{seq},"events":{events},'
+                f'"turn":{turn},"parked":[],"edge_gen":[]}}'
+            )
+        return Harvest(
+            state_json=state,
+            status=self.status,
+            error=self.error,
+            nodes=[
+                row if isinstance(row, NodeRow) else _compose(ids[i], row)
+                for i, row in self.nodes.items()
+            ],
+            results=self.results,
+            frozen=self.frozen,
+            events=self.events,
+            nodes_done_delta=len(self.results),
+            finished_at=self.finished_at,
+            questions=self.questions,
+            applied=self.applied,
+            superseded=self.superseded,
+        )

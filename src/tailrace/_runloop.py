@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import operator
 import time
 import uuid
 from collections.abc import Callable
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
     from ._persist import Persister
     from .executors import Executor
     from .tail._hooks import TailHooks
+
+
+#: A buffered event: (seq, type, node index or None, visit, attempt, ts, data).
+EventTuple = tuple[int, EventType, int | None, int | None, int | None, float, dict[str, Any]]
 
 
 class NodeReport(NamedTuple):
@@ -69,22 +74,37 @@ class RunResult:
 
 
 class Attempt:
-    """One handler attempt in flight."""
+    """One handler attempt in flight.
+
+    The attempt reports its own end (``value`` or ``error``, then ``finished``)
+    from inside its task, so a completion costs no done-callback and no extra
+    trip through the event loop before the run loop wakes.
+    """
 
     __slots__ = (
         "abandoned",
+        "error",
+        "finished",
         "hedge",
         "index",
+        "on_end",
         "started",
         "straggled",
         "task",
         "timer",
         "tries",
+        "value",
         "visit",
     )
 
     def __init__(
-        self, index: int, visit: int, started: float, hedge: bool = False, tries: int = 1
+        self,
+        index: int,
+        visit: int,
+        started: float,
+        hedge: bool = False,
+        tries: int = 1,
+        on_end: Callable[[Attempt], None] | None = None,
     ) -> None:
         self.index = index
         self.visit = visit
@@ -97,12 +117,24 @@ class Attempt:
         self.straggled: float | None = None
         self.task: asyncio.Task[Any] | None = None
         self.timer: asyncio.TimerHandle | None = None
+        #: What the handler returned, or the exception it ended with (cancellation included).
+        self.value: Any = None
+        self.error: BaseException | None = None
+        #: True once the attempt ended and was handed to the run loop.
+        self.finished = False
+        #: The run loop's fallback for a task cancelled before its first step.
+        self.on_end = on_end
 
     def abandon(self) -> None:
         """Cancel this attempt on purpose."""
         self.abandoned = True
-        if self.task is not None:
-            self.task.cancel()
+        task, on_end = self.task, self.on_end
+        if task is not None and not task.done():
+            if on_end is not None:
+                # A task cancelled before it ever ran never reaches its own
+                # report; this callback hands its end to the run loop instead.
+                task.add_done_callback(lambda _: on_end(self))
+            task.cancel()
         if self.timer is not None:
             self.timer.cancel()
 
@@ -138,7 +170,10 @@ class RunLoop:
         if persister is not None:
             persister.on_failure = self.poke  # a failed write stops the run at once
         self._record = publish is not None or persister is not None
-        self._events: list[Event] = []
+        #: Buffered events as plain tuples (see :meth:`emit`): an :class:`Event`
+        #: is built only for listeners, a store row only for the store.
+        self._events: list[EventTuple] = []
+        self._unpublished: list[EventTuple] = []
         self.event_seq = event_seq
         #: Advances each time the run suspends on its gates (Q2).
         self.turn = turn
@@ -147,7 +182,8 @@ class RunLoop:
         self._policy = policy
         self._tail = tail
         self._tickets: dict[int, Ticket] = {}
-        self._in_flight: dict[asyncio.Task[Any], Attempt] = {}
+        #: Attempts running now, in start order (a dict: ordered, O(1) removal).
+        self._in_flight: dict[Attempt, None] = {}
         self._done: list[Attempt] = []
         self._wake: asyncio.Future[None] | None = None
         self.loop = asyncio.get_running_loop()
@@ -156,6 +192,12 @@ class RunLoop:
             self._async = tuple(
                 a and e is None for a, e in zip(self._async, executors, strict=True)
             )
+        #: Per node: an async handler with no retry, timeout or executor, which
+        #: its attempt awaits directly (the common case, kept short).
+        self._direct = tuple(
+            a and n.retry is None and n.timeout is None
+            for a, n in zip(self._async, self.topo.nodes, strict=True)
+        )
         self._durations = [0.0] * len(self.topo.ids)
         self._late_seen = len(state.late)
         #: Aggregates with ``late="cancel"`` that fired in the current harvest.
@@ -183,17 +225,20 @@ class RunLoop:
         if not self._record:
             return
         self.event_seq += 1
-        self._events.append(
-            Event(
-                run_id=self.run_id,
-                seq=self.event_seq,
-                type=type,
-                ts=time.time(),
-                node_id=None if node is None else self.topo.ids[node],
-                visit=visit,
-                attempt=attempt,
-                data=data,
-            )
+        self._events.append((self.event_seq, type, node, visit, attempt, time.time(), data))
+
+    def event(self, item: EventTuple) -> Event:
+        """The :class:`Event` of a buffered event tuple."""
+        seq, type, node, visit, attempt, ts, data = item
+        return Event(
+            run_id=self.run_id,
+            seq=seq,
+            type=type,
+            ts=ts,
+            node_id=None if node is None else self.topo.ids[node],
+            visit=visit,
+            attempt=attempt,
+            data=data,
         )
 
     # -- the loop -------------------------------------------------------------
@@ -225,7 +270,8 @@ class RunLoop:
                         # arrive meanwhile join the next write (group commit).
                         await self.checkpoint()
                     self._dispatch_ready()
-                    await self._commit()
+                    if self._stage():  # a plain call: no coroutine per wake-up
+                        await self._durable()
                 # Answers that came in while other branches ran: take them now
                 # rather than suspend (Q1).
                 if not await self.absorb_answers():
@@ -246,12 +292,37 @@ class RunLoop:
             await self._persister.flush()
 
     async def _commit(self, status: str = "running", error: str | None = None) -> None:
+        if self._stage(status, error):
+            await self._durable()
+
+    def _stage(self, status: str = "running", error: str | None = None) -> bool:
+        """Hand this harvest to the store (D1) and publish its events.
+
+        True when the write must be durable first (a final status, or the store
+        falling behind): the events then wait for :meth:`_durable`.
+        """
+        persister = self._persister
+        if persister is None and not self._events:
+            return False
         events, self._events = self._events, []
-        if self._persister is not None:
-            await self._persister.commit(self, events, status, error)
-        if self._publish is not None:
-            for event in events:
-                self._publish(event)
+        if persister is not None and persister.stage(self, events, status, error):
+            self._unpublished.extend(events)
+            return True
+        self._publish_all(events)
+        return False
+
+    async def _durable(self) -> None:
+        """Wait until every staged write is durable, then publish what waited for it."""
+        assert self._persister is not None
+        await self._persister.flush()
+        events, self._unpublished = self._unpublished, []
+        self._publish_all(events)
+
+    def _publish_all(self, events: list[EventTuple]) -> None:
+        publish = self._publish
+        if publish is not None:
+            for item in events:
+                publish(self.event(item))
 
     # -- dispatch -------------------------------------------------------------
 
@@ -311,13 +382,15 @@ class RunLoop:
         now = time.monotonic()
         if not hedge:
             self.state.start(i, now)
-        attempt = Attempt(i, ns.visits, now, hedge, max(ns.attempts, 1))
+        attempt = Attempt(i, ns.visits, now, hedge, ns.attempts or 1, self._on_end)
         node = self.topo.nodes[i]
-        coro = self._call(node, self._async[i], ns.payload, attempt)
+        if self._direct[i]:
+            coro = self._run_direct(node, ns.payload, attempt)
+        else:
+            coro = self._run_attempt(node, self._async[i], ns.payload, attempt)
         task = self.loop.create_task(coro, name=node.id)
         attempt.task = task
-        self._in_flight[task] = attempt
-        task.add_done_callback(self._on_done)
+        self._in_flight[attempt] = None
         if self._record:
             if hedge:
                 self.emit(EventType.NODE_STARTED, i, ns.visits, ns.attempts, hedge=True)
@@ -332,14 +405,59 @@ class RunLoop:
         if wake is not None and not wake.done():
             wake.set_result(None)
 
-    def _on_done(self, task: asyncio.Task[Any]) -> None:
-        attempt = self._in_flight.pop(task, None)
-        if attempt is None:
+    async def _run_direct(self, node: Node, payload: Any, attempt: Attempt) -> None:
+        """An attempt of an async handler with no retry, timeout or executor (the short path)."""
+        set_current((self.run_id, node.id, attempt.visit, attempt.tries))
+        try:
+            attempt.value = await node.handler(payload)
+        except BaseException as exc:
+            if self._ended(attempt, exc):
+                raise
             return
+        self._finished(attempt)
+
+    async def _run_attempt(
+        self, node: Node, is_async: bool, payload: Any, attempt: Attempt
+    ) -> None:
+        """An attempt with retries, a timeout or an executor (E11): run it, report its end."""
+        try:
+            attempt.value = await self._call(node, is_async, payload, attempt)
+        except BaseException as exc:
+            if self._ended(attempt, exc):
+                raise
+            return
+        self._finished(attempt)
+
+    def _ended(self, attempt: Attempt, exc: BaseException) -> bool:
+        """The attempt raised ``exc``: record it; True if it must propagate (a cancellation).
+
+        A handler's error is the attempt's outcome, read by the harvest; a
+        cancellation (of a hedge loser, or a handler cancelling itself, E9) is
+        recorded too, and re-raised so the task ends cancelled.
+        """
+        attempt.error = exc
+        self._finished(attempt)
+        return not isinstance(exc, Exception)
+
+    def _finished(self, attempt: Attempt) -> None:
+        """Hand a finished attempt to the run loop and wake it (once per attempt)."""
+        if attempt.finished:
+            return
+        attempt.finished = True
+        try:
+            del self._in_flight[attempt]
+        except KeyError:
+            return  # the run is winding down and no longer harvests it
         self._done.append(attempt)
         wake = self._wake
         if wake is not None and not wake.done():
             wake.set_result(None)
+
+    def _on_end(self, attempt: Attempt) -> None:
+        """An abandoned attempt's task is done: hand it over, in case it never started."""
+        if not attempt.finished and attempt.error is None:
+            attempt.error = asyncio.CancelledError()
+        self._finished(attempt)
 
     async def _call(self, node: Node, is_async: bool, payload: Any, attempt: Attempt) -> Any:
         """Run the handler with retries and timeout (E11); every failed try is an event.
@@ -411,24 +529,24 @@ class RunLoop:
     def _harvest(self, batch: list[Attempt]) -> tuple[int, BaseException] | None:
         """Process a batch of finished attempts in definition order (E2); return the first failure."""
         if len(batch) > 1:
-            batch.sort(key=lambda a: (a.index, a.hedge))
+            batch.sort(key=_harvest_order)
         failure: tuple[int, BaseException] | None = None
         state = self.state
+        tail = self._tail
+        now = time.monotonic()
         for attempt in batch:
             i = attempt.index
-            task = attempt.task
-            assert task is not None
             if attempt.timer is not None:
                 attempt.timer.cancel()
             if attempt.abandoned:
                 continue  # a hedge loser; the winner holds the node's slot
-            if self._tail is not None and not self._tail.settle(self, attempt):
+            if tail is not None and not tail.settle(self, attempt):
                 continue
-            now = time.monotonic()
             self._durations[i] += now - attempt.started
-            exc = _outcome_error(task)
+            # A handler that raised CancelledError itself failed (E9).
+            exc = attempt.error
             if exc is None:
-                exc = self._complete(i, task.result(), attempt, now)
+                exc = self._complete(i, attempt.value, attempt, now)
             if exc is not None and failure is None:
                 failure = (i, exc)
                 continue  # its slot is freed after the queue is cancelled (E9)
@@ -466,7 +584,7 @@ class RunLoop:
 
     def _cancel_dead(self, s: int, t: int) -> None:
         ns = self.state.nodes[s]
-        running = [a for a in self._in_flight.values() if a.index == s and not a.abandoned]
+        running = [a for a in self._in_flight if a.index == s and not a.abandoned]
         for attempt in running:
             attempt.abandon()  # its end is no failure; its slot is freed here
         if running:
@@ -508,16 +626,23 @@ class RunLoop:
             self._tail.observe(
                 self.topo.nodes[i], ns.payload, now - attempt.started, attempt.straggled
             )
-        self.emit(
-            EventType.NODE_COMPLETED,
-            i,
-            attempt.visit,
-            attempt.tries,
-            duration=now - attempt.started,
-            hedge=attempt.hedge,
-        )
+        if self._record:
+            self.event_seq += 1
+            self._events.append(
+                (
+                    self.event_seq,
+                    EventType.NODE_COMPLETED,
+                    i,
+                    attempt.visit,
+                    attempt.tries,
+                    time.time(),
+                    {"duration": now - attempt.started, "hedge": attempt.hedge},
+                )
+            )
         if self._persister is not None:
             self._persister.result_completed(i, attempt.visit, result)
+        if len(state.frozen) == frozen_before:
+            return None
         for t, activation, _payload in state.frozen[frozen_before:]:
             sources = [self.topo.ids[s] for s in self.topo.in_sources[t]]
             self.emit(EventType.AGGREGATE_FIRED, t, activation, None, sources=sources)
@@ -623,7 +748,7 @@ class RunLoop:
         tickets, self._tickets = self._tickets, {}
         for ticket in tickets.values():
             ticket.cancel()
-        attempts = list(self._in_flight.values())
+        attempts = list(self._in_flight)
         for attempt in attempts:
             assert attempt.task is not None
             attempt.task.cancel()
@@ -715,14 +840,8 @@ class RunLoop:
         return {self.topo.ids[i]: self.state.nodes[i].result for i in done} or None
 
 
-def _outcome_error(task: asyncio.Task[Any]) -> BaseException | None:
-    """The task's exception; a handler that raised CancelledError itself failed (E9)."""
-    if task.cancelled():
-        try:
-            task.result()
-        except asyncio.CancelledError as exc:
-            return exc
-    return task.exception()
+#: Harvest order (E2): definition order, an attempt before its hedge.
+_harvest_order = operator.attrgetter("index", "hedge")
 
 
 def _describe(exc: BaseException) -> str:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -271,6 +272,46 @@ def _all_failed(outcomes: list[_Outcome], live: list[_Write], reason: str) -> li
     ]
     failed += [(w, False, StoreError(f"{w.context}: {reason}")) for w in live[len(outcomes) :]]
     return failed
+
+
+# --- batched inserts -----------------------------------------------------------
+
+#: Rows per multi-row INSERT, largest first (each size is one cached statement).
+_CHUNKS = (256, 64, 16, 4)
+
+
+def insert_rows(conn: sqlite3.Connection, sql: str, rows: Sequence[Sequence[object]]) -> None:
+    """Run ``sql``, a one-row ``INSERT ... VALUES (?, ...)``, for each of ``rows``.
+
+    Rows go many to a statement (``VALUES (...), (...), ...``) rather than one
+    per step of ``executemany``: SQLite does the same work, but Python releases
+    and re-takes the GIL once per statement instead of once per row, and each
+    re-take waits for the event loop's thread (the writer's real cost, issue 13).
+    A statement inserts all its rows or none, so errors are the same.
+    """
+    n = len(rows)
+    done = 0
+    if n >= _CHUNKS[-1]:
+        width = len(rows[0])
+        limit = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+        for size in _CHUNKS:
+            if size * width > limit:
+                continue
+            statement = _multi_row(sql, size)
+            while n - done >= size:
+                chunk = rows[done : done + size]
+                conn.execute(statement, [value for row in chunk for value in row])
+                done += size
+    if done < n:
+        conn.executemany(sql, rows[done:])
+
+
+@functools.lru_cache(maxsize=64)
+def _multi_row(sql: str, size: int) -> str:
+    """``sql`` with its one ``VALUES (...)`` group repeated ``size`` times."""
+    start = sql.index("VALUES (") + len("VALUES ")
+    end = sql.index(")", start) + 1
+    return sql[:start] + ", ".join([sql[start:end]] * size) + sql[end:]
 
 
 # --- the reader threads --------------------------------------------------------

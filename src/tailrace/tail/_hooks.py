@@ -100,7 +100,7 @@ class TailHooks:
 
     def _straggling(self, loop: RunLoop, attempt: Attempt, estimate: float) -> None:
         attempt.timer = None
-        if attempt.task is None or attempt.task.done() or loop.closing:
+        if attempt.task is None or attempt.finished or loop.closing:
             return
         attempt.straggled = self.factor * estimate
         i = attempt.index
@@ -130,9 +130,8 @@ class TailHooks:
         live = loop.live.get(attempt.index, [])
         if attempt in live:
             live.remove(attempt)
-        assert attempt.task is not None
-        failed = attempt.task.exception() is not None
-        rivals = [a for a in live if a.task is not None and not a.task.done()]
+        failed = attempt.error is not None
+        rivals = [a for a in live if a.task is not None and not a.finished]
         if failed and rivals:
             return False
         for rival in live:
