@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import tailrace as tr
-from tailrace.stores import RunStore, SQLiteStore
+from tailrace.stores import Queue, RunStore, SQLiteStore, WorkerRow
 from tailrace.tail._hooks import TailHooks
 
 GUARD = 30.0  # seconds; only there so a bug fails a test instead of hanging it
@@ -276,6 +277,21 @@ async def started(store: RunStore, run_id: str, node_id: str) -> bool:
     except tr.RunNotFound:
         return False
     return any(e.type == "node_started" and e.node_id == node_id for e in events)
+
+
+async def fleet(store: RunStore) -> None:
+    """Two queues (one declared), three queued runs, one finished direct run, a worker's report."""
+    engine = tr.Engine(store=store)
+    await store.declare_queue(Queue("emails", concurrency=2, limit=100, period=60.0))
+    for n in range(2):
+        await engine.submit(cut_free, n, queue="emails", run_id=f"mail-{n}")
+    await engine.submit(cut_free, 9, queue="reports", run_id="report-0")
+    await engine.run(cut_free, 1, run_id="direct")
+    now = time.time()
+    await store.worker_seen(
+        WorkerRow(worker_id="otherhost:4242:1.0:abc", queues=("emails",), concurrency=4,
+                  started_at=now - 30, seen_at=now, running=0)
+    )  # fmt: skip
 
 
 class Gates:

@@ -99,6 +99,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
             result = await tr.Engine(store=store).run(
                 scenarios.approval, "v2.0", run_id="approve-v2"
             )
+            await scenarios.fleet(store)
         return ids, result.questions[0].question_id
 
     ids, question = in_thread(setup)
@@ -262,6 +263,8 @@ def card_id(page: Page, site: Site, run_id: str) -> str:
         ("evolution", "/evolution"),
         ("artifact", "/evolution/demo-routing-0"),
         ("questions-all", "/questions?tab=all"),
+        ("queues", "/queues"),
+        ("run-queued", "/runs/mail-0"),
     ],
 )
 def test_every_page_renders_for_a_person(

@@ -3,16 +3,18 @@
 Server-rendered pages (Starlette, Jinja2 with autoescape), a little plain
 JavaScript for live updates over server-sent events, no build step:
 
-- runs: filter by status and graph, counts, newest first, paginated;
+- runs: filter by status, graph and queue, counts, newest first, paginated;
 - a run: its graph as SVG with each node's status, a Gantt of every attempt
   (retries, stragglers, hedges, attempts cut by a crash), late inputs, the
   event log, updated live while it runs;
 - questions: open, answered, expired and stuck; answer from the page (first
   answer wins) and the run resumes in the dashboard's process;
+- queues: depth, running, start rate and workers; cancel a run from its page;
 - evolution: an artifact's versions and held-out reward per version.
 
-Reading needs nothing; every change is a POST carrying the token; the
-dashboard binds 127.0.0.1 unless told otherwise. See ``docs/ui.md``.
+Reading needs nothing; every change (answer, resume, cancel) is a POST
+carrying the token; the dashboard binds 127.0.0.1 unless told otherwise. See
+``docs/ui.md``.
 """
 
 from ._app import create_app as create_app

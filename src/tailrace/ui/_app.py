@@ -123,6 +123,8 @@ def create_app(config: UiConfig) -> Starlette:
         Route("/runs/{run_id:path}", r.run, name="run"),
         Route("/stream/runs/{run_id:path}", r.stream, name="stream"),
         Route("/resume/runs/{run_id:path}", r.resume, methods=["POST"], name="resume"),
+        Route("/cancel/runs/{run_id:path}", r.cancel, methods=["POST"], name="cancel"),
+        Route("/queues", r.queues, name="queues"),
         Route("/questions", r.questions, name="questions"),
         Route("/questions/{question_id:path}", r.question, name="question"),
         Route("/answer/{question_id:path}", r.answer, methods=["POST"], name="answer"),

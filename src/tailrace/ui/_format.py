@@ -32,7 +32,7 @@ def seconds(value: float | None) -> str:
         return f"{value:.1f} s" if value < 10 else f"{value:.0f} s"
     minutes, secs = divmod(int(value), 60)
     if minutes < 60:
-        return f"{minutes} min {secs} s"
+        return f"{minutes} min {secs} s" if secs else f"{minutes} min"
     hours, minutes = divmod(minutes, 60)
     return f"{hours} h {minutes} min"
 

@@ -12,6 +12,7 @@ import urllib.parse
 __all__ = [
     "answer_url",
     "artifact_url",
+    "cancel_url",
     "inbox_url",
     "question_url",
     "resume_url",
@@ -31,9 +32,13 @@ def _query(**params: object) -> str:
     return "?" + urllib.parse.urlencode(kept) if kept else ""
 
 
-def runs_url(status: str | None = None, graph: str | None = None, page: int = 1) -> str:
-    """The runs list, filtered by ``status`` and ``graph``, at ``page``."""
-    return "/runs" + _query(status=status, graph=graph, page=page if page > 1 else None)
+def runs_url(
+    status: str | None = None, graph: str | None = None, page: int = 1, queue: str | None = None
+) -> str:
+    """The runs list, filtered by ``status``, ``graph`` and ``queue``, at ``page``."""
+    return "/runs" + _query(
+        status=status, graph=graph, queue=queue, page=page if page > 1 else None
+    )
 
 
 def run_url(run_id: str) -> str:
@@ -49,6 +54,11 @@ def stream_url(run_id: str, after: int) -> str:
 def resume_url(run_id: str) -> str:
     """Where a resume of ``run_id`` is POSTed."""
     return "/resume/runs/" + _quoted(run_id)
+
+
+def cancel_url(run_id: str) -> str:
+    """Where a cancel of ``run_id`` is POSTed."""
+    return "/cancel/runs/" + _quoted(run_id)
 
 
 def inbox_url(tab: str | None = None) -> str:

@@ -19,6 +19,7 @@ from starlette.responses import RedirectResponse, Response, StreamingResponse
 from .._errors import AlreadyAnswered, EncodeError
 from ..stores import TERMINAL_STATUSES, QuestionStatus
 from ._config import UiState
+from ._fleet import fleet_view
 from ._links import artifact_url, run_url, stream_url
 from ._pages import Auth, Pages
 from ._security import TOKEN_COOKIE, TOKEN_FIELD, TOKEN_HEADER, token_matches
@@ -111,7 +112,8 @@ async def runs(request: Request) -> Response:
     state = ui_state(request)
     view = await runs_page(
         state.reader, status=status, graph=request.query_params.get("graph") or None,
-        page=number, page_size=state.config.page_size, now=time.time(),
+        queue=request.query_params.get("queue") or None, page=number,
+        page_size=state.config.page_size, now=time.time(),
     )  # fmt: skip
     return await page(request, "runs.html", section="runs", view=view)
 
@@ -125,7 +127,10 @@ async def run(request: Request) -> Response:
     finished = view.status in {s.value for s in TERMINAL_STATUSES}
     data = {"run_id": run_id, "stream": None if finished else stream_url(run_id, view.last_seq)}
     answered = request.query_params.get("answered")
+    cancelled = request.query_params.get("cancelled")
     flash = f"Your answer to question {answered} was recorded." if answered else None
+    if cancelled:
+        flash = f"Cancel requested: the run is {cancelled} now."
     return await page(request, "run.html", section="runs", v=view, note=note, flash=flash,
                       page_data=data)  # fmt: skip
 
@@ -145,6 +150,12 @@ async def stream(request: Request) -> Response:
         media_type="text/event-stream",
         headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
     )
+
+
+async def queues(request: Request) -> Response:
+    """Queues (depth, running, start rate, workers) and the workers serving them."""
+    view = await fleet_view(ui_state(request).reader, time.time())
+    return await page(request, "queues.html", section="queues", view=view)
 
 
 async def questions(request: Request) -> Response:
@@ -240,3 +251,17 @@ async def resume(request: Request) -> Response:
     await state.reader.get_run(run_id)  # 404 for an unknown run
     state.resumer.start(run_id)
     return with_cookie(RedirectResponse(run_url(run_id), status_code=303), state.config.token)
+
+
+async def cancel(request: Request) -> Response:
+    """Cancel a run: a queued or undriven one at once, a running one at its next harvest."""
+    run_id = path_id(request, "run_id")
+    form = await request.form()
+    refusal = await refused(request, form)
+    if refusal is not None:
+        return refusal
+    state = ui_state(request)
+    assert state.engine is not None  # not read-only
+    status = await state.engine.cancel(run_id)
+    target = f"{run_url(run_id)}?cancelled={urllib.parse.quote(status, safe='')}"
+    return with_cookie(RedirectResponse(target, status_code=303), state.config.token)

@@ -32,6 +32,8 @@ from ._layout import Drawing, layout, shape_from_store, shape_of_graph
 #: The run page lists at most this many of the newest events (the stream appends more).
 EVENT_LIMIT = 1000
 ORPHANED = "orphaned"
+#: Shown statuses whose duration grows until now: running, or waiting in a queue.
+_GROWING = ("running", "queued")
 #: Status filters of the runs page, in lifecycle order; ``orphaned`` is a running run no
 #: live process holds (shown after ``running``).
 RUN_FILTERS = tuple(
@@ -75,6 +77,7 @@ class RunRow:
 
     run_id: str
     graph: str
+    queue: str | None
     status: str
     started: str
     duration: str
@@ -91,8 +94,10 @@ class RunsPage:
     total: int
     matching: int
     graphs: tuple[str, ...]
+    queues: tuple[str, ...]
     status: str | None
     graph: str | None
+    queue: str | None
     page: int
     pages: int
 
@@ -102,23 +107,29 @@ async def runs_page(
     *,
     status: str | None,
     graph: str | None,
+    queue: str | None,
     page: int,
     page_size: int,
     now: float,
 ) -> RunsPage:
-    """Runs filtered by ``status`` (one of :data:`RUN_FILTERS`) and ``graph``, paginated.
+    """Runs filtered by ``status`` (one of :data:`RUN_FILTERS`), ``graph`` and ``queue``, paginated.
 
     Args:
         store: where the runs are.
         status: only runs shown with this status; None for all.
         graph: only runs of this graph name; None for all.
+        queue: only runs submitted to this queue; None for all.
         page: which page, from 1; past the last, the last.
         page_size: runs per page.
         now: wall clock deciding which leases are live.
     """
     records = await store.list_runs()  # newest first
     open_by_run = Counter(q.run_id for q in await store.list_questions(status=QuestionStatus.OPEN))
-    of_graph = [r for r in records if graph is None or r.graph_name == graph]
+    of_graph = [
+        r
+        for r in records
+        if (graph is None or r.graph_name == graph) and (queue is None or r.queue_name == queue)
+    ]
     shown = [(r, shown_status(r, now)) for r in of_graph]
     counts = Counter(s for _, s in shown)
     chosen = [(r, s) for r, s in shown if status is None or s == status]
@@ -129,10 +140,11 @@ async def runs_page(
         RunRow(
             run_id=r.run_id,
             graph=r.graph_name,
+            queue=r.queue_name,
             status=s,
             started=clock(r.created_at),
             duration=seconds(
-                (r.finished_at or (now if s == "running" else r.updated_at)) - r.created_at
+                (r.finished_at or (now if s in _GROWING else r.updated_at)) - r.created_at
             ),
             nodes_done=r.nodes_done,
             questions=open_by_run.get(r.run_id, 0),
@@ -145,8 +157,10 @@ async def runs_page(
         total=len(of_graph),
         matching=len(chosen),
         graphs=tuple(sorted({r.graph_name for r in records})),
+        queues=tuple(sorted({r.queue_name for r in records if r.queue_name is not None})),
         status=status,
         graph=graph,
+        queue=queue,
         page=page,
         pages=pages,
     )
@@ -311,6 +325,9 @@ class RunView:
     questions: tuple[QuestionView, ...]
     nodes: tuple[NodeInfo, ...]
     resumable: bool
+    queue: str | None
+    cancellable: bool
+    cancel_requested: str | None
 
 
 async def run_view(
@@ -351,7 +368,8 @@ async def run_view(
         live=live,
         started=clock(record.created_at),
         duration=seconds(
-            (record.finished_at or (now if live else record.updated_at)) - record.created_at
+            (record.finished_at or (now if status in _GROWING else record.updated_at))
+            - record.created_at
         ),
         nodes_done=record.nodes_done,
         error=record.error,
@@ -366,6 +384,12 @@ async def run_view(
         questions=tuple(question_view(q) for q in questions),
         nodes=await _nodes(store, stored, [n.id for n in shape.nodes]),
         resumable=_resumable(status, questions),
+        queue=record.queue_name,
+        cancellable=status in ("queued", "running", ORPHANED, "suspended")
+        and record.cancel_requested_at is None,
+        cancel_requested=None
+        if record.cancel_requested_at is None
+        else clock(record.cancel_requested_at),
     )
 
 
