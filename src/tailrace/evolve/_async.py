@@ -46,13 +46,14 @@ from ..stores import RunStore
 from ..tail import DurationEstimator, ResumeItem, ResumeQueue
 from ._accept import Acceptance
 from ._audit import AuditScheduler
-from ._core import Evolution, first_error, prepare, straggler_limit
+from ._core import Evolution, first_error, straggler_limit
 from ._failures import Retry, UnitFailed
 from ._ledger import Version
 from ._model import Artifact, ProposeFn, RewardFn, RunFn, Task, shard
 from ._options import Progress, Proposal, settings_from
 from ._partial import PartialRollouts, durable_engine
 from ._pool import Member
+from ._prepare import prepare
 from ._result import EvolutionResult
 from ._sweep import sweep
 from ._usage import Price

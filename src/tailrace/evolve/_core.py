@@ -24,7 +24,6 @@ from typing import Any
 from .._engine import Engine
 from .._graph import Graph
 from ..executors import Executor
-from ..stores import MemoryStore, RunStore
 from ..tail import DurationEstimator
 from ..tail._hooks import MIN_STRAGGLER_DELAY
 from ._accept import mean
@@ -42,7 +41,6 @@ from ._model import (
     check_edit,
     check_reward,
     set_rollout,
-    split_tasks,
 )
 from ._options import Progress, Proposal, Settings
 from ._pool import Member, Pool
@@ -600,53 +598,3 @@ def _rank_size(requested: int | None, n_held: int) -> int:
     if requested < 1:
         raise ValueError(f"rank_size must be >= 1, got {requested}")
     return min(requested, n_held)
-
-
-async def prepare(
-    tasks: Sequence[Task],
-    reward: RewardFn,
-    *,
-    run: RunFn | Graph,
-    propose: ProposeFn,
-    artifact: Artifact | Mapping[str, str] | None,
-    store: RunStore | None,
-    artifact_id: str,
-    settings: Settings,
-    audit: AuditScheduler | None,
-    engine: Engine | None,
-    executor: Executor | None = None,
-) -> tuple[Evolution, RunStore | None]:
-    """Validate, split, open the ledger and score the head; returns the evolution and a store to close.
-
-    The evolution's usage meter is installed in the caller's context (so the
-    initial scoring is metered too); :meth:`Evolution.close` removes it.
-    """
-    train, held_out = split_tasks(tasks, settings.held_out_frac, settings.shuffle_seed)
-    template = artifact if isinstance(artifact, Artifact) else Artifact(entries=artifact or {})
-    owned: RunStore | None = None
-    if store is None:
-        store = owned = MemoryStore()
-    await store.open()
-    evolution: Evolution | None = None
-    try:
-        evolution = Evolution(
-            train=train,
-            held_out=held_out,
-            reward=reward,
-            run=run,
-            propose=propose,
-            ledger=Ledger(store, artifact_id, template),
-            settings=settings,
-            audit=audit if audit is not None else AuditScheduler(),
-            engine=engine,
-            executor=executor,
-        )
-        evolution.install()
-        await evolution.start()
-    except BaseException:
-        if evolution is not None:
-            evolution.close()
-        if owned is not None:
-            await owned.close()
-        raise
-    return evolution, owned

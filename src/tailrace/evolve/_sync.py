@@ -21,12 +21,13 @@ from ..executors import Executor
 from ..stores import RunStore
 from ._accept import Acceptance
 from ._audit import AuditScheduler
-from ._core import Evolution, first_error, prepare
+from ._core import Evolution, first_error
 from ._failures import Retry, UnitFailed
 from ._ledger import Version
 from ._model import Artifact, ProposeFn, RewardFn, RunFn, Task, shard
 from ._options import Progress, Proposal, settings_from
 from ._pool import Member
+from ._prepare import prepare
 from ._result import EvolutionResult
 from ._sweep import sweep
 from ._usage import Price

@@ -1,0 +1,69 @@
+"""Starting an evolution: validate and split the tasks, open the ledger, score the head.
+
+Both loops begin with :func:`prepare` and end with :meth:`Evolution.close`
+(and closing the store :func:`prepare` made, if it made one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from .._engine import Engine
+from .._graph import Graph
+from ..executors import Executor
+from ..stores import MemoryStore, RunStore
+from ._audit import AuditScheduler
+from ._core import Evolution
+from ._ledger import Ledger
+from ._model import Artifact, ProposeFn, RewardFn, RunFn, Task, split_tasks
+from ._options import Settings
+
+
+async def prepare(
+    tasks: Sequence[Task],
+    reward: RewardFn,
+    *,
+    run: RunFn | Graph,
+    propose: ProposeFn,
+    artifact: Artifact | Mapping[str, str] | None,
+    store: RunStore | None,
+    artifact_id: str,
+    settings: Settings,
+    audit: AuditScheduler | None,
+    engine: Engine | None,
+    executor: Executor | None = None,
+) -> tuple[Evolution, RunStore | None]:
+    """Validate, split, open the ledger and score the head; returns the evolution and a store to close.
+
+    The evolution's usage meter is installed in the caller's context (so the
+    initial scoring is metered too); :meth:`Evolution.close` removes it.
+    """
+    train, held_out = split_tasks(tasks, settings.held_out_frac, settings.shuffle_seed)
+    template = artifact if isinstance(artifact, Artifact) else Artifact(entries=artifact or {})
+    owned: RunStore | None = None
+    if store is None:
+        store = owned = MemoryStore()
+    await store.open()
+    evolution: Evolution | None = None
+    try:
+        evolution = Evolution(
+            train=train,
+            held_out=held_out,
+            reward=reward,
+            run=run,
+            propose=propose,
+            ledger=Ledger(store, artifact_id, template),
+            settings=settings,
+            audit=audit if audit is not None else AuditScheduler(),
+            engine=engine,
+            executor=executor,
+        )
+        evolution.install()
+        await evolution.start()
+    except BaseException:
+        if evolution is not None:
+            evolution.close()
+        if owned is not None:
+            await owned.close()
+        raise
+    return evolution, owned
