@@ -12,6 +12,7 @@ from tailrace_tests_ui_support import TOKEN, Factory, dashboard, resumer_of  # l
 
 import tailrace as tr
 from tailrace.stores import QuestionRow, QuestionStatus, RunRecord
+from tailrace.ui._app import _same_page
 
 scenarios = sys.modules["tailrace_tests_ui_scenarios"]
 
@@ -150,8 +151,15 @@ def test_the_printed_address_logs_the_browser_in_and_forms_carry_the_token(
         assert login.status_code == 303 and login.headers["location"] == "/questions?tab=open"
         filled = client.get("/questions").text  # the cookie is sent back now
         wrong = client.get("/questions?token=guess")
+        encoded = client.get(f"/runs/a%2Fb?token={TOKEN}")
     assert f'<input type="hidden" name="token" value="{TOKEN}">' in filled
     assert wrong.status_code == 403 and 'value="' + TOKEN not in wrong.text
+    assert encoded.headers["location"] == "/runs/a%2Fb"  # the id stays one path segment
+    # A path sent as "//host/x" redirects within this site, never to that host.
+    assert (
+        _same_page({"raw_path": b"//evil.example/x", "path": "//evil.example/x"})
+        == "/evil.example/x"
+    )
     assert qid in filled
 
 

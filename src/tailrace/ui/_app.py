@@ -71,7 +71,7 @@ class TokenLogin:
         response: Response
         if token_matches(self.token, given[0]):
             rest = urllib.parse.urlencode([(k, v) for k, v in query if k != "token"])
-            response = RedirectResponse(scope["path"] + (f"?{rest}" if rest else ""), 303)
+            response = RedirectResponse(_same_page(scope) + (f"?{rest}" if rest else ""), 303)
             response.set_cookie(TOKEN_COOKIE, self.token, httponly=True, samesite="strict")
         else:
             response = self.pages.page(
@@ -79,6 +79,13 @@ class TokenLogin:
                 message="The token in this address is not the one tailrace ui printed.",
             )  # fmt: skip
         await response(scope, receive, send)
+
+
+def _same_page(scope: Scope) -> str:
+    """This request's path as it was sent (ids stay percent-encoded), never another host's."""
+    raw = scope.get("raw_path")
+    path = raw.decode("latin-1") if isinstance(raw, bytes) else urllib.parse.quote(scope["path"])
+    return "/" + path.lstrip("/")  # "//host/..." would leave this site
 
 
 def _error_page(status: int, heading: str) -> object:
