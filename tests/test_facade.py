@@ -17,7 +17,14 @@ import pytest
 
 import tailrace
 
-FACADES = ["tailrace", "tailrace.tail", "tailrace.stores", "tailrace.gates", "tailrace.evolve"]
+FACADES = [
+    "tailrace",
+    "tailrace.tail",
+    "tailrace.stores",
+    "tailrace.gates",
+    "tailrace.evolve",
+    "tailrace.executors",
+]
 
 
 def _isort_key(name: str) -> tuple[int, str]:

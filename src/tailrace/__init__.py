@@ -13,6 +13,7 @@ from ._engine import run as run
 from ._errors import AlreadyAnswered as AlreadyAnswered
 from ._errors import CorruptRecord as CorruptRecord
 from ._errors import EncodeError as EncodeError
+from ._errors import ExecutorLost as ExecutorLost
 from ._errors import GraphError as GraphError
 from ._errors import GraphMismatch as GraphMismatch
 from ._errors import LeaseError as LeaseError
@@ -61,6 +62,7 @@ __all__ = [
     "Event",
     "EventBus",
     "EventType",
+    "ExecutorLost",
     "GateTimeout",
     "Graph",
     "GraphError",
