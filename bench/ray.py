@@ -13,6 +13,13 @@ It prints two tables, then the targets of issue 11 as PASS/MISS lines:
    ``RayExecutor`` against bare ``ray.remote`` tasks of the same function,
    submitted together and gathered with ``await``. Target: tailrace >= 0.8x
    of bare Ray's throughput.
+3. ``async_evolve`` whose rollouts are CPU-bound (the same ~50 ms loop; 4
+   workers, 32 training rollouts, a quarter of 16 tasks held out): ``run``,
+   ``reward`` and ``propose`` on the evolution's daemon threads (the GIL keeps
+   the rollouts on one core) against ``executor=RayExecutor`` (the merger and
+   the ledger stay local). How many held-out rollouts the merges cost varies
+   run to run, so this row compares seconds per rollout, training and
+   held-out together. No target: it is reported.
 
 Ray's worker processes are warmed by an untimed run first; each measurement
 keeps the best of ``--repeat`` runs, tailrace and its baseline alternating.
@@ -42,6 +49,7 @@ from _common import (
 )
 
 import tailrace as tr
+from tailrace.evolve import Edit, Task, async_evolve
 from tailrace.executors import LocalExecutor, RayExecutor
 
 # This file is named ray.py: drop its folder from the path (``_common`` is imported
@@ -52,6 +60,10 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 CPU_NODES = 64
 CPU_SECONDS = 0.050
 NOOP_NODES = 400
+EVOLVE_TASKS = 16
+EVOLVE_ROLLOUTS = 32
+EVOLVE_WORKERS = 4
+RULES = {"a": "alpha", "b": "beta", "c": "gamma", "d": "delta"}
 
 
 def spin(loops: int) -> int:
@@ -105,6 +117,36 @@ def fan_out(name: str, width: int, worker: Any) -> tr.Graph:
         g.add_edge("source", f"w{i}")
         g.add_edge(f"w{i}", "join")
     return g
+
+
+def evolve_tasks(loops: int) -> list[Task]:
+    """The evolution's tasks: each names its kind and how long its rollout spins."""
+    kinds = sorted(RULES)
+    return [
+        Task(id=f"t{i}", prompt=f"task {i}", meta={"kind": kinds[i % len(kinds)], "loops": loops})
+        for i in range(EVOLVE_TASKS)
+    ]
+
+
+def rollout(rendered: str, task: Task) -> str:
+    """A CPU-bound rollout: spin, then answer what the rendered rules say for the task's kind."""
+    spin(task.meta["loops"])
+    for line in rendered.splitlines():
+        key, _, value = line.partition(": ")
+        if key == task.meta["kind"]:
+            return value
+    return "unknown"
+
+
+def score(task: Task, output: str) -> float:
+    """1 for the right rule's answer, else 0."""
+    return 1.0 if output == RULES[task.meta["kind"]] else 0.0
+
+
+def suggest(rendered: str, task: Task, output: str, reward: float) -> Edit | None:
+    """The rule the task's kind needs, when the rollout got it wrong."""
+    kind = task.meta["kind"]
+    return None if reward == 1.0 else Edit(set={kind: RULES[kind]})
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +206,36 @@ async def measure_noop(ray_executor: RayExecutor, repeat: Repeat) -> Pair:
     return Pair(f"{NOOP_NODES} no-op nodes", ours.best, theirs.best, ours.runs)
 
 
-def results_table(cpu: Pair, noop_pair: Pair, loops: int, opts: Options) -> Table:
+async def measure_evolution(ray_executor: RayExecutor, loops: int, repeat: Repeat) -> Pair:
+    """Table 1's last row: async_evolve with CPU-bound rollouts, local threads and on Ray."""
+
+    async def per_rollout(executor: RayExecutor | None) -> float:
+        started = time.perf_counter()
+        result = await async_evolve(
+            evolve_tasks(loops),
+            score,
+            run=rollout,
+            propose=suggest,
+            workers=EVOLVE_WORKERS,
+            max_rollouts=EVOLVE_ROLLOUTS,
+            held_out_frac=0.25,
+            executor=executor,
+        )
+        elapsed = time.perf_counter() - started
+        assert result.errors == () and result.rollouts == EVOLVE_ROLLOUTS, result.errors
+        return elapsed / (result.rollouts + result.eval_rollouts)
+
+    await per_rollout(ray_executor)  # warm: Ray's workers import the functions
+    on_ray: list[float] = []
+    local: list[float] = []
+    for _ in range(repeat.runs):  # alternating, like the other rows
+        on_ray.append(await per_rollout(ray_executor))
+        local.append(await per_rollout(None))
+    label = f"async_evolve, {CPU_SECONDS * 1000:.0f} ms CPU-bound rollouts, s/rollout"
+    return Pair(label, min(on_ray), min(local), len(on_ray))
+
+
+def results_table(cpu: Pair, noop_pair: Pair, evolution: Pair, loops: int, opts: Options) -> Table:
     table = Table(
         "RayExecutor vs its baselines (best run of each)",
         [
@@ -192,12 +263,25 @@ def results_table(cpu: Pair, noop_pair: Pair, loops: int, opts: Options) -> Tabl
         fmt_ratio(noop_pair.baseline / noop_pair.tailrace),
         noop_pair.runs,
     )
+    table.add_row(
+        evolution.label,
+        "local threads",
+        fmt_seconds(evolution.baseline),
+        fmt_seconds(evolution.tailrace),
+        fmt_ratio(evolution.baseline / evolution.tailrace),
+        evolution.runs,
+    )
     where = opts.address or f"a local Ray with {opts.num_cpus} CPUs"
     table.add_note(f"Ray: {where}; {loops:,} loops of spin() per CPU-bound node")
     table.add_note(
         "speed-up = baseline time / tailrace time (for no-op nodes: relative throughput)"
     )
     table.add_note("source and join run locally; the workers run where the row says")
+    table.add_note(
+        f"async_evolve: {EVOLVE_WORKERS} workers, {EVOLVE_ROLLOUTS} training rollouts, "
+        f"{EVOLVE_TASKS // 4} of {EVOLVE_TASKS} tasks held out; run, reward and propose on "
+        "Ray, the merger and the ledger local; time per rollout (training + held-out)"
+    )
     return table
 
 
@@ -221,7 +305,6 @@ def targets(cpu: Pair, noop_pair: Pair) -> Table:
         ]
     )
     table.add_note("benchmarks report, they do not assert: a MISS does not fail the script")
-    table.add_note("not measured here: async_evolve on Ray (evolve has no executor= hook yet)")
     return table
 
 
@@ -235,7 +318,8 @@ async def run_all(opts: Options) -> None:
     async with RayExecutor(opts.address, init=init) as ray_executor:
         cpu = await measure_cpu(ray_executor, loops, repeat)
         noop_pair = await measure_noop(ray_executor, repeat)
-    results_table(cpu, noop_pair, loops, opts).print()
+        evolution = await measure_evolution(ray_executor, loops, repeat)
+    results_table(cpu, noop_pair, evolution, loops, opts).print()
     targets(cpu, noop_pair).print()
 
 
