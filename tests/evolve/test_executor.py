@@ -33,7 +33,9 @@ from tailrace.evolve import (
     evolve,
     record_usage,
 )
+from tailrace.evolve._partial import durable_engine
 from tailrace.executors import AttemptContext, ExecutorLost, LocalExecutor
+from tailrace.stores import MemoryStore
 
 GUARD = 120.0  # hang guard (s): fails a test only when something hangs
 RULES = {"a": "alpha", "b": "beta"}
@@ -165,6 +167,18 @@ async def test_a_graph_run_runs_its_nodes_on_the_executor() -> None:
     assert set(counting.calls) == {"respond", "reward", "propose"}
     assert counting.calls["respond"] == counting.calls["reward"]
     assert result.entries == RULES and result.errors == ()
+
+
+async def test_partial_rollouts_run_their_graph_on_the_executor() -> None:
+    graph = tr.Graph("turns")
+    graph.add_node("turn", lambda payload: payload["rendered"])
+    counting = Counting(LocalExecutor())
+    async with MemoryStore() as store:
+        engine = durable_engine(None, store, counting)  # what async_evolve makes for them
+        result = await engine.run(graph, {"rendered": "a: alpha", "task": tasks()[0].to_dict()})
+
+    assert engine.store is store and result.output == "a: alpha"
+    assert counting.calls == {"turn": 1}
 
 
 def bad_reward(task: Task, output: Any) -> Any:
