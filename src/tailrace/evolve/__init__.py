@@ -16,6 +16,9 @@ calls are recorded and retried (:class:`Retry`, ``EvolutionResult.errors``);
 ``max_seconds``, ``max_calls``, ``max_cost`` and ``patience`` end a loop with a
 ``stop_reason``; :func:`record_usage` and a :class:`Price` table give usage and
 cost; ``selection="pareto"`` keeps a GEPA-style pool of candidates.
+``executor=`` (say a ``RayExecutor``) runs every ``run``, ``reward`` and
+``propose`` attempt on it, inputs and results as JSON, while the merger and
+the ledger stay in the driving process.
 """
 
 from ._accept import Acceptance as Acceptance
