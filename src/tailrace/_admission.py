@@ -118,6 +118,14 @@ class SlotQueue:
             return
         heapq.heappush(self._heap, (key, next(self._counter), ticket))
 
+    def try_acquire(self) -> bool:
+        """Take a slot if one is free and nobody waits for it (idle capacity); never queues."""
+        self._drop_dead()
+        if self._heap or (self.capacity is not None and self.in_use >= self.capacity):
+            return False
+        self.in_use += 1
+        return True
+
     def release(self) -> None:
         """Free one slot and grant it to the best live ticket, if any."""
         self.in_use -= 1

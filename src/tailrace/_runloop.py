@@ -83,7 +83,9 @@ class Attempt:
 
     __slots__ = (
         "abandoned",
+        "backup_timer",
         "error",
+        "extra_slot",
         "finished",
         "hedge",
         "index",
@@ -117,6 +119,10 @@ class Attempt:
         self.straggled: float | None = None
         self.task: asyncio.Task[Any] | None = None
         self.timer: asyncio.TimerHandle | None = None
+        #: When a hedge policy backs this attempt up (tail hooks).
+        self.backup_timer: asyncio.TimerHandle | None = None
+        #: A clone or backup on idle capacity holds a slot of its own until it ends.
+        self.extra_slot = False
         #: What the handler returned, or the exception it ended with (cancellation included).
         self.value: Any = None
         self.error: BaseException | None = None
@@ -137,6 +143,8 @@ class Attempt:
             task.cancel()
         if self.timer is not None:
             self.timer.cancel()
+        if self.backup_timer is not None:
+            self.backup_timer.cancel()
 
 
 class RunLoop:
@@ -207,6 +215,12 @@ class RunLoop:
         self.hedges = 0
         #: Live attempts per node while a hedge may race (kept by the tail hooks).
         self.live: dict[int, list[Attempt]] = {}
+        #: Attempts a hedge policy would back up, with their estimates (tail hooks).
+        self.backup_candidates: dict[Attempt, float] = {}
+        #: First attempts started (a hedge policy's budget is a share of them).
+        self.first_attempts = 0
+        #: The attempt whose failure is failing the run (E9), until its slots are freed.
+        self._failing: Attempt | None = None
         self.closing = False
         #: Set by :meth:`request_cancel`: the run ends ``cancelled`` at its next wake-up.
         self.cancel_requested = False
@@ -270,6 +284,8 @@ class RunLoop:
                         # arrive meanwhile join the next write (group commit).
                         await self.checkpoint()
                     self._dispatch_ready()
+                    if self.backup_candidates and self._tail is not None:
+                        self._tail.back_up(self)  # a slot may have been freed
                     if self._stage():  # a plain call: no coroutine per wake-up
                         await self._durable()
                 # Answers that came in while other branches ran: take them now
@@ -336,10 +352,12 @@ class RunLoop:
         if self._engine_slots is None and self._run_slots is None:
             for i in ready:
                 self.start_attempt(i)
-            return
-        keyed = sorted((self._admission_key(i), n, i) for n, i in enumerate(ready))
-        for key, _, i in keyed:  # the policy orders a ready batch too (E3, T2)
-            self._admit(i, key)
+        else:
+            keyed = sorted((self._admission_key(i), n, i) for n, i in enumerate(ready))
+            for key, _, i in keyed:  # the policy orders a ready batch too (E3, T2)
+                self._admit(i, key)
+        if self._tail is not None and len(ready) > 1:
+            self._tail.launched(self, ready)
 
     def _admission_key(self, i: int) -> tuple[float, ...]:
         payload = self.state.nodes[i].payload
@@ -376,13 +394,39 @@ class RunLoop:
         if self._run_slots is not None:
             self._run_slots.release()
 
-    def start_attempt(self, i: int, *, hedge: bool = False) -> None:
-        """Start an attempt of node ``i`` now (admission already granted, or a hedge)."""
+    def take_idle_slot(self) -> bool:
+        """Take a slot of the engine and of the run if both have one nobody waits for.
+
+        For clones and backups (hedge policy): they use idle capacity only,
+        so they never delay a first attempt (E3 still bounds what runs).
+        """
+        engine_slots, run_slots = self._engine_slots, self._run_slots
+        if engine_slots is not None and not engine_slots.try_acquire():
+            return False
+        if run_slots is not None and not run_slots.try_acquire():
+            if engine_slots is not None:
+                engine_slots.release()
+            return False
+        return True
+
+    def _release_extra(self, attempt: Attempt) -> None:
+        if attempt.extra_slot:
+            attempt.extra_slot = False
+            self._release_slot()
+
+    def start_attempt(self, i: int, *, hedge: bool = False, extra_slot: bool = False) -> None:
+        """Start an attempt of node ``i`` now (admission already granted, or a hedge).
+
+        ``extra_slot``: the attempt holds a slot of its own (taken with
+        :meth:`take_idle_slot`), released when it ends.
+        """
         ns = self.state.nodes[i]
         now = time.monotonic()
         if not hedge:
             self.state.start(i, now)
+            self.first_attempts += 1
         attempt = Attempt(i, ns.visits, now, hedge, ns.attempts or 1, self._on_end)
+        attempt.extra_slot = extra_slot
         node = self.topo.nodes[i]
         if self._direct[i]:
             coro = self._run_direct(node, ns.payload, attempt)
@@ -538,9 +582,13 @@ class RunLoop:
             i = attempt.index
             if attempt.timer is not None:
                 attempt.timer.cancel()
+            if attempt.backup_timer is not None:
+                attempt.backup_timer.cancel()
             if attempt.abandoned:
+                self._release_extra(attempt)
                 continue  # a hedge loser; the winner holds the node's slot
             if tail is not None and not tail.settle(self, attempt):
+                self._release_extra(attempt)
                 continue
             self._durations[i] += now - attempt.started
             # A handler that raised CancelledError itself failed (E9).
@@ -549,6 +597,7 @@ class RunLoop:
                 exc = self._complete(i, attempt.value, attempt, now)
             if exc is not None and failure is None:
                 failure = (i, exc)
+                self._failing = attempt
                 continue  # its slot is freed after the queue is cancelled (E9)
             if exc is not None:
                 state.fail(i)
@@ -557,6 +606,7 @@ class RunLoop:
                 )
             # Freed only now, so the event log never shows more than capacity in flight (E3).
             self._release_slot()
+            self._release_extra(attempt)
         if self._fired_cancel and failure is None:
             self._cancel_dead_inputs()
         self._emit_late()
@@ -724,6 +774,8 @@ class RunLoop:
         """E9: cancel and await siblings, one final write, NODE_FAILED last, re-raise."""
         await self._cancel_in_flight(record=True)
         self._release_slot()  # the failed node's; no queued sibling can take it now
+        if self._failing is not None:
+            self._release_extra(self._failing)
         self._supersede_waiting()
         ns = self.state.nodes[i]
         if ns.status is not NodeStatus.FAILED:
@@ -755,7 +807,9 @@ class RunLoop:
         if attempts:
             await asyncio.gather(*(a.task for a in attempts if a.task), return_exceptions=True)
         self._in_flight.clear()
-        # Abandoned attempts (hedge losers, cancelled dead inputs) hold no slot.
+        for attempt in (*attempts, *self._done):
+            self._release_extra(attempt)  # clones and backups hold their own
+        # Abandoned attempts (hedge losers, cancelled dead inputs) hold no node slot.
         holding = {a.index for a in attempts if not a.abandoned} | {
             a.index for a in self._done if not a.abandoned
         }

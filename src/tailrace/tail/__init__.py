@@ -1,9 +1,11 @@
-"""Long-tail primitives: duration estimates (T1), LPT (T2), the bounded resume queue (T4).
+"""Long-tail primitives: duration estimates (T1), LPT (T2), hedging (T3), the bounded resume queue (T4).
 
 Each is usable on its own; the engine's admission policy builds on them.
 """
 
 from ._estimator import DurationEstimator as DurationEstimator
+from ._hedging import HedgePolicy as HedgePolicy
+from ._hooks import TailHooks as TailHooks
 from ._lpt import fifo_makespan as fifo_makespan
 from ._lpt import list_makespan as list_makespan
 from ._lpt import lpt_schedule as lpt_schedule
@@ -13,8 +15,10 @@ from ._resume_queue import ResumeQueue as ResumeQueue
 
 __all__ = [
     "DurationEstimator",
+    "HedgePolicy",
     "ResumeItem",
     "ResumeQueue",
+    "TailHooks",
     "fifo_makespan",
     "list_makespan",
     "lpt_schedule",
