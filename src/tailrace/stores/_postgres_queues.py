@@ -247,21 +247,24 @@ class PostgresQueues(PostgresConnections):
             claimed.clear()
             attempt.xid = await _xid(conn)
             spec = await _declared(conn, queue)
-            now = self._clock()
             active = started = 0
             if spec.concurrency is not None or spec.limit is not None:
                 await _lock_queue(conn, self._schema, queue)
-                if spec.concurrency is not None:
-                    active = await _count(conn, ACTIVE_IN_QUEUE, (queue, now))
-                if spec.limit is not None:
-                    started = await _count(conn, STARTED_SINCE, (queue, now - spec.period))
+            now = self._clock()  # once the lock is ours: what the previous holder claimed is in
+            if spec.concurrency is not None:
+                active = await _count(conn, ACTIVE_IN_QUEUE, (queue, now))
+            if spec.limit is not None:
+                started = await _count(conn, STARTED_SINCE, (queue, now - spec.period))
             free = free_slots(spec, want=limit, active=active, started_recently=started)
             if free <= 0:
                 return []
             cur = await conn.execute(pg(claim_candidates(spec)) + _SKIP_LOCKED, (queue, free))
             ids = [r[0] for r in await cur.fetchall()]
+            # Stamped after the look: a run of a partition then never starts
+            # "before" the finish of the one it waited for (same clock).
+            stamp = max(now, self._clock())
             for run_id in ids:
-                await conn.execute(pg(CLAIM_RUN), (owner, now + ttl, now, now, run_id))
+                await conn.execute(pg(CLAIM_RUN), (owner, stamp + ttl, stamp, stamp, run_id))
             claimed.extend(ids)
             return ids
 

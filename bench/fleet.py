@@ -1,0 +1,1044 @@
+"""A fleet of worker processes on one store: torture and benchmark (issue 10).
+
+Run as::
+
+    python bench/fleet.py torture [--store sqlite|postgres|both] [--runs 400] [--kills 60]
+    python bench/fleet.py bench [--store sqlite|postgres|both] [--workers 1,2,4,8] [--dbos]
+
+(Postgres from ``--dsn`` or ``TAILRACE_TEST_POSTGRES_DSN``; each session gets a
+schema of its own.) ``tests/workers/test_fleet.py`` imports this file by path
+and runs :func:`torture` with 30+ kills per store.
+
+**Torture.** Worker processes (``tailrace worker``) claim runs of a 20-node
+graph (a chain, a fan-out of 6 into a join, a switch into an ``any_of``, a
+self-loop of 3 visits, a tail chain; each handler sleeps 5-50 ms, seeded by
+run and node) from one queue with a global ``concurrency``, a per-worker
+limit, a rate limit, ``priority`` order, partition keys and dedup keys. The
+parent SIGKILLs two workers at seeded moments and restarts them, until the
+kill count is reached, then lets the fleet finish. Every handler appends
+``run node visit`` to a side file when it starts. Checks:
+
+- every run completed, with the results of an uninterrupted in-process run;
+- ``committed re-executions``: right after each kill (and every half second)
+  the parent reads the committed result rows, *then* the side file's length;
+  a start line past that length for a visit already committed is a committed
+  visit run again (D1). Must be 0;
+- the queue's running count, sampled from the database every few
+  milliseconds, never exceeds its ``concurrency``;
+- no window of ``period`` seconds holds more than ``limit`` claims;
+- runs of one partition started one at a time, in submit order;
+- a duplicate submit of a live dedup key returned the live run and stored nothing.
+
+**Benchmark.** Runs/s of 1, 2, 4 and 8 worker processes on I/O-bound runs (a
+chain of nodes sleeping 20 ms, so the two cores are not the limit), on
+SQLite and Postgres; submit -> first node start and answer -> resumed node
+start latencies (p50/p99) with idle workers; and, with ``--dbos`` (``pip
+install dbos``, in this interpreter or the one ``--dbos-python`` names), the
+same workload through a DBOS ``Queue`` with the same number of workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Environment variable naming the side file the graph's handlers append to.
+SIDE_ENV = "TAILRACE_FLEET_SIDE"
+QUEUE = "fleet"
+#: Seconds before a worker that does not print its banner counts as hung.
+START_GUARD = 60.0
+
+GRAPH_SOURCE = '''
+"""The fleet graphs. Handlers log every start to the side file named by $@SIDE_ENV@."""
+
+import asyncio
+import hashlib
+import os
+
+import tailrace as tr
+
+graph = tr.Graph("fleet")
+
+
+def _delay(run_id, node_id, visit, low=0.005, high=0.050):
+    digest = hashlib.sha256(f"{run_id}/{node_id}/{visit}".encode()).digest()
+    return low + (high - low) * int.from_bytes(digest[:4], "big") / 2**32
+
+
+def _log(ctx):
+    path = os.environ.get("@SIDE_ENV@")
+    if not path:
+        return
+    line = f"{ctx.run_id} {ctx.node_id} {ctx.visit}\\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def node(name, fn, kind="task", **options):
+    async def handler(payload):
+        ctx = tr.current_node()
+        _log(ctx)
+        await asyncio.sleep(_delay(ctx.run_id, ctx.node_id, ctx.visit))
+        return fn(payload)
+
+    graph.add_node(name, handler, kind, **options)
+
+
+node("s0", lambda x: x + 1)
+node("s1", lambda x: x * 2)
+graph.add_edge("s0", "s1")
+for i in range(6):
+    node(f"f{i}", lambda x, i=i: x + i)
+    graph.add_edge("s1", f"f{i}")
+node("join", lambda xs: sum(xs), "aggregate")
+for i in range(6):
+    graph.add_edge(f"f{i}", "join")
+node("g0", lambda x: x % 97)
+node("g1", lambda x: x + 3)
+graph.chain("join", "g0", "g1")
+node("route", lambda x: "even" if x % 2 == 0 else "odd", "switch")
+node("even", lambda x: x // 2)
+node("odd", lambda x: 3 * x + 1)
+node("merge", lambda x: x, any_of=True)
+graph.add_edge("g1", "route")
+graph.add_edge("route", "even", route="even")
+graph.add_edge("route", "odd", route="odd")
+graph.add_edge("even", "merge")
+graph.add_edge("odd", "merge")
+node("spin", lambda x: x + 1, max_visits=3)
+graph.add_edge("merge", "spin")
+graph.add_edge("spin", "spin")
+node("t0", lambda x: [x, x + 1])
+node("t1", lambda xs: {"sum": sum(xs)})
+node("t2", lambda d: d["sum"] * 10)
+node("t3", lambda x: f"done:{x}")
+graph.chain("spin", "t0", "t1", "t2", "t3")
+
+# The benchmark's run: a chain of nodes that each wait 20 ms (I/O-bound).
+io = tr.Graph("fleet_io")
+
+
+def _io_node(name):
+    async def handler(x):
+        await asyncio.sleep(0.020)
+        return x + 1
+
+    io.add_node(name, handler)
+
+
+for _n in range(5):
+    _io_node(f"io{_n}")
+io.chain(*[f"io{_n}" for _n in range(5)])
+
+# The latency probe: a gate whose answer resumes a task.
+probe = tr.Graph("fleet_probe")
+
+
+@probe.task()
+async def ask(x):
+    return x
+
+
+@probe.gate()
+async def wait_here(x):
+    return {"question": x}
+
+
+@probe.task()
+async def after(answer):
+    return answer
+
+
+probe.chain("ask", "wait_here", "after")
+'''.replace("@SIDE_ENV@", SIDE_ENV)
+
+
+# --- stores -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """Where a session's store lives: a SQLite file, or a fresh schema of a Postgres database."""
+
+    kind: str
+    workdir: Path
+    dsn: str | None = None
+    schema: str = field(default_factory=lambda: f"fleet_{uuid.uuid4().hex[:10]}")
+
+    @property
+    def url(self) -> str:
+        """What ``--db`` and ``open_store`` take."""
+        if self.kind == "sqlite":
+            return str(self.workdir / "fleet.db")
+        assert self.dsn is not None
+        sep = "&" if "?" in self.dsn else "?"
+        return f"{self.dsn}{sep}schema={self.schema}"
+
+    @contextlib.contextmanager
+    def sql(self) -> Iterator[Any]:
+        """A plain synchronous connection for the harness's own reads (autocommit)."""
+        if self.kind == "sqlite":
+            conn = sqlite3.connect(f"file:{self.url}?mode=ro", uri=True, timeout=30)
+            try:
+                yield conn
+            finally:
+                conn.close()
+            return
+        import psycopg
+
+        with psycopg.connect(self.dsn or "", autocommit=True) as conn:
+            conn.execute(f'SET search_path TO "{self.schema}"')
+            yield conn
+
+    def drop(self) -> None:
+        """Remove the session's schema (Postgres; the SQLite file goes with the workdir)."""
+        if self.kind != "postgres":
+            return
+        import psycopg
+
+        with psycopg.connect(self.dsn or "", autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE')
+
+    def rows(self, query: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        """Every row of ``query`` (``?`` placeholders)."""
+        with self.sql() as conn:
+            if self.kind == "postgres":
+                query = query.replace("?", "%s")
+            return [tuple(r) for r in conn.execute(query, params).fetchall()]
+
+
+def open_target(target: Target) -> Any:
+    from tailrace.stores import open_store
+
+    return open_store(target.url)
+
+
+# --- worker processes ---------------------------------------------------------------------------
+
+
+def tailrace_command() -> list[str]:
+    """The ``tailrace`` console script of this interpreter (or the module, run by path)."""
+    script = Path(sys.executable).parent / "tailrace"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "from tailrace.cli import main; main()"]
+
+
+class WorkerProcess:
+    """One ``tailrace worker`` process; its output goes to a log file."""
+
+    def __init__(self, target: Target, graph_file: Path, name: str, **options: Any) -> None:
+        self.name = name
+        self.log = target.workdir / f"{name}.log"
+        args = [*tailrace_command(), "worker", "--db", target.url, "--queue", QUEUE,
+                "--graphs", str(graph_file)]  # fmt: skip
+        for key, value in options.items():
+            args += [f"--{key.replace('_', '-')}", str(value)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TAILRACE_")}
+        env[SIDE_ENV] = str(target.workdir / "side.log")
+        env["COLUMNS"] = "300"
+        with self.log.open("a") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def ready(self) -> bool:
+        """Whether it printed its banner (its store is open and it is serving)."""
+        return "serving " in self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL, then reap: a zombie's pid still exists, and would look alive to the fleet."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait (the worker drains)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def wait_ready(workers: list[WorkerProcess]) -> None:
+    deadline = time.monotonic() + START_GUARD
+    while not all(w.ready() for w in workers):
+        for w in workers:
+            if w.proc.poll() is not None:
+                raise RuntimeError(f"worker {w.name} exited: {w.log.read_text()[-2000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError("workers did not start in time")
+        time.sleep(0.02)
+
+
+# --- sampling the store ---------------------------------------------------------------------------
+
+
+class RunningSampler:
+    """A thread that reads the queue's running count every ``interval`` seconds; keeps the maximum."""
+
+    def __init__(self, target: Target, interval: float = 0.005) -> None:
+        self.target = target
+        self.interval = interval
+        self.most = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, daemon=True)
+
+    def __enter__(self) -> RunningSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _main(self) -> None:
+        query = "SELECT COUNT(*) FROM runs WHERE queue_name = ? AND status = 'running'"
+        with self.target.sql() as conn:
+            if self.target.kind == "postgres":
+                query = query.replace("?", "%s")
+            while not self._stop.wait(self.interval):
+                with contextlib.suppress(Exception):  # a locked moment: sample again
+                    (count,) = conn.execute(query, (QUEUE,)).fetchone()
+                    self.most = max(self.most, int(count))
+                    self.samples += 1
+
+
+# --- the torture -------------------------------------------------------------------------------------
+
+
+@dataclass
+class TortureConfig:
+    """One torture session's sizes and queue limits."""
+
+    runs: int = 400
+    kills: int = 30
+    workers: int = 4
+    worker_concurrency: int = 6
+    concurrency: int = 14
+    limit: int = 60
+    period: float = 1.0
+    partitions: int = 8
+    partitioned_every: int = 4
+    duplicates: int = 40
+    lease_ttl: float = 5.0
+    kill_gap: tuple[float, float] = (0.15, 0.6)
+    deadline: float = 240.0
+
+
+@dataclass
+class Stats:
+    """What a torture session saw; the checks are the counts that must be zero (and the limits)."""
+
+    store: str
+    seed: int
+    runs: int = 0
+    completed: int = 0
+    kills: int = 0
+    restarts: int = 0
+    snapshots: int = 0
+    executions: int = 0
+    reexec_committed: int = 0
+    reexec_uncommitted: int = 0
+    mismatches: int = 0
+    max_running: int = 0
+    running_samples: int = 0
+    concurrency: int = 0
+    rate_violations: int = 0
+    partition_violations: int = 0
+    dedup_violations: int = 0
+    mid_run_kills: int = 0
+    adopted_runs: int = 0
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    def problem(self, text: str) -> None:
+        if len(self.problems) < 30:
+            self.problems.append(text)
+
+    def __str__(self) -> str:
+        fields = dataclasses.asdict(self)
+        fields.pop("problems")
+        return ", ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def write_graph(workdir: Path) -> Path:
+    path = workdir / "fleet_graph.py"
+    path.write_text(GRAPH_SOURCE)
+    return path
+
+
+def load_graphs(graph_file: Path) -> Any:
+    from tailrace._graph import load_file_module
+
+    return load_file_module(str(graph_file))
+
+
+async def expected_results(module: Any, inputs: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """Each run's results as an uninterrupted in-process run computes them (JSON-normalised)."""
+    import tailrace as tr
+
+    engine = tr.Engine()
+    old = os.environ.pop(SIDE_ENV, None)
+    try:
+        results = await asyncio.gather(
+            *(engine.run(module.graph, x, run_id=run_id) for run_id, x in inputs.items())
+        )
+    finally:
+        if old is not None:
+            os.environ[SIDE_ENV] = old
+    return {r.run_id: json.loads(json.dumps(r.results)) for r in results}
+
+
+async def submit_all(
+    target: Target,
+    module: Any,
+    graph_ref: str,
+    cfg: TortureConfig,
+    rng: random.Random,
+    stats: Stats,
+) -> tuple[dict[str, int], dict[str, str]]:
+    """Submit the runs and the duplicate submits; returns inputs by run and partitions by run."""
+    import tailrace as tr
+    from tailrace.stores import Queue
+
+    inputs: dict[str, int] = {}
+    partitions: dict[str, str] = {}
+    async with open_target(target) as store:
+        await store.declare_queue(
+            Queue(
+                QUEUE, concurrency=cfg.concurrency, worker_concurrency=cfg.worker_concurrency,
+                limit=cfg.limit, period=cfg.period, order="priority",
+            )
+        )  # fmt: skip
+        engine = tr.Engine(store=store)
+        for n in range(cfg.runs):
+            run_id = f"run-{n:04d}"
+            partition = f"p{n % cfg.partitions}" if n % cfg.partitioned_every == 0 else None
+            got = await engine.submit(
+                module.graph, n, queue=QUEUE, run_id=run_id, priority=rng.randrange(4),
+                partition=partition, dedup_key=f"key-{n}", graph_ref=graph_ref,
+            )  # fmt: skip
+            inputs[got] = n
+            if partition is not None:
+                partitions[got] = partition
+        for k in range(cfg.duplicates):  # while every key is live (nothing was claimed yet)
+            n = rng.randrange(cfg.runs)
+            got = await engine.submit(
+                module.graph, -1, queue=QUEUE, run_id=f"dup-{k}", dedup_key=f"key-{n}",
+                graph_ref=graph_ref,
+            )  # fmt: skip
+            if got != f"run-{n:04d}":
+                stats.dedup_violations += 1
+                stats.problem(f"duplicate of key-{n} returned {got!r}, not run-{n:04d}")
+    return inputs, partitions
+
+
+class SideFile:
+    """The handlers' start log and the committed-visit snapshots taken against it."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.path = target.workdir / "side.log"
+        self.snapshots: list[tuple[frozenset[tuple[str, str, int]], int]] = []
+
+    def snapshot(self) -> None:
+        """Committed visits first, then the log's length: a later start of one is a re-run."""
+        committed = frozenset(
+            (r, n, int(v))
+            for r, n, v in self.target.rows("SELECT run_id, node_id, visit FROM results")
+        )
+        size = self.path.stat().st_size if self.path.exists() else 0
+        self.snapshots.append((committed, size))
+
+    def check(self, stats: Stats) -> None:
+        data = self.path.read_bytes() if self.path.exists() else b""
+        starts: list[tuple[int, tuple[str, str, int]]] = []
+        offset = 0
+        for line in data.splitlines(keepends=True):
+            parts = line.decode().split()
+            if len(parts) == 3:
+                starts.append((offset, (parts[0], parts[1], int(parts[2]))))
+            offset += len(line)
+        stats.executions = len(starts)
+        seen: dict[tuple[str, str, int], int] = {}
+        for _, visit in starts:
+            seen[visit] = seen.get(visit, 0) + 1
+        stats.reexec_uncommitted = sum(n - 1 for n in seen.values())
+        offsets = [o for o, _ in starts]
+        flagged: set[tuple[str, str, int]] = set()
+        for committed, size in self.snapshots:
+            for _, visit in starts[bisect.bisect_left(offsets, size) :]:
+                if visit in committed and visit not in flagged:
+                    flagged.add(visit)
+                    stats.problem(f"committed visit {visit} started again after a snapshot")
+        stats.reexec_committed = len(flagged)
+        stats.reexec_uncommitted -= len(flagged)
+        stats.snapshots = len(self.snapshots)
+
+
+def torture(
+    store: str,
+    *,
+    workdir: Path,
+    seed: int,
+    dsn: str | None = None,
+    config: TortureConfig | None = None,
+) -> Stats:
+    """One torture session on ``store`` (``sqlite`` or ``postgres``); returns its :class:`Stats`."""
+    cfg = config or TortureConfig()
+    rng = random.Random(seed)
+    stats = Stats(store=store, seed=seed, concurrency=cfg.concurrency)
+    target = Target(store, workdir, dsn)
+    graph_file = write_graph(workdir)
+    module = load_graphs(graph_file)
+    started = time.monotonic()
+    try:
+        inputs, partitions = asyncio.run(
+            submit_all(target, module, f"{graph_file}:graph", cfg, rng, stats)
+        )
+        stats.runs = len(inputs)
+        expected = asyncio.run(expected_results(module, inputs))
+        side = SideFile(target)
+        with RunningSampler(target) as sampler:
+            _run_fleet(target, graph_file, cfg, rng, stats, side, len(inputs))
+        stats.max_running, stats.running_samples = sampler.most, sampler.samples
+        side.snapshot()
+        side.check(stats)
+        _check_runs(target, expected, stats)
+        _check_rate(target, cfg, stats)
+        _check_partitions(target, partitions, stats)
+        if stats.max_running > cfg.concurrency:
+            stats.problem(f"{stats.max_running} runs running at once, above {cfg.concurrency}")
+    finally:
+        stats.seconds = time.monotonic() - started
+        if not os.environ.get("TAILRACE_FLEET_KEEP"):  # kept to look into a failure
+            with contextlib.suppress(Exception):
+                target.drop()
+    return stats
+
+
+def _run_fleet(
+    target: Target,
+    graph_file: Path,
+    cfg: TortureConfig,
+    rng: random.Random,
+    stats: Stats,
+    side: SideFile,
+    total: int,
+) -> None:
+    options = {
+        "concurrency": cfg.worker_concurrency, "lease_ttl": cfg.lease_ttl, "grace": 1.0,
+        "max_interval": 0.5,
+    }  # fmt: skip
+    count = 0
+
+    def spawn() -> WorkerProcess:
+        nonlocal count
+        count += 1
+        return WorkerProcess(target, graph_file, f"worker-{count}", **options)
+
+    workers = [spawn() for _ in range(cfg.workers)]
+    deadline = time.monotonic() + cfg.deadline
+    next_kill = time.monotonic() + rng.uniform(*cfg.kill_gap)
+    next_snapshot = time.monotonic() + 0.5
+    try:
+        while True:
+            done = _finished(target)
+            if done >= total:
+                break
+            if time.monotonic() > deadline:
+                stats.problem(f"only {done} of {total} runs finished within {cfg.deadline:g}s")
+                break
+            now = time.monotonic()
+            ready = [i for i, w in enumerate(workers) if w.ready()]
+            if stats.kills < cfg.kills and now >= next_kill and len(ready) >= 2:
+                for victim in rng.sample(ready, 2):
+                    holding = _holding(target, workers[victim])
+                    workers[victim].kill()
+                    stats.kills += 1
+                    stats.mid_run_kills += holding > 0
+                side.snapshot()  # right after the kills: nothing committed may start again
+                for victim in sorted(
+                    {v for v in range(len(workers)) if workers[v].proc.poll() is not None}
+                ):
+                    workers[victim] = spawn()
+                    stats.restarts += 1
+                next_kill = now + rng.uniform(*cfg.kill_gap)
+            elif now >= next_snapshot:
+                side.snapshot()
+                next_snapshot = now + 0.5
+            time.sleep(0.01)
+    finally:
+        for worker in workers:
+            worker.stop()
+    stats.adopted_runs = _adopted(target)
+
+
+def _holding(target: Target, worker: WorkerProcess) -> int:
+    """How many running runs ``worker`` holds leases on (its owner name starts ``host:pid:``)."""
+    import socket
+
+    prefix = f"{socket.gethostname()}:{worker.proc.pid}:%"
+    (n,) = target.rows(
+        "SELECT COUNT(*) FROM runs WHERE status = 'running' AND lease_owner LIKE ?", (prefix,)
+    )[0]
+    return int(n)
+
+
+def _finished(target: Target) -> int:
+    (n,) = target.rows(
+        "SELECT COUNT(*) FROM runs WHERE queue_name = ? AND status IN ('completed', 'failed', 'cancelled')",
+        (QUEUE,),
+    )[0]
+    return int(n)
+
+
+def _adopted(target: Target) -> int:
+    (n,) = target.rows("SELECT COUNT(DISTINCT run_id) FROM events WHERE type = 'run_resumed'")[0]
+    return int(n)
+
+
+def _check_runs(target: Target, expected: dict[str, dict[str, Any]], stats: Stats) -> None:
+    statuses = dict(target.rows("SELECT run_id, status FROM runs WHERE queue_name = ?", (QUEUE,)))
+    if set(statuses) != set(expected):
+        extra = sorted(set(statuses) - set(expected))[:5]
+        stats.dedup_violations += len(set(statuses) ^ set(expected))
+        stats.problem(f"runs stored {len(statuses)}, submitted {len(expected)}; extra {extra}")
+    stats.completed = sum(s == "completed" for s in statuses.values())
+    rows = target.rows("SELECT run_id, node_id, visit, value_json FROM results")
+    latest: dict[str, dict[str, tuple[int, Any]]] = {}
+    for run_id, node_id, visit, value_json in rows:
+        mine = latest.setdefault(run_id, {})
+        if node_id not in mine or mine[node_id][0] < visit:
+            mine[node_id] = (int(visit), json.loads(value_json))
+    for run_id, want in expected.items():
+        got = {n: v for n, (_, v) in latest.get(run_id, {}).items()}
+        if statuses.get(run_id) != "completed" or got != want:
+            stats.mismatches += 1
+            stats.problem(f"{run_id}: {statuses.get(run_id)}, results differ: {got} != {want}")
+
+
+def _check_rate(target: Target, cfg: TortureConfig, stats: Stats) -> None:
+    starts = sorted(
+        float(t)
+        for (t,) in target.rows(
+            "SELECT started_at FROM runs WHERE queue_name = ? AND started_at IS NOT NULL", (QUEUE,)
+        )
+    )
+    for j, t in enumerate(starts):
+        first = bisect.bisect_right(starts, t - cfg.period)
+        if j + 1 - first > cfg.limit:
+            stats.rate_violations += 1
+            stats.problem(f"{j + 1 - first} claims within {cfg.period}s before {t:.3f}")
+
+
+def _check_partitions(target: Target, partitions: dict[str, str], stats: Stats) -> None:
+    rows = target.rows(
+        "SELECT run_id, queued_at, started_at, finished_at FROM runs WHERE partition_key IS NOT NULL"
+    )
+    by_key: dict[str, list[tuple[float, str, float, float]]] = {}
+    for run_id, queued, started, finished in rows:
+        by_key.setdefault(partitions.get(run_id, "?"), []).append(
+            (float(queued), run_id, float(started or 0), float(finished or 0))
+        )
+    for key, runs in by_key.items():
+        runs.sort()
+        for before, after in itertools.pairwise(runs):
+            if after[2] < before[3]:
+                stats.partition_violations += 1
+                stats.problem(f"partition {key}: {after[1]} started before {before[1]} finished")
+
+
+# --- the benchmark --------------------------------------------------------------------------------
+
+
+@dataclass
+class BenchConfig:
+    """Sizes of the benchmark."""
+
+    workers: tuple[int, ...] = (1, 2, 4, 8)
+    runs_per_worker: int = 40
+    worker_concurrency: int = 4
+    latency_samples: int = 60
+
+
+def bench_rate(
+    target: Target, graph_file: Path, module: Any, n_workers: int, cfg: BenchConfig
+) -> float:
+    """Runs/s of ``n_workers`` worker processes on ``runs_per_worker * n_workers`` I/O-bound runs."""
+    import tailrace as tr
+
+    workers = [
+        WorkerProcess(
+            target, graph_file, f"bench-{n_workers}-{i}", concurrency=cfg.worker_concurrency
+        )
+        for i in range(n_workers)
+    ]
+    try:
+        wait_ready(workers)
+        total = cfg.runs_per_worker * n_workers
+        tag = uuid.uuid4().hex[:6]
+
+        async def submit() -> None:
+            async with open_target(target) as store:
+                engine = tr.Engine(store=store)
+                for n in range(total):
+                    await engine.submit(
+                        module.io,
+                        n,
+                        queue=QUEUE,
+                        run_id=f"io-{tag}-{n}",
+                        graph_ref=f"{graph_file}:io",
+                    )
+
+        asyncio.run(submit())
+        deadline = time.monotonic() + 600
+        while True:
+            (done,) = target.rows(
+                "SELECT COUNT(*) FROM runs WHERE run_id LIKE ? AND status = 'completed'",
+                (f"io-{tag}-%",),
+            )[0]
+            if done >= total or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        (first, last) = target.rows(
+            "SELECT MIN(started_at), MAX(finished_at) FROM runs WHERE run_id LIKE ?",
+            (f"io-{tag}-%",),
+        )[0]
+        return total / (float(last) - float(first))
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def bench_latency(
+    target: Target, graph_file: Path, module: Any, samples: int
+) -> tuple[list[float], list[float]]:
+    """Submit -> first node start and answer -> resumed node start, seconds, with one idle worker."""
+    import tailrace as tr
+    from tailrace.stores import QuestionStatus
+
+    worker = WorkerProcess(target, graph_file, "latency", concurrency=4)
+    submit_lat: list[float] = []
+    answer_lat: list[float] = []
+    try:
+        wait_ready([worker])
+
+        async def probe() -> None:
+            async with open_target(target) as store:
+                engine = tr.Engine(store=store)
+                for n in range(samples):
+                    await asyncio.sleep(0.05)  # the worker is idle again
+                    t0 = time.time()
+                    run_id = await engine.submit(
+                        module.probe, n, queue=QUEUE, graph_ref=f"{graph_file}:probe"
+                    )
+                    result = await engine.wait(run_id, timeout=60)
+                    submit_lat.append(await _first_start(store, run_id, "ask") - t0)
+                    (question,) = result.questions
+                    await asyncio.sleep(0.05)
+                    t1 = time.time()
+                    await engine.answer(question.question_id, n, resume=False)
+                    await engine.wait(run_id, timeout=60)
+                    answer_lat.append(await _first_start(store, run_id, "after") - t1)
+                    assert (
+                        await store.get_question(question.question_id)
+                    ).status is QuestionStatus.APPLIED
+
+        asyncio.run(probe())
+    finally:
+        worker.stop()
+    return submit_lat, answer_lat
+
+
+async def _first_start(store: Any, run_id: str, node_id: str) -> float:
+    return min(
+        e.ts
+        for e in await store.events(run_id)
+        if e.type == "node_started" and e.node_id == node_id
+    )
+
+
+DBOS_WORKER = """
+import asyncio, os, sys, time
+from dbos import DBOS, Queue
+
+DBOS(config={"name": "fleet-bench", "system_database_url": sys.argv[1],
+             "executor_id": f"w{os.getpid()}"})
+queue = Queue("bench", worker_concurrency=int(sys.argv[2]))
+
+
+@DBOS.step()
+async def io_step(x):
+    await asyncio.sleep(0.020)
+    return x + 1
+
+
+@DBOS.workflow()
+async def io_run(x):
+    for _ in range(5):
+        x = await io_step(x)
+    return x
+
+
+DBOS.launch()
+print("serving", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def bench_dbos(
+    python: str, sysdb: str, workdir: Path, n_workers: int, cfg: BenchConfig
+) -> tuple[float, list[float]]:
+    """Runs/s and submit -> start latencies of the same workload through a DBOS Queue."""
+    script = workdir / "dbos_worker.py"
+    script.write_text(DBOS_WORKER)
+    client_script = workdir / "dbos_client.py"
+    client_script.write_text(_DBOS_CLIENT)
+    procs = []
+    logs = []
+    try:
+        for i in range(n_workers):
+            log = workdir / f"dbos-{n_workers}-{i}.log"
+            logs.append(log)
+            with log.open("w") as out:
+                procs.append(
+                    subprocess.Popen(
+                        [python, str(script), sysdb, str(cfg.worker_concurrency)],
+                        stdout=out, stderr=subprocess.STDOUT, cwd=workdir,
+                    )
+                )  # fmt: skip
+        deadline = time.monotonic() + START_GUARD
+        while not all("serving" in log.read_text(errors="replace") for log in logs):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError("DBOS workers did not start: " + logs[0].read_text()[-2000:])
+            time.sleep(0.05)
+        out = subprocess.run(
+            [python, str(client_script), sysdb, str(cfg.runs_per_worker * n_workers)],
+            capture_output=True, text=True, check=True, cwd=workdir,
+        )  # fmt: skip
+        report = json.loads(out.stdout.strip().splitlines()[-1])
+        return float(report["rate"]), [float(x) for x in report["latencies"]]
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+
+_DBOS_CLIENT = """
+import json, sys, time
+from dbos import DBOSClient
+
+client = DBOSClient(system_database_url=sys.argv[1])
+total = int(sys.argv[2])
+t0 = time.time()
+handles = [client.enqueue({"queue_name": "bench", "workflow_name": "io_run"}, n) for n in range(total)]
+for h in handles:
+    h.get_result()
+elapsed = time.time() - t0
+latencies = []
+for n in range(20):
+    time.sleep(0.05)
+    start = time.time()
+    h = client.enqueue({"queue_name": "bench", "workflow_name": "io_run"}, n)
+    h.get_result()
+    status = h.get_status()
+    began = (status.dequeued_at or status.updated_at) / 1000.0 if hasattr(status, "dequeued_at") else None
+    latencies.append((began - start) if began else time.time() - start - 0.1)
+print(json.dumps({"rate": total / elapsed, "latencies": latencies}))
+"""
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import Column, Table, environment
+
+    cfg = BenchConfig(
+        workers=tuple(int(x) for x in args.workers.split(",")),
+        runs_per_worker=args.runs_per_worker,
+        latency_samples=args.samples,
+    )
+    rates = Table(
+        "fleet: runs/s of I/O-bound runs (5 nodes x 20 ms, 4 runs at once per worker)",
+        [Column("store"), Column("workers", right=True), Column("runs/s", right=True),
+         Column("x 1 worker", right=True), Column("of linear", right=True)],
+    )  # fmt: skip
+    lat = Table(
+        "fleet: latencies with an idle worker (ms)",
+        [Column("store"), Column("what"), Column("p50", right=True), Column("p99", right=True)],
+    )
+    for kind in stores_of(args):
+        with tempfile.TemporaryDirectory(prefix="tailrace-fleet-") as tmp:
+            workdir = Path(tmp)
+            graph_file = write_graph(workdir)
+            module = load_graphs(graph_file)
+            base = None
+            for n in cfg.workers:
+                target = Target(kind, workdir / f"w{n}", args.dsn)
+                target.workdir.mkdir()
+                _declare(target, cfg)
+                try:
+                    rate = bench_rate(target, graph_file, module, n, cfg)
+                finally:
+                    target.drop()
+                base = base or rate / n
+                rates.add_row(
+                    kind, n, f"{rate:.1f}", f"{rate / (base):.2f}", f"{rate / (base * n):.2f}"
+                )
+            target = Target(kind, workdir / "lat", args.dsn)
+            target.workdir.mkdir()
+            _declare(target, cfg)
+            try:
+                submit_lat, answer_lat = bench_latency(
+                    target, graph_file, module, cfg.latency_samples
+                )
+            finally:
+                target.drop()
+            for what, values in (("submit -> start", submit_lat), ("answer -> resume", answer_lat)):
+                lat.add_row(
+                    kind,
+                    what,
+                    f"{1000 * percentile(values, 0.5):.1f}",
+                    f"{1000 * percentile(values, 0.99):.1f}",
+                )
+            if args.dbos:
+                _bench_dbos(args, kind, workdir, cfg, rates, lat)
+    print(environment(no_gc=False), end="\n\n")
+    rates.print()
+    lat.print()
+
+
+def _bench_dbos(
+    args: argparse.Namespace, kind: str, workdir: Path, cfg: BenchConfig, rates: Any, lat: Any
+) -> None:
+    base = None
+    for n in cfg.workers:
+        schema = f"dbos_{uuid.uuid4().hex[:8]}"
+        if kind == "sqlite":
+            sysdb = f"sqlite:///{workdir}/dbos-{n}.sqlite"
+        else:
+            sysdb = _dbos_pg_url(args.dsn, schema)
+        try:
+            rate, latencies = bench_dbos(args.dbos_python, sysdb, workdir, n, cfg)
+        except Exception as exc:  # report why, keep the tailrace numbers
+            rates.add_note(f"DBOS {kind} with {n} workers failed: {str(exc)[-300:]}")
+            continue
+        finally:
+            if kind == "postgres":
+                _drop_database(args.dsn, schema)
+        base = base or rate / n
+        rates.add_row(
+            f"dbos {kind}", n, f"{rate:.1f}", f"{rate / base:.2f}", f"{rate / (base * n):.2f}"
+        )
+        if n == cfg.workers[0]:
+            lat.add_row(
+                f"dbos {kind}",
+                "enqueue -> dequeue",
+                f"{1000 * percentile(latencies, 0.5):.1f}",
+                f"{1000 * percentile(latencies, 0.99):.1f}",
+            )
+
+
+def _dbos_pg_url(dsn: str, name: str) -> str:
+    """A database of its own for DBOS (it creates it), on the server ``dsn`` names."""
+    import psycopg.conninfo
+
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    host = info.get("host", "localhost")
+    user = info.get("user", "postgres")
+    if host.startswith("/"):
+        return f"postgresql://{user}@/{name}?host={host}"
+    port = info.get("port", "5432")
+    return f"postgresql://{user}@{host}:{port}/{name}"
+
+
+def _drop_database(dsn: str, name: str) -> None:
+    import psycopg
+
+    with contextlib.suppress(Exception), psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _declare(target: Target, cfg: BenchConfig) -> None:
+    from tailrace.stores import Queue
+
+    async def declare() -> None:
+        async with open_target(target) as store:
+            await store.declare_queue(Queue(QUEUE, worker_concurrency=cfg.worker_concurrency))
+
+    asyncio.run(declare())
+
+
+def stores_of(args: argparse.Namespace) -> list[str]:
+    if args.store == "both":
+        return ["sqlite", "postgres"] if args.dsn else ["sqlite"]
+    if args.store == "postgres" and not args.dsn:
+        raise SystemExit("postgres needs --dsn or TAILRACE_TEST_POSTGRES_DSN")
+    return [args.store]
+
+
+def run_torture(args: argparse.Namespace) -> int:
+    failures = 0
+    for kind in stores_of(args):
+        cfg = TortureConfig(runs=args.runs, kills=args.kills)
+        with tempfile.TemporaryDirectory(prefix="tailrace-fleet-") as tmp:
+            stats = torture(kind, workdir=Path(tmp), seed=args.seed, dsn=args.dsn, config=cfg)
+        print(stats)
+        for problem in stats.problems:
+            print("  ", problem)
+        failures += bool(stats.problems)
+    return 1 if failures else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["torture", "bench"])
+    parser.add_argument("--store", default="both", choices=["sqlite", "postgres", "both"])
+    parser.add_argument("--dsn", default=os.environ.get("TAILRACE_TEST_POSTGRES_DSN"))
+    parser.add_argument("--seed", type=int, default=20261201)
+    parser.add_argument("--runs", type=int, default=1000)
+    parser.add_argument("--kills", type=int, default=100)
+    parser.add_argument("--workers", default="1,2,4,8")
+    parser.add_argument("--runs-per-worker", type=int, default=40)
+    parser.add_argument("--samples", type=int, default=60)
+    parser.add_argument("--dbos", action="store_true", help="also run DBOS side by side")
+    parser.add_argument("--dbos-python", default=sys.executable, help="an interpreter with dbos")
+    args = parser.parse_args()
+    if args.what == "torture":
+        return run_torture(args)
+    run_bench(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
