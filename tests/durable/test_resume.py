@@ -20,7 +20,6 @@ import dataclasses
 import importlib
 import itertools
 import json
-import os
 import sqlite3
 import textwrap
 import uuid
@@ -32,6 +31,7 @@ from typing import Any
 
 import pytest
 
+import _stores
 import tailrace as tr
 from tailrace._errors import (
     EncodeError,
@@ -57,7 +57,6 @@ from tailrace.stores import (
     SQLiteStore,
 )
 
-POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
 HANG_GUARD = 15.0
 TTL = 30.0  # long: with the fake clock, leases expire only when a test says so
 
@@ -65,17 +64,7 @@ TTL = 30.0  # long: with the fake clock, leases expire only when a test says so
 # --- stores -------------------------------------------------------------------
 
 
-class FakeClock:
-    """A wall clock that moves only when told to."""
-
-    def __init__(self, now: float = 1_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+FakeClock = _stores.FakeClock
 
 
 @dataclass
@@ -154,7 +143,7 @@ async def _postgres_backend(dsn: str) -> AsyncIterator[Backend]:
 
     from tailrace.stores import PostgresStore
 
-    schema = f"tailrace_durable_{uuid.uuid4().hex[:12]}"
+    schema = _stores.new_schema("tailrace_durable")
     clock = FakeClock()
 
     async def execute(statement: str, params: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
@@ -190,27 +179,10 @@ async def _postgres_backend(dsn: str) -> AsyncIterator[Backend]:
                 "postgres", store, clock, sibling, set_run_version, set_node_data, raw_nodes
             )
     finally:
-        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-            await conn.execute(
-                sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
-            )
+        await _stores.drop_schema(schema)
 
 
-@pytest.fixture(
-    params=[
-        "memory",
-        "sqlite",
-        pytest.param(
-            "postgres",
-            marks=[
-                pytest.mark.postgres,
-                pytest.mark.skipif(
-                    POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set"
-                ),
-            ],
-        ),
-    ]
-)
+@pytest.fixture(params=_stores.ALL_STORES)
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
     """Each store in turn, on a fresh database, with a fake clock."""
     if request.param == "memory":
@@ -218,8 +190,8 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     elif request.param == "sqlite":
         factory = _sqlite_backend(tmp_path / "runs.db")
     else:
-        assert POSTGRES_DSN is not None
-        factory = _postgres_backend(POSTGRES_DSN)
+        assert _stores.POSTGRES_DSN is not None
+        factory = _postgres_backend(_stores.POSTGRES_DSN)
     async for value in factory:
         yield value
 
@@ -286,17 +258,7 @@ async def until(
     condition: Callable[[], Any], what: str = "condition", guard: float = HANG_GUARD
 ) -> None:
     """Wait until ``condition()`` (or its awaited value) is true; fail after ``guard`` s."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + guard
-    while True:
-        value = condition()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return
-        if loop.time() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
+    await _stores.until(condition, what, guard=guard)
 
 
 async def result_keys(store: RunStore, run_id: str) -> set[tuple[str, int]]:

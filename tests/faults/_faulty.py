@@ -3,9 +3,8 @@
 Loaded by path from the test modules (test directories are not packages and
 pytest imports in ``importlib`` mode), under the name ``tailrace_tests_faulty``.
 
-- :func:`open_store` opens each backend on a fresh database: memory, a real
-  SQLite file under ``tmp_path``, or Postgres (``TAILRACE_TEST_POSTGRES_DSN``)
-  in a schema of its own, dropped afterwards.
+- The stores under test (each backend on a fresh database) come from
+  ``tests/_stores.py``: the modules bind ``_stores.each_store`` as their ``store``.
 - :class:`DelegatingStore` forwards every method of the :class:`RunStore`
   contract to a real store; :class:`CancellingStore` cancels a task just
   before forwarding its N-th call; :class:`FailingStore` makes its ``commit`` raise
@@ -22,78 +21,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
-import uuid
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Callable, Coroutine
-from pathlib import Path
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import pytest
 
+import _stores
 import tailrace as tr
 from tailrace._errors import RunNotFound
-from tailrace.stores import Harvest, MemoryStore, RunStore, SQLiteStore
-
-POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
+from tailrace.stores import Harvest, RunStore
 
 #: Seconds after which a wait is a hang; generous, so a loaded machine never trips it.
-HANG_GUARD = 30.0
+HANG_GUARD = _stores.HANG_GUARD
 
 T = TypeVar("T")
-
-#: One parameter per backend; Postgres is skipped without a server.
-STORES = [
-    "memory",
-    "sqlite",
-    pytest.param(
-        "postgres",
-        marks=[
-            pytest.mark.postgres,
-            pytest.mark.skipif(
-                POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set"
-            ),
-        ],
-    ),
-]
-
-
-@contextlib.asynccontextmanager
-async def open_store(kind: str, tmp_path: Path, **postgres: Any) -> AsyncIterator[RunStore]:
-    """The ``kind`` backend, opened on a fresh database and closed afterwards.
-
-    ``postgres`` options go to :class:`~tailrace.stores.PostgresStore` (``max_size=1``...).
-    """
-    if kind == "memory":
-        async with MemoryStore() as store:
-            yield store
-    elif kind == "sqlite":
-        async with SQLiteStore(tmp_path / "runs.db") as store:
-            yield store
-    else:
-        assert kind == "postgres" and POSTGRES_DSN is not None
-        async with postgres_store(POSTGRES_DSN, **postgres) as store:
-            yield store
-
-
-@contextlib.asynccontextmanager
-async def postgres_store(dsn: str, **options: Any) -> AsyncIterator[RunStore]:
-    """A :class:`PostgresStore` in a schema of its own, dropped on the way out."""
-    import psycopg
-    from psycopg import sql
-
-    from tailrace.stores import PostgresStore
-
-    schema = f"tailrace_faults_{uuid.uuid4().hex[:12]}"
-    try:
-        async with PostgresStore(dsn, schema=schema, **options) as store:
-            yield store
-    finally:
-        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-            await conn.execute(
-                sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
-            )
 
 
 # --- stores that misbehave -------------------------------------------------------------
@@ -324,12 +267,7 @@ async def guarded(awaitable: Coroutine[Any, Any, T], what: str, guard: float = H
 
 async def until(condition: Callable[[], bool], what: str, guard: float = HANG_GUARD) -> None:
     """Poll ``condition()`` until it holds (a deadlock guard after ``guard`` s, never a timing check)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + guard
-    while not condition():
-        if loop.time() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.001)
+    await _stores.until(condition, what, guard=guard, every=0.001)
 
 
 def after_hops(hops: int, fn: Callable[[], Any]) -> None:

@@ -26,37 +26,21 @@ depends on timing.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import random
-import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+import _stores
 import tailrace as tr
 from tailrace.stores import RunStatus, RunStore
 
-
-def _load_faulty() -> ModuleType:
-    """``_faulty.py``, loaded by path (test directories are not packages)."""
-    name = "tailrace_tests_faulty"
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_faulty.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-faulty = _load_faulty()
+faulty = _stores.load_module("tailrace_tests_faulty", Path(__file__).with_name("_faulty.py"))
 
 CANCELLATIONS = 40
 RESUMED_RUNS = 4
@@ -69,11 +53,7 @@ CHAIN = 4
 TTL = 30.0
 
 
-@pytest.fixture(params=faulty.STORES)
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[RunStore]:
-    """Each backend in turn, on a fresh database."""
-    async with faulty.open_store(request.param, tmp_path) as opened:
-        yield opened
+store = _stores.each_store  # the fixture: each backend in turn, on a fresh database
 
 
 def _plus_one(x: int) -> int:
@@ -372,14 +352,14 @@ async def test_user_timeout_around_a_run_whose_handler_never_returns(store: RunS
 
 
 @pytest.mark.postgres
-@pytest.mark.skipif(faulty.POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set")
+@pytest.mark.skipif(_stores.POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set")
 async def test_user_timeouts_are_honoured_on_a_postgres_pool_of_one_connection() -> None:
     rec = faulty.Recorder()
     # A long chain keeps the writer busy on the one connection when a timeout fires,
     # and a short lease keeps the heartbeat contending for it. ``hang`` never
     # returns: only the user's timeout can end these runs.
     graph = build_graph(rec, hang=True, chain=40)
-    async with faulty.postgres_store(faulty.POSTGRES_DSN, min_size=1, max_size=1) as store:
+    async with _stores.postgres_store(min_size=1, max_size=1) as store:
         reference = await _reference(store, rec, graph)
         engine = tr.Engine(store=store, lease_ttl=1.5)
         rec.phase, rec.hang = "hang", True

@@ -29,36 +29,19 @@ and the N-th commit is always reached. Then:
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import random
-import sys
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+import _stores
 import tailrace as tr
 from tailrace.stores import RunStatus, RunStore
 
-
-def _load_faulty() -> ModuleType:
-    """``_faulty.py``, loaded by path (test directories are not packages)."""
-    name = "tailrace_tests_faulty"
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_faulty.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-faulty = _load_faulty()
+faulty = _stores.load_module("tailrace_tests_faulty", Path(__file__).with_name("_faulty.py"))
 
 #: The run must fail long before this; it only turns a hang into a failure.
 FAIL_GUARD = 5.0
@@ -73,11 +56,7 @@ def _fail_at(seed: int) -> int:
     return random.Random(f"store-failure-{seed}").randint(1, 20)
 
 
-@pytest.fixture(params=faulty.STORES)
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[RunStore]:
-    """Each backend in turn, on a fresh database."""
-    async with faulty.open_store(request.param, tmp_path) as opened:
-        yield opened
+store = _stores.each_store  # the fixture: each backend in turn, on a fresh database
 
 
 def _plus_one(x: int) -> int:

@@ -18,20 +18,18 @@ fail until the engine is fixed (see their docstrings for the repro and patch).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 from typer.testing import CliRunner, Result
 
+import _stores
 import tailrace as tr
 from tailrace.cli._app import app
 from tailrace.gates import (
@@ -49,18 +47,7 @@ from tailrace.stores import MemoryStore, QuestionRow, QuestionStatus, RunStore, 
 HERE = Path(__file__).resolve().parent
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    """A helper file of this directory as a module (``tests/`` is not a package)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-backends = _load("tailrace_tests_gate_backends", HERE / "backends.py")
+backends = _stores.load_module("tailrace_tests_gate_backends", HERE / "backends.py")
 graphs = backends.graphs
 Backend = backends.Backend
 backend = backends.backend  # the fixture: each store in turn

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import importlib.util
 import json
 import logging
 import subprocess
@@ -31,11 +30,11 @@ import textwrap
 import threading
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+import _stores
 import tailrace as tr
 from tailrace.gates import GateTimeout, Server, WaitState
 from tailrace.stores import (
@@ -52,18 +51,7 @@ from tailrace.stores import (
 HERE = Path(__file__).resolve().parent
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    """A helper file of this directory as a module (``tests/`` is not a package)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-backends = _load("tailrace_tests_gate_backends", HERE / "backends.py")
+backends = _stores.load_module("tailrace_tests_gate_backends", HERE / "backends.py")
 graphs = backends.graphs
 backend = backends.backend  # the fixture: each store in turn
 side = backends.side

@@ -1,0 +1,260 @@
+"""Store-backend plumbing the test modules share: which backends, fresh databases, polling.
+
+``tests/`` is not a package and the suite imports in ``importlib`` mode, so
+``tests/conftest.py`` registers this file as the module ``_stores``; test
+modules ``import _stores`` and bind what they need at module level (a fixture
+bound as ``store = _stores.each_store`` is found by pytest under that name).
+
+- :data:`ALL_STORES` / :data:`SHARED_STORES`: fixture parameters, one per
+  backend (the second list only those another process can open); Postgres runs
+  whenever ``TAILRACE_TEST_POSTGRES_DSN`` is set and is skipped otherwise.
+- :func:`open_store` opens one backend on a fresh database: a new
+  :class:`~tailrace.stores.MemoryStore`, a real SQLite file under ``tmp_path``,
+  or Postgres in a schema of its own (:func:`postgres_schema`), dropped afterwards.
+- :func:`database` hands out a :class:`Database`: many store instances on one
+  fresh database, all closed afterwards.
+- :class:`FakeClock` is a wall clock that moves only when told to; :func:`until`
+  polls observed state under a hang guard that is never a timing assertion.
+- :func:`load_module` loads a helper file by path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TypeVar
+
+import pytest
+
+from tailrace.stores import MemoryStore, RunStore, SQLiteStore
+
+POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
+
+#: The Postgres fixture parameter: marked ``postgres``, skipped without a server.
+POSTGRES = pytest.param(
+    "postgres",
+    marks=[
+        pytest.mark.postgres,
+        pytest.mark.skipif(POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set"),
+    ],
+)
+#: Every backend, one fixture parameter each.
+ALL_STORES = ["memory", "sqlite", POSTGRES]
+#: The backends another process can open too (a crashed child, a daemon, a racer).
+SHARED_STORES = ["sqlite", POSTGRES]
+
+#: Seconds after which a wait is a hang; generous, so a loaded machine never trips it.
+HANG_GUARD = 30.0
+
+D = TypeVar("D", bound="Database")
+
+
+def load_module(name: str, path: Path) -> ModuleType:
+    """The file at ``path`` as module ``name``, loaded once per process.
+
+    The test directories are not packages, so helper files are loaded by path.
+    """
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+# --- Postgres schemas ------------------------------------------------------------------
+
+
+def new_schema(prefix: str) -> str:
+    """A schema name no other test uses: ``prefix`` and 12 random hex digits."""
+    return f"{prefix}_{uuid.uuid4().hex[:12]}"
+
+
+def _dsn() -> str:
+    assert POSTGRES_DSN is not None, "a Postgres test ran without TAILRACE_TEST_POSTGRES_DSN"
+    return POSTGRES_DSN
+
+
+async def drop_schema(schema: str) -> None:
+    """Drop ``schema`` and everything in it (a no-op if it was never created)."""
+    import psycopg
+    from psycopg import sql
+
+    async with await psycopg.AsyncConnection.connect(_dsn(), autocommit=True) as conn:
+        await conn.execute(
+            sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
+        )
+
+
+def drop_schema_sync(schema: str) -> None:
+    """:func:`drop_schema` for fixtures that are not async."""
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(_dsn(), autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+@contextlib.asynccontextmanager
+async def postgres_schema(prefix: str = "tailrace_test") -> AsyncIterator[str]:
+    """A fresh schema name (see :func:`new_schema`), dropped on the way out."""
+    schema = new_schema(prefix)
+    try:
+        yield schema
+    finally:
+        await drop_schema(schema)
+
+
+# --- opened stores ---------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def open_store(
+    kind: str,
+    tmp_path: Path,
+    *,
+    filename: str = "runs.db",
+    prefix: str = "tailrace_test",
+    **postgres: Any,
+) -> AsyncIterator[RunStore]:
+    """The ``kind`` backend (a parameter of :data:`ALL_STORES`) on a fresh database.
+
+    SQLite opens ``tmp_path / filename``; Postgres a schema named after
+    ``prefix``, with the ``postgres`` options (``max_size=1``...).
+    """
+    if kind == "memory":
+        async with MemoryStore() as memory:
+            yield memory
+    elif kind == "sqlite":
+        async with SQLiteStore(tmp_path / filename) as sqlite:
+            yield sqlite
+    else:
+        assert kind == "postgres", f"no backend named {kind!r}"
+        async with postgres_store(prefix=prefix, **postgres) as pg:
+            yield pg
+
+
+@contextlib.asynccontextmanager
+async def postgres_store(
+    *, prefix: str = "tailrace_test", **options: Any
+) -> AsyncIterator[RunStore]:
+    """A :class:`~tailrace.stores.PostgresStore` with ``options`` in a schema of its own.
+
+    The schema is named after ``prefix`` and dropped once the store is closed.
+    """
+    from tailrace.stores import PostgresStore
+
+    async with (
+        postgres_schema(prefix) as schema,
+        PostgresStore(_dsn(), schema=schema, **options) as pg,
+    ):
+        yield pg
+
+
+@pytest.fixture(params=ALL_STORES)
+async def each_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[RunStore]:
+    """Each backend in turn, on a fresh database."""
+    async with open_store(request.param, tmp_path) as opened:
+        yield opened
+
+
+@dataclass
+class Database:
+    """A fresh database under test: ``store()`` opens another store instance on it.
+
+    Memory has no database beyond its one store, so there every call returns
+    that store (opened once).
+    """
+
+    name: str
+    factory: Callable[[], RunStore]
+    opened: list[RunStore] = field(default_factory=list)
+
+    async def store(self) -> RunStore:
+        """A store instance on this database, opened (closed by :func:`database`)."""
+        store = self.factory()
+        if store not in self.opened:
+            await store.open()
+            self.opened.append(store)
+        return store
+
+
+@contextlib.asynccontextmanager
+async def database(
+    kind: str, tmp_path: Path, *, cls: type[D], filename: str, max_size: int
+) -> AsyncIterator[D]:
+    """A ``cls`` on a fresh ``kind`` database; every store it opened is closed afterwards.
+
+    ``filename`` names the SQLite file under ``tmp_path``; ``max_size`` bounds
+    each Postgres store's pool.
+    """
+    async with contextlib.AsyncExitStack() as stack:
+        if kind == "memory":
+            shared = MemoryStore()
+            db = cls("memory", lambda: shared)
+        elif kind == "sqlite":
+            path = tmp_path / filename
+            db = cls("sqlite", lambda: SQLiteStore(path))
+        else:
+            from tailrace.stores import PostgresStore
+
+            assert kind == "postgres", f"no backend named {kind!r}"
+            schema = await stack.enter_async_context(postgres_schema())
+            db = cls("postgres", lambda: PostgresStore(_dsn(), schema=schema, max_size=max_size))
+        try:
+            yield db
+        finally:
+            for store in db.opened:
+                await store.close()
+
+
+# --- time and waiting ------------------------------------------------------------------
+
+
+class FakeClock:
+    """A wall clock that moves only when told to (a store's ``clock=``)."""
+
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock ``seconds`` forward."""
+        self.now += seconds
+
+
+async def until(
+    condition: Callable[[], Any],
+    what: str = "condition",
+    *,
+    guard: float = HANG_GUARD,
+    every: float = 0.005,
+) -> Any:
+    """Poll ``condition()`` (or the value it awaits) until it is truthy, and return it.
+
+    Checks every ``every`` seconds; after ``guard`` seconds the test fails,
+    naming ``what``. The guard only turns a hang into a failure: no test
+    asserts on how long anything took.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + guard
+    while True:
+        value = condition()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if loop.time() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(every)
