@@ -10,43 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
 import signal
 import sys
 import textwrap
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import _stores
 import tailrace as tr
 from tailrace._graph import load_file_module
-from tailrace.stores import Harvest, MemoryStore, RunStatus, RunStore, SQLiteStore
+from tailrace.stores import Harvest, RunStatus, RunStore
 
-POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
 GUARD = 30.0  # seconds; only there so that a bug fails the test instead of hanging it
-
-_postgres = pytest.param(
-    "postgres",
-    marks=[
-        pytest.mark.postgres,
-        pytest.mark.skipif(POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set"),
-    ],
-)
-
-
-async def _drop_schema(schema: str) -> None:
-    import psycopg
-    from psycopg import sql
-
-    assert POSTGRES_DSN is not None
-    async with await psycopg.AsyncConnection.connect(POSTGRES_DSN, autocommit=True) as conn:
-        await conn.execute(
-            sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
-        )
 
 
 @pytest.fixture
@@ -56,10 +35,8 @@ async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIter
     if request.param == "sqlite":
         yield str(tmp_path / "runs.db")
         return
-    assert POSTGRES_DSN is not None
-    schema = f"tailrace_hard_{uuid.uuid4().hex[:12]}"
-    yield f"{POSTGRES_DSN}#{schema}"
-    await _drop_schema(schema)
+    async with _stores.postgres_schema("tailrace_hard") as schema:
+        yield f"{_stores.POSTGRES_DSN}#{schema}"
 
 
 def open_location(location: str) -> RunStore:
@@ -88,26 +65,7 @@ async def _reap(child: asyncio.subprocess.Process) -> None:
         await child.wait()
 
 
-@pytest.fixture(params=["memory", "sqlite", _postgres])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[RunStore]:
-    """Each store in turn, on a fresh database."""
-    if request.param == "memory":
-        async with MemoryStore() as memory:
-            yield memory
-        return
-    if request.param == "sqlite":
-        async with SQLiteStore(tmp_path / "runs.db") as sqlite:
-            yield sqlite
-        return
-    from tailrace.stores import PostgresStore
-
-    assert POSTGRES_DSN is not None
-    schema = f"tailrace_hard_{uuid.uuid4().hex[:12]}"
-    try:
-        async with PostgresStore(POSTGRES_DSN, schema=schema) as pg:
-            yield pg
-    finally:
-        await _drop_schema(schema)
+store = _stores.each_store  # the fixture: each store in turn, on a fresh database
 
 
 # -- finding 3: values the codec lets through but a store refuses ----------------
@@ -275,16 +233,10 @@ if __name__ == "__main__":
 
 
 async def _wait_for(check: Callable[[], Any], what: str) -> Any:
-    deadline = time.monotonic() + GUARD
-    while time.monotonic() < deadline:
-        value = await check()
-        if value:
-            return value
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+    return await _stores.until(check, what, guard=GUARD, every=0.02)
 
 
-@pytest.mark.parametrize("store_url", ["sqlite", _postgres], indirect=True)
+@pytest.mark.parametrize("store_url", _stores.SHARED_STORES, indirect=True)
 async def test_17_a_node_killed_during_its_backoff_continues_its_retry_policy(
     tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -403,7 +355,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("store_url", ["sqlite", _postgres], indirect=True)
+@pytest.mark.parametrize("store_url", _stores.SHARED_STORES, indirect=True)
 async def test_10_a_run_whose_local_owner_died_is_taken_over_without_waiting(
     tmp_path: Path, store_url: str
 ) -> None:
@@ -545,7 +497,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("store_url", ["sqlite", _postgres], indirect=True)
+@pytest.mark.parametrize("store_url", _stores.SHARED_STORES, indirect=True)
 async def test_13_sync_a_successor_never_acted_on_a_value_a_crash_lost(
     tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,19 +13,18 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import _stores
 import tailrace as tr
 from tailrace._graph import load_file_module, resolve_reference
 from tailrace.gates import Server
-from tailrace.stores import MemoryStore, NewRun, QuestionStatus, RunStore, SQLiteStore
-
-POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
+from tailrace.stores import NewRun, QuestionStatus, RunStore
 
 HOSTILE = """\
 import os
@@ -77,74 +76,20 @@ def hostile(tmp_path: Path) -> Hostile:
 # -- backends ---------------------------------------------------------------------------
 
 
-@dataclass
-class Backend:
+class Backend(_stores.Database):
     """A database under test; ``store()`` opens another store instance on it."""
-
-    name: str
-    factory: Callable[[], RunStore]
-    opened: list[RunStore] = field(default_factory=list)
-
-    async def store(self) -> RunStore:
-        store = self.factory()
-        if store not in self.opened:
-            await store.open()
-            self.opened.append(store)
-        return store
 
     async def engine(self) -> tr.Engine:
         """A fresh engine (its own owner, no graphs known) on another store instance."""
         return tr.Engine(store=await self.store())
 
 
-@pytest.fixture(
-    params=[
-        "memory",
-        "sqlite",
-        pytest.param(
-            "postgres",
-            marks=[
-                pytest.mark.postgres,
-                pytest.mark.skipif(
-                    POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set"
-                ),
-            ],
-        ),
-    ]
-)
+@pytest.fixture(params=_stores.ALL_STORES)
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
-    schema = None
-    if request.param == "memory":
-        shared = MemoryStore()
-        b = Backend("memory", lambda: shared)
-    elif request.param == "sqlite":
-        path = tmp_path / "trust.db"
-        b = Backend("sqlite", lambda: SQLiteStore(path))
-    else:
-        from tailrace.stores import PostgresStore
-
-        assert POSTGRES_DSN is not None
-        dsn = POSTGRES_DSN
-        schema = f"tailrace_trust_{uuid.uuid4().hex[:12]}"
-        b = Backend("postgres", lambda: PostgresStore(dsn, schema=schema, max_size=2))
-    try:
-        yield b
-    finally:
-        for store in b.opened:
-            await store.close()
-        if schema is not None:
-            assert POSTGRES_DSN is not None
-            await _drop_schema(POSTGRES_DSN, schema)
-
-
-async def _drop_schema(dsn: str, schema: str) -> None:
-    import psycopg
-    from psycopg import sql
-
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        await conn.execute(
-            sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
-        )
+    async with _stores.database(
+        request.param, tmp_path, cls=Backend, filename="trust.db", max_size=2
+    ) as opened:
+        yield opened
 
 
 async def orphan_row(store: RunStore, graph_ref: str) -> str:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import importlib.util
 import json
 import os
 import queue
@@ -40,11 +39,11 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TextIO
 
 import pytest
 
+import _stores
 import tailrace as tr
 from tailrace.gates import ResumeWorker
 from tailrace.stores import QuestionStatus, RunStore
@@ -52,7 +51,7 @@ from tailrace.stores import QuestionStatus, RunStore
 HERE = Path(__file__).resolve().parent
 GRAPH_FILE = HERE / "gate_graphs.py"
 ACTOR_FILE = HERE / "storm_actor.py"
-POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
+POSTGRES_DSN = _stores.POSTGRES_DSN
 TRIALS = int(os.environ.get("TAILRACE_STORM_TRIALS", "50"))
 RESTARTS = int(os.environ.get("TAILRACE_STORM_RESTARTS", "6"))
 SEED = int(os.environ.get("TAILRACE_STORM_SEED", "20261201"))
@@ -62,33 +61,12 @@ WAIT = 60.0
 SCRIPT = Path(sys.executable).parent / "tailrace"
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-graphs = _load("tailrace_tests_gate_graphs", GRAPH_FILE)
-actor = _load("tailrace_tests_storm_actor", ACTOR_FILE)
+graphs = _stores.load_module("tailrace_tests_gate_graphs", GRAPH_FILE)
+actor = _stores.load_module("tailrace_tests_storm_actor", ACTOR_FILE)
 APPROVAL_REF = f"{GRAPH_FILE}:approval"
 PADDED_REF = f"{GRAPH_FILE}:padded"
 
-STORES = [
-    "sqlite",
-    pytest.param(
-        "postgres",
-        marks=[
-            pytest.mark.postgres,
-            pytest.mark.skipif(
-                POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set"
-            ),
-        ],
-    ),
-]
+STORES = _stores.SHARED_STORES
 
 
 @dataclass(frozen=True)
@@ -106,26 +84,17 @@ class Database:
         return [self.kind, self.target, *([self.schema] if self.schema else [])]
 
 
-def _drop_schema(schema: str) -> None:
-    import psycopg
-    from psycopg import sql
-
-    assert POSTGRES_DSN is not None
-    with psycopg.connect(POSTGRES_DSN, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
-
-
 @pytest.fixture(params=STORES)
 def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
     if request.param == "sqlite":
         yield Database("sqlite", str(tmp_path / "storm.db"))
         return
     assert POSTGRES_DSN is not None
-    schema = f"tailrace_storm_{uuid.uuid4().hex[:10]}"
+    schema = _stores.new_schema("tailrace_storm")
     try:
         yield Database("postgres", POSTGRES_DSN, schema)
     finally:
-        _drop_schema(schema)
+        _stores.drop_schema_sync(schema)
 
 
 # -- the racers -------------------------------------------------------------------------
@@ -547,7 +516,9 @@ def test_threads_resuming_by_module_reference_all_find_the_graph(
     name = f"tailrace_tests_slow_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{name}.py").write_text(SLOW_IMPORT)
     monkeypatch.syspath_prepend(str(tmp_path))
-    slow = _load(f"{name}_owner", tmp_path / f"{name}.py")  # the owner's copy, not the module
+    slow = _stores.load_module(
+        f"{name}_owner", tmp_path / f"{name}.py"
+    )  # the owner's copy, not the module
     db = tmp_path / "import.db"
     n = 8
 

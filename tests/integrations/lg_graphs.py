@@ -9,13 +9,10 @@ from the script's own directory (``langgraph_daemon.py``, ``langgraph_racer.py``
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import sqlite3
-import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TypedDict
 
 from langgraph.checkpoint.sqlite import SqliteSaver
@@ -26,18 +23,6 @@ from tailrace.gates import GateTimeout
 from tailrace.integrations.langgraph import as_gate_timeout, machine_gate
 
 HERE = Path(__file__).resolve().parent
-
-
-def load_sibling(name: str) -> ModuleType:
-    """Import ``tests/integrations/<name>.py`` by path (the tests are not a package)."""
-    key = f"tailrace_tests_integrations_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, HERE / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
 
 
 def log(path: Path, line: str) -> None:

@@ -8,8 +8,6 @@ not on tailrace's bookkeeping.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -19,10 +17,11 @@ from typing import Any, TypedDict
 
 import pytest
 
+import _stores
+
 pytest.importorskip("langgraph")
 pytest.importorskip("langgraph.checkpoint.sqlite")
 
-from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import interrupt
 
@@ -39,6 +38,10 @@ from tailrace.stores import (
     SQLiteStore,
 )
 
+lg = _stores.load_module(
+    "tailrace_tests_integrations_lg_graphs", Path(__file__).with_name("lg_graphs.py")
+)
+
 
 class State(TypedDict, total=False):
     a1: Any
@@ -46,30 +49,21 @@ class State(TypedDict, total=False):
     done: bool
 
 
-def _log(path: Path, line: str) -> None:
-    with path.open("a") as f:  # O_APPEND: whole short lines, even from several threads
-        f.write(line + "\n")
-
-
-def _lines(path: Path) -> list[str]:
-    return path.read_text().splitlines() if path.exists() else []
-
-
 def two_questions_graph(checkpointer: Any, log: Path) -> Any:
     """ask1 -> interrupt("q1"); ask2 -> interrupt("q2"); done."""
 
     def ask1(state: State) -> State:
         answer = interrupt("q1")
-        _log(log, "ask1-after")
+        lg.log(log, "ask1-after")
         return {"a1": answer}
 
     def ask2(state: State) -> State:
         answer = interrupt("q2")
-        _log(log, "ask2-after")
+        lg.log(log, "ask2-after")
         return {"a2": answer}
 
     def done(state: State) -> State:
-        _log(log, "done")
+        lg.log(log, "done")
         return {"done": True}
 
     builder = StateGraph(State)
@@ -88,11 +82,11 @@ def one_question_graph(checkpointer: Any, log: Path) -> Any:
 
     def ask(state: State) -> State:
         answer = interrupt({"question": "go?"})
-        _log(log, "ask-after")
+        lg.log(log, "ask-after")
         return {"a1": answer}
 
     def after(state: State) -> State:
-        _log(log, "after")
+        lg.log(log, "after")
         return {"done": True}
 
     builder = StateGraph(State)
@@ -109,16 +103,16 @@ def parallel_questions_graph(checkpointer: Any, log: Path) -> Any:
 
     def left(state: State) -> State:
         answer = interrupt("left?")
-        _log(log, "left-after")
+        lg.log(log, "left-after")
         return {"a1": answer}
 
     def right(state: State) -> State:
         answer = interrupt("right?")
-        _log(log, "right-after")
+        lg.log(log, "right-after")
         return {"a2": answer}
 
     def join(state: State) -> State:
-        _log(log, "join")
+        lg.log(log, "join")
         return {"done": True}
 
     builder = StateGraph(State)
@@ -130,26 +124,6 @@ def parallel_questions_graph(checkpointer: Any, log: Path) -> Any:
     builder.add_edge(["left", "right"], "join")
     builder.add_edge("join", END)
     return builder.compile(checkpointer=checkpointer)
-
-
-@contextlib.contextmanager
-def sync_saver(path: Path) -> Any:
-    conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
-    try:
-        yield SqliteSaver(conn)
-    finally:
-        conn.close()
-
-
-@contextlib.asynccontextmanager
-async def saver(kind: str, path: Path) -> AsyncIterator[Any]:
-    if kind == "sync":
-        with sync_saver(path) as cp:
-            yield cp
-    else:
-        aio = pytest.importorskip("langgraph.checkpoint.sqlite.aio")
-        async with aio.AsyncSqliteSaver.from_conn_string(str(path)) as cp:
-            yield cp
 
 
 async def final_values(driver: LangGraphDriver, thread_id: str) -> dict[str, Any]:
@@ -174,7 +148,7 @@ async def store(tmp_path: Path) -> AsyncIterator[SQLiteStore]:
 @pytest.mark.parametrize("kind", ["sync", "async"])
 async def test_two_interrupts_in_sequence(tmp_path: Path, store: SQLiteStore, kind: str) -> None:
     log = tmp_path / "log.txt"
-    async with saver(kind, tmp_path / "langgraph.db") as cp:
+    async with lg.saver(kind, tmp_path / "langgraph.db") as cp:
         driver = LangGraphDriver(two_questions_graph(cp, log), store, name="seq")
         assert driver.use_async is (kind == "async")
 
@@ -190,7 +164,7 @@ async def test_two_interrupts_in_sequence(tmp_path: Path, store: SQLiteStore, ki
             "langgraph:seq",
             None,
         )
-        assert _lines(log) == []
+        assert lg.lines(log) == []
 
         assert await driver.answer(q1.question_id, "yes", by="alice") is Outcome.APPLIED
         applied = await store.get_question(q1.question_id)
@@ -201,11 +175,11 @@ async def test_two_interrupts_in_sequence(tmp_path: Path, store: SQLiteStore, ki
             questions=frozenset({q2.question_id}), turn=2
         )
         assert (await store.get_run("t1")).status is RunStatus.SUSPENDED
-        assert _lines(log) == ["ask1-after"]
+        assert lg.lines(log) == ["ask1-after"]
 
         assert await driver.answer(q2.question_id, {"k": 2}) is Outcome.APPLIED
         assert await final_values(driver, "t1") == {"a1": "yes", "a2": {"k": 2}, "done": True}
-        assert _lines(log) == ["ask1-after", "ask2-after", "done"]
+        assert lg.lines(log) == ["ask1-after", "ask2-after", "done"]
         run = await store.get_run("t1")
         assert run.status is RunStatus.COMPLETED and run.finished_at is not None
         assert await driver.get_state("t1") == WaitState(questions=frozenset(), turn=2)
@@ -216,14 +190,14 @@ async def test_two_interrupts_in_sequence(tmp_path: Path, store: SQLiteStore, ki
         assert await driver.start("t1", {}) == []
         assert await driver.sync("t1") == []
         assert len(await store.list_questions(run_id="t1")) == 2
-        assert _lines(log) == ["ask1-after", "ask2-after", "done"]
+        assert lg.lines(log) == ["ask1-after", "ask2-after", "done"]
 
 
 async def test_start_twice_while_suspended_opens_no_duplicate(
     tmp_path: Path, store: SQLiteStore
 ) -> None:
     log = tmp_path / "log.txt"
-    with sync_saver(tmp_path / "langgraph.db") as cp:
+    with lg.sync_saver(tmp_path / "langgraph.db") as cp:
         driver = LangGraphDriver(one_question_graph(cp, log), store)
         [q] = await driver.start("t", {})
         assert DEFAULT_CODEC.decode(q.prompt_json) == {"question": "go?"}
@@ -237,7 +211,7 @@ async def test_parallel_interrupts_are_answered_independently(
     tmp_path: Path, store: SQLiteStore
 ) -> None:
     log = tmp_path / "log.txt"
-    with sync_saver(tmp_path / "langgraph.db") as cp:
+    with lg.sync_saver(tmp_path / "langgraph.db") as cp:
         driver = LangGraphDriver(parallel_questions_graph(cp, log), store)
         questions = await driver.start("p", {})
         by_node = {q.node_id: q for q in questions}
@@ -251,7 +225,7 @@ async def test_parallel_interrupts_are_answered_independently(
 
         assert await driver.answer(by_node["left"].question_id, "L") is Outcome.APPLIED
         assert await final_values(driver, "p") == {"a1": "L", "a2": "R", "done": True}
-        assert sorted(_lines(log)) == ["join", "left-after", "right-after"]
+        assert sorted(lg.lines(log)) == ["join", "left-after", "right-after"]
 
 
 # --- (2) races: exactly one answer applies, once --------------------------------
@@ -262,7 +236,7 @@ async def test_concurrent_answers_and_resumes_apply_once(
     tmp_path: Path, store: SQLiteStore, kind: str
 ) -> None:
     log = tmp_path / "log.txt"
-    async with saver(kind, tmp_path / "langgraph.db") as cp:
+    async with lg.saver(kind, tmp_path / "langgraph.db") as cp:
         driver = LangGraphDriver(one_question_graph(cp, log), store)
         [q] = await driver.start("race", {})
         workers = [ResumeWorker(store=store, target=driver) for _ in range(8)]
@@ -295,7 +269,7 @@ async def test_concurrent_answers_and_resumes_apply_once(
         winner = DEFAULT_CODEC.decode(question.answer_json or "null")
         assert question.answered_by == "user" + winner.removeprefix("v")
         assert await final_values(driver, "race") == {"a1": winner, "done": True}
-        assert _lines(log) == ["ask-after", "after"]
+        assert lg.lines(log) == ["ask-after", "after"]
 
 
 def _thread_main(
@@ -309,7 +283,7 @@ def _thread_main(
 
     async def main() -> list[Any]:
         async with SQLiteStore(tmp_path / "tailrace.db") as store:
-            with sync_saver(tmp_path / "langgraph.db") as cp:
+            with lg.sync_saver(tmp_path / "langgraph.db") as cp:
                 driver = LangGraphDriver(one_question_graph(cp, tmp_path / "log.txt"), store)
                 worker = ResumeWorker(store=store, target=driver)
                 await asyncio.to_thread(barrier.wait)
@@ -328,7 +302,7 @@ async def test_threads_with_own_loops_and_drivers_apply_once(
 ) -> None:
     log = tmp_path / "log.txt"
     n = 16
-    with sync_saver(tmp_path / "langgraph.db") as cp:
+    with lg.sync_saver(tmp_path / "langgraph.db") as cp:
         driver = LangGraphDriver(one_question_graph(cp, log), store)
         [q] = await driver.start("threads", {})
         barrier = threading.Barrier(n)
@@ -362,7 +336,7 @@ async def test_threads_with_own_loops_and_drivers_apply_once(
         assert question.status is QuestionStatus.APPLIED
         winner = DEFAULT_CODEC.decode(question.answer_json or "null")
         assert await final_values(driver, "threads") == {"a1": winner, "done": True}
-        assert _lines(log) == ["ask-after", "after"]
+        assert lg.lines(log) == ["ask-after", "after"]
 
 
 # --- (3) the turn guard after a crash between invoke and mark_applied -----------
@@ -372,14 +346,14 @@ async def test_invoke_without_mark_applied_is_superseded_not_reapplied(
     tmp_path: Path, store: SQLiteStore
 ) -> None:
     log = tmp_path / "log.txt"
-    with sync_saver(tmp_path / "langgraph.db") as cp:
+    with lg.sync_saver(tmp_path / "langgraph.db") as cp:
         driver = LangGraphDriver(one_question_graph(cp, log), store)
         [q] = await driver.start("crash", {})
         await store.answer(q.question_id, DEFAULT_CODEC.encode("late"))
         question = await store.get_question(q.question_id)
 
         assert await driver.invoke("crash", question, "late") is False  # then "crash"
-        assert _lines(log) == ["ask-after", "after"]
+        assert lg.lines(log) == ["ask-after", "after"]
         assert (await store.get_question(q.question_id)).status is QuestionStatus.ANSWERED
 
         # after a restart: a new driver instance and worker re-drive the answer
@@ -392,10 +366,10 @@ async def test_invoke_without_mark_applied_is_superseded_not_reapplied(
             QuestionStatus.APPLIED,
         )
         assert await final_values(restarted, "crash") == {"a1": "late", "done": True}
-        assert _lines(log) == ["ask-after", "after"]
+        assert lg.lines(log) == ["ask-after", "after"]
         with pytest.raises(Exception, match="no longer waits"):
             await restarted.invoke("crash", question, "again")
-        assert _lines(log) == ["ask-after", "after"]
+        assert lg.lines(log) == ["ask-after", "after"]
 
 
 class Crash(BaseException):
@@ -419,20 +393,20 @@ async def test_worker_crash_before_mark_applied_then_sweep(
     tmp_path: Path, store: SQLiteStore
 ) -> None:
     log = tmp_path / "log.txt"
-    with sync_saver(tmp_path / "langgraph.db") as cp:
+    with lg.sync_saver(tmp_path / "langgraph.db") as cp:
         driver = LangGraphDriver(one_question_graph(cp, log), store)
         [q] = await driver.start("crash2", {})
         await store.answer(q.question_id, DEFAULT_CODEC.encode("once"))
         dying = ResumeWorker(store=CrashOnMarkApplied(store), target=driver)  # type: ignore[arg-type]
         with pytest.raises(Crash):
             await dying.resume(q.question_id)
-        assert _lines(log) == ["ask-after", "after"]
+        assert lg.lines(log) == ["ask-after", "after"]
 
         counts = await ResumeWorker(store=store, target=driver).sweep()
         assert counts == {Outcome.SUPERSEDED: 1}
         assert (await store.get_question(q.question_id)).status is QuestionStatus.SUPERSEDED
         assert await final_values(driver, "crash2") == {"a1": "once", "done": True}
-        assert _lines(log) == ["ask-after", "after"]
+        assert lg.lines(log) == ["ask-after", "after"]
 
 
 async def test_a_failed_step_is_retried_by_the_sweep_with_the_first_answer(
@@ -445,14 +419,14 @@ async def test_a_failed_step_is_retried_by_the_sweep_with_the_first_answer(
         answer = interrupt("q")
         if failing["on"]:
             raise RuntimeError("flaky tool")
-        _log(log, "ask-after")
+        lg.log(log, "ask-after")
         return {"a1": answer}
 
     builder = StateGraph(State)
     builder.add_node("ask", ask)
     builder.add_edge(START, "ask")
     builder.add_edge("ask", END)
-    with sync_saver(tmp_path / "langgraph.db") as cp:
+    with lg.sync_saver(tmp_path / "langgraph.db") as cp:
         driver = LangGraphDriver(builder.compile(checkpointer=cp), store)
         [q] = await driver.start("flaky", {})
         # Q6: logged; the answer stays, deferred with backoff (not retried at once)
@@ -470,7 +444,7 @@ async def test_a_failed_step_is_retried_by_the_sweep_with_the_first_answer(
         assert await driver.worker.sweep() == {}
         assert (await store.get_question(q.question_id)).status is QuestionStatus.APPLIED
         assert await final_values(driver, "flaky") == {"a1": "first"}
-        assert _lines(log) == ["ask-after"]
+        assert lg.lines(log) == ["ask-after"]
         run = await store.get_run("flaky")
         assert (run.status, run.error) == (RunStatus.COMPLETED, None)
 
@@ -487,7 +461,7 @@ async def test_lease_is_renewed_while_a_slow_step_runs(tmp_path: Path, store: SQ
         answer = interrupt("slow?")
         entered.set()
         release.wait(timeout=30)
-        _log(log, "ask-after")
+        lg.log(log, "ask-after")
         return {"a1": answer}
 
     builder = StateGraph(State)
@@ -495,7 +469,7 @@ async def test_lease_is_renewed_while_a_slow_step_runs(tmp_path: Path, store: SQ
     builder.add_edge(START, "ask")
     builder.add_edge("ask", END)
     ttl = 0.3
-    with sync_saver(tmp_path / "langgraph.db") as cp:
+    with lg.sync_saver(tmp_path / "langgraph.db") as cp:
         driver = LangGraphDriver(builder.compile(checkpointer=cp), store, lease_ttl=ttl)
         [q] = await driver.start("slow", {})
         resume = asyncio.create_task(driver.answer(q.question_id, "ok"))
@@ -510,7 +484,7 @@ async def test_lease_is_renewed_while_a_slow_step_runs(tmp_path: Path, store: SQ
             release.set()
             outcome = await resume
         assert outcome is Outcome.APPLIED
-        assert _lines(log) == ["ask-after"]
+        assert lg.lines(log) == ["ask-after"]
         assert (await store.get_run("slow")).status is RunStatus.COMPLETED
 
 
@@ -547,7 +521,7 @@ async def test_sweeping_through_a_driver_never_supersedes_other_runs(
     await store.release_lease("engine-run", "engine", token)
     await store.answer("engine-q", '"yes"')
 
-    with sync_saver(tmp_path / "langgraph.db") as cp:
+    with lg.sync_saver(tmp_path / "langgraph.db") as cp:
         driver = LangGraphDriver(one_question_graph(cp, tmp_path / "log.txt"), store)
         assert await driver.worker.sweep() == {}  # not its run: skipped
         assert (await store.get_question("engine-q")).status is QuestionStatus.ANSWERED

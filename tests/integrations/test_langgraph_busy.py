@@ -10,20 +10,18 @@ graphs, the real ``SqliteSaver``/``AsyncSqliteSaver`` and SQLite files.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 import threading
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+
+import _stores
 
 pytest.importorskip("langgraph")
 pytest.importorskip("langgraph.checkpoint.sqlite")
@@ -38,21 +36,7 @@ HERE = Path(__file__).resolve().parent
 TRIALS = 20
 
 
-def _load(name: str) -> ModuleType:
-    key = f"tailrace_tests_integrations_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, HERE / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-lg = _load("lg_graphs")
-
-
-POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
+lg = _stores.load_module("tailrace_tests_integrations_lg_graphs", HERE / "lg_graphs.py")
 
 
 @pytest.fixture
@@ -61,42 +45,13 @@ async def store(tmp_path: Path) -> AsyncIterator[SQLiteStore]:
         yield s
 
 
-@pytest.fixture(
-    params=[
-        "sqlite",
-        pytest.param(
-            "postgres",
-            marks=[
-                pytest.mark.postgres,
-                pytest.mark.skipif(not POSTGRES_DSN, reason="TAILRACE_TEST_POSTGRES_DSN unset"),
-            ],
-        ),
-    ]
-)
+@pytest.fixture(params=_stores.SHARED_STORES)
 async def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[RunStore]:
     """The tailrace store on SQLite, or on Postgres in a schema of its own."""
-    if request.param == "sqlite":
-        async with SQLiteStore(tmp_path / "tailrace.db") as s:
-            yield s
-        return
-    from tailrace.stores import PostgresStore
-
-    assert POSTGRES_DSN is not None
-    schema = f"lg_busy_{uuid.uuid4().hex[:12]}"
-    try:
-        async with PostgresStore(POSTGRES_DSN, schema=schema, max_size=4) as s:
-            yield s
-    finally:
-        await _drop_schema(POSTGRES_DSN, schema)
-
-
-async def _drop_schema(dsn: str, schema: str) -> None:
-    import psycopg
-    from psycopg import sql
-
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        drop = sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
-        await conn.execute(drop)
+    async with _stores.open_store(
+        request.param, tmp_path, filename="tailrace.db", prefix="lg_busy", max_size=4
+    ) as opened:
+        yield opened
 
 
 async def _start(driver: LangGraphDriver, thread_id: str) -> dict[str, QuestionRow]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import logging
 import signal
@@ -23,10 +22,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+
+import _stores
 
 pytest.importorskip("langgraph")
 pytest.importorskip("langgraph.checkpoint.sqlite")
@@ -47,18 +47,7 @@ HERE = Path(__file__).resolve().parent
 WAIT = 60.0
 
 
-def _load(name: str) -> ModuleType:
-    key = f"tailrace_tests_integrations_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, HERE / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-lg = _load("lg_graphs")
+lg = _stores.load_module("tailrace_tests_integrations_lg_graphs", HERE / "lg_graphs.py")
 
 
 @pytest.fixture
@@ -69,10 +58,7 @@ async def store(tmp_path: Path) -> AsyncIterator[SQLiteStore]:
 
 async def eventually(what: str, check: Callable[[], Awaitable[bool]]) -> None:
     """Poll the observed state until ``check`` holds; fail naming ``what`` after a generous wait."""
-    deadline = time.monotonic() + WAIT
-    while not await check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
+    await _stores.until(check, what, guard=WAIT, every=0.02)
 
 
 async def completed(store: SQLiteStore, thread_id: str) -> bool:
