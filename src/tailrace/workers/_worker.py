@@ -161,11 +161,7 @@ class Worker:
         await self.store.open()
         for queue in self._declare:
             await self.store.declare_queue(queue)
-        # Queues named only: their stored declaration, if any, gives the limits.
-        declared = {q.name: q for q in await self.store.queues()}
-        self.queues = [
-            declared.get(q.name, q) if q not in self._declare else q for q in self.queues
-        ]
+        await self._refresh_queues()
         try:
             async with self.store.changes() as feed, asyncio.TaskGroup() as group:
                 group.create_task(self._forward(feed), name="worker:wake-ups")
@@ -400,6 +396,7 @@ class Worker:
         while not self._closing.is_set():
             try:
                 await self._report()
+                await self._refresh_queues()
                 await self._bury_dead()
             except Exception:
                 self.stats.errors += 1
@@ -407,6 +404,14 @@ class Worker:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.heartbeat):
                     await self._closing.wait()
+
+    async def _refresh_queues(self) -> None:
+        """Queues named only take their limits from the store's declaration (re-read each heartbeat)."""
+        declared = {q.name: q for q in await self.store.queues()}
+        mine = {q.name for q in self._declare}
+        self.queues = [
+            q if q.name in mine else declared.get(q.name, Queue(q.name)) for q in self.queues
+        ]
 
     async def _report(self) -> None:
         await self.store.worker_seen(

@@ -1,0 +1,266 @@
+"""Queues, workers, submit/wait/cancel in one process, on every store (issue 10).
+
+Each test runs real :class:`~tailrace.Worker` objects on real stores (a SQLite
+file, a Postgres schema, memory); engines and workers use store instances of
+their own on one database, as processes would. Waits poll observed state
+under a hang guard; nothing asserts on time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+import _stores
+from tailrace import Engine
+from tailrace.stores import QuestionStatus, Queue, RunStatus
+from tailrace.workers import DuplicateRun, RunFailed, Worker
+from tailrace.workers._submit import estimates_of
+
+graphs = _stores.load_module("fleet_graphs", Path(__file__).with_name("fleet_graphs.py"))
+until = _stores.until
+
+
+@pytest.fixture(params=_stores.ALL_STORES)
+async def db(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[_stores.Database]:
+    graphs.reset()
+    async with _stores.database(
+        request.param, tmp_path, cls=_stores.Database, filename="fleet.db", max_size=4
+    ) as database:
+        yield database
+
+
+@contextlib.asynccontextmanager
+async def working(worker: Worker) -> AsyncIterator[Worker]:
+    """``worker`` running in the background; stopped (drained) on the way out."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        yield worker
+    finally:
+        stop.set()
+        await task
+
+
+async def engine_on(db: _stores.Database) -> Engine:
+    return Engine(store=await db.store())
+
+
+async def worker_on(db: _stores.Database, **options: object) -> Worker:
+    options.setdefault("graphs", [graphs.chain, graphs.failing, graphs.gated, graphs.held])
+    options.setdefault("poll_interval", 0.2)
+    return Worker(await db.store(), **options)  # type: ignore[arg-type]
+
+
+# --- submit and wait -----------------------------------------------------------------------
+
+
+async def test_a_worker_runs_what_was_submitted_and_anyone_waits_for_it(
+    db: _stores.Database,
+) -> None:
+    submitter, waiter = await engine_on(db), await engine_on(db)
+    run_id = await submitter.submit(graphs.chain, 20, queue="default")
+    assert (await (await db.store()).get_run(run_id)).status is RunStatus.QUEUED
+    async with working(await worker_on(db)):
+        result = await waiter.wait(run_id, timeout=_stores.HANG_GUARD)
+    expected = await Engine().run(graphs.chain, 20)
+    assert (result.status, result.output, result.results) == (
+        "completed", expected.output, expected.results,
+    )  # fmt: skip
+    events = [e.type for e in await (await db.store()).events(run_id)]
+    assert events[0] == "run_started" and events[-1] == "run_completed"
+
+
+async def test_a_live_dedup_key_returns_its_run_or_raises(db: _stores.Database) -> None:
+    engine = await engine_on(db)
+    first = await engine.submit(graphs.chain, 1, dedup_key="order-7")
+    assert await engine.submit(graphs.chain, 2, dedup_key="order-7") == first
+    with pytest.raises(DuplicateRun, match="order-7") as info:
+        await engine.submit(graphs.chain, 3, dedup_key="order-7", on_duplicate="raise")
+    assert info.value.run_id == first
+    assert len(await (await db.store()).list_runs(queue="default")) == 1
+
+
+async def test_a_failed_run_raises_its_stored_error_to_the_waiter(db: _stores.Database) -> None:
+    engine = await engine_on(db)
+    run_id = await engine.submit(graphs.failing, 3)
+    async with working(await worker_on(db)) as worker:
+        with pytest.raises(RunFailed, match="bad input 3") as info:
+            await engine.wait(run_id, timeout=_stores.HANG_GUARD)
+    assert info.value.result.status == "failed"
+    assert worker.stats.failed == 1
+
+
+async def test_waiting_for_a_run_nobody_works_on_times_out_naming_it(
+    db: _stores.Database,
+) -> None:
+    engine = await engine_on(db)
+    run_id = await engine.submit(graphs.chain, 1, run_id="lonely")
+    with pytest.raises(TimeoutError, match="'lonely' is still queued"):
+        await engine.wait(run_id, timeout=0.05)
+
+
+# --- cancel ----------------------------------------------------------------------------------
+
+
+async def test_a_queued_run_cancelled_is_never_started(db: _stores.Database) -> None:
+    engine = await engine_on(db)
+    doomed = await engine.submit(graphs.chain, 1)
+    assert await engine.cancel(doomed) == "cancelled"
+    later = await engine.submit(graphs.chain, 2)
+    async with working(await worker_on(db)):
+        await engine.wait(later, timeout=_stores.HANG_GUARD)  # the worker went past it
+    result = await engine.wait(doomed)
+    assert (result.status, result.results) == ("cancelled", {})
+    assert await (await db.store()).events(doomed) == []
+
+
+async def test_a_running_run_is_cancelled_at_its_next_harvest_by_its_worker(
+    db: _stores.Database,
+) -> None:
+    engine = await engine_on(db)
+    run_id = await engine.submit(graphs.held, 5)
+    async with working(await worker_on(db)):
+        await until(graphs.HOLD["started"].is_set, "the held handler to start")
+        # Another engine (not the driver) asks; the worker's engine ends it (it may
+        # have done so already when the answer comes back).
+        assert await (await engine_on(db)).cancel(run_id) in ("running", "cancelled")
+        result = await engine.wait(run_id, timeout=_stores.HANG_GUARD)
+    assert result.status == "cancelled"
+    assert graphs.SEEN["cancelled"] == [run_id]  # the in-flight handler was cancelled
+    events = await (await db.store()).events(run_id)
+    assert [e.type for e in events][-2:] == ["node_cancelled", "run_cancelled"]
+    assert result.nodes["hold"].status == "cancelled"
+    assert await (await db.store()).results(run_id, "hold") == []  # nothing committed after
+
+
+async def test_a_suspended_run_is_cancelled_at_once_and_its_question_superseded(
+    db: _stores.Database,
+) -> None:
+    engine = await engine_on(db)
+    run_id = await engine.submit(graphs.gated, "deploy?")
+    async with working(await worker_on(db)):
+        suspended = await engine.wait(run_id, timeout=_stores.HANG_GUARD)
+    (question,) = suspended.questions
+    assert await engine.cancel(run_id) == "cancelled"
+    store = await db.store()
+    assert (await store.get_question(question.question_id)).status is QuestionStatus.SUPERSEDED
+    assert [e.type for e in await store.events(run_id)][-1] == "run_cancelled"
+
+
+# --- answers ----------------------------------------------------------------------------------
+
+
+async def test_an_answer_recorded_elsewhere_is_applied_by_a_worker(db: _stores.Database) -> None:
+    engine = await engine_on(db)
+    run_id = await engine.submit(graphs.gated, "ship it?")
+    async with working(await worker_on(db)) as worker:
+        (question,) = (await engine.wait(run_id, timeout=_stores.HANG_GUARD)).questions
+        await (await engine_on(db)).answer(question.question_id, "yes", resume=False)
+        await until(
+            lambda: _status_is(db, run_id, RunStatus.COMPLETED), "the answered run to complete"
+        )
+    result = await engine.wait(run_id)
+    assert result.output == {"answer": "yes"}
+    assert worker.stats.applied == 1
+    row = await (await db.store()).get_question(question.question_id)
+    assert row.status is QuestionStatus.APPLIED
+
+
+async def _status_is(db: _stores.Database, run_id: str, status: RunStatus) -> bool:
+    return (await (await db.store()).get_run(run_id)).status is status
+
+
+# --- limits ------------------------------------------------------------------------------------
+
+
+async def test_queue_limits_hold_across_workers_and_within_one(db: _stores.Database) -> None:
+    engine = await engine_on(db)
+    await engine.store.declare_queue(Queue("q", concurrency=3, worker_concurrency=2))
+    ids = [await engine.submit(graphs.held, n, queue="q") for n in range(7)]
+    # Named only: each worker keeps the limits declared in the store.
+    a = await worker_on(db, queues=["q"], concurrency=4)
+    b = await worker_on(db, queues=["q"], concurrency=4)
+    async with working(a), working(b):
+        await until(lambda: len(graphs.SEEN["starts"]) >= 3, "three held runs")
+        store = await db.store()
+        running = [r for r in await store.list_runs(queue="q") if r.status is RunStatus.RUNNING]
+        owners = [r.lease_owner for r in running]
+        assert len(running) == 3
+        assert max(owners.count(a.owner), owners.count(b.owner)) == 2  # worker_concurrency
+        graphs.HOLD["release"].set()
+        for run_id in ids:
+            await engine.wait(run_id, timeout=_stores.HANG_GUARD)
+    assert max(graphs.SEEN["peak"]) == 3
+    assert a.stats.claimed + b.stats.claimed == 7
+
+
+async def test_an_lpt_queue_starts_the_longest_estimate_first(db: _stores.Database) -> None:
+    engine = await engine_on(db)
+    await (await db.store()).declare_queue(Queue("lpt", order="lpt"))
+    estimates = {"short": 1.0, "long": 30.0, "middle": 5.0}
+    for run_id, seconds in estimates.items():
+        await engine.submit(graphs.chain, 1, queue="lpt", run_id=run_id, estimate=seconds)
+    async with working(await worker_on(db, queues=["lpt"], concurrency=1)):
+        for run_id in estimates:
+            await engine.wait(run_id, timeout=_stores.HANG_GUARD)
+    store = await db.store()
+    records = {run_id: await store.get_run(run_id) for run_id in estimates}
+    assert sorted(records, key=lambda r: records[r].started_at or 0.0) == [
+        "long",
+        "middle",
+        "short",
+    ]
+
+
+async def test_the_estimator_fits_completed_runs_and_submit_stores_its_estimate(
+    tmp_path: Path,
+) -> None:
+    clock = _stores.FakeClock()
+    from tailrace.stores import Harvest, NewRun, SQLiteStore, Submission
+
+    async with SQLiteStore(tmp_path / "est.db", clock=clock) as store:
+        fingerprint = graphs.chain.compile().fingerprint
+        for n, cost in enumerate([1.0, 2.0, 3.0, 4.0]):
+            run = NewRun(
+                run_id=f"h{n}", graph_name="g", graph_ref=None, fingerprint=fingerprint,
+                input_json="1", created_at=clock.now,
+            )  # fmt: skip
+            await store.submit_run(run, Submission(queue="q", cost=cost))
+            (claimed,) = await store.claim_runs("q", "w", 30.0, limit=1)
+            token = (await store.get_run(claimed)).lease_token
+            done = Harvest(
+                state_json="{}", status=RunStatus.COMPLETED, finished_at=clock.now + 2 * cost
+            )
+            await store.commit(claimed, token, done)
+        assert await estimates_of(store).estimate(fingerprint, 10.0) == pytest.approx(20.0)
+        run_id = await Engine(store=store).submit(graphs.chain, 1, queue="q", cost=6.0)
+        assert (await store.get_run(run_id)).estimate == pytest.approx(12.0)
+
+
+# --- draining and adoption -------------------------------------------------------------------
+
+
+async def test_a_stopped_worker_lets_go_of_its_runs_and_another_adopts_them(
+    db: _stores.Database,
+) -> None:
+    engine = await engine_on(db)
+    run_id = await engine.submit(graphs.held, 9)
+    first = await worker_on(db, grace=0.0)
+    async with working(first):
+        await until(graphs.HOLD["started"].is_set, "the held handler to start")
+    record = await (await db.store()).get_run(run_id)
+    assert (record.status, record.lease_owner) == (RunStatus.RUNNING, None)  # let go, not done
+    assert graphs.SEEN["cancelled"] == [run_id]
+    graphs.HOLD["release"].set()
+    second = await worker_on(db)
+    async with working(second):
+        result = await engine.wait(run_id, timeout=_stores.HANG_GUARD)
+    assert (result.status, result.output) == ("completed", 109)
+    assert second.stats.adopted == 1
+    types = [e.type for e in await (await db.store()).events(run_id)]
+    assert types.count("run_started") == 1 and "run_resumed" in types
