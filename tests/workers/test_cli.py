@@ -1,0 +1,204 @@
+"""The fleet commands: submit, worker (serve), cancel, queues, and runs --queue/--status (issue 10).
+
+In process with typer's ``CliRunner`` where nothing has to keep running; a
+worker that must serve meanwhile is a real ``tailrace worker`` subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import textwrap
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+import _stores
+from tailrace.cli._app import app
+from tailrace.stores import Queue, SQLiteStore
+
+GRAPHS = Path(__file__).with_name("fleet_graphs.py")
+fleet = _stores.load_module(
+    "tailrace_bench_fleet", Path(__file__).resolve().parents[2] / "bench" / "fleet.py"
+)
+BASE_ENV: dict[str, str | None] = {
+    "COLUMNS": "250",
+    "TAILRACE_DB": None,
+    "TAILRACE_LEASE_TTL": None,
+}
+
+
+def invoke(*args: object, env: Mapping[str, str | None] | None = None) -> Result:
+    return CliRunner().invoke(app, [str(a) for a in args], env={**BASE_ENV, **(env or {})})
+
+
+def flat(text: str) -> str:
+    """``text`` without table borders and whitespace (so wrapping does not matter)."""
+    for ch in "│╭╮╰╯─┃┏┓┗┛━┡┩╇┳┻╋┣┫┠┨":
+        text = text.replace(ch, "")
+    return "".join(text.split())
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "fleet.db"
+
+
+def test_submit_runs_queues_and_cancel(db: Path) -> None:
+    first = invoke("submit", f"{GRAPHS}:chain", "--input", "4", "--queue", "q", "--db", db)
+    assert first.exit_code == 0, first.output
+    run_id = first.stdout.strip().splitlines()[-1]
+    again = invoke(
+        "submit", f"{GRAPHS}:chain", "-i", "5", "-q", "q", "--db", db, "--dedup-key", "k",
+        "--run-id", "keyed",
+    )  # fmt: skip
+    twin = invoke(
+        "submit", f"{GRAPHS}:chain", "-i", "6", "-q", "q", "--db", db, "--dedup-key", "k",
+        "--run-id", "twin",
+    )  # fmt: skip
+    assert "held by live run" in twin.stdout and twin.stdout.strip().endswith("keyed"), twin.output
+    listed = invoke("runs", "--db", db, "--queue", "q", "--status", "queued")
+    assert listed.exit_code == 0, listed.output
+    assert run_id in listed.stdout and "keyed" in listed.stdout and "twin" not in listed.stdout
+    assert "queued" in listed.stdout
+    assert invoke("runs", "--db", db, "--queue", "other").stdout.count("fleet_chain") == 0
+    queues = invoke("queues", "--db", db)
+    assert queues.exit_code == 0, queues.output
+    assert "q" in queues.stdout and flat(queues.stdout).count("notdeclared") == 1
+    cancelled = invoke("cancel", run_id, "--db", db)
+    assert cancelled.exit_code == 0 and cancelled.stdout.strip() == f"run {run_id}: cancelled"
+    after = invoke("runs", "--db", db, "--status", "cancelled")
+    assert run_id in after.stdout and "keyed" not in after.stdout
+    assert again.exit_code == 0
+
+
+def test_submit_refuses_bad_json_and_unknown_graphs(db: Path) -> None:
+    bad = invoke("submit", f"{GRAPHS}:chain", "--input", "{nope", "--db", db)
+    assert bad.exit_code == 2 and "not JSON" in bad.output
+    missing = invoke("submit", f"{GRAPHS}:nothing", "--db", db)
+    assert missing.exit_code == 2 and "no attribute 'nothing'" in missing.output
+
+
+@pytest.fixture
+def worker_process(db: Path, tmp_path: Path) -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=_stores.HANG_GUARD)
+
+
+def start_worker(
+    started: list[subprocess.Popen[str]], db: Path, *extra: object
+) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TAILRACE_")}
+    proc = subprocess.Popen(
+        [*fleet.tailrace_command(), "worker", "--db", str(db), *map(str, extra)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, "COLUMNS": "300"},
+    )  # fmt: skip
+    started.append(proc)
+    assert proc.stdout is not None
+    banner = proc.stdout.readline()  # printed once the store is open and the queues declared
+    assert "serving " in banner, banner + proc.communicate(timeout=_stores.HANG_GUARD)[1]
+    return proc
+
+
+def test_submit_wait_prints_what_a_worker_computed(
+    db: Path, worker_process: list[subprocess.Popen[str]]
+) -> None:
+    start_worker(worker_process, db, "--queue", "q", "--graphs", GRAPHS)
+    result = invoke("submit", f"{GRAPHS}:chain", "-i", "20", "-q", "q", "--db", db, "--wait")
+    assert result.exit_code == 0, result.output
+    assert "completed" in result.stdout and result.stdout.strip().endswith("42")
+
+
+def test_a_queue_object_named_on_the_command_line_is_declared(
+    db: Path, tmp_path: Path, worker_process: list[subprocess.Popen[str]]
+) -> None:
+    spec = tmp_path / "queues.py"
+    spec.write_text(
+        "from tailrace.workers import Queue\n"
+        "emails = Queue('emails', concurrency=3, limit=10, period=60.0, order='priority')\n"
+    )
+    proc = start_worker(worker_process, db, "--queue", f"{spec}:emails", "--queue", "plain")
+    assert proc.poll() is None
+
+    async def declared() -> list[Queue]:
+        async with SQLiteStore(db) as store:
+            return await store.queues()
+
+    assert asyncio.run(declared()) == [
+        Queue("emails", concurrency=3, limit=10, period=60.0, order="priority")
+    ]
+    shown = flat(invoke("queues", "--db", db).stdout)
+    assert "concurrency3,10per60s" in shown and "priority" in shown
+
+
+def test_a_queue_spec_that_is_not_a_queue_is_a_usage_error(db: Path, tmp_path: Path) -> None:
+    spec = tmp_path / "notqueue.py"
+    spec.write_text("thing = 3\n")
+    result = invoke("worker", "--db", db, "--queue", f"{spec}:thing")
+    assert result.exit_code == 2 and "is a int, not a tailrace.Queue" in result.output
+
+
+LANGGRAPH = """
+from typing import TypedDict
+
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
+
+
+class State(TypedDict):
+    x: int
+
+
+def step(state):
+    return {"x": state["x"] + 1}
+
+
+def build():
+    builder = StateGraph(State)
+    builder.add_node("step", step)
+    builder.add_edge(START, "step")
+    builder.add_edge("step", END)
+    return builder.compile(checkpointer=InMemorySaver())
+
+
+first = build()
+second = build()
+"""
+
+
+def test_langgraph_graphs_with_one_name_are_refused_naming_it(db: Path, tmp_path: Path) -> None:
+    source = tmp_path / "lg.py"
+    source.write_text(textwrap.dedent(LANGGRAPH))
+    result = invoke(
+        "worker", "--db", db, "--langgraph", f"{source}:first", "--langgraph", f"{source}:second"
+    )
+    assert result.exit_code == 2, result.output
+    assert "graphsnamedtwice:LangGraph;giveeachitsownNAME=" in flat(result.output)
+
+
+def test_langgraph_graphs_given_names_are_served(
+    db: Path, tmp_path: Path, worker_process: list[subprocess.Popen[str]]
+) -> None:
+    source = tmp_path / "lg.py"
+    source.write_text(textwrap.dedent(LANGGRAPH))
+    proc = start_worker(
+        worker_process, db, "--langgraph", f"one={source}:first", "--langgraph",
+        f"two={source}:second",
+    )  # fmt: skip
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=_stores.HANG_GUARD)
+    assert proc.returncode == 0, err
+    assert "stopped: WorkerStats(" in out
+
+
+def test_serve_is_the_worker(db: Path, worker_process: list[subprocess.Popen[str]]) -> None:
+    help_text = invoke("serve", "--help").stdout
+    assert "--queue" in help_text and "--langgraph" in help_text and "--concurrency" in help_text

@@ -1,0 +1,211 @@
+"""Worker processes on one store (issue 10): the fleet torture, claims, adoption, draining.
+
+Real ``tailrace worker`` processes on a real SQLite file or Postgres schema,
+SIGKILLed and SIGTERMed for real. The torture's harness is
+``bench/fleet.py`` (imported by path; run it directly for more kills:
+``python bench/fleet.py torture --kills 100``). ``TAILRACE_FLEET_SEED`` and
+``TAILRACE_FLEET_KILLS`` override its seed and kill count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+import _stores
+from tailrace import Engine
+from tailrace.stores import QuestionStatus, RunStatus, open_store
+
+GRAPHS = Path(__file__).with_name("fleet_graphs.py")
+graphs = _stores.load_module("fleet_graphs", GRAPHS)
+fleet = _stores.load_module(
+    "tailrace_bench_fleet", Path(__file__).resolve().parents[2] / "bench" / "fleet.py"
+)
+until = _stores.until
+KILLS = int(os.environ.get("TAILRACE_FLEET_KILLS", "30"))
+SEED = int(os.environ.get("TAILRACE_FLEET_SEED", "20261201"))
+
+
+# --- the torture ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", _stores.SHARED_STORES)
+def test_a_fleet_with_workers_killed_completes_every_run_exactly(
+    store: str, tmp_path: Path
+) -> None:
+    seed = SEED + (1 if store == "postgres" else 0)
+    config = fleet.TortureConfig(runs=400, kills=KILLS)
+    stats = fleet.torture(
+        store, workdir=tmp_path, seed=seed, dsn=_stores.POSTGRES_DSN, config=config
+    )
+    report = f"{stats}\n" + "\n".join(stats.problems)
+    assert stats.kills >= KILLS, report
+    assert stats.mid_run_kills >= KILLS // 3, report  # kills cut runs, not only start-ups
+    assert stats.adopted_runs >= 1, report
+    assert (stats.runs, stats.completed) == (400, 400), report
+    assert stats.mismatches == 0, report
+    assert stats.reexec_committed == 0, report
+    assert stats.snapshots > stats.kills, report
+    assert stats.running_samples > 100, report
+    assert 1 <= stats.max_running <= config.concurrency, report
+    assert stats.rate_violations == 0, report
+    assert stats.partition_violations == 0, report
+    assert stats.dedup_violations == 0, report
+    assert stats.problems == [], report
+
+
+# --- worker processes ------------------------------------------------------------------------
+
+
+class Fleet:
+    """``tailrace worker`` processes on one database, and the side file their handlers write."""
+
+    def __init__(self, kind: str, tmp_path: Path, schema: str | None) -> None:
+        self.url = (
+            str(tmp_path / "fleet.db")
+            if kind == "sqlite"
+            else f"{_stores.POSTGRES_DSN}&schema={schema}"
+            if "?" in (_stores.POSTGRES_DSN or "")
+            else f"{_stores.POSTGRES_DSN}?schema={schema}"
+        )
+        self.tmp_path = tmp_path
+        self.side = tmp_path / "side.log"
+        self.workers: list[subprocess.Popen[bytes]] = []
+
+    def start(self, *extra: object, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        n = len(self.workers)
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("TAILRACE_")}
+        environ.update({graphs.SIDE_ENV: str(self.side), "COLUMNS": "300", **(env or {})})
+        args = [*fleet.tailrace_command(), "worker", "--db", self.url, "--graphs", str(GRAPHS)]
+        with (self.tmp_path / f"worker-{n}.log").open("wb") as log:  # the child keeps its copy
+            proc = subprocess.Popen([*args, *map(str, extra)], stdout=log, stderr=log, env=environ)
+        self.workers.append(proc)
+        return proc
+
+    def log(self, n: int) -> str:
+        return (self.tmp_path / f"worker-{n}.log").read_text(errors="replace")
+
+    def starts(self) -> collections.Counter[tuple[str, str, int]]:
+        """How often each (run, node, visit) started, from the side file."""
+        counts: collections.Counter[tuple[str, str, int]] = collections.Counter()
+        if self.side.exists():
+            for line in self.side.read_text().splitlines():
+                run_id, node_id, visit = line.split()
+                counts[(run_id, node_id, int(visit))] += 1
+        return counts
+
+    def stop_all(self) -> None:
+        for proc in self.workers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.workers:
+            try:
+                proc.wait(timeout=_stores.HANG_GUARD)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(params=_stores.SHARED_STORES)
+def fleet_of(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Fleet]:
+    schema = _stores.new_schema("fleet") if request.param == "postgres" else None
+    workers = Fleet(request.param, tmp_path, schema)
+    try:
+        yield workers
+    finally:
+        workers.stop_all()
+        if schema is not None:
+            _stores.drop_schema_sync(schema)
+
+
+@contextlib.asynccontextmanager
+async def engine(workers: Fleet) -> AsyncIterator[Engine]:
+    async with open_store(workers.url) as store:
+        yield Engine(store=store)
+
+
+async def _count(engine: Engine, status: RunStatus, total: int) -> bool:
+    assert engine.store is not None
+    runs = await engine.store.list_runs(status=status, limit=total + 1)
+    return len(runs) >= total
+
+
+@pytest.mark.slow
+async def test_eight_workers_never_drive_a_run_twice_and_four_apply_each_answer_once(
+    fleet_of: Fleet,
+) -> None:
+    total = 1000
+    async with engine(fleet_of) as submitter:
+        ids = [await submitter.submit(graphs.gated, n) for n in range(total)]
+        for _ in range(8):
+            fleet_of.start("--concurrency", 16, "--max-interval", 0.5)
+        await until(
+            lambda: _count(submitter, RunStatus.SUSPENDED, total),
+            "every run to suspend on its gate", guard=240,
+        )  # fmt: skip
+        for proc in fleet_of.workers[4:]:
+            proc.send_signal(signal.SIGTERM)  # four go; four apply the answers
+        assert submitter.store is not None
+        questions = await submitter.store.list_questions(status=QuestionStatus.OPEN)
+        assert len(questions) == total
+        await asyncio.gather(
+            *(submitter.answer(q.question_id, "ok", resume=False) for q in questions)
+        )
+        await until(
+            lambda: _count(submitter, RunStatus.COMPLETED, total),
+            "every answered run to complete", guard=240,
+        )  # fmt: skip
+        rows = await submitter.store.list_questions(limit=total + 1)
+        events = {run_id: await submitter.store.events(run_id) for run_id in ids[:200]}
+    starts = fleet_of.starts()
+    assert len(starts) == 2 * total  # ask and after, once each per run
+    assert set(starts.values()) == {1}, [k for k, v in starts.items() if v > 1][:5]
+    assert {q.status for q in rows} == {QuestionStatus.APPLIED}
+    for run_id, rows_of in events.items():
+        types = [e.type for e in rows_of]
+        assert types.count("run_started") == 1, run_id
+        assert types.count("question_answered") == 1, run_id
+
+
+async def test_a_dead_workers_run_is_adopted_at_once_not_after_its_lease(
+    fleet_of: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with engine(fleet_of) as submitter:
+        run_id = await submitter.submit(graphs.slow, 1)
+        doomed = fleet_of.start("--lease-ttl", 3600, env={"TAILRACE_TEST_CRAWL": "3600"})
+        await until(lambda: (run_id, "crawl", 1) in fleet_of.starts(), "the run to be crawling")
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()  # reaped: its pid is gone, provably dead
+        monkeypatch.setenv("TAILRACE_TEST_CRAWL", "0")
+        fleet_of.start("--lease-ttl", 3600, env={"TAILRACE_TEST_CRAWL": "0"})
+        # The lease would last an hour: only the dead-owner path can finish it in time.
+        result = await submitter.wait(run_id, timeout=_stores.HANG_GUARD)
+    assert (result.status, result.output) == ("completed", 2)
+    assert fleet_of.starts()[(run_id, "warm", 1)] == 1  # committed before the kill: not re-run
+
+
+async def test_sigterm_drains_releases_the_lease_and_another_worker_finishes(
+    fleet_of: Fleet,
+) -> None:
+    async with engine(fleet_of) as submitter:
+        run_id = await submitter.submit(graphs.slow, 5)
+        first = fleet_of.start("--grace", 0.2, env={"TAILRACE_TEST_CRAWL": "3600"})
+        await until(lambda: (run_id, "crawl", 1) in fleet_of.starts(), "the run to be crawling")
+        first.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(first.wait, _stores.HANG_GUARD) == 0, fleet_of.log(0)
+        assert submitter.store is not None
+        record = await submitter.store.get_run(run_id)
+        assert (record.status, record.lease_owner) == (RunStatus.RUNNING, None)
+        assert "stopped: WorkerStats(" in fleet_of.log(0)
+        fleet_of.start(env={"TAILRACE_TEST_CRAWL": "0"})
+        result = await submitter.wait(run_id, timeout=_stores.HANG_GUARD)
+    assert (result.status, result.output) == ("completed", 6)
