@@ -19,7 +19,8 @@ a tight one (both 0.01 s).
 (b) *Resumes per second.* N runs (1,000; 200 with ``--quick``) are suspended
 at a gate, all answered at once with ``resume=False``, then 1 or 4 serve
 loops (each its own engine and store instance, in this process) are started
-and timed until every answer is applied and every run completed.
+and timed until every run has completed (its answer applied and its downstream
+node done).
 
 SQLite (one file, WAL, ``synchronous=normal``) and Postgres (DSN from
 ``--postgres`` or ``TAILRACE_TEST_POSTGRES_DSN``, a fresh schema dropped
@@ -133,6 +134,17 @@ async def completed(store: RunStore, run_id: str, within: float = 30.0) -> None:
         await asyncio.sleep(0.002)
 
 
+async def all_completed(store: RunStore, runs: int) -> None:
+    """Poll until ``runs`` runs have completed: the clock stops then, not when the answers
+    are applied (an applied answer's run may still be running its downstream node)."""
+    while True:
+        if not await store.unapplied_answers(limit=1):
+            done = await store.list_runs(status=RunStatus.COMPLETED, limit=runs)
+            if len(done) >= runs:
+                return
+        await asyncio.sleep(0.005)
+
+
 # -- (a) latency -------------------------------------------------------------------------------
 
 
@@ -200,10 +212,7 @@ async def throughput(db: Database, runs: int, servers: int) -> Throughput:
         setup = time.perf_counter() - t_setup
         t0 = time.perf_counter()
         async with serving(db, servers, interval=0.01, max_interval=0.05) as loops:
-            while True:
-                if not await store.unapplied_answers(limit=1):
-                    break
-                await asyncio.sleep(0.01)
+            await all_completed(store, runs)
             seconds = time.perf_counter() - t0
             busy = sum(s.stats.outcomes.get("busy", 0) for s in loops)
         applied = await store.list_questions(status=QuestionStatus.APPLIED)
@@ -220,7 +229,15 @@ def ms(seconds: float) -> str:
 
 
 async def bench(args: argparse.Namespace) -> None:
-    from _common import Column, Table, Target, environment, fmt_rate, targets_table
+    from _common import (
+        Column,
+        Table,
+        Target,
+        environment,
+        fmt_rate,
+        load_average,
+        targets_table,
+    )
 
     print(environment(no_gc=False), end="\n\n")
     samples = 8 if args.quick else 25
@@ -265,6 +282,7 @@ async def bench(args: argparse.Namespace) -> None:
     )
     for note in notes:
         table.add_note(note)
+    table.add_note(load_average())
     table.print()
 
     table = Table(
@@ -279,6 +297,7 @@ async def bench(args: argparse.Namespace) -> None:
         )  # fmt: skip
     table.add_note("each serve loop: its own engine and store instance; interval 0.01..0.05 s")
     table.add_note("setup (not timed): suspend N runs and record N answers with resume=False")
+    table.add_note("timed until every run has completed; " + load_average())
     table.print()
 
     targets = []

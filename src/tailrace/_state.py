@@ -19,6 +19,7 @@ branch a switch skipped, from re-firing a loop.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,11 @@ NODE_TRANSITIONS: dict[NodeStatus, frozenset[NodeStatus]] = {
 }
 
 BUSY = frozenset({NodeStatus.QUEUED, NodeStatus.RUNNING, NodeStatus.WAITING})
+
+# The common moves are checked with ``is`` first (the hot path of every node);
+# anything else goes through ``NodeState.move`` and its table.
+_PENDING, _QUEUED, _RUNNING = NodeStatus.PENDING, NodeStatus.QUEUED, NodeStatus.RUNNING
+_WAITING, _COMPLETED = NodeStatus.WAITING, NodeStatus.COMPLETED
 
 
 class IllegalTransition(RuntimeError):
@@ -121,6 +127,8 @@ class RunState:
     """All state of one run: node states, completion sequence, late inputs, decisions."""
 
     __slots__ = (
+        "_aggregate",
+        "_switch",
         "dirty",
         "edge_gen",
         "frozen",
@@ -136,6 +144,8 @@ class RunState:
     def __init__(self, topo: Topology) -> None:
         self.topo = topo
         self.nodes = [NodeState() for _ in topo.ids]
+        self._aggregate = tuple(n.kind is NodeKind.AGGREGATE for n in topo.nodes)
+        self._switch = tuple(n.kind is NodeKind.SWITCH for n in topo.nodes)
         self.seq = 0
         self.late: list[LateInput] = []
         self.edge_gen: dict[tuple[int, int], int] = {}
@@ -160,26 +170,33 @@ class RunState:
     def start(self, i: int, now: float) -> None:
         """Mark node ``i`` admitted (E3): its attempt starts now."""
         ns = self.nodes[i]
-        ns.move(NodeStatus.RUNNING, self.topo.ids[i])
-        ns.attempts = max(ns.attempts, 1)  # a resumed node continues its attempts (E11)
+        if ns.status is _QUEUED:
+            ns.status = _RUNNING
+        else:
+            ns.move(_RUNNING, self.topo.ids[i])
+        if ns.attempts < 1:
+            ns.attempts = 1  # a resumed node continues its attempts (E11)
         ns.started_at = now
         self.dirty[i] = None
 
-    def complete(self, i: int, result: Any) -> list[OutEdge]:
+    def complete(self, i: int, result: Any) -> Sequence[OutEdge]:
         """Record node ``i``'s result, route it (E6-E8) and return the edges taken.
 
         The returned edges have already been delivered; newly activated nodes
         are appended to :attr:`ready`.
         """
         ns = self.nodes[i]
-        node = self.topo.nodes[i]
-        if node.kind is NodeKind.SWITCH:
+        taken: Sequence[OutEdge]
+        if self._switch[i]:
             taken = switch_edges(self.topo, i, result)  # may raise before any change
             value = ns.payload
         else:
-            taken = list(self.topo.out_edges[i])
+            taken = self.topo.out_edges[i]
             value = result
-        ns.move(NodeStatus.COMPLETED, node.id)
+        if ns.status is _RUNNING:
+            ns.status = _COMPLETED
+        else:
+            ns.move(_COMPLETED, self.topo.ids[i])
         self.seq += 1
         ns.result = result
         ns.has_result = True
@@ -203,7 +220,7 @@ class RunState:
         ns.question = question_id
         self.dirty[i] = None
 
-    def answer(self, i: int, value: Any) -> list[OutEdge]:
+    def answer(self, i: int, value: Any) -> Sequence[OutEdge]:
         """Complete waiting gate ``i`` with ``value`` and route it like a task."""
         self.nodes[i].question = None
         return self.complete(i, value)
@@ -240,7 +257,7 @@ class RunState:
     def _deliver(self, s: int, t: int, value: Any, frontier: dict[int, int] | None) -> None:
         topo = self.topo
         ns = self.nodes[t]
-        aggregate = topo.nodes[t].kind is NodeKind.AGGREGATE
+        aggregate = self._aggregate[t]
         if topo.cyclic[t]:
             gen = max(self.edge_gen.get((s, t), -1) + 1, frontier.get(t, 0) if frontier else 0)
             self.edge_gen[(s, t)] = gen
@@ -273,7 +290,8 @@ class RunState:
         self.seq += 1
         ns.inputs[s] = (self.seq, value, frontier)
         self.dirty[t] = None
-        self._decide_first_k(t)
+        if len(ns.inputs) >= self.topo.required[t]:
+            self._decide_first_k(t)
 
     def _decide_first_k(self, t: int) -> None:
         """Fire aggregate ``t`` if its open activation reached quorum (E4)."""
@@ -292,16 +310,20 @@ class RunState:
     def _fire(self, t: int, payload: Any, frontier: dict[int, int] | None) -> None:
         ns = self.nodes[t]
         ns.fired += 1
-        own = _own_frontier(self.topo, t, frontier, ns.fired)
+        own = _own_frontier(self.topo, t, frontier, ns.fired) if self.topo.cyclic[t] else None
         self.dirty[t] = None
-        if ns.status in BUSY:
+        status = ns.status
+        if status is _QUEUED or status is _RUNNING or status is _WAITING:
             ns.pending = (payload, own)  # E7: wait for the previous attempt to finish
             return
         self._begin(t, payload, own)
 
     def _begin(self, t: int, payload: Any, frontier: dict[int, int] | None) -> None:
         ns = self.nodes[t]
-        ns.move(NodeStatus.QUEUED, self.topo.ids[t])
+        if ns.status is _PENDING:
+            ns.status = _QUEUED
+        else:
+            ns.move(_QUEUED, self.topo.ids[t])
         ns.visits += 1
         ns.payload = payload
         ns.frontier = frontier

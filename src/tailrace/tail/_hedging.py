@@ -45,11 +45,15 @@ class HedgePolicy:
     >>> policy.clones_at_launch(1.0, 1.0), policy.clones_at_launch(0.5, 1.0)
     (True, False)
     >>> policy.allowed(first_attempts=66, extra=0)
-    10
+    14
+
+    The defaults back an attempt up as soon as it overruns its estimate by
+    ``slack``: with a budget, a backup that turns out unneeded costs one
+    cancelled attempt, while one that comes late costs the whole batch.
     """
 
-    budget: float = 0.15
-    backup_after: float = 1.5
+    budget: float = 0.2
+    backup_after: float = 1.0
     slack: float = 0.01
     tolerance: float = 1.5
 
