@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class Timing:
-    """Wall-clock seconds of repeated runs of one measurement; ``best`` is their minimum."""
+    """Wall-clock seconds of repeated runs of one measurement; rates use their median."""
 
     samples: tuple[float, ...]
 
@@ -40,17 +40,24 @@ class Timing:
         return min(self.samples)
 
     @property
+    def median(self) -> float:
+        """The median run (what the tables report: the machine is shared and noisy)."""
+        ordered = sorted(self.samples)
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+    @property
     def runs(self) -> int:
         """How many runs were timed."""
         return len(self.samples)
 
     def rate(self, items: int) -> float:
-        """``items`` per second at the best run."""
-        return items / self.best if self.best > 0 else math.inf
+        """``items`` per second at the median run."""
+        return items / self.median if self.median > 0 else math.inf
 
     def per_item(self, items: int) -> float:
-        """Seconds per item at the best run."""
-        return self.best / items
+        """Seconds per item at the median run."""
+        return self.median / items
 
 
 @contextmanager
