@@ -10,13 +10,15 @@ Workloads (no-op async handlers, total node count = size):
 - ``chain``:  n0 -> n1 -> ... -> n{size-1}
 - ``fanout``: src -> size-2 workers -> join (an aggregate waiting for all of them)
 
-Stores: ``SQLiteStore(synchronous="normal")``, ``SQLiteStore(synchronous="full")``
-and ``PostgresStore`` (DSN from ``--postgres`` or ``TAILRACE_TEST_POSTGRES_DSN``;
-its rows are skipped with a note when there is none). Each measurement gets a
-fresh database file (SQLite) or schema (Postgres) and a fresh event loop; the
-graph is compiled and the store opened before the clock starts, and the clock
-stops when ``Engine.run`` returns (every commit durable). An in-memory row (no
-store) is printed for reference.
+Stores: ``SQLiteStore(synchronous="normal")`` with durability ``"async"`` and
+``"sync"``, ``SQLiteStore(synchronous="full")`` (async) and ``PostgresStore``
+(both modes; DSN from ``--postgres`` or ``TAILRACE_TEST_POSTGRES_DSN``, its rows
+are skipped with a note when there is none). Each measurement gets a fresh
+database file (SQLite) or schema (Postgres) and a fresh event loop; the graph
+is compiled and the store opened before the clock starts, and the clock stops
+when ``Engine.run`` returns (every commit durable). The same graph in memory
+(no store) is measured alongside, in the same rounds: ``/ memory`` is the
+durable rate over it. One untimed run of every kind comes first.
 
 The floor is measured in the same run, on the same filesystem or server:
 :func:`tailrace.stores._floor.sqlite_raw_commit_rate` and
@@ -24,10 +26,14 @@ The floor is measured in the same run, on the same filesystem or server:
 insert-and-commit per transaction). ``ratio`` is tailrace nodes/s divided by
 raw commits/s.
 
-LangGraph (when installed) runs the same shapes as ``StateGraph`` s with sync
-no-op nodes (its fastest path) and ``SqliteSaver`` with ``durability="sync"``;
-its connection gets the same ``synchronous`` setting as the tailrace store it is
-compared with. LangGraph is slow, so it runs only at sizes <= 1000.
+Peers, like with like: LangGraph (installed with the dev extra) runs the same
+shapes as ``StateGraph`` s with sync no-op nodes (its fastest path) on
+``SqliteSaver`` (``synchronous=NORMAL``, as sqlite-normal), once with
+``durability="async"`` and once with ``"sync"``, each compared with tailrace in
+the same mode. DBOS (``pip install dbos``; bench only, not in any extra) runs
+one step per node on a SQLite system database; it checkpoints every step
+before returning it, so it is compared with tailrace ``"sync"``. Both are
+slow, so they run only at sizes <= 1000.
 
 Nothing here asserts; the ``targets`` section reports PASS/MISS.
 """
@@ -48,6 +54,7 @@ import pstats
 import shutil
 import sqlite3
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -67,9 +74,12 @@ Sync = Literal["normal", "full"]
 WORKLOADS = ("chain", "fanout")
 #: LangGraph runs only at sizes up to this (each run must stay well under 60 s).
 LANGGRAPH_MAX_NODES = 1000
-#: Targets from DESIGN.md (Performance budget) and the durability brief.
+#: DBOS runs only at sizes up to this (a few hundred steps per second).
+DBOS_MAX_NODES = 1000
+#: Targets from DESIGN.md (Performance budget) and issue 13.
 FLOOR_TARGET = 0.5
-LANGGRAPH_TARGET = 20.0
+LANGGRAPH_TARGET = 30.0
+DBOS_TARGET = 50.0
 
 
 # --- graphs ----------------------------------------------------------------------
@@ -108,11 +118,12 @@ def tailrace_graph(workload: str, size: int) -> tr.Graph:
 
 @dataclass
 class Row:
-    """One measured (workload, size, store) cell; ``rates`` holds nodes/s per repeat."""
+    """One measured cell; ``rates`` holds nodes/s per repeat."""
 
     workload: str
     size: int
     store: str
+    mode: str = "-"
     rates: list[float] = field(default_factory=list)
     db_after_run: int | None = None
     db_after_checkpoint: int | None = None
@@ -121,6 +132,10 @@ class Row:
     @property
     def rate(self) -> float | None:
         return statistics.median(self.rates) if self.rates else None
+
+    @property
+    def label(self) -> str:
+        return self.store if self.mode == "-" else f"{self.store} {self.mode}"
 
 
 def _db_and_wal(db: Path) -> int:
@@ -145,8 +160,10 @@ def _check(result: tr.RunResult, size: int) -> None:
         )
 
 
-async def _timed_run(store: RunStore | None, graph: tr.Graph, size: int) -> float:
-    engine = tr.Engine(store=store)
+async def _timed_run(
+    store: RunStore | None, graph: tr.Graph, size: int, durability: str = "async"
+) -> float:
+    engine = tr.Engine(store=store, durability=durability)
     start = time.perf_counter()
     result = await engine.run(graph, 0)
     elapsed = time.perf_counter() - start
@@ -159,7 +176,9 @@ def measure_memory(graph: tr.Graph, size: int) -> float:
     return asyncio.run(_timed_run(None, graph, size))
 
 
-def measure_sqlite(graph: tr.Graph, size: int, sync: Sync, workdir: Path) -> tuple[float, int, int]:
+def measure_sqlite(
+    graph: tr.Graph, size: int, sync: Sync, workdir: Path, durability: str = "async"
+) -> tuple[float, int, int]:
     """nodes/s, then bytes of .db + -wal right after the run and after a checkpoint."""
     db = Path(tempfile.mkdtemp(prefix=f"tr-{sync}-", dir=workdir)) / "runs.db"
 
@@ -167,7 +186,7 @@ def measure_sqlite(graph: tr.Graph, size: int, sync: Sync, workdir: Path) -> tup
         store = SQLiteStore(db, synchronous=sync)
         await store.open()
         try:
-            rate = await _timed_run(store, graph, size)
+            rate = await _timed_run(store, graph, size, durability)
             after_run = _db_and_wal(db)
             await asyncio.to_thread(_checkpoint, db)
             return rate, after_run, _db_and_wal(db)
@@ -181,7 +200,7 @@ def measure_sqlite(graph: tr.Graph, size: int, sync: Sync, workdir: Path) -> tup
         shutil.rmtree(db.parent, ignore_errors=True)
 
 
-def measure_postgres(graph: tr.Graph, size: int, dsn: str) -> float:
+def measure_postgres(graph: tr.Graph, size: int, dsn: str, durability: str = "async") -> float:
     from tailrace.stores import PostgresStore
 
     schema = f"tailrace_bench_{uuid.uuid4().hex[:12]}"
@@ -190,7 +209,7 @@ def measure_postgres(graph: tr.Graph, size: int, dsn: str) -> float:
         store = PostgresStore(dsn, schema=schema)
         await store.open()
         try:
-            return await _timed_run(store, graph, size)
+            return await _timed_run(store, graph, size, durability)
         finally:
             await store.close()
 
@@ -229,6 +248,7 @@ def _lg_append(_state: _LGState) -> dict[str, Any]:
 
 
 def langgraph_version() -> str | None:
+    """LangGraph's version if it and its SQLite saver import, else None."""
     try:
         from importlib.metadata import version
 
@@ -263,8 +283,10 @@ def langgraph_graph(workload: str, size: int) -> Any:
     return graph
 
 
-def measure_langgraph(workload: str, size: int, sync: Sync, workdir: Path) -> tuple[float, int]:
-    """nodes/s and bytes of .db + -wal after the run, with SqliteSaver, durability="sync"."""
+def measure_langgraph(
+    workload: str, size: int, sync: Sync, workdir: Path, durability: str
+) -> tuple[float, int]:
+    """nodes/s and bytes of .db + -wal after the run, with SqliteSaver and ``durability``."""
     from langgraph.checkpoint.sqlite import SqliteSaver
 
     db = Path(tempfile.mkdtemp(prefix=f"lg-{sync}-", dir=workdir)) / "lg.db"
@@ -277,7 +299,7 @@ def measure_langgraph(workload: str, size: int, sync: Sync, workdir: Path) -> tu
         config = {"configurable": {"thread_id": "bench"}, "recursion_limit": size + 10}
         gc.collect()
         start = time.perf_counter()
-        out = app.invoke({"x": 0}, config, durability="sync")
+        out = app.invoke({"x": 0}, config, durability=durability)
         elapsed = time.perf_counter() - start
         if workload == "fanout" and len(out.get("items", [])) != size - 2:
             raise RuntimeError(f"LangGraph fan-out gathered {len(out.get('items', []))} items")
@@ -285,6 +307,108 @@ def measure_langgraph(workload: str, size: int, sync: Sync, workdir: Path) -> tu
     finally:
         conn.close()
         shutil.rmtree(db.parent, ignore_errors=True)
+
+
+# --- DBOS ------------------------------------------------------------------------
+
+
+def dbos_version() -> str | None:
+    """DBOS's version if it is installed (``pip install dbos``; bench only), else None."""
+    try:
+        from importlib.metadata import version
+
+        import dbos  # noqa: F401
+
+        return version("dbos")
+    except ImportError:
+        return None
+
+
+def measure_dbos(workload: str, size: int, repeat: int, workdir: Path) -> list[float]:
+    """Steps/s of DBOS workflows on a SQLite system database, one per repeat.
+
+    DBOS is a process-wide singleton, so each measurement runs in a child
+    process (this script with ``--dbos-child``): a warm-up workflow, then
+    ``repeat`` timed ones. Chain: one workflow of ``size`` sequential steps.
+    Fan-out: an async workflow of one step, ``size - 2`` steps gathered with
+    ``asyncio.gather``, and one more step. DBOS checkpoints each step's
+    output before returning it, so it is compared with durability "sync".
+    """
+    scratch = Path(tempfile.mkdtemp(prefix="dbos-", dir=workdir))
+    try:
+        child = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--dbos-child",
+                workload,
+                str(size),
+                str(repeat),
+                str(scratch),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
+        if child.returncode != 0:
+            raise RuntimeError(f"DBOS child failed: {child.stderr.strip()[-2000:]}")
+        return [float(x) for x in child.stdout.split()[-repeat:]]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def dbos_child(workload: str, size: int, repeat: int, scratch: Path) -> None:
+    """The child side of :func:`measure_dbos`: prints one rate per timed workflow."""
+    import logging
+
+    from dbos import DBOS
+
+    @DBOS.step()
+    def noop(x: int) -> int:
+        return x
+
+    @DBOS.workflow()
+    def chain(n: int) -> int:
+        x = 0
+        for _ in range(n):
+            x = noop(x)
+        return x
+
+    @DBOS.step()
+    async def anoop(x: int) -> int:
+        return x
+
+    @DBOS.workflow()
+    async def fanout(n: int) -> int:
+        await anoop(0)
+        done = await asyncio.gather(*(anoop(i) for i in range(n - 2)))
+        return await anoop(len(done))
+
+    logging.getLogger("dbos").setLevel(logging.ERROR)
+    DBOS(
+        config={
+            "name": "tailrace-bench",
+            "system_database_url": f"sqlite:///{scratch / 'dbos.sqlite'}",
+            "log_level": "ERROR",
+        }
+    )
+    DBOS.launch()
+    try:
+
+        def once(n: int) -> float:
+            start = time.perf_counter()
+            if workload == "chain":
+                chain(n)
+            else:
+                asyncio.run(fanout(n))
+            return n / (time.perf_counter() - start)
+
+        once(min(size, 50))  # warm-up
+        rates = [once(size) for _ in range(repeat)]
+    finally:
+        DBOS.destroy()
+    print(" ".join(f"{r:.3f}" for r in rates))
 
 
 # --- the run ---------------------------------------------------------------------
@@ -297,8 +421,8 @@ class Config:
     repeat: int
     workdir: Path
     langgraph: bool
+    dbos: bool
     floor_n: dict[str, int]
-    lg_syncs: tuple[Sync, ...]
 
 
 def _fmt_rate(value: float | None) -> str:
@@ -313,12 +437,12 @@ def _fmt_bytes(value: int | None) -> str:
     return "-" if value is None else f"{value / 1e6:.2f} MB"
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> str:
+def _table(headers: list[str], rows: list[list[str]], left: int = 3) -> str:
     widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
 
     def line(cells: list[str]) -> str:
         return "  ".join(
-            c.ljust(w) if i < 3 else c.rjust(w)
+            c.ljust(w) if i < left else c.rjust(w)
             for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         ).rstrip()
 
@@ -347,14 +471,70 @@ def _postgres_facts(dsn: str) -> str:
     )
 
 
+#: (store, durability mode) of the tailrace rows, in table order.
+TAILRACE_CELLS: tuple[tuple[str, str], ...] = (
+    ("sqlite-normal", "async"),
+    ("sqlite-normal", "sync"),
+    ("sqlite-full", "async"),
+    ("postgres", "async"),
+    ("postgres", "sync"),
+)
+
+
+def _measure_cell(cfg: Config, graph: tr.Graph, row: Row) -> None:
+    """One more repeat of ``row`` (a tailrace store and mode)."""
+    size = row.size
+    if row.store.startswith("sqlite"):
+        sync: Sync = "normal" if row.store == "sqlite-normal" else "full"
+        nps, row.db_after_run, row.db_after_checkpoint = measure_sqlite(
+            graph, size, sync, cfg.workdir, row.mode
+        )
+        row.rates.append(nps)
+    elif cfg.dsn is not None:
+        row.rates.append(measure_postgres(graph, size, cfg.dsn, row.mode))
+
+
+def _warm_up(cfg: Config) -> None:
+    """One untimed run of every kind at the smallest size: imports, caches, code paths."""
+    size = min(cfg.sizes)
+    for workload in WORKLOADS:
+        graph = tailrace_graph(workload, size)
+        measure_memory(graph, size)
+        for store, mode in TAILRACE_CELLS:
+            _measure_cell(cfg, graph, Row(workload, size, store, mode))
+
+
+def _measure_peers(
+    cfg: Config, size: int, workload: str, peers: dict[tuple[str, int, str], Row]
+) -> None:
+    if cfg.langgraph and size <= LANGGRAPH_MAX_NODES:
+        for mode in ("async", "sync"):
+            cell = peers.setdefault(
+                (workload, size, f"langgraph {mode}"),
+                Row(workload, size, "LangGraph sqlite-normal", mode),
+            )
+            rate, cell.db_after_run = measure_langgraph(workload, size, "normal", cfg.workdir, mode)
+            cell.rates.append(rate)
+    if cfg.dbos and size <= DBOS_MAX_NODES and (workload, size, "dbos") not in peers:
+        cell = Row(workload, size, "DBOS sqlite", "sync")
+        try:
+            cell.rates = measure_dbos(workload, size, cfg.repeat, cfg.workdir)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            cell.note = f"failed: {exc}"
+        peers[(workload, size, "dbos")] = cell
+
+
 def run(cfg: Config) -> None:
     started = time.perf_counter()
     lg_version = langgraph_version() if cfg.langgraph else None
+    cfg.langgraph = lg_version is not None
+    db_version = dbos_version() if cfg.dbos else None
+    cfg.dbos = db_version is not None
     print("tailrace durability benchmark")
     print(
         f"python {platform.python_version()}, tailrace {tr.__version__}, "
         f"sqlite {sqlite3.sqlite_version}, langgraph {lg_version or 'not installed'}, "
-        f"{os.cpu_count()} cores"
+        f"dbos {db_version or 'not installed (pip install dbos)'}, {os.cpu_count()} cores"
     )
     print(f"scratch dir {cfg.workdir} (SQLite files and floor on the same filesystem)")
     print(f"load average at start: {_load()} (other processes skew every column)")
@@ -367,12 +547,11 @@ def run(cfg: Config) -> None:
             cfg.dsn = None
     print(f"postgres: {pg_note}")
     print(
-        f"sizes {cfg.sizes}; tailrace: median of {cfg.repeat} run(s) per cell, fresh DB each; "
-        f"floors: median of {cfg.repeat}"
+        f"sizes {cfg.sizes}; every cell: median of {cfg.repeat} run(s), fresh DB each, after "
+        "one untimed warm-up run of every kind; floors: median of the runs before and after"
     )
     print()
 
-    # Floors first, so the table can print ratios; measured again at the end to show drift.
     floors: dict[str, list[float]] = {"sqlite-normal": [], "sqlite-full": [], "postgres": []}
 
     def measure_floors() -> None:
@@ -386,58 +565,57 @@ def run(cfg: Config) -> None:
                     postgres_raw_commit_rate(cfg.dsn, cfg.floor_n["postgres"])
                 )
 
+    _warm_up(cfg)
     measure_floors()
-
     rows: list[Row] = []
-    lg_rows: dict[tuple[str, int, str], Row] = {}
+    peers: dict[tuple[str, int, str], Row] = {}
     for size in cfg.sizes:
         for workload in WORKLOADS:
             graph = tailrace_graph(workload, size)
             mem = Row(workload, size, "memory (no store)")
-            normal = Row(workload, size, "sqlite-normal")
-            full = Row(workload, size, "sqlite-full")
-            pg = Row(workload, size, "postgres")
-            for _ in range(cfg.repeat):
+            cells = [Row(workload, size, store, mode) for store, mode in TAILRACE_CELLS]
+            for _ in range(cfg.repeat):  # interleaved, so load drifts hit every column alike
                 mem.rates.append(measure_memory(graph, size))
-                sqlite_rows: list[tuple[Row, Sync]] = [(normal, "normal"), (full, "full")]
-                for row, sync in sqlite_rows:
-                    nps, after_run, after_ckpt = measure_sqlite(graph, size, sync, cfg.workdir)
-                    row.rates.append(nps)
-                    row.db_after_run, row.db_after_checkpoint = after_run, after_ckpt
-                if cfg.dsn is not None:
-                    pg.rates.append(measure_postgres(graph, size, cfg.dsn))
-                if lg_version is not None and size <= LANGGRAPH_MAX_NODES:
-                    for sync in cfg.lg_syncs:
-                        lg_rate, lg_bytes = measure_langgraph(workload, size, sync, cfg.workdir)
-                        lg_cell = lg_rows.setdefault(
-                            (workload, size, f"sqlite-{sync}"),
-                            Row(workload, size, f"LangGraph sqlite-{sync}"),
-                        )
-                        lg_cell.rates.append(lg_rate)
-                        lg_cell.db_after_run = lg_bytes
-            if cfg.dsn is None:
-                pg.note = "skipped"
-            rows += [mem, normal, full, pg]
+                for cell in cells:
+                    _measure_cell(cfg, graph, cell)
+            _measure_peers(cfg, size, workload, peers)
+            for cell in cells:
+                if cell.store == "postgres" and cfg.dsn is None:
+                    cell.note = "skipped"
+            rows += [mem, *cells]
             print(f"  measured {workload} {size} ({time.perf_counter() - started:.0f} s)")
             sys.stdout.flush()
-
     first_floors = {k: list(v) for k, v in floors.items()}
     measure_floors()
     floor = {k: statistics.median(v) if v else None for k, v in floors.items()}
+    _print_floors(cfg, floors, first_floors, floor)
+    _print_tailrace(cfg, rows, floor)
+    _print_peers(rows, peers, lg_version, db_version)
+    _print_sizes(rows, peers)
+    _print_targets(cfg, rows, peers, floor)
+    print()
+    print(f"total {time.perf_counter() - started:.0f} s; load average at end: {_load()}")
 
+
+def _print_floors(
+    cfg: Config,
+    floors: dict[str, list[float]],
+    first: dict[str, list[float]],
+    floor: dict[str, float | None],
+) -> None:
     print()
     print("== raw commit floor (single-row insert + commit per transaction) ==")
-    floor_rows = []
+    out = []
     for key, n_key in (
         ("sqlite-normal", "normal"),
         ("sqlite-full", "full"),
         ("postgres", "postgres"),
     ):
         if not floors[key]:
-            floor_rows.append([key, "-", "skipped: no Postgres", "", ""])
+            out.append([key, "-", "skipped: no Postgres", "", ""])
             continue
-        before, after = first_floors[key], floors[key][len(first_floors[key]) :]
-        floor_rows.append(
+        before, after = first[key], floors[key][len(first[key]) :]
+        out.append(
             [
                 key,
                 str(cfg.floor_n[n_key]),
@@ -446,132 +624,221 @@ def run(cfg: Config) -> None:
                 _fmt_rate(statistics.median(after)),
             ]
         )
-    print(_table(["store", "commits", "median commits/s", "before runs", "after runs"], floor_rows))
+    print(_table(["store", "commits", "median commits/s", "before runs", "after runs"], out, 1))
+    print(f"load average {_load()}")
 
+
+def _memory_rate(rows: list[Row], row: Row) -> float | None:
+    return next(
+        (
+            r.rate
+            for r in rows
+            if r.store.startswith("memory") and (r.workload, r.size) == (row.workload, row.size)
+        ),
+        None,
+    )
+
+
+def _print_tailrace(cfg: Config, rows: list[Row], floor: dict[str, float | None]) -> None:
     print()
-    print("== tailrace nodes/s (Engine(store=...), graph compiled before timing) ==")
-    table_rows = []
+    print(
+        "== tailrace nodes/s (Engine(store=..., durability=...), graph compiled before timing) =="
+    )
+    out = []
     for r in rows:
         base = floor.get(r.store)
-        lg_row = lg_rows.get((r.workload, r.size, r.store))
-        lg = lg_row.rate if lg_row else None
+        mem = _memory_rate(rows, r)
         rate = r.rate
-        table_rows.append(
+        out.append(
             [
                 r.workload,
                 str(r.size),
                 r.store,
+                r.mode,
                 _fmt_rate(rate) if rate is not None else r.note,
+                _fmt_ratio(
+                    rate / mem if rate and mem and not r.store.startswith("memory") else None
+                ),
                 _fmt_rate(base),
                 _fmt_ratio(rate / base if rate and base else None),
-                _fmt_rate(lg),
-                _fmt_ratio(rate / lg if rate and lg else None, "x"),
                 f"{min(r.rates):,.0f}-{max(r.rates):,.0f}" if r.rates else "-",
             ]
         )
+    headers = [
+        "workload",
+        "nodes",
+        "store",
+        "durability",
+        "nodes/s",
+        "/ memory",
+        "raw commits/s",
+        "/ raw",
+        "range",
+    ]
+    print(_table(headers, out, 4))
     print(
-        _table(
-            [
-                "workload",
-                "nodes",
-                "store",
-                "nodes/s",
-                "raw commits/s",
-                "ratio",
-                "LangGraph n/s",
-                "tr/LG",
-                "range",
-            ],
-            table_rows,
-        )
+        "/ memory: of the same graph in memory, same run; / raw: of raw commits/s on the same "
+        "kind of database; range: min-max over repeats."
     )
     print(
-        "ratio = tailrace nodes/s / raw commits/s on the same kind of database; "
-        "range = min-max over repeats."
+        'durability "async": commits pipelined (a successor may start before its upstream is '
+        'durable); "sync": successors start only once the completion is committed.'
     )
     if cfg.dsn is None:
         print("postgres rows skipped: no DSN (--postgres or TAILRACE_TEST_POSTGRES_DSN).")
-    if lg_version is None:
-        print("LangGraph columns empty: langgraph / langgraph-checkpoint-sqlite not installed.")
-    else:
-        print(
-            f"LangGraph {lg_version}: SqliteSaver, durability='sync', sync no-op nodes, "
-            f"median of {cfg.repeat} run(s) per cell, sizes <= {LANGGRAPH_MAX_NODES} only (slow; each run < 60 s); "
-            f"its connection uses the synchronous setting of the row: "
-            f"{', '.join(cfg.lg_syncs)}."
-        )
+    print(f"load average {_load()}")
 
+
+def _ours(rows: list[Row], workload: str, size: int, mode: str) -> Row | None:
+    return next(
+        (
+            r
+            for r in rows
+            if (r.workload, r.size, r.store, r.mode) == (workload, size, "sqlite-normal", mode)
+        ),
+        None,
+    )
+
+
+def _print_peers(
+    rows: list[Row], peers: dict[tuple[str, int, str], Row], lg: str | None, db: str | None
+) -> None:
+    print()
+    print("== peers on SQLite: LangGraph SqliteSaver and DBOS, like with like ==")
+    out = []
+    for (workload, size, _), peer in sorted(peers.items()):
+        ours = _ours(rows, workload, size, peer.mode)
+        rate = ours.rate if ours else None
+        out.append(
+            [
+                workload,
+                str(size),
+                peer.store,
+                peer.mode,
+                _fmt_rate(peer.rate) if peer.rate else peer.note or "-",
+                _fmt_rate(rate),
+                _fmt_ratio(rate / peer.rate if rate and peer.rate else None, "x"),
+            ]
+        )
+    if out:
+        headers = [
+            "workload",
+            "nodes",
+            "peer",
+            "durability",
+            "peer nodes/s",
+            "tailrace nodes/s",
+            "tailrace/peer",
+        ]
+        print(_table(headers, out, 4))
+    print(
+        f"LangGraph {lg or 'not installed'}: SqliteSaver (synchronous=NORMAL, like sqlite-normal), "
+        f"sync no-op nodes, invoke(durability=...), sizes <= {LANGGRAPH_MAX_NODES}; "
+        "compared with tailrace sqlite-normal in the same durability mode."
+    )
+    print(
+        f"DBOS {db or 'not installed (pip install dbos; bench only)'}: SQLite system database, "
+        f"one step per node (chain: sequential; fan-out: asyncio.gather), sizes <= {DBOS_MAX_NODES}, "
+        "one child process per cell; DBOS checkpoints every step before returning it, so it is "
+        'compared with tailrace durability "sync".'
+    )
+    print(f"load average {_load()}")
+
+
+def _print_sizes(rows: list[Row], peers: dict[tuple[str, int, str], Row]) -> None:
     print()
     print("== SQLite database size (.db + -wal, -shm excluded) ==")
-    size_rows = []
+    out = []
     for r in rows:
         if r.store.startswith("sqlite") and r.db_after_run is not None:
-            size_rows.append(
+            out.append(
                 [
                     r.workload,
                     str(r.size),
-                    r.store,
+                    r.label,
                     _fmt_bytes(r.db_after_run),
                     _fmt_bytes(r.db_after_checkpoint),
                     f"{(r.db_after_checkpoint or 0) / r.size:,.0f}",
                 ]
             )
-    for lg_row in lg_rows.values():
-        nbytes = lg_row.db_after_run or 0
-        size_rows.append(
-            [
-                lg_row.workload,
-                str(lg_row.size),
-                lg_row.store,
-                _fmt_bytes(nbytes),
-                "-",
-                f"{nbytes / lg_row.size:,.0f}",
-            ]
+    for p in peers.values():
+        if p.db_after_run is not None:
+            out.append(
+                [
+                    p.workload,
+                    str(p.size),
+                    p.label,
+                    _fmt_bytes(p.db_after_run),
+                    "-",
+                    f"{p.db_after_run / p.size:,.0f}",
+                ]
+            )
+    if out:
+        print(
+            _table(
+                ["workload", "nodes", "store", "after run", "after checkpoint", "bytes/node"], out
+            )
         )
-    print(
-        _table(
-            ["workload", "nodes", "store", "after run", "after checkpoint", "bytes/node"],
-            size_rows,
-        )
-    )
 
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def _print_targets(
+    cfg: Config,
+    rows: list[Row],
+    peers: dict[tuple[str, int, str], Row],
+    floor: dict[str, float | None],
+) -> None:
     print()
     print("== targets ==")
+    base = floor.get("sqlite-normal")
     for r in rows:
-        base = floor.get(r.store)
-        if r.store == "sqlite-normal" and r.rate and base:
+        if (r.store, r.mode) != ("sqlite-normal", "async") or not r.rate:
+            continue
+        mem = _memory_rate(rows, r)
+        if mem:
+            ratio = r.rate / mem
+            print(
+                f"{_verdict(ratio >= FLOOR_TARGET)}  sqlite-normal async {r.workload} {r.size}: "
+                f"{ratio:.2f} of the same graph in memory (target >= {FLOOR_TARGET})"
+            )
+        if base:
             ratio = r.rate / base
-            verdict = "PASS" if ratio >= FLOOR_TARGET else "MISS"
             print(
-                f"{verdict}  sqlite-normal {r.workload} {r.size}: {ratio:.2f} of raw commit rate "
-                f"(target >= {FLOOR_TARGET})"
+                f"{_verdict(ratio >= FLOOR_TARGET)}  sqlite-normal async {r.workload} {r.size}: "
+                f"{ratio:.2f} of the raw commit rate (target >= {FLOOR_TARGET})"
             )
-    for r in rows:
-        lg_row = lg_rows.get((r.workload, r.size, r.store))
-        lg = lg_row.rate if lg_row else None
-        if r.store == "sqlite-normal" and r.rate and lg:
-            speedup = r.rate / lg
-            verdict = "PASS" if speedup >= LANGGRAPH_TARGET else "MISS"
-            print(
-                f"{verdict}  sqlite-normal {r.workload} {r.size}: {speedup:.1f}x LangGraph "
-                f"SqliteSaver (target >= {LANGGRAPH_TARGET:.0f}x)"
-            )
-    if lg_version is None:
-        print("n/a   tailrace / LangGraph: LangGraph not installed")
-    elif not any(s <= LANGGRAPH_MAX_NODES for s in cfg.sizes):
-        print(f"n/a   tailrace / LangGraph: no size <= {LANGGRAPH_MAX_NODES} requested")
+    for (workload, size, kind), peer in sorted(peers.items()):
+        ours = _ours(rows, workload, size, peer.mode)
+        if not (ours and ours.rate and peer.rate):
+            print(f"n/a   {peer.label} {workload} {size}: {peer.note or 'not measured'}")
+            continue
+        goal = DBOS_TARGET if kind == "dbos" else LANGGRAPH_TARGET
+        speedup = ours.rate / peer.rate
+        print(
+            f"{_verdict(speedup >= goal)}  tailrace {peer.mode} vs {peer.label} {workload} {size}: "
+            f"{speedup:.1f}x (target >= {goal:.0f}x)"
+        )
+    if not cfg.langgraph:
+        print("n/a   LangGraph: not installed (pip install -e '.[dev]')")
+    if not cfg.dbos:
+        print("n/a   DBOS: not installed (pip install dbos)")
     small, large = min(cfg.sizes), max(cfg.sizes)
     if small != large:
         for workload in WORKLOADS:
-            by = {(r.size, r.store): r.rate for r in rows if r.workload == workload}
-            a, b = by.get((small, "sqlite-normal")), by.get((large, "sqlite-normal"))
+            by = {(r.size, r.store, r.mode): r.rate for r in rows if r.workload == workload}
+            a, b = (
+                by.get((small, "sqlite-normal", "async")),
+                by.get((large, "sqlite-normal", "async")),
+            )
             if a and b:
                 print(
-                    f"info  sqlite-normal {workload}: nodes/s at {large} = {b / a:.2f} x nodes/s "
-                    f"at {small} (flat cost per node = 1.00)"
+                    f"info  sqlite-normal async {workload}: nodes/s at {large} = {b / a:.2f} x "
+                    f"nodes/s at {small} (flat cost per node = 1.00)"
                 )
-    print()
-    print(f"total {time.perf_counter() - started:.0f} s; load average at end: {_load()}")
+    print(f"load average {_load()}")
 
 
 # --- profile ---------------------------------------------------------------------
@@ -666,6 +933,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="1k only, one run per cell")
     parser.add_argument("--repeat", type=int, default=None, help="runs per cell (default 3)")
     parser.add_argument("--no-langgraph", action="store_true", help="skip LangGraph")
+    parser.add_argument("--no-dbos", action="store_true", help="skip DBOS")
+    parser.add_argument("--dbos-child", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--dir", type=Path, default=None, help="scratch parent directory")
     parser.add_argument(
         "--profile", action="store_true", help="print a cProfile of the SQLite-normal chain"
@@ -673,6 +942,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile-size", type=int, default=1000)
     parser.add_argument("--profile-top", type=int, default=15)
     args = parser.parse_args(argv)
+    if args.dbos_child:
+        workload, size, repeat, scratch = args.dbos_child
+        dbos_child(workload, int(size), int(repeat), Path(scratch))
+        return
 
     workdir = Path(tempfile.mkdtemp(prefix="tailrace-durability-", dir=args.dir))
     try:
@@ -686,12 +959,12 @@ def main(argv: list[str] | None = None) -> None:
             repeat=max(1, args.repeat or (1 if quick else 3)),
             workdir=workdir,
             langgraph=not args.no_langgraph,
+            dbos=not args.no_dbos,
             floor_n=(
                 {"normal": 5000, "full": 200, "postgres": 2000}
                 if quick
                 else {"normal": 10000, "full": 500, "postgres": 5000}
             ),
-            lg_syncs=("normal",) if quick else ("normal", "full"),
         )
         run(cfg)
     finally:

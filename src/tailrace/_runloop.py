@@ -17,8 +17,9 @@ import gc
 import operator
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ._admission import AdmissionPolicy, SlotQueue, Ticket
@@ -35,8 +36,13 @@ if TYPE_CHECKING:
     from .tail._hooks import TailHooks
 
 
-#: A buffered event: (seq, type, node index or None, visit, attempt, ts, data).
-EventTuple = tuple[int, EventType, int | None, int | None, int | None, float, dict[str, Any]]
+#: A buffered event: (seq, type, node index or None, visit, attempt, ts, data or None).
+EventTuple = tuple[
+    int, EventType, int | None, int | None, int | None, float, Mapping[str, Any] | None
+]
+
+#: The data of a hedge's NODE_STARTED (shared: every Event gets its own copy).
+_HEDGE_DATA: Mapping[str, Any] = MappingProxyType({"hedge": True})
 
 
 class NodeReport(NamedTuple):
@@ -253,7 +259,7 @@ class RunLoop:
             node_id=None if node is None else self.topo.ids[node],
             visit=visit,
             attempt=attempt,
-            data=data,
+            data=data if isinstance(data, dict) else dict(data or {}),
         )
 
     # -- the loop -------------------------------------------------------------
@@ -448,10 +454,18 @@ class RunLoop:
         attempt.task = task
         self._in_flight[attempt] = None
         if self._record:
-            if hedge:
-                self.emit(EventType.NODE_STARTED, i, ns.visits, ns.attempts, hedge=True)
-            else:
-                self.emit(EventType.NODE_STARTED, i, ns.visits, ns.attempts)
+            self.event_seq += 1
+            self._events.append(
+                (
+                    self.event_seq,
+                    EventType.NODE_STARTED,
+                    i,
+                    ns.visits,
+                    ns.attempts,
+                    time.time(),
+                    _HEDGE_DATA if hedge else None,
+                )
+            )
         if self._tail is not None:
             self._tail.watch(self, attempt)
 
