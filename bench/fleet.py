@@ -682,7 +682,7 @@ class BenchConfig:
 
     workers: tuple[int, ...] = (1, 2, 4, 8)
     runs_per_worker: int = 40
-    worker_concurrency: int = 4
+    worker_concurrency: int = 1
     latency_samples: int = 60
 
 
@@ -790,11 +790,10 @@ async def _first_start(store: Any, run_id: str, node_id: str) -> float:
 
 DBOS_WORKER = """
 import asyncio, os, sys, time
-from dbos import DBOS, Queue
+from dbos import DBOS
 
 DBOS(config={"name": "fleet-bench", "system_database_url": sys.argv[1],
              "executor_id": f"w{os.getpid()}"})
-queue = Queue("bench", worker_concurrency=int(sys.argv[2]))
 
 
 @DBOS.step()
@@ -810,7 +809,18 @@ async def io_run(x):
     return x
 
 
+@DBOS.step()
+async def now_step():
+    return time.time()
+
+
+@DBOS.workflow()
+async def probe_run(x):
+    return await now_step()  # when its first step started, as tailrace's first node start
+
+
 DBOS.launch()
+DBOS.register_queue("bench", worker_concurrency=int(sys.argv[2]))  # default polling: 1 s
 print("serving", flush=True)
 while True:
     time.sleep(1)
@@ -844,7 +854,8 @@ def bench_dbos(
                 raise RuntimeError("DBOS workers did not start: " + logs[0].read_text()[-2000:])
             time.sleep(0.05)
         out = subprocess.run(
-            [python, str(client_script), sysdb, str(cfg.runs_per_worker * n_workers)],
+            [python, str(client_script), sysdb, str(cfg.runs_per_worker * n_workers),
+             str(min(cfg.latency_samples, 20))],
             capture_output=True, text=True, check=True, cwd=workdir,
         )  # fmt: skip
         report = json.loads(out.stdout.strip().splitlines()[-1])
@@ -860,22 +871,21 @@ import json, sys, time
 from dbos import DBOSClient
 
 client = DBOSClient(system_database_url=sys.argv[1])
-total = int(sys.argv[2])
-t0 = time.time()
-handles = [client.enqueue({"queue_name": "bench", "workflow_name": "io_run"}, n) for n in range(total)]
+total, samples = int(sys.argv[2]), int(sys.argv[3])
+options = {"queue_name": "bench", "workflow_name": "io_run"}
+handles = [client.enqueue(options, n) for n in range(total)]
 for h in handles:
     h.get_result()
-elapsed = time.time() - t0
+statuses = [client.retrieve_workflow(h.workflow_id).get_status() for h in handles]
+first = min(s.dequeued_at for s in statuses if s.dequeued_at) / 1000.0
+last = max(s.completed_at or s.updated_at for s in statuses) / 1000.0
 latencies = []
-for n in range(20):
-    time.sleep(0.05)
+for n in range(samples):
+    time.sleep(0.05)  # the workers are idle again
     start = time.time()
-    h = client.enqueue({"queue_name": "bench", "workflow_name": "io_run"}, n)
-    h.get_result()
-    status = h.get_status()
-    began = (status.dequeued_at or status.updated_at) / 1000.0 if hasattr(status, "dequeued_at") else None
-    latencies.append((began - start) if began else time.time() - start - 0.1)
-print(json.dumps({"rate": total / elapsed, "latencies": latencies}))
+    h = client.enqueue({"queue_name": "bench", "workflow_name": "probe_run"}, n)
+    latencies.append(h.get_result() - start)
+print(json.dumps({"rate": total / (last - first), "latencies": latencies}))
 """
 
 
@@ -886,10 +896,11 @@ def run_bench(args: argparse.Namespace) -> None:
     cfg = BenchConfig(
         workers=tuple(int(x) for x in args.workers.split(",")),
         runs_per_worker=args.runs_per_worker,
+        worker_concurrency=args.per_worker,
         latency_samples=args.samples,
     )
     rates = Table(
-        "fleet: runs/s of I/O-bound runs (5 nodes x 20 ms, 4 runs at once per worker)",
+        f"fleet: runs/s of I/O-bound runs (5 nodes x 20 ms, {cfg.worker_concurrency} at once per worker)",
         [Column("store"), Column("workers", right=True), Column("runs/s", right=True),
          Column("x 1 worker", right=True), Column("of linear", right=True)],
     )  # fmt: skip
@@ -963,7 +974,7 @@ def _bench_dbos(
         if n == cfg.workers[0]:
             lat.add_row(
                 f"dbos {kind}",
-                "enqueue -> dequeue",
+                "submit -> start",
                 f"{1000 * percentile(latencies, 0.5):.1f}",
                 f"{1000 * percentile(latencies, 0.99):.1f}",
             )
@@ -1030,6 +1041,7 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=100)
     parser.add_argument("--workers", default="1,2,4,8")
     parser.add_argument("--runs-per-worker", type=int, default=40)
+    parser.add_argument("--per-worker", type=int, default=1, help="runs one worker drives at once")
     parser.add_argument("--samples", type=int, default=60)
     parser.add_argument("--dbos", action="store_true", help="also run DBOS side by side")
     parser.add_argument("--dbos-python", default=sys.executable, help="an interpreter with dbos")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .._codec import DEFAULT_CODEC
 from .._errors import TailraceError
 from .._runloop import NodeReport, RunResult
-from ..stores import QuestionStatus, RunRecord, RunStatus, StoredRun
+from ..stores import QuestionStatus, RunRecord, RunStatus, RunStore, StoredRun
 from ._errors import RunFailed
 
 if TYPE_CHECKING:
@@ -30,13 +30,23 @@ RECHECK = 0.02
 FALLBACK = 1.0
 
 
-def settled(record: RunRecord, now: float) -> bool:
-    """Whether ``record`` is where ``wait`` returns: finished, or suspended with nobody resuming it."""
+async def settled(store: RunStore, record: RunRecord, now: float) -> bool:
+    """Whether ``record`` is where ``wait`` returns: finished, or suspended with nothing to resume it.
+
+    A suspended run someone holds (it is being resumed), or one with an answer
+    not applied yet (a worker is about to resume it), is not settled.
+    """
     if record.status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED):
         return True
     if record.status is not RunStatus.SUSPENDED:
         return False
-    return record.lease_expires is None or record.lease_expires < now
+    if record.lease_expires is not None and record.lease_expires >= now:
+        return False
+    return not any(
+        q.status is QuestionStatus.ANSWERED
+        or (q.status is QuestionStatus.EXPIRED and q.applied_at is None)
+        for q in await store.list_questions(run_id=record.run_id)
+    )
 
 
 async def wait_for(
@@ -54,7 +64,7 @@ async def wait_for(
     async with store.changes() as feed:
         while True:
             record = await store.get_run(run_id)
-            if settled(record, time.time()):
+            if await settled(store, record, time.time()):
                 return await stored_result(engine, record, graph)
             left = FALLBACK if deadline is None else deadline - time.monotonic()
             if left <= 0:

@@ -149,6 +149,8 @@ class Worker:
         self._wake = asyncio.Event()
         self._closing = asyncio.Event()
         self._next_orphan_scan = 0.0
+        #: When to look at the queues again without a wake-up (a rate window may open).
+        self._look_at = float("inf")
         #: Workers on this host whose process is gone while they still hold runs.
         self._dead: set[str] = set()
         self._started_at = time.time()
@@ -209,6 +211,9 @@ class Worker:
             self._wake.clear()
             if polled:
                 kinds, poll_at = CHANGE_KINDS | {"slot"}, now + self.poll_interval
+            elif now >= self._look_at:
+                kinds = kinds | {"slot"}
+            self._look_at = float("inf")
             self.stats.rounds += 1
             try:
                 await self._round(kinds, group)
@@ -218,19 +223,24 @@ class Worker:
             if self._kinds or stop.is_set():
                 continue
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(poll_at - time.monotonic(), 0.0)):
+                wake_at = min(poll_at, self._look_at)
+                async with asyncio.timeout(max(wake_at - time.monotonic(), 0.0)):
                     await self._wake.wait()
 
     async def _round(self, kinds: frozenset[str], group: asyncio.TaskGroup) -> None:
         """One look at the store, doing only what the wake-up's ``kinds`` can have changed."""
         if "cancel" in kinds:
             await self._cancel_requested()
-        if kinds & {"answer", "release"} and self._free() > 0:
+        if "answer" in kinds and self._free() > 0:
+            # (An answer that found its run leased is applied by the holder as it lets
+            # go, Engine._settle; the poll catches any other.)
             for question in await self.store.claim_answers(
                 self.owner, self.engine.lease_ttl, limit=self._free()
             ):
                 self._start(group, _Job(question.run_id, "answer"), self._answer(question))
-        if kinds & {"submit", "release", "slot", "dead"}:
+        # Another worker's release frees a slot only in a queue with global limits.
+        counted = any(q.concurrency is not None or q.limit is not None for q in self.queues)
+        if kinds & {"submit", "slot", "dead"} or ("release" in kinds and counted):
             await self._claim(group)
         if kinds & {"release", "slot"} and time.monotonic() >= self._next_orphan_scan:
             self._next_orphan_scan = time.monotonic() + min(self.poll_interval, 0.25)
@@ -253,11 +263,17 @@ class Worker:
             free = self._free(queue)
             if free <= 0:
                 continue
-            for run_id in await self.store.claim_runs(
+            claimed = await self.store.claim_runs(
                 queue.name, self.owner, self.engine.lease_ttl, limit=free
-            ):
+            )
+            for run_id in claimed:
                 self.stats.claimed += 1
                 self._start(group, _Job(run_id, "claim", queue.name), self._drive(run_id))
+            if queue.limit is not None and len(claimed) < free:
+                # The rate window may be what held runs back: look again when a
+                # start may have left it, not a poll later.
+                soon = time.monotonic() + queue.period / queue.limit
+                self._look_at = min(self._look_at, soon)
 
     def _start(self, group: asyncio.TaskGroup, job: _Job, work: Awaitable[Any]) -> None:
         """Run ``work`` as a job of this worker: it holds a slot (and its queue's) until it ends."""
