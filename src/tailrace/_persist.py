@@ -33,6 +33,7 @@ from ._errors import (
 from ._events import EventType
 from ._graph import Graph, resolve_reference
 from ._owner import owner_is_dead
+from ._runloop import BULK, paused_gc
 from ._state import LateInput, NodeState, NodeStatus, RunState
 from .stores._base import (
     FORMAT_VERSION,
@@ -336,7 +337,11 @@ class Persister:
         queued = self._queued
         if not queued or queued[-1].status is not run_status:
             queued.append(_Pending(run_status))  # a status change is its own write
-        self._add_harvest(queued[-1], loop, events, error)
+        if len(loop.state.dirty) + len(events) < BULK:
+            self._add_harvest(queued[-1], loop, events, error)
+        else:
+            with paused_gc():  # thousands of rows at once (see paused_gc)
+                self._add_harvest(queued[-1], loop, events, error)
         self._staged += 1
         if self._writer is None or self._writer.done():
             self._writer = asyncio.ensure_future(self._drain())
@@ -360,7 +365,11 @@ class Persister:
                 batch, self._queued = self._queued, []
                 self._staged = 0
                 for pending in batch:
-                    harvest = pending.harvest(self.topo.ids)
+                    if len(pending.nodes) + len(pending.events) < BULK:
+                        harvest = pending.harvest(self.topo.ids)
+                    else:
+                        with paused_gc():
+                            harvest = pending.harvest(self.topo.ids)
                     await self.store.commit(self.run_id, self.token, harvest)
         except Exception as exc:
             # Nothing harvested after a failed write may be written (D2); the run
