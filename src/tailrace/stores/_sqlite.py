@@ -91,7 +91,7 @@ from ._sql import (
 from ._sql_queues import list_runs_query
 from ._sqlite_files import prepare_for_writing, read_only_connection, read_only_uri
 from ._sqlite_queues import DataVersionWatch, SQLiteQueues, bump
-from ._sqlite_threads import Readers, Undo, Writer, finish_despite_cancellation
+from ._sqlite_threads import Readers, Undo, Writer, finish_despite_cancellation, insert_rows
 
 T = TypeVar("T")
 
@@ -291,10 +291,10 @@ class SQLiteStore(SQLiteQueues, RunStore):
             run_id, current=parse_status(run_id, status), format_version=format_version,
             lease_token=lease_token, token=token, new=harvest.status,
         )  # fmt: skip
-        conn.executemany(UPSERT_NODE, node_params(run_id, harvest))
+        insert_rows(conn, UPSERT_NODE, node_params(run_id, harvest))
         try:
             for sql, rows in append_only_rows(run_id, harvest):
-                conn.executemany(sql, rows)
+                insert_rows(conn, sql, rows)
         except sqlite3.IntegrityError as exc:  # nothing committed is rewritten (D1)
             what = first_duplicate(conn, run_id, harvest)
             raise StoreError(f"{what} already committed; nothing of it was written") from exc
