@@ -183,6 +183,9 @@ async def test_a_dead_workers_run_is_adopted_at_once_not_after_its_lease(
         run_id = await submitter.submit(graphs.slow, 1)
         doomed = fleet_of.start("--lease-ttl", 3600, env={"TAILRACE_TEST_CRAWL": "3600"})
         await until(lambda: (run_id, "crawl", 1) in fleet_of.starts(), "the run to be crawling")
+        assert submitter.store is not None
+        # Commits are pipelined: crawl may start before warm's completion is durable.
+        await until(lambda: submitter.store.results(run_id, "warm"), "warm to be committed")
         doomed.send_signal(signal.SIGKILL)
         doomed.wait()  # reaped: its pid is gone, provably dead
         monkeypatch.setenv("TAILRACE_TEST_CRAWL", "0")
