@@ -124,10 +124,19 @@ class Writer:
         is committed too before ``CancelledError`` propagates.
         """
         write = self._enqueue(context, apply)
+        if undo is None:
+            # Nothing to undo: the future itself may be cancelled with the caller
+            # (its outcome is then dropped), which saves the shield's extra trip
+            # through the event loop on every write.
+            try:
+                return cast("T", await write.future)
+            except asyncio.CancelledError:
+                self._withdraw(write, waiting=False)
+                raise
         try:
             return cast("T", await asyncio.shield(write.future))
         except asyncio.CancelledError:
-            if self._withdraw(write, waiting=undo is not None) and undo is not None:
+            if self._withdraw(write, waiting=True):
                 await self._undo_after_cancellation(write, undo)
             raise
 
