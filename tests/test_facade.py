@@ -24,6 +24,7 @@ FACADES = [
     "tailrace.gates",
     "tailrace.evolve",
     "tailrace.executors",
+    "tailrace.workers",
 ]
 
 

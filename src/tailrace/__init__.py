@@ -12,6 +12,7 @@ from ._engine import Engine as Engine
 from ._engine import run as run
 from ._errors import AlreadyAnswered as AlreadyAnswered
 from ._errors import CorruptRecord as CorruptRecord
+from ._errors import DuplicateRun as DuplicateRun
 from ._errors import EncodeError as EncodeError
 from ._errors import ExecutorLost as ExecutorLost
 from ._errors import GraphError as GraphError
@@ -25,6 +26,7 @@ from ._errors import QuestionNotFound as QuestionNotFound
 from ._errors import RouteError as RouteError
 from ._errors import RunError as RunError
 from ._errors import RunExists as RunExists
+from ._errors import RunFailed as RunFailed
 from ._errors import RunNotFound as RunNotFound
 from ._errors import StaleVersion as StaleVersion
 from ._errors import StallError as StallError
@@ -47,6 +49,9 @@ from ._state import NodeStatus as NodeStatus
 from .gates import GateTimeout as GateTimeout
 from .stores import QuestionRow as QuestionRow
 from .stores import QuestionStatus as QuestionStatus
+from .stores import Queue as Queue
+from .workers import Worker as Worker
+from .workers import WorkerStats as WorkerStats
 
 __version__ = "0.1.0"
 
@@ -56,6 +61,7 @@ __all__ = [
     "AlreadyAnswered",
     "Codec",
     "CorruptRecord",
+    "DuplicateRun",
     "Edge",
     "EncodeError",
     "Engine",
@@ -82,10 +88,12 @@ __all__ = [
     "QuestionNotFound",
     "QuestionRow",
     "QuestionStatus",
+    "Queue",
     "RetryPolicy",
     "RouteError",
     "RunError",
     "RunExists",
+    "RunFailed",
     "RunNotFound",
     "RunResult",
     "StaleVersion",
@@ -93,6 +101,8 @@ __all__ = [
     "StoreError",
     "TailraceError",
     "UnsupportedFormat",
+    "Worker",
+    "WorkerStats",
     "current_node",
     "run",
 ]

@@ -12,6 +12,8 @@ callers are expected to handle get their own class::
     │   ├── EncodeError (ValueError)     a result the codec cannot encode (D5)
     │   ├── RunNotFound (KeyError)       no run with that id
     │   ├── RunExists                    a run with that id already exists
+    │   │   └── DuplicateRun             a submit's dedup key is held by a live run
+    │   ├── RunFailed                    a run waited for (``Engine.wait``) failed
     │   ├── GraphMismatch                the graph changed shape since the run began
     │   ├── NotResumable                 the run is finished, or cannot be resumed
     │   └── ExecutorLost                 the worker running an attempt died (retryable)
@@ -31,6 +33,8 @@ exception (E9).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class TailraceError(Exception):
@@ -66,6 +70,34 @@ class RunNotFound(RunError, KeyError):
 
 class RunExists(RunError):
     """A run with this id already exists."""
+
+
+class DuplicateRun(RunExists):
+    """A submit found its ``dedup_key`` held by a live run of the queue (``on_duplicate="raise"``).
+
+    ``message`` says so; ``run_id`` names that run, ``dedup_key`` and ``queue`` the key.
+    """
+
+    def __init__(self, message: str, *, run_id: str, queue: str, dedup_key: str) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.queue = queue
+        self.dedup_key = dedup_key
+
+
+class RunFailed(RunError):
+    """A run that ``Engine.wait`` waited for failed; ``error`` is its stored error.
+
+    ``message`` says so and ``run_id`` names the run. The handler's own
+    exception stayed in the process that ran it (E9); this carries its text
+    and the run's ``result`` as stored.
+    """
+
+    def __init__(self, message: str, *, run_id: str, error: str | None, result: Any) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.error = error
+        self.result = result
 
 
 class GraphMismatch(RunError):

@@ -14,9 +14,9 @@ wake-ups are ``LISTEN/NOTIFY`` or a ``data_version`` check. See
 ``docs/scale-out.md``.
 """
 
+from .._errors import DuplicateRun as DuplicateRun
+from .._errors import RunFailed as RunFailed
 from ..stores import Queue as Queue
-from ._errors import DuplicateRun as DuplicateRun
-from ._errors import RunFailed as RunFailed
 from ._worker import Worker as Worker
 from ._worker import WorkerStats as WorkerStats
 

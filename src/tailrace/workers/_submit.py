@@ -16,10 +16,9 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from .._codec import DEFAULT_CODEC
-from .._errors import EncodeError
+from .._errors import DuplicateRun, EncodeError
 from ..stores import NewRun, RunStore, Submission
 from ..tail import DurationEstimator
-from ._errors import DuplicateRun
 
 if TYPE_CHECKING:
     from .._engine import Engine

@@ -15,10 +15,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .._codec import DEFAULT_CODEC
-from .._errors import TailraceError
+from .._errors import RunFailed, TailraceError
 from .._runloop import NodeReport, RunResult
 from ..stores import QuestionStatus, RunRecord, RunStatus, RunStore, StoredRun
-from ._errors import RunFailed
 
 if TYPE_CHECKING:
     from .._engine import Engine
