@@ -113,7 +113,9 @@ async def serving(
     servers = []
     for store in stores:
         await store.open()
-        servers.append(Server(tr.Engine(store=store), interval=interval, max_interval=max_interval))
+        engine = tr.Engine(store=store)
+        engine.register(graph)  # a stored file reference is never executed (trust model)
+        servers.append(Server(engine, interval=interval, max_interval=max_interval))
     stop = asyncio.Event()
     tasks = [asyncio.create_task(s.run(stop)) for s in servers]
     try:
