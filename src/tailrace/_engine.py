@@ -274,7 +274,7 @@ class Engine:
         already finished is left as it is; a live owner's lease is respected
         (:class:`LeaseHeld`).
         """
-        from ._persist import mark_failed
+        from ._leases import mark_failed
 
         self._require_store("fail_run")
         with self._driving(run_id):

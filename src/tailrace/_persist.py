@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from ._codec import DEFAULT_CODEC, Codec, JsonCodec
@@ -25,21 +24,32 @@ from ._errors import (
     CorruptRecord,
     EncodeError,
     GraphError,
-    LeaseHeld,
     LeaseLost,
     StoreError,
     UnsupportedFormat,
 )
 from ._events import EventType
 from ._graph import Graph, resolve_reference
-from ._owner import owner_is_dead
+from ._leases import acquire_lease, release_quietly, run_to_end
+from ._rows import (
+    _SCALARS,
+    _STATUSES,
+    NODE_ROW_VERSION,
+    PlainRow,
+    _make_event_row,
+    _make_result_row,
+    _pairs,
+    _Pending,
+    _resolve,
+    _scalar_json,
+    _unpairs,
+)
 from ._runloop import BULK, paused_gc
 from ._state import LateInput, NodeState, NodeStatus, RunState
 from .stores._base import (
     FORMAT_VERSION,
     EventRow,
     FrozenInput,
-    Harvest,
     NewRun,
     NodeRow,
     QuestionRow,
@@ -67,10 +77,6 @@ GROUP_WINDOW = 0.005
 
 #: How many harvests of one run may wait for the store before the loop waits too.
 MAX_QUEUED = 256
-
-#: Version of the node rows' ``data_json``. Version 2 may refer to a result row
-#: instead of repeating a large value (``result_ref``, ``payload_ref``).
-NODE_ROW_VERSION = 2
 
 #: Encoded results at least this long are stored once, in their result row;
 #: node rows refer to them (a 50 MB result is not written three times).
@@ -772,285 +778,3 @@ class Persister:
             return self.codec.decode(text)
         except ValueError as exc:
             raise CorruptRecord(f"run {self.run_id!r}: {what} does not decode: {exc}") from exc
-
-
-async def acquire_lease(store: RunStore, run_id: str, owner: str, ttl: float) -> int:
-    """Lease ``run_id`` for ``owner`` (D6); a lease whose owner provably died is taken over at once.
-
-    The owner is dead when it ran on this host and its process is gone (or
-    its pid now belongs to another process): there is no point waiting for
-    its lease to expire.
-    """
-    try:
-        return await store.acquire_lease(run_id, owner, ttl)
-    except LeaseHeld as exc:
-        holder = getattr(exc, "owner", None)
-        if not owner_is_dead(holder):
-            raise
-        logger.info("run %s: its lease owner %s is gone; taking over", run_id, holder)
-        return await store.acquire_lease(run_id, owner, ttl, steal_from=holder)
-
-
-async def release_quietly(store: RunStore, run_id: str, owner: str, token: int) -> None:
-    """Release a lease on the way out; a failure is logged (the lease then expires by itself)."""
-    try:
-        await store.release_lease(run_id, owner, token)
-    except (StoreError, LeaseLost) as exc:
-        logger.warning(
-            "run %s: could not release its lease (%s); it expires by itself", run_id, exc
-        )
-
-
-async def run_to_end(cleanup: Awaitable[None]) -> None:
-    """Await ``cleanup`` to its end even if the caller is cancelled meanwhile.
-
-    The cancellation is not swallowed: it is re-raised once the cleanup is done.
-    """
-    task = asyncio.ensure_future(cleanup)
-    cancelled = False
-    while True:
-        try:
-            await asyncio.shield(task)
-            break
-        except asyncio.CancelledError:
-            if task.done():
-                raise  # the cleanup itself was cancelled
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-
-
-async def mark_failed(engine: Engine, run_id: str, reason: str) -> None:
-    """Record run ``run_id`` as failed with ``reason``, without its graph (a daemon's last word).
-
-    For a run that cannot be resumed (its graph does not load, its rows do not
-    decode): takes the lease, supersedes its open questions, writes the status
-    and a ``run_failed`` event, and releases.
-    """
-    store = engine.store
-    assert store is not None
-    record = await store.get_run(run_id)
-    if record.status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED):
-        return
-    token = await acquire_lease(store, run_id, engine.owner, engine.lease_ttl)
-    try:
-        open_ids = [
-            q.question_id
-            for q in await store.list_questions(run_id=run_id)
-            if q.status in (QuestionStatus.OPEN, QuestionStatus.ANSWERED)
-        ]
-        events = await store.events(run_id)
-        seq = max((e.seq for e in events), default=0) + 1
-        now = time.time()
-        event = EventRow(
-            seq=seq,
-            type=EventType.RUN_FAILED.value,
-            node_id=None,
-            visit=None,
-            attempt=None,
-            ts=now,
-            data_json=DEFAULT_CODEC.encode({"error": reason}),
-        )
-        harvest = Harvest(
-            state_json=record.state_json,
-            status=RunStatus.FAILED,
-            error=reason,
-            nodes=[],
-            results=[],
-            frozen=[],
-            events=[event],
-            nodes_done_delta=0,
-            superseded=open_ids,
-            finished_at=now,
-        )
-        await store.commit(run_id, token, harvest)
-    finally:
-        await run_to_end(release_quietly(store, run_id, engine.owner, token))
-
-
-def _pairs(frontier: dict[int, int] | None, ids: tuple[str, ...]) -> list[list[Any]] | None:
-    return None if frontier is None else [[ids[k], v] for k, v in sorted(frontier.items())]
-
-
-def _unpairs(pairs: list[list[Any]] | None, index: dict[str, int]) -> dict[int, int] | None:
-    return None if pairs is None else {index[k]: int(v) for k, v in pairs}
-
-
-#: Types whose values strict JSON reads back unchanged (exact types: no subclasses).
-_SCALARS = frozenset({type(None), bool, int, float, str})
-
-
-def _scalar_json(codec: Codec, value: Any) -> str:
-    """JSON of a scalar, as :class:`JsonCodec` writes it (floats must be finite)."""
-    if value is None:
-        return "null"
-    if value is True:
-        return "true"
-    if value is False:
-        return "false"
-    if type(value) is int:
-        return int.__repr__(value)
-    return codec.encode(value)  # str and float: the encoder's checks (surrogates, NaN)
-
-
-def _slot_setters(cls: type, names: tuple[str, ...]) -> tuple[Callable[[Any, Any], None], ...]:
-    """The slot setters of dataclass ``cls``, when ``names`` are exactly its fields (else ())."""
-    fields = tuple(f.name for f in dataclasses.fields(cls))
-    if fields != names or hasattr(cls, "__post_init__"):
-        return ()
-    return tuple(cls.__dict__[name].__set__ for name in names)
-
-
-# Rows are built by setting their slots: a frozen keyword ``__init__`` costs twice
-# as much, and a durable node makes four rows. Used only while the row classes
-# have exactly these fields and no ``__post_init__``; otherwise their ``__init__``.
-_EVENT_SLOTS = _slot_setters(
-    EventRow, ("seq", "type", "node_id", "visit", "attempt", "ts", "data_json")
-)
-_NODE_SLOTS = _slot_setters(NodeRow, ("node_id", "status", "visits", "data_json"))
-_RESULT_SLOTS = _slot_setters(ResultRow, ("node_id", "visit", "value_json"))
-_new = object.__new__
-
-
-def _make_event_row(
-    seq: int,
-    type: str,
-    node_id: str | None,
-    visit: int | None,
-    attempt: int | None,
-    ts: float,
-    data_json: str,
-) -> EventRow:
-    if not _EVENT_SLOTS:
-        return EventRow(
-            seq=seq,
-            type=type,
-            node_id=node_id,
-            visit=visit,
-            attempt=attempt,
-            ts=ts,
-            data_json=data_json,
-        )
-    a, b, c, d, e, f, g = _EVENT_SLOTS
-    row = _new(EventRow)
-    a(row, seq)
-    b(row, type)
-    c(row, node_id)
-    d(row, visit)
-    e(row, attempt)
-    f(row, ts)
-    g(row, data_json)
-    return row
-
-
-def _make_node_row(node_id: str, status: str, visits: int, data_json: str) -> NodeRow:
-    if not _NODE_SLOTS:
-        return NodeRow(node_id=node_id, status=status, visits=visits, data_json=data_json)
-    a, b, c, d = _NODE_SLOTS
-    row = _new(NodeRow)
-    a(row, node_id)
-    b(row, status)
-    c(row, visits)
-    d(row, data_json)
-    return row
-
-
-def _make_result_row(node_id: str, visit: int, value_json: str) -> ResultRow:
-    if not _RESULT_SLOTS:
-        return ResultRow(node_id=node_id, visit=visit, value_json=value_json)
-    a, b, c = _RESULT_SLOTS
-    row = _new(ResultRow)
-    a(row, node_id)
-    b(row, visit)
-    c(row, value_json)
-    return row
-
-
-#: A plain node row before it is composed: status, fired, visits, attempts,
-#: payload JSON, result JSON, has_result JSON (see ``Persister._plain_row``).
-PlainRow = tuple[str, int, int, int, str, str, str]
-
-
-def _compose(node_id: str, row: PlainRow) -> NodeRow:
-    status, fired, visits, attempts, payload, result, has_result = row
-    return _make_node_row(
-        node_id,
-        status,
-        visits,
-        f'{{"v":{NODE_ROW_VERSION},"fired":{fired},"visits":{visits},'
-        f'"attempts":{attempts},"payload":{payload},"result":{result},'
-        f'"has_result":{has_result},"frontier":null,"inputs":null,"pending":null,'
-        '"question":null}',
-    )
-
-
-def _resolve(future: asyncio.Future[None] | None) -> None:
-    if future is not None and not future.done():
-        future.set_result(None)
-
-
-_STATUSES = {status.value: status for status in RunStatus}
-
-
-class _Pending:
-    """Consecutive harvests of one run with one status, merged in order into one write (D2).
-
-    The latest row of each node wins; results, first-k decisions and events
-    are concatenated; the run's state, error and status are the last harvest's.
-    """
-
-    __slots__ = (
-        "applied",
-        "error",
-        "events",
-        "finished_at",
-        "frozen",
-        "nodes",
-        "questions",
-        "results",
-        "state",
-        "status",
-        "superseded",
-    )
-
-    def __init__(self, status: RunStatus) -> None:
-        self.status = status
-        self.error: str | None = None
-        #: The run's state JSON, or its counters (seq, events, turn) to write it from.
-        self.state: str | tuple[int, int, int] = ""
-        self.finished_at: float | None = None
-        #: node index -> its latest row, or the snapshot to compose it from.
-        self.nodes: dict[int, NodeRow | PlainRow] = {}
-        self.results: list[ResultRow] = []
-        self.frozen: list[FrozenInput] = []
-        self.events: list[EventRow] = []
-        self.questions: list[QuestionRow] = []
-        self.applied: list[str] = []
-        self.superseded: list[str] = []
-
-    def harvest(self, ids: tuple[str, ...]) -> Harvest:
-        """The merged harvest, as the store takes it (``ids``: node ids by index)."""
-        state = self.state
-        if not isinstance(state, str):
-            seq, events, turn = state
-            state = (
-                f'{{"v":{FORMAT_VERSION},"seq":{seq},"events":{events},'
-                f'"turn":{turn},"parked":[],"edge_gen":[]}}'
-            )
-        return Harvest(
-            state_json=state,
-            status=self.status,
-            error=self.error,
-            nodes=[
-                row if isinstance(row, NodeRow) else _compose(ids[i], row)
-                for i, row in self.nodes.items()
-            ],
-            results=self.results,
-            frozen=self.frozen,
-            events=self.events,
-            nodes_done_delta=len(self.results),
-            finished_at=self.finished_at,
-            questions=self.questions,
-            applied=self.applied,
-            superseded=self.superseded,
-        )

@@ -19,7 +19,7 @@ from .._codec import DEFAULT_CODEC
 from .._errors import LeaseHeld
 from .._events import EventType
 from .._owner import owner_is_dead
-from .._persist import acquire_lease, release_quietly, run_to_end
+from .._leases import acquire_lease, release_quietly, run_to_end
 from ..stores import EventRow, Harvest, QuestionStatus, RunRecord, RunStatus
 
 if TYPE_CHECKING:
