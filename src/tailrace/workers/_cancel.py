@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from .._codec import DEFAULT_CODEC
 from .._errors import LeaseHeld
 from .._events import EventType
-from .._owner import owner_is_dead
 from .._leases import acquire_lease, release_quietly, run_to_end
+from .._owner import owner_is_dead
 from ..stores import EventRow, Harvest, QuestionStatus, RunRecord, RunStatus
 
 if TYPE_CHECKING:
