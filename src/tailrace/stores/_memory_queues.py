@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .._errors import RunExists, RunNotFound
 from ._base import (
@@ -44,8 +45,9 @@ class MemoryQueues:
     _queues: dict[str, Queue]
     _workers: dict[str, WorkerRow]
 
-    def _insert_run(self, run: NewRun, submission: Submission | None) -> None:
-        raise NotImplementedError  # the store's own, under its lock
+    if TYPE_CHECKING:  # the store's own, under its lock; declared for the type checker only
+
+        def _insert_run(self, run: NewRun, submission: Submission | None) -> None: ...
 
     def changes(self) -> contextlib.AbstractAsyncContextManager[ChangeFeed]:
         """Wake-ups delivered as the writes happen (see :meth:`RunStore.changes`)."""

@@ -21,7 +21,7 @@ import logging
 import sqlite3
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from .._errors import RunExists, RunNotFound
 from ._base import (
@@ -202,13 +202,17 @@ class SQLiteQueues:
     _clock: Callable[[], float]
     _hub: ChangeHub
 
-    async def _write(
-        self, context: str, apply: Callable[[sqlite3.Connection], T], *, undo: Undo[T] | None = None
-    ) -> T:
-        raise NotImplementedError  # the store's own
+    if TYPE_CHECKING:  # the store's own; declared for the type checker only
 
-    async def _read(self, context: str, read: Callable[[sqlite3.Connection], T]) -> T:
-        raise NotImplementedError  # the store's own
+        async def _write(
+            self,
+            context: str,
+            apply: Callable[[sqlite3.Connection], T],
+            *,
+            undo: Undo[T] | None = None,
+        ) -> T: ...
+
+        async def _read(self, context: str, read: Callable[[sqlite3.Connection], T]) -> T: ...
 
     def changes(self) -> contextlib.AbstractAsyncContextManager[ChangeFeed]:
         """Wake-ups from the ``data_version`` watcher (see :meth:`RunStore.changes`)."""
