@@ -255,24 +255,24 @@ class Graph:
             raise GraphError(f"duplicate node id {name!r}")
         if not callable(handler):
             raise GraphError(f"node {name!r}: handler {handler!r} is not callable")
-        _check_option_types(
-            name,
-            required=required,
-            max_visits=max_visits,
-            priority=priority,
-            any_of=any_of,
-            retry=retry,
-            timeout=timeout,
-            cost=cost,
-            estimate_key=estimate_key,
-            hedge=hedge,
-            poller=poller,
-            deadline=deadline,
-            executor=executor,
-            resources=resources,
-            runtime_env=runtime_env,
-            late=late,
-        )
+        options: dict[str, Any] = {
+            "required": required,
+            "max_visits": max_visits,
+            "priority": priority,
+            "any_of": any_of,
+            "retry": retry,
+            "timeout": timeout,
+            "cost": cost,
+            "estimate_key": estimate_key,
+            "hedge": hedge,
+            "poller": poller,
+            "deadline": deadline,
+            "executor": executor,
+            "resources": resources,
+            "runtime_env": runtime_env,
+            "late": late,
+        }
+        _check_option_types(name, **options)
         if late != "record" and node_kind is not NodeKind.AGGREGATE:
             raise GraphError(f"node {name!r}: late= applies to aggregates only")
         if required is not None and node_kind is not NodeKind.AGGREGATE:
@@ -281,26 +281,10 @@ class Graph:
             raise GraphError(f"node {name!r}: an aggregate cannot be any_of")
         if (poller is not None or deadline is not None) and node_kind is not NodeKind.GATE:
             raise GraphError(f"node {name!r}: poller= and deadline= apply to gates only")
-        node = Node(
-            id=name,
-            handler=handler,
-            kind=node_kind,
-            required=required,
-            max_visits=max_visits,
-            priority=priority,
-            any_of=any_of,
-            retry=retry,
-            timeout=timeout,
-            cost=cost,
-            estimate_key=estimate_key,
-            hedge=hedge,
-            poller=poller,
-            deadline=deadline,
-            executor=executor,
-            resources=None if resources is None else dict(resources),
-            runtime_env=None if runtime_env is None else _json_copy(runtime_env),
-            late=late,
-        )
+        # Copies, so later changes to the caller's mappings do not leak into the graph.
+        options["resources"] = None if resources is None else dict(resources)
+        options["runtime_env"] = None if runtime_env is None else _json_copy(runtime_env)
+        node = Node(id=name, handler=handler, kind=node_kind, **options)
         self.nodes[name] = node
         self._compiled = None
         return node
