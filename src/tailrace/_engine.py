@@ -175,6 +175,7 @@ class Engine:
         *,
         force: bool = False,
         patch: Any = None,
+        durability: str | None = None,
     ) -> RunResult:
         """Resume the durable run ``run_id`` where it stopped (D3, Q3).
 
@@ -188,9 +189,15 @@ class Engine:
         boundaries, their values passed through ``patch`` (a mapping merged
         into dict values, or a function), e.g. to render a newer artifact. A
         suspended run with nothing new to do is returned as it is, without a
-        write.
+        write. The run keeps the durability it was started with (stored with
+        its state) unless ``durability`` says otherwise; a run that committed
+        nothing yet takes the engine's.
         """
+        if durability is not None:
+            durability = _checked_durability(durability)
         with self._driving(run_id):
+            if durability is not None:
+                self._durability_of[run_id] = durability
             result = await self._resume(run_id, graph, force, patch)
             return await self._settle(result, graph, force)
 
@@ -244,6 +251,8 @@ class Engine:
             state, event_seq, turn = await persister.restore(
                 stored, await self._late_inputs(run_id)
             )
+            if persister.stored_durability is not None:
+                self._durability_of.setdefault(run_id, persister.stored_durability)
             loop = self._loop_for(run_id, state, persister, event_seq, turn)
             applied = await loop.absorb_answers()
             unparked = state.unpark(patch)

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._codec import DEFAULT_CODEC, Codec, JsonCodec
@@ -36,13 +36,12 @@ from ._rows import (
     _STATUSES,
     NODE_ROW_VERSION,
     PlainRow,
-    _make_event_row,
     _make_result_row,
     _pairs,
     _Pending,
-    _resolve,
     _scalar_json,
     _unpairs,
+    state_text,
 )
 from ._runloop import BULK, paused_gc
 from ._state import LateInput, NodeState, NodeStatus, RunState
@@ -68,10 +67,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tailrace.persist")
 
-#: Seconds a run's writer waits for more harvests to join a write (while not
-#: flushing: a final status or durability "sync" writes at once). Larger writes
-#: mean fewer hand-overs of the GIL between the loop and the writer thread: 5 ms
-#: ran a durable chain a third faster than 1 ms; "async" durability promises no
+#: Seconds the run loop lets running harvests gather before it stages them as
+#: one (a final status, a question or durability "sync" stages at once). Built
+#: once per window, a node that starts and completes within it costs one row and
+#: a harvest costs a flag check; larger writes also mean fewer hand-overs of the
+#: GIL between the loop and the writer thread. "async" durability promises no
 #: bound on this lag anyway (issue 13).
 GROUP_WINDOW = 0.005
 
@@ -104,9 +104,10 @@ class Persister:
         #: Harvests staged since the last write began (the store's backlog).
         self._staged = 0
         self._writer: asyncio.Future[None] | None = None
-        #: The group window the writer waits out; a flush ends it early.
-        self._window: asyncio.Future[None] | None = None
-        self._flushing = False
+        #: The group window's timer while running harvests gather (see :meth:`defer`).
+        self._window: asyncio.TimerHandle | None = None
+        #: Set when the window ended: the next harvest is staged.
+        self._window_ended = False
         self._lost: LeaseLost | None = None
         #: The first write that failed; nothing after it is written (D2).
         self.failure: BaseException | None = None
@@ -119,6 +120,10 @@ class Persister:
         self._texts: dict[int, tuple[Any, str]] = {}
         #: The run's input and its JSON, for the entry nodes' rows.
         self._input: tuple[Any, str] | None = None
+        #: The run's durability mode, stored with its state so a resume keeps it
+        #: (set by the run loop); the mode read back by :meth:`restore`, if any.
+        self.durability = "async"
+        self.stored_durability: str | None = None
         #: Scalars read back from strict JSON as they went in: no decode needed.
         self._plain = isinstance(self.codec, JsonCodec)
 
@@ -223,6 +228,7 @@ class Persister:
         # Stopped, not cancelled: a beat in the middle of a query finishes it
         # (cancelling a driver mid-query can leave its connection stuck).
         stop.set()
+        self._close_window()
         await asyncio.gather(beat, return_exceptions=True)
         await self._drain_quietly()
         if self._lost is None:
@@ -329,6 +335,32 @@ class Persister:
         if self.stage(loop, events, status, error):
             await self.flush()
 
+    def defer(self, wake: Callable[[], None]) -> bool:
+        """Whether a running harvest may wait for the group window instead of being staged now.
+
+        The first harvest after a stage opens the window; when it ends (after
+        :data:`GROUP_WINDOW`) ``wake`` (the run loop's poke) brings the loop
+        back to stage everything gathered meanwhile in one go, at a harvest
+        boundary like any stage.
+        """
+        if self._window_ended:
+            return False
+        if self._window is None:
+            self._window = asyncio.get_running_loop().call_later(
+                GROUP_WINDOW, self._end_window, wake
+            )
+        return True
+
+    def _end_window(self, wake: Callable[[], None]) -> None:
+        self._window_ended = True
+        wake()
+
+    def _close_window(self) -> None:
+        if self._window is not None:
+            self._window.cancel()
+            self._window = None
+        self._window_ended = False
+
     def stage(
         self, loop: RunLoop, events: list[EventTuple], status: str, error: str | None
     ) -> bool:
@@ -339,6 +371,7 @@ class Persister:
         caller flushes on a final ``status``, or when the store falls behind.
         """
         self.raise_failure()
+        self._close_window()
         run_status = _STATUSES[status]
         queued = self._queued
         if not queued or queued[-1].status is not run_status:
@@ -356,18 +389,7 @@ class Persister:
     async def _drain(self) -> None:
         try:
             while self._queued:
-                if not self._flushing:
-                    # Let a few more harvests join this write: one write per millisecond
-                    # costs the store (and the GIL) far less than one per harvest. A
-                    # flush ends the wait at once (durability "sync" waits for it).
-                    loop = asyncio.get_running_loop()
-                    self._window = loop.create_future()
-                    timer = loop.call_later(GROUP_WINDOW, _resolve, self._window)
-                    try:
-                        await self._window
-                    finally:
-                        timer.cancel()
-                        self._window = None
+                # Harvests staged while a write is in flight join the next one.
                 batch, self._queued = self._queued, []
                 self._staged = 0
                 for pending in batch:
@@ -395,14 +417,6 @@ class Persister:
 
     async def flush(self) -> None:
         """Wait until every harvest so far is committed; raise the first failure."""
-        self._flushing = True
-        _resolve(self._window)
-        try:
-            await self._flush()
-        finally:
-            self._flushing = False
-
-    async def _flush(self) -> None:
         while self._writer is not None:
             writer = self._writer
             # Shielded: cancelling the run must not cut a write in half (a driver
@@ -467,37 +481,43 @@ class Persister:
             pending.superseded.extend(self.superseded)
             self.superseded = []
         if events:
-            pending.events.extend([self._event_row(e) for e in events])
+            ids, data_json, new = self.topo.ids, self._event_data_json, tuple.__new__
+            pending.events += [  # the most numerous rows: built inline, as named tuples
+                new(
+                    EventRow,
+                    (
+                        seq,
+                        type._value_,
+                        None if node is None else ids[node],
+                        visit,
+                        attempt,
+                        ts,
+                        data_json(type, data) if data else "{}",
+                    ),
+                )
+                for seq, type, node, visit, attempt, ts, data in events
+            ]
         pending.error = error
         if not state.parked and not state.edge_gen:  # the common case: three counters
-            pending.state = (state.seq, loop.event_seq, loop.turn)
+            pending.state = (state.seq, loop.event_seq, loop.turn, self.durability)
         else:
             pending.state = self._state_json(loop)
         status = pending.status
         if status is not RunStatus.RUNNING and status is not RunStatus.SUSPENDED:
             pending.finished_at = time.time()
 
-    def _event_row(self, event: EventTuple) -> EventRow:
-        seq, type, node, visit, attempt, ts, data = event
-        if not data:
-            data_json = "{}"
-        elif type is EventType.NODE_COMPLETED and len(data) == 2:
+    def _event_data_json(self, type: EventType, data: Mapping[str, Any]) -> str:
+        if type is EventType.NODE_COMPLETED and len(data) == 2:
             # The most common event, written by hand (engine data: a float and a bool).
             duration, hedge = data["duration"], data["hedge"]
-            data_json = f'{{"duration":{duration!r},"hedge":{"true" if hedge else "false"}}}'
-        else:
-            data_json = self.codec.encode(data if isinstance(data, dict) else dict(data))
-        node_id = None if node is None else self.topo.ids[node]
-        return _make_event_row(seq, type._value_, node_id, visit, attempt, ts, data_json)
+            return f'{{"duration":{duration!r},"hedge":{"true" if hedge else "false"}}}'
+        return self.codec.encode(data if isinstance(data, dict) else dict(data))
 
     def _state_json(self, loop: RunLoop) -> str:
         """The run's own counters; written by hand in the common case (no loops, nothing parked)."""
         state = loop.state
         if not state.parked and not state.edge_gen:
-            return (
-                f'{{"v":{FORMAT_VERSION},"seq":{state.seq},"events":{loop.event_seq},'
-                f'"turn":{loop.turn},"parked":[],"edge_gen":[]}}'
-            )
+            return state_text(state.seq, loop.event_seq, loop.turn, self.durability)
         ids = self.topo.ids
         return self.codec.encode(
             {
@@ -505,6 +525,7 @@ class Persister:
                 "seq": state.seq,
                 "events": loop.event_seq,
                 "turn": loop.turn,
+                "durability": self.durability,
                 "parked": [
                     [ids[src], ids[dst], value, _pairs(f, ids)]
                     for src, dst, value, f in state.parked
@@ -660,6 +681,12 @@ class Persister:
                 f"this tailrace reads up to {FORMAT_VERSION}"
             )
         meta = self._decode(run.state_json, "run state")
+        durability = meta.get("durability")
+        if durability is not None and durability not in ("async", "sync"):
+            raise CorruptRecord(
+                f"run {self.run_id!r}: stored durability {durability!r} is not 'async' or 'sync'"
+            )
+        self.stored_durability = durability
         state = RunState(self.topo)
         state.seq = int(meta.get("seq", 0))
         index = self.topo.index

@@ -5,9 +5,6 @@ the pending write that harvests fold into (issue 13).
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 from ._codec import Codec
@@ -52,77 +49,16 @@ def _scalar_json(codec: Codec, value: Any) -> str:
     return codec.encode(value)  # str and float: the encoder's checks (surrogates, NaN)
 
 
-def _slot_setters(cls: type, names: tuple[str, ...]) -> tuple[Callable[[Any, Any], None], ...]:
-    """The slot setters of dataclass ``cls``, when ``names`` are exactly its fields (else ())."""
-    fields = tuple(f.name for f in dataclasses.fields(cls))
-    if fields != names or hasattr(cls, "__post_init__"):
-        return ()
-    return tuple(cls.__dict__[name].__set__ for name in names)
-
-
-# Rows are built by setting their slots: a frozen keyword ``__init__`` costs twice
-# as much, and a durable node makes four rows. Used only while the row classes
-# have exactly these fields and no ``__post_init__``; otherwise their ``__init__``.
-_EVENT_SLOTS = _slot_setters(
-    EventRow, ("seq", "type", "node_id", "visit", "attempt", "ts", "data_json")
-)
-_NODE_SLOTS = _slot_setters(NodeRow, ("node_id", "status", "visits", "data_json"))
-_RESULT_SLOTS = _slot_setters(ResultRow, ("node_id", "visit", "value_json"))
-_new = object.__new__
-
-
-def _make_event_row(
-    seq: int,
-    type: str,
-    node_id: str | None,
-    visit: int | None,
-    attempt: int | None,
-    ts: float,
-    data_json: str,
-) -> EventRow:
-    if not _EVENT_SLOTS:
-        return EventRow(
-            seq=seq,
-            type=type,
-            node_id=node_id,
-            visit=visit,
-            attempt=attempt,
-            ts=ts,
-            data_json=data_json,
-        )
-    a, b, c, d, e, f, g = _EVENT_SLOTS
-    row = _new(EventRow)
-    a(row, seq)
-    b(row, type)
-    c(row, node_id)
-    d(row, visit)
-    e(row, attempt)
-    f(row, ts)
-    g(row, data_json)
-    return row
+_new_tuple = tuple.__new__
 
 
 def _make_node_row(node_id: str, status: str, visits: int, data_json: str) -> NodeRow:
-    if not _NODE_SLOTS:
-        return NodeRow(node_id=node_id, status=status, visits=visits, data_json=data_json)
-    a, b, c, d = _NODE_SLOTS
-    row = _new(NodeRow)
-    a(row, node_id)
-    b(row, status)
-    c(row, visits)
-    d(row, data_json)
-    return row
+    # Rows are named tuples: built with tuple.__new__, not their keyword __new__.
+    return _new_tuple(NodeRow, (node_id, status, visits, data_json))
 
 
 def _make_result_row(node_id: str, visit: int, value_json: str) -> ResultRow:
-    if not _RESULT_SLOTS:
-        return ResultRow(node_id=node_id, visit=visit, value_json=value_json)
-    a, b, c = _RESULT_SLOTS
-    row = _new(ResultRow)
-    a(row, node_id)
-    b(row, visit)
-    c(row, value_json)
-    return row
+    return _new_tuple(ResultRow, (node_id, visit, value_json))
 
 
 #: A plain node row before it is composed: status, fired, visits, attempts,
@@ -143,9 +79,12 @@ def _compose(node_id: str, row: PlainRow) -> NodeRow:
     )
 
 
-def _resolve(future: asyncio.Future[None] | None) -> None:
-    if future is not None and not future.done():
-        future.set_result(None)
+def state_text(seq: int, events: int, turn: int, durability: str) -> str:
+    """A run's state JSON when nothing is parked and no loop edge has a generation."""
+    return (
+        f'{{"v":{FORMAT_VERSION},"seq":{seq},"events":{events},"turn":{turn},'
+        f'"durability":"{durability}","parked":[],"edge_gen":[]}}'
+    )
 
 
 _STATUSES = {status.value: status for status in RunStatus}
@@ -175,8 +114,9 @@ class _Pending:
     def __init__(self, status: RunStatus) -> None:
         self.status = status
         self.error: str | None = None
-        #: The run's state JSON, or its counters (seq, events, turn) to write it from.
-        self.state: str | tuple[int, int, int] = ""
+        #: The run's state JSON, or its counters (seq, events, turn) and durability
+        #: to write it from.
+        self.state: str | tuple[int, int, int, str] = ""
         self.finished_at: float | None = None
         #: node index -> its latest row, or the snapshot to compose it from.
         self.nodes: dict[int, NodeRow | PlainRow] = {}
@@ -191,11 +131,7 @@ class _Pending:
         """The merged harvest, as the store takes it (``ids``: node ids by index)."""
         state = self.state
         if not isinstance(state, str):
-            seq, events, turn = state
-            state = (
-                f'{{"v":{FORMAT_VERSION},"seq":{seq},"events":{events},'
-                f'"turn":{turn},"parked":[],"edge_gen":[]}}'
-            )
+            state = state_text(*state)
         return Harvest(
             state_json=state,
             status=self.status,

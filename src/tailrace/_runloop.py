@@ -177,6 +177,7 @@ class RunLoop:
         self._persister = persister
         if persister is not None:
             persister.on_failure = self.poke  # a failed write stops the run at once
+            persister.durability = durability
         self._record = publish is not None or persister is not None
         #: Buffered events as plain tuples (see :meth:`emit`): an :class:`Event`
         #: is built only for listeners, a store row only for the store.
@@ -194,6 +195,8 @@ class RunLoop:
         self._in_flight: dict[Attempt, None] = {}
         self._done: list[Attempt] = []
         self._wake: asyncio.Future[None] | None = None
+        #: Set by :meth:`poke`; the loop harvests once more before it waits again.
+        self._poked = False
         self.loop = asyncio.get_running_loop()
         self._async = self.topo.is_async
         if executors is not None:  # nodes sent to an executor take the _invoke path
@@ -271,10 +274,11 @@ class RunLoop:
             await self._commit()
             while True:
                 while self._in_flight or self._done or self._queued():
-                    if not self._done:
+                    if not self._done and not self._poked:
                         self._wake = self.loop.create_future()
                         await self._wake
                         self._wake = None
+                    self._poked = False
                     if self._persister is not None:
                         # A write failed: dispatch nothing more; the handler below
                         # cancels and awaits what runs, and re-raises (E9, D1).
@@ -293,7 +297,7 @@ class RunLoop:
                     self._dispatch_ready()
                     if self.backup_candidates and self._tail is not None:
                         self._tail.back_up(self)  # a slot may have been freed
-                    if self._stage():  # a plain call: no coroutine per wake-up
+                    if self._stage(defer=True):  # a plain call: no coroutine per wake-up
                         await self._durable()
                 # Answers that came in while other branches ran: take them now
                 # rather than suspend (Q1).
@@ -318,14 +322,21 @@ class RunLoop:
         if self._stage(status, error):
             await self._durable()
 
-    def _stage(self, status: str = "running", error: str | None = None) -> bool:
-        """Hand this harvest to the store (D1) and publish its events.
+    def _stage(
+        self, status: str = "running", error: str | None = None, *, defer: bool = False
+    ) -> bool:
+        """Hand the harvests so far to the store (D1) and publish their events.
 
         True when the write must be durable first (a final status, or the store
-        falling behind): the events then wait for :meth:`_durable`.
+        falling behind): the events then wait for :meth:`_durable`. ``defer``:
+        a running harvest may wait for the persister's group window, and is
+        staged with the ones that follow when it ends (its events wait too).
         """
         persister = self._persister
-        if persister is None and not self._events:
+        if persister is None:
+            if not self._events:
+                return False
+        elif defer and persister.defer(self.poke):
             return False
         events, self._events = self._events, []
         if persister is not None and persister.stage(self, events, status, error):
@@ -470,7 +481,12 @@ class RunLoop:
             self._tail.watch(self, attempt)
 
     def poke(self) -> None:
-        """Wake the loop for an empty harvest, so buffered events are committed and published now."""
+        """Wake the loop for an empty harvest, so buffered events are committed and published now.
+
+        A poke while the loop is busy elsewhere (a flush) is kept: the loop
+        then makes that harvest before it waits again.
+        """
+        self._poked = True
         wake = self._wake
         if wake is not None and not wake.done():
             wake.set_result(None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import signal
 import sys
 import textwrap
@@ -462,6 +463,143 @@ async def test_13_durability_is_checked_and_overridable_per_run(store: RunStore)
     assert (await tr.Engine(store=store).run(g, 1, durability="sync")).output == 1
 
 
+class CountingCommits:
+    """A store that counts the node rows and events of every commit."""
+
+    def __init__(self, inner: RunStore) -> None:
+        self.inner = inner
+        self.node_rows = 0
+        self.event_seqs: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def commit(self, run_id: str, token: int, harvest: Harvest) -> None:
+        self.node_rows += len(harvest.nodes)
+        self.event_seqs += [e.seq for e in harvest.events]
+        await self.inner.commit(run_id, token, harvest)
+
+
+async def test_13_async_writes_gather_a_window_of_harvests_one_row_per_node(
+    store: RunStore,
+) -> None:
+    counting = CountingCommits(store)
+    g = tr.Graph("window")
+    names = [f"s{i}" for i in range(200)]
+    for name in names:
+        g.add_node(name, _record([], name))
+    g.chain(*names)
+    result = await tr.Engine(store=counting).run(g, 0)  # type: ignore[arg-type]
+    assert result.status == "completed"
+    # Each node starts and completes (two changes) mostly within one window: far
+    # fewer than two rows per node reach the store, and every event does, in order.
+    assert counting.node_rows < 1.5 * len(names)
+    assert counting.event_seqs == list(range(1, len(counting.event_seqs) + 1))
+    stored = await store.events(result.run_id)
+    assert [e.seq for e in stored] == counting.event_seqs
+
+
+async def _has_result(store: RunStore, run_id: str, node_id: str) -> bool:
+    try:
+        return bool(await store.results(run_id, node_id))
+    except tr.RunNotFound:
+        return False
+
+
+async def test_13_a_window_ends_on_its_own_while_a_long_node_runs(store: RunStore) -> None:
+    release = asyncio.Event()
+    g = tr.Graph("long-after-short")
+
+    @g.task()
+    async def short(x: Any) -> str:
+        return "short"
+
+    @g.task()
+    async def long(x: Any) -> str:
+        await release.wait()
+        return "long"
+
+    g.add_edge("short", "long")
+    engine = tr.Engine(store=store)
+    task = asyncio.create_task(engine.run(g, None, run_id="windowed"))
+    async with asyncio.timeout(GUARD):
+        # short's completion is written while long still runs: the window's end
+        # wakes the loop, nothing else would until long finishes.
+        await _wait_for(lambda: _has_result(store, "windowed", "short"), "short's commit")
+        assert not task.done()
+        release.set()
+        assert (await task).output == "long"
+
+
+def _gated_pair(b_started: asyncio.Event) -> tr.Graph:
+    """review (gate) -> a -> b, where ``b`` flags that it started."""
+    g = tr.Graph("kept")
+
+    @g.gate()
+    async def review(x: Any) -> Any:
+        return {"ask": "go?"}
+
+    @g.task()
+    async def a(answer: Any) -> int:
+        return 1
+
+    @g.task()
+    async def b(x: int) -> int:
+        b_started.set()
+        return x + 1
+
+    g.chain("review", "a", "b")
+    return g
+
+
+@pytest.mark.parametrize("override", [None, "async"])
+async def test_13_a_run_keeps_its_durability_across_a_resume(
+    store: RunStore, override: str | None
+) -> None:
+    b_started = asyncio.Event()
+    g = _gated_pair(b_started)
+    first = await tr.Engine(store=store).run(g, None, run_id="kept", durability="sync")
+    assert first.status == "suspended"
+    assert json.loads((await store.get_run("kept")).state_json)["durability"] == "sync"
+    await store.answer(first.questions[0].question_id, '"go"', by="test")
+    held = HeldCommits(store, "a")
+    engine = tr.Engine(store=held)  # type: ignore[arg-type]  # its default: "async"
+    resumed = asyncio.create_task(engine.resume("kept", g, durability=override))
+    async with asyncio.timeout(GUARD):
+        await held.entered.wait()  # a's completion is being written, not yet durable
+        if override is None:  # the run's own "sync": b waits for a's commit
+            for _ in range(50):
+                await asyncio.sleep(0.001)
+            assert not b_started.is_set()
+        else:  # overridden at resume: pipelined
+            await b_started.wait()
+        held.release.set()
+        assert (await resumed).output == 2
+    expected = "sync" if override is None else override
+    assert json.loads((await store.get_run("kept")).state_json)["durability"] == expected
+
+
+async def test_13_a_stored_durability_that_is_not_a_mode_is_refused_naming_the_run(
+    store: RunStore,
+) -> None:
+    g = _gated_pair(asyncio.Event())
+    first = await tr.Engine(store=store).run(g, None, run_id="odd-mode")
+    assert first.status == "suspended"
+    record = await store.get_run("odd-mode")
+    state = json.loads(record.state_json)
+    assert state["durability"] == "async"
+    state["durability"] = "<script>"
+    harvest = Harvest(state_json=json.dumps(state), status=RunStatus.RUNNING)
+    token = await store.acquire_lease("odd-mode", "test", 60.0)
+    await store.commit("odd-mode", token, harvest)  # a hostile or damaged state row
+    await store.release_lease("odd-mode", "test", token)
+    damaged = await store.get_run("odd-mode")
+    with pytest.raises(tr.CorruptRecord, match=r"odd-mode.*'<script>'"):
+        await tr.Engine(store=store).resume("odd-mode", g)
+    after = await store.get_run("odd-mode")  # refused before anything was written
+    assert (after.status, after.state_json) == (damaged.status, damaged.state_json)
+
+
 RANDOM_CHAIN = """
 from __future__ import annotations
 import asyncio, os, sys, uuid
@@ -487,9 +625,10 @@ g.chain(*[f"s{i}" for i in range(STEPS)])
 
 async def main():
     async with open_location(sys.argv[1]) as store:
-        engine = tr.Engine(store=store, lease_ttl=3600, durability="sync")
+        # "sync" is chosen for this run only: resumes keep it from the store.
+        engine = tr.Engine(store=store, lease_ttl=3600)
         run = engine.resume("chain", g) if sys.argv[2] == "resume" else engine.run(
-            g, "start", run_id="chain")
+            g, "start", run_id="chain", durability="sync")
         await run
 
 if __name__ == "__main__":

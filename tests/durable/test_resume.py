@@ -93,7 +93,7 @@ async def _memory_backend() -> AsyncIterator[Backend]:
 
     async def set_node_data(run_id: str, node_id: str, data_json: str) -> None:
         rows = store._nodes[run_id]
-        rows[node_id] = dataclasses.replace(rows[node_id], data_json=data_json)
+        rows[node_id] = rows[node_id]._replace(data_json=data_json)
 
     async def raw_nodes(run_id: str) -> dict[str, NodeRow]:
         return dict(store._nodes.get(run_id, {}))

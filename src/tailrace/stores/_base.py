@@ -19,6 +19,7 @@ import enum
 import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import KW_ONLY, dataclass, field
+from typing import NamedTuple
 
 #: Version of the rows this code writes (D4). Bumped on incompatible change.
 FORMAT_VERSION = 1
@@ -182,9 +183,12 @@ class RunRecord:
     cancel_requested_at: float | None = None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class NodeRow:
-    """The latest state of one node, encoded by the engine (``data_json``)."""
+class NodeRow(NamedTuple):
+    """The latest state of one node, encoded by the engine (``data_json``).
+
+    Rows are named tuples, fields in column order: a harvest carries
+    thousands, and a store binds them without a pass per field (issue 13).
+    """
 
     node_id: str
     status: str
@@ -192,8 +196,7 @@ class NodeRow:
     data_json: str
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ResultRow:
+class ResultRow(NamedTuple):
     """The result of one node visit (append-only; never rewritten)."""
 
     node_id: str
@@ -210,8 +213,7 @@ class FrozenInput:
     payload_json: str
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EventRow:
+class EventRow(NamedTuple):
     """A durable event record; ``seq`` is unique and increasing per run."""
 
     seq: int

@@ -18,7 +18,9 @@ ValueError: run_id 'r\x001' contains a NUL character (\x00), which no store can 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable
+from itertools import chain
 
 from .._errors import (
     AlreadyAnswered,
@@ -356,16 +358,20 @@ def check_harvest(run_id: str, harvest: Harvest) -> None:
     check_new_questions(run_id, harvest)
 
 
+#: Fields of the row tuples that are names: node id and status; type and node id.
+_NODE_NAMES = operator.itemgetter(0, 1)
+_EVENT_NAMES = operator.itemgetter(1, 2)
+_FIRST = operator.itemgetter(0)
+
+
 def _harvest_names(run_id: str, harvest: Harvest) -> list[str]:
-    names = [run_id]  # plain loops: this runs on every commit
-    for n in harvest.nodes:
-        names += (n.node_id, n.status)
-    for r in harvest.results:
-        names.append(r.node_id)
+    # This runs on every commit: the rows' fields are gathered in C (map, itemgetter).
+    names = [run_id]
+    names += chain.from_iterable(map(_NODE_NAMES, harvest.nodes))
+    names += map(_FIRST, harvest.results)
     for f in harvest.frozen:
         names.append(f.node_id)
-    for e in harvest.events:
-        names += (e.type, e.node_id or "")
+    names += filter(None, chain.from_iterable(map(_EVENT_NAMES, harvest.events)))
     for q in harvest.questions:
         names += (q.question_id, q.run_id, q.node_id, q.poller or "")
     if harvest.applied or harvest.superseded:

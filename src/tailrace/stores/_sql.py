@@ -236,27 +236,16 @@ def harvest_rows(run_id: str, harvest: Harvest) -> Iterator[tuple[str, tuple[obj
 
 
 def append_only_rows(run_id: str, harvest: Harvest) -> list[tuple[str, list[tuple[object, ...]]]]:
-    """Append-only rows of ``harvest`` grouped by statement, for ``executemany``."""
+    """The frozen inputs and questions of ``harvest`` grouped by statement, as whole rows.
+
+    (Results and events are row tuples already: a store binds them as they are.)
+    """
     groups: list[tuple[str, list[tuple[object, ...]]]] = []
-    if harvest.results:
-        groups.append(
-            (INSERT_RESULT, [(run_id, r.node_id, r.visit, r.value_json) for r in harvest.results])
-        )
     if harvest.frozen:
         groups.append(
             (
                 INSERT_FROZEN,
                 [(run_id, f.node_id, f.activation, f.payload_json) for f in harvest.frozen],
-            )
-        )
-    if harvest.events:
-        groups.append(
-            (
-                INSERT_EVENT,
-                [
-                    (run_id, e.seq, e.type, e.node_id, e.visit, e.attempt, e.ts, e.data_json)
-                    for e in harvest.events
-                ],
             )
         )
     if harvest.questions:

@@ -67,6 +67,8 @@ from ._sql import (
     EVENT_COLUMNS,
     EXPIRED_LEASES,
     INSERT_ARTIFACT,
+    INSERT_EVENT,
+    INSERT_RESULT,
     INSERT_RUN,
     QUESTION_STATE,
     RUN_COLUMNS,
@@ -83,7 +85,6 @@ from ._sql import (
     harvest_rows,
     list_questions_query,
     new_run_params,
-    node_params,
     question_from_row,
     record_from_row,
     run_update_params,
@@ -91,7 +92,14 @@ from ._sql import (
 from ._sql_queues import list_runs_query
 from ._sqlite_files import prepare_for_writing, read_only_connection, read_only_uri
 from ._sqlite_queues import DataVersionWatch, SQLiteQueues, bump
-from ._sqlite_threads import Readers, Undo, Writer, finish_despite_cancellation, insert_rows
+from ._sqlite_threads import (
+    Readers,
+    Undo,
+    Writer,
+    finish_despite_cancellation,
+    insert_rows,
+    insert_run_rows,
+)
 
 T = TypeVar("T")
 
@@ -291,8 +299,10 @@ class SQLiteStore(SQLiteQueues, RunStore):
             run_id, current=parse_status(run_id, status), format_version=format_version,
             lease_token=lease_token, token=token, new=harvest.status,
         )  # fmt: skip
-        insert_rows(conn, UPSERT_NODE, node_params(run_id, harvest))
+        insert_run_rows(conn, UPSERT_NODE, run_id, harvest.nodes)
         try:
+            insert_run_rows(conn, INSERT_RESULT, run_id, harvest.results)
+            insert_run_rows(conn, INSERT_EVENT, run_id, harvest.events)
             for sql, rows in append_only_rows(run_id, harvest):
                 insert_rows(conn, sql, rows)
         except sqlite3.IntegrityError as exc:  # nothing committed is rewritten (D1)

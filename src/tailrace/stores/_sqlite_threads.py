@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, TypeVar, cast
 
 from .._errors import StoreError
@@ -286,7 +287,7 @@ def _all_failed(outcomes: list[_Outcome], live: list[_Write], reason: str) -> li
 # --- batched inserts -----------------------------------------------------------
 
 #: Rows per multi-row INSERT, largest first (each size is one cached statement).
-_CHUNKS = (256, 64, 16, 4)
+_CHUNKS = (256, 128, 64, 32, 16, 8, 4, 2, 1)
 
 
 def insert_rows(conn: sqlite3.Connection, sql: str, rows: Sequence[Sequence[object]]) -> None:
@@ -298,29 +299,59 @@ def insert_rows(conn: sqlite3.Connection, sql: str, rows: Sequence[Sequence[obje
     re-take waits for the event loop's thread (the writer's real cost, issue 13).
     A statement inserts all its rows or none, so errors are the same.
     """
+    _insert(conn, sql, rows, None)
+
+
+def insert_run_rows(
+    conn: sqlite3.Connection, sql: str, run_id: str, rows: Sequence[Sequence[object]]
+) -> None:
+    """Like :func:`insert_rows` for rows of run ``run_id``, bound once per statement.
+
+    ``sql``'s first placeholder is the run id and ``rows`` hold the values of
+    the others (the store's row tuples, fields in column order): the values
+    are laid out with no Python pass per field (``?1`` repeats the run id).
+    """
+    _insert(conn, sql, rows, run_id)
+
+
+def _insert(
+    conn: sqlite3.Connection, sql: str, rows: Sequence[Sequence[object]], run_id: str | None
+) -> None:
     n = len(rows)
+    if not n:
+        return
+    width = len(rows[0])
+    limit = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
     done = 0
-    if n >= _CHUNKS[-1]:
-        width = len(rows[0])
-        limit = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
-        for size in _CHUNKS:
-            if size * width > limit:
-                continue
-            statement = _multi_row(sql, size)
-            while n - done >= size:
-                chunk = rows[done : done + size]
-                conn.execute(statement, [value for row in chunk for value in row])
-                done += size
-    if done < n:
-        conn.executemany(sql, rows[done:])
+    for size in _CHUNKS:
+        if size * width + 1 > limit or n - done < size:
+            continue
+        statement = _multi_row(sql, size, run_id is not None)
+        while n - done >= size:
+            values = chain.from_iterable(rows[done : done + size])
+            conn.execute(statement, [run_id, *values] if run_id is not None else list(values))
+            done += size
 
 
 @functools.lru_cache(maxsize=64)
-def _multi_row(sql: str, size: int) -> str:
-    """``sql`` with its one ``VALUES (...)`` group repeated ``size`` times."""
+def _multi_row(sql: str, size: int, shared_first: bool) -> str:
+    """``sql`` with its one ``VALUES (...)`` group repeated ``size`` times.
+
+    ``shared_first``: every group's first value is ``?1`` and the others are
+    numbered after it, so the first value is bound once for all the rows.
+    """
     start = sql.index("VALUES (") + len("VALUES ")
     end = sql.index(")", start) + 1
-    return sql[:start] + ", ".join([sql[start:end]] * size) + sql[end:]
+    group = sql[start:end]
+    if not shared_first:
+        groups = [group] * size
+    else:
+        width = group.count("?") - 1
+        groups = [
+            "(?1, " + ", ".join(f"?{2 + k * width + j}" for j in range(width)) + ")"
+            for k in range(size)
+        ]
+    return sql[:start] + ", ".join(groups) + sql[end:]
 
 
 # --- the reader threads --------------------------------------------------------
