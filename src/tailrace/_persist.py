@@ -408,6 +408,10 @@ class Persister:
                 if self.on_failure is not None:
                     self.on_failure()
 
+    def writable(self) -> bool:
+        """Whether writes may still go out: none failed and the lease is held."""
+        return self.failure is None and self._lost is None
+
     def raise_failure(self) -> None:
         """Raise the lease loss or the store failure that stopped this run's writes, if any."""
         if self._lost is not None:

@@ -271,7 +271,7 @@ class RunLoop:
         """Run until nothing is ready or in flight; return the result or raise (E9, E10)."""
         try:
             self._dispatch_ready()
-            await self._commit()
+            await self._gather()
             while True:
                 while self._in_flight or self._done or self._queued():
                     if not self._done and not self._poked:
@@ -298,16 +298,32 @@ class RunLoop:
                     if self.backup_candidates and self._tail is not None:
                         self._tail.back_up(self)  # a slot may have been freed
                     if self._stage(defer=True):  # a plain call: no coroutine per wake-up
-                        await self._durable()
+                        await self._durable()  # the store fell behind: wait for it
                 # Answers that came in while other branches ran: take them now
                 # rather than suspend (Q1).
                 if not await self.absorb_answers():
                     return await self._finish()
                 self._dispatch_ready()
-                await self._commit()
+                await self._gather()
         except BaseException:
+            self._stage_on_the_way_out()
             await self._cancel_in_flight(record=False)
             raise
+
+    def _stage_on_the_way_out(self) -> None:
+        """Stage what the window gathered, so the persister's way out writes it.
+
+        A run stopped by a cancellation (a worker letting go, ``wait_for``)
+        keeps every completion it harvested, as when each harvest was staged
+        at once. Nothing is staged after a failed write or a lost lease, and
+        a value that fails to encode now is left to the resume (the run's
+        own exception is what propagates).
+        """
+        persister = self._persister
+        if persister is None or not persister.writable():
+            return
+        with contextlib.suppress(Exception):
+            self._stage()
 
     def _queued(self) -> bool:
         return bool(self._tickets) or bool(self.state.ready)
@@ -317,6 +333,11 @@ class RunLoop:
         await self._commit()
         if self._persister is not None:
             await self._persister.flush()
+
+    async def _gather(self) -> None:
+        """Stage a running harvest with the window's others (see :meth:`_stage`)."""
+        if self._stage(defer=True):
+            await self._durable()
 
     async def _commit(self, status: str = "running", error: str | None = None) -> None:
         if self._stage(status, error):

@@ -23,13 +23,14 @@ import asyncio
 import contextlib
 import functools
 import logging
+import operator
 import queue
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any, TypeVar, cast
 
 from .._errors import StoreError
@@ -287,7 +288,7 @@ def _all_failed(outcomes: list[_Outcome], live: list[_Write], reason: str) -> li
 # --- batched inserts -----------------------------------------------------------
 
 #: Rows per multi-row INSERT, largest first (each size is one cached statement).
-_CHUNKS = (256, 128, 64, 32, 16, 8, 4, 2, 1)
+_CHUNKS = (256, 64, 16, 4, 1)
 
 
 def insert_rows(conn: sqlite3.Connection, sql: str, rows: Sequence[Sequence[object]]) -> None:
@@ -305,11 +306,11 @@ def insert_rows(conn: sqlite3.Connection, sql: str, rows: Sequence[Sequence[obje
 def insert_run_rows(
     conn: sqlite3.Connection, sql: str, run_id: str, rows: Sequence[Sequence[object]]
 ) -> None:
-    """Like :func:`insert_rows` for rows of run ``run_id``, bound once per statement.
+    """Like :func:`insert_rows` for rows of run ``run_id``.
 
     ``sql``'s first placeholder is the run id and ``rows`` hold the values of
     the others (the store's row tuples, fields in column order): the values
-    are laid out with no Python pass per field (``?1`` repeats the run id).
+    are laid out with no Python pass per field.
     """
     _insert(conn, sql, rows, run_id)
 
@@ -320,38 +321,27 @@ def _insert(
     n = len(rows)
     if not n:
         return
-    width = len(rows[0])
+    width = len(rows[0]) + (run_id is not None)
     limit = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    head = (run_id,)  # goes before each row's own values: tuple concatenation, in C
     done = 0
     for size in _CHUNKS:
-        if size * width + 1 > limit or n - done < size:
+        if size * width > limit or n - done < size:
             continue
-        statement = _multi_row(sql, size, run_id is not None)
+        statement = _multi_row(sql, size)
         while n - done >= size:
-            values = chain.from_iterable(rows[done : done + size])
-            conn.execute(statement, [run_id, *values] if run_id is not None else list(values))
+            chunk = rows[done : done + size]
+            whole = chunk if run_id is None else map(operator.add, repeat(head, size), chunk)
+            conn.execute(statement, list(chain.from_iterable(whole)))
             done += size
 
 
 @functools.lru_cache(maxsize=64)
-def _multi_row(sql: str, size: int, shared_first: bool) -> str:
-    """``sql`` with its one ``VALUES (...)`` group repeated ``size`` times.
-
-    ``shared_first``: every group's first value is ``?1`` and the others are
-    numbered after it, so the first value is bound once for all the rows.
-    """
+def _multi_row(sql: str, size: int) -> str:
+    """``sql`` with its one ``VALUES (...)`` group repeated ``size`` times."""
     start = sql.index("VALUES (") + len("VALUES ")
     end = sql.index(")", start) + 1
-    group = sql[start:end]
-    if not shared_first:
-        groups = [group] * size
-    else:
-        width = group.count("?") - 1
-        groups = [
-            "(?1, " + ", ".join(f"?{2 + k * width + j}" for j in range(width)) + ")"
-            for k in range(size)
-        ]
-    return sql[:start] + ", ".join(groups) + sql[end:]
+    return sql[:start] + ", ".join([sql[start:end]] * size) + sql[end:]
 
 
 # --- the reader threads --------------------------------------------------------
