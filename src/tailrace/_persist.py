@@ -109,6 +109,8 @@ class Persister:
         #: Set when the window ended: the next harvest is staged.
         self._window_ended = False
         self._lost: LeaseLost | None = None
+        #: A cancel request recorded in the store was passed to the run loop.
+        self._cancel_heard = False
         #: The first write that failed; nothing after it is written (D2).
         self.failure: BaseException | None = None
         #: Called once when a write fails, so the run loop wakes at once.
@@ -245,6 +247,7 @@ class Persister:
                 await self.store.heartbeat(
                     self.run_id, self.engine.owner, self.token, self.engine.lease_ttl
                 )
+                await self._heed_cancel_request()
             except LeaseLost as exc:
                 self._lost = exc
                 main.cancel()
@@ -253,6 +256,20 @@ class Persister:
                 # A hiccup: the next beat may land before the lease expires; a
                 # lease really lost shows up as LeaseLost on a beat or a commit.
                 logger.warning("heartbeat of run %s failed; retrying", self.run_id, exc_info=True)
+
+    async def _heed_cancel_request(self) -> None:
+        """End the run ``cancelled`` if someone asked for it in the store (issue 10).
+
+        ``Engine.cancel`` in another process records the request; a worker
+        polls for it, and a plain ``engine.run`` hears of it here, within a
+        beat (a third of ``lease_ttl``).
+        """
+        if self._cancel_heard:
+            return
+        record = await self.store.get_run(self.run_id)
+        if record.cancel_requested_at is not None:
+            self._cancel_heard = True
+            self.engine.request_cancel(self.run_id)
 
     # -- per harvest ----------------------------------------------------------
 

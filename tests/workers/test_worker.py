@@ -138,6 +138,27 @@ async def test_a_running_run_is_cancelled_at_its_next_harvest_by_its_worker(
     assert await (await db.store()).results(run_id, "hold") == []  # nothing committed after
 
 
+async def test_a_run_driven_by_a_plain_engine_run_hears_a_cancel_from_another_engine(
+    db: _stores.Database,
+) -> None:
+    # No worker: engine.run drives it, and another engine (another process, as far
+    # as the store can tell) asks; the driver hears it at a lease heartbeat.
+    driver = Engine(store=await db.store(), lease_ttl=0.6)
+    running = asyncio.create_task(driver.run(graphs.held, 5, run_id="plain"))
+    try:
+        await until(graphs.HOLD["started"].is_set, "the held handler to start")
+        assert await (await engine_on(db)).cancel("plain") == "running"  # not theirs to end
+        async with asyncio.timeout(_stores.HANG_GUARD):
+            result = await running
+    finally:
+        running.cancel()
+    assert (result.status, result.nodes["hold"].status) == ("cancelled", "cancelled")
+    assert graphs.SEEN["cancelled"] == ["plain"]  # the in-flight handler was cancelled
+    stored = await db.store()
+    assert (await stored.get_run("plain")).status is RunStatus.CANCELLED
+    assert [e.type for e in await stored.events("plain")][-1] == "run_cancelled"
+
+
 async def test_a_suspended_run_is_cancelled_at_once_and_its_question_superseded(
     db: _stores.Database,
 ) -> None:
