@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import pytest
 
 import _stores
 from tailrace import Engine
-from tailrace.stores import QuestionStatus, Queue, RunStatus
+from tailrace.stores import NewRun, QuestionStatus, Queue, RunStatus
 from tailrace.workers import DuplicateRun, RunFailed, Worker
 from tailrace.workers._submit import estimates_of
 
@@ -264,6 +266,36 @@ async def test_the_estimator_fits_completed_runs_and_submit_stores_its_estimate(
 
 
 # --- draining and adoption -------------------------------------------------------------------
+
+
+async def test_orphans_no_target_here_drives_never_hide_the_ones_it_does(
+    db: _stores.Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Five orphans of a graph this worker does not have sort before one it has, and
+    # a worker of concurrency 1 asks the store for 4 at a time: it must still find it.
+    store = await db.store()
+    old = time.time() - 3600  # long enough ago that no engine is about to lease them
+    for i in range(5):
+        await store.create_run(
+            NewRun(run_id=f"a-elsewhere-{i}", graph_name="elsewhere", graph_ref=None,
+                   fingerprint="not-here", input_json="1", created_at=old)
+        )  # fmt: skip
+    fingerprint = graphs.chain.compile().fingerprint
+    await store.create_run(
+        NewRun(run_id="z-ours", graph_name=graphs.chain.name, graph_ref=None,
+               fingerprint=fingerprint, input_json="1", created_at=old)
+    )  # fmt: skip
+    engine = await engine_on(db)
+    with caplog.at_level(logging.INFO, logger="tailrace.serve"):
+        worker = await worker_on(db, concurrency=1)
+        async with working(worker):
+            result = await engine.wait("z-ours", timeout=_stores.HANG_GUARD, graph=graphs.chain)
+    assert (result.status, result.output) == ("completed", 4)
+    assert worker.stats.adopted == 1
+    left = [r.getMessage() for r in caplog.records if "no target here drives it" in r.getMessage()]
+    assert sorted(m.split()[1] for m in left) == [f"a-elsewhere-{i}" for i in range(5)]  # once each
+    for i in range(5):
+        assert (await store.get_run(f"a-elsewhere-{i}")).status is RunStatus.RUNNING  # untouched
 
 
 async def test_a_stopped_worker_lets_go_of_its_runs_and_another_adopts_them(

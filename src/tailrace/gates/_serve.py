@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from .._codec import DEFAULT_CODEC
 from .._errors import LeaseHeld, LeaseLost, NotResumable, RunNotFound
+from .._orphans import OrphanScan
 from ._polling import GatePolling, Poller
 from ._worker import Outcome, Resumable, ResumeWorker, describe
 
@@ -141,6 +142,8 @@ class Server:
         self.pollers = self.gates.pollers
         #: Orphans whose adoption failed for a reason that may pass: (failures, retry time).
         self._adoption_backoff: dict[str, tuple[int, float]] = {}
+        #: Orphans no target here drives, so they never hide the others.
+        self._orphans = OrphanScan()
 
     async def run(self, stop: asyncio.Event) -> ServeStats:
         """Serve until ``stop`` is set; returns the stats."""
@@ -215,12 +218,12 @@ class Server:
     async def _adopt_orphans(self) -> int:
         """Take over runs whose owner's lease expired (it crashed) (D6)."""
         now = time.time()
-        orphans = await self.store.expired_leases(now)
+        orphans = await self.store.expired_leases(now, limit=self._orphans.limit(100))
         self._adoption_backoff = {
             r: b for r, b in self._adoption_backoff.items() if r in set(orphans)
         }
         work = 0
-        for run_id in orphans:
+        for run_id in self._orphans.ours(orphans):
             failures, retry_at = self._adoption_backoff.get(run_id, (0, 0.0))
             if retry_at > now:
                 continue
@@ -236,8 +239,9 @@ class Server:
     async def _adopt(self, run_id: str, now: float) -> int:
         record = await self.store.get_run(run_id)
         adopt = getattr(self.worker.target_for(record), "adopt", None)
-        if adopt is None:
-            return 0  # no target here drives it (another driver's thread, an unknown graph)
+        if adopt is None:  # no target here drives it (another driver's thread, an unknown graph)
+            self._orphans.leave(record)
+            return 0
         if record.lease_owner is None and now - record.created_at < self.worker.lease_ttl:
             return 0  # just created; its engine is about to lease it
         await adopt(run_id)

@@ -35,6 +35,7 @@ from typing import Any
 from .._engine import Engine
 from .._errors import LeaseHeld, LeaseLost, NotResumable, RunNotFound
 from .._graph import Graph
+from .._orphans import OrphanScan
 from .._owner import owner_is_dead
 from .._runloop import RunResult
 from ..gates import Server
@@ -144,6 +145,8 @@ class Worker:
         self.stats = WorkerStats()
         self._jobs: dict[asyncio.Task[None], _Job] = {}
         self._here: set[str] = set()
+        #: Orphans no target here drives, so they never hide the others.
+        self._orphans = OrphanScan()
         self._by_queue: Counter[str] = Counter()
         self._kinds: set[str] = set()
         self._wake = asyncio.Event()
@@ -362,7 +365,8 @@ class Worker:
     async def _adopt_orphans(self, group: asyncio.TaskGroup) -> None:
         """Take over runs whose lease expired, or whose owner is provably dead (D6)."""
         now = time.time()
-        for run_id in await self.store.expired_leases(now, limit=max(self._free(), 1) * 4):
+        wanted = self._orphans.limit(max(self._free(), 1) * 4)
+        for run_id in self._orphans.ours(await self.store.expired_leases(now, limit=wanted)):
             if self._free() <= 0:
                 return
             if run_id not in self._here:
@@ -390,8 +394,9 @@ class Worker:
             return  # just created by an engine that is about to lease it
         target = self.server.worker.target_for(record)
         adopt = getattr(target, "adopt", None)
-        if adopt is None:
-            return  # no target here drives it (another driver's thread, an unknown graph)
+        if adopt is None:  # no target here drives it (another driver's thread, an unknown graph)
+            self._orphans.leave(record)
+            return
         self.stats.adopted += 1
         if record.cancel_requested_at is not None:
             work: Awaitable[Any] = cancel_undriven(self.engine, run_id)
