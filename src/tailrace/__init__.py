@@ -42,8 +42,8 @@ from ._graph import Graph as Graph
 from ._graph import Node as Node
 from ._graph import NodeKind as NodeKind
 from ._graph import RetryPolicy as RetryPolicy
-from ._runloop import NodeReport as NodeReport
-from ._runloop import RunResult as RunResult
+from ._outcome import NodeReport as NodeReport
+from ._outcome import RunResult as RunResult
 from ._state import LateInput as LateInput
 from ._state import NodeStatus as NodeStatus
 from .gates import GateTimeout as GateTimeout

@@ -21,8 +21,9 @@ from ._admission import AdmissionPolicy, SlotQueue, resolve_policy
 from ._errors import EncodeError, GraphMismatch, LeaseHeld, NotResumable
 from ._events import EventBus, EventType
 from ._graph import Graph
+from ._outcome import RunResult
 from ._owner import make_owner
-from ._runloop import RunLoop, RunResult
+from ._runloop import RunLoop
 from ._state import LateInput, RunState
 from ._topology import Topology
 from .executors._base import ExecutorTable

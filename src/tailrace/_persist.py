@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ._bulk import BULK, paused_gc
 from ._codec import DEFAULT_CODEC, Codec, JsonCodec
 from ._errors import (
     CorruptRecord,
@@ -43,7 +44,6 @@ from ._rows import (
     _unpairs,
     state_text,
 )
-from ._runloop import BULK, paused_gc
 from ._state import LateInput, NodeState, NodeStatus, RunState
 from .stores._base import (
     FORMAT_VERSION,

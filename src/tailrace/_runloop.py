@@ -12,21 +12,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import dataclasses
-import gc
-import operator
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from ._admission import AdmissionPolicy, SlotQueue, Ticket
+from ._bulk import BULK, paused_gc
 from ._context import set_current
-from ._errors import EncodeError, RunError, StallError
+from ._endings import RunEndings
+from ._errors import EncodeError, RunError
 from ._events import Event, EventType
 from ._graph import Node, NodeKind
+from ._inflight import Attempt, describe, harvest_order
+from ._outcome import RunResult
 from ._state import LateInput, NodeStatus, RunState
 from .executors._base import AttemptContext
 
@@ -45,109 +45,7 @@ EventTuple = tuple[
 _HEDGE_DATA: Mapping[str, Any] = MappingProxyType({"hedge": True})
 
 
-class NodeReport(NamedTuple):
-    """Per-node outcome in a :class:`RunResult`: status, visits, attempts, seconds spent."""
-
-    status: str
-    visits: int
-    attempts: int
-    duration: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RunResult:
-    """What ``Engine.run`` returns.
-
-    ``results`` maps each node that completed to its last result; ``visits``
-    maps every node to how many times it was activated; ``output`` is the
-    result of the graph's sink node (a dict by node when several sinks
-    completed, None when none did); ``late_inputs`` lists
-    inputs that arrived after their activation fired (E5); ``questions`` the
-    open questions of a suspended run; ``preempted`` is true when the run
-    was suspended by ``Engine.preempt`` at a turn boundary.
-    """
-
-    run_id: str
-    status: str
-    results: dict[str, Any]
-    visits: dict[str, int]
-    nodes: dict[str, NodeReport] = field(default_factory=dict)
-    late_inputs: tuple[LateInput, ...] = ()
-    stragglers: int = 0
-    hedges: int = 0
-    questions: tuple[Any, ...] = ()
-    duration: float = 0.0
-    output: Any = None
-    preempted: bool = False
-
-
-class Attempt:
-    """One handler attempt in flight.
-
-    The attempt reports its own end (``value`` or ``error``, then ``finished``)
-    from inside its task, so a completion costs no extra trip through the
-    event loop before the run loop wakes. (Its task's done-callback, removed
-    by that report, only catches a task cancelled before it ever ran.)
-    """
-
-    __slots__ = (
-        "abandoned",
-        "backup_timer",
-        "error",
-        "extra_slot",
-        "finished",
-        "hedge",
-        "index",
-        "started",
-        "straggled",
-        "task",
-        "timer",
-        "tries",
-        "value",
-        "visit",
-    )
-
-    def __init__(
-        self,
-        index: int,
-        visit: int,
-        started: float,
-        hedge: bool = False,
-        tries: int = 1,
-    ) -> None:
-        self.index = index
-        self.visit = visit
-        self.started = started
-        self.hedge = hedge
-        self.tries = tries
-        #: Set when the engine cancels it (a hedge loser): its end is not a failure.
-        self.abandoned = False
-        #: The straggler threshold (seconds) once this attempt crossed it (T3).
-        self.straggled: float | None = None
-        self.task: asyncio.Task[Any] | None = None
-        self.timer: asyncio.TimerHandle | None = None
-        #: When a hedge policy backs this attempt up (tail hooks).
-        self.backup_timer: asyncio.TimerHandle | None = None
-        #: A clone or backup on idle capacity holds a slot of its own until it ends.
-        self.extra_slot = False
-        #: What the handler returned, or the exception it ended with (cancellation included).
-        self.value: Any = None
-        self.error: BaseException | None = None
-        #: True once the attempt ended and was handed to the run loop.
-        self.finished = False
-
-    def abandon(self) -> None:
-        """Cancel this attempt on purpose."""
-        self.abandoned = True
-        if self.task is not None:
-            self.task.cancel()
-        if self.timer is not None:
-            self.timer.cancel()
-        if self.backup_timer is not None:
-            self.backup_timer.cancel()
-
-
-class RunLoop:
+class RunLoop(RunEndings):
     """Drives one run to completion, suspension or failure."""
 
     def __init__(
@@ -455,6 +353,11 @@ class RunLoop:
             return False
         return True
 
+    def _close_tail(self) -> None:
+        """Stop the tail hooks' timers and hedges for this run (it is winding down)."""
+        if self._tail is not None:
+            self._tail.close(self)
+
     def _release_extra(self, attempt: Attempt) -> None:
         if attempt.extra_slot:
             attempt.extra_slot = False
@@ -611,7 +514,7 @@ class RunLoop:
             ns.retry_due = time.time() + delay
             self.state.dirty[i] = None
         self.emit(
-            EventType.NODE_RETRYING, i, attempt.visit, tries, error=_describe(exc), delay=delay
+            EventType.NODE_RETRYING, i, attempt.visit, tries, error=describe(exc), delay=delay
         )
         self.poke()  # an empty harvest commits and publishes it now (E11)
 
@@ -646,7 +549,7 @@ class RunLoop:
 
     def _harvest_batch(self, batch: list[Attempt]) -> tuple[int, BaseException] | None:
         if len(batch) > 1:
-            batch.sort(key=_harvest_order)
+            batch.sort(key=harvest_order)
         failure: tuple[int, BaseException] | None = None
         state = self.state
         tail = self._tail
@@ -675,7 +578,7 @@ class RunLoop:
             if exc is not None:
                 state.fail(i)
                 self.emit(
-                    EventType.NODE_FAILED, i, attempt.visit, attempt.tries, error=_describe(exc)
+                    EventType.NODE_FAILED, i, attempt.visit, attempt.tries, error=describe(exc)
                 )
             # Freed only now, so the event log never shows more than capacity in flight (E3).
             if self._bounded:
@@ -841,170 +744,3 @@ class RunLoop:
                 reason=item.reason,
             )
         self._late_seen = len(late)
-
-    # -- endings --------------------------------------------------------------
-
-    async def _fail(self, i: int, exc: BaseException) -> None:
-        """E9: cancel and await siblings, one final write, NODE_FAILED last, re-raise."""
-        await self._cancel_in_flight(record=True)
-        self._release_slot()  # the failed node's; no queued sibling can take it now
-        if self._failing is not None:
-            self._release_extra(self._failing)
-        self._supersede_waiting()
-        ns = self.state.nodes[i]
-        if ns.status is not NodeStatus.FAILED:
-            self.state.fail(i)
-        self.emit(EventType.NODE_FAILED, i, ns.visits, ns.attempts, error=_describe(exc))
-        await self._commit("failed", _describe(exc))
-        raise exc
-
-    def _supersede_waiting(self) -> None:
-        """The run ends without its gates' answers: cancel them, supersede their questions (Q3)."""
-        for question_id, g in sorted(self.state.waiting_questions().items(), key=lambda kv: kv[1]):
-            gs = self.state.nodes[g]
-            gs.question = None
-            self.state.cancel(g)
-            self.emit(EventType.NODE_CANCELLED, g, gs.visits, gs.attempts)
-            if self._persister is not None:
-                self._persister.superseded.append(question_id)
-
-    async def _cancel_in_flight(self, *, record: bool) -> None:
-        if self._tail is not None:
-            self._tail.close(self)  # first: no hedge may start while we wind down
-        tickets, self._tickets = self._tickets, {}
-        for ticket in tickets.values():
-            ticket.cancel()
-        attempts = list(self._in_flight)
-        for attempt in attempts:
-            assert attempt.task is not None
-            attempt.task.cancel()
-        if attempts:
-            await asyncio.gather(*(a.task for a in attempts if a.task), return_exceptions=True)
-        self._in_flight.clear()
-        for attempt in (*attempts, *self._done):
-            self._release_extra(attempt)  # clones and backups hold their own
-        # Abandoned attempts (hedge losers, cancelled dead inputs) hold no node slot.
-        holding = {a.index for a in attempts if not a.abandoned} | {
-            a.index for a in self._done if not a.abandoned
-        }
-        for _ in holding:  # one slot per node visit, however many attempts raced
-            self._release_slot()
-        stopped = holding | set(tickets)
-        self._done = []
-        if not record:
-            return
-        for i in sorted(stopped):
-            ns = self.state.nodes[i]
-            if ns.status in (NodeStatus.RUNNING, NodeStatus.QUEUED, NodeStatus.WAITING):
-                self.state.cancel(i)
-                self.emit(EventType.NODE_CANCELLED, i, ns.visits, ns.attempts)
-
-    def preempt(self) -> None:
-        """Stop the run at its next turn boundaries (in-loop edges) and suspend it (partial rollouts)."""
-        self.state.preempting = True
-        self.poke()
-
-    def request_cancel(self) -> None:
-        """End the run ``cancelled`` at its next wake-up (``Engine.cancel``, issue 10).
-
-        In-flight attempts are cancelled and awaited, what the wake-up brought
-        is dropped, running nodes are recorded cancelled and open questions
-        superseded, in one final write; nothing is committed after it.
-        """
-        self.cancel_requested = True
-        self.poke()
-
-    async def _cancel(self) -> RunResult:
-        await self._cancel_in_flight(record=True)
-        self._supersede_waiting()
-        self.emit(EventType.RUN_CANCELLED)
-        await self._commit("cancelled")
-        return self.result("cancelled")
-
-    async def _finish(self) -> RunResult:
-        if self.state.parked:  # preempted: suspend with the turns parked, no question
-            self.emit(EventType.RUN_SUSPENDED, reason="preempted", parked=len(self.state.parked))
-            await self._commit("suspended")
-            return dataclasses.replace(self.result("suspended"), preempted=True)
-        questions = self.state.waiting_questions()
-        if questions:  # E10: an open gate is a suspension, never a stall
-            self.turn += 1
-            self.emit(EventType.RUN_SUSPENDED, questions=sorted(questions), turn=self.turn)
-            await self._commit("suspended")
-            return self.result("suspended")
-        waiting = self.state.waiting_aggregates()
-        if waiting:
-            message = f"run {self.run_id!r} stalled: aggregate " + "; ".join(waiting)
-            await self._commit("failed", message)
-            raise StallError(message)
-        self.emit(EventType.RUN_COMPLETED)
-        await self._commit("completed")
-        return self.result("completed")
-
-    def result(self, status: str) -> RunResult:
-        """Build the :class:`RunResult` from the current state."""
-        results: dict[str, Any] = {}
-        visits: dict[str, int] = {}
-        reports: dict[str, NodeReport] = {}
-        durations = self._durations
-        for i, (node_id, ns) in enumerate(zip(self.topo.ids, self.state.nodes, strict=True)):
-            if ns.has_result:
-                results[node_id] = ns.result
-            visits[node_id] = ns.visits
-            reports[node_id] = NodeReport(ns.status._value_, ns.visits, ns.attempts, durations[i])
-        return RunResult(
-            run_id=self.run_id,
-            status=status,
-            results=results,
-            visits=visits,
-            nodes=reports,
-            late_inputs=tuple(self.state.late),
-            stragglers=self.stragglers,
-            hedges=self.hedges,
-            duration=time.monotonic() - self.started_at,
-            output=self._output(),
-        )
-
-    def _output(self) -> Any:
-        done = [i for i in self.topo.sinks if self.state.nodes[i].has_result]
-        if len(done) == 1:
-            return self.state.nodes[done[0]].result
-        return {self.topo.ids[i]: self.state.nodes[i].result for i in done} or None
-
-
-#: Harvest order (E2): definition order, an attempt before its hedge.
-_harvest_order = operator.attrgetter("index", "hedge")
-
-#: Batches of at least this many nodes are dispatched and harvested with the
-#: cyclic garbage collector paused.
-BULK = 512
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """Pause the cyclic garbage collector for a synchronous stretch of bulk allocation.
-
-    Starting or harvesting thousands of attempts allocates a few containers
-    each (task, coroutine, context, attempt); with the collector on, they
-    trigger collections whose cost grows with everything alive, so a 10k
-    fan-out spent a third of its time in them. Nothing is awaited inside, so
-    the collector is off for that stretch only, and back on (if it was on)
-    whatever happens; reference counting frees memory as usual meanwhile.
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
-def _describe(exc: BaseException) -> str:
-    """``Type: message`` as text any store takes: NUL and lone surrogates escaped."""
-    text = f"{type(exc).__name__}: {exc}"
-    if text.isascii():
-        return text.replace("\x00", "\\x00")
-    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text.replace("\x00", "\\x00")

@@ -23,8 +23,8 @@ from rich.text import Text
 from .._engine import Engine
 from .._errors import GraphError
 from .._graph import Graph
+from .._outcome import RunResult
 from .._owner import owner_is_dead
-from .._runloop import RunResult
 from ..evolve._cli import evolve_demo
 from ..stores import QuestionStatus, RunRecord, RunStatus, RunStore
 from ._fleet import QueueFilter

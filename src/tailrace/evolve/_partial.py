@@ -34,7 +34,7 @@ from .._codec import DEFAULT_CODEC
 from .._engine import Engine
 from .._errors import RunNotFound
 from .._graph import Graph
-from .._runloop import RunResult
+from .._outcome import RunResult
 from ..executors import Executor
 from ..stores import RunStatus, RunStore
 from ..tail import DurationEstimator, ResumeItem, ResumeQueue

@@ -79,7 +79,7 @@ from ._otel_tracker import CANCELLED, COMPLETED, FAILED, REFUSED, SpanTracker
 if TYPE_CHECKING:
     from .._engine import Engine
     from .._graph import Node
-    from .._runloop import RunResult
+    from .._outcome import RunResult
 
 __all__ = ["Instrumentation", "OtelExecutor", "instrument"]
 

@@ -29,7 +29,8 @@ MIN_STRAGGLER_DELAY = 0.005
 
 if TYPE_CHECKING:
     from .._graph import Node
-    from .._runloop import Attempt, RunLoop
+    from .._inflight import Attempt
+    from .._runloop import RunLoop
 
 
 class TailHooks:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._codec import DEFAULT_CODEC
 from .._errors import RunFailed, TailraceError
-from .._runloop import NodeReport, RunResult
+from .._outcome import NodeReport, RunResult
 from ..stores import QuestionStatus, RunRecord, RunStatus, RunStore, StoredRun
 
 if TYPE_CHECKING:

@@ -36,8 +36,8 @@ from .._engine import Engine
 from .._errors import LeaseHeld, LeaseLost, NotResumable, RunNotFound
 from .._graph import Graph
 from .._orphans import OrphanScan
+from .._outcome import RunResult
 from .._owner import owner_is_dead
-from .._runloop import RunResult
 from ..gates import Server
 from ..gates._polling import Poller
 from ..gates._worker import UNRESUMABLE, Outcome, Resumable, describe

@@ -1,0 +1,86 @@
+"""One handler attempt in flight, the order a harvest takes them in, and how their errors read."""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+from typing import Any
+
+
+class Attempt:
+    """One handler attempt in flight.
+
+    The attempt reports its own end (``value`` or ``error``, then ``finished``)
+    from inside its task, so a completion costs no extra trip through the
+    event loop before the run loop wakes. (Its task's done-callback, removed
+    by that report, only catches a task cancelled before it ever ran.)
+    """
+
+    __slots__ = (
+        "abandoned",
+        "backup_timer",
+        "error",
+        "extra_slot",
+        "finished",
+        "hedge",
+        "index",
+        "started",
+        "straggled",
+        "task",
+        "timer",
+        "tries",
+        "value",
+        "visit",
+    )
+
+    def __init__(
+        self,
+        index: int,
+        visit: int,
+        started: float,
+        hedge: bool = False,
+        tries: int = 1,
+    ) -> None:
+        self.index = index
+        self.visit = visit
+        self.started = started
+        self.hedge = hedge
+        self.tries = tries
+        #: Set when the engine cancels it (a hedge loser): its end is not a failure.
+        self.abandoned = False
+        #: The straggler threshold (seconds) once this attempt crossed it (T3).
+        self.straggled: float | None = None
+        self.task: asyncio.Task[Any] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        #: When a hedge policy backs this attempt up (tail hooks).
+        self.backup_timer: asyncio.TimerHandle | None = None
+        #: A clone or backup on idle capacity holds a slot of its own until it ends.
+        self.extra_slot = False
+        #: What the handler returned, or the exception it ended with (cancellation included).
+        self.value: Any = None
+        self.error: BaseException | None = None
+        #: True once the attempt ended and was handed to the run loop.
+        self.finished = False
+
+    def abandon(self) -> None:
+        """Cancel this attempt on purpose."""
+        self.abandoned = True
+        if self.task is not None:
+            self.task.cancel()
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.backup_timer is not None:
+            self.backup_timer.cancel()
+
+
+#: Harvest order (E2): definition order, an attempt before its hedge.
+harvest_order = operator.attrgetter("index", "hedge")
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` as text any store takes: NUL and lone surrogates escaped."""
+    text = f"{type(exc).__name__}: {exc}"
+    if text.isascii():
+        return text.replace("\x00", "\\x00")
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text.replace("\x00", "\\x00")

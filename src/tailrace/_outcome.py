@@ -1,0 +1,44 @@
+"""What a run returns: its :class:`RunResult`, with a :class:`NodeReport` per node."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from ._state import LateInput
+
+
+class NodeReport(NamedTuple):
+    """Per-node outcome in a :class:`RunResult`: status, visits, attempts, seconds spent."""
+
+    status: str
+    visits: int
+    attempts: int
+    duration: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunResult:
+    """What ``Engine.run`` returns.
+
+    ``results`` maps each node that completed to its last result; ``visits``
+    maps every node to how many times it was activated; ``output`` is the
+    result of the graph's sink node (a dict by node when several sinks
+    completed, None when none did); ``late_inputs`` lists
+    inputs that arrived after their activation fired (E5); ``questions`` the
+    open questions of a suspended run; ``preempted`` is true when the run
+    was suspended by ``Engine.preempt`` at a turn boundary.
+    """
+
+    run_id: str
+    status: str
+    results: dict[str, Any]
+    visits: dict[str, int]
+    nodes: dict[str, NodeReport] = field(default_factory=dict)
+    late_inputs: tuple[LateInput, ...] = ()
+    stragglers: int = 0
+    hedges: int = 0
+    questions: tuple[Any, ...] = ()
+    duration: float = 0.0
+    output: Any = None
+    preempted: bool = False
