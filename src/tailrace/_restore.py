@@ -1,0 +1,219 @@
+"""Reading a stored run back: its graph (by reference only) and its state (D3, D4).
+
+:class:`RunRestore` is a part of :class:`~tailrace._persist.Persister`: it
+rebuilds a :class:`RunState` from the node rows, loads the result rows they
+refer to (each decoded once, shared), and refuses rows it cannot read with
+:class:`CorruptRecord` or :class:`UnsupportedFormat` before anything is
+written.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._errors import CorruptRecord, GraphError, UnsupportedFormat
+from ._graph import Graph, is_file_reference, resolve_reference
+from ._rows import NODE_ROW_VERSION, _unpairs
+from ._state import LateInput, NodeStatus, RunState
+from .stores._base import FORMAT_VERSION, NodeRow, RunRecord, StoredRun
+
+if TYPE_CHECKING:
+    from ._codec import Codec
+    from ._topology import Topology
+    from .stores._base import RunStore
+
+
+class RunRestore:
+    """How a persister reads its run back."""
+
+    if TYPE_CHECKING:  # the persister's own; declared for the type checker only
+        store: RunStore
+        codec: Codec
+        run_id: str
+        topo: Topology
+        stored_durability: str | None
+        _big: dict[int, tuple[int, Any]]
+
+    @staticmethod
+    def find_graph(record: RunRecord) -> Graph:
+        """Import the graph a run recorded, by module reference only (``package.module:attr``).
+
+        ``record`` is the stored run. Its ``graph_ref`` is data anyone with
+        write access to the store could have written, so a file reference
+        (``path/to/file.py:graph``) is never executed here (trust model,
+        ``docs/trust.md``): the reader opts in by passing or registering the graph.
+        """
+        ref, run_id = record.graph_ref, record.run_id
+        if not ref:
+            raise GraphError(
+                f"run {run_id!r} recorded no graph reference; pass the graph "
+                f"(engine.resume(run_id, graph)) or register it (engine.register(graph))"
+            )
+        if is_file_reference(ref):
+            path = ref.rpartition(":")[0]
+            raise GraphError(
+                f"run {run_id!r} names its graph by the file reference {ref!r}; a stored "
+                "reference is never executed as a file. Opt in by passing the graph "
+                "(engine.resume(run_id, graph)) or registering it (engine.register(graph)), "
+                f"or on the command line: tailrace resume {run_id} --graphs {path} "
+                f"(or tailrace serve --graphs {path})"
+            )
+        try:
+            graph = resolve_reference(ref)
+        except Exception as exc:  # ImportError, AttributeError, GraphError, or the import failing
+            raise GraphError(
+                f"run {run_id!r}: cannot import its graph {ref!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        if not isinstance(graph, Graph):
+            raise GraphError(f"run {run_id!r}: {ref!r} is not a Graph")
+        return graph
+
+    async def restore(self, stored: StoredRun, late: list[LateInput]) -> tuple[RunState, int, int]:
+        """Rebuild the run state from its rows; running nodes go back to ready (D3).
+
+        A node that was running or backing off between retries keeps its attempt
+        count and the due time of its next attempt, so it continues its retry
+        policy instead of starting it over (E11).
+        """
+        rows = {node_id: self._decode_row(row) for node_id, row in stored.nodes.items()}
+        values = await self._referenced_results(rows)
+        return self._restore(stored, rows, values, late)
+
+    def _restore(
+        self,
+        stored: StoredRun,
+        rows: dict[str, dict[str, Any]],
+        values: dict[tuple[str, int], Any],
+        late: list[LateInput],
+    ) -> tuple[RunState, int, int]:
+        run = stored.run
+        if run.format_version > FORMAT_VERSION:
+            raise UnsupportedFormat(
+                f"run {self.run_id!r} has format version {run.format_version}; "
+                f"this tailrace reads up to {FORMAT_VERSION}"
+            )
+        meta = self._decode(run.state_json, "run state")
+        durability = meta.get("durability")
+        if durability is not None and durability not in ("async", "sync"):
+            raise CorruptRecord(
+                f"run {self.run_id!r}: stored durability {durability!r} is not 'async' or 'sync'"
+            )
+        self.stored_durability = durability
+        state = RunState(self.topo)
+        state.seq = int(meta.get("seq", 0))
+        index = self.topo.index
+        state.edge_gen = {(index[s], index[t]): int(g) for s, t, g in meta.get("edge_gen", [])}
+        state.parked = [
+            (index[src], index[dst], value, _unpairs(f, index))
+            for src, dst, value, f in meta.get("parked", [])
+        ]
+        state.late.extend(late)
+        for node_id, row in stored.nodes.items():
+            i = self.topo.index.get(node_id)
+            if i is None:
+                raise CorruptRecord(
+                    f"run {self.run_id!r}: stored node {node_id!r} is not in the graph"
+                )
+            self._restore_node(state, i, row, rows[node_id], values)
+        state.dirty.clear()
+        if not stored.nodes:
+            state.activate_entries(self._decode(run.input_json, "input"))
+        return state, int(meta.get("events", 0)), int(meta.get("turn", 0))
+
+    def _decode_row(self, row: NodeRow) -> dict[str, Any]:
+        data = self._decode(row.data_json, f"node {row.node_id!r}")
+        if not isinstance(data, dict) or data.get("v", 0) > NODE_ROW_VERSION:
+            raise UnsupportedFormat(
+                f"run {self.run_id!r}: node {row.node_id!r} has an unsupported format"
+            )
+        return data
+
+    async def _referenced_results(
+        self, rows: dict[str, dict[str, Any]]
+    ) -> dict[tuple[str, int], Any]:
+        """Load the result rows that node rows refer to, each decoded once (shared)."""
+        wanted: set[tuple[str, int]] = set()
+        try:
+            for node_id, data in rows.items():
+                if "result_ref" in data:
+                    wanted.add((node_id, int(data["result_ref"])))
+                if "payload_ref" in data:
+                    source, visit = data["payload_ref"]
+                    wanted.add((str(source), int(visit)))
+                for entry in data.get("inputs") or ():
+                    if len(entry) > 4:
+                        wanted.add((str(entry[0]), int(entry[4])))
+        except (TypeError, ValueError) as exc:
+            raise CorruptRecord(f"run {self.run_id!r}: a node row refers badly: {exc!r}") from exc
+        values: dict[tuple[str, int], Any] = {}
+        for node_id in sorted({node_id for node_id, _ in wanted}):
+            for row in await self.store.results(self.run_id, node_id):
+                key = (row.node_id, row.visit)
+                if key in wanted:
+                    values[key] = self._decode(row.value_json, f"result of {node_id!r}")
+        missing = wanted - values.keys()
+        if missing:
+            raise CorruptRecord(
+                f"run {self.run_id!r}: node rows refer to missing results {sorted(missing)}"
+            )
+        return values
+
+    def _restore_node(
+        self,
+        state: RunState,
+        i: int,
+        row: NodeRow,
+        data: dict[str, Any],
+        values: dict[tuple[str, int], Any],
+    ) -> None:
+        index = self.topo.index
+        ns = state.nodes[i]
+        try:
+            ns.status = NodeStatus(row.status)
+            ns.fired = int(data["fired"])
+            ns.visits = int(data["visits"])
+            ns.attempts = int(data["attempts"])
+            ns.payload = data["payload"]
+            ns.result = data["result"]
+            ns.has_result = bool(data["has_result"])
+            ns.frontier = _unpairs(data["frontier"], index)
+            if data["inputs"] is not None:
+                ns.inputs = {}
+                for entry in data["inputs"]:
+                    s, seq, value, f = entry[:4]
+                    if len(entry) > 4:
+                        value = self._shared(index[s], values, (s, int(entry[4])))
+                    ns.inputs[index[s]] = (int(seq), value, _unpairs(f, index))
+            if data["pending"] is not None:
+                ns.pending = (data["pending"][0], _unpairs(data["pending"][1], index))
+            ns.question = data.get("question")
+            if "result_ref" in data:
+                ns.result = self._shared(i, values, (row.node_id, int(data["result_ref"])))
+            if "payload_ref" in data:
+                source, visit = data["payload_ref"]
+                ns.payload = self._shared(index[source], values, (source, int(visit)))
+            due = data.get("retry_due")
+            ns.retry_due = None if due is None else float(due)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptRecord(
+                f"run {self.run_id!r}: node {row.node_id!r} row does not decode: {exc!r}"
+            ) from exc
+        if ns.status in (NodeStatus.RUNNING, NodeStatus.QUEUED):
+            # D3: it was running; run that visit again, continuing its retry policy
+            # (E11): a crash-cut attempt runs again under its own number.
+            ns.status = NodeStatus.QUEUED
+            state.ready.append(i)
+
+    def _shared(self, i: int, values: dict[tuple[str, int], Any], key: tuple[str, int]) -> Any:
+        """A referenced result, the same object wherever it is referenced (so it stays stored once)."""
+        value = values[key]
+        big = self._big.get(i)
+        if big is None or big[0] <= key[1]:
+            self._big[i] = (key[1], value)
+        return value
+
+    def _decode(self, text: str, what: str) -> Any:
+        try:
+            return self.codec.decode(text)
+        except ValueError as exc:
+            raise CorruptRecord(f"run {self.run_id!r}: {what} does not decode: {exc}") from exc
