@@ -7,6 +7,7 @@ Clauses: D1 (one atomic commit per harvest, nothing committed rewritten), D4
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import sqlite3
@@ -38,6 +39,7 @@ from tailrace.stores import (
     RunStatus,
     RunStore,
     SQLiteStore,
+    Submission,
     open_store,
 )
 from tailrace.stores._floor import postgres_raw_commit_rate, sqlite_raw_commit_rate
@@ -377,6 +379,41 @@ async def test_list_runs_newest_first_by_status(store: RunStore) -> None:
     assert [r.run_id for r in await store.list_runs(status=RunStatus.COMPLETED)] == ["mid"]
     assert [r.run_id for r in await store.list_runs(limit=2)] == ["newest", "new"]
     assert await store.list_runs(status=RunStatus.FAILED) == []
+
+
+async def test_list_runs_pages_by_graph_and_queue_and_run_counts_groups_them(
+    store: RunStore,
+) -> None:
+    graphs = ("alpha", "beta", "alpha", "alpha", "beta")
+    for i, graph in enumerate(graphs):
+        run = dataclasses.replace(new_run(f"r{i}", created_at=float(i)), graph_name=graph)
+        await store.create_run(run)
+    queued = dataclasses.replace(new_run("q0", created_at=9.0), graph_name="alpha")
+    await store.submit_run(queued, Submission(queue="emails"))
+    token = await store.acquire_lease("r2", "A", TTL)
+    await store.commit("r2", token, harvest(status=RunStatus.COMPLETED))
+    newest_first = ["q0", "r4", "r3", "r2", "r1", "r0"]
+    assert [r.run_id for r in await store.list_runs()] == newest_first
+    assert [r.run_id for r in await store.list_runs(offset=2, limit=3)] == newest_first[2:5]
+    assert [r.run_id for r in await store.list_runs(offset=5)] == ["r0"]
+    assert await store.list_runs(offset=6) == []
+    alpha = await store.list_runs(graph="alpha")
+    assert [r.run_id for r in alpha] == ["q0", "r3", "r2", "r0"]
+    assert [r.run_id for r in await store.list_runs(graph="alpha", offset=1, limit=2)] == [
+        "r3",
+        "r2",
+    ]
+    assert [r.run_id for r in await store.list_runs(graph="alpha", queue="emails")] == ["q0"]
+    assert await store.list_runs(graph="gamma") == []
+    counts = [(c.graph_name, c.queue_name, c.status, c.count) for c in await store.run_counts()]
+    assert counts == [
+        ("alpha", None, RunStatus.COMPLETED, 1),
+        ("alpha", None, RunStatus.RUNNING, 2),
+        ("alpha", "emails", RunStatus.QUEUED, 1),
+        ("beta", None, RunStatus.RUNNING, 2),
+    ]
+    with pytest.raises(ValueError, match="graph"):
+        await store.list_runs(graph="bad\x00name")
 
 
 # --- concurrency (group commit) -----------------------------------------------------------

@@ -8,13 +8,14 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tailrace_tests_ui_support import Factory, dashboard  # loaded by conftest.py
 
 import tailrace as tr
-from tailrace.stores import NewRun, QuestionStatus
+from tailrace.stores import MemoryStore, NewRun, QuestionStatus, RunRecord, RunStatus
 from tailrace.ui._links import run_url
-from tailrace.ui._views import RUN_FILTERS
+from tailrace.ui._views import RUN_FILTERS, runs_page
 
 scenarios = sys.modules["tailrace_tests_ui_scenarios"]
 
@@ -71,9 +72,41 @@ def test_runs_are_paginated(sqlite_db: Factory) -> None:
         pages = [run_ids(client.get(f"/runs?page={p}").text) for p in (1, 2, 3)]
         past_the_end = run_ids(client.get("/runs?page=99").text)
         first = client.get("/runs").text
+        completed = run_ids(client.get("/runs?status=completed&page=2").text)
+        of_graph = run_ids(client.get("/runs?graph=quick&page=3").text)
+        hostile = client.get("/runs?graph=a%00b")
     assert pages == [["run-6", "run-5", "run-4"], ["run-3", "run-2", "run-1"], ["run-0"]]
     assert past_the_end == ["run-0"]
     assert "page 1 of 3" in first and 'href="/runs?page=2" rel="next"' in first
+    assert completed == ["run-3", "run-2", "run-1"]
+    assert of_graph == ["run-0"]
+    assert hostile.status_code == 400 and "not a valid name" in hostile.text
+
+
+async def test_the_runs_page_reads_one_page_of_runs_not_all_of_them() -> None:
+    asked: list[dict[str, object]] = []
+
+    class Recording(MemoryStore):
+        async def list_runs(self, **options: Any) -> list[RunRecord]:
+            asked.append(options)
+            return await super().list_runs(**options)
+
+    store = Recording()
+    for n in range(50):
+        run = NewRun(run_id=f"r{n:02}", graph_name="g", graph_ref=None, fingerprint="f",
+                     input_json="null", created_at=float(n))  # fmt: skip
+        await store.create_run(run)
+    view = await runs_page(
+        store, status="orphaned", graph=None, queue=None, page=2, page_size=10, now=100.0
+    )
+    assert [r.run_id for r in view.rows] == [f"r{n:02}" for n in range(39, 29, -1)]
+    assert (view.matching, view.pages, view.counts["orphaned"]) == (50, 5, 50)
+    view = await runs_page(store, status=None, graph=None, queue=None, page=3, page_size=10,
+                           now=100.0)  # fmt: skip
+    assert [r.run_id for r in view.rows] == [f"r{n:02}" for n in range(29, 19, -1)]
+    # Every read of a page asks for one page; only the running runs are read whole.
+    paged = [o for o in asked if o.get("status") is not RunStatus.RUNNING]
+    assert paged == [{"status": None, "graph": None, "queue": None, "limit": 10, "offset": 20}]
 
 
 def test_an_orphaned_run_is_shown_and_filtered_as_such(sqlite_db: Factory) -> None:

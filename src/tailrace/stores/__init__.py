@@ -36,6 +36,7 @@ from ._base import QuestionStatus as QuestionStatus
 from ._base import Queue as Queue
 from ._base import QueueStats as QueueStats
 from ._base import ResultRow as ResultRow
+from ._base import RunCount as RunCount
 from ._base import RunRecord as RunRecord
 from ._base import RunStatus as RunStatus
 from ._base import RunStore as RunStore
@@ -68,6 +69,7 @@ __all__ = [
     "Queue",
     "QueueStats",
     "ResultRow",
+    "RunCount",
     "RunRecord",
     "RunStatus",
     "RunStore",

@@ -344,6 +344,16 @@ class Submission:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RunCount:
+    """How many runs of one graph, in one queue (None: submitted to none), have one status."""
+
+    graph_name: str
+    queue_name: str | None
+    status: RunStatus
+    count: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class QueueStats:
     """One queue as ``queue_stats`` sees it: declared limits and what its runs do now.
 
@@ -495,8 +505,22 @@ class RunStore(abc.ABC):
         status: RunStatus | None = None,
         limit: int | None = None,
         queue: str | None = None,
+        graph: str | None = None,
+        offset: int = 0,
     ) -> list[RunRecord]:
-        """Runs, newest first, optionally only those with ``status`` and of ``queue``, at most ``limit``."""
+        """Runs newest first (``created_at``, then ``run_id``): a page of them, for listings.
+
+        Args:
+            status: only runs with this status.
+            limit: at most this many (None: all).
+            queue: only runs submitted to this queue.
+            graph: only runs of this graph name.
+            offset: skip this many of the matching runs first.
+        """
+
+    @abc.abstractmethod
+    async def run_counts(self) -> list[RunCount]:
+        """How many runs there are per graph name, queue and status (one query: for dashboards)."""
 
     @abc.abstractmethod
     async def results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 from .._errors import RunExists, RunNotFound, StoreError
@@ -32,6 +33,7 @@ from ._base import (
     QuestionStatus,
     Queue,
     ResultRow,
+    RunCount,
     RunRecord,
     RunStatus,
     RunStore,
@@ -65,6 +67,7 @@ from ._rules import (
     printable_text,
     question_not_found,
 )
+from ._sql_queues import run_count_order
 
 # --- the store ---------------------------------------------------------------
 
@@ -260,17 +263,32 @@ class MemoryStore(MemoryQueues, RunStore):
         status: RunStatus | None = None,
         limit: int | None = None,
         queue: str | None = None,
+        graph: str | None = None,
+        offset: int = 0,
     ) -> list[RunRecord]:
-        """Runs newest first (``created_at``, then ``run_id``), only ``status`` ones and of ``queue`` if given, at most ``limit``."""
-        check_name("queue", queue)
+        """Runs newest first (``created_at``, then ``run_id``), filtered, ``offset`` skipped, at most ``limit``."""
+        check_names(queue=queue, graph=graph)
         with self._lock:
             runs = [
                 r
                 for r in self._runs.values()
-                if status in (None, r.status) and queue in (None, r.queue_name)
+                if status in (None, r.status)
+                and queue in (None, r.queue_name)
+                and graph in (None, r.graph_name)
             ]
         runs.sort(key=lambda r: (r.created_at, r.run_id), reverse=True)
+        runs = runs[max(offset, 0) :]
         return runs if limit is None else runs[: max(limit, 0)]
+
+    async def run_counts(self) -> list[RunCount]:
+        """How many runs there are per graph name, queue and status."""
+        with self._lock:
+            grouped = Counter((r.graph_name, r.queue_name, r.status) for r in self._runs.values())
+        counts = [
+            RunCount(graph_name=g, queue_name=q, status=s, count=n)
+            for (g, q, s), n in grouped.items()
+        ]
+        return sorted(counts, key=run_count_order)
 
     async def results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
         """Result rows of ``run_id`` (only ``node_id``'s if given), by node then visit."""

@@ -42,6 +42,7 @@ from ._base import (
     QuestionRow,
     QuestionStatus,
     ResultRow,
+    RunCount,
     RunRecord,
     RunStatus,
     RunStore,
@@ -100,7 +101,7 @@ from ._sql import (
     question_from_row,
     record_from_row,
 )
-from ._sql_queues import list_runs_query
+from ._sql_queues import RUN_COUNTS, list_runs_query, run_counts_from_rows
 
 
 class PostgresStore(PostgresQueues, RunStore):
@@ -213,13 +214,20 @@ class PostgresStore(PostgresQueues, RunStore):
         status: RunStatus | None = None,
         limit: int | None = None,
         queue: str | None = None,
+        graph: str | None = None,
+        offset: int = 0,
     ) -> list[RunRecord]:
-        """Runs newest first (``created_at``, then ``run_id``), only ``status`` ones and of ``queue`` if given, at most ``limit``."""
-        check_name("queue", queue)
-        query, params = list_runs_query(None if status is None else status.value, queue)
-        params += (None if limit is None else max(limit, 0),)
+        """Runs newest first (``created_at``, then ``run_id``), filtered, ``offset`` skipped, at most ``limit``."""
+        check_names(queue=queue, graph=graph)
+        query, params = list_runs_query(None if status is None else status.value, queue, graph)
+        params += (None if limit is None else max(limit, 0), max(offset, 0))
         rows = await self._read("listing runs", fetch_all(pg(query), params))
         return [record_from_row(r) for r in rows]
+
+    async def run_counts(self) -> list[RunCount]:
+        """How many runs there are per graph name, queue and status."""
+        rows = await self._read("counting runs", fetch_all(pg(RUN_COUNTS), ()))
+        return run_counts_from_rows(rows)
 
     async def results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
         """Result rows of ``run_id`` (only ``node_id``'s if given), by node then visit."""

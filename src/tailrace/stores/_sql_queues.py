@@ -9,7 +9,11 @@ waiting for them.
 
 from __future__ import annotations
 
-from ._base import Queue
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .._errors import CorruptRecord
+from ._base import Queue, RunCount, RunStatus
 from ._sql import RUN_COLUMNS
 
 QUEUE_COLUMNS = "name, concurrency, worker_concurrency, rate_limit, rate_period, ordering"
@@ -134,19 +138,46 @@ QUEUE_COUNTS = (
 )
 
 
-def list_runs_query(status: str | None, queue: str | None) -> tuple[str, tuple[object, ...]]:
-    """``list_runs``'s query, newest first, filtered by ``status`` and ``queue``; it ends in ``LIMIT ?``."""
+def list_runs_query(
+    status: str | None, queue: str | None, graph: str | None
+) -> tuple[str, tuple[object, ...]]:
+    """``list_runs``'s query, newest first, filtered by ``status``, ``queue`` and ``graph``.
+
+    It ends in ``LIMIT ? OFFSET ?``, whose values the caller appends.
+    """
     where: list[str] = []
     params: list[object] = []
-    if status is not None:
-        where.append("status = ?")
-        params.append(status)
-    if queue is not None:
-        where.append("queue_name = ?")
-        params.append(queue)
+    for column, value in (("status", status), ("queue_name", queue), ("graph_name", graph)):
+        if value is not None:
+            where.append(f"{column} = ?")
+            params.append(value)
     clause = f"WHERE {' AND '.join(where)} " if where else ""
-    query = f"SELECT {RUN_COLUMNS} FROM runs {clause}ORDER BY created_at DESC, run_id DESC LIMIT ?"
-    return query, tuple(params)
+    order = "ORDER BY created_at DESC, run_id DESC LIMIT ? OFFSET ?"
+    return f"SELECT {RUN_COLUMNS} FROM runs {clause}{order}", tuple(params)
+
+
+#: Runs per graph name, queue and status.
+RUN_COUNTS = (
+    "SELECT graph_name, queue_name, status, COUNT(*) FROM runs "
+    "GROUP BY graph_name, queue_name, status"
+)
+
+
+def run_counts_from_rows(rows: Iterable[Sequence[Any]]) -> list[RunCount]:
+    """The :class:`RunCount` s of :data:`RUN_COUNTS`'s rows, in one order on every backend."""
+    counts = []
+    for graph, queue, status, n in rows:
+        try:
+            known = RunStatus(status)
+        except ValueError:
+            raise CorruptRecord(f"runs of graph {graph!r} have unknown status {status!r}") from None
+        counts.append(RunCount(graph_name=graph, queue_name=queue, status=known, count=int(n)))
+    return sorted(counts, key=run_count_order)
+
+
+def run_count_order(c: RunCount) -> tuple[str, bool, str, str]:
+    """How run counts are listed: by graph, runs of no queue first, then queue and status."""
+    return (c.graph_name, c.queue_name is not None, c.queue_name or "", c.status.value)
 
 
 #: Values: kind. What a SQLite watcher reads when ``data_version`` moves.

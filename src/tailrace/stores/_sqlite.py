@@ -33,6 +33,7 @@ from ._base import (
     QuestionRow,
     QuestionStatus,
     ResultRow,
+    RunCount,
     RunRecord,
     RunStatus,
     RunStore,
@@ -89,7 +90,7 @@ from ._sql import (
     record_from_row,
     run_update_params,
 )
-from ._sql_queues import list_runs_query
+from ._sql_queues import RUN_COUNTS, list_runs_query, run_counts_from_rows
 from ._sqlite_files import prepare_for_writing, read_only_connection, read_only_uri
 from ._sqlite_queues import DataVersionWatch, SQLiteQueues, bump
 from ._sqlite_threads import (
@@ -341,13 +342,21 @@ class SQLiteStore(SQLiteQueues, RunStore):
         status: RunStatus | None = None,
         limit: int | None = None,
         queue: str | None = None,
+        graph: str | None = None,
+        offset: int = 0,
     ) -> list[RunRecord]:
-        """Runs newest first (``created_at``, then ``run_id``), only ``status`` ones and of ``queue`` if given, at most ``limit``."""
-        check_name("queue", queue)
-        sql, params = list_runs_query(None if status is None else status.value, queue)
-        params += (-1 if limit is None else max(limit, 0),)
+        """Runs newest first (``created_at``, then ``run_id``), filtered, ``offset`` skipped, at most ``limit``."""
+        check_names(queue=queue, graph=graph)
+        sql, params = list_runs_query(None if status is None else status.value, queue, graph)
+        params += (-1 if limit is None else max(limit, 0), max(offset, 0))
         return await self._read(
             "listing runs", lambda conn: [record_from_row(r) for r in conn.execute(sql, params)]
+        )
+
+    async def run_counts(self) -> list[RunCount]:
+        """How many runs there are per graph name, queue and status."""
+        return await self._read(
+            "counting runs", lambda conn: run_counts_from_rows(conn.execute(RUN_COUNTS))
         )
 
     async def results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:

@@ -59,9 +59,21 @@ def auth_of(request: Request) -> Auth:
 def path_id(request: Request, name: str) -> str:
     """The id in the path; 400 for text no store can key on (NUL, lone surrogates)."""
     value: str = request.path_params[name]
-    if "\x00" in value or any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+    if not _keyable(value):
         raise HTTPException(400, f"{name.replace('_', ' ')} {value!r} is not a valid id")
     return value
+
+
+def query_name(request: Request, name: str) -> str | None:
+    """A name filter from the query string (None if absent); 400 for text no store can key on."""
+    value = request.query_params.get(name) or None
+    if value is not None and not _keyable(value):
+        raise HTTPException(400, f"{name} {value!r} is not a valid name")
+    return value
+
+
+def _keyable(value: str) -> bool:
+    return "\x00" not in value and not any(0xD800 <= ord(c) <= 0xDFFF for c in value)
 
 
 async def page(request: Request, name: str, *, section: str, status_code: int = 200,
@@ -111,8 +123,8 @@ async def runs(request: Request) -> Response:
         number = 1
     state = ui_state(request)
     view = await runs_page(
-        state.reader, status=status, graph=request.query_params.get("graph") or None,
-        queue=request.query_params.get("queue") or None, page=number,
+        state.reader, status=status, graph=query_name(request, "graph"),
+        queue=query_name(request, "queue"), page=number,
         page_size=state.config.page_size, now=time.time(),
     )  # fmt: skip
     return await page(request, "runs.html", section="runs", view=view)

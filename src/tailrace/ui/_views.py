@@ -123,19 +123,33 @@ async def runs_page(
         page_size: runs per page.
         now: wall clock deciding which leases are live.
     """
-    records = await store.list_runs()  # newest first
-    open_by_run = Counter(q.run_id for q in await store.list_questions(status=QuestionStatus.OPEN))
-    of_graph = [
-        r
-        for r in records
-        if (graph is None or r.graph_name == graph) and (queue is None or r.queue_name == queue)
+    # Counted and paged by the store: a page reads one page of runs, whatever the total.
+    # Only the running runs are read whole, to tell live ones from orphans (D6).
+    everything = await store.run_counts()
+    tallies = [
+        c for c in everything if graph in (None, c.graph_name) and queue in (None, c.queue_name)
     ]
-    shown = [(r, shown_status(r, now)) for r in of_graph]
-    counts = Counter(s for _, s in shown)
-    chosen = [(r, s) for r, s in shown if status is None or s == status]
-    pages = max(1, -(-len(chosen) // page_size))
+    running = await store.list_runs(status=RunStatus.RUNNING, graph=graph, queue=queue)
+    shown_running = [(r, shown_status(r, now)) for r in running]
+    counts = Counter[str]()
+    for c in tallies:
+        if c.status is not RunStatus.RUNNING:
+            counts[c.status.value] += c.count
+    counts.update(s for _, s in shown_running)
+    total = sum(c.count for c in tallies)
+    matching = total if status is None else counts.get(status, 0)
+    pages = max(1, -(-matching // page_size))
     page = min(max(page, 1), pages)
-    window = chosen[(page - 1) * page_size : page * page_size]
+    first = (page - 1) * page_size
+    if status in (RunStatus.RUNNING.value, ORPHANED):
+        window = [(r, s) for r, s in shown_running if s == status][first : first + page_size]
+    else:
+        stored = None if status is None else RunStatus(status)
+        records = await store.list_runs(
+            status=stored, graph=graph, queue=queue, limit=page_size, offset=first
+        )
+        window = [(r, shown_status(r, now)) for r in records]
+    open_by_run = Counter(q.run_id for q in await store.list_questions(status=QuestionStatus.OPEN))
     rows = tuple(
         RunRow(
             run_id=r.run_id,
@@ -154,10 +168,10 @@ async def runs_page(
     return RunsPage(
         rows=rows,
         counts={f: counts.get(f, 0) for f in RUN_FILTERS},
-        total=len(of_graph),
-        matching=len(chosen),
-        graphs=tuple(sorted({r.graph_name for r in records})),
-        queues=tuple(sorted({r.queue_name for r in records if r.queue_name is not None})),
+        total=total,
+        matching=matching,
+        graphs=tuple(sorted({c.graph_name for c in everything})),
+        queues=tuple(sorted({c.queue_name for c in everything if c.queue_name is not None})),
         status=status,
         graph=graph,
         queue=queue,
