@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tailrace.persist")
 
 #: Seconds the run loop lets running harvests gather before it stages them as
-#: one (a final status, a question or durability "sync" stages at once). Built
+#: one (a final status, a failure, a cancellation or a "sync" step stages at once). Built
 #: once per window, a node that starts and completes within it costs one row and
 #: a harvest costs a flag check; larger writes also mean fewer hand-overs of the
 #: GIL between the loop and the writer thread. "async" durability promises no
