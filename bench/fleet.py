@@ -576,11 +576,14 @@ def _run_fleet(
             now = time.monotonic()
             ready = [i for i, w in enumerate(workers) if w.ready()]
             if stats.kills < cfg.kills and now >= next_kill and len(ready) >= 2:
-                for victim in rng.sample(ready, 2):
-                    holding = _holding(target, workers[victim])
+                # Workers in the middle of runs are the victims when there are two, so
+                # kills cut runs however loaded the machine is (not only start-ups).
+                holding = {i: _holding(target, workers[i]) for i in ready}
+                busy = [i for i in ready if holding[i] > 0]
+                for victim in rng.sample(busy if len(busy) >= 2 else ready, 2):
                     workers[victim].kill()
                     stats.kills += 1
-                    stats.mid_run_kills += holding > 0
+                    stats.mid_run_kills += holding[victim] > 0
                 side.snapshot()  # right after the kills: nothing committed may start again
                 for victim in sorted(
                     {v for v in range(len(workers)) if workers[v].proc.poll() is not None}
