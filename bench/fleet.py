@@ -392,7 +392,7 @@ def write_graph(workdir: Path) -> Path:
 
 
 def load_graphs(graph_file: Path) -> Any:
-    from tailrace._graph import load_file_module
+    from tailrace.graph import load_file_module
 
     return load_file_module(str(graph_file))
 

@@ -159,7 +159,7 @@ import time
 
 import tailrace as tr
 from tailrace._errors import LeaseHeld, NotResumable, RunExists, RunNotFound
-from tailrace._graph import resolve_reference
+from tailrace.graph import resolve_reference
 
 
 def make_store(args):
@@ -347,7 +347,7 @@ class Harness:
     # -- lifecycle -------------------------------------------------------------------
 
     def __enter__(self) -> Harness:
-        from tailrace._graph import load_file_module
+        from tailrace.graph import load_file_module
 
         self.graph = load_file_module(str(self.graph_path)).graph
         self.reference = self._runner.run(self._reference_run())

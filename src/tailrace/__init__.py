@@ -3,13 +3,10 @@
 The public API is re-exported here; implementation lives in private modules.
 """
 
-from ._admission import AdmissionPolicy as AdmissionPolicy
 from ._codec import Codec as Codec
 from ._codec import JsonCodec as JsonCodec
 from ._context import NodeContext as NodeContext
 from ._context import current_node as current_node
-from ._engine import Engine as Engine
-from ._engine import run as run
 from ._errors import AlreadyAnswered as AlreadyAnswered
 from ._errors import CorruptRecord as CorruptRecord
 from ._errors import DuplicateRun as DuplicateRun
@@ -36,17 +33,20 @@ from ._errors import UnsupportedFormat as UnsupportedFormat
 from ._events import Event as Event
 from ._events import EventBus as EventBus
 from ._events import EventType as EventType
-from ._graph import EXIT as EXIT
-from ._graph import Edge as Edge
-from ._graph import Graph as Graph
-from ._graph import Node as Node
-from ._graph import NodeKind as NodeKind
-from ._graph import RetryPolicy as RetryPolicy
-from ._outcome import NodeReport as NodeReport
-from ._outcome import RunResult as RunResult
-from ._state import LateInput as LateInput
-from ._state import NodeStatus as NodeStatus
+from .core import AdmissionPolicy as AdmissionPolicy
+from .core import Engine as Engine
+from .core import LateInput as LateInput
+from .core import NodeReport as NodeReport
+from .core import NodeStatus as NodeStatus
+from .core import RunResult as RunResult
+from .core import run as run
 from .gates import GateTimeout as GateTimeout
+from .graph import EXIT as EXIT
+from .graph import Edge as Edge
+from .graph import Graph as Graph
+from .graph import Node as Node
+from .graph import NodeKind as NodeKind
+from .graph import RetryPolicy as RetryPolicy
 from .stores import QuestionRow as QuestionRow
 from .stores import QuestionStatus as QuestionStatus
 from .stores import Queue as Queue

@@ -25,9 +25,26 @@ import enum
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
-from .stores import EventRow
+
+class EventRow(Protocol):
+    """The fields of a stored event this module reads (``tailrace.stores.EventRow`` has them)."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def type(self) -> str: ...
+    @property
+    def node_id(self) -> str | None: ...
+    @property
+    def visit(self) -> int | None: ...
+    @property
+    def attempt(self) -> int | None: ...
+    @property
+    def ts(self) -> float: ...
+    @property
+    def data_json(self) -> str: ...
 
 
 class Outcome(enum.StrEnum):

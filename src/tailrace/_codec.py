@@ -15,6 +15,8 @@ import json
 import re
 from typing import Any, Protocol, runtime_checkable
 
+from ._values import revive
+
 #: A lone surrogate: valid in a Python str, not in UTF-8, so no database takes it.
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -82,8 +84,6 @@ class JsonCodec:
 
 def _revive(data: dict[str, Any]) -> Any:
     if "$tailrace" in data:
-        from .gates._timeout import revive
-
         return revive(data)
     return data
 

@@ -23,8 +23,8 @@ import pytest
 
 import _stores
 import tailrace as tr
-import tailrace._persist
-from tailrace._graph import load_file_module
+import tailrace.core._writer
+from tailrace.graph import load_file_module
 from tailrace.stores import Harvest, RunStatus, RunStore
 
 GUARD = 30.0  # seconds; only there so that a bug fails the test instead of hanging it
@@ -486,7 +486,7 @@ async def test_13_async_writes_gather_a_window_of_harvests_one_row_per_node(
 ) -> None:
     # A window longer than the run: whatever the machine's load, every harvest of the
     # run gathers into the window, staged once when the run completes.
-    monkeypatch.setattr(tailrace._persist, "GROUP_WINDOW", 3600.0)
+    monkeypatch.setattr(tailrace.core._writer, "GROUP_WINDOW", 3600.0)
     counting = CountingCommits(store)
     g = tr.Graph("window")
     names = [f"s{i}" for i in range(200)]

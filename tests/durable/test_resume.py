@@ -44,7 +44,7 @@ from tailrace._errors import (
     TailraceError,
     UnsupportedFormat,
 )
-from tailrace._persist import NODE_ROW_VERSION
+from tailrace.core._writer import NODE_ROW_VERSION
 from tailrace.stores import (
     FORMAT_VERSION,
     Harvest,

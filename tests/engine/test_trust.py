@@ -22,8 +22,8 @@ import pytest
 
 import _stores
 import tailrace as tr
-from tailrace._graph import load_file_module, resolve_reference
 from tailrace.gates import Server
+from tailrace.graph import load_file_module, resolve_reference
 from tailrace.stores import NewRun, QuestionStatus, RunStore
 
 HOSTILE = """\

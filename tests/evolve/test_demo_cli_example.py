@@ -9,8 +9,8 @@ from pathlib import Path
 import typer
 from typer.testing import CliRunner
 
+from tailrace.cli._evolve import evolve_demo, run_demo
 from tailrace.evolve import DemoDomain
-from tailrace.evolve._cli import evolve_demo, run_demo
 from tailrace.evolve._demo import route
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "evolve_demo.py"

@@ -29,7 +29,7 @@ from tailrace_tests_ui_support import (  # loaded by conftest.py
 )
 
 import tailrace as tr
-from tailrace.evolve._cli import run_demo
+from tailrace.cli._evolve import run_demo
 from tailrace.ui import UiConfig
 from tailrace.ui._links import run_url
 

@@ -19,9 +19,9 @@ import pytest
 
 import _stores
 from tailrace import Engine
+from tailrace.core._submit import estimates_of
 from tailrace.stores import NewRun, QuestionStatus, Queue, RunStatus
 from tailrace.workers import DuplicateRun, RunFailed, Worker
-from tailrace.workers._submit import estimates_of
 
 graphs = _stores.load_module("fleet_graphs", Path(__file__).with_name("fleet_graphs.py"))
 until = _stores.until

@@ -20,13 +20,11 @@ import typer
 from rich.table import Column
 from rich.text import Text
 
-from .._engine import Engine
 from .._errors import GraphError
-from .._graph import Graph
-from .._outcome import RunResult
-from .._owner import owner_is_dead
-from ..evolve._cli import evolve_demo
+from ..core import Engine, RunResult, owner_is_dead
+from ..graph import Graph
 from ..stores import QuestionStatus, RunRecord, RunStatus, RunStore
+from ._evolve import evolve_demo
 from ._fleet import QueueFilter
 from ._fleet import register as register_fleet
 from ._load import is_file_spec, load_graph, load_graphs

@@ -1,4 +1,4 @@
-"""``tailrace`` fleet commands: submit, worker (and serve, its other name), cancel, queues (issue 10).
+"""``tailrace`` fleet commands: submit, worker (and serve, its other name), cancel, queues.
 
 A worker claims runs from queues and drives them, applies answers, polls
 machine gates and adopts runs of dead workers; ``serve`` is the same daemon
@@ -20,7 +20,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Column
 
-from .._engine import Engine
+from ..core import Engine
 from ..stores import Queue, QueueStats, RunStore
 from ..workers import RunFailed, Worker, WorkerStats
 from ._load import is_file_spec, load_graph, load_graphs, load_object, load_pollers

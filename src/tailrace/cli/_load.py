@@ -15,7 +15,7 @@ from typing import Any
 
 import typer
 
-from .._graph import Graph, load_file_module
+from ..graph import Graph, load_file_module
 from ._render import visible
 
 

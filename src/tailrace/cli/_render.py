@@ -26,7 +26,7 @@ from rich.highlighter import JSONHighlighter
 from rich.table import Column, Table
 from rich.text import Text
 
-from .._outcome import RunResult
+from ..core import RunResult
 from ..stores import QuestionRow, QuestionStatus
 
 #: What a terminal acts on instead of showing: C0 and C1 controls (but newline

@@ -1,7 +1,6 @@
 """One command's session: where the store is, opening it, and what an error means.
 
-A command fails in one of a few ways, and the message says which (finding 11
-of the hardening issue): the store could not be opened (nothing ran), the
+A command fails in one of a few ways, and the message says which: the store could not be opened (nothing ran), the
 engine refused (a :class:`~tailrace.TailraceError`: an unknown run, a lease
 held elsewhere), a handler failed the run (E9: the node and its own
 exception), or the user pressed Ctrl-C (exit code 130, with how to go on).
@@ -87,7 +86,7 @@ async def opened(location: str, *, read_only: bool = False) -> AsyncIterator[Run
     """The store at ``location``, opened; a failure to open is :class:`StoreUnavailable`.
 
     A read-only store never writes: it works next to a writer and on
-    read-only media, and a missing file is an error naming it (finding 7).
+    read-only media, and a missing file is an error naming it.
     """
     store: RunStore | None = None
     try:

@@ -39,9 +39,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._engine import Engine
-from .._graph import Graph
+from ..core import Engine
 from ..executors import Executor
+from ..graph import Graph
 from ..stores import RunStore
 from ..tail import DurationEstimator, ResumeItem, ResumeQueue
 from ._accept import Acceptance

@@ -21,9 +21,9 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from .._engine import Engine
-from .._graph import Graph
+from ..core import Engine
 from ..executors import Executor
+from ..graph import Graph
 from ..tail import DurationEstimator
 from ..tail._hooks import MIN_STRAGGLER_DELAY
 from ._accept import mean

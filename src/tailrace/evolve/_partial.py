@@ -31,11 +31,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from .._codec import DEFAULT_CODEC
-from .._engine import Engine
 from .._errors import RunNotFound
-from .._graph import Graph
-from .._outcome import RunResult
+from ..core import Engine, RunResult
 from ..executors import Executor
+from ..graph import Graph
 from ..stores import RunStatus, RunStore
 from ..tail import DurationEstimator, ResumeItem, ResumeQueue
 from ._core import Evolution, straggler_limit

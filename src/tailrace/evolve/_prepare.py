@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .._engine import Engine
-from .._graph import Graph
+from ..core import Engine
 from ..executors import Executor
+from ..graph import Graph
 from ..stores import MemoryStore, RunStore
 from ._audit import AuditScheduler
 from ._core import Evolution

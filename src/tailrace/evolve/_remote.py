@@ -1,4 +1,4 @@
-"""User calls on an executor: ``evolve``/``async_evolve(..., executor=...)`` (issue 11).
+"""User calls on an executor: ``evolve``/``async_evolve(..., executor=...)``.
 
 DESIGN "Scale-out": the evolution keeps its state (ledger, head, pool,
 counters, audit) in the driving process, and an :class:`~tailrace.executors.Executor`
@@ -41,8 +41,8 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._context import _current
-from .._graph import Node
 from ..executors import AttemptContext, Executor
+from ..graph import Node
 from ._model import Edit, RolloutContext, Task, current_rollout
 from ._model import _current as _current_rollout
 from ._usage import UsageMeter, _meter

@@ -15,9 +15,9 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from .._engine import Engine
-from .._graph import Graph
+from ..core import Engine
 from ..executors import Executor
+from ..graph import Graph
 from ..stores import RunStore
 from ._accept import Acceptance
 from ._audit import AuditScheduler

@@ -71,11 +71,10 @@ from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
 from .._context import NodeContext
 from .._errors import GraphError
-from .._graph import is_async_callable
+from ..graph import is_async_callable
 
 if TYPE_CHECKING:
-    from .._graph import Node
-    from .._topology import Topology
+    from ..graph import Node, Topology
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -33,7 +33,7 @@ from .._errors import EncodeError, ExecutorLost
 
 if TYPE_CHECKING:
     from .._codec import Codec
-    from .._graph import Handler, Node
+    from ..graph import Handler, Node
     from ._base import AttemptContext
 
 logger = logging.getLogger("tailrace.executors.ray")

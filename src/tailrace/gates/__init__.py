@@ -9,11 +9,11 @@
   the engine and any extra :class:`Resumable` targets.
 """
 
+from .._values import GateTimeout as GateTimeout
 from ._polling import Poller as Poller
 from ._serve import Server as Server
 from ._serve import ServeStats as ServeStats
 from ._serve import serve as serve
-from ._timeout import GateTimeout as GateTimeout
 from ._worker import EngineTarget as EngineTarget
 from ._worker import Outcome as Outcome
 from ._worker import Resumable as Resumable

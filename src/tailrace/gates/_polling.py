@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._errors import AlreadyAnswered, QuestionNotFound
-from ._timeout import GateTimeout
+from .._values import GateTimeout
 from ._worker import describe
 
 if TYPE_CHECKING:

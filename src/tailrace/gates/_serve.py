@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING
 
 from .._codec import DEFAULT_CODEC
 from .._errors import LeaseHeld, LeaseLost, NotResumable, RunNotFound
-from .._orphans import OrphanScan
+from ._orphans import OrphanScan
 from ._polling import GatePolling, Poller
 from ._worker import Outcome, Resumable, ResumeWorker, describe
 
 if TYPE_CHECKING:
-    from .._engine import Engine
+    from ..core import Engine
 
 logger = logging.getLogger("tailrace.serve")
 

@@ -38,7 +38,7 @@ from .._errors import (
 )
 
 if TYPE_CHECKING:
-    from .._engine import Engine
+    from ..core import Engine
     from ..stores import QuestionRow, RunRecord, RunStore
 
 logger = logging.getLogger("tailrace.gates")

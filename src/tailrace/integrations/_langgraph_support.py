@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._codec import DEFAULT_CODEC
+from .._values import KIND as _TIMEOUT_KIND
+from .._values import MARKER as _TIMEOUT_MARKER
 from ..gates import GateTimeout
-from ..gates._timeout import KIND as _TIMEOUT_KIND
-from ..gates._timeout import MARKER as _TIMEOUT_MARKER
 from ..stores import Harvest, QuestionRow, QuestionStatus, RunRecord, RunStatus
 
 logger = logging.getLogger("tailrace.integrations.langgraph")

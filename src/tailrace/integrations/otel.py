@@ -77,9 +77,8 @@ from ..executors._base import ExecutorTable
 from ._otel_tracker import CANCELLED, COMPLETED, FAILED, REFUSED, SpanTracker
 
 if TYPE_CHECKING:
-    from .._engine import Engine
-    from .._graph import Node
-    from .._outcome import RunResult
+    from ..core import Engine, RunResult
+    from ..graph import Node
 
 __all__ = ["Instrumentation", "OtelExecutor", "instrument"]
 
@@ -207,7 +206,7 @@ def _traced_table(table: ExecutorTable, instrumentation: Instrumentation) -> Exe
     """A copy of ``table`` whose every executor (the inline default too) runs through a span.
 
     The seam offers no public way to wrap an engine's executors after it was
-    built, so this reads the table's own fields; see the report of issue 12.
+    built, so this reads the table's own fields.
     """
     default = OtelExecutor(table._default, instrumentation=instrumentation)
     named: Mapping[str, Executor] = {

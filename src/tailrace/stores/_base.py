@@ -187,7 +187,7 @@ class NodeRow(NamedTuple):
     """The latest state of one node, encoded by the engine (``data_json``).
 
     Rows are named tuples, fields in column order: a harvest carries
-    thousands, and a store binds them without a pass per field (issue 13).
+    thousands, and a store binds them without a pass per field.
     """
 
     node_id: str

@@ -1,4 +1,4 @@
-"""The Postgres store's queues, claims, workers and wake-ups (issue 10).
+"""The Postgres store's queues, claims, workers and wake-ups.
 
 Claims select candidate rows with ``FOR UPDATE OF r SKIP LOCKED``, so
 workers claiming at once never wait on, nor take, each other's rows. A queue

@@ -1,4 +1,4 @@
-"""Queue rules every backend shares: claim order, partitions, limits, records (issue 10).
+"""Queue rules every backend shares: claim order, partitions, limits, records.
 
 The memory store applies these functions directly; the SQL stores phrase the
 same decisions as queries (``_sql_queues``), checked against these by one

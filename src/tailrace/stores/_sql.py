@@ -130,7 +130,7 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
         4,
         (
             # Answers a daemon could not apply back off instead of blocking the
-            # sweep (issue 9, finding 5): the reason, the count, the next try.
+            # sweep: the reason, the count, the next try.
             "ALTER TABLE questions ADD COLUMN apply_error TEXT",
             "ALTER TABLE questions ADD COLUMN apply_attempts INTEGER NOT NULL DEFAULT 0",
             "ALTER TABLE questions ADD COLUMN retry_at DOUBLE PRECISION",
@@ -139,7 +139,7 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
     (
         5,
         (
-            # Run queues (issue 10): a run submitted to a queue waits ``queued``
+            # Run queues: a run submitted to a queue waits ``queued``
             # until a worker claims it; the store is the coordinator.
             "ALTER TABLE runs ADD COLUMN queue_name TEXT",
             "ALTER TABLE runs ADD COLUMN priority INTEGER NOT NULL DEFAULT 0",

@@ -1,4 +1,4 @@
-"""Queue SQL shared by the SQLite and Postgres stores (issue 10), in the common dialect.
+"""Queue SQL shared by the SQLite and Postgres stores, in the common dialect.
 
 The statements mirror ``_queue_rules``: ``CLAIM_CANDIDATES`` is
 ``partition_blocked`` and ``claim_key`` as a query, ``ACTIVE_IN_QUEUE`` is

@@ -3,7 +3,7 @@
 A read-write open reads the recorded schema version first and takes the write
 lock (``BEGIN IMMEDIATE``) only when there are migrations to apply, so opening
 an up-to-date database next to a writer in another process does not wait for
-it (D4; issue 9, finding 7).
+it (D4).
 
 A read-only open never writes, never migrates and never creates a file. It
 uses a ``mode=ro`` URI; WAL lets it read while another process holds a write

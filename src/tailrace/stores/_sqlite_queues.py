@@ -1,4 +1,4 @@
-"""The SQLite store's queues, claims, workers and wake-ups (issue 10).
+"""The SQLite store's queues, claims, workers and wake-ups.
 
 Claims run on the writer thread inside its ``BEGIN IMMEDIATE`` transaction,
 which keeps every other process's writer out while the queue's counts are

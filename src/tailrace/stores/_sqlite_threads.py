@@ -7,7 +7,7 @@ single :class:`Writer` thread drains every request waiting, applies them in one
 and only after COMMIT resolves each caller's future on its own loop.
 :class:`Readers` run reads on threads with their own read-only connections.
 
-Cancellation (issue 9, finding 4): the writer *claims* the requests of a group
+Cancellation: the writer *claims* the requests of a group
 under a lock before it begins the transaction. A caller cancelled before its
 request was claimed withdraws it and the writer skips it: it did not happen. A
 request already claimed runs to COMMIT or rollback regardless, so the write
@@ -297,7 +297,7 @@ def insert_rows(conn: sqlite3.Connection, sql: str, rows: Sequence[Sequence[obje
     Rows go many to a statement (``VALUES (...), (...), ...``) rather than one
     per step of ``executemany``: SQLite does the same work, but Python releases
     and re-takes the GIL once per statement instead of once per row, and each
-    re-take waits for the event loop's thread (the writer's real cost, issue 13).
+    re-take waits for the event loop's thread (the writer's real cost).
     A statement inserts all its rows or none, so errors are the same.
     """
     _insert(conn, sql, rows, None)

@@ -28,9 +28,9 @@ from ._hedging import HedgePolicy
 MIN_STRAGGLER_DELAY = 0.005
 
 if TYPE_CHECKING:
-    from .._graph import Node
-    from .._inflight import Attempt
-    from .._runloop import RunLoop
+    from ..core._inflight import Attempt
+    from ..core._loop import RunLoop
+    from ..graph import Node
 
 
 class TailHooks:

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .._errors import GraphError
-from .._graph import Graph, is_file_reference
-from .._persist import Persister
+from ..core import Persister
+from ..graph import Graph, is_file_reference
 from ..stores import RunRecord
 
 

@@ -6,8 +6,8 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from .._engine import Engine
-from .._graph import Graph
+from ..core import Engine
+from ..graph import Graph
 from ..stores import RunStore
 from ._catalog import GraphCatalog
 from ._resumer import Resumer

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._owner import owner_is_dead
+from ..core import owner_is_dead
 from ..stores import Queue, RunStore
 from ._format import clock, seconds
 

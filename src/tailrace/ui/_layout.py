@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .._attempts import event_data
-from .._graph import Graph
+from ..graph import Graph
 from ..stores import EventRow, NodeRow
 from ._format import shorten
 

@@ -17,8 +17,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from .._engine import Engine
 from .._errors import GraphError, LeaseHeld, NotResumable
+from ..core import Engine
 
 logger = logging.getLogger("tailrace.ui")
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._attempts import attempts_from_events, event_data
-from .._owner import owner_is_dead
+from ..core import owner_is_dead
 from ..stores import (
     EventRow,
     QuestionRow,

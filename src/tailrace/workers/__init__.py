@@ -1,4 +1,4 @@
-"""Scale-out: run queues and a worker fleet coordinated by the store (issue 10).
+"""Scale-out: run queues and a worker fleet coordinated by the store.
 
 - :class:`Queue`: a named queue's limits (global and per-worker concurrency,
   rate limit, order, partitions).

@@ -1,4 +1,4 @@
-"""The worker: claims runs from queues and serves gates, one daemon per process (issue 10).
+"""The worker: claims runs from queues and serves gates, one daemon per process.
 
 A :class:`Worker` does, over one store, everything ``tailrace serve`` did and
 what a fleet needs besides:
@@ -32,17 +32,14 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._engine import Engine
 from .._errors import LeaseHeld, LeaseLost, NotResumable, RunNotFound
-from .._graph import Graph
-from .._orphans import OrphanScan
-from .._outcome import RunResult
-from .._owner import owner_is_dead
+from ..core import Engine, RunResult, cancel_undriven, owner_is_dead
 from ..gates import Server
+from ..gates._orphans import OrphanScan
 from ..gates._polling import Poller
 from ..gates._worker import UNRESUMABLE, Outcome, Resumable, describe
+from ..graph import Graph
 from ..stores import CHANGE_KINDS, QuestionRow, Queue, RunStatus, RunStore, WorkerRow
-from ._cancel import cancel_undriven
 
 logger = logging.getLogger("tailrace.workers")
 

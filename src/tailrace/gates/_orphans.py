@@ -15,7 +15,7 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .stores import RunRecord
+    from ..stores import RunRecord
 
 logger = logging.getLogger("tailrace.serve")
 

@@ -14,19 +14,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._errors import GraphError, UnsupportedFormat
-from ._graph import GRAPH_FORMAT, NODE_OPTIONS, RetryPolicy, resolve_reference
+from .._errors import GraphError, UnsupportedFormat
+from ._checks import _field, _object, _present, _refuse_unknown, _resolve, _show
+from ._node import NODE_OPTIONS, Handler, RetryPolicy
 
 if TYPE_CHECKING:
-    from ._graph import Graph, Handler
+    from ._graph import Graph
+
+#: Version of the ``to_dict`` document (D4).
+GRAPH_FORMAT = 1
 
 _GRAPH_FIELDS = frozenset({"format", "name", "nodes", "edges"})
 _NODE_FIELDS = frozenset({"id", "kind", "handler"}) | NODE_OPTIONS
 _EDGE_FIELDS = frozenset({"source", "target", "route"})
-_RETRY_FIELDS = ("attempts", "backoff", "multiplier", "max_backoff", "retry_on")
 _COST_FIELDS = frozenset({"ref"})
-
-_TYPE_WORDS = {str: "a string", list: "a list", int: "an integer"}
 
 
 def graph_from_dict(
@@ -49,16 +50,6 @@ def graph_from_dict(
         _add_edge(graph, raw, f"{where}: edges[{index}]")
     graph.validate()
     return graph
-
-
-def retry_policy_from_dict(cls: type[RetryPolicy], data: Any, *, allow_files: bool) -> RetryPolicy:
-    """Build a ``cls`` from ``data`` (see :meth:`RetryPolicy.from_dict`)."""
-    doc = _object(data, "retry policy")
-    _refuse_unknown(doc, frozenset(_RETRY_FIELDS), "retry policy")
-    values = {name: _present(doc, name, "retry policy") for name in _RETRY_FIELDS}
-    refs = _field(doc, "retry_on", list, "retry policy")
-    values["retry_on"] = tuple(_exception_class(ref, allow_files) for ref in refs)
-    return cls(**values)  # __post_init__ checks the numbers' types and ranges
 
 
 def _add_node(graph: Graph, raw: Any, where: str, resolver: _Resolver) -> None:
@@ -121,25 +112,6 @@ class _Resolver:
         return _callable(_resolve(ref, self.allow_files, where), where, repr(ref))
 
 
-def _exception_class(ref: Any, allow_files: bool) -> type[BaseException]:
-    where = f"retry_on entry {_show(ref)}"
-    if not isinstance(ref, str):
-        raise GraphError(f"{where} must be a 'module:Class' reference string")
-    found = _resolve(ref, allow_files, where)
-    if not (isinstance(found, type) and issubclass(found, BaseException)):
-        raise GraphError(f"{where} is not an exception class (it names {_show(found)})")
-    return found
-
-
-def _resolve(ref: str, allow_files: bool, where: str) -> Any:
-    try:
-        return resolve_reference(ref, allow_files=allow_files)
-    except GraphError as exc:
-        raise GraphError(f"{where}: {exc}") from exc
-    except Exception as exc:  # ImportError, AttributeError, or the module failing to import
-        raise GraphError(f"{where}: cannot resolve {ref!r}: {type(exc).__name__}: {exc}") from exc
-
-
 def _callable(found: Any, where: str, what: str) -> Handler:
     if not callable(found):
         raise GraphError(f"{where}: {what} is not callable (it is {_show(found)})")
@@ -154,34 +126,3 @@ def _check_format(doc: Mapping[str, Any]) -> None:
         raise UnsupportedFormat(
             f"graph {_show(doc.get('name'))}: unsupported graph format {version!r}"
         )
-
-
-def _object(value: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise GraphError(f"{where} must be an object, got {_show(value)}")
-    return value
-
-
-def _present(doc: Mapping[str, Any], name: str, where: str) -> Any:
-    if name not in doc:
-        raise GraphError(f"{where}: missing field {name!r}")
-    return doc[name]
-
-
-def _field(doc: Mapping[str, Any], name: str, kind: type, where: str) -> Any:
-    value = _present(doc, name, where)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise GraphError(f"{where}: field {name!r} must be {_TYPE_WORDS[kind]}, got {_show(value)}")
-    return value
-
-
-def _refuse_unknown(doc: Mapping[Any, Any], known: frozenset[str], where: str) -> None:
-    for key in doc:
-        if key not in known:
-            raise GraphError(f"{where}: unknown field {_show(key)}")
-
-
-def _show(value: Any) -> str:
-    """``repr`` cut short: a hostile document must not make the message huge."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

@@ -18,22 +18,22 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from .._context import set_current
+from .._errors import EncodeError, RunError
+from .._events import Event, EventType
+from ..executors._base import AttemptContext
+from ..graph import Node, NodeKind
 from ._admission import AdmissionPolicy, SlotQueue, Ticket
 from ._bulk import BULK, paused_gc
-from ._context import set_current
 from ._endings import RunEndings
-from ._errors import EncodeError, RunError
-from ._events import Event, EventType
-from ._graph import Node, NodeKind
 from ._inflight import Attempt, describe, harvest_order
 from ._outcome import RunResult
 from ._state import LateInput, NodeStatus, RunState
-from .executors._base import AttemptContext
 
 if TYPE_CHECKING:
-    from ._persist import Persister
-    from .executors import Executor
-    from .tail._hooks import TailHooks
+    from ..executors import Executor
+    from ..tail._hooks import TailHooks
+    from ._writer import Persister
 
 
 #: A buffered event: (seq, type, node index or None, visit, attempt, ts, data or None).

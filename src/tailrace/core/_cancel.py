@@ -1,4 +1,4 @@
-"""Cancelling runs: ``Engine.cancel`` and the worker's side of it (issue 10).
+"""Cancelling runs: ``Engine.cancel`` and the worker's side of it.
 
 A queued run is cancelled by the store in one compare-and-set. A running run
 gets a cancel request in the store; the engine driving it ends it at its next
@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 from .._codec import DEFAULT_CODEC
 from .._errors import LeaseHeld
 from .._events import EventType
-from .._leases import acquire_lease, release_quietly, run_to_end
-from .._owner import owner_is_dead
 from ..stores import EventRow, Harvest, QuestionStatus, RunRecord, RunStatus
+from ._lease import acquire_lease, release_quietly, run_to_end
+from ._owner import owner_is_dead
 
 if TYPE_CHECKING:
-    from .._engine import Engine
+    from ._engine import Engine
 
 logger = logging.getLogger("tailrace.workers")
 

@@ -17,22 +17,21 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from .._errors import EncodeError, GraphMismatch, LeaseHeld, NotResumable
+from .._events import EventBus, EventType
+from ..executors._base import ExecutorTable
+from ..graph import Graph, Topology
 from ._admission import AdmissionPolicy, SlotQueue, resolve_policy
-from ._errors import EncodeError, GraphMismatch, LeaseHeld, NotResumable
-from ._events import EventBus, EventType
-from ._graph import Graph
+from ._loop import RunLoop
 from ._outcome import RunResult
 from ._owner import make_owner
-from ._runloop import RunLoop
 from ._state import LateInput, RunState
-from ._topology import Topology
-from .executors._base import ExecutorTable
 
 if TYPE_CHECKING:
-    from ._codec import Codec
-    from .executors import Executor
-    from .stores import RunStore
-    from .tail._hooks import TailHooks
+    from .._codec import Codec
+    from ..executors import Executor
+    from ..stores import RunStore
+    from ..tail._hooks import TailHooks
 
 
 class Engine:
@@ -150,7 +149,7 @@ class Engine:
         state = RunState(topo)
         state.activate_entries(input)
         if self.store is None and topo.has_gates:
-            from .stores import MemoryStore
+            from ..stores import MemoryStore
 
             self.store = MemoryStore()  # gates need a ledger; keep one in process
             await self.store.open()
@@ -158,7 +157,7 @@ class Engine:
             loop = self._loop_for(run_id, state, None)
             loop.emit(EventType.RUN_STARTED, graph=graph.name)
             return await loop.drive()
-        from ._persist import Persister
+        from ._writer import Persister
 
         persister = await Persister.create(
             self, run_id, graph, topo, input, graph_ref or _guess_ref(graph)
@@ -209,7 +208,7 @@ class Engine:
         lease held, the answer landed before this engine released it, so it is
         visible now.
         """
-        from .stores import QuestionStatus
+        from ..stores import QuestionStatus
 
         seen: set[str] = set()
         while result.status == "suspended" and self.store is not None:
@@ -229,7 +228,7 @@ class Engine:
         return result
 
     async def _resume(self, run_id: str, graph: Graph | None, force: bool, patch: Any) -> RunResult:
-        from ._persist import Persister
+        from ._writer import Persister
 
         store = self._require_store("resume")
         stored = await store.load_run(run_id)
@@ -284,7 +283,7 @@ class Engine:
         already finished is left as it is; a live owner's lease is respected
         (:class:`LeaseHeld`).
         """
-        from ._leases import mark_failed
+        from ._lease import mark_failed
 
         self._require_store("fail_run")
         with self._driving(run_id):
@@ -329,7 +328,7 @@ class Engine:
         returned; None when another engine holds the run (it, or a resume
         worker's sweep, applies the answer: Q3, Q4).
         """
-        from ._codec import DEFAULT_CODEC
+        from .._codec import DEFAULT_CODEC
 
         store = self._require_store("answer")
         try:
@@ -377,13 +376,13 @@ class Engine:
         """Attach the run's open questions to a suspended result."""
         if result.status != "suspended" or self.store is None:
             return result
-        from .stores import QuestionStatus
+        from ..stores import QuestionStatus
 
         rows = await self.store.list_questions(run_id=result.run_id, status=QuestionStatus.OPEN)
         return dataclasses.replace(result, questions=tuple(rows))
 
     def _decode_event(self, text: str) -> dict[str, Any]:
-        from ._codec import DEFAULT_CODEC
+        from .._codec import DEFAULT_CODEC
 
         data = (self.codec or DEFAULT_CODEC).decode(text)
         return data if isinstance(data, dict) else {}
@@ -416,7 +415,7 @@ class Engine:
         needs = self.policy.name == "lpt" or any(n.cost is not None or n.hedge for n in topo.nodes)
         if not needs:
             return None
-        from .tail._hooks import TailHooks
+        from ..tail._hooks import TailHooks
 
         self._tail = TailHooks(factor=self.straggler_factor)
         return self._tail
@@ -426,7 +425,7 @@ class Engine:
             raise NotResumable(f"{what} needs a durable store: Engine(store=SQLiteStore(...))")
         return self.store
 
-    # -- queues (issue 10; the work is done in workers/) -----------------------
+    # -- queues (the work is done in workers/) -----------------------
 
     async def submit(
         self,
@@ -467,7 +466,7 @@ class Engine:
                 (``seconds ~ b + m * cost``).
             graph_ref: ``module:attribute`` of the graph (default: guessed).
         """
-        from .workers._submit import submit_run
+        from ._submit import submit_run
 
         return await submit_run(
             self, graph, input, queue=queue, run_id=run_id, priority=priority,
@@ -493,7 +492,7 @@ class Engine:
             graph: the run's graph, to compute ``output`` (default: one this
                 engine ran, submitted or was given, by fingerprint).
         """
-        from .workers._wait import wait_for
+        from ._wait import wait_for
 
         return await wait_for(self, run_id, timeout=timeout, graph=graph)
 
@@ -508,7 +507,7 @@ class Engine:
         Args:
             run_id: the run to cancel.
         """
-        from .workers._cancel import cancel_run
+        from ._cancel import cancel_run
 
         return await cancel_run(self, run_id)
 
@@ -537,7 +536,7 @@ class Engine:
             run_id: the claimed run.
             graph: its graph (default: registered, or imported by reference).
         """
-        from ._persist import Persister
+        from ._writer import Persister
 
         store = self._require_store("start a claimed run")
         with self._driving(run_id):

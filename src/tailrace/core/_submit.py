@@ -1,4 +1,4 @@
-"""Submitting runs to a queue: ``Engine.submit`` (issue 10).
+"""Submitting runs to a queue: ``Engine.submit``.
 
 The run is stored ``queued`` with its input already encoded (D5: a bad input
 fails here, not in a worker) and the graph's reference, so any worker that
@@ -21,8 +21,8 @@ from ..stores import NewRun, RunStore, Submission
 from ..tail import DurationEstimator
 
 if TYPE_CHECKING:
-    from .._engine import Engine
-    from .._graph import Graph
+    from ..graph import Graph
+    from ._engine import Engine
 
 #: Seconds an estimator fitted from the store is reused before it is fitted again.
 REFRESH = 30.0
@@ -77,7 +77,7 @@ async def submit_run(
     graph_ref: str | None,
 ) -> str:
     """``Engine.submit``: store the run ``queued`` and return its id (or the dedup holder's)."""
-    from .._engine import _guess_ref, checked_run_id
+    from ._engine import _guess_ref, checked_run_id
 
     store = engine.store
     if store is None:

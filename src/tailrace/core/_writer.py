@@ -19,16 +19,29 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._bulk import BULK, paused_gc
-from ._codec import DEFAULT_CODEC, Codec, JsonCodec
-from ._errors import (
+from .._codec import DEFAULT_CODEC, Codec, JsonCodec
+from .._errors import (
     EncodeError,
     LeaseLost,
     StoreError,
 )
-from ._events import EventType
-from ._graph import Graph
-from ._leases import acquire_lease, release_quietly, run_to_end
+from .._events import EventType
+from ..graph import Graph
+from ..stores._base import (
+    FORMAT_VERSION,
+    EventRow,
+    FrozenInput,
+    NewRun,
+    NodeRow,
+    QuestionRow,
+    QuestionStatus,
+    ResultRow,
+    RunRecord,
+    RunStatus,
+    RunStore,
+)
+from ._bulk import BULK, paused_gc
+from ._lease import acquire_lease, release_quietly, run_to_end
 from ._restore import RunRestore
 from ._rows import (
     _SCALARS,
@@ -42,24 +55,11 @@ from ._rows import (
     state_text,
 )
 from ._state import NodeState
-from .stores._base import (
-    FORMAT_VERSION,
-    EventRow,
-    FrozenInput,
-    NewRun,
-    NodeRow,
-    QuestionRow,
-    QuestionStatus,
-    ResultRow,
-    RunRecord,
-    RunStatus,
-    RunStore,
-)
 
 if TYPE_CHECKING:
+    from ..graph import Topology
     from ._engine import Engine
-    from ._runloop import EventTuple, RunLoop
-    from ._topology import Topology
+    from ._loop import EventTuple, RunLoop
 
 logger = logging.getLogger("tailrace.persist")
 
@@ -68,7 +68,7 @@ logger = logging.getLogger("tailrace.persist")
 #: once per window, a node that starts and completes within it costs one row and
 #: a harvest costs a flag check; larger writes also mean fewer hand-overs of the
 #: GIL between the loop and the writer thread. "async" durability promises no
-#: bound on this lag anyway (issue 13).
+#: bound on this lag anyway.
 GROUP_WINDOW = 0.005
 
 #: How many harvests of one run may wait for the store before the loop waits too.
@@ -218,7 +218,7 @@ class Persister(RunRestore):
                 logger.warning("heartbeat of run %s failed; retrying", self.run_id, exc_info=True)
 
     async def _heed_cancel_request(self) -> None:
-        """End the run ``cancelled`` if someone asked for it in the store (issue 10).
+        """End the run ``cancelled`` if someone asked for it in the store.
 
         ``Engine.cancel`` in another process records the request; a worker
         polls for it, and a plain ``engine.run`` hears of it here, within a
@@ -606,7 +606,7 @@ class Persister(RunRestore):
         return None
 
     def _big_ref(self, source: int, value: Any) -> int | None:
-        """The visit whose stored result ``value`` is, when it is a large one (13)."""
+        """The visit whose stored result ``value`` is, when it is a large one."""
         big = self._big.get(source)
         return big[0] if big is not None and big[1] is value else None
 

@@ -1,6 +1,6 @@
 """Reading a stored run back: its graph (by reference only) and its state (D3, D4).
 
-:class:`RunRestore` is a part of :class:`~tailrace._persist.Persister`: it
+:class:`RunRestore` is a part of :class:`~tailrace.core._writer.Persister`: it
 rebuilds a :class:`RunState` from the node rows, loads the result rows they
 refer to (each decoded once, shared), and refuses rows it cannot read with
 :class:`CorruptRecord` or :class:`UnsupportedFormat` before anything is
@@ -11,16 +11,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._errors import CorruptRecord, GraphError, UnsupportedFormat
-from ._graph import Graph, is_file_reference, resolve_reference
+from .._errors import CorruptRecord, GraphError, UnsupportedFormat
+from ..graph import Graph, is_file_reference, resolve_reference
+from ..stores._base import FORMAT_VERSION, NodeRow, RunRecord, StoredRun
 from ._rows import NODE_ROW_VERSION, _unpairs
 from ._state import LateInput, NodeStatus, RunState
-from .stores._base import FORMAT_VERSION, NodeRow, RunRecord, StoredRun
 
 if TYPE_CHECKING:
-    from ._codec import Codec
-    from ._topology import Topology
-    from .stores._base import RunStore
+    from .._codec import Codec
+    from ..graph import Topology
+    from ..stores._base import RunStore
 
 
 class RunRestore:

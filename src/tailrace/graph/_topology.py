@@ -14,11 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._errors import GraphError
-from ._graph import NodeKind, is_async_callable
+from .._errors import GraphError
+from ._node import NodeKind
+from ._references import is_async_callable
 
 if TYPE_CHECKING:
-    from ._graph import Graph, Node
+    from ._graph import Graph
+    from ._node import Node
 
 
 def strongly_connected_components(n: int, succ: Sequence[Sequence[int]]) -> list[int]:

@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from ._graph import Node
+from ..graph import Node
 
 AdmissionKey = tuple[float, ...]
 

@@ -1,14 +1,14 @@
 """The rows a persister writes, built cheaply: slot-filled records, node rows
 kept as plain tuples of already-encoded text until a write composes them, and
-the pending write that harvests fold into (issue 13).
+the pending write that harvests fold into.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._codec import Codec
-from .stores._base import (
+from .._codec import Codec
+from ..stores._base import (
     FORMAT_VERSION,
     EventRow,
     FrozenInput,

@@ -23,9 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import RouteError
-from ._graph import EXIT, NodeKind
-from ._topology import OutEdge, Topology
+from .._errors import RouteError
+from ..graph import EXIT, NodeKind, OutEdge, Topology
 
 
 class NodeStatus(enum.StrEnum):

@@ -1,4 +1,4 @@
-"""Waiting for a run, whichever process runs it: ``Engine.wait`` (issue 10).
+"""Waiting for a run, whichever process runs it: ``Engine.wait``.
 
 The result is rebuilt from the store: with the run's graph (this engine ran,
 submitted or was given it, or its module reference imports), from the node
@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from .._codec import DEFAULT_CODEC
 from .._errors import RunFailed, TailraceError
-from .._outcome import NodeReport, RunResult
 from ..stores import QuestionStatus, RunRecord, RunStatus, RunStore, StoredRun
+from ._outcome import NodeReport, RunResult
 
 if TYPE_CHECKING:
-    from .._engine import Engine
-    from .._graph import Graph
+    from ..graph import Graph
+    from ._engine import Engine
 
 #: Seconds between two looks at the run while wake-ups keep coming.
 RECHECK = 0.02
@@ -97,7 +97,7 @@ async def stored_result(engine: Engine, record: RunRecord, graph: Graph | None) 
 
 
 def _known_graph(engine: Engine, record: RunRecord) -> Graph | None:
-    from .._persist import Persister
+    from ._writer import Persister
 
     found = engine._graphs.get(record.fingerprint)
     if found is not None:
@@ -115,7 +115,7 @@ def _duration(record: RunRecord) -> float:
 
 async def _from_state(engine: Engine, stored: StoredRun, graph: Graph) -> RunResult:
     """Rebuild the run's state as a resume would, and read the result off it."""
-    from .._persist import Persister
+    from ._writer import Persister
 
     topo = graph.compile()
     state, _, _ = await Persister(engine, stored.run.run_id, topo, stored.run).restore(stored, [])

@@ -1,6 +1,6 @@
 """How a run ends: failed (E9), cancelled, suspended, completed or stalled (E10).
 
-:class:`RunEndings` is a part of :class:`~tailrace._runloop.RunLoop`: the
+:class:`RunEndings` is a part of :class:`~tailrace.core._loop.RunLoop`: the
 ways out of its loop, the cancellation of what is still in flight, and the
 :class:`~tailrace.RunResult` it returns. Each ending is one final write.
 """
@@ -12,17 +12,17 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._errors import StallError
-from ._events import EventType
+from .._errors import StallError
+from .._events import EventType
 from ._inflight import Attempt, describe
 from ._outcome import NodeReport, RunResult
 from ._state import NodeStatus
 
 if TYPE_CHECKING:
+    from ..graph import Topology
     from ._admission import Ticket
-    from ._persist import Persister
     from ._state import RunState
-    from ._topology import Topology
+    from ._writer import Persister
 
 
 class RunEndings:
@@ -123,7 +123,7 @@ class RunEndings:
         self.poke()
 
     def request_cancel(self) -> None:
-        """End the run ``cancelled`` at its next wake-up (``Engine.cancel``, issue 10).
+        """End the run ``cancelled`` at its next wake-up (``Engine.cancel``).
 
         In-flight attempts are cancelled and awaited, what the wake-up brought
         is dropped, running nodes are recorded cancelled and open questions

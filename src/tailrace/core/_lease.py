@@ -13,11 +13,11 @@ import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
-from ._codec import DEFAULT_CODEC
-from ._errors import LeaseHeld, LeaseLost, StoreError
-from ._events import EventType
+from .._codec import DEFAULT_CODEC
+from .._errors import LeaseHeld, LeaseLost, StoreError
+from .._events import EventType
+from ..stores._base import EventRow, Harvest, QuestionStatus, RunStatus, RunStore
 from ._owner import owner_is_dead
-from .stores._base import EventRow, Harvest, QuestionStatus, RunStatus, RunStore
 
 if TYPE_CHECKING:
     from ._engine import Engine

@@ -19,15 +19,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..cli._render import text
-from ..cli._session import fail, finish, opened
+from ..evolve._async import async_evolve
+from ..evolve._demo import DEMO_PRICES, DemoDomain
+from ..evolve._options import Progress as EvolveProgress
+from ..evolve._result import EvolutionResult
+from ..evolve._sync import evolve
 from ..stores import RunStore
 from ..tail import DurationEstimator, ResumeQueue
-from ._async import async_evolve
-from ._demo import DEMO_PRICES, DemoDomain
-from ._options import Progress as EvolveProgress
-from ._result import EvolutionResult
-from ._sync import evolve
+from ._render import text
+from ._session import fail, finish, opened
 
 
 async def run_demo(

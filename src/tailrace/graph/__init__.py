@@ -1,0 +1,43 @@
+"""Graphs: nodes, edges, builders, validation (G1), topology (G2), JSON form (G3), references.
+
+The floor every other floor builds on; it imports nothing of tailrace but
+``_errors``. The public names (``Graph``, ``Node``, ...) are re-exported by
+:mod:`tailrace`; the others are for the floors above (the engine, the
+executors, the dashboard, the command line).
+"""
+
+from ._codec import GRAPH_FORMAT as GRAPH_FORMAT
+from ._graph import Graph as Graph
+from ._node import EXIT as EXIT
+from ._node import NODE_OPTIONS as NODE_OPTIONS
+from ._node import Edge as Edge
+from ._node import Handler as Handler
+from ._node import Node as Node
+from ._node import NodeKind as NodeKind
+from ._node import RetryPolicy as RetryPolicy
+from ._references import callable_reference as callable_reference
+from ._references import is_async_callable as is_async_callable
+from ._references import is_file_reference as is_file_reference
+from ._references import load_file_module as load_file_module
+from ._references import resolve_reference as resolve_reference
+from ._topology import OutEdge as OutEdge
+from ._topology import Topology as Topology
+
+__all__ = [
+    "EXIT",
+    "GRAPH_FORMAT",
+    "NODE_OPTIONS",
+    "Edge",
+    "Graph",
+    "Handler",
+    "Node",
+    "NodeKind",
+    "OutEdge",
+    "RetryPolicy",
+    "Topology",
+    "callable_reference",
+    "is_async_callable",
+    "is_file_reference",
+    "load_file_module",
+    "resolve_reference",
+]

@@ -1,0 +1,257 @@
+"""Graph definition: nodes, edges, builders, validation (G1) and JSON form (G3).
+
+>>> g = Graph("hello")
+>>> @g.task()
+... def greet(name):
+...     return f"hello {name}"
+>>> g.to_dict()["nodes"][0]["id"]
+'greet'
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from .._errors import GraphError
+from ._checks import _json_copy
+from ._codec import GRAPH_FORMAT, graph_from_dict
+from ._node import NODE_OPTIONS, Edge, Handler, Node, NodeKind, RetryPolicy, _check_option_types
+from ._topology import Topology
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(slots=True)
+class Graph:
+    """A workflow graph. Nodes keep their definition order, which breaks ties (E2).
+
+    ``name`` identifies the graph in stores and the CLI.
+    """
+
+    name: str
+    nodes: dict[str, Node] = field(default_factory=dict)
+    edges: list[Edge] = field(default_factory=list)
+    _compiled: Any = field(default=None, repr=False, compare=False)
+    _pairs: set[tuple[str, str]] = field(default_factory=set, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # G1: a nameless graph is refused here, not later by a store's NOT NULL.
+        if not isinstance(self.name, str) or not self.name:
+            raise GraphError(f"graph name must be a non-empty string, got {self.name!r}")
+
+    # -- building ---------------------------------------------------------
+
+    def add_node(
+        self,
+        name: str,
+        handler: Handler,
+        kind: NodeKind | str = NodeKind.TASK,
+        *,
+        required: int | None = None,
+        max_visits: int | None = None,
+        priority: int = 0,
+        any_of: bool = False,
+        retry: RetryPolicy | None = None,
+        timeout: float | None = None,
+        cost: float | Callable[[Any], float] | None = None,
+        estimate_key: str | None = None,
+        hedge: bool = False,
+        poller: str | None = None,
+        deadline: float | None = None,
+        executor: str | None = None,
+        resources: Mapping[str, float] | None = None,
+        runtime_env: Mapping[str, Any] | None = None,
+        late: str = "record",
+    ) -> Node:
+        """Add a node and return it.
+
+        ``name`` must be unique; ``handler`` is a sync or async callable of one
+        payload; ``kind`` is a :class:`NodeKind` or its value. ``required`` is an
+        aggregate's quorum k (default: its fan-in); ``max_visits`` bounds loop
+        re-activations (default 1 outside loops, unbounded inside); ``priority``
+        orders queued nodes under priority admission (higher first); ``any_of``
+        lets a non-aggregate node fire on the first of several inputs;
+        ``retry`` and ``timeout`` (seconds per attempt) apply per attempt (E11);
+        ``cost`` (a number or a function of the input) feeds duration estimates,
+        keyed by ``estimate_key`` (default the node id); ``hedge`` races a backup
+        attempt when the first straggles (T3, idempotent handlers only). A
+        gate's handler returns the question's prompt (Q1); ``poller`` names the
+        registered poller of a machine gate and ``deadline`` is the seconds
+        after which an unanswered gate is answered with a ``GateTimeout`` (Q5).
+        ``executor`` names where attempts run, one of the engine's
+        ``executors`` (default: the engine's ``executor``; an unknown name
+        fails the run at its start); ``resources`` (``num_cpus``,
+        ``num_gpus``, ``memory`` in bytes, or custom resource names, each a
+        number >= 0) and ``runtime_env`` (a JSON object) are passed to that
+        executor, e.g. Ray's task options (see ``tailrace.executors``).
+        ``late`` says what an aggregate does with inputs still running once it
+        has fired: ``"record"`` (the default) lets them finish and records them
+        as late inputs (E5); ``"cancel"`` cancels a running input once every
+        consumer it feeds has fired without it, recording it as a late,
+        cancelled input, so a run returns as soon as its output is decided.
+        """
+        if not isinstance(name, str) or not name:
+            raise GraphError(f"node name must be a non-empty string, got {name!r}")
+        try:
+            node_kind = NodeKind(kind)
+        except ValueError:
+            raise GraphError(f"node {name!r}: unknown kind {kind!r}") from None
+        if name in self.nodes:
+            raise GraphError(f"duplicate node id {name!r}")
+        if not callable(handler):
+            raise GraphError(f"node {name!r}: handler {handler!r} is not callable")
+        options: dict[str, Any] = {
+            "required": required,
+            "max_visits": max_visits,
+            "priority": priority,
+            "any_of": any_of,
+            "retry": retry,
+            "timeout": timeout,
+            "cost": cost,
+            "estimate_key": estimate_key,
+            "hedge": hedge,
+            "poller": poller,
+            "deadline": deadline,
+            "executor": executor,
+            "resources": resources,
+            "runtime_env": runtime_env,
+            "late": late,
+        }
+        _check_option_types(name, **options)
+        if late != "record" and node_kind is not NodeKind.AGGREGATE:
+            raise GraphError(f"node {name!r}: late= applies to aggregates only")
+        if required is not None and node_kind is not NodeKind.AGGREGATE:
+            raise GraphError(f"node {name!r}: required= applies to aggregates only")
+        if any_of and node_kind is NodeKind.AGGREGATE:
+            raise GraphError(f"node {name!r}: an aggregate cannot be any_of")
+        if (poller is not None or deadline is not None) and node_kind is not NodeKind.GATE:
+            raise GraphError(f"node {name!r}: poller= and deadline= apply to gates only")
+        # Copies, so later changes to the caller's mappings do not leak into the graph.
+        options["resources"] = None if resources is None else dict(resources)
+        options["runtime_env"] = None if runtime_env is None else _json_copy(runtime_env)
+        node = Node(id=name, handler=handler, kind=node_kind, **options)
+        self.nodes[name] = node
+        self._compiled = None
+        return node
+
+    def add_edge(self, source: str, target: str, *, route: str | None = None) -> Edge:
+        """Add an edge from ``source`` to ``target``; ``route`` labels a switch's edge."""
+        for value, label in ((source, "source"), (target, "target"), (route, "route")):
+            if not isinstance(value, str) and not (label == "route" and value is None):
+                raise GraphError(f"edge {source!r} -> {target!r}: {label} must be a string")
+        for end, label in ((source, "source"), (target, "target")):
+            if end not in self.nodes:
+                raise GraphError(f"edge {source!r} -> {target!r}: unknown {label} node {end!r}")
+        if (source, target) in self._pairs:
+            raise GraphError(f"duplicate edge {source!r} -> {target!r}")
+        src = self.nodes[source]
+        if src.kind is NodeKind.SWITCH:
+            if route is None:
+                raise GraphError(
+                    f"edge {source!r} -> {target!r} leaves switch {source!r} without a route"
+                )
+            if source == target:
+                raise GraphError(f"switch {source!r} has a self-loop")
+        elif route is not None:
+            raise GraphError(
+                f"edge {source!r} -> {target!r}: route= applies to edges leaving a switch"
+            )
+        edge = Edge(source=source, target=target, route=route)
+        self.edges.append(edge)
+        self._pairs.add((source, target))
+        self._compiled = None
+        return edge
+
+    def _decorator(self, kind: NodeKind, options: dict[str, Any]) -> Callable[[F], F]:
+        def register(fn: F) -> F:
+            name = options.pop("name", None) or fn.__name__
+            unknown = sorted(set(options) - NODE_OPTIONS)
+            if unknown:
+                raise GraphError(f"node {name!r}: unknown option {unknown[0]!r}")
+            self.add_node(name, fn, kind, **options)
+            return fn
+
+        return register
+
+    def task(self, name: str | None = None, **options: Any) -> Callable[[F], F]:
+        """Decorator: add the function as a task node (``name`` defaults to its name; ``options`` as in :meth:`add_node`)."""
+        return self._decorator(NodeKind.TASK, {"name": name, **options})
+
+    def switch(self, name: str | None = None, **options: Any) -> Callable[[F], F]:
+        """Decorator: add a switch; its handler returns a route (``name``/``options`` as in :meth:`task`)."""
+        return self._decorator(NodeKind.SWITCH, {"name": name, **options})
+
+    def aggregate(
+        self, name: str | None = None, *, required: int | None = None, **options: Any
+    ) -> Callable[[F], F]:
+        """Decorator: add a fan-in firing on its ``required``-th input (``name``/``options`` as in :meth:`task`)."""
+        return self._decorator(NodeKind.AGGREGATE, {"name": name, "required": required, **options})
+
+    def gate(self, name: str | None = None, **options: Any) -> Callable[[F], F]:
+        """Decorator: add a gate; its handler returns the question's prompt (``name``/``options`` as in :meth:`task`)."""
+        return self._decorator(NodeKind.GATE, {"name": name, **options})
+
+    def chain(self, *names: str) -> None:
+        """Add edges ``names[0] -> names[1] -> ...``."""
+        for source, target in itertools.pairwise(names):
+            self.add_edge(source, target)
+
+    # -- checking and serialising -----------------------------------------
+
+    def compile(self) -> Any:
+        """Validate (G1) and return the cached :class:`~tailrace.graph._topology.Topology`."""
+        if self._compiled is None:
+            self._compiled = Topology.build(self)
+        return self._compiled
+
+    def validate(self) -> None:
+        """Raise :class:`GraphError` naming the culprit if the graph is invalid (G1)."""
+        self.compile()
+
+    def fingerprint(self) -> str:
+        """Structural hash: node ids, kinds, quorums and edges; not handlers."""
+        return str(self.compile().fingerprint)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form with handlers named by ``module:qualname`` (G3)."""
+        self.validate()
+        return {
+            "format": GRAPH_FORMAT,
+            "name": self.name,
+            "nodes": [node.to_dict() for node in self.nodes.values()],
+            "edges": [edge.to_dict() for edge in self.edges],
+        }
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as canonical JSON text."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(
+        cls,
+        data: Mapping[str, Any],
+        handlers: Mapping[str, Handler] | None = None,
+        *,
+        allow_files: bool = False,
+    ) -> Graph:
+        """Rebuild a graph from :meth:`to_dict` output (G3).
+
+        ``data`` is the document; ``handlers`` maps a handler reference (or a
+        node id) to a callable, overriding import by reference. References are
+        importable modules (``package.module:attr``); a ``path/to/file.py:attr``
+        reference is refused unless ``allow_files`` is true, because loading
+        it executes the file (trust model: opt in only for files you trust).
+        A malformed document raises :class:`GraphError` naming the field and
+        the node (G1); a format version other than ours raises
+        :class:`~tailrace.UnsupportedFormat` (D4).
+        """
+        return graph_from_dict(cls, data, handlers, allow_files=allow_files)
+
+
+def iter_in_order(graph: Graph) -> Iterable[Node]:
+    """Nodes in definition order."""
+    return graph.nodes.values()
