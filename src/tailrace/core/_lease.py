@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from .._codec import DEFAULT_CODEC
 from .._errors import LeaseHeld, LeaseLost, StoreError
 from .._events import EventType
-from ..stores._base import EventRow, Harvest, QuestionStatus, RunStatus, RunStore
+from ..stores import EventRow, Harvest, QuestionStatus, RunStatus, RunStore
 from ._owner import owner_is_dead
 
 if TYPE_CHECKING:

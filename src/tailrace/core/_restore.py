@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import CorruptRecord, GraphError, UnsupportedFormat
 from ..graph import Graph, is_file_reference, resolve_reference
-from ..stores._base import FORMAT_VERSION, NodeRow, RunRecord, StoredRun
+from ..stores import FORMAT_VERSION, NodeRow, RunRecord, StoredRun
 from ._rows import NODE_ROW_VERSION, _unpairs
 from ._state import LateInput, NodeStatus, RunState
 
 if TYPE_CHECKING:
     from .._codec import Codec
     from ..graph import Topology
-    from ..stores._base import RunStore
+    from ..stores import RunStore
 
 
 class RunRestore:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._codec import Codec
-from ..stores._base import (
+from ..stores import (
     FORMAT_VERSION,
     EventRow,
     FrozenInput,

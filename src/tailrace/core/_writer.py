@@ -27,7 +27,7 @@ from .._errors import (
 )
 from .._events import EventType
 from ..graph import Graph
-from ..stores._base import (
+from ..stores import (
     FORMAT_VERSION,
     EventRow,
     FrozenInput,
