@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import tailrace as tr
-from tailrace.core._bulk import BULK, paused_gc
+from tailrace.core._inflight import BULK, paused_gc
 from tailrace.stores import SQLiteStore
 
 

@@ -1,9 +1,13 @@
-"""One handler attempt in flight, the order a harvest takes them in, and how their errors read."""
+"""Attempts in flight: one handler attempt, the order a harvest takes them in, how their errors
+read, and the bulk stretches (thousands of attempts dispatched or harvested at once)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -84,3 +88,29 @@ def describe(exc: BaseException) -> str:
         return text.replace("\x00", "\\x00")
     text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text.replace("\x00", "\\x00")
+
+
+#: Batches of at least this many nodes are dispatched and harvested with the
+#: cyclic garbage collector paused.
+BULK = 512
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector for a synchronous stretch of bulk allocation.
+
+    Starting or harvesting thousands of attempts allocates a few containers
+    each (task, coroutine, context, attempt); with the collector on, they
+    trigger collections whose cost grows with everything alive, so a 10k
+    fan-out spent a third of its time in them. Nothing is awaited inside, so
+    the collector is off for that stretch only, and back on (if it was on)
+    whatever happens; reference counting frees memory as usual meanwhile.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -19,20 +20,19 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from .._context import set_current
-from .._errors import EncodeError, RunError
+from .._errors import EncodeError, RunError, StallError
 from .._events import Event, EventType
 from ..executors._base import AttemptContext
 from ..graph import Node, NodeKind
+from ..tail import TailHooks
 from ._admission import AdmissionPolicy, SlotQueue, Ticket
-from ._bulk import BULK, paused_gc
-from ._endings import RunEndings
-from ._inflight import Attempt, describe, harvest_order
-from ._outcome import RunResult
+from ._hedger import Hedger
+from ._inflight import BULK, Attempt, describe, harvest_order, paused_gc
+from ._outcome import NodeReport, RunResult
 from ._state import LateInput, NodeStatus, RunState
 
 if TYPE_CHECKING:
     from ..executors import Executor
-    from ..tail._hooks import TailHooks
     from ._writer import Persister
 
 
@@ -45,8 +45,13 @@ EventTuple = tuple[
 _HEDGE_DATA: Mapping[str, Any] = MappingProxyType({"hedge": True})
 
 
-class RunLoop(RunEndings):
-    """Drives one run to completion, suspension or failure."""
+class RunLoop:
+    """Drives one run to completion, suspension or failure.
+
+    It holds its collaborators as fields: the admission tickets and the
+    in-flight attempts, the buffered events, the :class:`Hedger` (stragglers
+    and hedges) and the writer that makes harvests durable.
+    """
 
     def __init__(
         self,
@@ -112,14 +117,8 @@ class RunLoop(RunEndings):
         #: Aggregates with ``late="cancel"`` that fired in the current harvest.
         self._fired_cancel: list[int] = []
         self.started_at = time.monotonic()
-        self.stragglers = 0
-        self.hedges = 0
-        #: Live attempts per node while a hedge may race (kept by the tail hooks).
-        self.live: dict[int, list[Attempt]] = {}
-        #: Attempts a hedge policy would back up, with their estimates (tail hooks).
-        self.backup_candidates: dict[Attempt, float] = {}
-        #: First attempts started (a hedge policy's budget is a share of them).
-        self.first_attempts = 0
+        #: Stragglers and hedges of this run, when the engine has tail hooks (T3).
+        self.hedger = Hedger(self, tail) if tail is not None else None
         #: The attempt whose failure is failing the run (E9), until its slots are freed.
         self._failing: Attempt | None = None
         # One bound method and one context for every task's done-callback: not a
@@ -129,7 +128,6 @@ class RunLoop(RunEndings):
         self._gate = tuple(n.kind is NodeKind.GATE for n in self.topo.nodes)
         #: Whether finished attempts free admission slots (E3).
         self._bounded = engine_slots is not None or run_capacity is not None
-        self.closing = False
         #: Set by :meth:`request_cancel`: the run ends ``cancelled`` at its next wake-up.
         self.cancel_requested = False
 
@@ -193,8 +191,8 @@ class RunLoop(RunEndings):
                         # arrive meanwhile join the next write (group commit).
                         await self.checkpoint()
                     self._dispatch_ready()
-                    if self.backup_candidates and self._tail is not None:
-                        self._tail.back_up(self)  # a slot may have been freed
+                    if self.hedger is not None and self.hedger.backup_candidates:
+                        self.hedger.back_up()  # a slot may have been freed
                     if self._stage(defer=True):  # a plain call: no coroutine per wake-up
                         await self._durable()  # the store fell behind: wait for it
                 # Answers that came in while other branches ran: take them now
@@ -300,8 +298,8 @@ class RunLoop(RunEndings):
             keyed = sorted((self._admission_key(i), n, i) for n, i in enumerate(ready))
             for key, _, i in keyed:  # the policy orders a ready batch too (E3, T2)
                 self._admit(i, key)
-        if self._tail is not None and len(ready) > 1:
-            self._tail.launched(self, ready)
+        if self.hedger is not None and len(ready) > 1:
+            self.hedger.launched(ready)
 
     def _admission_key(self, i: int) -> tuple[float, ...]:
         payload = self.state.nodes[i].payload
@@ -354,9 +352,9 @@ class RunLoop(RunEndings):
         return True
 
     def _close_tail(self) -> None:
-        """Stop the tail hooks' timers and hedges for this run (it is winding down)."""
-        if self._tail is not None:
-            self._tail.close(self)
+        """Stop the hedger's timers and hedges for this run (it is winding down)."""
+        if self.hedger is not None:
+            self.hedger.close()
 
     def _release_extra(self, attempt: Attempt) -> None:
         if attempt.extra_slot:
@@ -373,7 +371,8 @@ class RunLoop(RunEndings):
         now = time.monotonic()
         if not hedge:
             self.state.start(i, now)
-            self.first_attempts += 1
+            if self.hedger is not None:
+                self.hedger.first_attempts += 1
         attempt = Attempt(i, ns.visits, now, hedge, ns.attempts or 1)
         if extra_slot:
             attempt.extra_slot = True
@@ -401,8 +400,8 @@ class RunLoop(RunEndings):
                     _HEDGE_DATA if hedge else None,
                 )
             )
-        if self._tail is not None:
-            self._tail.watch(self, attempt)
+        if self.hedger is not None:
+            self.hedger.watch(attempt)
 
     def poke(self) -> None:
         """Wake the loop for an empty harvest, so buffered events are committed and published now.
@@ -552,7 +551,7 @@ class RunLoop(RunEndings):
             batch.sort(key=harvest_order)
         failure: tuple[int, BaseException] | None = None
         state = self.state
-        tail = self._tail
+        hedger = self.hedger
         now = time.monotonic()
         for attempt in batch:
             i = attempt.index
@@ -563,7 +562,7 @@ class RunLoop(RunEndings):
             if attempt.abandoned:
                 self._release_extra(attempt)
                 continue  # a hedge loser; the winner holds the node's slot
-            if tail is not None and not tail.settle(self, attempt):
+            if hedger is not None and not hedger.settle(attempt):
                 self._release_extra(attempt)
                 continue
             self._durations[i] += now - attempt.started
@@ -621,7 +620,8 @@ class RunLoop(RunEndings):
             ticket.cancel()
         if s in self.state.ready:
             self.state.ready.remove(s)
-        self.live.pop(s, None)
+        if self.hedger is not None:
+            self.hedger.live.pop(s, None)
         self.state.cancel(s)
         self.state.late.append(
             LateInput(
@@ -744,3 +744,131 @@ class RunLoop(RunEndings):
                 reason=item.reason,
             )
         self._late_seen = len(late)
+
+    # -- endings: failed (E9), cancelled, suspended, completed or stalled (E10) --
+
+    async def _fail(self, i: int, exc: BaseException) -> None:
+        """E9: cancel and await siblings, one final write, NODE_FAILED last, re-raise."""
+        await self._cancel_in_flight(record=True)
+        self._release_slot()  # the failed node's; no queued sibling can take it now
+        if self._failing is not None:
+            self._release_extra(self._failing)
+        self._supersede_waiting()
+        ns = self.state.nodes[i]
+        if ns.status is not NodeStatus.FAILED:
+            self.state.fail(i)
+        self.emit(EventType.NODE_FAILED, i, ns.visits, ns.attempts, error=describe(exc))
+        await self._commit("failed", describe(exc))
+        raise exc
+
+    def _supersede_waiting(self) -> None:
+        """The run ends without its gates' answers: cancel them, supersede their questions (Q3)."""
+        for question_id, g in sorted(self.state.waiting_questions().items(), key=lambda kv: kv[1]):
+            gs = self.state.nodes[g]
+            gs.question = None
+            self.state.cancel(g)
+            self.emit(EventType.NODE_CANCELLED, g, gs.visits, gs.attempts)
+            if self._persister is not None:
+                self._persister.superseded.append(question_id)
+
+    async def _cancel_in_flight(self, *, record: bool) -> None:
+        self._close_tail()  # first: no hedge may start while we wind down
+        tickets, self._tickets = self._tickets, {}
+        for ticket in tickets.values():
+            ticket.cancel()
+        attempts = list(self._in_flight)
+        for attempt in attempts:
+            assert attempt.task is not None
+            attempt.task.cancel()
+        if attempts:
+            await asyncio.gather(*(a.task for a in attempts if a.task), return_exceptions=True)
+        self._in_flight.clear()
+        for attempt in (*attempts, *self._done):
+            self._release_extra(attempt)  # clones and backups hold their own
+        # Abandoned attempts (hedge losers, cancelled dead inputs) hold no node slot.
+        holding = {a.index for a in attempts if not a.abandoned} | {
+            a.index for a in self._done if not a.abandoned
+        }
+        for _ in holding:  # one slot per node visit, however many attempts raced
+            self._release_slot()
+        stopped = holding | set(tickets)
+        self._done = []
+        if not record:
+            return
+        for i in sorted(stopped):
+            ns = self.state.nodes[i]
+            if ns.status in (NodeStatus.RUNNING, NodeStatus.QUEUED, NodeStatus.WAITING):
+                self.state.cancel(i)
+                self.emit(EventType.NODE_CANCELLED, i, ns.visits, ns.attempts)
+
+    def preempt(self) -> None:
+        """Stop the run at its next turn boundaries (in-loop edges) and suspend it (partial rollouts)."""
+        self.state.preempting = True
+        self.poke()
+
+    def request_cancel(self) -> None:
+        """End the run ``cancelled`` at its next wake-up (``Engine.cancel``).
+
+        In-flight attempts are cancelled and awaited, what the wake-up brought
+        is dropped, running nodes are recorded cancelled and open questions
+        superseded, in one final write; nothing is committed after it.
+        """
+        self.cancel_requested = True
+        self.poke()
+
+    async def _cancel(self) -> RunResult:
+        await self._cancel_in_flight(record=True)
+        self._supersede_waiting()
+        self.emit(EventType.RUN_CANCELLED)
+        await self._commit("cancelled")
+        return self.result("cancelled")
+
+    async def _finish(self) -> RunResult:
+        if self.state.parked:  # preempted: suspend with the turns parked, no question
+            self.emit(EventType.RUN_SUSPENDED, reason="preempted", parked=len(self.state.parked))
+            await self._commit("suspended")
+            return dataclasses.replace(self.result("suspended"), preempted=True)
+        questions = self.state.waiting_questions()
+        if questions:  # E10: an open gate is a suspension, never a stall
+            self.turn += 1
+            self.emit(EventType.RUN_SUSPENDED, questions=sorted(questions), turn=self.turn)
+            await self._commit("suspended")
+            return self.result("suspended")
+        waiting = self.state.waiting_aggregates()
+        if waiting:
+            message = f"run {self.run_id!r} stalled: aggregate " + "; ".join(waiting)
+            await self._commit("failed", message)
+            raise StallError(message)
+        self.emit(EventType.RUN_COMPLETED)
+        await self._commit("completed")
+        return self.result("completed")
+
+    def result(self, status: str) -> RunResult:
+        """Build the :class:`RunResult` from the current state."""
+        results: dict[str, Any] = {}
+        visits: dict[str, int] = {}
+        reports: dict[str, NodeReport] = {}
+        durations = self._durations
+        for i, (node_id, ns) in enumerate(zip(self.topo.ids, self.state.nodes, strict=True)):
+            if ns.has_result:
+                results[node_id] = ns.result
+            visits[node_id] = ns.visits
+            reports[node_id] = NodeReport(ns.status._value_, ns.visits, ns.attempts, durations[i])
+        return RunResult(
+            run_id=self.run_id,
+            status=status,
+            results=results,
+            visits=visits,
+            nodes=reports,
+            late_inputs=tuple(self.state.late),
+            stragglers=0 if self.hedger is None else self.hedger.stragglers,
+            hedges=0 if self.hedger is None else self.hedger.hedges,
+            duration=time.monotonic() - self.started_at,
+            output=self._output(),
+        )
+
+    def _output(self) -> Any:
+        done = [i for i in self.topo.sinks if self.state.nodes[i].has_result]
+        if len(done) == 1:
+            return self.state.nodes[done[0]].result
+        return {self.topo.ids[i]: self.state.nodes[i].result for i in done} or None

@@ -40,7 +40,7 @@ from ..stores import (
     RunStatus,
     RunStore,
 )
-from ._bulk import BULK, paused_gc
+from ._inflight import BULK, paused_gc
 from ._lease import acquire_lease, release_quietly, run_to_end
 from ._restore import RunRestore
 from ._rows import (

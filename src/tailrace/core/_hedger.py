@@ -1,0 +1,195 @@
+"""One run's stragglers and hedges (T3): straggler timers, backups, clones, which attempt wins.
+
+The run loop holds a :class:`Hedger` when its engine has tail hooks (a node
+declares a cost or hedges, or admission is ``lpt``). The hedger keeps its
+own state: the live attempts per node while a hedge may race, the
+candidates for a backup, and the counters a :class:`~tailrace.RunResult`
+reports (stragglers, hedges). It reads estimates from the engine-wide
+:class:`~tailrace.tail.TailHooks` and starts attempts through the run loop.
+
+When an attempt runs past ``factor x estimate`` a timer fires *while it
+runs*: the attempt is counted as a straggler and a ``NODE_STRAGGLER`` event
+is emitted; a node with ``hedge=True`` then starts a backup attempt. The
+first of the two to succeed wins; the other is cancelled and awaited by the
+run loop, and only the winner's result is committed. With a
+:class:`~tailrace.tail.HedgePolicy` the backups follow it instead: clones at
+launch and early backups on idle capacity, within a budget.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._events import EventType
+from ..tail import TailHooks
+from ..tail._hooks import MIN_STRAGGLER_DELAY
+from ._inflight import Attempt
+
+if TYPE_CHECKING:
+    from ._loop import RunLoop
+
+
+class Hedger:
+    """Stragglers and hedges of one run (T3), for the run loop ``run``."""
+
+    def __init__(self, run: RunLoop, tail: TailHooks) -> None:
+        self.run = run
+        self.tail = tail
+        self.stragglers = 0
+        self.hedges = 0
+        #: Live attempts per node while a hedge may race.
+        self.live: dict[int, list[Attempt]] = {}
+        #: Attempts a hedge policy would back up, with their estimates.
+        self.backup_candidates: dict[Attempt, float] = {}
+        #: First attempts started (a hedge policy's budget is a share of them).
+        self.first_attempts = 0
+        #: Set when the run winds down: no hedge starts any more.
+        self.closing = False
+
+    # -- stragglers and hedges ------------------------------------------------
+
+    def watch(self, attempt: Attempt) -> None:
+        """Arm the straggler timer of a new attempt (T3)."""
+        self.live.setdefault(attempt.index, []).append(attempt)
+        if attempt.hedge or self.closing:
+            return
+        node = self.run.topo.nodes[attempt.index]
+        estimate = self.tail.estimate(
+            attempt.index, self.run.state.nodes[attempt.index].payload, node
+        )
+        if estimate is None:
+            return
+        delay = max(self.tail.factor * estimate, MIN_STRAGGLER_DELAY)
+        attempt.timer = self.run.loop.call_later(delay, self._straggling, attempt, estimate)
+        if self.tail.hedging is not None and node.hedge:
+            attempt.backup_timer = self.run.loop.call_later(
+                max(self.tail.hedging.backup_delay(estimate), MIN_STRAGGLER_DELAY),
+                self._backup_due,
+                attempt,
+                estimate,
+            )
+
+    def _straggling(self, attempt: Attempt, estimate: float) -> None:
+        attempt.timer = None
+        if attempt.task is None or attempt.finished or self.closing:
+            return
+        attempt.straggled = self.tail.factor * estimate
+        i = attempt.index
+        self.stragglers += 1
+        elapsed = self.run.loop.time() - attempt.started
+        self.run.emit(
+            EventType.NODE_STRAGGLER,
+            i,
+            attempt.visit,
+            None,
+            elapsed=elapsed,
+            estimate=estimate,
+            factor=self.tail.factor,
+        )
+        if self.run.topo.nodes[i].hedge and self.tail.hedging is None:
+            self.hedges += 1
+            self.run.emit(EventType.NODE_HEDGED, i, attempt.visit, None)
+            self.run.start_attempt(i, hedge=True)
+        self.run.poke()
+
+    # -- the hedge policy -------------------------------------------------------
+
+    def launched(self, batch: list[int]) -> None:
+        """Clone, at launch, the nodes of a batch dispatched together that need it (Dolly).
+
+        ``batch`` lists the nodes that became ready together; those running now
+        with ``hedge=True`` and an estimate are candidates, longest estimate first.
+        """
+        policy = self.tail.hedging
+        if policy is None or self.closing or len(batch) < 2:
+            return
+        estimates = []
+        for i in batch:
+            node = self.run.topo.nodes[i]
+            if node.hedge and len(self.live.get(i, ())) == 1:
+                estimate = self.tail.estimate(i, self.run.state.nodes[i].payload, node)
+                if estimate is not None:
+                    estimates.append((estimate, i))
+        if not estimates:
+            return
+        longest = max(estimate for estimate, _ in estimates)
+        estimates.sort(key=lambda pair: (-pair[0], pair[1]))
+        for estimate, i in estimates:
+            if not policy.clones_at_launch(estimate, longest):
+                break  # sorted: no shorter node needs a clone either
+            if not self._extra_attempt(i, "clone"):
+                return
+
+    def _backup_due(self, attempt: Attempt, estimate: float) -> None:
+        """An attempt is past its backup delay: a candidate for a backup (LATE)."""
+        attempt.backup_timer = None
+        if attempt.finished or attempt.abandoned or self.closing:
+            return
+        self.backup_candidates[attempt] = estimate
+        self.back_up()
+
+    def back_up(self) -> None:
+        """Start backups for candidates, the longest expected remaining time first.
+
+        Called when a candidate appears and after every harvest (a slot may
+        have been freed). A candidate that finished, or whose node already
+        races two attempts, is dropped; the others wait for budget and capacity.
+        """
+        candidates = self.backup_candidates
+        if not candidates or self.tail.hedging is None:
+            return
+        ranked = sorted(candidates.items(), key=lambda item: (-item[1], item[0].index))
+        for attempt, _estimate in ranked:
+            i = attempt.index
+            if attempt.finished or attempt.abandoned or len(self.live.get(i, ())) != 1:
+                del candidates[attempt]
+                continue
+            if not self._extra_attempt(i, "backup"):
+                return
+            del candidates[attempt]
+
+    def _extra_attempt(self, i: int, reason: str) -> bool:
+        """Start a clone or backup of node ``i`` if budget and idle capacity allow it."""
+        assert self.tail.hedging is not None
+        if self.closing:
+            return False
+        if self.tail.hedging.allowed(first_attempts=self.first_attempts, extra=self.hedges) < 1:
+            return False  # the budget grows with the run's first attempts
+        if not self.run.take_idle_slot():
+            return False
+        self.hedges += 1
+        visit = self.run.state.nodes[i].visits
+        self.run.emit(EventType.NODE_HEDGED, i, visit, None, reason=reason)
+        self.run.start_attempt(i, hedge=True, extra_slot=True)
+        self.run.poke()
+        return True
+
+    def settle(self, attempt: Attempt) -> bool:
+        """Decide a finished attempt: True to harvest it, False to ignore it.
+
+        A successful attempt wins and cancels its rivals; a failed one is
+        ignored while a rival is still running (the rival may still succeed).
+        """
+        live = self.live.get(attempt.index, [])
+        if attempt in live:
+            live.remove(attempt)
+        failed = attempt.error is not None
+        rivals = [a for a in live if a.task is not None and not a.finished]
+        if failed and rivals:
+            return False
+        for rival in live:
+            rival.abandon()
+        self.live.pop(attempt.index, None)
+        return True
+
+    def close(self) -> None:
+        """Stop hedging in a run that is winding down, and disarm its timers."""
+        self.closing = True
+        for attempts in self.live.values():
+            for attempt in attempts:
+                if attempt.timer is not None:
+                    attempt.timer.cancel()
+                if attempt.backup_timer is not None:
+                    attempt.backup_timer.cancel()
+        self.live.clear()
+        self.backup_candidates.clear()
