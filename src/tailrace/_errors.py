@@ -146,7 +146,7 @@ class LeaseHeld(LeaseError):
         expires_at: when that lease expires (wall clock, seconds since the
             epoch), when the store knew it.
 
-    An engine that proves ``owner`` dead (``tailrace.core._owner.owner_is_dead``)
+    An engine that proves ``owner`` dead (``tailrace.core._lease.owner_is_dead``)
     may take the run over at once with ``acquire_lease(..., steal_from=owner)``
     instead of waiting until ``expires_at`` (D6).
     """

@@ -1,4 +1,4 @@
-"""``GateTimeout``: the answer a gate gets when its deadline passes (Q5)."""
+"""Values that cross the engine's seams: a gate's ``GateTimeout`` answer (Q5), checked run ids."""
 
 from __future__ import annotations
 
@@ -39,3 +39,16 @@ def revive(data: dict[str, Any]) -> Any:
     if data.get(MARKER) == KIND:
         return GateTimeout(question_id=data["question_id"], deadline=data["deadline"])
     return data
+
+
+def checked_run_id(run_id: Any) -> str:
+    """``run_id`` if it is text every store can key on; else a ``ValueError`` naming it."""
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"run id must be a non-empty string, got {run_id!r}")
+    if "\x00" in run_id or any(0xD800 <= ord(c) <= 0xDFFF for c in run_id):
+        raise ValueError(
+            f"run id {run_id!r} holds a NUL or a lone surrogate; no store can key on it"
+        )
+    if len(run_id) > 512:
+        raise ValueError(f"run id {run_id[:40]!r}... is {len(run_id)} characters long; at most 512")
+    return run_id

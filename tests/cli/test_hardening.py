@@ -27,7 +27,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from tailrace.cli._app import app
-from tailrace.core._owner import make_owner
+from tailrace.core._lease import make_owner
 from tailrace.stores import NewRun, QuestionRow, QuestionStatus, SQLiteStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -266,7 +266,7 @@ def test_questions_shows_an_answer_serve_could_not_apply_as_stuck(tmp_path: Path
 def dead_owner() -> str:
     """The owner name of a process that has exited: provably dead."""
     return subprocess.run(
-        [sys.executable, "-c", "from tailrace.core._owner import make_owner; print(make_owner())"],
+        [sys.executable, "-c", "from tailrace.core._lease import make_owner; print(make_owner())"],
         capture_output=True,
         text=True,
         check=True,

@@ -19,7 +19,7 @@ import pytest
 
 import _stores
 from tailrace import Engine
-from tailrace.core._submit import estimates_of
+from tailrace.core._queued import estimates_of
 from tailrace.stores import NewRun, QuestionStatus, Queue, RunStatus
 from tailrace.workers import DuplicateRun, RunFailed, Worker
 

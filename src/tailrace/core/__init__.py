@@ -6,16 +6,16 @@ here. The public names are re-exported by :mod:`tailrace`.
 """
 
 from ._admission import AdmissionPolicy as AdmissionPolicy
-from ._cancel import cancel_undriven as cancel_undriven
 from ._engine import Engine as Engine
 from ._engine import run as run
+from ._lease import make_owner as make_owner
+from ._lease import owner_is_dead as owner_is_dead
 from ._outcome import NodeReport as NodeReport
 from ._outcome import RunResult as RunResult
-from ._owner import make_owner as make_owner
-from ._owner import owner_is_dead as owner_is_dead
+from ._queued import cancel_undriven as cancel_undriven
+from ._restore import find_graph as find_graph
 from ._state import LateInput as LateInput
 from ._state import NodeStatus as NodeStatus
-from ._writer import Persister as Persister
 
 __all__ = [
     "AdmissionPolicy",
@@ -23,9 +23,9 @@ __all__ = [
     "LateInput",
     "NodeReport",
     "NodeStatus",
-    "Persister",
     "RunResult",
     "cancel_undriven",
+    "find_graph",
     "make_owner",
     "owner_is_dead",
     "run",

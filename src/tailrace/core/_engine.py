@@ -15,23 +15,25 @@ import contextlib
 import dataclasses
 import uuid
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .._codec import DEFAULT_CODEC, Codec
 from .._errors import EncodeError, GraphMismatch, LeaseHeld, NotResumable
 from .._events import EventBus, EventType
+from .._values import checked_run_id
+from ..executors import Executor
 from ..executors._base import ExecutorTable
-from ..graph import Graph, Topology
+from ..graph import Graph, Topology, guess_reference
+from ..stores import MemoryStore, QuestionStatus, RunRecord, RunStatus, RunStore
+from ..tail import TailHooks
 from ._admission import AdmissionPolicy, SlotQueue, resolve_policy
+from ._lease import Lease, make_owner, mark_failed
 from ._loop import RunLoop
 from ._outcome import RunResult
-from ._owner import make_owner
+from ._queued import cancel_run, submit_run, wait_for
+from ._restore import find_graph, restore_run
 from ._state import LateInput, RunState
-
-if TYPE_CHECKING:
-    from .._codec import Codec
-    from ..executors import Executor
-    from ..stores import RunStore
-    from ..tail._hooks import TailHooks
+from ._writer import RunWriter
 
 
 class Engine:
@@ -149,21 +151,17 @@ class Engine:
         state = RunState(topo)
         state.activate_entries(input)
         if self.store is None and topo.has_gates:
-            from ..stores import MemoryStore
-
             self.store = MemoryStore()  # gates need a ledger; keep one in process
             await self.store.open()
         if self.store is None:
             loop = self._loop_for(run_id, state, None)
             loop.emit(EventType.RUN_STARTED, graph=graph.name)
             return await loop.drive()
-        from ._writer import Persister
-
-        persister = await Persister.create(
-            self, run_id, graph, topo, input, graph_ref or _guess_ref(graph)
+        writer = await RunWriter.create(
+            self.store, self._codec, run_id, graph, topo, input, graph_ref or guess_reference(graph)
         )
-        async with persister.leased():
-            loop = self._loop_for(run_id, state, persister)
+        async with writer.leased(self._lease(run_id)):
+            loop = self._loop_for(run_id, state, writer)
             loop.emit(EventType.RUN_STARTED, graph=graph.name)
             result = await loop.drive()
         return await self._with_questions(result)
@@ -208,10 +206,8 @@ class Engine:
         lease held, the answer landed before this engine released it, so it is
         visible now.
         """
-        from ..stores import QuestionStatus
-
         seen: set[str] = set()
-        while result.status == "suspended" and self.store is not None:
+        while result.status is RunStatus.SUSPENDED and self.store is not None:
             pending = {
                 q.question_id
                 for q in await self.store.list_questions(run_id=result.run_id)
@@ -228,14 +224,10 @@ class Engine:
         return result
 
     async def _resume(self, run_id: str, graph: Graph | None, force: bool, patch: Any) -> RunResult:
-        from ._writer import Persister
-
         store = self._require_store("resume")
         stored = await store.load_run(run_id)
         _check_resumable(stored.run)
-        graph = (
-            graph or self._graphs.get(stored.run.fingerprint) or Persister.find_graph(stored.run)
-        )
+        graph = graph or self.graph_for(stored.run) or find_graph(stored.run)
         topo = graph.compile()
         if topo.fingerprint != stored.run.fingerprint and not force:
             raise GraphMismatch(
@@ -243,21 +235,24 @@ class Engine:
                 f"but {graph.name!r} now has {topo.fingerprint}; pass force=True to resume anyway"
             )
         self._executors.plan(topo)  # an unknown executor name fails here, before any write
-        persister = Persister(self, run_id, topo, stored.run)
-        await persister.restore(stored, [])  # D4: refuse unreadable rows before writing anything
-        async with persister.leased():
+        # D4: refuse unreadable rows before writing anything.
+        await restore_run(store, self._codec, topo, stored, [])
+        writer = RunWriter(store, self._codec, run_id, topo, stored.run)
+        async with writer.leased(self._lease(run_id)):
             stored = await store.load_run(run_id)  # re-read under the lease
             _check_resumable(stored.run)
-            state, event_seq, turn = await persister.restore(
-                stored, await self._late_inputs(run_id)
+            restored = await restore_run(
+                store, self._codec, topo, stored, await self._late_inputs(run_id)
             )
-            if persister.stored_durability is not None:
-                self._durability_of.setdefault(run_id, persister.stored_durability)
-            loop = self._loop_for(run_id, state, persister, event_seq, turn)
+            writer.refer(restored.big)
+            if restored.durability is not None:
+                self._durability_of.setdefault(run_id, restored.durability)
+            state = restored.state
+            loop = self._loop_for(run_id, state, writer, restored.event_seq, restored.turn)
             applied = await loop.absorb_answers()
             unparked = state.unpark(patch)
-            if stored.run.status == "suspended" and not applied and not state.ready:
-                return await self._with_questions(loop.result("suspended"))
+            if stored.run.status is RunStatus.SUSPENDED and not applied and not state.ready:
+                return await self._with_questions(loop.result(RunStatus.SUSPENDED))
             loop.emit(EventType.RUN_RESUMED, graph=graph.name, applied=applied, unparked=unparked)
             if applied or unparked:
                 await loop.checkpoint()  # the apply is durable before any handler runs
@@ -283,15 +278,17 @@ class Engine:
         already finished is left as it is; a live owner's lease is respected
         (:class:`LeaseHeld`).
         """
-        from ._lease import mark_failed
-
-        self._require_store("fail_run")
+        store = self._require_store("fail_run")
         with self._driving(run_id):
-            await mark_failed(self, run_id, reason)
+            await mark_failed(store, run_id, self.owner, self.lease_ttl, reason)
 
     def is_driving(self, run_id: str) -> bool:
         """Whether this engine is running or resuming ``run_id`` right now."""
         return run_id in self._active
+
+    def graph_for(self, record: RunRecord) -> Graph | None:
+        """The graph this engine ran, submitted or was given for the stored run ``record``, if any."""
+        return self._graphs.get(record.fingerprint)
 
     def knows_graph(self, fingerprint: str) -> bool:
         """Whether this engine ran a graph with this structural ``fingerprint`` (so it can resume it)."""
@@ -328,11 +325,9 @@ class Engine:
         returned; None when another engine holds the run (it, or a resume
         worker's sweep, applies the answer: Q3, Q4).
         """
-        from .._codec import DEFAULT_CODEC
-
         store = self._require_store("answer")
         try:
-            text = (self.codec or DEFAULT_CODEC).encode(value)
+            text = self._codec.encode(value)
         except (TypeError, ValueError) as exc:
             raise EncodeError(f"question {question_id!r}: answer is not encodable: {exc}") from exc
         row = await store.answer(question_id, text, by=by)
@@ -344,6 +339,21 @@ class Engine:
             return None  # another engine holds the run, or already applied the answer
 
     # -- internals ------------------------------------------------------------
+
+    @property
+    def _codec(self) -> Codec:
+        return self.codec or DEFAULT_CODEC
+
+    def _lease(self, run_id: str) -> Lease:
+        """The lease this engine holds run ``run_id`` by while it drives it (D6)."""
+        assert self.store is not None
+        return Lease(
+            self.store,
+            run_id,
+            self.owner,
+            self.lease_ttl,
+            on_cancel_request=lambda: self.request_cancel(run_id),
+        )
 
     @contextlib.contextmanager
     def _driving(self, run_id: str) -> Iterator[None]:
@@ -374,27 +384,28 @@ class Engine:
 
     async def _with_questions(self, result: RunResult) -> RunResult:
         """Attach the run's open questions to a suspended result."""
-        if result.status != "suspended" or self.store is None:
+        if result.status is not RunStatus.SUSPENDED or self.store is None:
             return result
-        from ..stores import QuestionStatus
-
         rows = await self.store.list_questions(run_id=result.run_id, status=QuestionStatus.OPEN)
         return dataclasses.replace(result, questions=tuple(rows))
 
     def _decode_event(self, text: str) -> dict[str, Any]:
-        from .._codec import DEFAULT_CODEC
-
-        data = (self.codec or DEFAULT_CODEC).decode(text)
+        data = self._codec.decode(text)
         return data if isinstance(data, dict) else {}
 
     def _loop_for(
-        self, run_id: str, state: RunState, persister: Any, event_seq: int = 0, turn: int = 0
+        self,
+        run_id: str,
+        state: RunState,
+        writer: RunWriter | None,
+        event_seq: int = 0,
+        turn: int = 0,
     ) -> RunLoop:
         loop = self._loops[run_id] = RunLoop(
             run_id=run_id,
             state=state,
             publish=self.bus.publish if self.bus.active else None,
-            persister=persister,
+            writer=writer,
             engine_slots=self.slots,
             run_capacity=self.run_capacity,
             policy=self.policy,
@@ -415,8 +426,6 @@ class Engine:
         needs = self.policy.name == "lpt" or any(n.cost is not None or n.hedge for n in topo.nodes)
         if not needs:
             return None
-        from ..tail._hooks import TailHooks
-
         self._tail = TailHooks(factor=self.straggler_factor)
         return self._tail
 
@@ -425,7 +434,7 @@ class Engine:
             raise NotResumable(f"{what} needs a durable store: Engine(store=SQLiteStore(...))")
         return self.store
 
-    # -- queues (the work is done in workers/) -----------------------
+    # -- queued runs (the work is done in _queued) ------------------------------
 
     async def submit(
         self,
@@ -466,8 +475,6 @@ class Engine:
                 (``seconds ~ b + m * cost``).
             graph_ref: ``module:attribute`` of the graph (default: guessed).
         """
-        from ._submit import submit_run
-
         return await submit_run(
             self, graph, input, queue=queue, run_id=run_id, priority=priority,
             partition=partition, dedup_key=dedup_key, on_duplicate=on_duplicate, cost=cost,
@@ -492,8 +499,6 @@ class Engine:
             graph: the run's graph, to compute ``output`` (default: one this
                 engine ran, submitted or was given, by fingerprint).
         """
-        from ._wait import wait_for
-
         return await wait_for(self, run_id, timeout=timeout, graph=graph)
 
     async def cancel(self, run_id: str) -> str:
@@ -507,8 +512,6 @@ class Engine:
         Args:
             run_id: the run to cancel.
         """
-        from ._cancel import cancel_run
-
         return await cancel_run(self, run_id)
 
     def request_cancel(self, run_id: str) -> bool:
@@ -536,17 +539,11 @@ class Engine:
             run_id: the claimed run.
             graph: its graph (default: registered, or imported by reference).
         """
-        from ._writer import Persister
-
         store = self._require_store("start a claimed run")
         with self._driving(run_id):
             stored = await store.load_run(run_id)
-            if not stored.nodes and stored.run.status == "running":
-                graph = (
-                    graph
-                    or self._graphs.get(stored.run.fingerprint)
-                    or Persister.find_graph(stored.run)
-                )
+            if not stored.nodes and stored.run.status is RunStatus.RUNNING:
+                graph = graph or self.graph_for(stored.run) or find_graph(stored.run)
                 topo = graph.compile()
                 if topo.fingerprint != stored.run.fingerprint:
                     raise GraphMismatch(
@@ -554,10 +551,13 @@ class Engine:
                         f"{stored.run.fingerprint}, but {graph.name!r} now has {topo.fingerprint}"
                     )
                 self._executors.plan(topo)
-                persister = Persister(self, run_id, topo, stored.run)
-                async with persister.leased():
-                    state, event_seq, turn = await persister.restore(stored, [])
-                    loop = self._loop_for(run_id, state, persister, event_seq, turn)
+                writer = RunWriter(store, self._codec, run_id, topo, stored.run)
+                async with writer.leased(self._lease(run_id)):
+                    restored = await restore_run(store, self._codec, topo, stored, [])
+                    writer.refer(restored.big)
+                    loop = self._loop_for(
+                        run_id, restored.state, writer, restored.event_seq, restored.turn
+                    )
                     loop.emit(EventType.RUN_STARTED, graph=graph.name)
                     result = await loop.drive()
                 result = await self._with_questions(result)
@@ -571,39 +571,9 @@ def _checked_durability(durability: Any) -> str:
     return str(durability)
 
 
-def checked_run_id(run_id: Any) -> str:
-    """``run_id`` if it is text every store can key on; else a ``ValueError`` naming it."""
-    if not isinstance(run_id, str) or not run_id:
-        raise ValueError(f"run id must be a non-empty string, got {run_id!r}")
-    if "\x00" in run_id or any(0xD800 <= ord(c) <= 0xDFFF for c in run_id):
-        raise ValueError(
-            f"run id {run_id!r} holds a NUL or a lone surrogate; no store can key on it"
-        )
-    if len(run_id) > 512:
-        raise ValueError(f"run id {run_id[:40]!r}... is {len(run_id)} characters long; at most 512")
-    return run_id
-
-
-def _check_resumable(record: Any) -> None:
-    if record.status in ("completed", "failed", "cancelled"):
+def _check_resumable(record: RunRecord) -> None:
+    if record.status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED):
         raise NotResumable(f"run {record.run_id!r} is {record.status}; nothing to resume")
-
-
-def _guess_ref(graph: Graph) -> str | None:
-    """``module:name`` of the graph, looked up in the modules that define its handlers."""
-    import sys
-
-    seen: set[str] = set()
-    for node in graph.nodes.values():
-        module_name = getattr(node.handler, "__module__", None) or ""
-        if module_name in seen or module_name == "__main__":
-            continue
-        seen.add(module_name)
-        module = sys.modules.get(module_name)
-        for attr, value in vars(module).items() if module is not None else ():
-            if value is graph:
-                return f"{module_name}:{attr}"
-    return None
 
 
 def run(graph: Graph, input: Any = None, **engine_options: Any) -> RunResult:

@@ -1,28 +1,139 @@
-"""Leases of a run, held and let go of safely (D6): take-over of dead owners,
-cleanup that cancellation cannot cut short, and a daemon's last word on a run.
+"""Leases of a run (D6): owner names, holding a lease with a heartbeat, letting go of it safely.
 
-Used by the persister (each run's lease), the workers (cancel requests) and the
-engine (``Engine.fail_run``).
+:class:`Lease` is an ``async with`` object: it acquires the run's lease
+(taking it over at once from an owner that provably died), renews it at a
+third of its lifetime, hears cancel requests recorded in the store, and
+releases it on the way out. A lease lost to another owner cancels the task
+that holds it, which then raises :class:`~tailrace.LeaseLost`.
+:func:`run_to_end` is cleanup that cancellation cannot cut short;
+:func:`mark_failed` is a daemon's last word on a run.
+
+An owner is ``host:pid:start:nonce``: the host, the process id, the process's
+start time (clock ticks since boot, from ``/proc``; ``0`` where there is no
+``/proc``) and a random nonce. The start time guards against PID reuse: a
+new process that got the same id started later, so it does not match. A
+lease whose owner is on this host and whose process is gone can be taken
+over at once instead of waiting for the lease to expire; anything not proved
+dead (another host, an owner name of another shape, a live process) is
+treated as alive.
+
+>>> owner = make_owner()
+>>> owner_is_dead(owner)
+False
+>>> owner_is_dead("elsewhere:1:0:abcd")
+False
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
+import os
+import socket
 import time
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING
+import uuid
+from collections.abc import Awaitable, Callable
+from types import TracebackType
 
 from .._codec import DEFAULT_CODEC
 from .._errors import LeaseHeld, LeaseLost, StoreError
 from .._events import EventType
 from ..stores import EventRow, Harvest, QuestionStatus, RunStatus, RunStore
-from ._owner import owner_is_dead
-
-if TYPE_CHECKING:
-    from ._engine import Engine
 
 logger = logging.getLogger("tailrace.persist")
+
+
+class Lease:
+    """The lease of run ``run_id`` for ``owner`` (D6), held for the body of an ``async with``.
+
+    ``ttl`` is the lease lifetime in seconds, renewed every ``ttl / 3``.
+    ``on_cancel_request`` is called once when the store records a cancel
+    request for the run (``Engine.cancel`` from another process). Entering
+    acquires the lease (``token`` is its fencing token); leaving releases it,
+    shielded from cancellation. If a heartbeat finds the lease taken over,
+    the holding task is cancelled and the ``async with`` raises
+    :class:`~tailrace.LeaseLost` instead of the cancellation.
+    """
+
+    def __init__(
+        self,
+        store: RunStore,
+        run_id: str,
+        owner: str,
+        ttl: float,
+        *,
+        on_cancel_request: Callable[[], object] | None = None,
+    ) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.owner = owner
+        self.ttl = ttl
+        self.token = 0
+        #: Set when a heartbeat found the lease taken over.
+        self.lost: LeaseLost | None = None
+        self._on_cancel_request = on_cancel_request
+        self._holder: asyncio.Task[object] | None = None
+        self._stop = asyncio.Event()
+        self._beat: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Lease:
+        self.token = await acquire_lease(self.store, self.run_id, self.owner, self.ttl)
+        self._holder = asyncio.current_task()
+        assert self._holder is not None
+        self._beat = asyncio.create_task(self._heartbeat(), name=f"lease:{self.run_id}")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await run_to_end(self._let_go())
+        if (
+            isinstance(exc, asyncio.CancelledError)
+            and self.lost is not None
+            and self._holder is not None
+            and self._holder.uncancel() == 0
+        ):
+            raise self.lost from None
+
+    async def _let_go(self) -> None:
+        # Stopped, not cancelled: a beat in the middle of a query finishes it
+        # (cancelling a driver mid-query can leave its connection stuck).
+        self._stop.set()
+        if self._beat is not None:
+            await asyncio.gather(self._beat, return_exceptions=True)
+        if self.lost is None:
+            await release_quietly(self.store, self.run_id, self.owner, self.token)
+
+    async def _heartbeat(self) -> None:
+        heard = False
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.ttl / 3)
+            if self._stop.is_set():
+                return
+            try:
+                await self.store.heartbeat(self.run_id, self.owner, self.token, self.ttl)
+                if not heard and self._on_cancel_request is not None:
+                    # A plain engine.run hears a cancel request from another
+                    # process here, within a beat.
+                    record = await self.store.get_run(self.run_id)
+                    if record.cancel_requested_at is not None:
+                        heard = True
+                        self._on_cancel_request()
+            except LeaseLost as exc:
+                self.lost = exc
+                assert self._holder is not None
+                self._holder.cancel()
+                return
+            except StoreError:
+                # A hiccup: the next beat may land before the lease expires; a
+                # lease really lost shows up as LeaseLost on a beat or a commit.
+                logger.warning("heartbeat of run %s failed; retrying", self.run_id, exc_info=True)
 
 
 async def acquire_lease(store: RunStore, run_id: str, owner: str, ttl: float) -> int:
@@ -71,19 +182,17 @@ async def run_to_end(cleanup: Awaitable[None]) -> None:
         raise asyncio.CancelledError
 
 
-async def mark_failed(engine: Engine, run_id: str, reason: str) -> None:
+async def mark_failed(store: RunStore, run_id: str, owner: str, ttl: float, reason: str) -> None:
     """Record run ``run_id`` as failed with ``reason``, without its graph (a daemon's last word).
 
     For a run that cannot be resumed (its graph does not load, its rows do not
     decode): takes the lease, supersedes its open questions, writes the status
     and a ``run_failed`` event, and releases.
     """
-    store = engine.store
-    assert store is not None
     record = await store.get_run(run_id)
     if record.status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED):
         return
-    token = await acquire_lease(store, run_id, engine.owner, engine.lease_ttl)
+    token = await acquire_lease(store, run_id, owner, ttl)
     try:
         open_ids = [
             q.question_id
@@ -116,4 +225,59 @@ async def mark_failed(engine: Engine, run_id: str, reason: str) -> None:
         )
         await store.commit(run_id, token, harvest)
     finally:
-        await run_to_end(release_quietly(store, run_id, engine.owner, token))
+        await run_to_end(release_quietly(store, run_id, owner, token))
+
+
+@functools.cache
+def _host() -> str:
+    return socket.gethostname()
+
+
+def process_start(pid: int) -> int | None:
+    """Start time of process ``pid`` in clock ticks since boot; None if unknown or gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        return int(fields[19])  # field 22 of the whole line: starttime
+    except (IndexError, ValueError):
+        return None
+
+
+def make_owner() -> str:
+    """A fresh owner name for this process: ``host:pid:start:nonce``."""
+    pid = os.getpid()
+    return f"{_host()}:{pid}:{process_start(pid) or 0}:{uuid.uuid4().hex[:8]}"
+
+
+def owner_is_dead(owner: str | None) -> bool:
+    """Whether ``owner`` names a process on this host that no longer exists.
+
+    True only when it can be proved: the owner is on this host, and its
+    process is gone or a different process now has its pid (PID reuse).
+    """
+    if not owner:
+        return False
+    parts = owner.rsplit(":", 3)
+    if len(parts) != 4 or parts[0] != _host():
+        return False
+    try:
+        pid, start = int(parts[1]), int(parts[2])
+    except ValueError:
+        return False
+    if pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # it exists, under another user
+    if start == 0:
+        return False  # no start time recorded: cannot rule out that it is the same process
+    now = process_start(pid)
+    return now is not None and now != start

@@ -24,6 +24,7 @@ from .._errors import EncodeError, RunError, StallError
 from .._events import Event, EventType
 from ..executors._base import AttemptContext
 from ..graph import Node, NodeKind
+from ..stores import RunStatus
 from ..tail import TailHooks
 from ._admission import AdmissionPolicy, SlotQueue, Ticket
 from ._hedger import Hedger
@@ -33,7 +34,7 @@ from ._state import LateInput, NodeStatus, RunState
 
 if TYPE_CHECKING:
     from ..executors import Executor
-    from ._writer import Persister
+    from ._writer import RunWriter
 
 
 #: A buffered event: (seq, type, node index or None, visit, attempt, ts, data or None).
@@ -59,7 +60,7 @@ class RunLoop:
         run_id: str,
         state: RunState,
         publish: Callable[[Event], None] | None,
-        persister: Persister | None,
+        writer: RunWriter | None,
         engine_slots: SlotQueue | None,
         run_capacity: int | None,
         policy: AdmissionPolicy,
@@ -73,15 +74,15 @@ class RunLoop:
         #: Per node: the executor its attempts go to, None inline (executors/).
         self._executors = executors
         #: "sync": successors start only once their upstream's completion is durable.
-        self._sync = durability == "sync" and persister is not None
+        self._sync = durability == "sync" and writer is not None
         self.state = state
         self.topo = state.topo
         self._publish = publish
-        self._persister = persister
-        if persister is not None:
-            persister.on_failure = self.poke  # a failed write stops the run at once
-            persister.durability = durability
-        self._record = publish is not None or persister is not None
+        self._writer = writer
+        if writer is not None:
+            writer.on_failure = self.poke  # a failed write stops the run at once
+            writer.durability = durability
+        self._record = publish is not None or writer is not None
         #: Buffered events as plain tuples (see :meth:`emit`): an :class:`Event`
         #: is built only for listeners, a store row only for the store.
         self._events: list[EventTuple] = []
@@ -175,10 +176,10 @@ class RunLoop:
                         await self._wake
                         self._wake = None
                     self._poked = False
-                    if self._persister is not None:
+                    if self._writer is not None:
                         # A write failed: dispatch nothing more; the handler below
                         # cancels and awaits what runs, and re-raises (E9, D1).
-                        self._persister.raise_failure()
+                        self._writer.raise_failure()
                     if self.cancel_requested:
                         return await self._cancel()
                     batch, self._done = self._done, []
@@ -207,7 +208,7 @@ class RunLoop:
             raise
 
     def _stage_on_the_way_out(self) -> None:
-        """Stage what the window gathered, so the persister's way out writes it.
+        """Stage what the window gathered, so the writer's way out writes it.
 
         A run stopped by a cancellation (a worker letting go, ``wait_for``)
         keeps every completion it harvested, as when each harvest was staged
@@ -215,8 +216,8 @@ class RunLoop:
         a value that fails to encode now is left to the resume (the run's
         own exception is what propagates).
         """
-        persister = self._persister
-        if persister is None or not persister.writable():
+        writer = self._writer
+        if writer is None or not writer.writable():
             return
         with contextlib.suppress(Exception):
             self._stage()
@@ -227,36 +228,42 @@ class RunLoop:
     async def checkpoint(self) -> None:
         """Commit what is pending now and wait until it is durable."""
         await self._commit()
-        if self._persister is not None:
-            await self._persister.flush()
+        if self._writer is not None:
+            await self._writer.flush()
 
     async def _gather(self) -> None:
         """Stage a running harvest with the window's others (see :meth:`_stage`)."""
         if self._stage(defer=True):
             await self._durable()
 
-    async def _commit(self, status: str = "running", error: str | None = None) -> None:
+    async def _commit(
+        self, status: RunStatus = RunStatus.RUNNING, error: str | None = None
+    ) -> None:
         if self._stage(status, error):
             await self._durable()
 
     def _stage(
-        self, status: str = "running", error: str | None = None, *, defer: bool = False
+        self,
+        status: RunStatus = RunStatus.RUNNING,
+        error: str | None = None,
+        *,
+        defer: bool = False,
     ) -> bool:
         """Hand the harvests so far to the store (D1) and publish their events.
 
         True when the write must be durable first (a final status, or the store
         falling behind): the events then wait for :meth:`_durable`. ``defer``:
-        a running harvest may wait for the persister's group window, and is
+        a running harvest may wait for the writer's group window, and is
         staged with the ones that follow when it ends (its events wait too).
         """
-        persister = self._persister
-        if persister is None:
+        writer = self._writer
+        if writer is None:
             if not self._events:
                 return False
-        elif defer and persister.defer(self.poke):
+        elif defer and writer.defer(self.poke):
             return False
         events, self._events = self._events, []
-        if persister is not None and persister.stage(self, events, status, error):
+        if writer is not None and writer.stage(self, events, status, error):
             self._unpublished.extend(events)
             return True
         self._publish_all(events)
@@ -264,8 +271,8 @@ class RunLoop:
 
     async def _durable(self) -> None:
         """Wait until every staged write is durable, then publish what waited for it."""
-        assert self._persister is not None
-        await self._persister.flush()
+        assert self._writer is not None
+        await self._writer.flush()
         events, self._unpublished = self._unpublished, []
         self._publish_all(events)
 
@@ -636,9 +643,9 @@ class RunLoop:
     def _complete(self, i: int, result: Any, attempt: Attempt, now: float) -> BaseException | None:
         state = self.state
         ns = state.nodes[i]
-        if self._persister is not None:
+        if self._writer is not None:
             try:
-                result = self._persister.canonical(self.topo.ids[i], attempt.visit, result)
+                result = self._writer.canonical(self.topo.ids[i], attempt.visit, result)
             except EncodeError as exc:
                 return exc
         if self._gate[i]:
@@ -666,8 +673,8 @@ class RunLoop:
                     {"duration": now - attempt.started, "hedge": attempt.hedge},
                 )
             )
-        if self._persister is not None:
-            self._persister.result_completed(i, attempt.visit, result)
+        if self._writer is not None:
+            self._writer.result_completed(i, attempt.visit, result)
         if len(state.frozen) == frozen_before:
             return None
         for t, activation, _payload in state.frozen[frozen_before:]:
@@ -679,11 +686,11 @@ class RunLoop:
 
     def _open_question(self, i: int, prompt: Any, attempt: Attempt) -> None:
         """A gate's handler returned its prompt: open the question and wait (Q1)."""
-        assert self._persister is not None, "gates run only with a store"
+        assert self._writer is not None, "gates run only with a store"
         node = self.topo.nodes[i]
         question_id = uuid.uuid4().hex
         self.state.wait(i, question_id)
-        self._persister.question_opened(
+        self._writer.question_opened(
             question_id=question_id,
             node_id=node.id,
             visit=attempt.visit,
@@ -709,8 +716,8 @@ class RunLoop:
         ns = self.state.nodes[i]
         self.state.answer(i, value)
         self.emit(EventType.QUESTION_ANSWERED, i, ns.visits, None, question_id=question_id)
-        if self._persister is not None:
-            self._persister.result_completed(i, ns.visits, value)
+        if self._writer is not None:
+            self._writer.result_completed(i, ns.visits, value)
         return True
 
     async def absorb_answers(self) -> list[str]:
@@ -719,16 +726,16 @@ class RunLoop:
         The ids applied are committed with the next harvest, whose store-side
         compare-and-set refuses a second application across processes.
         """
-        persister = self._persister
-        if persister is None or not self.state.waiting_questions():
+        writer = self._writer
+        if writer is None or not self.state.waiting_questions():
             return []
         applied: list[str] = []
-        for question_id, value in await persister.unapplied_answers():
+        for question_id, value in await writer.unapplied_answers():
             if self.apply_answer(question_id, value):
-                persister.applied.append(question_id)
+                writer.applied.append(question_id)
                 applied.append(question_id)
             else:
-                persister.superseded.append(question_id)
+                writer.superseded.append(question_id)
         return applied
 
     def _emit_late(self) -> None:
@@ -758,7 +765,7 @@ class RunLoop:
         if ns.status is not NodeStatus.FAILED:
             self.state.fail(i)
         self.emit(EventType.NODE_FAILED, i, ns.visits, ns.attempts, error=describe(exc))
-        await self._commit("failed", describe(exc))
+        await self._commit(RunStatus.FAILED, describe(exc))
         raise exc
 
     def _supersede_waiting(self) -> None:
@@ -768,8 +775,8 @@ class RunLoop:
             gs.question = None
             self.state.cancel(g)
             self.emit(EventType.NODE_CANCELLED, g, gs.visits, gs.attempts)
-            if self._persister is not None:
-                self._persister.superseded.append(question_id)
+            if self._writer is not None:
+                self._writer.superseded.append(question_id)
 
     async def _cancel_in_flight(self, *, record: bool) -> None:
         self._close_tail()  # first: no hedge may start while we wind down
@@ -820,30 +827,30 @@ class RunLoop:
         await self._cancel_in_flight(record=True)
         self._supersede_waiting()
         self.emit(EventType.RUN_CANCELLED)
-        await self._commit("cancelled")
-        return self.result("cancelled")
+        await self._commit(RunStatus.CANCELLED)
+        return self.result(RunStatus.CANCELLED)
 
     async def _finish(self) -> RunResult:
         if self.state.parked:  # preempted: suspend with the turns parked, no question
             self.emit(EventType.RUN_SUSPENDED, reason="preempted", parked=len(self.state.parked))
-            await self._commit("suspended")
-            return dataclasses.replace(self.result("suspended"), preempted=True)
+            await self._commit(RunStatus.SUSPENDED)
+            return dataclasses.replace(self.result(RunStatus.SUSPENDED), preempted=True)
         questions = self.state.waiting_questions()
         if questions:  # E10: an open gate is a suspension, never a stall
             self.turn += 1
             self.emit(EventType.RUN_SUSPENDED, questions=sorted(questions), turn=self.turn)
-            await self._commit("suspended")
-            return self.result("suspended")
+            await self._commit(RunStatus.SUSPENDED)
+            return self.result(RunStatus.SUSPENDED)
         waiting = self.state.waiting_aggregates()
         if waiting:
             message = f"run {self.run_id!r} stalled: aggregate " + "; ".join(waiting)
-            await self._commit("failed", message)
+            await self._commit(RunStatus.FAILED, message)
             raise StallError(message)
         self.emit(EventType.RUN_COMPLETED)
-        await self._commit("completed")
-        return self.result("completed")
+        await self._commit(RunStatus.COMPLETED)
+        return self.result(RunStatus.COMPLETED)
 
-    def result(self, status: str) -> RunResult:
+    def result(self, status: RunStatus) -> RunResult:
         """Build the :class:`RunResult` from the current state."""
         results: dict[str, Any] = {}
         visits: dict[str, int] = {}
@@ -853,7 +860,7 @@ class RunLoop:
             if ns.has_result:
                 results[node_id] = ns.result
             visits[node_id] = ns.visits
-            reports[node_id] = NodeReport(ns.status._value_, ns.visits, ns.attempts, durations[i])
+            reports[node_id] = NodeReport(ns.status, ns.visits, ns.attempts, durations[i])
         return RunResult(
             run_id=self.run_id,
             status=status,

@@ -5,13 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ._state import LateInput
+from ..stores import RunStatus
+from ._state import LateInput, NodeStatus
 
 
 class NodeReport(NamedTuple):
-    """Per-node outcome in a :class:`RunResult`: status, visits, attempts, seconds spent."""
+    """Per-node outcome in a :class:`RunResult`: status, visits, attempts, seconds spent.
 
-    status: str
+    ``status`` is a :class:`~tailrace.NodeStatus` (a ``str`` enum, so it also
+    compares equal to its value).
+    """
+
+    status: NodeStatus
     visits: int
     attempts: int
     duration: float
@@ -26,12 +31,14 @@ class RunResult:
     result of the graph's sink node (a dict by node when several sinks
     completed, None when none did); ``late_inputs`` lists
     inputs that arrived after their activation fired (E5); ``questions`` the
-    open questions of a suspended run; ``preempted`` is true when the run
+    open questions of a suspended run; ``status`` is a
+    :class:`~tailrace.stores.RunStatus` (a ``str`` enum: ``result.status is
+    RunStatus.COMPLETED``, and it still equals ``"completed"``); ``preempted`` is true when the run
     was suspended by ``Engine.preempt`` at a turn boundary.
     """
 
     run_id: str
-    status: str
+    status: RunStatus
     results: dict[str, Any]
     visits: dict[str, int]
     nodes: dict[str, NodeReport] = field(default_factory=dict)

@@ -1,83 +1,111 @@
 """Reading a stored run back: its graph (by reference only) and its state (D3, D4).
 
-:class:`RunRestore` is a part of :class:`~tailrace.core._writer.Persister`: it
-rebuilds a :class:`RunState` from the node rows, loads the result rows they
-refer to (each decoded once, shared), and refuses rows it cannot read with
-:class:`CorruptRecord` or :class:`UnsupportedFormat` before anything is
-written.
+:func:`restore_run` rebuilds a :class:`RunState` from the node rows, loads the
+result rows they refer to (each decoded once, shared), and refuses rows it
+cannot read with :class:`CorruptRecord` or :class:`UnsupportedFormat`. It only
+reads: a resume calls it before it writes anything, and ``Engine.wait`` calls
+it to read a finished run. :func:`find_graph` imports a run's graph by its
+module reference.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
+from .._codec import Codec
 from .._errors import CorruptRecord, GraphError, UnsupportedFormat
-from ..graph import Graph, is_file_reference, resolve_reference
-from ..stores import FORMAT_VERSION, NodeRow, RunRecord, StoredRun
-from ._rows import NODE_ROW_VERSION, _unpairs
+from ..graph import Graph, Topology, is_file_reference, resolve_reference
+from ..stores import FORMAT_VERSION, NodeRow, RunRecord, RunStore, StoredRun
 from ._state import LateInput, NodeStatus, RunState
-
-if TYPE_CHECKING:
-    from .._codec import Codec
-    from ..graph import Topology
-    from ..stores import RunStore
+from ._writer import NODE_ROW_VERSION, _unpairs
 
 
-class RunRestore:
-    """How a persister reads its run back."""
+@dataclass(slots=True, kw_only=True)
+class Restored:
+    """A run as :func:`restore_run` read it back."""
 
-    if TYPE_CHECKING:  # the persister's own; declared for the type checker only
-        store: RunStore
-        codec: Codec
-        run_id: str
-        topo: Topology
-        stored_durability: str | None
-        _big: dict[int, tuple[int, Any]]
+    state: RunState
+    #: The last event's sequence number and the run's turn (Q2).
+    event_seq: int
+    turn: int
+    #: The durability mode stored with the run's state; None if it has none.
+    durability: str | None
+    #: node index -> (visit, value) of large results read back by reference: a
+    #: writer takes them (``RunWriter.refer``) so node rows keep referring.
+    big: dict[int, tuple[int, Any]] = field(default_factory=dict)
 
-    @staticmethod
-    def find_graph(record: RunRecord) -> Graph:
-        """Import the graph a run recorded, by module reference only (``package.module:attr``).
 
-        ``record`` is the stored run. Its ``graph_ref`` is data anyone with
-        write access to the store could have written, so a file reference
-        (``path/to/file.py:graph``) is never executed here (trust model,
-        ``docs/trust.md``): the reader opts in by passing or registering the graph.
-        """
-        ref, run_id = record.graph_ref, record.run_id
-        if not ref:
-            raise GraphError(
-                f"run {run_id!r} recorded no graph reference; pass the graph "
-                f"(engine.resume(run_id, graph)) or register it (engine.register(graph))"
-            )
-        if is_file_reference(ref):
-            path = ref.rpartition(":")[0]
-            raise GraphError(
-                f"run {run_id!r} names its graph by the file reference {ref!r}; a stored "
-                "reference is never executed as a file. Opt in by passing the graph "
-                "(engine.resume(run_id, graph)) or registering it (engine.register(graph)), "
-                f"or on the command line: tailrace resume {run_id} --graphs {path} "
-                f"(or tailrace serve --graphs {path})"
-            )
-        try:
-            graph = resolve_reference(ref)
-        except Exception as exc:  # ImportError, AttributeError, GraphError, or the import failing
-            raise GraphError(
-                f"run {run_id!r}: cannot import its graph {ref!r}: {type(exc).__name__}: {exc}"
-            ) from exc
-        if not isinstance(graph, Graph):
-            raise GraphError(f"run {run_id!r}: {ref!r} is not a Graph")
-        return graph
+def find_graph(record: RunRecord) -> Graph:
+    """Import the graph a run recorded, by module reference only (``package.module:attr``).
 
-    async def restore(self, stored: StoredRun, late: list[LateInput]) -> tuple[RunState, int, int]:
-        """Rebuild the run state from its rows; running nodes go back to ready (D3).
+    ``record`` is the stored run. Its ``graph_ref`` is data anyone with
+    write access to the store could have written, so a file reference
+    (``path/to/file.py:graph``) is never executed here (trust model,
+    ``docs/trust.md``): the reader opts in by passing or registering the graph.
+    """
+    ref, run_id = record.graph_ref, record.run_id
+    if not ref:
+        raise GraphError(
+            f"run {run_id!r} recorded no graph reference; pass the graph "
+            f"(engine.resume(run_id, graph)) or register it (engine.register(graph))"
+        )
+    if is_file_reference(ref):
+        path = ref.rpartition(":")[0]
+        raise GraphError(
+            f"run {run_id!r} names its graph by the file reference {ref!r}; a stored "
+            "reference is never executed as a file. Opt in by passing the graph "
+            "(engine.resume(run_id, graph)) or registering it (engine.register(graph)), "
+            f"or on the command line: tailrace resume {run_id} --graphs {path} "
+            f"(or tailrace serve --graphs {path})"
+        )
+    try:
+        graph = resolve_reference(ref)
+    except Exception as exc:  # ImportError, AttributeError, GraphError, or the import failing
+        raise GraphError(
+            f"run {run_id!r}: cannot import its graph {ref!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(graph, Graph):
+        raise GraphError(f"run {run_id!r}: {ref!r} is not a Graph")
+    return graph
 
-        A node that was running or backing off between retries keeps its attempt
-        count and the due time of its next attempt, so it continues its retry
-        policy instead of starting it over (E11).
-        """
+
+async def restore_run(
+    store: RunStore, codec: Codec, topo: Topology, stored: StoredRun, late: list[LateInput]
+) -> Restored:
+    """Rebuild the state of ``stored`` (a run of ``topo``) from its rows; running nodes go back
+    to ready (D3).
+
+    ``late`` lists the late inputs already recorded for the run (E5). A node
+    that was running or backing off between retries keeps its attempt count
+    and the due time of its next attempt, so it continues its retry policy
+    instead of starting it over (E11). Nothing is written.
+    """
+    return await _Reader(store, codec, stored.run.run_id, topo).read(stored, late)
+
+
+class _Reader:
+    """One reading of a run's rows, with the large results it shares between them."""
+
+    def __init__(self, store: RunStore, codec: Codec, run_id: str, topo: Topology) -> None:
+        self.store = store
+        self.codec = codec
+        self.run_id = run_id
+        self.topo = topo
+        self.stored_durability: str | None = None
+        self._big: dict[int, tuple[int, Any]] = {}
+
+    async def read(self, stored: StoredRun, late: list[LateInput]) -> Restored:
         rows = {node_id: self._decode_row(row) for node_id, row in stored.nodes.items()}
         values = await self._referenced_results(rows)
-        return self._restore(stored, rows, values, late)
+        state, event_seq, turn = self._restore(stored, rows, values, late)
+        return Restored(
+            state=state,
+            event_seq=event_seq,
+            turn=turn,
+            durability=self.stored_durability,
+            big=self._big,
+        )
 
     def _restore(
         self,

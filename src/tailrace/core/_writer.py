@@ -1,4 +1,4 @@
-"""Persistence of one run: encoding deltas, pipelined fenced commits, leases, restore.
+"""RunWriter: one run's writes to the store: encoding, the group window, pipelined fenced commits.
 
 The engine side of the store seam (D1-D6). Each harvest becomes one
 :class:`~tailrace.stores.Harvest`. Commits are *pipelined*: the run loop goes
@@ -19,18 +19,15 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._codec import DEFAULT_CODEC, Codec, JsonCodec
-from .._errors import (
-    EncodeError,
-    LeaseLost,
-    StoreError,
-)
+from .._codec import Codec, JsonCodec
+from .._errors import EncodeError
 from .._events import EventType
-from ..graph import Graph
+from ..graph import Graph, Topology
 from ..stores import (
     FORMAT_VERSION,
     EventRow,
     FrozenInput,
+    Harvest,
     NewRun,
     NodeRow,
     QuestionRow,
@@ -41,24 +38,10 @@ from ..stores import (
     RunStore,
 )
 from ._inflight import BULK, paused_gc
-from ._lease import acquire_lease, release_quietly, run_to_end
-from ._restore import RunRestore
-from ._rows import (
-    _SCALARS,
-    _STATUSES,
-    NODE_ROW_VERSION,
-    PlainRow,
-    _make_result_row,
-    _pairs,
-    _Pending,
-    _scalar_json,
-    state_text,
-)
+from ._lease import Lease, run_to_end
 from ._state import NodeState
 
 if TYPE_CHECKING:
-    from ..graph import Topology
-    from ._engine import Engine
     from ._loop import EventTuple, RunLoop
 
 logger = logging.getLogger("tailrace.persist")
@@ -79,14 +62,17 @@ MAX_QUEUED = 256
 REF_MIN_CHARS = 1024
 
 
-class Persister(RunRestore):
-    """Writes one run's harvests to the store under its lease."""
+class RunWriter:
+    """Writes one run's harvests to ``store`` under its lease, encoded with ``codec``.
 
-    def __init__(self, engine: Engine, run_id: str, topo: Topology, record: RunRecord) -> None:
-        assert engine.store is not None
-        self.store: RunStore = engine.store
-        self.codec: Codec = engine.codec or DEFAULT_CODEC
-        self.engine = engine
+    ``topo`` is the run's compiled graph and ``record`` its stored run.
+    """
+
+    def __init__(
+        self, store: RunStore, codec: Codec, run_id: str, topo: Topology, record: RunRecord
+    ) -> None:
+        self.store = store
+        self.codec = codec
         self.run_id = run_id
         self.topo = topo
         self.record = record
@@ -104,9 +90,8 @@ class Persister(RunRestore):
         self._window: asyncio.TimerHandle | None = None
         #: Set when the window ended: the next harvest is staged.
         self._window_ended = False
-        self._lost: LeaseLost | None = None
-        #: A cancel request recorded in the store was passed to the run loop.
-        self._cancel_heard = False
+        #: The lease the writes are fenced by (see :meth:`leased`).
+        self.lease: Lease | None = None
         #: The first write that failed; nothing after it is written (D2).
         self.failure: BaseException | None = None
         #: Called once when a write fails, so the run loop wakes at once.
@@ -119,9 +104,8 @@ class Persister(RunRestore):
         #: The run's input and its JSON, for the entry nodes' rows.
         self._input: tuple[Any, str] | None = None
         #: The run's durability mode, stored with its state so a resume keeps it
-        #: (set by the run loop); the mode read back by :meth:`restore`, if any.
+        #: (set by the run loop).
         self.durability = "async"
-        self.stored_durability: str | None = None
         #: Scalars read back from strict JSON as they went in: no decode needed.
         self._plain = isinstance(self.codec, JsonCodec)
 
@@ -130,16 +114,15 @@ class Persister(RunRestore):
     @classmethod
     async def create(
         cls,
-        engine: Engine,
+        store: RunStore,
+        codec: Codec,
         run_id: str,
         graph: Graph,
         topo: Topology,
         input: Any,
         graph_ref: str | None,
-    ) -> Persister:
-        """Store a new run (its input encoded, D5) and return its persister."""
-        assert engine.store is not None
-        codec = engine.codec or DEFAULT_CODEC
+    ) -> RunWriter:
+        """Store a new run (its input encoded, D5) and return its writer."""
         try:
             input_json = codec.encode(input)
         except (TypeError, ValueError) as exc:
@@ -153,83 +136,39 @@ class Persister(RunRestore):
             input_json=input_json,
             created_at=now,
         )
-        await engine.store.create_run(new)
-        record = await engine.store.get_run(run_id)
-        persister = cls(engine, run_id, topo, record)
-        persister._input = (input, input_json)
-        return persister
+        await store.create_run(new)
+        writer = cls(store, codec, run_id, topo, await store.get_run(run_id))
+        writer._input = (input, input_json)
+        return writer
+
+    def refer(self, big: dict[int, tuple[int, Any]]) -> None:
+        """Take the large results a restore read back (:func:`~._restore.restore_run`), so
+        node rows keep referring to their stored copy instead of repeating them."""
+        self._big.update(big)
 
     # -- lease ----------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def leased(self) -> AsyncIterator[None]:
-        """Hold the run's lease (D6) with a heartbeat; flush commits and release on exit.
+    async def leased(self, lease: Lease) -> AsyncIterator[None]:
+        """Hold ``lease`` (D6) while the body writes; flush commits on success.
 
         The way out always runs to its end, shielded from cancellation: what was
-        harvested is written and the lease released even when the caller is
-        cancelled (a ``wait_for`` around ``engine.run``), then the cancellation
-        goes on.
+        harvested is written before the lease is released, even when the caller
+        is cancelled (a ``wait_for`` around ``engine.run``), then the
+        cancellation goes on (or becomes :class:`~tailrace.LeaseLost`).
         """
-        engine = self.engine
-        self.token = await acquire_lease(self.store, self.run_id, engine.owner, engine.lease_ttl)
-        main = asyncio.current_task()
-        assert main is not None
-        stop = asyncio.Event()
-        beat = asyncio.create_task(self._heartbeat(main, stop), name=f"lease:{self.run_id}")
-        try:
-            yield
-            await self.flush()
-        except asyncio.CancelledError:
-            if self._lost is not None and main.uncancel() == 0:
-                raise self._lost from None
-            raise
-        finally:
-            await run_to_end(self._let_go(stop, beat))
-
-    async def _let_go(self, stop: asyncio.Event, beat: asyncio.Task[None]) -> None:
-        # Stopped, not cancelled: a beat in the middle of a query finishes it
-        # (cancelling a driver mid-query can leave its connection stuck).
-        stop.set()
-        self._close_window()
-        await asyncio.gather(beat, return_exceptions=True)
-        await self._drain_quietly()
-        if self._lost is None:
-            await release_quietly(self.store, self.run_id, self.engine.owner, self.token)
-
-    async def _heartbeat(self, main: asyncio.Task[Any], stop: asyncio.Event) -> None:
-        interval = self.engine.lease_ttl / 3
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval)
-            if stop.is_set():
-                return
+        async with lease:
+            self.lease = lease
+            self.token = lease.token
             try:
-                await self.store.heartbeat(
-                    self.run_id, self.engine.owner, self.token, self.engine.lease_ttl
-                )
-                await self._heed_cancel_request()
-            except LeaseLost as exc:
-                self._lost = exc
-                main.cancel()
-                return
-            except StoreError:
-                # A hiccup: the next beat may land before the lease expires; a
-                # lease really lost shows up as LeaseLost on a beat or a commit.
-                logger.warning("heartbeat of run %s failed; retrying", self.run_id, exc_info=True)
+                yield
+                await self.flush()
+            finally:
+                await run_to_end(self._let_go())
 
-    async def _heed_cancel_request(self) -> None:
-        """End the run ``cancelled`` if someone asked for it in the store.
-
-        ``Engine.cancel`` in another process records the request; a worker
-        polls for it, and a plain ``engine.run`` hears of it here, within a
-        beat (a third of ``lease_ttl``).
-        """
-        if self._cancel_heard:
-            return
-        record = await self.store.get_run(self.run_id)
-        if record.cancel_requested_at is not None:
-            self._cancel_heard = True
-            self.engine.request_cancel(self.run_id)
+    async def _let_go(self) -> None:
+        self._close_window()
+        await self._drain_quietly()
 
     # -- per harvest ----------------------------------------------------------
 
@@ -306,7 +245,7 @@ class Persister(RunRestore):
         self._results.append(_make_result_row(self.topo.ids[i], visit, text))
 
     async def commit(
-        self, loop: RunLoop, events: list[EventTuple], status: str, error: str | None
+        self, loop: RunLoop, events: list[EventTuple], status: RunStatus, error: str | None
     ) -> None:
         """Commit one harvest with its ``events``; a terminal ``status`` waits for durability."""
         if self.stage(loop, events, status, error):
@@ -339,7 +278,7 @@ class Persister(RunRestore):
         self._window_ended = False
 
     def stage(
-        self, loop: RunLoop, events: list[EventTuple], status: str, error: str | None
+        self, loop: RunLoop, events: list[EventTuple], run_status: RunStatus, error: str | None
     ) -> bool:
         """Queue one harvest with its ``events`` for the store; True if the caller must flush.
 
@@ -349,7 +288,6 @@ class Persister(RunRestore):
         """
         self.raise_failure()
         self._close_window()
-        run_status = _STATUSES[status]
         queued = self._queued
         if not queued or queued[-1].status is not run_status:
             queued.append(_Pending(run_status))  # a status change is its own write
@@ -387,12 +325,12 @@ class Persister(RunRestore):
 
     def writable(self) -> bool:
         """Whether writes may still go out: none failed and the lease is held."""
-        return self.failure is None and self._lost is None
+        return self.failure is None and (self.lease is None or self.lease.lost is None)
 
     def raise_failure(self) -> None:
         """Raise the lease loss or the store failure that stopped this run's writes, if any."""
-        if self._lost is not None:
-            raise self._lost
+        if self.lease is not None and self.lease.lost is not None:
+            raise self.lease.lost
         if self.failure is not None:
             raise self.failure
 
@@ -634,3 +572,134 @@ class Persister(RunRestore):
                 data["payload"] = None
                 data["payload_ref"] = [self.topo.ids[s], visit]
                 return
+
+
+# -- rows: the stored form of a run's state, built cheaply --------------------
+
+#: Version of the node rows' ``data_json``. Version 2 may refer to a result row
+#: instead of repeating a large value (``result_ref``, ``payload_ref``).
+NODE_ROW_VERSION = 2
+
+
+def _pairs(frontier: dict[int, int] | None, ids: tuple[str, ...]) -> list[list[Any]] | None:
+    return None if frontier is None else [[ids[k], v] for k, v in sorted(frontier.items())]
+
+
+def _unpairs(pairs: list[list[Any]] | None, index: dict[str, int]) -> dict[int, int] | None:
+    return None if pairs is None else {index[k]: int(v) for k, v in pairs}
+
+
+#: Types whose values strict JSON reads back unchanged (exact types: no subclasses).
+_SCALARS = frozenset({type(None), bool, int, float, str})
+
+
+def _scalar_json(codec: Codec, value: Any) -> str:
+    """JSON of a scalar, as :class:`JsonCodec` writes it (floats must be finite)."""
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if type(value) is int:
+        return int.__repr__(value)
+    return codec.encode(value)  # str and float: the encoder's checks (surrogates, NaN)
+
+
+_new_tuple = tuple.__new__
+
+
+def _make_node_row(node_id: str, status: str, visits: int, data_json: str) -> NodeRow:
+    # Rows are named tuples: built with tuple.__new__, not their keyword __new__.
+    return _new_tuple(NodeRow, (node_id, status, visits, data_json))
+
+
+def _make_result_row(node_id: str, visit: int, value_json: str) -> ResultRow:
+    return _new_tuple(ResultRow, (node_id, visit, value_json))
+
+
+#: A plain node row before it is composed: status, fired, visits, attempts,
+#: payload JSON, result JSON, has_result JSON (see ``RunWriter._plain_row``).
+PlainRow = tuple[str, int, int, int, str, str, str]
+
+
+def _compose(node_id: str, row: PlainRow) -> NodeRow:
+    status, fired, visits, attempts, payload, result, has_result = row
+    return _make_node_row(
+        node_id,
+        status,
+        visits,
+        f'{{"v":{NODE_ROW_VERSION},"fired":{fired},"visits":{visits},'
+        f'"attempts":{attempts},"payload":{payload},"result":{result},'
+        f'"has_result":{has_result},"frontier":null,"inputs":null,"pending":null,'
+        '"question":null}',
+    )
+
+
+def state_text(seq: int, events: int, turn: int, durability: str) -> str:
+    """A run's state JSON when nothing is parked and no loop edge has a generation."""
+    return (
+        f'{{"v":{FORMAT_VERSION},"seq":{seq},"events":{events},"turn":{turn},'
+        f'"durability":"{durability}","parked":[],"edge_gen":[]}}'
+    )
+
+
+class _Pending:
+    """Consecutive harvests of one run with one status, merged in order into one write (D2).
+
+    The latest row of each node wins; results, first-k decisions and events
+    are concatenated; the run's state, error and status are the last harvest's.
+    """
+
+    __slots__ = (
+        "applied",
+        "error",
+        "events",
+        "finished_at",
+        "frozen",
+        "nodes",
+        "questions",
+        "results",
+        "state",
+        "status",
+        "superseded",
+    )
+
+    def __init__(self, status: RunStatus) -> None:
+        self.status = status
+        self.error: str | None = None
+        #: The run's state JSON, or its counters (seq, events, turn) and durability
+        #: to write it from.
+        self.state: str | tuple[int, int, int, str] = ""
+        self.finished_at: float | None = None
+        #: node index -> its latest row, or the snapshot to compose it from.
+        self.nodes: dict[int, NodeRow | PlainRow] = {}
+        self.results: list[ResultRow] = []
+        self.frozen: list[FrozenInput] = []
+        self.events: list[EventRow] = []
+        self.questions: list[QuestionRow] = []
+        self.applied: list[str] = []
+        self.superseded: list[str] = []
+
+    def harvest(self, ids: tuple[str, ...]) -> Harvest:
+        """The merged harvest, as the store takes it (``ids``: node ids by index)."""
+        state = self.state
+        if not isinstance(state, str):
+            state = state_text(*state)
+        return Harvest(
+            state_json=state,
+            status=self.status,
+            error=self.error,
+            nodes=[
+                row if isinstance(row, NodeRow) else _compose(ids[i], row)
+                for i, row in self.nodes.items()
+            ],
+            results=self.results,
+            frozen=self.frozen,
+            events=self.events,
+            nodes_done_delta=len(self.results),
+            finished_at=self.finished_at,
+            questions=self.questions,
+            applied=self.applied,
+            superseded=self.superseded,
+        )

@@ -24,6 +24,7 @@ from typing import Any
 from ..core import Engine
 from ..executors import Executor
 from ..graph import Graph
+from ..stores import RunStatus
 from ..tail import DurationEstimator
 from ..tail._hooks import MIN_STRAGGLER_DELAY
 from ._accept import mean
@@ -268,7 +269,7 @@ class Evolution:
     async def _run_graph(self, graph: Graph, rendered: str, task: Task) -> Any:
         assert self.engine is not None
         result = await self.engine.run(graph, {"rendered": rendered, "task": task.to_dict()})
-        if result.status != "completed":
+        if result.status is not RunStatus.COMPLETED:
             raise RuntimeError(
                 f"rollout graph {graph.name!r} on task {task.id!r} ended {result.status}"
             )

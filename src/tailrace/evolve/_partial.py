@@ -179,7 +179,7 @@ class PartialRollouts:
         return item.external_handle if record.status == RunStatus.SUSPENDED else None
 
     def _output(self, task: Task, result: RunResult) -> Any:
-        if result.status != "completed":
+        if result.status is not RunStatus.COMPLETED:
             raise RuntimeError(
                 f"rollout graph {self.graph.name!r} on task {task.id!r} ended {result.status}"
             )

@@ -16,6 +16,7 @@ from ._node import Node as Node
 from ._node import NodeKind as NodeKind
 from ._node import RetryPolicy as RetryPolicy
 from ._references import callable_reference as callable_reference
+from ._references import guess_reference as guess_reference
 from ._references import is_async_callable as is_async_callable
 from ._references import is_file_reference as is_file_reference
 from ._references import load_file_module as load_file_module
@@ -36,6 +37,7 @@ __all__ = [
     "RetryPolicy",
     "Topology",
     "callable_reference",
+    "guess_reference",
     "is_async_callable",
     "is_file_reference",
     "load_file_module",

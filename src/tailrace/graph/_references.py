@@ -15,9 +15,12 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import GraphError
+
+if TYPE_CHECKING:
+    from ._graph import Graph
 
 
 def callable_reference(fn: Callable[..., Any], node_id: str = "?") -> str:
@@ -117,3 +120,18 @@ def is_async_callable(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 - we want the bound __call__
     )
+
+
+def guess_reference(graph: Graph) -> str | None:
+    """``module:name`` of the graph, looked up in the modules that define its handlers."""
+    seen: set[str] = set()
+    for node in graph.nodes.values():
+        module_name = getattr(node.handler, "__module__", None) or ""
+        if module_name in seen or module_name == "__main__":
+            continue
+        seen.add(module_name)
+        module = sys.modules.get(module_name)
+        for attr, value in vars(module).items() if module is not None else ():
+            if value is graph:
+                return f"{module_name}:{attr}"
+    return None

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .._errors import GraphError
-from ..core import Persister
+from ..core import find_graph
 from ..graph import Graph, is_file_reference
 from ..stores import RunRecord
 
@@ -74,6 +74,6 @@ class GraphCatalog:
 def _import(record: RunRecord) -> Graph | GraphError:
     """Import the module reference (the engine's own lookup, which refuses files)."""
     try:
-        return Persister.find_graph(record)
+        return find_graph(record)
     except GraphError as exc:
         return exc

@@ -484,5 +484,5 @@ class Worker:
         logger.info("worker %s draining %d runs (grace %.3g s)", self.owner, len(jobs), self.grace)
         _, pending = await asyncio.wait(jobs, timeout=self.grace)
         for task in pending:
-            task.cancel()  # each run's lease is released on its way out (Persister.leased)
+            task.cancel()  # each run's lease is released on its way out (RunWriter.leased)
         await asyncio.gather(*pending, return_exceptions=True)

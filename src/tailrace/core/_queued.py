@@ -1,0 +1,361 @@
+"""Queued runs over a store: ``Engine.submit``, ``Engine.wait`` and ``Engine.cancel`` (W1, W5).
+
+Submitting stores the run ``queued`` with its input already encoded (D5: a
+bad input fails here, not in a worker) and the graph's reference, so any
+worker that can load the graph runs it. For ``lpt`` queues the run carries an
+estimate of its duration: the caller's, or the
+:class:`~tailrace.tail.DurationEstimator` fitted on the graph's completed
+queued runs (``seconds ~ b + m * cost``), refreshed from the store every
+:data:`REFRESH` seconds.
+
+Waiting rebuilds the result from the store, whichever process ran the run:
+with the run's graph (this engine ran, submitted or was given it, or its
+module reference imports), from the node rows exactly as a resume would see
+them, ``output`` included; without it, from the result rows (``output`` is
+then None). The waiter sleeps on the store's change feed (a run that ends
+releases its lease, which wakes it), re-checking at most every
+:data:`RECHECK` seconds and at least every second.
+
+Cancelling a queued run is one compare-and-set in the store. A running run
+gets a cancel request in the store; the engine driving it ends it at its next
+harvest (``RunLoop.request_cancel``): this engine's at once, another
+process's worker when the ``cancel`` wake-up (or its next poll) reaches it.
+A run nobody drives, suspended on a gate or orphaned by a dead owner, is
+cancelled right here under its lease: open questions superseded, a
+``run_cancelled`` event, status ``cancelled``, in one commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from .._codec import DEFAULT_CODEC
+from .._errors import DuplicateRun, EncodeError, LeaseHeld, RunFailed, TailraceError
+from .._events import EventType
+from .._values import checked_run_id
+from ..graph import Graph, guess_reference
+from ..stores import (
+    EventRow,
+    Harvest,
+    NewRun,
+    QuestionStatus,
+    RunRecord,
+    RunStatus,
+    RunStore,
+    StoredRun,
+    Submission,
+)
+from ..tail import DurationEstimator
+from ._lease import acquire_lease, owner_is_dead, release_quietly, run_to_end
+from ._outcome import NodeReport, RunResult
+from ._restore import find_graph, restore_run
+from ._state import NodeStatus
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+
+logger = logging.getLogger("tailrace.workers")
+
+#: Seconds an estimator fitted from the store is reused before it is fitted again.
+REFRESH = 30.0
+#: How many completed runs an estimator is fitted on.
+HISTORY = 200
+
+
+class RunEstimates:
+    """Duration estimators per graph fingerprint, fitted from one store's completed runs."""
+
+    def __init__(self, store: RunStore) -> None:
+        self.store = store
+        self._fitted: dict[str, tuple[float, DurationEstimator]] = {}
+
+    async def estimate(self, fingerprint: str, cost: float | None) -> float:
+        """Expected seconds of a run of ``fingerprint`` with ``cost`` (0 with no history)."""
+        fitted = self._fitted.get(fingerprint)
+        if fitted is None or time.monotonic() - fitted[0] > REFRESH:
+            estimator = DurationEstimator(prior=0.0)
+            for seen_cost, seconds in reversed(
+                await self.store.run_durations(fingerprint, limit=HISTORY)
+            ):
+                estimator.observe(seen_cost, max(seconds, 0.0))
+            fitted = self._fitted[fingerprint] = (time.monotonic(), estimator)
+        return fitted[1].estimate(cost or 0.0)
+
+
+_ESTIMATES: weakref.WeakKeyDictionary[RunStore, RunEstimates] = weakref.WeakKeyDictionary()
+
+
+def estimates_of(store: RunStore) -> RunEstimates:
+    """The estimators of ``store`` (one set per store object)."""
+    found = _ESTIMATES.get(store)
+    if found is None:
+        found = _ESTIMATES[store] = RunEstimates(store)
+    return found
+
+
+async def submit_run(
+    engine: Engine,
+    graph: Graph,
+    input: Any,
+    *,
+    queue: str,
+    run_id: str | None,
+    priority: int,
+    partition: str | None,
+    dedup_key: str | None,
+    on_duplicate: str,
+    cost: float | None,
+    estimate: float | None,
+    graph_ref: str | None,
+) -> str:
+    """``Engine.submit``: store the run ``queued`` and return its id (or the dedup holder's)."""
+    store = engine.store
+    if store is None:
+        raise ValueError("submit needs an engine with a store: Engine(store=...)")
+    if on_duplicate not in ("return", "raise"):
+        raise ValueError(f"on_duplicate must be 'return' or 'raise', got {on_duplicate!r}")
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an int, got {priority!r}")
+    topo = graph.compile()
+    engine.register(graph)
+    run_id = uuid.uuid4().hex if run_id is None else checked_run_id(run_id)
+    try:
+        input_json = (engine.codec or DEFAULT_CODEC).encode(input)
+    except (TypeError, ValueError) as exc:
+        raise EncodeError(f"run {run_id!r}: input is not encodable: {exc}") from exc
+    if estimate is None:
+        estimate = await estimates_of(store).estimate(topo.fingerprint, cost)
+    new = NewRun(
+        run_id=run_id, graph_name=graph.name, graph_ref=graph_ref or guess_reference(graph),
+        fingerprint=topo.fingerprint, input_json=input_json, created_at=time.time(),
+    )  # fmt: skip
+    submission = Submission(
+        queue=queue, priority=priority, partition=partition, dedup_key=dedup_key, cost=cost,
+        estimate=estimate,
+    )  # fmt: skip
+    stored = await store.submit_run(new, submission)
+    if stored != run_id and on_duplicate == "raise":
+        assert dedup_key is not None
+        raise DuplicateRun(
+            f"queue {queue!r}: dedup key {dedup_key!r} is held by live run {stored!r}; "
+            f"run {run_id!r} was not submitted",
+            run_id=stored, queue=queue, dedup_key=dedup_key,
+        )  # fmt: skip
+    return stored
+
+
+# -- waiting --------------------------------------------------------------------
+
+#: Seconds between two looks at the run while wake-ups keep coming.
+RECHECK = 0.02
+#: Seconds between two looks with no wake-up at all (the fallback).
+FALLBACK = 1.0
+
+
+async def settled(store: RunStore, record: RunRecord, now: float) -> bool:
+    """Whether ``record`` is where ``wait`` returns: finished, or suspended with nothing to resume it.
+
+    A suspended run someone holds (it is being resumed), or one with an answer
+    not applied yet (a worker is about to resume it), is not settled.
+    """
+    if record.status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED):
+        return True
+    if record.status is not RunStatus.SUSPENDED:
+        return False
+    if record.lease_expires is not None and record.lease_expires >= now:
+        return False
+    return not any(
+        q.status is QuestionStatus.ANSWERED
+        or (q.status is QuestionStatus.EXPIRED and q.applied_at is None)
+        for q in await store.list_questions(run_id=record.run_id)
+    )
+
+
+async def wait_for(
+    engine: Engine,
+    run_id: str,
+    *,
+    timeout: float | None,  # noqa: ASYNC109 (Engine.wait's own argument)
+    graph: Graph | None,
+) -> RunResult:
+    """``Engine.wait``: the run's :class:`RunResult` once :func:`settled`; ``RunFailed`` if it failed."""
+    store = engine.store
+    if store is None:
+        raise ValueError("wait needs an engine with a store: Engine(store=...)")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    async with store.changes() as feed:
+        while True:
+            record = await store.get_run(run_id)
+            if await settled(store, record, time.time()):
+                return await stored_result(engine, record, graph)
+            left = FALLBACK if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"run {run_id!r} is still {record.status.value} after {timeout:g} s"
+                )
+            await feed.wait(min(left, FALLBACK))
+            await asyncio.sleep(RECHECK)  # let a burst of wake-ups pass: one look for all
+
+
+async def stored_result(engine: Engine, record: RunRecord, graph: Graph | None) -> RunResult:
+    """The :class:`RunResult` of ``record`` as stored; raises :class:`RunFailed` for a failed run."""
+    assert engine.store is not None
+    stored = await engine.store.load_run(record.run_id)
+    graph = graph or _known_graph(engine, record)
+    if stored.nodes and graph is not None and graph.compile().fingerprint == record.fingerprint:
+        result = await _from_state(engine, stored, graph)
+    else:
+        result = await _from_rows(engine, stored)
+    if record.status is RunStatus.SUSPENDED:
+        questions = await engine.store.list_questions(
+            run_id=record.run_id, status=QuestionStatus.OPEN
+        )
+        result = _replace(result, questions=tuple(questions))
+    if record.status is RunStatus.FAILED:
+        raise RunFailed(
+            f"run {record.run_id!r} failed: {record.error}",
+            run_id=record.run_id, error=record.error, result=result,
+        )  # fmt: skip
+    return result
+
+
+def _known_graph(engine: Engine, record: RunRecord) -> Graph | None:
+    found = engine.graph_for(record)
+    if found is not None:
+        return found
+    try:
+        return find_graph(record)  # a module reference only, never a file
+    except TailraceError:
+        return None
+
+
+def _duration(record: RunRecord) -> float:
+    start = record.started_at or record.created_at
+    return max((record.finished_at or record.updated_at) - start, 0.0)
+
+
+async def _from_state(engine: Engine, stored: StoredRun, graph: Graph) -> RunResult:
+    """Rebuild the run's state as a resume would (nothing is written), and read the result off it."""
+    assert engine.store is not None
+    topo = graph.compile()
+    state = (await restore_run(engine.store, engine.codec or DEFAULT_CODEC, topo, stored, [])).state
+    ids, nodes = topo.ids, state.nodes
+    done = [i for i in topo.sinks if nodes[i].has_result]
+    output: Any = (
+        nodes[done[0]].result if len(done) == 1 else {ids[i]: nodes[i].result for i in done} or None
+    )
+    return RunResult(
+        run_id=stored.run.run_id,
+        status=stored.run.status,
+        results={ids[i]: ns.result for i, ns in enumerate(nodes) if ns.has_result},
+        visits={ids[i]: ns.visits for i, ns in enumerate(nodes)},
+        nodes={
+            ids[i]: NodeReport(NodeStatus(stored.nodes[ids[i]].status), ns.visits, ns.attempts, 0.0)
+            if ids[i] in stored.nodes
+            else NodeReport(ns.status, ns.visits, ns.attempts, 0.0)
+            for i, ns in enumerate(nodes)
+        },
+        duration=_duration(stored.run),
+        output=output,
+    )
+
+
+async def _from_rows(engine: Engine, stored: StoredRun) -> RunResult:
+    """Without the graph: each node's latest result row, its visits and status."""
+    assert engine.store is not None
+    codec = engine.codec or DEFAULT_CODEC
+    results: dict[str, Any] = {}
+    for row in await engine.store.results(stored.run.run_id):  # by node, then visit
+        results[row.node_id] = codec.decode(row.value_json)
+    return RunResult(
+        run_id=stored.run.run_id,
+        status=stored.run.status,
+        results=results,
+        visits={node_id: row.visits for node_id, row in stored.nodes.items()},
+        nodes={
+            node_id: NodeReport(NodeStatus(row.status), row.visits, 0, 0.0)
+            for node_id, row in stored.nodes.items()
+        },
+        duration=_duration(stored.run),
+    )
+
+
+def _replace(result: RunResult, **changes: Any) -> RunResult:
+    return dataclasses.replace(result, **changes)
+
+
+# -- cancelling -----------------------------------------------------------------
+
+
+async def cancel_run(engine: Engine, run_id: str) -> str:
+    """``Engine.cancel``: cancel ``run_id`` now or at its next harvest; return its status now."""
+    store = engine.store
+    if store is None:
+        raise ValueError("cancel needs an engine with a store: Engine(store=...)")
+    status = await store.request_cancel(run_id)
+    if status is RunStatus.RUNNING and engine.request_cancel(run_id):
+        return status.value  # ours: it ends at its next harvest
+    if status in (RunStatus.RUNNING, RunStatus.SUSPENDED):
+        record = await store.get_run(run_id)
+        if not _driven(record, time.time()):
+            try:
+                return (await cancel_undriven(engine, run_id)).value
+            except LeaseHeld:
+                pass  # someone took it meanwhile: it sees the request
+    return (await store.get_run(run_id)).status.value
+
+
+def _driven(record: RunRecord, now: float) -> bool:
+    """Whether a live owner holds ``record``'s lease (so it is theirs to end)."""
+    return (
+        record.lease_owner is not None
+        and record.lease_expires is not None
+        and record.lease_expires >= now
+        and not owner_is_dead(record.lease_owner)
+    )
+
+
+async def cancel_undriven(engine: Engine, run_id: str) -> RunStatus:
+    """End ``run_id``, which nobody drives, as ``cancelled`` under its lease; return its status.
+
+    Takes the lease (at once from a provably dead owner), supersedes open and
+    answered questions, and commits a ``run_cancelled`` event with the status.
+    A run that finished meanwhile is left as it is. :class:`LeaseHeld` if a
+    live owner holds it.
+    """
+    store = engine.store
+    assert store is not None
+    token = await acquire_lease(store, run_id, engine.owner, engine.lease_ttl)
+    try:
+        record = await store.get_run(run_id)
+        if record.status not in (RunStatus.RUNNING, RunStatus.SUSPENDED):
+            return record.status
+        questions = await store.list_questions(run_id=run_id)
+        events = await store.events(run_id)
+        now = time.time()
+        event = EventRow(
+            seq=max((e.seq for e in events), default=0) + 1, type=EventType.RUN_CANCELLED.value,
+            node_id=None, visit=None, attempt=None, ts=now,
+            data_json=DEFAULT_CODEC.encode({"reason": "cancel requested"}),
+        )  # fmt: skip
+        open_ids = [
+            q.question_id
+            for q in questions
+            if q.status in (QuestionStatus.OPEN, QuestionStatus.ANSWERED)
+            or (q.status is QuestionStatus.EXPIRED and q.applied_at is None)
+        ]
+        harvest = Harvest(
+            state_json=record.state_json, status=RunStatus.CANCELLED, events=[event],
+            superseded=open_ids, finished_at=now,
+        )  # fmt: skip
+        await store.commit(run_id, token, harvest)
+        logger.info("run %s cancelled (nobody was driving it)", run_id)
+        return RunStatus.CANCELLED
+    finally:
+        await run_to_end(release_quietly(store, run_id, engine.owner, token))
