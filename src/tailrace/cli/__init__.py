@@ -8,7 +8,7 @@ import sys
 def main() -> None:
     """Entry point of the ``tailrace`` console script."""
     try:
-        from ._app import app
+        from ._app import app  # the cli extra (typer, rich) is optional
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         sys.stderr.write(
             f"tailrace: the command line needs the 'cli' extra ({exc.name} is missing):\n"

@@ -9,6 +9,7 @@ from ``_session``.
 
 from __future__ import annotations
 
+import datetime
 import json
 import shlex
 import time
@@ -288,8 +289,6 @@ def show(
 
 
 def _clock(ts: float) -> str:
-    import datetime
-
     return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 

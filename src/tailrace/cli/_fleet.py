@@ -240,7 +240,7 @@ def _open_driver(
     source: Any, store: RunStore, name: str | None, lease_ttl: float
 ) -> contextlib.AbstractAsyncContextManager[Any]:
     try:
-        from ..integrations.langgraph import open_driver
+        from ..integrations.langgraph import open_driver  # the langgraph extra is optional
     except ImportError as exc:
         raise CommandError(
             f"--langgraph needs the langgraph extra ({exc}): pip install 'tailrace[langgraph]'"

@@ -63,6 +63,7 @@ def ui(
     applies it.
     """
     try:
+        # The web extra is optional (starlette, uvicorn, jinja2): imported only by this command.
         import uvicorn
 
         from ..ui import UiConfig, create_app, new_token

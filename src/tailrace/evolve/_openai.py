@@ -118,7 +118,7 @@ class OpenAICompatible:
             CompletionError: an HTTP error status, a transport failure, or a
                 body without ``choices[0].message.content``.
         """
-        import httpx
+        import httpx  # the openai extra is optional: imported only when a request is made
 
         body: dict[str, Any] = {
             "model": self.model,
@@ -209,7 +209,7 @@ def openai_compatible(
         ImportError: httpx is missing (``pip install 'tailrace[openai]'``).
     """
     try:
-        import httpx
+        import httpx  # the openai extra is optional
     except ImportError as exc:  # pragma: no cover - exercised only without httpx
         raise ImportError("openai_compatible needs httpx: pip install 'tailrace[openai]'") from exc
     api_key = os.environ.get(api_key_env) if api_key_env else None

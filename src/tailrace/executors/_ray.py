@@ -322,7 +322,7 @@ def _first_line(exc: BaseException) -> str:
 
 def _import_ray() -> Any:
     try:
-        import ray
+        import ray  # the ray extra is optional: imported only when an executor connects
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise ImportError(
             "RayExecutor needs Ray: pip install 'tailrace[ray]'", name=exc.name

@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING, Any, Self
 from opentelemetry import trace
 from opentelemetry.trace import TracerProvider
 
+from .. import __version__
 from .._errors import LeaseHeld, NotResumable
 from ..executors import AttemptContext, Executor, LocalExecutor
 from ..executors._base import ExecutorTable
@@ -191,8 +192,6 @@ def instrument(engine: Engine, *, tracer_provider: TracerProvider | None = None)
     tracer (default: the global one, ``opentelemetry.trace.get_tracer_provider()``).
     Instrumenting an engine twice raises ``ValueError``.
     """
-    from .. import __version__
-
     tracer = trace.get_tracer(__name__, __version__, tracer_provider)
     instrumentation = Instrumentation(engine, SpanTracker(tracer))
     instrumentation._install()
