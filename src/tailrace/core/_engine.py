@@ -106,9 +106,9 @@ class Engine:
         self.straggler_factor = straggler_factor
         self._tail = tail
         self._executors = ExecutorTable(executor, executors)
-        #: Graphs this engine ran, by fingerprint, so it can resume their runs
-        #: even when they cannot be imported (defined in ``__main__``, say).
-        self._graphs: dict[str, Graph] = {}
+        #: Graphs this engine ran, by name and fingerprint, so it can resume their
+        #: runs even when they cannot be imported (defined in ``__main__``, say).
+        self._graphs: dict[tuple[str, str], Graph] = {}
         #: Runs this engine drives now: one driver per run even within one owner (D6).
         self._active: set[str] = set()
         self._loops: dict[str, RunLoop] = {}
@@ -137,7 +137,7 @@ class Engine:
         """
         topo = graph.compile()
         self._executors.plan(topo)  # an unknown executor name fails here, before any write
-        self._graphs.setdefault(topo.fingerprint, graph)
+        self._graphs.setdefault((graph.name, topo.fingerprint), graph)
         run_id = uuid.uuid4().hex if run_id is None else checked_run_id(run_id)
         if durability is not None:
             self._durability_of[run_id] = _checked_durability(durability)
@@ -227,7 +227,7 @@ class Engine:
         store = self._require_store("resume")
         stored = await store.load_run(run_id)
         _check_resumable(stored.run)
-        graph = graph or self.graph_for(stored.run) or find_graph(stored.run)
+        graph = self._graph_of(stored.run, graph)
         topo = graph.compile()
         if topo.fingerprint != stored.run.fingerprint and not force:
             raise GraphMismatch(
@@ -262,12 +262,13 @@ class Engine:
     def register(self, *graphs: Graph) -> None:
         """Let this engine resume runs of ``graphs`` without importing them.
 
-        A run is matched by its graph's structural fingerprint. This is how a
+        A run is matched by its graph's name and structural fingerprint: two
+        graphs of one shape with different names are different graphs. This is how a
         daemon is told about graphs defined in files: stored references are
         only ever imported as modules, never executed as files (trust model).
         """
         for graph in graphs:
-            self._graphs.setdefault(graph.compile().fingerprint, graph)
+            self._graphs.setdefault((graph.name, graph.compile().fingerprint), graph)
 
     async def fail_run(self, run_id: str, reason: str) -> None:
         """Record the durable run ``run_id`` as failed with ``reason``, without loading its graph.
@@ -287,12 +288,34 @@ class Engine:
         return run_id in self._active
 
     def graph_for(self, record: RunRecord) -> Graph | None:
-        """The graph this engine ran, submitted or was given for the stored run ``record``, if any."""
-        return self._graphs.get(record.fingerprint)
+        """The graph this engine ran, submitted or was given for the stored run ``record``, if any.
 
-    def knows_graph(self, fingerprint: str) -> bool:
-        """Whether this engine ran a graph with this structural ``fingerprint`` (so it can resume it)."""
-        return fingerprint in self._graphs
+        Matched by the run's graph name and fingerprint both.
+        """
+        return self._graphs.get((record.graph_name, record.fingerprint))
+
+    def knows_graph(self, fingerprint: str, name: str | None = None) -> bool:
+        """Whether this engine has a graph with this structural ``fingerprint`` (so it can resume it).
+
+        ``name``, when given, must be the graph's name too (a run is never
+        driven by a graph of another name).
+        """
+        return any(
+            fp == fingerprint and (name is None or known == name) for known, fp in self._graphs
+        )
+
+    def _graph_of(self, record: RunRecord, graph: Graph | None) -> Graph:
+        """The graph to drive ``record`` with: ``graph``, a registered one, or its reference.
+
+        A graph of another name is refused whatever its shape (GraphMismatch).
+        """
+        graph = graph or self.graph_for(record) or find_graph(record)
+        if graph.name != record.graph_name:
+            raise GraphMismatch(
+                f"run {record.run_id!r} is a run of graph {record.graph_name!r}, not of "
+                f"{graph.name!r}: a run is never driven by a graph of another name"
+            )
+        return graph
 
     def preempt(self, run_id: str) -> bool:
         """Ask run ``run_id``, driven by this engine, to stop at its next turn boundaries.
@@ -543,7 +566,7 @@ class Engine:
         with self._driving(run_id):
             stored = await store.load_run(run_id)
             if not stored.nodes and stored.run.status is RunStatus.RUNNING:
-                graph = graph or self.graph_for(stored.run) or find_graph(stored.run)
+                graph = self._graph_of(stored.run, graph)
                 topo = graph.compile()
                 if topo.fingerprint != stored.run.fingerprint:
                     raise GraphMismatch(
@@ -572,8 +595,14 @@ def _checked_durability(durability: Any) -> str:
 
 
 def _check_resumable(record: RunRecord) -> None:
+    """Refuse, before anything runs, a run that resuming cannot continue (W5)."""
     if record.status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED):
         raise NotResumable(f"run {record.run_id!r} is {record.status}; nothing to resume")
+    if record.status is RunStatus.QUEUED:
+        raise NotResumable(
+            f"run {record.run_id!r} is queued: a worker serving queue "
+            f"{record.queue_name!r} starts it (tailrace worker --queue ...); it cannot be resumed"
+        )
 
 
 def run(graph: Graph, input: Any = None, **engine_options: Any) -> RunResult:

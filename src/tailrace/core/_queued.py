@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 import uuid
 import weakref
@@ -83,9 +84,25 @@ class RunEstimates:
             for seen_cost, seconds in reversed(
                 await self.store.run_durations(fingerprint, limit=HISTORY)
             ):
-                estimator.observe(seen_cost, max(seconds, 0.0))
+                # A row written by an older tailrace or by hand may hold a cost
+                # that is no number: it is skipped, never fitted (nor raised on).
+                if _finite(seen_cost) and _finite(seconds):
+                    estimator.observe(float(seen_cost), max(float(seconds), 0.0))
             fitted = self._fitted[fingerprint] = (time.monotonic(), estimator)
         return fitted[1].estimate(cost or 0.0)
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _checked_number(name: str, value: Any) -> float | None:
+    """``value`` (None, or a finite number >= 0) as a float; else a ValueError naming ``name``."""
+    if value is None:
+        return None
+    if not _finite(value) or value < 0:
+        raise ValueError(f"submit: {name} must be a finite number >= 0 or None, got {value!r}")
+    return float(value)
 
 
 _ESTIMATES: weakref.WeakKeyDictionary[RunStore, RunEstimates] = weakref.WeakKeyDictionary()
@@ -122,6 +139,10 @@ async def submit_run(
         raise ValueError(f"on_duplicate must be 'return' or 'raise', got {on_duplicate!r}")
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise ValueError(f"priority must be an int, got {priority!r}")
+    # Checked before anything is stored: a bad cost would poison the graph's
+    # estimates once its run completes, a bad estimate would sort an lpt queue.
+    cost = _checked_number("cost", cost)
+    estimate = _checked_number("estimate", estimate)
     topo = graph.compile()
     engine.register(graph)
     run_id = uuid.uuid4().hex if run_id is None else checked_run_id(run_id)
@@ -188,6 +209,10 @@ async def wait_for(
     store = engine.store
     if store is None:
         raise ValueError("wait needs an engine with a store: Engine(store=...)")
+    if timeout is not None and (
+        not isinstance(timeout, int | float) or isinstance(timeout, bool) or math.isnan(timeout)
+    ):
+        raise ValueError(f"wait: timeout must be a number of seconds or None, got {timeout!r}")
     deadline = None if timeout is None else time.monotonic() + timeout
     async with store.changes() as feed:
         while True:

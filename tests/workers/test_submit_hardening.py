@@ -1,0 +1,145 @@
+"""Hostile arguments and stored rows around queued runs: submit, wait, resume, graph identity.
+
+Each test runs on every store (a real SQLite file, a Postgres schema, memory)
+and checks both the error (naming the culprit) and that nothing was stored or
+run because of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+import _stores
+from tailrace import Engine, Graph, GraphMismatch, NotResumable
+from tailrace.stores import RunStatus, SQLiteStore
+from tailrace.workers import Worker
+
+store = _stores.each_store
+
+
+def shaped(name: str, calls: list[str], *, gated: bool = False) -> Graph:
+    """A graph named ``name`` (``step``, then a gate if ``gated``); one shape per ``gated``."""
+    g = Graph(name)
+
+    @g.task(name="step")
+    async def step(x: object) -> str:
+        calls.append(name)
+        return f"{name}:{x}"
+
+    if gated:
+
+        @g.gate(name="ask")
+        async def ask(x: object) -> str:
+            return f"approve {x}?"
+
+        @g.task(name="done")
+        async def done(x: object) -> str:
+            calls.append(f"{name}.done")
+            return str(x)
+
+        g.chain("step", "ask", "done")
+    return g
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("cost", math.inf),
+        ("cost", math.nan),
+        ("cost", -1.0),
+        ("cost", "3"),
+        ("estimate", "zzz"),
+        ("estimate", math.nan),
+        ("estimate", -math.inf),
+        ("estimate", True),
+    ],
+)
+async def test_submit_refuses_a_bad_cost_or_estimate_naming_it_and_stores_nothing(
+    store, option: str, value: object
+) -> None:
+    engine = Engine(store=store)
+    options = {"cost": 1.0, "estimate": 2.0, option: value}
+    with pytest.raises(ValueError, match=rf"submit: {option} must be a finite number >= 0"):
+        await engine.submit(shaped("g", []), 1, **options)  # type: ignore[arg-type]
+    assert await store.list_runs() == []
+
+
+async def test_a_stored_cost_that_is_no_number_never_poisons_later_estimates(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "runs.db"
+    graph = shaped("g", [])
+    async with SQLiteStore(path) as first:
+        engine = Engine(store=first)
+        run_id = await engine.submit(graph, 1, cost=2.0, estimate=1.0)
+        stop = asyncio.Event()
+        working = asyncio.create_task(Worker(first, graphs=[graph], poll_interval=0.05).run(stop))
+        try:
+            result = await engine.wait(run_id, timeout=_stores.HANG_GUARD)
+        finally:
+            stop.set()
+            await working
+        assert result.status is RunStatus.COMPLETED
+    with sqlite3.connect(path) as db:  # an older writer, or an operator, stored +inf
+        db.execute("UPDATE runs SET cost = 9e999 WHERE run_id = ?", (run_id,))
+    async with SQLiteStore(path) as second:
+        engine = Engine(store=second)
+        for _ in range(3):  # every later submit without an estimate still works
+            queued = await engine.submit(graph, 1, cost=1.0)
+            record = await second.get_run(queued)
+            assert record.estimate is not None and math.isfinite(record.estimate)
+
+
+@pytest.mark.parametrize("timeout", [math.nan, "5", True])
+async def test_wait_refuses_a_timeout_that_is_no_number(store, timeout: object) -> None:
+    engine = Engine(store=store)
+    run_id = await engine.submit(shaped("g", []), 1)
+    with pytest.raises(ValueError, match="wait: timeout must be a number of seconds"):
+        await engine.wait(run_id, timeout=timeout)  # type: ignore[arg-type]
+
+
+async def test_resume_of_a_queued_run_refuses_before_running_anything(store) -> None:
+    calls: list[str] = []
+    graph = shaped("g", calls)
+    engine = Engine(store=store)
+    run_id = await engine.submit(graph, 1, queue="q")
+    with pytest.raises(NotResumable, match=r"is queued: a worker serving queue 'q'"):
+        await engine.resume(run_id, graph)
+    assert calls == []
+    record = await store.get_run(run_id)
+    assert record.status is RunStatus.QUEUED and record.lease_owner is None
+    assert await store.events(run_id) == []
+
+
+async def test_a_run_is_never_driven_by_a_graph_of_another_name(store) -> None:
+    calls: list[str] = []
+    summarize = shaped("summarize", calls, gated=True)
+    translate = shaped("translate", calls, gated=True)
+    assert summarize.compile().fingerprint == translate.compile().fingerprint
+    run_id = "r-translate"
+    suspended = await Engine(store=store).run(translate, "x", run_id=run_id)
+    assert suspended.status is RunStatus.SUSPENDED
+    [question] = suspended.questions
+    await store.answer(question.question_id, '"yes"')
+    calls.clear()
+
+    other = Engine(store=store)
+    other.register(summarize)
+    assert other.graph_for(await store.get_run(run_id)) is None
+    assert other.knows_graph(summarize.compile().fingerprint, "summarize")
+    assert not other.knows_graph(summarize.compile().fingerprint, "translate")
+    with pytest.raises(GraphMismatch, match="is a run of graph 'translate', not of 'summarize'"):
+        await other.resume(run_id, summarize, force=True)
+    assert calls == []
+    assert (await store.get_run(run_id)).status is RunStatus.SUSPENDED
+
+    both = Engine(store=store)
+    both.register(summarize, translate)
+    assert both.graph_for(await store.get_run(run_id)) is translate
+    resumed = await both.resume(run_id)
+    assert resumed.status is RunStatus.COMPLETED and calls == ["translate.done"]
