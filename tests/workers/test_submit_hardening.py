@@ -95,12 +95,12 @@ async def test_a_stored_cost_that_is_no_number_never_poisons_later_estimates(
             assert record.estimate is not None and math.isfinite(record.estimate)
 
 
-@pytest.mark.parametrize("timeout", [math.nan, "5", True])
-async def test_wait_refuses_a_timeout_that_is_no_number(store, timeout: object) -> None:
+@pytest.mark.parametrize("bad", [math.nan, "5", True])
+async def test_wait_refuses_a_timeout_that_is_no_number(store, bad: object) -> None:
     engine = Engine(store=store)
     run_id = await engine.submit(shaped("g", []), 1)
     with pytest.raises(ValueError, match="wait: timeout must be a number of seconds"):
-        await engine.wait(run_id, timeout=timeout)  # type: ignore[arg-type]
+        await engine.wait(run_id, timeout=bad)  # type: ignore[arg-type]
 
 
 async def test_resume_of_a_queued_run_refuses_before_running_anything(store) -> None:
