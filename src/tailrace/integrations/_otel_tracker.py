@@ -23,19 +23,25 @@ duration is the handler's even though the deciding event is published later.
 Whatever is still open when the run's call returns is ended then (an
 abandoned hedge loser, attempts cut by a cancellation), so no span is left
 open. All of this runs on the engine's event loop, so no lock is needed.
+
+Tracing never changes an outcome: every call into the OpenTelemetry SDK goes
+through a :class:`GuardedSpan` (or :meth:`SpanTracker.start_span`), so a span
+processor or exporter that raises (on start, on end, anywhere) costs that
+span, is logged once per tracker, and the run goes on as if untraced.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, Status, StatusCode, Tracer
-from opentelemetry.util.types import AttributeValue
+from opentelemetry.trace import Link, Span, SpanContext, Status, StatusCode, Tracer
+from opentelemetry.util.types import Attributes, AttributeValue
 
 from .._events import Event, EventType
 
@@ -58,6 +64,85 @@ CANCELLED = "cancelled"
 RETRYING = "retrying"
 #: A run call the engine would not drive (``LeaseHeld``, ``NotResumable``).
 REFUSED = "refused"
+
+logger = logging.getLogger("tailrace.otel")
+
+T = TypeVar("T")
+
+
+class SdkGuard:
+    """Runs calls into the OpenTelemetry SDK so that their failures never reach the run."""
+
+    def __init__(self) -> None:
+        #: How many SDK calls raised (the first is logged with its traceback).
+        self.failures = 0
+
+    def call(self, what: str, fn: Callable[[], T], fallback: T) -> T:
+        """``fn()``, or ``fallback`` if it raises (logged once per guard)."""
+        try:
+            return fn()
+        except Exception as exc:
+            self.failures += 1
+            if self.failures == 1:
+                logger.warning(
+                    "tracing failed (%s); runs go on, untraced where the tracer fails "
+                    "(logged once)",
+                    what,
+                    exc_info=exc,
+                )
+            return fallback
+
+
+class GuardedSpan(Span):
+    """A span whose every call is guarded (a raising span processor costs the span, not the run)."""
+
+    def __init__(self, inner: Span, guard: SdkGuard) -> None:
+        self.inner = inner
+        self.guard = guard
+
+    def end(self, end_time: int | None = None) -> None:
+        self.guard.call("span end", lambda: self.inner.end(end_time), None)
+
+    def get_span_context(self) -> SpanContext:
+        return self.inner.get_span_context()
+
+    def set_attributes(self, attributes: Mapping[str, AttributeValue]) -> None:
+        self.guard.call("span attributes", lambda: self.inner.set_attributes(attributes), None)
+
+    def set_attribute(self, key: str, value: AttributeValue) -> None:
+        self.guard.call("span attribute", lambda: self.inner.set_attribute(key, value), None)
+
+    def add_event(
+        self, name: str, attributes: Attributes = None, timestamp: int | None = None
+    ) -> None:
+        self.guard.call(
+            "span event", lambda: self.inner.add_event(name, attributes, timestamp), None
+        )
+
+    def add_link(self, context: SpanContext, attributes: Attributes = None) -> None:
+        self.guard.call("span link", lambda: self.inner.add_link(context, attributes), None)
+
+    def update_name(self, name: str) -> None:
+        self.guard.call("span name", lambda: self.inner.update_name(name), None)
+
+    def is_recording(self) -> bool:
+        return self.guard.call("span recording", self.inner.is_recording, False)
+
+    def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
+        self.guard.call("span status", lambda: self.inner.set_status(status, description), None)
+
+    def record_exception(
+        self,
+        exception: BaseException,
+        attributes: Attributes = None,
+        timestamp: int | None = None,
+        escaped: bool = False,
+    ) -> None:
+        self.guard.call(
+            "span exception",
+            lambda: self.inner.record_exception(exception, attributes, timestamp, escaped),
+            None,
+        )
 
 
 def _ns(seconds: float) -> int:
@@ -117,6 +202,27 @@ class SpanTracker:
     def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer
         self.runs: dict[str, RunSpan] = {}
+        self.guard = SdkGuard()
+
+    def start_span(
+        self,
+        name: str,
+        *,
+        attributes: Mapping[str, AttributeValue],
+        context: Context | None = None,
+        start_time: int | None = None,
+        links: Sequence[Link] = (),
+    ) -> GuardedSpan:
+        """A new span from the tracer, guarded; a non-recording one if the tracer raises."""
+        invalid: Span = trace.INVALID_SPAN
+        span = self.guard.call(
+            "span start",
+            lambda: self.tracer.start_span(
+                name, context=context, attributes=attributes, start_time=start_time, links=links
+            ),
+            invalid,
+        )
+        return GuardedSpan(span, self.guard)
 
     # -- runs ------------------------------------------------------------------
 
@@ -129,7 +235,7 @@ class SpanTracker:
         if run_id in self.runs:
             return None
         name, attributes = (verb, {}) if graph is None else (f"{verb} {graph}", {GRAPH: graph})
-        span = self.tracer.start_span(name, attributes={RUN_ID: run_id, **attributes})
+        span = self.start_span(name, attributes={RUN_ID: run_id, **attributes})
         run = RunSpan(
             run_id=run_id,
             span=span,
@@ -299,7 +405,7 @@ class SpanTracker:
     def _start(
         self, run: RunSpan, node: str, visit: int, tries: int, hedge: bool, at: int
     ) -> AttemptSpan:
-        span = self.tracer.start_span(
+        span = self.start_span(
             f"tailrace.node {node}",
             context=run.context,
             start_time=at,
