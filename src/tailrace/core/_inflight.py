@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import operator
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,7 +84,27 @@ harvest_order = operator.attrgetter("index", "hedge")
 
 def describe(exc: BaseException) -> str:
     """``Type: message`` as text any store takes: NUL and lone surrogates escaped."""
-    text = f"{type(exc).__name__}: {exc}"
+    return _storable(f"{type(exc).__name__}: {exc}")
+
+
+#: A failed attempt's stored traceback keeps at most this many characters: the
+#: innermost frames, where the error was raised.
+TRACEBACK_CHARS = 8_000
+
+
+def traceback_text(exc: BaseException) -> str:
+    """The traceback of ``exc`` as storable text, cut to its last :data:`TRACEBACK_CHARS`.
+
+    It is data like any stored text: readers render it as text, never as markup.
+    """
+    text = "".join(traceback.format_exception(exc))
+    if len(text) > TRACEBACK_CHARS:
+        text = "...\n" + text[-TRACEBACK_CHARS:]
+    return _storable(text)
+
+
+def _storable(text: str) -> str:
+    """``text`` with NUL and lone surrogates escaped, so every store takes it."""
     if text.isascii():
         return text.replace("\x00", "\\x00")
     text = text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -28,7 +28,7 @@ from ..stores import RunStatus
 from ..tail import TailHooks
 from ._admission import AdmissionPolicy, SlotQueue, Ticket
 from ._hedger import Hedger
-from ._inflight import BULK, Attempt, describe, harvest_order, paused_gc
+from ._inflight import BULK, Attempt, describe, harvest_order, paused_gc, traceback_text
 from ._outcome import NodeReport, RunResult
 from ._state import LateInput, NodeStatus, RunState
 
@@ -520,7 +520,13 @@ class RunLoop:
             ns.retry_due = time.time() + delay
             self.state.dirty[i] = None
         self.emit(
-            EventType.NODE_RETRYING, i, attempt.visit, tries, error=describe(exc), delay=delay
+            EventType.NODE_RETRYING,
+            i,
+            attempt.visit,
+            tries,
+            error=describe(exc),
+            delay=delay,
+            traceback=traceback_text(exc),
         )
         self.poke()  # an empty harvest commits and publishes it now (E11)
 
@@ -584,7 +590,12 @@ class RunLoop:
             if exc is not None:
                 state.fail(i)
                 self.emit(
-                    EventType.NODE_FAILED, i, attempt.visit, attempt.tries, error=describe(exc)
+                    EventType.NODE_FAILED,
+                    i,
+                    attempt.visit,
+                    attempt.tries,
+                    error=describe(exc),
+                    traceback=traceback_text(exc),
                 )
             # Freed only now, so the event log never shows more than capacity in flight (E3).
             if self._bounded:
@@ -764,7 +775,14 @@ class RunLoop:
         ns = self.state.nodes[i]
         if ns.status is not NodeStatus.FAILED:
             self.state.fail(i)
-        self.emit(EventType.NODE_FAILED, i, ns.visits, ns.attempts, error=describe(exc))
+        self.emit(
+            EventType.NODE_FAILED,
+            i,
+            ns.visits,
+            ns.attempts,
+            error=describe(exc),
+            traceback=traceback_text(exc),
+        )
         await self._commit(RunStatus.FAILED, describe(exc))
         raise exc
 
