@@ -143,3 +143,19 @@ async def test_a_run_is_never_driven_by_a_graph_of_another_name(store) -> None:
     assert both.graph_for(await store.get_run(run_id)) is translate
     resumed = await both.resume(run_id)
     assert resumed.status is RunStatus.COMPLETED and calls == ["translate.done"]
+
+
+async def test_a_cancel_right_after_a_claim_is_never_lost(store) -> None:
+    calls: list[str] = []
+    graph = shaped("g", calls)
+    worker_engine, other = Engine(store=store), Engine(store=store)
+    worker_engine.register(graph)
+    run_id = await other.submit(graph, 1, queue="q")
+    assert await store.claim_runs("q", worker_engine.owner, 30.0, limit=1) == [run_id]
+    # Claimed, not started yet: the request is recorded for the claimant to hear.
+    assert await other.cancel(run_id) == "running"
+    result = await worker_engine.start_claimed(run_id)
+    assert result.status is RunStatus.CANCELLED and calls == []
+    record = await store.get_run(run_id)
+    assert record.status is RunStatus.CANCELLED and record.lease_owner is None
+    assert [e.type for e in await store.events(run_id)][-1] == "run_cancelled"

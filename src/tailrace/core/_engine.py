@@ -113,6 +113,8 @@ class Engine:
         self._active: set[str] = set()
         self._loops: dict[str, RunLoop] = {}
         self._preempt_pending: set[str] = set()
+        #: Runs asked to cancel while starting, before their loop existed.
+        self._cancel_pending: set[str] = set()
         #: Per-run durability overrides, while the run is driven here.
         self._durability_of: dict[str, str] = {}
 
@@ -249,6 +251,8 @@ class Engine:
                 self._durability_of.setdefault(run_id, restored.durability)
             state = restored.state
             loop = self._loop_for(run_id, state, writer, restored.event_seq, restored.turn)
+            if stored.run.cancel_requested_at is not None:
+                loop.request_cancel()  # asked before this engine took the run over
             applied = await loop.absorb_answers()
             unparked = state.unpark(patch)
             if stored.run.status is RunStatus.SUSPENDED and not applied and not state.ready:
@@ -389,6 +393,7 @@ class Engine:
             self._active.discard(run_id)
             self._loops.pop(run_id, None)
             self._preempt_pending.discard(run_id)
+            self._cancel_pending.discard(run_id)
             self._durability_of.pop(run_id, None)
 
     async def _late_inputs(self, run_id: str) -> list[LateInput]:
@@ -441,6 +446,9 @@ class Engine:
         if run_id in self._preempt_pending:
             self._preempt_pending.discard(run_id)
             loop.preempt()
+        if run_id in self._cancel_pending:
+            self._cancel_pending.discard(run_id)
+            loop.request_cancel()
         return loop
 
     def _tail_for(self, topo: Topology) -> TailHooks | None:
@@ -547,7 +555,10 @@ class Engine:
         """
         loop = self._loops.get(run_id)
         if loop is None:
-            return False
+            if run_id not in self._active:
+                return False
+            self._cancel_pending.add(run_id)  # starting: it ends cancelled once its loop exists
+            return True
         loop.request_cancel()
         return True
 
@@ -581,6 +592,8 @@ class Engine:
                     loop = self._loop_for(
                         run_id, restored.state, writer, restored.event_seq, restored.turn
                     )
+                    if stored.run.cancel_requested_at is not None:
+                        loop.request_cancel()  # asked between the claim and this start
                     loop.emit(EventType.RUN_STARTED, graph=graph.name)
                     result = await loop.drive()
                 result = await self._with_questions(result)

@@ -167,6 +167,8 @@ class RunLoop:
     async def drive(self) -> RunResult:
         """Run until nothing is ready or in flight; return the result or raise (E9, E10)."""
         try:
+            if self.cancel_requested:  # asked before anything was dispatched
+                return await self._cancel()
             self._dispatch_ready()
             await self._gather()
             while True:
