@@ -136,15 +136,37 @@ async def test_t2_lpt_simultaneously_ready_batch_starts_longest_first() -> None:
     assert started(events) == ["src", "d", "c", "b", "a", "join"]
 
 
-async def test_t2_lpt_learns_estimates_in_one_run_then_orders_the_next() -> None:
+class SteppedClock:
+    """The run loop's ``time`` module with a monotonic clock that moves only when told to.
+
+    Durations the engine measures are then exactly what the handlers say they
+    took, however loaded the machine is; wall-clock time stays real.
+    """
+
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return time.time()
+
+
+async def test_t2_lpt_learns_estimates_in_one_run_then_orders_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # The first run (no estimates: fifo) teaches each node's duration; the second
     # admits the queued nodes longest first. "d" is defined first and is the
     # longest, so this does not depend on who takes the free slot.
     sleeps = {"d": 0.10, "a": 0.01, "b": 0.03, "c": 0.06}
+    clock = SteppedClock()
+    monkeypatch.setattr("tailrace.core._loop.time", clock)
 
     def sleeper(name: str) -> Callable[[Any], Awaitable[Any]]:
         async def handler(x: Any) -> str:
-            await asyncio.sleep(sleeps[name])
+            clock.now += sleeps[name]  # it "took" that long, on the engine's clock
+            await asyncio.sleep(0)
             return name
 
         return handler

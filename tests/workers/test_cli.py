@@ -129,8 +129,11 @@ def test_a_queue_object_named_on_the_command_line_is_declared(
     assert proc.poll() is None
 
     async def declared() -> list[Queue]:
+        # The banner comes as the worker starts; it declares its queues as it
+        # begins serving: poll for the declaration (a hang guard, not a timing).
         async with SQLiteStore(db) as store:
-            return await store.queues()
+            queues: list[Queue] = await _stores.until(store.queues, "the worker's queues declared")
+            return queues
 
     assert asyncio.run(declared()) == [
         Queue("emails", concurrency=3, limit=10, period=60.0, order="priority")
