@@ -159,3 +159,26 @@ async def test_a_cancel_right_after_a_claim_is_never_lost(store) -> None:
     record = await store.get_run(run_id)
     assert record.status is RunStatus.CANCELLED and record.lease_owner is None
     assert [e.type for e in await store.events(run_id)][-1] == "run_cancelled"
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("queue", "", "queue must be a non-empty string"),
+        ("queue", 7, "queue must be a non-empty string"),
+        ("queue", "q" * 1_000_000, "queue must be a non-empty string of at most 200"),
+        ("queue", "a\x00b", "queue must be a non-empty string"),
+        ("partition", 5, "partition must be a non-empty string of at most 200 characters or None"),
+        ("dedup_key", ["a"], "dedup_key must be a non-empty string"),
+        ("dedup_key", "k" * 1_000_000, "dedup_key must be a non-empty string of at most 200"),
+        ("priority", 2**63, "priority must be an integer within"),
+        ("priority", 2**31, "priority must be an integer within"),
+        ("priority", 1.5, "priority must be an integer within"),
+    ],
+)
+async def test_submit_names_a_bad_option_the_same_on_every_store(
+    store, option: str, value: object, says: str
+) -> None:
+    with pytest.raises(ValueError, match=f"submit: {says}"):
+        await Engine(store=store).submit(shaped("g", []), 1, **{option: value})  # type: ignore[arg-type]
+    assert await store.list_runs() == []

@@ -96,6 +96,32 @@ def _finite(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+#: The longest queue name, partition or dedup key a run may carry (every store indexes them).
+MAX_KEY_CHARS = 200
+#: Priorities are stored as 32-bit integers on every backend.
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
+
+
+def _checked_key(name: str, value: Any, *, optional: bool) -> str | None:
+    """``value`` if it is a key every store takes (text, 1..200 characters, no NUL or lone
+    surrogate); else a ValueError naming the option ``name`` and what it accepts."""
+    if value is None and optional:
+        return None
+    accepted = f"a non-empty string of at most {MAX_KEY_CHARS} characters" + (
+        " or None" if optional else ""
+    )
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > MAX_KEY_CHARS
+        or "\x00" in value
+        or any(0xD800 <= ord(c) <= 0xDFFF for c in value)
+    ):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise ValueError(f"submit: {name} must be {accepted} (no NUL), got {shown}")
+    return value
+
+
 def _checked_number(name: str, value: Any) -> float | None:
     """``value`` (None, or a finite number >= 0) as a float; else a ValueError naming ``name``."""
     if value is None:
@@ -137,8 +163,14 @@ async def submit_run(
         raise ValueError("submit needs an engine with a store: Engine(store=...)")
     if on_duplicate not in ("return", "raise"):
         raise ValueError(f"on_duplicate must be 'return' or 'raise', got {on_duplicate!r}")
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise ValueError(f"priority must be an int, got {priority!r}")
+    low, high = PRIORITY_RANGE
+    if not isinstance(priority, int) or isinstance(priority, bool) or not low <= priority <= high:
+        raise ValueError(
+            f"submit: priority must be an integer within {low}..{high}, got {priority!r}"
+        )
+    _checked_key("queue", queue, optional=False)
+    _checked_key("partition", partition, optional=True)
+    _checked_key("dedup_key", dedup_key, optional=True)
     # Checked before anything is stored: a bad cost would poison the graph's
     # estimates once its run completes, a bad estimate would sort an lpt queue.
     cost = _checked_number("cost", cost)
