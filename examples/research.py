@@ -42,7 +42,11 @@ _tool("issues", 0.03)
 
 @graph.aggregate(required=2)
 def merge(notes: list[str]) -> dict[str, object]:
-    """First two tools to answer win; the straggler is recorded, not awaited."""
+    """First two tools to answer win; the straggler is recorded as a late input.
+
+    The merge fires without it, but the run still waits for it to finish
+    (``late="cancel"`` would cancel it instead).
+    """
     return {"notes": notes, "draft": 0}
 
 

@@ -9,6 +9,7 @@ from ``_session``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import shlex
@@ -21,21 +22,31 @@ import typer
 from rich.table import Column
 from rich.text import Text
 
-from .._errors import GraphError
+from .._errors import GraphError, LeaseHeld, NotResumable
+from .._events import EventType
 from ..core import Engine, RunResult, owner_is_dead
 from ..graph import Graph
-from ..stores import QuestionStatus, RunRecord, RunStatus, RunStore
+from ..stores import EventRow, QuestionStatus, RunRecord, RunStatus, RunStore
 from ._evolve import evolve_demo
-from ._fleet import QueueFilter
+from ._fleet import (
+    LANGGRAPH_PREFIX,
+    LangGraphOption,
+    QueueFilter,
+    is_langgraph_thread,
+    load_langgraph,
+    open_langgraph,
+)
 from ._fleet import register as register_fleet
 from ._load import is_file_spec, load_graph, load_graphs
 from ._render import json_text, node_table, question_table, table_of, text
 from ._session import (
     CommandError,
+    DbOption,
     FailureWatch,
     console,
     db_argument,
     finish,
+    flag,
     with_store,
 )
 from ._timeline import timeline
@@ -60,13 +71,6 @@ LeaseTtlOption = Annotated[
     ),
 ]
 
-DbOption = Annotated[
-    str | None,
-    typer.Option(
-        "--db",
-        help="Store: a SQLite path (default ./tailrace.db or $TAILRACE_DB) or a postgresql:// URL.",
-    ),
-]
 
 GraphsOption = Annotated[
     list[str] | None,
@@ -127,7 +131,7 @@ def run(
     input: Annotated[str, typer.Option("--input", "-i", help="Run input as JSON.")] = "null",
     db: DbOption = None,
     run_id: Annotated[str | None, typer.Option(help="Name the run (default: random).")] = None,
-    memory: Annotated[bool, typer.Option("--memory", help="Keep nothing: run in memory.")] = False,
+    memory: Annotated[bool, flag("--memory", "Keep nothing: run in memory.")] = False,
     capacity: Annotated[int | None, typer.Option(help="Bound on handlers in flight.")] = None,
     lease_ttl: LeaseTtlOption = 30.0,
 ) -> None:
@@ -192,12 +196,12 @@ def resume(
     run_id: Annotated[str, typer.Argument(help="The run to resume.")],
     db: DbOption = None,
     graphs: GraphsOption = None,
-    force: Annotated[bool, typer.Option(help="Resume even if the graph changed shape.")] = False,
+    force: Annotated[bool, flag("--force", "Resume even if the graph changed shape.")] = False,
     lease_ttl: LeaseTtlOption = 30.0,
 ) -> None:
     """Resume a run where it stopped: running nodes re-run, completed ones are reused.
 
-    The run's graph is the one ``--graphs`` names with the run's fingerprint,
+    The run's graph is the one --graphs names with the run's fingerprint,
     else the module its reference names; a graph file recorded in the store
     is never executed (trust model).
     """
@@ -237,7 +241,7 @@ def list_runs(
 ) -> None:
     """List runs, newest first: status, start, duration and nodes done.
 
-    A running run that no live process holds shows as ``running (orphaned)``:
+    A running run that no live process holds shows as "running (orphaned)":
     resume it, or let serve adopt it.
     """
     records = with_store(
@@ -259,12 +263,57 @@ def list_runs(
     console.print(table_of(headers, rows))
 
 
+#: Lines of a stored traceback ``show`` prints without ``--traceback``: the last frames.
+TRACEBACK_TAIL = 12
+
+
+def _tracebacks(events: Sequence[EventRow]) -> list[tuple[EventRow, str]]:
+    """The ``node_failed`` events that carry a stored traceback, with it."""
+    found = []
+    for event in events:
+        if event.type != EventType.NODE_FAILED.value:
+            continue
+        try:
+            data = json.loads(event.data_json)
+        except ValueError:
+            continue  # a row we cannot read says nothing about a traceback
+        stored = data.get("traceback") if isinstance(data, dict) else None
+        if isinstance(stored, str) and stored:
+            found.append((event, stored))
+    return found
+
+
+def _print_tracebacks(events: Sequence[EventRow], *, whole: bool) -> None:
+    """Each failed node's stored traceback, as text: its last frames, or all of it."""
+    for event, stored in _tracebacks(events):
+        lines = stored.rstrip("\n").split("\n")
+        cut = len(lines) - TRACEBACK_TAIL
+        attempt = f" attempt {event.attempt}" if event.attempt is not None else ""
+        console.print(
+            text((f"traceback of node {event.node_id}{attempt}:", "bold")), soft_wrap=True
+        )
+        if not whole and cut > 0:
+            lines = lines[cut:]
+            console.print(text((f"  ... {cut} lines above (--traceback shows all)", "dim")))
+        for line in lines:
+            console.print(
+                text(line), soft_wrap=True
+            )  # stored text: never markup (escape at the edge)
+
+
 @app.command()
 def show(
     run_id: Annotated[str, typer.Argument(help="The run to show.")],
     db: DbOption = None,
+    whole_traceback: Annotated[
+        bool,
+        flag(
+            "--traceback",
+            "Print the whole stored traceback of a failed node (default: its last lines).",
+        ),
+    ] = False,
 ) -> None:
-    """Show a run's nodes and a timeline of every node attempt."""
+    """Show a run's nodes, a timeline of every node attempt, and where a failed node raised."""
 
     async def gather(store: RunStore) -> tuple[Any, Any]:
         stored = await store.load_run(run_id)
@@ -286,6 +335,7 @@ def show(
     rows = ((node_id, row.status, str(row.visits)) for node_id, row in stored.nodes.items())
     console.print(table_of(("node", "status", "visits"), rows))
     console.print(timeline(events, width=max(console.width - 30, 20)))
+    _print_tracebacks(events, whole=whole_traceback)
 
 
 def _clock(ts: float) -> str:
@@ -295,7 +345,9 @@ def _clock(ts: float) -> str:
 @app.command()
 def questions(
     db: DbOption = None,
-    open_only: Annotated[bool, typer.Option("--open", help="Only open questions.")] = False,
+    open_only: Annotated[
+        bool, flag("--open/--all", "Only open questions (stuck answers are not open).")
+    ] = False,
     run_id: Annotated[str | None, typer.Option("--run", help="Only this run's questions.")] = None,
 ) -> None:
     """List questions: open ones wait for an answer (tailrace answer)."""
@@ -306,20 +358,69 @@ def questions(
     console.print(question_table(rows))
 
 
-async def _answer_here(
-    engine: Engine,
-    question_id: str,
-    payload: Any,
-    by: str | None,
-    resume: bool,
-    graphs: list[Graph],
-) -> RunResult | None:
-    engine.register(*graphs)
+def _apply_hint(record: RunRecord) -> str:
+    """How to apply an answer recorded for ``record``'s run: the daemon that can, or resume."""
+    run_id = shlex.quote(record.run_id)
+    if is_langgraph_thread(record):
+        name = record.graph_name.removeprefix(LANGGRAPH_PREFIX)
+        spec = shlex.quote(f"{name}=MODULE_OR_FILE:ATTR")
+        return (
+            f"a tailrace serve or tailrace worker with --langgraph {spec} applies it "
+            f"(or answer with --langgraph here)"
+        )
+    ref_module = (record.graph_ref or "").rpartition(":")[0]
+    where = shlex.quote(ref_module if is_file_spec(ref_module) else "path/to/graphs.py")
+    return (
+        f"a tailrace serve or tailrace worker with --graphs {where} applies it, "
+        f"or apply it now: tailrace resume {run_id} --graphs {where}"
+    )
+
+
+async def _answer_with_engine(
+    engine: Engine, store: RunStore, question_id: str, payload: Any, by: str | None, resume: bool
+) -> RunResult | Text:
+    """Record the answer (first answer wins); resume its run here when its graph is at hand."""
+    await engine.answer(question_id, payload, by=by, resume=False)
+    record = await store.get_run((await store.get_question(question_id)).run_id)
+    if not resume:
+        return text(f"answered {question_id}; recorded: ", _apply_hint(record))
+    if is_langgraph_thread(record):
+        return text(
+            f"answered {question_id}; recorded: run {record.run_id} is a LangGraph thread: ",
+            _apply_hint(record),
+        )
     try:
-        return await engine.answer(question_id, payload, by=by, resume=resume)
+        return await engine.resume(record.run_id)
+    except (LeaseHeld, NotResumable):
+        return text(f"answered {question_id}; its run is resumed by its owner or a worker")
     except GraphError as exc:
-        how = "" if "--graphs" in str(exc) else "; name its graph's file or module with --graphs"
-        raise CommandError(f"answer recorded, but its run was not resumed: {exc}{how}") from exc
+        # The engine's own advice names --graphs too; the hint below says it for this command.
+        why = "its graph is not at hand" if "--graphs" in str(exc) else str(exc)
+        return text(
+            f"answered {question_id}; recorded, not applied here ({why}): ", _apply_hint(record)
+        )
+
+
+async def _answer_with_drivers(
+    drivers: Sequence[Any], store: RunStore, question_id: str, payload: Any, by: str | None
+) -> Text | None:
+    """Answer through the LangGraph driver whose thread asked; None when none of them did."""
+    record = await store.get_run((await store.get_question(question_id)).run_id)
+    driver = next((d for d in drivers if d.handles(record)), None)
+    if driver is None:
+        return None
+    outcome = str(await driver.answer(question_id, payload, by=by))
+    after = await store.get_run(record.run_id)
+    if outcome == "failed":
+        raise CommandError(
+            f"answered {question_id}; thread {record.run_id} failed: {after.error or 'unknown'}"
+        )
+    if outcome == "deferred":
+        return text(
+            f"answered {question_id}; recorded, not applied here ({after.error}): ",
+            _apply_hint(record),
+        )
+    return text(f"answered {question_id}; thread {record.run_id}: {outcome}, {after.status}")
 
 
 @app.command()
@@ -329,39 +430,44 @@ def answer(
         str, typer.Argument(help="The answer as JSON, e.g. '\"yes\"' or '{\"ok\": true}'.")
     ],
     db: DbOption = None,
-    raw: Annotated[bool, typer.Option("--raw", help="VALUE is a plain string, not JSON.")] = False,
+    raw: Annotated[bool, flag("--raw/--json", "VALUE is a plain string, not JSON.")] = False,
     by: Annotated[str | None, typer.Option(help="Who answers.")] = None,
-    no_resume: Annotated[
-        bool, typer.Option("--no-resume", help="Only record the answer; serve applies it.")
-    ] = False,
+    resume: Annotated[
+        bool, flag("--resume", "Resume the run here; --no-resume only records the answer.")
+    ] = True,
     graphs: GraphsOption = None,
+    langgraph: LangGraphOption = None,
     lease_ttl: LeaseTtlOption = 30.0,
 ) -> None:
     """Answer a question (first answer wins) and resume its run here.
 
     VALUE is JSON; malformed JSON is refused and nothing is recorded. With
-    ``--raw`` it is taken as a plain string.
+    --raw it is taken as a plain string. When the run's graph is not at hand
+    (--graphs, or --langgraph for a LangGraph thread) the answer is recorded
+    and a tailrace serve or worker with the graph applies it.
     """
     payload = value if raw else _parse_json(value, "VALUE")
     loaded = load_graphs(graphs)
+    sources = [load_langgraph(spec) for spec in langgraph or []]
     watch = FailureWatch()
-    result = with_store(
-        db,
-        lambda store: _answer_here(
-            Engine(store=store, lease_ttl=lease_ttl, bus=watch.bus),
-            question_id,
-            payload,
-            by,
-            not no_resume,
-            loaded,
-        ),
-        watch=watch,
-    )
-    if result is None:
-        console.print(
-            text(f"answered {question_id}; its run is resumed by its owner or serve"),
-            soft_wrap=True,
-        )
+
+    async def work(store: RunStore) -> RunResult | Text:
+        engine = Engine(store=store, lease_ttl=lease_ttl, bus=watch.bus)
+        engine.register(*loaded)
+        if sources and resume:
+            async with contextlib.AsyncExitStack() as stack:
+                drivers = [
+                    await stack.enter_async_context(open_langgraph(src, store, name, lease_ttl))
+                    for name, src in sources
+                ]
+                said = await _answer_with_drivers(drivers, store, question_id, payload, by)
+                if said is not None:
+                    return said
+        return await _answer_with_engine(engine, store, question_id, payload, by, resume)
+
+    result = with_store(db, work, watch=watch)
+    if isinstance(result, Text):
+        console.print(result, soft_wrap=True)
         return
     _print_result(result, db, graphs or [])
 

@@ -14,6 +14,7 @@ import contextlib
 import json
 import signal
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any
 
@@ -21,20 +22,20 @@ import typer
 from rich.table import Column
 
 from ..core import Engine
-from ..stores import Queue, QueueStats, RunStore
+from ..stores import TERMINAL_STATUSES, Queue, QueueStats, RunRecord, RunStore
 from ..workers import RunFailed, Worker, WorkerStats
 from ._load import is_file_spec, load_graph, load_graphs, load_object, load_pollers
 from ._render import json_text, table_of, text
-from ._session import CommandError, console, db_location, shown_location, with_store
+from ._session import (
+    CommandError,
+    DbOption,
+    console,
+    db_location,
+    flag,
+    shown_location,
+    with_store,
+)
 
-DbOption = Annotated[
-    str | None,
-    typer.Option(
-        "--db",
-        help="Store: a SQLite path (default ./tailrace.db or $TAILRACE_DB) or a "
-        "postgresql:// URL (add ?schema=NAME for a schema other than public).",
-    ),
-]
 LeaseTtlOption = Annotated[
     float,
     typer.Option(
@@ -45,6 +46,18 @@ LeaseTtlOption = Annotated[
         "another worker adopts it (a dead worker on this host is replaced at once).",
     ),
 ]
+LangGraphOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--langgraph",
+        help="[NAME=]MODULE_OR_FILE:ATTR, a compiled LangGraph graph (or a function or "
+        "context manager making one) whose threads to serve (repeatable). Give each a "
+        "NAME=: LangGraph names every graph 'LangGraph'.",
+    ),
+]
+#: ``graph_name`` prefix of a LangGraph thread's run row; the integration's own constant
+#: sits behind the optional langgraph extra, which reading a run must not need.
+LANGGRAPH_PREFIX = "langgraph:"
 QueueFilter = Annotated[
     str | None, typer.Option("--queue", help="Only runs submitted to this queue.")
 ]
@@ -82,7 +95,7 @@ def submit(
         str | None, typer.Option(help="Return the live run with this key instead.")
     ] = None,
     cost: Annotated[float | None, typer.Option(help="The estimator's cost (lpt queues).")] = None,
-    wait: Annotated[bool, typer.Option("--wait", help="Wait for the result and print it.")] = False,
+    wait: Annotated[bool, flag("--wait", "Wait for the result and print it.")] = False,
 ) -> None:
     """Submit a run to a queue and print its id; a worker serving the queue runs it.
 
@@ -90,6 +103,7 @@ def submit(
     live run's id is printed.
     """
     loaded, ref = load_graph(graph)
+    run_id = run_id or uuid.uuid4().hex  # known before it is stored: a dedup hit shows
     try:
         payload = json.loads(input)
     except json.JSONDecodeError as exc:
@@ -109,8 +123,11 @@ def submit(
             raise CommandError(str(exc)) from exc
 
     stored, result = with_store(db, work)
-    if run_id is not None and stored != run_id:
-        console.print(text(f"dedup key {dedup_key} is held by live run "), text(stored))
+    if stored != run_id:
+        console.print(
+            text(f"dedup key {dedup_key} is held by live run {stored}; not submitted again"),
+            soft_wrap=True,
+        )
     console.print(text(stored), soft_wrap=True)
     if result is not None:
         console.print(text(f"run {stored} {result.status} in {result.duration:.3f}s"))
@@ -147,15 +164,7 @@ def worker(
         list[str] | None,
         typer.Option(help="NAME=MODULE_OR_FILE:CALLABLE, a machine gate's poller (repeatable)."),
     ] = None,
-    langgraph: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--langgraph",
-            help="[NAME=]MODULE_OR_FILE:ATTR, a compiled LangGraph graph (or a function or "
-            "context manager making one) whose threads to serve (repeatable). Give each a "
-            "NAME=: LangGraph names every graph 'LangGraph'.",
-        ),
-    ] = None,
+    langgraph: LangGraphOption = None,
     lease_ttl: LeaseTtlOption = 30.0,
     grace: Annotated[
         float, typer.Option(min=0, help="Seconds runs in flight get to finish on SIGTERM.")
@@ -175,13 +184,13 @@ def worker(
     queues = [_load_queue(spec) for spec in specs]
     loaded = load_graphs(graphs)
     pollers = load_pollers(poller)
-    sources = [_load_langgraph(spec) for spec in langgraph or []]
+    sources = [load_langgraph(spec) for spec in langgraph or []]
     location = shown_location(db_location(db))
 
     async def work(store: RunStore) -> WorkerStats | list[str]:
         async with contextlib.AsyncExitStack() as stack:
             drivers = [
-                await stack.enter_async_context(_open_driver(source, store, name, lease_ttl))
+                await stack.enter_async_context(open_langgraph(source, store, name, lease_ttl))
                 for name, source in sources
             ]
             names = [d.name for d in drivers]
@@ -227,7 +236,7 @@ def _load_queue(spec: str) -> Queue | str:
     return found
 
 
-def _load_langgraph(spec: str) -> tuple[str | None, Any]:
+def load_langgraph(spec: str) -> tuple[str | None, Any]:
     """``--langgraph [NAME=]MODULE_OR_FILE:ATTR``: the driver's name (or None) and what to open."""
     name, sep, ref = spec.partition("=")
     if not sep or ":" in name or "/" in name or is_file_spec(name):
@@ -236,9 +245,15 @@ def _load_langgraph(spec: str) -> tuple[str | None, Any]:
     return name or None, source
 
 
-def _open_driver(
+def is_langgraph_thread(record: RunRecord) -> bool:
+    """Whether ``record`` is a LangGraph thread's run (a ``--langgraph`` driver applies its answers)."""
+    return record.graph_name.startswith(LANGGRAPH_PREFIX)
+
+
+def open_langgraph(
     source: Any, store: RunStore, name: str | None, lease_ttl: float
 ) -> contextlib.AbstractAsyncContextManager[Any]:
+    """A driver for ``--langgraph``'s ``source``; a clear error without the langgraph extra."""
     try:
         from ..integrations.langgraph import open_driver  # the langgraph extra is optional
     except ImportError as exc:
@@ -255,9 +270,21 @@ def cancel(
     run_id: Annotated[str, typer.Argument(help="The run to cancel.")],
     db: DbOption = None,
 ) -> None:
-    """Cancel a run: a queued one at once, a running one at its next harvest (its worker stops it)."""
-    status = with_store(db, lambda store: Engine(store=store).cancel(run_id))
-    if status == "running":
+    """Cancel a run: a queued one at once, a running one at its next harvest (its worker stops it).
+
+    A run that already finished is left as it is, and the command says so.
+    """
+
+    async def work(store: RunStore) -> tuple[bool, str]:
+        before = await store.get_run(run_id)
+        if before.status in TERMINAL_STATUSES:
+            return True, before.status.value
+        return False, await Engine(store=store).cancel(run_id)
+
+    finished, status = with_store(db, work)
+    if finished:
+        message = f"run {run_id} already {status}; nothing to cancel"
+    elif status == "running":
         message = f"run {run_id}: cancel requested; its worker ends it at its next harvest"
     else:
         message = f"run {run_id}: {status}"
@@ -273,12 +300,16 @@ def queues(
         float, typer.Option(min=1.0, help="Seconds the start rate and workers are counted over.")
     ] = 60.0,
 ) -> None:
-    """List queues: limits, runs queued, running and suspended, start rate, workers seen."""
+    """List queues: limits, runs queued, running and suspended, start rate, workers seen.
+
+    The start rate is in runs per second over the last --window seconds, and the
+    oldest wait in seconds.
+    """
     now = time.time()
     stats = with_store(db, lambda store: store.queue_stats(now, window=window), read_only=True)
     headers = (
         Column("queue", no_wrap=True), "limits", "order", "queued", "running", "suspended",
-        f"started/s ({window:g}s)", "oldest wait", "workers",
+        f"started (runs/s, last {window:g}s)", "oldest wait (s)", "workers",
     )  # fmt: skip
     console.print(table_of(headers, (_queue_row(s, now) for s in stats)))
 
@@ -292,7 +323,7 @@ def _queue_row(stats: QueueStats, now: float) -> Sequence[str]:
         str(stats.running),
         str(stats.suspended),
         f"{stats.started / stats.window:.3g}",
-        "-" if stats.oldest_queued_at is None else f"{now - stats.oldest_queued_at:.1f}s",
+        "-" if stats.oldest_queued_at is None else f"{now - stats.oldest_queued_at:.1f}",
         str(stats.workers),
     )
 

@@ -2,7 +2,7 @@
 
 Whoever types ``tailrace run path.py:graph`` chose to execute that file, so the
 command line loads files; a reference read back from a store is never executed
-as a file (trust model, DESIGN.md; ``resume`` and ``serve`` take ``--graphs``
+as a file (trust model, docs/trust.md; ``resume`` and ``serve`` take ``--graphs``
 instead). Every failure is a :class:`typer.BadParameter` (a usage error, exit
 code 2) that names the spec as the user typed it, never an internal module.
 """

@@ -16,7 +16,7 @@ import shlex
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -33,6 +33,25 @@ DEFAULT_DB = "tailrace.db"
 
 console = Console()
 errors = Console(stderr=True)
+
+#: ``--db`` of every command that opens a store, said the same way everywhere.
+DbOption = Annotated[
+    str | None,
+    typer.Option(
+        "--db",
+        help="Store: a SQLite path (default ./tailrace.db or $TAILRACE_DB) or a "
+        "postgresql:// URL (add ?schema=NAME for a schema other than public).",
+    ),
+]
+
+
+def flag(name: str, help: str) -> Any:
+    """A boolean option ``--name/--no-name`` (or ``--on/--off`` when ``name`` has a slash).
+
+    The empty metavar keeps typer from labelling a switch with a value type.
+    """
+    return typer.Option(name if "/" in name else f"{name}/--no-{name[2:]}", help=help, metavar="")
+
 
 _POSTGRES = ("postgresql://", "postgres://")
 _MEMORY = (":memory:", "memory:")
