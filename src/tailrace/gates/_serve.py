@@ -1,8 +1,10 @@
 """The serve loop: resume answered runs, poll machine gates, adopt orphaned runs (Q4-Q6).
 
-Shaped like huey's consumer: each iteration does what work there is; the
-wait between iterations doubles while idle and resets when work arrives;
-an iteration's error is logged and survived; ``stop`` ends it gracefully.
+Built of the daemon core (``_daemon``), shaped like huey's consumer: each
+iteration does what work there is; the wait between iterations doubles
+while idle and resets when work arrives; an iteration's error is logged and
+survived; ``stop`` ends it gracefully. Orphans are adopted by the orphan
+scan (``_orphans``) the fleet's worker uses too.
 
 Two loops run side by side: the *work loop* re-drives answers through the
 resume worker and adopts runs whose owner died; the *gate loop* fires

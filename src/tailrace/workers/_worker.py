@@ -15,10 +15,12 @@ what a fleet needs besides:
 
 It sleeps on the store's change feed (``LISTEN/NOTIFY`` on Postgres, a
 ``data_version`` check every few milliseconds on SQLite) and polls every
-``poll_interval`` seconds as the fallback. Shaped like huey's consumer: a
-round's error is logged and survived; ``stop`` drains: no more claims, runs
-in flight get ``grace`` seconds to finish, then they are stopped where they
-are and their leases released, so another worker adopts them at once.
+``poll_interval`` seconds as the fallback. Its loops are the daemon core of
+``gates`` (shaped like huey's consumer: a round's error is logged and
+survived) and it adopts through the same orphan scan as serve; ``stop``
+drains: no more claims, runs in flight get ``grace`` seconds to finish,
+then they are stopped where they are and their leases released, so another
+worker adopts them at once.
 """
 
 from __future__ import annotations
