@@ -27,21 +27,27 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from .._codec import Codec
 from .._errors import AlreadyAnswered, QuestionNotFound
 from .._values import GateTimeout
+from ..stores import QuestionRow, QuestionStatus, RunStore
+from ._daemon import ErrorCount, Loop
 from ._worker import describe
-
-if TYPE_CHECKING:
-    from .._codec import Codec
-    from ..stores import QuestionRow, RunStore
-    from ._serve import ServeStats
 
 logger = logging.getLogger("tailrace.serve")
 
 #: A machine gate's poller: given the question's prompt, return its answer, or None while pending.
 Poller = Callable[[Any], Any]
+
+
+class PollCounts(ErrorCount, Protocol):
+    """Where gate polling counts its polls, their timeouts and failures, and the deadlines it fired."""
+
+    polled: int
+    poll_timeouts: int
+    expired: int
 
 
 class DaemonThreads:
@@ -124,7 +130,7 @@ class GatePolling:
         *,
         timeout: float,
         threads: int,
-        stats: ServeStats,
+        stats: PollCounts,
         wake: Callable[[], None],
     ) -> None:
         if not 0 < timeout < float("inf"):
@@ -152,8 +158,6 @@ class GatePolling:
 
     async def tick(self) -> int:
         """Expire passed deadlines, start due polls; return how many questions were answered since the last tick."""
-        from ..stores import QuestionStatus
-
         now = time.time()
         work, self._answered = self._answered, 0
         soonest: float | None = None
@@ -169,6 +173,23 @@ class GatePolling:
         self.next_deadline = soonest
         return work
 
+    def loop(self, name: str, *, interval: float = 0.05, max_interval: float = 2.0) -> Loop:
+        """The gate loop: ticks, backing off while idle, woken for the next deadline (Q5).
+
+        ``name`` names it in logs; ``interval`` and ``max_interval`` bound its
+        idle wait, seconds. A tick that answered questions calls ``wake``, so
+        the daemon applies them without waiting out its own nap.
+        """
+        return Loop(
+            name, self.tick, interval=interval, max_interval=max_interval, stats=self.stats,
+            logger=logger, due=self._until_deadline, on_work=self.wake,
+        )  # fmt: skip
+
+    def _until_deadline(self) -> float | None:
+        if self.next_deadline is None:
+            return None
+        return max(self.next_deadline - time.time(), 0.001)
+
     async def aclose(self) -> None:
         """Cancel the polls in flight and wait for them (abandoned threads are left to die alone)."""
         tasks = list(self._tasks.values())
@@ -178,8 +199,6 @@ class GatePolling:
 
     async def _expire(self, question: QuestionRow) -> int:
         """The deadline passed: answer with a ``GateTimeout`` and mark the question expired (Q5)."""
-        from ..stores import QuestionStatus
-
         assert question.deadline is not None
         value = GateTimeout(question_id=question.question_id, deadline=question.deadline)
         try:

@@ -1,8 +1,10 @@
 """The serve loop: resume answered runs, poll machine gates, adopt orphaned runs (Q4-Q6).
 
-Shaped like huey's consumer: each iteration does what work there is; the
-wait between iterations doubles while idle and resets when work arrives;
-an iteration's error is logged and survived; ``stop`` ends it gracefully.
+Built of the daemon core (``_daemon``), shaped like huey's consumer: each
+iteration does what work there is; the wait between iterations doubles
+while idle and resets when work arrives; an iteration's error is logged and
+survived; ``stop`` ends it gracefully. Orphans are adopted by the orphan
+scan (``_orphans``) the fleet's worker uses too.
 
 Two loops run side by side: the *work loop* re-drives answers through the
 resume worker and adopts runs whose owner died; the *gate loop* fires
@@ -22,25 +24,18 @@ single-flight and the ledger's compare-and-set makes answers first-wins.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
-import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from .._codec import DEFAULT_CODEC
-from .._errors import LeaseHeld, LeaseLost, NotResumable, RunNotFound
+from ..core import Engine
+from ._daemon import Daemon, Hook, Loop
 from ._orphans import OrphanScan
 from ._polling import GatePolling, Poller
-from ._worker import Outcome, Resumable, ResumeWorker, describe
-
-if TYPE_CHECKING:
-    from ..core import Engine
+from ._worker import Outcome, Resumable, ResumeWorker
 
 logger = logging.getLogger("tailrace.serve")
-
-Hook = Callable[[], Awaitable[None] | None]
 
 
 @dataclass(slots=True)
@@ -140,21 +135,25 @@ class Server:
             wake=self._wake.set,
         )
         self.pollers = self.gates.pollers
-        #: Orphans whose adoption failed for a reason that may pass: (failures, retry time).
-        self._adoption_backoff: dict[str, tuple[int, float]] = {}
-        #: Orphans no target here drives, so they never hide the others.
-        self._orphans = OrphanScan()
+        self.orphans = OrphanScan(
+            self.store, self.worker, self.stats, retry_base=retry_base, retry_max=retry_max
+        )
+        work = Loop(
+            "serve iteration", self._iteration, interval=interval, max_interval=max_interval,
+            stats=self.stats, logger=logger, wake=self._wake,
+        )  # fmt: skip
+        gates = self.gates.loop("serve gate tick", interval=interval, max_interval=max_interval)
+        self.daemon = Daemon(
+            work,
+            {"serve:gates": gates.run},
+            on_startup=on_startup,
+            on_shutdown=on_shutdown,
+            close=self.aclose,
+        )
 
     async def run(self, stop: asyncio.Event) -> ServeStats:
         """Serve until ``stop`` is set; returns the stats."""
-        await _call_hook(self.on_startup)
-        try:
-            async with asyncio.TaskGroup() as group:
-                group.create_task(self._gate_loop(stop), name="serve:gates")
-                await self._work_loop(stop)
-        finally:
-            await self.aclose()
-            await _call_hook(self.on_shutdown)
+        await self.daemon.run(stop)
         return self.stats
 
     async def once(self) -> int:
@@ -166,40 +165,10 @@ class Server:
         """Stop the polls in flight (a sync poller's thread is abandoned, not waited for)."""
         await self.gates.aclose()
 
-    # -- the two loops ------------------------------------------------------------
-
-    async def _work_loop(self, stop: asyncio.Event) -> None:
-        wait = self.interval
-        while not stop.is_set():
-            work = await self._guarded(self._iteration)
-            wait = self.interval if work else min(wait * 2, self.max_interval)
-            await _nap((stop, self._wake), wait)
-            self._wake.clear()
-
-    async def _gate_loop(self, stop: asyncio.Event) -> None:
-        wait = self.interval
-        while not stop.is_set():
-            work = await self._guarded(self.gates.tick)
-            if work:
-                self._wake.set()  # answers to apply: the work loop need not wait out its nap
-            wait = self.interval if work else min(wait * 2, self.max_interval)
-            deadline = self.gates.next_deadline
-            if deadline is not None:  # wake for the next deadline, not a nap later (Q5)
-                wait = min(wait, max(deadline - time.time(), 0.001))
-            await _nap((stop,), wait)
-
-    async def _guarded(self, step: Callable[[], Awaitable[int]]) -> int:
-        try:
-            return await step()
-        except Exception:
-            self.stats.errors += 1
-            logger.exception("serve iteration failed; going on")
-            return 0
-
     async def _iteration(self) -> int:
         self.stats.iterations += 1
         work = self._count(await self.worker.sweep())
-        return work + await self._adopt_orphans()
+        return work + await self.orphans.sweep(100)  # runs whose owner's lease expired (D6)
 
     def _count(self, outcomes: Mapping[Outcome, int]) -> int:
         for outcome, n in outcomes.items():
@@ -212,64 +181,6 @@ class Server:
             outcomes.get(o, 0)
             for o in (Outcome.APPLIED, Outcome.SUPERSEDED, Outcome.FAILED, Outcome.DEFERRED)
         )
-
-    # -- orphans ------------------------------------------------------------------
-
-    async def _adopt_orphans(self) -> int:
-        """Take over runs whose owner's lease expired (it crashed) (D6)."""
-        now = time.time()
-        orphans = await self.store.expired_leases(now, limit=self._orphans.limit(100))
-        self._adoption_backoff = {
-            r: b for r, b in self._adoption_backoff.items() if r in set(orphans)
-        }
-        work = 0
-        for run_id in self._orphans.ours(orphans):
-            failures, retry_at = self._adoption_backoff.get(run_id, (0, 0.0))
-            if retry_at > now:
-                continue
-            try:
-                work += await self._adopt(run_id, now)
-            except (LeaseHeld, LeaseLost, NotResumable, RunNotFound):
-                continue  # another serve took it, or it finished meanwhile
-            except Exception as exc:
-                await self._adoption_failed(run_id, exc, failures)
-                work += 1
-        return work
-
-    async def _adopt(self, run_id: str, now: float) -> int:
-        record = await self.store.get_run(run_id)
-        adopt = getattr(self.worker.target_for(record), "adopt", None)
-        if adopt is None:  # no target here drives it (another driver's thread, an unknown graph)
-            self._orphans.leave(record)
-            return 0
-        if record.lease_owner is None and now - record.created_at < self.worker.lease_ttl:
-            return 0  # just created; its engine is about to lease it
-        await adopt(run_id)
-        self._adoption_backoff.pop(run_id, None)
-        self.stats.adopted += 1
-        return 1
-
-    async def _adoption_failed(self, run_id: str, exc: Exception, failures: int) -> None:
-        """A failed run is counted once (E9, Q6); anything else is retried with backoff, logged once."""
-        from ..stores import RunStatus
-
-        try:
-            status = (await self.store.get_run(run_id)).status
-        except Exception:
-            status = None
-        if status is RunStatus.FAILED:
-            self.stats.failed += 1
-            logger.warning("run %s failed while being adopted: %s", run_id, describe(exc))
-            return
-        self.stats.errors += 1
-        delay = min(self.retry_base * 2 ** min(failures, 32), self.retry_max)
-        self._adoption_backoff[run_id] = (failures + 1, time.time() + delay)
-        logger.log(
-            logging.WARNING if failures == 0 else logging.DEBUG,
-            "cannot adopt run %s (attempt %d, next in %.3g s): %s",
-            run_id, failures + 1, delay, describe(exc),
-            exc_info=exc if failures == 0 else None,
-        )  # fmt: skip
 
 
 async def serve(
@@ -296,22 +207,3 @@ async def serve(
         poll_timeout=poll_timeout,
     )
     return await server.run(stop)
-
-
-async def _nap(events: Sequence[asyncio.Event], seconds: float) -> None:
-    """Wait ``seconds`` or until one of ``events`` is set."""
-    waiters = [asyncio.create_task(event.wait()) for event in events]
-    try:
-        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for waiter in waiters:
-            waiter.cancel()
-        await asyncio.gather(*waiters, return_exceptions=True)
-
-
-async def _call_hook(hook: Hook | None) -> None:
-    if hook is None:
-        return
-    result = hook()
-    if inspect.isawaitable(result):
-        await result

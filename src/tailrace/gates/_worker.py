@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from .._codec import DEFAULT_CODEC
 from .._errors import (
@@ -36,10 +36,8 @@ from .._errors import (
     RunNotFound,
     UnsupportedFormat,
 )
-
-if TYPE_CHECKING:
-    from ..core import Engine
-    from ..stores import QuestionRow, RunRecord, RunStore
+from ..core import Engine
+from ..stores import QuestionRow, QuestionStatus, RunRecord, RunStore
 
 logger = logging.getLogger("tailrace.gates")
 
@@ -342,8 +340,6 @@ def describe(exc: BaseException) -> str:
 
 
 def _unapplied(question: QuestionRow) -> bool:
-    from ..stores import QuestionStatus
-
     return question.status is QuestionStatus.ANSWERED or (
         question.status is QuestionStatus.EXPIRED and question.applied_at is None
     )

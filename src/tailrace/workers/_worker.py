@@ -15,16 +15,19 @@ what a fleet needs besides:
 
 It sleeps on the store's change feed (``LISTEN/NOTIFY`` on Postgres, a
 ``data_version`` check every few milliseconds on SQLite) and polls every
-``poll_interval`` seconds as the fallback. Shaped like huey's consumer: a
-round's error is logged and survived; ``stop`` drains: no more claims, runs
-in flight get ``grace`` seconds to finish, then they are stopped where they
-are and their leases released, so another worker adopts them at once.
+``poll_interval`` seconds as the fallback. Its loops are the daemon core of
+``gates`` (shaped like huey's consumer: a round's error is logged and
+survived) and it adopts through the same orphan scan as serve; ``stop``
+drains: no more claims, runs in flight get ``grace`` seconds to finish,
+then they are stopped where they are and their leases released, so another
+worker adopts them at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter
@@ -32,12 +35,14 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._codec import DEFAULT_CODEC
 from .._errors import LeaseHeld, LeaseLost, NotResumable, RunNotFound
 from ..core import Engine, RunResult, cancel_undriven, owner_is_dead
-from ..gates import Server
-from ..gates._orphans import OrphanScan
-from ..gates._polling import Poller
-from ..gates._worker import UNRESUMABLE, Outcome, Resumable, describe
+from ..gates import Outcome, Poller, Resumable, ResumeWorker, ServeStats
+from ..gates._daemon import Beside, Daemon, Loop
+from ..gates._orphans import Orphan, OrphanScan
+from ..gates._polling import GatePolling
+from ..gates._worker import UNRESUMABLE, describe
 from ..graph import Graph
 from ..stores import CHANGE_KINDS, QuestionRow, Queue, RunStatus, RunStore, WorkerRow
 
@@ -138,17 +143,24 @@ class Worker:
         self.poll_interval = poll_interval
         self.heartbeat = heartbeat
         self.owner = self.engine.owner
-        self.server = Server(self.engine, pollers=pollers, targets=targets)
         self.stats = WorkerStats()
+        #: Applies answers exactly once (Q3) and says which target drives a run.
+        self.resumer = ResumeWorker(engine=self.engine, targets=targets)
+        #: Machine gates and deadlines (Q5); its poll counts are its own.
+        self.gates = GatePolling(
+            store, self.engine.codec or DEFAULT_CODEC, pollers or {}, timeout=10.0, threads=16,
+            stats=ServeStats(), wake=lambda: None,  # answers reach the worker through the store
+        )  # fmt: skip
+        #: Takes over runs whose owner died (D6, W3).
+        self.orphans = OrphanScan(store, self.resumer, self.stats)
         self._jobs: dict[asyncio.Task[None], _Job] = {}
         self._here: set[str] = set()
-        #: Orphans no target here drives, so they never hide the others.
-        self._orphans = OrphanScan()
         self._by_queue: Counter[str] = Counter()
         self._kinds: set[str] = set()
         self._wake = asyncio.Event()
-        self._closing = asyncio.Event()
         self._next_orphan_scan = 0.0
+        #: When to poll the store again with no wake-up.
+        self._poll_at = 0.0
         #: When to look at the queues again without a wake-up (a rate window may open).
         self._look_at = float("inf")
         #: Workers on this host whose process is gone while they still hold runs.
@@ -160,72 +172,59 @@ class Worker:
     async def run(self, stop: asyncio.Event | None = None) -> WorkerStats:
         """Work until ``stop`` is set (forever without one), then drain; returns the stats."""
         stop = stop or asyncio.Event()
+        self._poll_at = 0.0  # the first round looks at everything
         await self.store.open()
         for queue in self._declare:
             await self.store.declare_queue(queue)
         await self._refresh_queues()
         try:
-            async with self.store.changes() as feed, asyncio.TaskGroup() as group:
-                group.create_task(self._forward(feed), name="worker:wake-ups")
-                group.create_task(self._forward_stop(stop), name="worker:stop")
-                group.create_task(self._gate_loop(), name="worker:gates")
-                group.create_task(self._heartbeat_loop(), name="worker:heartbeat")
-                try:
-                    await self._work_loop(stop, group)
-                    await self._drain()
-                finally:
-                    self._closing.set()
-                    self._wake.set()
+            async with self.store.changes() as feed, asyncio.TaskGroup() as jobs:
+                work = Loop(
+                    "worker round", functools.partial(self._work_round, jobs),
+                    interval=float("inf"), stats=self.stats, logger=logger, wake=self._wake,
+                    due=self._until_look,
+                )  # fmt: skip
+                heartbeat = Loop(
+                    "worker heartbeat", self._heartbeat, interval=self.heartbeat,
+                    stats=self.stats, logger=logger,
+                )  # fmt: skip
+                beside: dict[str, Beside] = {
+                    "worker:wake-ups": functools.partial(self._forward, feed),
+                    "worker:gates": self.gates.loop("worker gate tick").run,
+                    "worker:heartbeat": heartbeat.run,
+                }
+                await Daemon(work, beside, drain=self._drain).run(stop)
         finally:
-            await self.server.aclose()
+            await self.gates.aclose()
             with contextlib.suppress(Exception):
                 await self.store.forget_worker(self.owner)
         return self.stats
 
-    async def _forward(self, feed: Any) -> None:
-        while not self._closing.is_set():
+    async def _forward(self, feed: Any, closing: asyncio.Event) -> None:
+        while not closing.is_set():
             kinds = await feed.wait(0.5)
             if kinds:
                 self._kick(kinds)
-
-    async def _forward_stop(self, stop: asyncio.Event) -> None:
-        stop_waiter = asyncio.ensure_future(stop.wait())
-        closing = asyncio.ensure_future(self._closing.wait())
-        try:
-            await asyncio.wait((stop_waiter, closing), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop_waiter.cancel()
-            closing.cancel()
-        self._wake.set()
 
     def _kick(self, kinds: frozenset[str] | set[str]) -> None:
         self._kinds |= kinds
         self._wake.set()
 
-    async def _work_loop(self, stop: asyncio.Event, group: asyncio.TaskGroup) -> None:
-        poll_at = 0.0
-        while not stop.is_set():
-            now = time.monotonic()
-            polled = now >= poll_at
-            kinds, self._kinds = frozenset(self._kinds), set()
-            self._wake.clear()
-            if polled:
-                kinds, poll_at = CHANGE_KINDS | {"slot"}, now + self.poll_interval
-            elif now >= self._look_at:
-                kinds = kinds | {"slot"}
-            self._look_at = float("inf")
-            self.stats.rounds += 1
-            try:
-                await self._round(kinds, group)
-            except Exception:
-                self.stats.errors += 1
-                logger.exception("worker round failed; going on")
-            if self._kinds or stop.is_set():
-                continue
-            with contextlib.suppress(TimeoutError):
-                wake_at = min(poll_at, self._look_at)
-                async with asyncio.timeout(max(wake_at - time.monotonic(), 0.0)):
-                    await self._wake.wait()
+    def _until_look(self) -> float:
+        """Seconds until the next poll of the store, or the next look at a rate window."""
+        return min(self._poll_at, self._look_at) - time.monotonic()
+
+    async def _work_round(self, group: asyncio.TaskGroup) -> int:
+        now = time.monotonic()
+        kinds, self._kinds = frozenset(self._kinds), set()
+        if now >= self._poll_at:
+            kinds, self._poll_at = CHANGE_KINDS | {"slot"}, now + self.poll_interval
+        elif now >= self._look_at:
+            kinds = kinds | {"slot"}
+        self._look_at = float("inf")
+        self.stats.rounds += 1
+        await self._round(kinds, group)
+        return 0
 
     async def _round(self, kinds: frozenset[str], group: asyncio.TaskGroup) -> None:
         """One look at the store, doing only what the wake-up's ``kinds`` can have changed."""
@@ -344,7 +343,7 @@ class Worker:
     async def _answer(self, question: QuestionRow) -> None:
         """Apply a claimed answer (exactly once, Q3), then let go of the claim's lease."""
         try:
-            outcome = await self.server.worker.resume(question.question_id)
+            outcome = await self.resumer.resume(question.question_id)
             self.stats.outcomes[outcome.value] = self.stats.outcomes.get(outcome.value, 0) + 1
             if outcome is Outcome.APPLIED:
                 self.stats.applied += 1
@@ -360,48 +359,34 @@ class Worker:
             await self.store.release_lease(run_id, self.owner, record.lease_token)
 
     async def _adopt_orphans(self, group: asyncio.TaskGroup) -> None:
-        """Take over runs whose lease expired, or whose owner is provably dead (D6)."""
-        now = time.time()
-        wanted = self._orphans.limit(max(self._free(), 1) * 4)
-        for run_id in self._orphans.ours(await self.store.expired_leases(now, limit=wanted)):
-            if self._free() <= 0:
-                return
-            if run_id not in self._here:
-                await self._adopt(group, run_id, now)
+        """Take over runs whose lease expired (D6)."""
+        await self.orphans.sweep(
+            max(self._free(), 1) * 4, functools.partial(self._take, group),
+            room=lambda: self._free() > 0, skip=self._here,
+        )  # fmt: skip
 
     async def _adopt_from_dead(self, group: asyncio.TaskGroup) -> None:
         """Adopt the runs of workers on this host whose process is gone, without waiting out their leases."""
         now = time.time()
         for owner in sorted(self._dead):
-            for run_id in await self.store.runs_leased_by(owner, limit=self._free() * 4):
-                if self._free() <= 0:
-                    return
-                if run_id not in self._here:
-                    await self._adopt(group, run_id, now)
+            if self._free() <= 0:
+                return
+            await self.orphans.adopt(
+                await self.store.runs_leased_by(owner, limit=self._free() * 4),
+                functools.partial(self._take, group), now=now,
+                room=lambda: self._free() > 0, skip=self._here,
+            )  # fmt: skip
 
-    async def _adopt(self, group: asyncio.TaskGroup, run_id: str, now: float) -> None:
-        try:
-            record = await self.store.get_run(run_id)
-        except RunNotFound:
-            return
-        if record.status is not RunStatus.RUNNING:
-            return
-        fresh = now - record.created_at < self.engine.lease_ttl
-        if record.lease_owner is None and record.queue_name is None and fresh:
-            return  # just created by an engine that is about to lease it
-        target = self.server.worker.target_for(record)
-        adopt = getattr(target, "adopt", None)
-        if adopt is None:  # no target here drives it (another driver's thread, an unknown graph)
-            self._orphans.leave(record)
-            return
-        self.stats.adopted += 1
+    async def _take(self, group: asyncio.TaskGroup, orphan: Orphan) -> None:
+        """Drive an orphan as a job: cancel it if asked, start it if it never started, else adopt it."""
+        record = orphan.record
         if record.cancel_requested_at is not None:
-            work: Awaitable[Any] = cancel_undriven(self.engine, run_id)
+            work: Awaitable[Any] = cancel_undriven(self.engine, record.run_id)
         elif record.queue_name is not None:
-            work = self._start_or_fail(run_id)  # maybe claimed and never started: start it
+            work = self._start_or_fail(record.run_id)  # maybe claimed and never started: start it
         else:
-            work = adopt(run_id)
-        self._start(group, _Job(run_id, "adopt", record.queue_name), work)
+            work = orphan.adopt(record.run_id)
+        self._start(group, _Job(record.run_id, "adopt", record.queue_name), work)
 
     async def _cancel_requested(self) -> None:
         for run_id in await self.store.cancel_requests(self.owner):
@@ -409,19 +394,12 @@ class Worker:
 
     # -- background loops ----------------------------------------------------------------
 
-    async def _heartbeat_loop(self) -> None:
+    async def _heartbeat(self) -> int:
         """Report this worker; adopt at once the runs of workers on this host that died."""
-        while not self._closing.is_set():
-            try:
-                await self._report()
-                await self._refresh_queues()
-                await self._bury_dead()
-            except Exception:
-                self.stats.errors += 1
-                logger.exception("worker heartbeat failed; going on")
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.heartbeat):
-                    await self._closing.wait()
+        await self._report()
+        await self._refresh_queues()
+        await self._bury_dead()
+        return 0
 
     async def _refresh_queues(self) -> None:
         """Queues named only take their limits from the store's declaration (re-read each heartbeat)."""
@@ -455,24 +433,6 @@ class Worker:
                 continue
             self._dead.discard(worker.worker_id)
             await self.store.forget_worker(worker.worker_id)
-
-    async def _gate_loop(self) -> None:
-        """Machine gates and deadlines (Q5), as serve runs them: backs off while idle."""
-        wait = 0.05
-        while not self._closing.is_set():
-            try:
-                work = await self.server.gates.tick()
-            except Exception:
-                self.stats.errors += 1
-                logger.exception("gate tick failed; going on")
-                work = 0
-            wait = 0.05 if work else min(wait * 2, 2.0)
-            deadline = self.server.gates.next_deadline
-            if deadline is not None:
-                wait = min(wait, max(deadline - time.time(), 0.001))
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait):
-                    await self._closing.wait()
 
     # -- stopping -------------------------------------------------------------------------
 
