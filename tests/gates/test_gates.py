@@ -723,7 +723,7 @@ def test_cli_answer_no_resume_then_resume_command(tmp_path: Path) -> None:
     [question] = _questions(db)
     recorded = cli("answer", question.question_id, '"yes"', "--no-resume", "--db", db)
     assert recorded.exit_code == 0, recorded.output
-    assert "resumed by its owner or serve" in recorded.output
+    assert "recorded: a tailrace serve or tailrace worker" in recorded.output
     assert _questions(db)[0].status is QuestionStatus.ANSWERED
     resumed = cli("resume", "r2", "--db", db, "--graphs", GRAPH_FILE)
     assert resumed.exit_code == 0, resumed.output
