@@ -40,9 +40,11 @@ class Sweep:
         elapsed: Seconds since the rollout phase started (0 likewise).
         route: How the decision was made: ``"oracle"`` (forced to the full
             held-out evaluation and paid from the oracle budget), ``"cheap"``
-            (the ranking subset decided; an acceptance is always measured on
-            the full set before it is committed) or ``"refused"`` (forced to the
-            oracle with its budget spent: not merged).
+            (the ranking subset passed it early; the full held-out comparison,
+            free, decides before anything is committed), ``"escalated"`` (the
+            ranking subset did not pass it, and it never vetoes: the full
+            comparison, free, decides) or ``"refused"`` (forced to the oracle
+            with its budget spent: not merged, queued for audit).
         reversed: The full held-out evaluation overturned the cheap verdict.
         audits: Queued audits this sweep bought from the oracle budget.
         admitted: With ``selection="pareto"``: the candidate joined the pool.
@@ -106,8 +108,9 @@ class EvolutionResult:
         oracle_refused: Oracle calls refused because the budget was spent.
         reversals: Decisions the full held-out evaluation reversed: ``{"sweep",
             "kind"`` (``"accept_overturned"``: the cheap layer accepted, the
-            full set did not, nothing was merged; ``"reject_overturned"``: an
-            audit accepted what the cheap layer rejected, and it was merged),
+            full set did not, nothing was merged; ``"reject_overturned"``: the
+            full comparison (or an audit) accepted what the cheap layer did
+            not pass, and it was merged),
             ``"edit", "base_version", "version", "cheap_probability",
             "probability"}``.
         partial: Cross-version pairs of partial rollouts, one per resume of a

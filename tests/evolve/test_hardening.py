@@ -1,0 +1,111 @@
+"""Hardening of the evolution loops, through the public API.
+
+The scripted domain: ten training tasks and ten held-out tasks ``h0..h9``
+(``held_out_frac=0.5``); the ranking subset is ``h0 h1`` (``rank_size=2``).
+An artifact's entry ``"solves"`` lists the held-out tasks it solves, so every
+verdict is written by the test. One worker, one proposal per round: the sync
+loop is deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from tailrace.evolve import (
+    AuditScheduler,
+    Edit,
+    EvolutionResult,
+    Task,
+    current_rollout,
+    evolve,
+)
+
+HELD = [f"h{i}" for i in range(10)]
+
+
+def _tasks() -> list[Task]:
+    train = [Task(id=f"r{i}", prompt="") for i in range(10)]
+    return [*train, *(Task(id=h, prompt="") for h in HELD)]
+
+
+def _reward(task: Task, output: str) -> float:
+    solved = output.split("solves: ", 1)[-1].split() if "solves: " in output else []
+    return 1.0 if task.id in solved else 0.0
+
+
+def _proposer(edits: list[Edit]) -> object:
+    queue: Iterator[Edit] = iter(edits)
+
+    def propose(rendered: str, task: Task, output: str, value: float) -> Edit | None:
+        return next(queue, None)
+
+    return propose
+
+
+def solves(*tasks: str) -> Edit:
+    return Edit(set={"solves": " ".join(tasks)})
+
+
+async def _scripted(
+    edits: list[Edit], audit: AuditScheduler, run: object = None, **options: object
+) -> EvolutionResult:
+    settings: dict[str, object] = {"artifact": {"solves": " ".join(HELD[:5])}, **options}
+    return await evolve(
+        _tasks(),
+        _reward,
+        run=run or (lambda rendered, task: rendered),  # type: ignore[arg-type]
+        propose=_proposer(edits),
+        held_out_frac=0.5,
+        rank_size=2,
+        workers=1,
+        max_candidates=1,
+        max_rollouts=len(edits),
+        audit=audit,
+        **settings,  # type: ignore[arg-type]
+    )
+
+
+# -- the cheap subset passes early or escalates, never vetoes ---------------------------
+
+
+async def test_a_gain_the_subset_cannot_see_is_merged_and_the_target_reached():
+    # The head solves h0..h4 (0.5); the edit solves all ten. On the subset (h0 h1) both
+    # score 1.0: a coin flip. A trusted cheap layer with no oracle budget left must
+    # still let the full comparison accept it.
+    audit = AuditScheduler(initial_trust=1.0, oracle_budget=0)
+    result = await _scripted([solves(*HELD)], audit, target=1.0)
+    [sweep] = result.history
+    assert sweep.route == "escalated" and sweep.accepted and sweep.reversed
+    assert result.held_out == 1.0 and result.stop_reason == "target"
+    assert result.commits == 1 and result.entries == {"solves": " ".join(HELD)}
+    [reversal] = result.reversals
+    assert reversal["kind"] == "reject_overturned" and reversal["version"] == 2
+
+
+async def test_an_escalated_candidate_the_full_set_rejects_is_not_merged():
+    audit = AuditScheduler(initial_trust=1.0)
+    result = await _scripted([solves("h0", "h1")], audit)  # worse on the rest
+    [sweep] = result.history
+    assert sweep.route == "escalated" and not sweep.accepted and not sweep.reversed
+    assert sweep.cheap_agreed is True and result.commits == 0 and result.reversals == ()
+
+
+# -- the audit's verdict is the acceptance test's: never bought again -------------------
+
+
+async def test_an_escalation_buys_no_audit_and_no_second_held_out_sweep():
+    phases: list[str] = []
+
+    def run(rendered: str, task: Task) -> str:
+        ctx = current_rollout()
+        assert ctx is not None
+        phases.append(ctx.phase)
+        return rendered
+
+    audit = AuditScheduler(initial_trust=1.0)  # no budget limit: an audit could be bought
+    result = await _scripted([solves(*HELD[:7])], audit, run=run)  # invisible on h0 h1
+    [sweep] = result.history
+    assert sweep.route == "escalated" and sweep.accepted and result.commits == 1
+    # The initial scoring (10), the subset (2) and the rest (8): the audit's 8 are free.
+    assert phases.count("eval") == 10 + 2 + 8 == result.eval_rollouts
+    assert audit.oracle_used == 0 and result.audits == 0 and sweep.audits == 0
