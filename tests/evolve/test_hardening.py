@@ -9,7 +9,12 @@ loop is deterministic.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tailrace.evolve import (
     AuditScheduler,
@@ -109,3 +114,72 @@ async def test_an_escalation_buys_no_audit_and_no_second_held_out_sweep():
     # The initial scoring (10), the subset (2) and the rest (8): the audit's 8 are free.
     assert phases.count("eval") == 10 + 2 + 8 == result.eval_rollouts
     assert audit.oracle_used == 0 and result.audits == 0 and sweep.audits == 0
+
+
+# -- loading a result refuses a bad file whole -------------------------------------------
+
+
+def _saved(tmp_path: Path) -> dict[str, Any]:
+    result = EvolutionResult(
+        mode="sync", artifact_id="a", version=1, entries={}, rendered="", held_out=0.0
+    )
+    path = tmp_path / "good.json"
+    result.save(path)
+    return dict(json.loads(path.read_text()))
+
+
+def _bad_files(tmp_path: Path) -> dict[str, str]:
+    good = _saved(tmp_path)
+    sweep = {
+        "index": 1,
+        "base_version": 1,
+        "candidates": 1,
+        "accepted": False,
+        "version": 1,
+        "probability": 0.5,
+        "threshold": 0.55,
+        "held_out": 0.5,
+        "cheap_agreed": None,
+    }
+    return {
+        "a JSON list": "[1, 2, 3]",
+        "deep nesting": "[" * 100_000 + "]" * 100_000,
+        "NaN reward": json.dumps({**good, "held_out": float("nan")}),
+        "Infinity reward": json.dumps({**good, "initial_held_out": float("inf")}),
+        "overflowing reward": json.dumps(good).replace('"held_out": 0.0', '"held_out": 1e999'),
+        "reward above 1": json.dumps({**good, "held_out": 3.0}),
+        "sweep with NaN": json.dumps({**good, "history": [{**sweep, "held_out": float("nan")}]}),
+        "text for a number": json.dumps({**good, "rollouts": "many"}),
+        "history not a list": json.dumps({**good, "history": 7}),
+        "not JSON": "{",
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "a JSON list",
+        "deep nesting",
+        "NaN reward",
+        "Infinity reward",
+        "overflowing reward",
+        "reward above 1",
+        "sweep with NaN",
+        "text for a number",
+        "history not a list",
+        "not JSON",
+    ],
+)
+def test_loading_a_bad_result_file_is_a_value_error_naming_the_file(tmp_path, case):
+    path = tmp_path / "bad.json"
+    path.write_text(_bad_files(tmp_path)[case])
+    with pytest.raises(ValueError) as caught:
+        EvolutionResult.load(path)
+    assert str(path) in str(caught.value)
+    assert type(caught.value) is ValueError
+
+
+def test_a_good_result_file_still_loads(tmp_path):
+    path = tmp_path / "good.json"
+    path.write_text(json.dumps(_saved(tmp_path)))
+    assert EvolutionResult.load(path).mode == "sync"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -207,6 +208,8 @@ class EvolutionResult:
         Raises:
             ValueError: an unknown format version or a required field is missing.
         """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"an EvolutionResult must be a JSON object, got {type(data).__name__}")
         version = data.get("format", RESULT_FORMAT)
         if version != RESULT_FORMAT:
             raise ValueError(f"unsupported EvolutionResult format {version!r}")
@@ -229,13 +232,89 @@ class EvolutionResult:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> EvolutionResult:
-        """Read a result written by :meth:`save`.
+        """Read a result written by :meth:`save`; a bad file is refused whole.
 
         Args:
             path: The JSON file.
+
+        Raises:
+            ValueError: the file is not JSON, nests too deep, holds a number
+                that is not finite (``NaN``, ``Infinity``), is not a result
+                object, or a field is missing or of the wrong kind; the
+                message names the file and what is wrong.
         """
-        with open(path, encoding="utf-8") as fh:
-            return cls.from_dict(json.load(fh))
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh, parse_constant=_no_constant, parse_float=_finite_float)
+            result = cls.from_dict(data)
+            _check_values(result)
+        except RecursionError:
+            raise ValueError(f"{os.fspath(path)!r}: JSON nests too deep") from None
+        except ValueError as exc:
+            raise ValueError(f"{os.fspath(path)!r}: {exc}") from exc
+        except TypeError as exc:  # a field of the wrong shape for its record
+            raise ValueError(f"{os.fspath(path)!r}: not an EvolutionResult: {exc}") from exc
+        return result
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+#: The kinds a record's scalar field may hold, by its annotation.
+_KINDS: dict[str, tuple[type, ...]] = {
+    "float": (int, float),
+    "int": (int,),
+    "str": (str,),
+    "bool": (bool,),
+}
+
+#: Fields that are a reward, a probability or a trust: within ``[0, 1]``.
+_UNIT = frozenset({"held_out", "initial_held_out", "audit_trust", "probability", "threshold"})
+
+
+def _check_values(result: EvolutionResult) -> None:
+    """Every field holds its kind, every number is finite, a reward or probability is in ``[0, 1]``.
+
+    Raises:
+        ValueError: naming the first field that is wrong.
+    """
+    records: list[tuple[str, Any]] = [("EvolutionResult", result)]
+    for name in ("history", "errors", "usage"):
+        records += [(f"{name}[{i}]", r) for i, r in enumerate(getattr(result, name))]
+    for where, record in records:
+        for f in dataclasses.fields(record):
+            _check_scalar(f"{where}.{f.name}", str(f.type), getattr(record, f.name))
+    for name in ("worker_busy", "worker_used"):
+        for i, value in enumerate(getattr(result, name)):
+            _check_scalar(f"EvolutionResult.{name}[{i}]", "float", value)
+    for key, value in result.trust.items():
+        _check_scalar(f"EvolutionResult.trust[{key!r}]", "float", value)
+
+
+def _check_scalar(where: str, annotation: str, value: Any) -> None:
+    if value is None and annotation.endswith(" | None"):
+        return
+    kind = annotation.removesuffix(" | None")
+    expected = _KINDS.get(kind)
+    if expected is None:  # a container, checked where it is read
+        return
+    if not isinstance(value, expected) or (kind != "bool" and isinstance(value, bool)):
+        raise ValueError(f"{where} must be {kind}, got {value!r}")
+    if kind != "float":
+        return
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{where} is {value!r}, not a finite number")
+    if where.rsplit(".", 1)[-1] in _UNIT and not 0.0 <= number <= 1.0:
+        raise ValueError(f"{where} is {value!r}, outside [0, 1]")
 
 
 def _known_fields(cls: type, data: Mapping[str, Any], what: str) -> dict[str, Any]:
