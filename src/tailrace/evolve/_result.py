@@ -308,7 +308,7 @@ def _check_scalar(where: str, annotation: str, value: Any) -> None:
         return
     if not isinstance(value, expected) or (kind != "bool" and isinstance(value, bool)):
         raise ValueError(f"{where} must be {kind}, got {value!r}")
-    if kind != "float":
+    if kind != "float" or not isinstance(value, int | float):
         return
     number = float(value)
     if not math.isfinite(number):
