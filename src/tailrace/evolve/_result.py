@@ -84,7 +84,8 @@ class EvolutionResult:
         stop_reason: Why the loop ended: ``"budget"`` (``max_rollouts``),
             ``"target"``, ``"rounds"`` (``max_rounds``), ``"max_seconds"``,
             ``"max_calls"``, ``"max_cost"``, ``"patience"``, ``"errors"``
-            (``max_error_rate`` exceeded) or ``"oracle_budget"`` (the oracle
+            (``max_error_rate`` exceeded, or not one unit of work succeeded:
+            see ``failure``) or ``"oracle_budget"`` (the oracle
             budget is spent while trust is below the gate: nothing can merge).
         rollouts: Training rollouts completed.
         eval_rollouts: Held-out rollouts run by the merger.
@@ -132,6 +133,12 @@ class EvolutionResult:
             the head's held-out reward first reached ``quality``; None if never.
         cost_to_quality: The cost spent by then (initial scoring included).
         rollouts_to_quality: Training rollouts completed by then.
+        failure: When units of work failed and not one succeeded (every
+            ``run`` raised, say, or was cut): ``"the backend failed: ..."``
+            with the stage, task, error class and message of the last failed
+            attempt, and ``stop_reason`` is ``"errors"`` whatever ended the
+            loop. None when anything succeeded. Check it: such a run returns
+            normally, with the starting artifact unchanged.
         selection: ``"head"`` or ``"pareto"``.
         pool: With ``"pareto"``: the final front, ``{"id", "parent",
             "held_out", "entries"}`` per member.
@@ -176,6 +183,7 @@ class EvolutionResult:
     selection: str = "head"
     pool: tuple[Mapping[str, Any], ...] = ()
     eval_hedges: int = 0
+    failure: str | None = None
 
     def learning_curve(self) -> list[tuple[int, float]]:
         """``(rollouts, held-out reward)`` at the start and after every sweep that moved the head."""
