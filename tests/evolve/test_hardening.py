@@ -9,7 +9,10 @@ loop is deterministic.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,10 +20,14 @@ from typing import Any
 import pytest
 
 from tailrace.evolve import (
+    MIN_HELD_OUT,
     AuditScheduler,
     Edit,
     EvolutionResult,
+    HeldOutTooSmall,
+    Retry,
     Task,
+    async_evolve,
     current_rollout,
     evolve,
 )
@@ -183,3 +190,135 @@ def test_a_good_result_file_still_loads(tmp_path):
     path = tmp_path / "good.json"
     path.write_text(json.dumps(_saved(tmp_path)))
     assert EvolutionResult.load(path).mode == "sync"
+
+
+# -- a backend that always fails is an error, not an evolution ---------------------------
+
+
+async def test_a_loop_whose_every_rollout_fails_says_the_backend_failed_with_its_message():
+    def run(rendered: str, task: Task) -> str:
+        raise ConnectionRefusedError("model server at 127.0.0.1:9 refused the connection")
+
+    result = await evolve(
+        _tasks(),
+        _reward,
+        run=run,
+        propose=_proposer([]),
+        held_out_frac=0.5,
+        workers=2,
+        max_rounds=2,
+        retry=Retry(attempts=2, backoff=0.0),
+    )
+    assert result.stop_reason == "errors" and result.rollouts == 0
+    assert result.failure is not None and result.failure.startswith("the backend failed")
+    assert "ConnectionRefusedError: model server at 127.0.0.1:9 refused" in result.failure
+    assert result.failed_units == 10 + 2 * 2  # the held-out scores and two rounds
+
+
+async def test_a_loop_with_some_successes_still_returns_its_result():
+    def run(rendered: str, task: Task) -> str:
+        if task.id.startswith("r"):
+            raise ConnectionRefusedError("training backend down")
+        return rendered
+
+    result = await evolve(
+        _tasks(),
+        _reward,
+        run=run,
+        propose=_proposer([]),
+        held_out_frac=0.5,
+        workers=2,
+        max_rounds=2,
+        retry=Retry(attempts=1),
+    )
+    assert result.stop_reason == "rounds" and result.failed_units == 4
+    assert result.failure is None
+
+
+# -- the initial scoring obeys the time limits -------------------------------------------
+
+HANG_GUARD = 5.0  # seconds; the limits under test are 0.2 s
+
+
+def _hangs_once_on(task_id: str, release: threading.Event) -> object:
+    """A sync run that blocks its thread the first time it sees ``task_id``."""
+    seen: set[str] = set()
+
+    def run(rendered: str, task: Task) -> str:
+        if task.id == task_id and task_id not in seen:
+            seen.add(task_id)
+            release.wait()
+        return rendered
+
+    return run
+
+
+def _hangs_forever_on(task_id: str) -> object:
+    async def run(rendered: str, task: Task) -> str:
+        if task.id == task_id:
+            await asyncio.Event().wait()
+        return rendered
+
+    return run
+
+
+@pytest.mark.parametrize("loop", [evolve, async_evolve])
+async def test_a_run_hanging_in_the_initial_scoring_is_cut_at_max_seconds(loop):
+    async with asyncio.timeout(HANG_GUARD):
+        result = await loop(
+            _tasks(),
+            _reward,
+            run=_hangs_forever_on("h3"),
+            propose=_proposer([solves(*HELD)]),
+            held_out_frac=0.5,
+            max_seconds=0.2,
+        )
+    assert result.stop_reason == "max_seconds" and result.rollouts == 0
+    [cut] = result.errors
+    assert cut.task_id == "h3" and cut.phase == "eval" and cut.error == "TimeoutError"
+    assert "max_seconds" in cut.message
+
+
+async def test_a_sync_run_blocking_its_thread_in_the_initial_scoring_is_abandoned():
+    release = threading.Event()
+    try:
+        async with asyncio.timeout(HANG_GUARD):
+            result = await evolve(
+                _tasks(),
+                _reward,
+                run=_hangs_once_on("h3", release),
+                propose=_proposer([]),
+                artifact={"solves": " ".join(HELD[:5])},
+                held_out_frac=0.5,
+                workers=1,
+                max_rounds=1,
+                round_timeout=0.2,
+            )
+    finally:
+        release.set()  # frees the abandoned thread
+    # round_timeout cuts the stuck held-out rollout (it scores 0) and the loop goes on.
+    assert result.stop_reason == "rounds" and result.rollouts == 1
+    [cut] = result.errors
+    assert cut.task_id == "h3" and "round_timeout" in cut.message and "abandoned" in cut.message
+    assert result.initial_held_out == 0.4  # h0..h4 solved, h3 cut
+
+
+# -- a held-out set too small to mean anything is called out ------------------------------
+
+
+@pytest.mark.parametrize("loop", [evolve, async_evolve])
+async def test_a_held_out_set_under_the_minimum_warns_naming_its_size(loop):
+    tasks = [Task(id=f"t{i}", prompt="") for i in range(8)]
+    with pytest.warns(
+        HeldOutTooSmall, match=rf"has 4 tasks, fewer than the minimum of {MIN_HELD_OUT}"
+    ):
+        await loop(tasks, _reward, run=lambda r, t: r, propose=_proposer([]), held_out_frac=0.5)
+
+
+async def test_a_held_out_set_of_the_minimum_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HeldOutTooSmall)
+        result = await evolve(
+            _tasks(), _reward, run=lambda r, t: r, propose=_proposer([]), held_out_frac=0.5
+        )
+    assert result.stop_reason == "budget"
