@@ -112,33 +112,54 @@ async def test_a_cheap_acceptance_the_full_set_contradicts_is_not_merged():
     assert result.trust["artifact"] == 0.5  # a disagreement halves trust
 
 
-async def test_a_queued_audit_merges_an_edit_the_cheap_layer_rejected():
-    # Invisible on the subset (h0 unsolved either way), better on the rest.
+async def test_an_edit_the_subset_cannot_see_is_escalated_to_the_full_set_and_merged():
+    # Invisible on the subset (h0 unsolved either way), better on the rest: the
+    # subset never vetoes, the full comparison decides, free of the oracle budget.
     result = await _run([solves("h1", "h2")], AuditScheduler(initial_trust=1.0))
     [sweep] = result.history
-    assert sweep.route == "cheap" and not sweep.accepted and sweep.audits == 1
-    assert sweep.version == 2 and result.commits == 1  # the audit merged it
+    assert sweep.route == "escalated" and sweep.accepted and sweep.audits == 0
+    assert sweep.version == 2 and result.commits == 1
     [reversal] = result.reversals
     assert reversal["kind"] == "reject_overturned" and reversal["version"] == 2
-    assert result.audits == 1 and result.trust["artifact"] == 0.5
+    assert result.audits == 0 and result.trust["artifact"] == 0.5
+
+
+def _wide(radius: int, *tasks: str) -> Edit:
+    return Edit(set={"solves": " ".join(tasks)} | {f"k{i}": "x" for i in range(radius - 1)})
+
+
+async def test_a_queued_audit_merges_a_refused_edit_once_the_budget_allows():
+    audit = AuditScheduler(initial_trust=1.0, oracle_budget=0)
+    wide = _wide(FAST_MAX + 1, "h1", "h2")
+
+    def progress(p: object) -> None:
+        if len(audit) == 1:  # refused and queued: now the budget buys its audit
+            audit.oracle_budget = 1
+
+    result = await _run([wide, Edit(set={"unrelated": "z"})], audit, progress=progress)
+    assert [s.route for s in result.history] == ["refused", "escalated"]
+    assert result.history[1].audits == 1 and result.commits == 1
+    [reversal] = result.reversals
+    assert reversal["kind"] == "reject_overturned" and reversal["edit"]["set"] == wide.set
+    assert result.audits == 1 and audit.oracle_used == 1
 
 
 async def test_the_budget_buys_the_highest_priority_audit_first():
     audit = AuditScheduler(initial_trust=1.0, oracle_budget=0)
-    narrow = solves("h1")  # blast radius 1
-    wide = Edit(set={"solves": "h1 h2", "note": "x", "more": "y"})  # radius 3: higher priority
-    edits = [narrow, wide, Edit(set={"unrelated": "z"})]
+    narrower = _wide(FAST_MAX + 1, "h1")
+    wider = _wide(FAST_MAX + 3, "h1", "h2")  # higher priority
+    edits = [narrower, wider, Edit(set={"unrelated": "z"})]
 
     def progress(p: object) -> None:
-        if len(audit) == 2:  # both rejections queued: now the budget buys one audit
+        if len(audit) == 2:  # both refusals queued: now the budget buys one audit
             audit.oracle_budget = 1
 
     result = await _run(edits, audit, progress=progress)
     [reversal] = result.reversals
-    assert reversal["edit"]["set"] == wide.set  # blast_radius x uncertainty / trust: 3 > 1
+    assert reversal["edit"]["set"] == wider.set  # blast_radius x uncertainty / trust
     assert audit.oracle_used == 1 and result.audits == 1
     remaining = audit.pop()
-    assert remaining is not None and remaining.blast_radius in (1, 1.0)
+    assert remaining is not None and remaining.blast_radius == narrower.blast_radius
 
 
 @pytest.mark.parametrize("budget", [None, 3])

@@ -33,8 +33,10 @@ from ._failures import FailedAttempt as FailedAttempt
 from ._failures import Retry as Retry
 from ._ledger import Ledger as Ledger
 from ._ledger import Version as Version
+from ._model import MIN_HELD_OUT as MIN_HELD_OUT
 from ._model import Artifact as Artifact
 from ._model import Edit as Edit
+from ._model import HeldOutTooSmall as HeldOutTooSmall
 from ._model import RolloutContext as RolloutContext
 from ._model import Task as Task
 from ._model import check_reward as check_reward
@@ -56,6 +58,7 @@ from ._usage import record_usage as record_usage
 
 __all__ = [
     "FAST_MAX",
+    "MIN_HELD_OUT",
     "Acceptance",
     "Artifact",
     "AuditItem",
@@ -65,6 +68,7 @@ __all__ = [
     "Edit",
     "EvolutionResult",
     "FailedAttempt",
+    "HeldOutTooSmall",
     "Ledger",
     "Member",
     "OpenAICompatible",

@@ -468,7 +468,9 @@ async def async_evolve(
             last ``error_window`` units of work failed every attempt; 1.0 never stops.
         error_window: How many recent units the error rate is measured over.
         max_seconds: Stop (``"max_seconds"``) this many seconds after the
-            initial scoring; rollouts and evaluations in flight are cut.
+            initial scoring; rollouts and evaluations in flight are cut. The
+            initial scoring gets as long: past it, its unfinished rollouts are
+            cut and the loop stops before any rollout.
         max_calls: Stop (``"max_calls"``) once this many user calls were made;
             work in flight finishes.
         max_cost: Stop (``"max_cost"``) once the priced usage reaches this.

@@ -374,9 +374,13 @@ class Evolution:
     # -- the head and the pool ------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the ledger (resuming a stored head) and score the head on the held-out set."""
+        """Open the ledger (resuming a stored head) and score the head on the held-out set.
+
+        The scoring obeys the loop's time limits (:meth:`_score_start`); when
+        ``max_seconds`` cuts it, the loop stops before any rollout.
+        """
         self.head = await self.ledger.open()
-        rewards = await self.evaluate(self.head.artifact, self.head.version, self.held_out)
+        rewards = await self._score_start(self.head)
         self.set_head(self.head, self.new_member(self.head.artifact, rewards, None))
         if self.settings.selection == "pareto":
             assert self.head_member is not None
@@ -386,6 +390,40 @@ class Evolution:
         if self.settings.max_seconds is not None:
             self.deadline = asyncio.get_running_loop().time() + self.settings.max_seconds
         self.note_quality(0.0)
+
+    async def _score_start(self, head: Version) -> list[float]:
+        """The head's held-out rewards, each rollout cut at ``max_seconds`` or ``round_timeout``.
+
+        A cut rollout scores 0 and is recorded as a failed attempt
+        (``TimeoutError``); a sync call still running on its daemon thread
+        cannot be stopped, so it is abandoned (and said so in the record).
+        """
+        s = self.settings
+        limits = [x for x in (s.max_seconds, s.round_timeout) if x is not None]
+        limit = min(limits, default=None)
+        runs = [asyncio.create_task(self._eval_one(t, head)) for t in self.held_out]
+        try:
+            done, _ = await asyncio.wait(runs, timeout=limit)
+        finally:
+            for run in runs:
+                run.cancel()  # a no-op for finished ones; never leaves one behind
+            await asyncio.wait(runs)
+        rewards = []
+        for task, run in zip(self.held_out, runs, strict=True):
+            if run in done:
+                rewards.append(run.result())  # re-raises a contract violation (a bug)
+                continue
+            which = "max_seconds" if limit == s.max_seconds else "round_timeout"
+            message = (
+                f"held-out rollout cut after {limit} s ({which}) while scoring the starting "
+                "artifact; a sync call still running on its thread is abandoned"
+            )
+            self.failed("run", "eval", task, head.version, TimeoutError(message))
+            self.window.add(True)
+            rewards.append(0.0)
+            if which == "max_seconds":
+                self.stop("max_seconds")
+        return rewards
 
     def set_head(self, head: Version, member: Member | None) -> None:
         """Make ``head`` the head, scored as ``member`` (None: not measured yet)."""
@@ -503,6 +541,18 @@ class Evolution:
             )
         )
 
+    def backend_failure(self) -> str | None:
+        """Why the backend failed when units of work failed and not one succeeded, else None."""
+        window = self.window
+        if window.ok_units or not window.failed_units or not self.errors:
+            return None
+        last = self.errors[-1]
+        return (
+            f"the backend failed: all {window.failed_units} units of work failed; the last, "
+            f"the {last.stage} of task {last.task_id!r} ({last.phase}), raised "
+            f"{last.error}: {last.message}"
+        )
+
     # -- the result -----------------------------------------------------------------
 
     def result(
@@ -519,7 +569,9 @@ class Evolution:
         assert head is not None
         workers = max(1, len(busy))
         quality = self.quality_at
+        failure = self.backend_failure()
         return EvolutionResult(
+            failure=failure,
             mode=mode,
             artifact_id=self.ledger.artifact_id,
             version=head.version,
@@ -528,7 +580,7 @@ class Evolution:
             held_out=self.held_out_score,
             initial_held_out=self.initial_held_out,
             history=tuple(self.history),
-            stop_reason=self.stop_reason or stop_reason,
+            stop_reason="errors" if failure else self.stop_reason or stop_reason,
             rollouts=self.rollouts,
             eval_rollouts=self.eval_rollouts,
             commits=self.commits,

@@ -160,6 +160,7 @@ class ErrorWindow:
         self.max_rate = max_rate
         self._outcomes: collections.deque[bool] = collections.deque(maxlen=size)
         self.failed_units = 0
+        self.ok_units = 0
 
     def add(self, failed: bool) -> None:
         """Record one unit's outcome.
@@ -169,6 +170,7 @@ class ErrorWindow:
         """
         self._outcomes.append(failed)
         self.failed_units += int(failed)
+        self.ok_units += int(not failed)
 
     @property
     def rate(self) -> float:

@@ -226,6 +226,19 @@ def check_edit(task: Task, value: Any) -> Edit | None:
     return value if value.blast_radius else None
 
 
+#: Fewer held-out tasks than this warn (:class:`HeldOutTooSmall`): one task then
+#: moves the held-out mean by more than 0.1, and the gate reads noise as gains.
+MIN_HELD_OUT = 10
+
+
+class HeldOutTooSmall(UserWarning):
+    """The held-out set has fewer than ``MIN_HELD_OUT`` tasks: its verdicts mean little.
+
+    Warned, not refused: a small set is fine for a smoke test or a demo. Add
+    tasks or raise ``held_out_frac`` for a verdict worth merging on.
+    """
+
+
 def split_tasks(
     tasks: Sequence[Task], held_out_frac: float = 0.4, shuffle_seed: int | None = None
 ) -> tuple[list[Task], list[Task]]:

@@ -87,6 +87,7 @@ class Settings:
     quality: float | None = None
     selection: str = "head"
     audits_per_sweep: int = 1
+    round_timeout: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_rollouts", "max_candidates", "error_window", "audits_per_sweep"):

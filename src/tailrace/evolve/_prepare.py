@@ -6,6 +6,7 @@ Both loops begin with :func:`prepare` and end with :meth:`Evolution.close`
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 
 from ..core import Engine
@@ -15,7 +16,16 @@ from ..stores import MemoryStore, RunStore
 from ._audit import AuditScheduler
 from ._core import Evolution
 from ._ledger import Ledger
-from ._model import Artifact, ProposeFn, RewardFn, RunFn, Task, split_tasks
+from ._model import (
+    MIN_HELD_OUT,
+    Artifact,
+    HeldOutTooSmall,
+    ProposeFn,
+    RewardFn,
+    RunFn,
+    Task,
+    split_tasks,
+)
 from ._options import Settings
 
 
@@ -39,6 +49,13 @@ async def prepare(
     initial scoring is metered too); :meth:`Evolution.close` removes it.
     """
     train, held_out = split_tasks(tasks, settings.held_out_frac, settings.shuffle_seed)
+    if len(held_out) < MIN_HELD_OUT:
+        warnings.warn(
+            f"the held-out set has {len(held_out)} tasks, fewer than the minimum of "
+            f"{MIN_HELD_OUT}: its verdicts mean little (add tasks or raise held_out_frac)",
+            HeldOutTooSmall,
+            stacklevel=3,
+        )
     template = artifact if isinstance(artifact, Artifact) else Artifact(entries=artifact or {})
     owned: RunStore | None = None
     if store is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,9 +41,11 @@ class Sweep:
         elapsed: Seconds since the rollout phase started (0 likewise).
         route: How the decision was made: ``"oracle"`` (forced to the full
             held-out evaluation and paid from the oracle budget), ``"cheap"``
-            (the ranking subset decided; an acceptance is always measured on
-            the full set before it is committed) or ``"refused"`` (forced to the
-            oracle with its budget spent: not merged).
+            (the ranking subset passed it early; the full held-out comparison,
+            free, decides before anything is committed), ``"escalated"`` (the
+            ranking subset did not pass it, and it never vetoes: the full
+            comparison, free, decides) or ``"refused"`` (forced to the oracle
+            with its budget spent: not merged, queued for audit).
         reversed: The full held-out evaluation overturned the cheap verdict.
         audits: Queued audits this sweep bought from the oracle budget.
         admitted: With ``selection="pareto"``: the candidate joined the pool.
@@ -81,7 +84,8 @@ class EvolutionResult:
         stop_reason: Why the loop ended: ``"budget"`` (``max_rollouts``),
             ``"target"``, ``"rounds"`` (``max_rounds``), ``"max_seconds"``,
             ``"max_calls"``, ``"max_cost"``, ``"patience"``, ``"errors"``
-            (``max_error_rate`` exceeded) or ``"oracle_budget"`` (the oracle
+            (``max_error_rate`` exceeded, or not one unit of work succeeded:
+            see ``failure``) or ``"oracle_budget"`` (the oracle
             budget is spent while trust is below the gate: nothing can merge).
         rollouts: Training rollouts completed.
         eval_rollouts: Held-out rollouts run by the merger.
@@ -106,8 +110,9 @@ class EvolutionResult:
         oracle_refused: Oracle calls refused because the budget was spent.
         reversals: Decisions the full held-out evaluation reversed: ``{"sweep",
             "kind"`` (``"accept_overturned"``: the cheap layer accepted, the
-            full set did not, nothing was merged; ``"reject_overturned"``: an
-            audit accepted what the cheap layer rejected, and it was merged),
+            full set did not, nothing was merged; ``"reject_overturned"``: the
+            full comparison (or an audit) accepted what the cheap layer did
+            not pass, and it was merged),
             ``"edit", "base_version", "version", "cheap_probability",
             "probability"}``.
         partial: Cross-version pairs of partial rollouts, one per resume of a
@@ -128,6 +133,12 @@ class EvolutionResult:
             the head's held-out reward first reached ``quality``; None if never.
         cost_to_quality: The cost spent by then (initial scoring included).
         rollouts_to_quality: Training rollouts completed by then.
+        failure: When units of work failed and not one succeeded (every
+            ``run`` raised, say, or was cut): ``"the backend failed: ..."``
+            with the stage, task, error class and message of the last failed
+            attempt, and ``stop_reason`` is ``"errors"`` whatever ended the
+            loop. None when anything succeeded. Check it: such a run returns
+            normally, with the starting artifact unchanged.
         selection: ``"head"`` or ``"pareto"``.
         pool: With ``"pareto"``: the final front, ``{"id", "parent",
             "held_out", "entries"}`` per member.
@@ -172,6 +183,7 @@ class EvolutionResult:
     selection: str = "head"
     pool: tuple[Mapping[str, Any], ...] = ()
     eval_hedges: int = 0
+    failure: str | None = None
 
     def learning_curve(self) -> list[tuple[int, float]]:
         """``(rollouts, held-out reward)`` at the start and after every sweep that moved the head."""
@@ -204,6 +216,8 @@ class EvolutionResult:
         Raises:
             ValueError: an unknown format version or a required field is missing.
         """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"an EvolutionResult must be a JSON object, got {type(data).__name__}")
         version = data.get("format", RESULT_FORMAT)
         if version != RESULT_FORMAT:
             raise ValueError(f"unsupported EvolutionResult format {version!r}")
@@ -226,13 +240,89 @@ class EvolutionResult:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> EvolutionResult:
-        """Read a result written by :meth:`save`.
+        """Read a result written by :meth:`save`; a bad file is refused whole.
 
         Args:
             path: The JSON file.
+
+        Raises:
+            ValueError: the file is not JSON, nests too deep, holds a number
+                that is not finite (``NaN``, ``Infinity``), is not a result
+                object, or a field is missing or of the wrong kind; the
+                message names the file and what is wrong.
         """
-        with open(path, encoding="utf-8") as fh:
-            return cls.from_dict(json.load(fh))
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh, parse_constant=_no_constant, parse_float=_finite_float)
+            result = cls.from_dict(data)
+            _check_values(result)
+        except RecursionError:
+            raise ValueError(f"{os.fspath(path)!r}: JSON nests too deep") from None
+        except ValueError as exc:
+            raise ValueError(f"{os.fspath(path)!r}: {exc}") from exc
+        except TypeError as exc:  # a field of the wrong shape for its record
+            raise ValueError(f"{os.fspath(path)!r}: not an EvolutionResult: {exc}") from exc
+        return result
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+#: The kinds a record's scalar field may hold, by its annotation.
+_KINDS: dict[str, tuple[type, ...]] = {
+    "float": (int, float),
+    "int": (int,),
+    "str": (str,),
+    "bool": (bool,),
+}
+
+#: Fields that are a reward, a probability or a trust: within ``[0, 1]``.
+_UNIT = frozenset({"held_out", "initial_held_out", "audit_trust", "probability", "threshold"})
+
+
+def _check_values(result: EvolutionResult) -> None:
+    """Every field holds its kind, every number is finite, a reward or probability is in ``[0, 1]``.
+
+    Raises:
+        ValueError: naming the first field that is wrong.
+    """
+    records: list[tuple[str, Any]] = [("EvolutionResult", result)]
+    for name in ("history", "errors", "usage"):
+        records += [(f"{name}[{i}]", r) for i, r in enumerate(getattr(result, name))]
+    for where, record in records:
+        for f in dataclasses.fields(record):
+            _check_scalar(f"{where}.{f.name}", str(f.type), getattr(record, f.name))
+    for name in ("worker_busy", "worker_used"):
+        for i, value in enumerate(getattr(result, name)):
+            _check_scalar(f"EvolutionResult.{name}[{i}]", "float", value)
+    for key, value in result.trust.items():
+        _check_scalar(f"EvolutionResult.trust[{key!r}]", "float", value)
+
+
+def _check_scalar(where: str, annotation: str, value: Any) -> None:
+    if value is None and annotation.endswith(" | None"):
+        return
+    kind = annotation.removesuffix(" | None")
+    expected = _KINDS.get(kind)
+    if expected is None:  # a container, checked where it is read
+        return
+    if not isinstance(value, expected) or (kind != "bool" and isinstance(value, bool)):
+        raise ValueError(f"{where} must be {kind}, got {value!r}")
+    if kind != "float" or not isinstance(value, int | float):
+        return
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{where} is {value!r}, not a finite number")
+    if where.rsplit(".", 1)[-1] in _UNIT and not 0.0 <= number <= 1.0:
+        raise ValueError(f"{where} is {value!r}, outside [0, 1]")
 
 
 def _known_fields(cls: type, data: Mapping[str, Any], what: str) -> dict[str, Any]:

@@ -12,19 +12,24 @@ held-out tasks, and takes the one that gains most over its parent there
   the cheap layer is under 0.75; the full verdict decides, and comparing it
   with the cheap verdict updates trust;
 - with the budget spent, such a candidate is **refused** (not merged: a wide
-  or untrusted change never lands unchecked); when trust is under the gate
-  too, nothing can merge any more and the loop stops (``"oracle_budget"``);
-- otherwise the **cheap** verdict on the subset decides. A candidate it
-  accepts is scored on the full held-out set before it is committed, because
-  ``target``, ``patience`` and the learning curve read the head's full score;
-  that score is the oracle's verdict too, so it updates trust and a
-  contradicting one stops the merge (a reversal). A candidate it rejects is
-  queued for audit with priority ``blast_radius x uncertainty / trust``.
+  or untrusted change never lands unchecked) and queued for audit with
+  priority ``blast_radius x uncertainty / trust``; when trust is under the
+  gate too, nothing can merge any more and the loop stops (``"oracle_budget"``);
+- otherwise the cheap verdict on the subset may pass the candidate early
+  (route ``"cheap"``) but never veto it: a candidate it does not pass is
+  **escalated** to the full comparison (route ``"escalated"``), because a
+  small subset often cannot see a gain the full set does. Either way the
+  candidate is scored on the rest of the held-out set, free of the oracle
+  budget (``target``, ``patience`` and the learning curve read the head's
+  full score), and that full verdict decides. It is the oracle's verdict too,
+  so it updates trust, and when it contradicts the subset it is a reversal;
+  no audit re-buys it.
 
-After its own decision, a sweep buys up to ``audits_per_sweep`` queued audits,
-highest priority first, while the budget lasts; an audit that finds a
-rejected edit good merges it (a reversal too). The sweep's evaluations stop at
-the ``max_seconds`` deadline; its commits, once decided, are always made.
+After its own decision, a sweep buys up to ``audits_per_sweep`` queued audits
+(refused candidates), highest priority first, while the budget lasts; an
+audit that finds a refused edit good merges it (a reversal too). The sweep's
+evaluations stop at the ``max_seconds`` deadline; its commits, once decided,
+are always made.
 """
 
 from __future__ import annotations
@@ -128,19 +133,24 @@ async def _judge(evo: Evolution, proposals: Sequence[Proposal]) -> Judgement | N
     edit = best.edit
     if evo.audit.force_oracle(edit.blast_radius, evo.ledger.artifact_id):
         if not evo.audit.spend_oracle():
+            _queue_for_audit(evo, best, cheap_verdict)  # bought when the budget allows
             return _judgement(best, candidates, "refused", cheap_verdict, cheap_verdict, None)
         evo.audits_bought += 1
         return await _full_decision(evo, best, candidates, "oracle", cheap_verdict)
-    if cheap_verdict.accepted:
-        return await _full_decision(evo, best, candidates, "cheap", cheap_verdict)
+    # The subset may pass a candidate early, never veto one: a rejection there is
+    # an escalation to the full comparison, whose verdict is the audit too (free).
+    route = "cheap" if cheap_verdict.accepted else "escalated"
+    return await _full_decision(evo, best, candidates, route, cheap_verdict)
+
+
+def _queue_for_audit(evo: Evolution, best: Candidate, cheap_verdict: Verdict) -> None:
     evo.audit.submit(
         f"sweep-{len(evo.history) + 1}",
-        blast_radius=edit.blast_radius,
+        blast_radius=best.edit.blast_radius,
         uncertainty=1.0 - abs(2.0 * cheap_verdict.probability - 1.0),
         artifact_id=evo.ledger.artifact_id,
         payload=(best, cheap_verdict, _head_version(evo)),
     )
-    return _judgement(best, candidates, "cheap", cheap_verdict, cheap_verdict, None)
 
 
 def _judgement(
@@ -178,8 +188,8 @@ async def _full_decision(
     verdict = _full_verdict(evo, best, full)
     agreed = cheap_verdict.accepted == verdict.accepted
     evo.audit.record(agreed=agreed, artifact_id=evo.ledger.artifact_id)
-    overturned = route == "cheap" and not verdict.accepted
-    if overturned:
+    overturned = not agreed and route != "oracle"
+    if overturned and route == "cheap":
         _record_reversal(evo, "accept_overturned", best, cheap_verdict, verdict, _head_version(evo))
     return _judgement(best, candidates, route, cheap_verdict, verdict, full, agreed, overturned)
 
@@ -259,7 +269,11 @@ async def _apply(evo: Evolution, j: Judgement) -> bool:
     """Commit (or admit) an accepted candidate; returns whether the ledger head moved."""
     if not j.verdict.accepted or j.full is None:
         return False
-    return await _merge(evo, j.candidate, j.full, j.verdict, j.route)
+    base = _head_version(evo)
+    moved = await _merge(evo, j.candidate, j.full, j.verdict, j.route)
+    if j.route == "escalated":  # the subset rejected what the full comparison accepted
+        _record_reversal(evo, "reject_overturned", j.candidate, j.cheap_verdict, j.verdict, base)
+    return moved
 
 
 async def _merge(
@@ -318,7 +332,7 @@ async def _buy_audits(evo: Evolution) -> int:
 
 
 async def _audit(evo: Evolution, item: AuditItem) -> bool:
-    """Judge a rejected candidate with the oracle; merge it when the oracle accepts it."""
+    """Judge a refused candidate with the oracle; merge it when the oracle accepts it."""
     candidate, cheap_verdict, version = item.payload
     head_member = await evo.measured_head()
     same_base = evo.pool is not None or (
@@ -368,5 +382,7 @@ def _record_reversal(
 
 def _stop_if_nothing_can_merge(evo: Evolution) -> None:
     """With the oracle budget spent and trust under the gate, every decision would be refused."""
+    if evo.reached_target():  # the loop ends for the better reason
+        return
     if evo.audit.oracle_left == 0 and evo.audit.trust(evo.ledger.artifact_id) < TRUST_FLOOR:
         evo.stop("oracle_budget")

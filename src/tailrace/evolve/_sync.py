@@ -179,7 +179,9 @@ async def evolve(
         max_rollouts: Budget of training rollouts (the last round may be partial).
         max_rounds: Stop after this many rounds (stop reason ``"rounds"``).
         round_timeout: Seconds a round waits before cancelling its unfinished
-            rollouts (counted as stragglers); None waits for all.
+            rollouts (counted as stragglers); None waits for all. Each held-out
+            rollout of the initial scoring is cut after it too (it scores 0,
+            recorded as a ``TimeoutError``; a sync call is left on its thread).
         target: Stop once the head's mean held-out reward reaches this.
         held_out_frac: Fraction of tasks held out for acceptance (default 0.4).
         shuffle_seed: Shuffle tasks with this seed before splitting; None keeps
@@ -198,7 +200,9 @@ async def evolve(
             last ``error_window`` units of work failed every attempt; 1.0 never stops.
         error_window: How many recent units the error rate is measured over.
         max_seconds: Stop (``"max_seconds"``) this many seconds after the
-            initial scoring; the round or evaluation in flight is cut.
+            initial scoring; the round or evaluation in flight is cut. The
+            initial scoring gets as long: past it, its unfinished rollouts are
+            cut and the loop stops before any round.
         max_calls: Stop (``"max_calls"``) once this many user calls were made.
         max_cost: Stop (``"max_cost"``) once the priced usage reaches this.
         prices: Model name mapped to its :class:`Price` (for cost).
