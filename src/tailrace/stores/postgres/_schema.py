@@ -8,8 +8,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .._errors import StoreError, UnsupportedFormat
-from ._sql import CREATE_MIGRATIONS_TABLE, MIGRATIONS, SCHEMA_VERSION
+from ..._errors import StoreError, UnsupportedFormat
+from .._sql._statements import CREATE_MIGRATIONS_TABLE, MIGRATIONS, SCHEMA_VERSION
 
 #: First key of the advisory lock that serialises migrations ("tr").
 _MIGRATION_LOCK = 0x7472

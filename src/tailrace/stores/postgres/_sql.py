@@ -5,11 +5,14 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from .._errors import RunNotFound
-from ._base import Harvest, QuestionRow, QuestionStatus
-from ._postgres_faults import XID, Attempt, Conn, Work
-from ._rules import not_applicable, parse_question_status, question_not_found
-from ._sql import (
+from ..._errors import RunNotFound
+from .._records import (
+    Harvest,
+    QuestionRow,
+    QuestionStatus,
+)
+from .._rules import not_applicable, parse_question_status, question_not_found
+from .._sql._statements import (
     ANSWER_QUESTION,
     APPLY_QUESTION,
     ARTIFACT_HEAD_VERSION,
@@ -26,6 +29,7 @@ from ._sql import (
     question_from_row,
     run_update_params,
 )
+from ._connections import XID, Attempt, Conn, Work
 
 
 def pg(statement: str) -> str:

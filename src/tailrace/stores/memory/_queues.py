@@ -8,20 +8,10 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._errors import RunExists, RunNotFound
-from ._base import (
-    ChangeFeed,
-    NewRun,
-    QuestionRow,
-    Queue,
-    QueueStats,
-    RunRecord,
-    RunStatus,
-    Submission,
-    WorkerRow,
-)
-from ._changes import ChangeHub
-from ._queue_rules import (
+from ..._errors import RunExists, RunNotFound
+from .._changes import ChangeHub
+from .._contract import ChangeFeed
+from .._queue_rules import (
     check_claim,
     check_worker,
     claim_key,
@@ -31,7 +21,17 @@ from ._queue_rules import (
     partition_blocked,
     stats_of,
 )
-from ._rules import can_apply, check_name, check_names, check_new_format, check_ttl, due, due_order
+from .._records import (
+    NewRun,
+    QuestionRow,
+    Queue,
+    QueueStats,
+    RunRecord,
+    RunStatus,
+    Submission,
+    WorkerRow,
+)
+from .._rules import can_apply, check_name, check_names, check_new_format, check_ttl, due, due_order
 
 
 class MemoryQueues:

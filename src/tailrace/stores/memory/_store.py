@@ -20,9 +20,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
-from .._errors import RunExists, RunNotFound, StoreError
-from ._artifacts import ArtifactLedger
-from ._base import (
+from ..._errors import RunExists, RunNotFound, StoreError
+from .._artifacts import ArtifactLedger
+from .._changes import ChangeHub
+from .._contract import RunStore
+from .._records import (
     ArtifactVersion,
     EventRow,
     FrozenInput,
@@ -36,14 +38,11 @@ from ._base import (
     RunCount,
     RunRecord,
     RunStatus,
-    RunStore,
     StoredRun,
     Submission,
     WorkerRow,
 )
-from ._changes import ChangeHub
-from ._memory_queues import MemoryQueues
-from ._rules import (
+from .._rules import (
     EMPTY_STATE_JSON,
     answer_status,
     applied_status,
@@ -67,7 +66,8 @@ from ._rules import (
     printable_text,
     question_not_found,
 )
-from ._sql_queues import run_count_order
+from .._sql._queues import run_count_order
+from ._queues import MemoryQueues
 
 # --- the store ---------------------------------------------------------------
 

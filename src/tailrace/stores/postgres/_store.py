@@ -6,17 +6,17 @@ row (``SELECT ... FOR UPDATE``) before checking the fencing token, so two
 engines can never both write the same run (D6). Migrations run under a
 transaction-scoped advisory lock, so processes that start together do not
 race; a database already at this code's version is opened without the lock
-(``_postgres_schema``). Of racing artifact commits, the ``artifact_versions``
+(``_schema``). Of racing artifact commits, the ``artifact_versions``
 primary key lets one insert through and the others become
 :class:`~tailrace.StaleVersion`. The tables live in ``schema`` (``public`` by
 default), which lets several deployments, or tests, share one database.
 
 Faults and cancellation (a lost connection, a server restart, a lost
 ``COMMIT`` answer, a cancelled caller) are handled by the connection layer in
-``_postgres_faults``: every call re-runs its whole transaction on a fresh
+``_connections``: every call re-runs its whole transaction on a fresh
 connection within ``retry_budget``, a write is never applied twice, and a
 connection always goes back to the pool. The statements live in
-``_postgres_sql``.
+``_sql`` (Postgres's spelling of the shared statements).
 
 Every psycopg exception becomes ours at this seam (CONVENTIONS 3), naming the
 run, question or artifact. Requires the ``postgres`` extra:
@@ -30,9 +30,10 @@ from typing import Any
 
 import psycopg
 
-from .._errors import RunExists, StoreError
-from ._artifacts import check_expected, stale_version
-from ._base import (
+from ..._errors import RunExists, StoreError
+from .._artifacts import check_expected, stale_version
+from .._contract import RunStore
+from .._records import (
     ArtifactVersion,
     EventRow,
     FrozenInput,
@@ -45,12 +46,44 @@ from ._base import (
     RunCount,
     RunRecord,
     RunStatus,
-    RunStore,
     StoredRun,
 )
-from ._postgres_faults import Attempt, Conn, harvest_texts, nothing
-from ._postgres_queues import PostgresQueues, notify
-from ._postgres_sql import (
+from .._rules import (
+    answer_status,
+    check_apply_deferral,
+    check_commit,
+    check_harvest,
+    check_holder,
+    check_name,
+    check_names,
+    check_new_format,
+    check_readable,
+    check_ttl,
+    grant_lease,
+    not_open,
+    parse_status,
+)
+from .._sql._queues import RUN_COUNTS, list_runs_query, run_counts_from_rows
+from .._sql._statements import (
+    APPLY_QUESTION,
+    DEFER_ANSWER,
+    DUE_ANSWERS,
+    EVENT_COLUMNS,
+    EXPIRED_LEASES,
+    SELECT_ARTIFACT_HEAD,
+    SELECT_ARTIFACT_HISTORY,
+    SUPERSEDE_QUESTION,
+    artifact_from_row,
+    artifact_params,
+    event_from_row,
+    list_questions_query,
+    new_run_params,
+    question_from_row,
+    record_from_row,
+)
+from ._connections import Attempt, Conn, harvest_texts, nothing
+from ._queues import PostgresQueues, notify
+from ._sql import (
     LOCK_FOR_COMMIT,
     LOCK_LEASE,
     PG_ANSWER_QUESTION,
@@ -69,39 +102,6 @@ from ._postgres_sql import (
     select_question,
     write_harvest,
 )
-from ._rules import (
-    answer_status,
-    check_apply_deferral,
-    check_commit,
-    check_harvest,
-    check_holder,
-    check_name,
-    check_names,
-    check_new_format,
-    check_readable,
-    check_ttl,
-    grant_lease,
-    not_open,
-    parse_status,
-)
-from ._sql import (
-    APPLY_QUESTION,
-    DEFER_ANSWER,
-    DUE_ANSWERS,
-    EVENT_COLUMNS,
-    EXPIRED_LEASES,
-    SELECT_ARTIFACT_HEAD,
-    SELECT_ARTIFACT_HISTORY,
-    SUPERSEDE_QUESTION,
-    artifact_from_row,
-    artifact_params,
-    event_from_row,
-    list_questions_query,
-    new_run_params,
-    question_from_row,
-    record_from_row,
-)
-from ._sql_queues import RUN_COUNTS, list_runs_query, run_counts_from_rows
 
 
 class PostgresStore(PostgresQueues, RunStore):

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from itertools import chain, repeat
 from typing import Any, TypeVar, cast
 
-from .._errors import StoreError
+from ..._errors import StoreError
 
 T = TypeVar("T")
 logger = logging.getLogger("tailrace.stores")

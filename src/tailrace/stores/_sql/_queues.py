@@ -12,9 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .._errors import CorruptRecord
-from ._base import Queue, RunCount, RunStatus
-from ._sql import RUN_COLUMNS
+from ..._errors import CorruptRecord
+from .._records import (
+    Queue,
+    RunCount,
+    RunStatus,
+)
+from ._statements import RUN_COLUMNS
 
 QUEUE_COLUMNS = "name, concurrency, worker_concurrency, rate_limit, rate_period, ordering"
 WORKER_COLUMNS = "worker_id, queues_json, concurrency, started_at, seen_at, running"

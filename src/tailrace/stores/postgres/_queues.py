@@ -31,22 +31,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .._errors import RunExists, RunNotFound
-from ._base import (
-    CHANGE_KINDS,
-    ChangeFeed,
-    NewRun,
-    QuestionRow,
-    Queue,
-    QueueStats,
-    RunStatus,
-    Submission,
-    WorkerRow,
-)
-from ._changes import ChangeHub, Stop
-from ._postgres_faults import XID, Attempt, Conn, Landed, PostgresConnections, T, Work
-from ._postgres_sql import fetch_all, pg, select_question
-from ._queue_rules import (
+from ..._errors import RunExists, RunNotFound
+from .._changes import ChangeHub, Stop
+from .._contract import ChangeFeed
+from .._queue_rules import (
     check_claim,
     check_worker,
     free_slots,
@@ -56,9 +44,18 @@ from ._queue_rules import (
     worker_from_row,
     worker_params,
 )
-from ._rules import check_name, check_names, check_new_format, check_ttl, parse_status
-from ._sql import INSERT_QUEUED_RUN, queued_run_params
-from ._sql_queues import (
+from .._records import (
+    CHANGE_KINDS,
+    NewRun,
+    QuestionRow,
+    Queue,
+    QueueStats,
+    RunStatus,
+    Submission,
+    WorkerRow,
+)
+from .._rules import check_name, check_names, check_new_format, check_ttl, parse_status
+from .._sql._queues import (
     ACTIVE_IN_QUEUE,
     ANSWER_CANDIDATES,
     ANY_QUEUED,
@@ -80,8 +77,11 @@ from ._sql_queues import (
     UPSERT_WORKER,
     claim_candidates,
 )
+from .._sql._statements import INSERT_QUEUED_RUN, queued_run_params
+from ._connections import XID, Attempt, Conn, Landed, PostgresConnections, T, Work
+from ._sql import fetch_all, pg, select_question
 
-logger = logging.getLogger("tailrace.stores._postgres")
+logger = logging.getLogger("tailrace.stores.postgres")
 
 #: First key of the advisory lock that serialises counted claims of one queue ("tq").
 _QUEUE_LOCK = 0x7471

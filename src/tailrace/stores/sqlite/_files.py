@@ -22,8 +22,8 @@ import sqlite3
 import time
 from pathlib import Path
 
-from .._errors import StoreError, UnsupportedFormat
-from ._sql import CREATE_MIGRATIONS_TABLE, MIGRATIONS, SCHEMA_VERSION
+from ..._errors import StoreError, UnsupportedFormat
+from .._sql._statements import CREATE_MIGRATIONS_TABLE, MIGRATIONS, SCHEMA_VERSION
 
 
 def newer_schema(where: str, version: int) -> UnsupportedFormat:

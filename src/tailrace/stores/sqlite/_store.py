@@ -8,7 +8,7 @@ resolves each caller's future on its own loop. Reads run on a small pool of
 threads with their own read-only connections; WAL lets them proceed while the
 writer commits. Several processes may share one file: ``BEGIN IMMEDIATE`` and
 the busy timeout serialise their writers. The threads live in
-``_sqlite_threads``; the schema and SQL, shared with Postgres, in ``_sql``.
+``_threads``; the schema and SQL, shared with Postgres, in ``_sql``.
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
-from .._errors import RunExists, RunNotFound, StoreError
-from ._artifacts import check_expected, stale_version
-from ._base import (
+from ..._errors import RunExists, RunNotFound, StoreError
+from .._artifacts import check_expected, stale_version
+from .._changes import ChangeHub
+from .._contract import RunStore
+from .._records import (
     ArtifactVersion,
     EventRow,
     FrozenInput,
@@ -36,11 +38,9 @@ from ._base import (
     RunCount,
     RunRecord,
     RunStatus,
-    RunStore,
     StoredRun,
 )
-from ._changes import ChangeHub
-from ._rules import (
+from .._rules import (
     answer_status,
     check_apply_deferral,
     check_commit,
@@ -59,7 +59,8 @@ from ._rules import (
     question_not_found,
     read_only_refusal,
 )
-from ._sql import (
+from .._sql._queues import RUN_COUNTS, list_runs_query, run_counts_from_rows
+from .._sql._statements import (
     ANSWER_QUESTION,
     APPLY_QUESTION,
     ARTIFACT_HEAD_VERSION,
@@ -90,10 +91,9 @@ from ._sql import (
     record_from_row,
     run_update_params,
 )
-from ._sql_queues import RUN_COUNTS, list_runs_query, run_counts_from_rows
-from ._sqlite_files import prepare_for_writing, read_only_connection, read_only_uri
-from ._sqlite_queues import DataVersionWatch, SQLiteQueues, bump
-from ._sqlite_threads import (
+from ._files import prepare_for_writing, read_only_connection, read_only_uri
+from ._queues import DataVersionWatch, SQLiteQueues, bump
+from ._threads import (
     Readers,
     Undo,
     Writer,
@@ -146,7 +146,7 @@ class SQLiteStore(SQLiteQueues, RunStore):
         read_only: read an existing database and never write to it: no
             migrations, no WAL switch, no file created; writes raise
             ``StoreError``. Works next to a writer in another process and on
-            read-only media (see ``_sqlite_files``).
+            read-only media (see ``_files``).
     """
 
     def __init__(

@@ -23,19 +23,10 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from .._errors import RunExists, RunNotFound
-from ._base import (
-    ChangeFeed,
-    NewRun,
-    QuestionRow,
-    Queue,
-    QueueStats,
-    RunStatus,
-    Submission,
-    WorkerRow,
-)
-from ._changes import ChangeHub, Stop
-from ._queue_rules import (
+from ..._errors import RunExists, RunNotFound
+from .._changes import ChangeHub, Stop
+from .._contract import ChangeFeed
+from .._queue_rules import (
     check_claim,
     check_worker,
     free_slots,
@@ -45,9 +36,17 @@ from ._queue_rules import (
     worker_from_row,
     worker_params,
 )
-from ._rules import check_name, check_names, check_new_format, check_ttl, parse_status
-from ._sql import INSERT_QUEUED_RUN, SELECT_QUESTION, question_from_row, queued_run_params
-from ._sql_queues import (
+from .._records import (
+    NewRun,
+    QuestionRow,
+    Queue,
+    QueueStats,
+    RunStatus,
+    Submission,
+    WorkerRow,
+)
+from .._rules import check_name, check_names, check_new_format, check_ttl, parse_status
+from .._sql._queues import (
     ACTIVE_IN_QUEUE,
     ANSWER_CANDIDATES,
     ANY_QUEUED,
@@ -71,7 +70,13 @@ from ._sql_queues import (
     UPSERT_WORKER,
     claim_candidates,
 )
-from ._sqlite_threads import Undo
+from .._sql._statements import (
+    INSERT_QUEUED_RUN,
+    SELECT_QUESTION,
+    question_from_row,
+    queued_run_params,
+)
+from ._threads import Undo
 
 T = TypeVar("T")
 logger = logging.getLogger("tailrace.stores")

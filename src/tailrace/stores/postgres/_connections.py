@@ -1,7 +1,7 @@
 """Postgres connections and faults: the pool, retries, lost COMMITs, cancellation.
 
 The machinery :class:`~tailrace.stores.PostgresStore` runs every call through
-(split from ``_postgres`` so that the store module holds the contract only).
+(a collaborator of the store, so that the store module holds the contract only).
 
 Faults. A lost connection, a server restart (admin or crash shutdown, "the
 database system is starting up"), a serialization failure or a deadlock
@@ -42,13 +42,13 @@ import psycopg
 import psycopg_pool
 from psycopg import sql
 
-from .._errors import StoreError
-from ._base import Harvest
-from ._postgres_schema import PostgresSchema
-from ._rules import read_only_refusal
+from ..._errors import StoreError
+from .._records import Harvest
+from .._rules import read_only_refusal
+from ._schema import PostgresSchema
 
 #: Logged under the store's name, where its operators look.
-logger = logging.getLogger("tailrace.stores._postgres")
+logger = logging.getLogger("tailrace.stores.postgres")
 
 Conn = psycopg.AsyncConnection[Any]
 Pool = psycopg_pool.AsyncConnectionPool[Conn]
