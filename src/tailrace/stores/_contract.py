@@ -22,6 +22,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from ._artifacts import check_expected
+from ._queue_rules import check_claim, check_worker
 from ._records import (
     CHANGE_KINDS,
     ArtifactVersion,
@@ -40,6 +42,15 @@ from ._records import (
     StoredRun,
     Submission,
     WorkerRow,
+)
+from ._rules import (
+    answer_status,
+    check_apply_deferral,
+    check_harvest,
+    check_name,
+    check_names,
+    check_new_format,
+    check_ttl,
 )
 
 
@@ -123,27 +134,34 @@ class RunStore(abc.ABC):
     async def close(self) -> None:
         """Flush pending writes and release connections. Idempotent."""
 
-    @abc.abstractmethod
     async def create_run(self, run: NewRun) -> None:
         """Store a new run with status ``running``; :class:`~tailrace.RunExists` if the id is taken."""
+        check_new_format(run)
+        check_names(
+            run_id=run.run_id, graph_name=run.graph_name, graph_ref=run.graph_ref,
+            fingerprint=run.fingerprint,
+        )  # fmt: skip
+        await self._create_run(run)
 
-    @abc.abstractmethod
     async def commit(self, run_id: str, token: int, harvest: Harvest) -> None:
         """Apply ``harvest`` atomically if ``token`` is the run's current lease token.
 
         Raises :class:`~tailrace.LeaseLost` (nothing written) when fenced out,
         :class:`~tailrace.RunNotFound` for an unknown run.
         """
+        check_harvest(run_id, harvest)
+        await self._commit(run_id, token, harvest)
 
-    @abc.abstractmethod
     async def load_run(self, run_id: str) -> StoredRun:
         """Return the run and its node rows; :class:`~tailrace.RunNotFound` if absent."""
+        check_name("run_id", run_id)
+        return await self._load_run(run_id)
 
-    @abc.abstractmethod
     async def get_run(self, run_id: str) -> RunRecord:
         """Return the run record alone; :class:`~tailrace.RunNotFound` if absent."""
+        check_name("run_id", run_id)
+        return await self._get_run(run_id)
 
-    @abc.abstractmethod
     async def list_runs(
         self,
         *,
@@ -162,24 +180,30 @@ class RunStore(abc.ABC):
             graph: only runs of this graph name.
             offset: skip this many of the matching runs first.
         """
+        check_names(queue=queue, graph=graph)
+        return await self._list_runs(
+            status=status, limit=limit, queue=queue, graph=graph, offset=offset
+        )
 
-    @abc.abstractmethod
     async def run_counts(self) -> list[RunCount]:
         """How many runs there are per graph name, queue and status (one query: for dashboards)."""
+        return await self._run_counts()
 
-    @abc.abstractmethod
     async def results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
         """Result rows of a run (of one node if given), by node then visit."""
+        check_names(run_id=run_id, node_id=node_id)
+        return await self._results(run_id, node_id)
 
-    @abc.abstractmethod
     async def frozen_inputs(self, run_id: str) -> list[FrozenInput]:
         """First-k decisions of a run, by node then activation."""
+        check_name("run_id", run_id)
+        return await self._frozen_inputs(run_id)
 
-    @abc.abstractmethod
     async def events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
         """Events of a run with ``seq > after_seq``, in seq order."""
+        check_name("run_id", run_id)
+        return await self._events(run_id, after_seq=after_seq)
 
-    @abc.abstractmethod
     async def acquire_lease(
         self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
     ) -> int:
@@ -200,18 +224,23 @@ class RunStore(abc.ABC):
         message says what the user can do. :class:`~tailrace.RunNotFound` for
         an unknown run.
         """
+        check_ttl(ttl)
+        check_names(run_id=run_id, owner=owner, steal_from=steal_from)
+        return await self._acquire_lease(run_id, owner, ttl, steal_from=steal_from)
 
-    @abc.abstractmethod
     async def heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
         """Extend the lease; :class:`~tailrace.LeaseLost` if ``token`` is no longer current."""
+        check_ttl(ttl)
+        check_names(run_id=run_id, owner=owner)
+        await self._heartbeat(run_id, owner, token, ttl)
 
-    @abc.abstractmethod
     async def release_lease(self, run_id: str, owner: str, token: int) -> None:
         """Drop the lease if still held with ``token``; otherwise do nothing."""
+        check_names(run_id=run_id, owner=owner)
+        await self._release_lease(run_id, owner, token)
 
     # -- the question ledger (Q2-Q5) ---------------------------------------------
 
-    @abc.abstractmethod
     async def answer(
         self,
         question_id: str,
@@ -227,12 +256,16 @@ class RunStore(abc.ABC):
         :class:`~tailrace.AlreadyAnswered` and changes nothing; an unknown one
         :class:`~tailrace.QuestionNotFound`.
         """
+        status = answer_status(question_id, status)
+        check_name("question_id", question_id)
+        check_name("by", by, context=f"question {question_id!r}: ")
+        return await self._answer(question_id, answer_json, by=by, status=status)
 
-    @abc.abstractmethod
     async def get_question(self, question_id: str) -> QuestionRow:
         """The question; :class:`~tailrace.QuestionNotFound` if absent."""
+        check_name("question_id", question_id)
+        return await self._get_question(question_id)
 
-    @abc.abstractmethod
     async def list_questions(
         self,
         *,
@@ -241,8 +274,9 @@ class RunStore(abc.ABC):
         limit: int | None = None,
     ) -> list[QuestionRow]:
         """Questions, oldest first, filtered by ``status`` and ``run_id``, at most ``limit``."""
+        check_name("run_id", run_id)
+        return await self._list_questions(status=status, run_id=run_id, limit=limit)
 
-    @abc.abstractmethod
     async def unapplied_answers(
         self, *, limit: int = 100, now: float | None = None
     ) -> list[QuestionRow]:
@@ -260,8 +294,8 @@ class RunStore(abc.ABC):
         deferred, never hide one it can: however many are stuck, a new answer
         is at the head of the list.
         """
+        return await self._unapplied_answers(limit=limit, now=now)
 
-    @abc.abstractmethod
     async def defer_answer(self, question_id: str, *, error: str, retry_at: float) -> None:
         """Record that applying ``question_id``'s answer failed, and when to try again.
 
@@ -277,32 +311,38 @@ class RunStore(abc.ABC):
         changed, in one atomic update; on any other it does nothing.
         :class:`~tailrace.QuestionNotFound` if the question is unknown.
         """
+        check_name("question_id", question_id)
+        error = check_apply_deferral(question_id, error, retry_at)
+        retry_at = float(retry_at)
+        await self._defer_answer(question_id, error=error, retry_at=retry_at)
 
-    @abc.abstractmethod
     async def mark_applied(self, question_id: str) -> bool:
         """Outside a harvest (drivers of external graphs): apply-CAS; False if already applied or superseded.
 
         ``apply_error``/``apply_attempts``/``retry_at`` are kept as history.
         """
+        check_name("question_id", question_id)
+        return await self._mark_applied(question_id)
 
-    @abc.abstractmethod
     async def supersede(self, question_id: str) -> bool:
         """Mark a question ``superseded`` unless applied; False if it already was final.
 
         ``apply_error``/``apply_attempts``/``retry_at`` are kept as history.
         """
+        check_name("question_id", question_id)
+        return await self._supersede(question_id)
 
-    @abc.abstractmethod
     async def expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
         """Ids of runs in status ``running`` whose lease expired before ``now`` (orphans)."""
+        return await self._expired_leases(now, limit=limit)
 
     # -- the evolve ledger ----------------------------------------------------------
 
-    @abc.abstractmethod
     async def artifact_head(self, artifact_id: str) -> ArtifactVersion | None:
         """The newest version of ``artifact_id``, or None if it has none."""
+        check_name("artifact_id", artifact_id)
+        return await self._artifact_head(artifact_id)
 
-    @abc.abstractmethod
     async def commit_artifact(
         self, artifact_id: str, expected: int, entries_json: str, meta_json: str = "{}"
     ) -> ArtifactVersion:
@@ -312,10 +352,13 @@ class RunStore(abc.ABC):
         committed first) raises :class:`~tailrace.StaleVersion` and writes
         nothing. ``entries_json``/``meta_json`` are stored as given.
         """
+        check_expected(artifact_id, expected)
+        return await self._commit_artifact(artifact_id, expected, entries_json, meta_json)
 
-    @abc.abstractmethod
     async def artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
         """Every version of ``artifact_id``, oldest first."""
+        check_name("artifact_id", artifact_id)
+        return await self._artifact_history(artifact_id)
 
     # -- queues, claims and workers (scale-out) ----------------------------------
     #
@@ -327,7 +370,6 @@ class RunStore(abc.ABC):
     # advisory lock while a limit needs counting); SQLite in one ``BEGIN
     # IMMEDIATE`` transaction; memory under its lock.
 
-    @abc.abstractmethod
     async def submit_run(self, run: NewRun, submission: Submission) -> str:
         """Store ``run`` as ``queued`` in ``submission.queue`` and return its id.
 
@@ -336,8 +378,15 @@ class RunStore(abc.ABC):
         is returned instead. :class:`~tailrace.RunExists` if ``run.run_id`` is
         taken. Wakes workers waiting on the queue (a ``submit`` change).
         """
+        check_new_format(run)
+        q = submission
+        check_names(
+            run_id=run.run_id, graph_name=run.graph_name, graph_ref=run.graph_ref,
+            fingerprint=run.fingerprint, queue=q.queue, partition=q.partition,
+            dedup_key=q.dedup_key,
+        )  # fmt: skip
+        return await self._submit_run(run, submission)
 
-    @abc.abstractmethod
     async def claim_runs(self, queue: str, owner: str, ttl: float, *, limit: int) -> list[str]:
         """Claim up to ``limit`` queued runs of ``queue`` for ``owner`` and return their ids, in queue order.
 
@@ -356,8 +405,11 @@ class RunStore(abc.ABC):
         leased to ``owner`` with a new fencing token (D6). A run is claimed
         by one caller only, across processes and hosts.
         """
+        check_claim(queue, owner, ttl, limit)
+        if limit <= 0:
+            return []
+        return await self._claim_runs(queue, owner, ttl, limit=limit)
 
-    @abc.abstractmethod
     async def claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
         """Lease up to ``limit`` suspended runs that have an answer due, to ``owner``; one due question per run.
 
@@ -372,8 +424,12 @@ class RunStore(abc.ABC):
         a free slot (its lease then holds the slot). The caller applies the
         answer and releases the lease.
         """
+        check_name("owner", owner)
+        check_ttl(ttl)
+        if limit <= 0:
+            return []
+        return await self._claim_answers(owner, ttl, limit=limit)
 
-    @abc.abstractmethod
     async def request_cancel(self, run_id: str) -> RunStatus:
         """Cancel a queued run now, or ask its driver to cancel a running or suspended one; return the status now.
 
@@ -384,24 +440,28 @@ class RunStore(abc.ABC):
         as it is. Wakes workers (a ``cancel`` change).
         :class:`~tailrace.RunNotFound` if absent.
         """
+        check_name("run_id", run_id)
+        return await self._request_cancel(run_id)
 
-    @abc.abstractmethod
     async def cancel_requests(self, owner: str) -> list[str]:
         """Ids of ``running`` runs leased to ``owner`` with a cancel request."""
+        check_name("owner", owner)
+        return await self._cancel_requests(owner)
 
-    @abc.abstractmethod
     async def runs_leased_by(self, owner: str, *, limit: int = 100) -> list[str]:
         """Ids of ``running`` runs whose lease ``owner`` holds (live or not), at most ``limit``."""
+        check_name("owner", owner)
+        return await self._runs_leased_by(owner, limit=limit)
 
-    @abc.abstractmethod
     async def declare_queue(self, queue: Queue) -> None:
         """Store ``queue``'s limits (replacing an earlier declaration); every claim from it keeps them."""
+        check_name("queue", queue.name)
+        await self._declare_queue(queue)
 
-    @abc.abstractmethod
     async def queues(self) -> list[Queue]:
         """Every declared queue, by name."""
+        return await self._queues()
 
-    @abc.abstractmethod
     async def queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
         """Declared queues and queues that have runs, by name, with their counts at ``now``.
 
@@ -409,20 +469,22 @@ class RunStore(abc.ABC):
         ``now``; ``workers`` the workers seen within ``window`` that serve
         the queue.
         """
+        return await self._queue_stats(now, window=window)
 
-    @abc.abstractmethod
     async def worker_seen(self, worker: WorkerRow) -> None:
         """Record (insert or replace) ``worker``'s report of itself."""
+        check_worker(worker)
+        await self._worker_seen(worker)
 
-    @abc.abstractmethod
     async def workers(self) -> list[WorkerRow]:
         """Every worker that reported itself and was not forgotten, by id."""
+        return await self._workers()
 
-    @abc.abstractmethod
     async def forget_worker(self, worker_id: str) -> None:
         """Drop ``worker_id``'s report (it stopped, or died and its runs were adopted)."""
+        check_name("worker_id", worker_id)
+        await self._forget_worker(worker_id)
 
-    @abc.abstractmethod
     async def run_durations(
         self, fingerprint: str, *, limit: int = 200
     ) -> list[tuple[float, float]]:
@@ -431,6 +493,8 @@ class RunStore(abc.ABC):
         ``seconds`` runs from the claim to the finish; a run submitted with no
         cost has cost 0. For the duration estimator an ``lpt`` queue orders by.
         """
+        check_name("fingerprint", fingerprint)
+        return await self._run_durations(fingerprint, limit=limit)
 
     def changes(self) -> contextlib.AbstractAsyncContextManager[ChangeFeed]:
         """A feed of wake-ups: ``async with store.changes() as feed: kinds = await feed.wait(1.0)``.
@@ -444,6 +508,184 @@ class RunStore(abc.ABC):
         :class:`PollingFeed` of 50 ms), for stores that have nothing better.
         """
         return _polling_changes()
+
+    # -- what a backend implements ----------------------------------------------
+    #
+    # Each public method above checks its arguments, then calls its primitive
+    # here; a backend implements these and documents only what differs.
+
+    @abc.abstractmethod
+    async def _create_run(self, run: NewRun) -> None:
+        """:meth:`create_run`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _commit(self, run_id: str, token: int, harvest: Harvest) -> None:
+        """:meth:`commit`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _load_run(self, run_id: str) -> StoredRun:
+        """:meth:`load_run`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _get_run(self, run_id: str) -> RunRecord:
+        """:meth:`get_run`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _list_runs(
+        self,
+        *,
+        status: RunStatus | None = None,
+        limit: int | None = None,
+        queue: str | None = None,
+        graph: str | None = None,
+        offset: int = 0,
+    ) -> list[RunRecord]:
+        """:meth:`list_runs`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _run_counts(self) -> list[RunCount]:
+        """:meth:`run_counts`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
+        """:meth:`results`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _frozen_inputs(self, run_id: str) -> list[FrozenInput]:
+        """:meth:`frozen_inputs`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
+        """:meth:`events`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _acquire_lease(
+        self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
+    ) -> int:
+        """:meth:`acquire_lease`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
+        """:meth:`heartbeat`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _release_lease(self, run_id: str, owner: str, token: int) -> None:
+        """:meth:`release_lease`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _answer(
+        self,
+        question_id: str,
+        answer_json: str,
+        *,
+        by: str | None = None,
+        status: QuestionStatus = QuestionStatus.ANSWERED,
+    ) -> QuestionRow:
+        """:meth:`answer`, called with a legal ``status``."""
+
+    @abc.abstractmethod
+    async def _get_question(self, question_id: str) -> QuestionRow:
+        """:meth:`get_question`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _list_questions(
+        self,
+        *,
+        status: QuestionStatus | None = None,
+        run_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[QuestionRow]:
+        """:meth:`list_questions`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _unapplied_answers(
+        self, *, limit: int = 100, now: float | None = None
+    ) -> list[QuestionRow]:
+        """:meth:`unapplied_answers`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _defer_answer(self, question_id: str, *, error: str, retry_at: float) -> None:
+        """:meth:`defer_answer`, called with ``error`` already made printable and cut, ``retry_at`` a float."""
+
+    @abc.abstractmethod
+    async def _mark_applied(self, question_id: str) -> bool:
+        """:meth:`mark_applied`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _supersede(self, question_id: str) -> bool:
+        """:meth:`supersede`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
+        """:meth:`expired_leases`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _artifact_head(self, artifact_id: str) -> ArtifactVersion | None:
+        """:meth:`artifact_head`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _commit_artifact(
+        self, artifact_id: str, expected: int, entries_json: str, meta_json: str = "{}"
+    ) -> ArtifactVersion:
+        """:meth:`commit_artifact`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
+        """:meth:`artifact_history`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _submit_run(self, run: NewRun, submission: Submission) -> str:
+        """:meth:`submit_run`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _claim_runs(self, queue: str, owner: str, ttl: float, *, limit: int) -> list[str]:
+        """:meth:`claim_runs`, called with ``limit`` >= 1."""
+
+    @abc.abstractmethod
+    async def _claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
+        """:meth:`claim_answers`, called with ``limit`` >= 1."""
+
+    @abc.abstractmethod
+    async def _request_cancel(self, run_id: str) -> RunStatus:
+        """:meth:`request_cancel`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _cancel_requests(self, owner: str) -> list[str]:
+        """:meth:`cancel_requests`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _runs_leased_by(self, owner: str, *, limit: int = 100) -> list[str]:
+        """:meth:`runs_leased_by`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _declare_queue(self, queue: Queue) -> None:
+        """:meth:`declare_queue`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _queues(self) -> list[Queue]:
+        """:meth:`queues`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
+        """:meth:`queue_stats`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _worker_seen(self, worker: WorkerRow) -> None:
+        """:meth:`worker_seen`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _workers(self) -> list[WorkerRow]:
+        """:meth:`workers`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _forget_worker(self, worker_id: str) -> None:
+        """:meth:`forget_worker`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _run_durations(
+        self, fingerprint: str, *, limit: int = 200
+    ) -> list[tuple[float, float]]:
+        """:meth:`run_durations`, called with checked arguments."""
 
 
 @contextlib.asynccontextmanager

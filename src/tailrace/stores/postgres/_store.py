@@ -25,15 +25,27 @@ run, question or artifact. Requires the ``postgres`` extra:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
-from ..._errors import RunExists, StoreError
-from .._artifacts import check_expected, stale_version
-from .._contract import RunStore
+from ..._errors import RunExists, RunNotFound, StoreError
+from .._artifacts import stale_version
+from .._changes import ChangeHub, Stop
+from .._contract import ChangeFeed, RunStore
+from .._queue_rules import (
+    free_slots,
+    queue_from_row,
+    queue_params,
+    stats_from_counts,
+    worker_from_row,
+    worker_params,
+)
 from .._records import (
+    CHANGE_KINDS,
     ArtifactVersion,
     EventRow,
     FrozenInput,
@@ -42,28 +54,48 @@ from .._records import (
     NodeRow,
     QuestionRow,
     QuestionStatus,
+    Queue,
+    QueueStats,
     ResultRow,
     RunCount,
     RunRecord,
     RunStatus,
     StoredRun,
+    Submission,
+    WorkerRow,
 )
 from .._rules import (
-    answer_status,
-    check_apply_deferral,
     check_commit,
-    check_harvest,
     check_holder,
-    check_name,
-    check_names,
-    check_new_format,
     check_readable,
-    check_ttl,
     grant_lease,
     not_open,
     parse_status,
 )
-from .._sql._queues import RUN_COUNTS, list_runs_query, run_counts_from_rows
+from .._sql._queues import (
+    ACTIVE_IN_QUEUE,
+    ANSWER_CANDIDATES,
+    ANY_QUEUED,
+    CANCEL_QUEUED,
+    CANCEL_REQUESTS,
+    CLAIM_RUN,
+    DEDUP_HOLDER,
+    DELETE_WORKER,
+    LEASE_FOR_ANSWER,
+    LEASED_BY,
+    QUEUE_COUNTS,
+    REQUEST_CANCEL,
+    RUN_COUNTS,
+    RUN_DURATIONS,
+    SELECT_QUEUES,
+    SELECT_WORKERS,
+    STARTED_SINCE,
+    UPSERT_QUEUE,
+    UPSERT_WORKER,
+    claim_candidates,
+    list_runs_query,
+    run_counts_from_rows,
+)
 from .._sql._statements import (
     APPLY_QUESTION,
     DEFER_ANSWER,
@@ -79,10 +111,31 @@ from .._sql._statements import (
     list_questions_query,
     new_run_params,
     question_from_row,
+    queued_run_params,
     record_from_row,
 )
-from ._connections import Attempt, Conn, harvest_texts, nothing
-from ._queues import PostgresQueues, notify
+from ._connections import (
+    Attempt,
+    Conn,
+    Landed,
+    PostgresConnections,
+    T,
+    Work,
+    harvest_texts,
+    nothing,
+)
+from ._queues import (
+    FALLBACK_POLL,
+    INSERT_QUEUED,
+    SKIP_LOCKED,
+    count_rows,
+    declared,
+    lock_queue,
+    logger,
+    notify,
+    notify_channel,
+    transaction_id,
+)
 from ._sql import (
     LOCK_FOR_COMMIT,
     LOCK_LEASE,
@@ -104,7 +157,7 @@ from ._sql import (
 )
 
 
-class PostgresStore(PostgresQueues, RunStore):
+class PostgresStore(PostgresConnections, RunStore):
     """A store in PostgreSQL, shared by any number of engines.
 
     Args:
@@ -127,13 +180,7 @@ class PostgresStore(PostgresQueues, RunStore):
 
     # -- runs -----------------------------------------------------------------------
 
-    async def create_run(self, run: NewRun) -> None:
-        """Store ``run`` with status ``running``; ``RunExists`` if its id is taken."""
-        check_new_format(run)
-        check_names(
-            run_id=run.run_id, graph_name=run.graph_name, graph_ref=run.graph_ref,
-            fingerprint=run.fingerprint,
-        )  # fmt: skip
+    async def _create_run(self, run: NewRun) -> None:
 
         async def insert(conn: Conn, attempt: Attempt) -> None:
             cur = await conn.execute(PG_INSERT_RUN, new_run_params(run))
@@ -147,14 +194,7 @@ class PostgresStore(PostgresQueues, RunStore):
             texts=lambda: [("input_json", run.input_json)],
         )  # fmt: skip
 
-    async def commit(self, run_id: str, token: int, harvest: Harvest) -> None:
-        """Apply ``harvest`` to ``run_id`` in one transaction if ``token`` is current (D1, D6, Q3).
-
-        Idempotent across a lost connection: when the answer to the COMMIT is
-        lost, the retry finds the transaction committed and returns, and the
-        harvest is not applied a second time.
-        """
-        check_harvest(run_id, harvest)
+    async def _commit(self, run_id: str, token: int, harvest: Harvest) -> None:
         now = self._clock()  # once, so that a re-run writes the very same rows
 
         async def write(conn: Conn, attempt: Attempt) -> None:
@@ -178,9 +218,7 @@ class PostgresStore(PostgresQueues, RunStore):
             f"run {run_id!r}", write, landed=nothing, texts=lambda: harvest_texts(harvest)
         )
 
-    async def load_run(self, run_id: str) -> StoredRun:
-        """Return run ``run_id`` with its node rows; ``UnsupportedFormat`` if written by a newer tailrace."""
-        check_name("run_id", run_id)
+    async def _load_run(self, run_id: str) -> StoredRun:
 
         async def read(conn: Conn, attempt: Attempt) -> StoredRun:
             async with conn.transaction():
@@ -199,16 +237,14 @@ class PostgresStore(PostgresQueues, RunStore):
 
         return await self._read(f"run {run_id!r}", read)
 
-    async def get_run(self, run_id: str) -> RunRecord:
-        """Return the record of run ``run_id``; ``RunNotFound`` if absent."""
-        check_name("run_id", run_id)
+    async def _get_run(self, run_id: str) -> RunRecord:
 
         async def read(conn: Conn, attempt: Attempt) -> RunRecord:
             return record_from_row(await fetch_run_row(conn, SELECT_RUN, run_id))
 
         return await self._read(f"run {run_id!r}", read)
 
-    async def list_runs(
+    async def _list_runs(
         self,
         *,
         status: RunStatus | None = None,
@@ -217,21 +253,16 @@ class PostgresStore(PostgresQueues, RunStore):
         graph: str | None = None,
         offset: int = 0,
     ) -> list[RunRecord]:
-        """Runs newest first (``created_at``, then ``run_id``), filtered, ``offset`` skipped, at most ``limit``."""
-        check_names(queue=queue, graph=graph)
         query, params = list_runs_query(None if status is None else status.value, queue, graph)
         params += (None if limit is None else max(limit, 0), max(offset, 0))
         rows = await self._read("listing runs", fetch_all(pg(query), params))
         return [record_from_row(r) for r in rows]
 
-    async def run_counts(self) -> list[RunCount]:
-        """How many runs there are per graph name, queue and status."""
+    async def _run_counts(self) -> list[RunCount]:
         rows = await self._read("counting runs", fetch_all(pg(RUN_COUNTS), ()))
         return run_counts_from_rows(rows)
 
-    async def results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
-        """Result rows of ``run_id`` (only ``node_id``'s if given), by node then visit."""
-        check_names(run_id=run_id, node_id=node_id)
+    async def _results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
         query = "SELECT node_id, visit, value_json FROM results WHERE run_id = %s"
         params: tuple[object, ...] = (run_id,)
         if node_id is not None:
@@ -239,9 +270,7 @@ class PostgresStore(PostgresQueues, RunStore):
         rows = await self._select_of_run(run_id, query + " ORDER BY node_id, visit", params)
         return [ResultRow(node_id=r[0], visit=r[1], value_json=r[2]) for r in rows]
 
-    async def frozen_inputs(self, run_id: str) -> list[FrozenInput]:
-        """First-k decisions of ``run_id``, by node then activation (E4)."""
-        check_name("run_id", run_id)
+    async def _frozen_inputs(self, run_id: str) -> list[FrozenInput]:
         rows = await self._select_of_run(
             run_id,
             "SELECT node_id, activation, payload_json FROM frozen_inputs WHERE run_id = %s "
@@ -250,9 +279,7 @@ class PostgresStore(PostgresQueues, RunStore):
         )
         return [FrozenInput(node_id=r[0], activation=r[1], payload_json=r[2]) for r in rows]
 
-    async def events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
-        """Events of ``run_id`` with ``seq > after_seq``, in seq order."""
-        check_name("run_id", run_id)
+    async def _events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
         rows = await self._select_of_run(
             run_id,
             f"SELECT {EVENT_COLUMNS} FROM events WHERE run_id = %s AND seq > %s ORDER BY seq",
@@ -276,16 +303,9 @@ class PostgresStore(PostgresQueues, RunStore):
 
     # -- leases (D6) ------------------------------------------------------------------
 
-    async def acquire_lease(
+    async def _acquire_lease(
         self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
     ) -> int:
-        """Lease ``run_id`` to ``owner`` for ``ttl`` seconds, from ``steal_from`` if it holds it; return the token (D6).
-
-        A call that fails or is cancelled after granting a new lease releases
-        it (shielded) before raising, so it leaves no lease behind.
-        """
-        check_ttl(ttl)
-        check_names(run_id=run_id, owner=owner, steal_from=steal_from)
         granted: list[int] = []  # new tokens this call wrote (a re-acquire keeps its token)
 
         async def grant(conn: Conn, attempt: Attempt) -> int:
@@ -314,10 +334,7 @@ class PostgresStore(PostgresQueues, RunStore):
                     await self._shielded(self.release_lease(run_id, owner, granted[-1]))
             raise
 
-    async def heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
-        """Extend ``owner``'s lease on ``run_id`` to ``ttl`` from now; ``LeaseLost`` if ``token`` is stale."""
-        check_ttl(ttl)
-        check_names(run_id=run_id, owner=owner)
+    async def _heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
 
         async def extend(conn: Conn, attempt: Attempt) -> None:
             holder, _expires, lease_token, _xid = await fetch_run_row(conn, LOCK_LEASE, run_id)
@@ -329,9 +346,7 @@ class PostgresStore(PostgresQueues, RunStore):
 
         await self._write(f"run {run_id!r}", extend)
 
-    async def release_lease(self, run_id: str, owner: str, token: int) -> None:
-        """Drop ``owner``'s lease on ``run_id`` if still held with ``token``; else do nothing."""
-        check_names(run_id=run_id, owner=owner)
+    async def _release_lease(self, run_id: str, owner: str, token: int) -> None:
 
         channel = self._channel
 
@@ -346,15 +361,14 @@ class PostgresStore(PostgresQueues, RunStore):
 
         await self._write(f"run {run_id!r}", release, transaction=False)
 
-    async def expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
-        """Ids of ``running`` runs with no lease or one that expired before ``now``, at most ``limit``."""
+    async def _expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
         query = pg(EXPIRED_LEASES)
         rows = await self._read("finding expired leases", fetch_all(query, (now, max(limit, 0))))
         return [r[0] for r in rows]
 
     # -- the question ledger (Q2-Q5) ---------------------------------------------
 
-    async def answer(
+    async def _answer(
         self,
         question_id: str,
         answer_json: str,
@@ -362,21 +376,7 @@ class PostgresStore(PostgresQueues, RunStore):
         by: str | None = None,
         status: QuestionStatus = QuestionStatus.ANSWERED,
     ) -> QuestionRow:
-        """First answer wins: one atomic ``UPDATE ... WHERE status = 'open'`` (Q2); returns the new row.
-
-        Args:
-            question_id: the question to answer.
-            answer_json: the encoded answer.
-            by: who answered (a person, a poller), stored as ``answered_by``.
-            status: ``answered``, or ``expired`` when the deadline passed (Q5).
-
-        ``AlreadyAnswered`` if the question is not ``open`` (nothing changes),
-        ``QuestionNotFound`` if unknown, ``ValueError`` for another ``status``.
-        """
-        new_status = answer_status(question_id, status)
-        check_name("question_id", question_id)
-        check_name("by", by, context=f"question {question_id!r}: ")
-        values = (new_status.value, answer_json, by, self._clock(), question_id)
+        values = (status.value, answer_json, by, self._clock(), question_id)
 
         channel = self._channel
 
@@ -395,89 +395,55 @@ class PostgresStore(PostgresQueues, RunStore):
             texts=lambda: [("answer_json", answer_json)],
         )  # fmt: skip
 
-    async def get_question(self, question_id: str) -> QuestionRow:
-        """Return question ``question_id``; ``QuestionNotFound`` if absent."""
-        check_name("question_id", question_id)
+    async def _get_question(self, question_id: str) -> QuestionRow:
         return await self._read(
             f"question {question_id!r}", lambda conn, _: select_question(conn, question_id)
         )
 
-    async def list_questions(
+    async def _list_questions(
         self,
         *,
         status: QuestionStatus | None = None,
         run_id: str | None = None,
         limit: int | None = None,
     ) -> list[QuestionRow]:
-        """Questions oldest first (``created_at``, then id), only those in ``status`` and of ``run_id`` if given, at most ``limit``."""
-        check_name("run_id", run_id)
         query, params = list_questions_query(status, run_id)
         params += (None if limit is None else max(limit, 0),)
         rows = await self._read("listing questions", fetch_all(pg(query), params))
         return [question_from_row(r) for r in rows]
 
-    async def unapplied_answers(
+    async def _unapplied_answers(
         self, *, limit: int = 100, now: float | None = None
     ) -> list[QuestionRow]:
-        """Unapplied answers due at ``now`` (default: the clock): fresh ones, then deferred ones (Q4)."""
         params = (self._clock() if now is None else now, max(limit, 0))
         rows = await self._read("listing unapplied answers", fetch_all(pg(DUE_ANSWERS), params))
         return [question_from_row(r) for r in rows]
 
-    async def defer_answer(self, question_id: str, *, error: str, retry_at: float) -> None:
-        """Record a failed apply of ``question_id``'s answer in one atomic update, if still unapplied.
-
-        ``QuestionNotFound`` if absent.
-        """
-        check_name("question_id", question_id)
-        text = check_apply_deferral(question_id, error, retry_at)
-        values = (text, float(retry_at), question_id)
+    async def _defer_answer(self, question_id: str, *, error: str, retry_at: float) -> None:
+        values = (error, retry_at, question_id)
         cas = question_cas(returning_xid(DEFER_ANSWER), values, question_id)
         await self._write(f"question {question_id!r}", cas, landed=changed)  # changed or not: done
 
-    async def mark_applied(self, question_id: str) -> bool:
-        """Apply question ``question_id``'s answer outside a harvest; False if it cannot be (Q3).
-
-        The same atomic compare-and-set as a harvest's ``applied``: ``answered``
-        becomes ``applied``, ``expired`` stays so, both get ``applied_at``.
-        ``QuestionNotFound`` if absent.
-        """
-        check_name("question_id", question_id)
+    async def _mark_applied(self, question_id: str) -> bool:
         values = (self._clock(), question_id)
         cas = question_cas(returning_xid(APPLY_QUESTION), values, question_id)
         return await self._write(f"question {question_id!r}", cas, landed=changed)
 
-    async def supersede(self, question_id: str) -> bool:
-        """Mark question ``question_id`` ``superseded``; False if already applied or superseded.
-
-        ``QuestionNotFound`` if absent.
-        """
-        check_name("question_id", question_id)
+    async def _supersede(self, question_id: str) -> bool:
         cas = question_cas(returning_xid(SUPERSEDE_QUESTION), (question_id,), question_id)
         return await self._write(f"question {question_id!r}", cas, landed=changed)
 
     # -- the evolve ledger --------------------------------------------------------
 
-    async def artifact_head(self, artifact_id: str) -> ArtifactVersion | None:
-        """The newest version of ``artifact_id``, or None if it has none."""
-        check_name("artifact_id", artifact_id)
+    async def _artifact_head(self, artifact_id: str) -> ArtifactVersion | None:
         rows = await self._read(
             f"artifact {artifact_id!r}", fetch_all(pg(SELECT_ARTIFACT_HEAD), (artifact_id,))
         )
         return artifact_from_row(rows[0]) if rows else None
 
-    async def commit_artifact(
+    async def _commit_artifact(
         self, artifact_id: str, expected: int, entries_json: str, meta_json: str = "{}"
     ) -> ArtifactVersion:
-        """Store version ``expected + 1`` of ``artifact_id`` if its head is ``expected`` (0: none).
-
-        One transaction reads the head and inserts the next version; a racing
-        transaction that inserted it first makes ours insert nothing (the
-        primary key decides), and that loss is reported like any stale
-        ``expected``: ``StaleVersion``, nothing written. ``entries_json``/
-        ``meta_json`` are stored as given.
-        """
-        check_expected(artifact_id, expected)
         version = ArtifactVersion(
             artifact_id=artifact_id, version=expected + 1, entries_json=entries_json,
             meta_json=meta_json, created_at=self._clock(),
@@ -502,10 +468,295 @@ class PostgresStore(PostgresQueues, RunStore):
             texts=lambda: [("entries_json", entries_json), ("meta_json", meta_json)],
         )  # fmt: skip
 
-    async def artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
-        """Every version of ``artifact_id``, oldest first."""
-        check_name("artifact_id", artifact_id)
+    async def _artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
         rows = await self._read(
             f"artifact {artifact_id!r}", fetch_all(pg(SELECT_ARTIFACT_HISTORY), (artifact_id,))
         )
         return [artifact_from_row(r) for r in rows]
+
+    _hub_of: ChangeHub | None = None
+
+    @property
+    def _channel(self) -> str:
+        return notify_channel(self._schema)
+
+    @property
+    def _hub(self) -> ChangeHub:
+        if self._hub_of is None:
+            self._hub_of = ChangeHub(self._listen)
+        return self._hub_of
+
+    def changes(self) -> contextlib.AbstractAsyncContextManager[ChangeFeed]:
+        """Wake-ups from ``LISTEN`` on the schema's channel (see :meth:`RunStore.changes`)."""
+        return self._hub.subscribe()
+
+    async def _listen(self, hub: ChangeHub) -> Stop:
+        ready = asyncio.Event()
+        task = asyncio.create_task(self._listen_loop(hub, ready), name="tailrace-pg-listen")
+        await ready.wait()
+
+        async def stop() -> None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        return stop
+
+    async def _listen_loop(self, hub: ChangeHub, ready: asyncio.Event) -> None:
+        """Deliver notifications; while the connection is down, poll (report everything)."""
+        listen = sql.SQL("LISTEN {}").format(sql.Identifier(self._channel))
+        while True:
+            try:
+                async with await self._connect() as conn:
+                    await conn.execute(listen)
+                    if ready.is_set():
+                        hub.deliver_all()  # back after an outage: what was missed meanwhile
+                    ready.set()
+                    async for note in conn.notifies():
+                        kinds = frozenset(note.payload.split(",")) & CHANGE_KINDS
+                        hub.deliver(kinds or CHANGE_KINDS)
+            except (psycopg.Error, OSError) as exc:
+                logger.warning("listening for changes failed (%s); polling meanwhile", exc)
+            ready.set()
+            hub.deliver_all()
+            await asyncio.sleep(FALLBACK_POLL)
+
+    async def close(self) -> None:
+        """Stop listening, then close the pool (see :class:`PostgresConnections`). Idempotent."""
+        if self._hub_of is not None:
+            await self._hub_of.close()
+        await super().close()
+
+    async def _submit_run(self, run: NewRun, submission: Submission) -> str:
+        q = submission
+        channel = self._channel
+
+        async def insert(conn: Conn, attempt: Attempt) -> str:
+            for _ in range(3):  # a dedup holder may finish between the insert and the look
+                cur = await conn.execute(INSERT_QUEUED, queued_run_params(run, q))
+                row = await cur.fetchone()
+                if row is not None:
+                    attempt.xid = row[0]
+                    await notify(conn, channel, "submit")
+                    return run.run_id
+                if q.dedup_key is not None:
+                    cur = await conn.execute(pg(DEDUP_HOLDER), (q.queue, q.dedup_key))
+                    holder = await cur.fetchone()
+                    if holder is not None:
+                        return str(holder[0])
+                cur = await conn.execute("SELECT 1 FROM runs WHERE run_id = %s", (run.run_id,))
+                if await cur.fetchone() is not None:
+                    raise RunExists(f"run {run.run_id!r} already exists")
+            raise RunExists(
+                f"run {run.run_id!r}: its dedup key {q.dedup_key!r} keeps changing hands"
+            )
+
+        async def landed(conn: Conn) -> str:
+            return run.run_id
+
+        return await self._write(
+            f"run {run.run_id!r}", insert, landed=landed,
+            texts=lambda: [("input_json", run.input_json)],
+        )  # fmt: skip
+
+    async def _claim_runs(self, queue: str, owner: str, ttl: float, *, limit: int) -> list[str]:
+        rows = await self._read(f"queue {queue!r}", fetch_all(pg(ANY_QUEUED), (queue,)))
+        if not rows:
+            return []
+        claimed: list[str] = []
+
+        async def claim(conn: Conn, attempt: Attempt) -> list[str]:
+            claimed.clear()
+            attempt.xid = await transaction_id(conn)
+            spec = await declared(conn, queue)
+            active = started = 0
+            if spec.concurrency is not None or spec.limit is not None:
+                await lock_queue(conn, self._schema, queue)
+            now = self._clock()  # once the lock is ours: what the previous holder claimed is in
+            if spec.concurrency is not None:
+                active = await count_rows(conn, ACTIVE_IN_QUEUE, (queue, now))
+            if spec.limit is not None:
+                started = await count_rows(conn, STARTED_SINCE, (queue, now - spec.period))
+            free = free_slots(spec, want=limit, active=active, started_recently=started)
+            if free <= 0:
+                return []
+            cur = await conn.execute(pg(claim_candidates(spec)) + SKIP_LOCKED, (queue, free))
+            ids = [r[0] for r in await cur.fetchall()]
+            # Stamped after the look: a run of a partition then never starts
+            # "before" the finish of the one it waited for (same clock).
+            stamp = max(now, self._clock())
+            for run_id in ids:
+                await conn.execute(pg(CLAIM_RUN), (owner, stamp + ttl, stamp, stamp, run_id))
+            claimed.extend(ids)
+            return ids
+
+        async def landed(conn: Conn) -> list[str]:
+            return list(claimed)
+
+        return await self._leasing(f"queue {queue!r}", claim, landed, owner, lambda: claimed)
+
+    async def _claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
+        now = self._clock()
+        first = await self._read(
+            "claiming answers", fetch_all(pg(ANSWER_CANDIDATES), (now, now, 1))
+        )
+        if not first:
+            return []
+        taken: list[QuestionRow] = []
+
+        async def lease(conn: Conn, attempt: Attempt) -> list[QuestionRow]:
+            taken.clear()
+            attempt.xid = await transaction_id(conn)
+            now = self._clock()
+            cur = await conn.execute(pg(ANSWER_CANDIDATES) + SKIP_LOCKED, (now, now, limit * 4 + 8))
+            active: dict[str, int | None] = {}
+            seen: set[str] = set()
+            for question_id, run_id, queue_name in await cur.fetchall():
+                if len(taken) >= limit or run_id in seen:
+                    continue
+                seen.add(run_id)
+                if queue_name is not None and not await self._slot_for(
+                    conn, queue_name, active, now
+                ):
+                    continue
+                done = await conn.execute(pg(LEASE_FOR_ANSWER), (owner, now + ttl, run_id, now))
+                if done.rowcount == 1:
+                    taken.append(await select_question(conn, question_id))
+            return list(taken)
+
+        async def landed(conn: Conn) -> list[QuestionRow]:
+            return list(taken)
+
+        return await self._leasing(
+            "claiming answers", lease, landed, owner, lambda: [q.run_id for q in taken]
+        )
+
+    async def _slot_for(
+        self, conn: Conn, queue: str, active: dict[str, int | None], now: float
+    ) -> bool:
+        """Whether ``queue`` has a free slot for one more run (counted once, under its lock)."""
+        if queue not in active:
+            spec = await declared(conn, queue)
+            if spec.concurrency is None:
+                active[queue] = None
+            else:
+                await lock_queue(conn, self._schema, queue)
+                count = await count_rows(conn, ACTIVE_IN_QUEUE, (queue, now))
+                active[queue] = spec.concurrency - count
+        free = active[queue]
+        if free is None:
+            return True
+        if free <= 0:
+            return False
+        active[queue] = free - 1
+        return True
+
+    async def _leasing(
+        self, context: str, work: Work[T], landed: Landed[T], owner: str, leased: Any
+    ) -> T:
+        """Run a claim (its ids known before COMMIT, so a lost COMMIT answer is settled by
+        ``landed``); if it fails or its caller is cancelled, release what it may have
+        leased, shielded, so those runs are adopted at once instead of after their ttl."""
+        try:
+            return await self._write(context, work, landed=landed)
+        except BaseException:
+            run_ids = list(leased())
+            if run_ids:
+                with contextlib.suppress(Exception):
+                    await self._shielded(self._release_all(run_ids, owner))
+            raise
+
+    async def _release_all(self, run_ids: list[str], owner: str) -> None:
+        channel = self._channel
+
+        async def release(conn: Conn, attempt: Attempt) -> None:
+            for run_id in run_ids:
+                await conn.execute(
+                    "UPDATE runs SET lease_owner = NULL, lease_expires = NULL "
+                    "WHERE run_id = %s AND lease_owner = %s",
+                    (run_id, owner),
+                )
+            await notify(conn, channel, "release")
+
+        await self._write("releasing claimed runs", release)
+
+    async def _request_cancel(self, run_id: str) -> RunStatus:
+        channel = self._channel
+
+        async def cancel(conn: Conn, attempt: Attempt) -> RunStatus:
+            now = self._clock()
+            await conn.execute(pg(CANCEL_QUEUED), (now, now, run_id))
+            await conn.execute(pg(REQUEST_CANCEL), (now, run_id))
+            cur = await conn.execute("SELECT status FROM runs WHERE run_id = %s", (run_id,))
+            row = await cur.fetchone()
+            if row is None:
+                raise RunNotFound(f"no run {run_id!r} in the store")
+            await notify(conn, channel, "cancel")
+            return parse_status(run_id, row[0])
+
+        return await self._write(f"run {run_id!r}", cancel)  # idempotent: a re-run changes nothing
+
+    async def _cancel_requests(self, owner: str) -> list[str]:
+        rows = await self._read("listing cancel requests", fetch_all(pg(CANCEL_REQUESTS), (owner,)))
+        return [r[0] for r in rows]
+
+    async def _runs_leased_by(self, owner: str, *, limit: int = 100) -> list[str]:
+        rows = await self._read(
+            "listing leased runs", fetch_all(pg(LEASED_BY), (owner, max(limit, 0)))
+        )
+        return [r[0] for r in rows]
+
+    async def _declare_queue(self, queue: Queue) -> None:
+        channel = self._channel
+
+        async def upsert(conn: Conn, attempt: Attempt) -> None:
+            await conn.execute(pg(UPSERT_QUEUE), queue_params(queue, self._clock()))
+            await notify(conn, channel, "submit")  # new limits may let more runs start
+
+        await self._write(f"queue {queue.name!r}", upsert)
+
+    async def _queues(self) -> list[Queue]:
+        rows = await self._read("listing queues", fetch_all(pg(SELECT_QUEUES), ()))
+        return [queue_from_row(r) for r in rows]
+
+    async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
+
+        async def read(conn: Conn, attempt: Attempt) -> list[QueueStats]:
+            async with conn.transaction():
+                await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                counts = await (
+                    await conn.execute(pg(QUEUE_COUNTS), (now - window, now))
+                ).fetchall()
+                queues = await (await conn.execute(pg(SELECT_QUEUES))).fetchall()
+                workers = await (await conn.execute(pg(SELECT_WORKERS))).fetchall()
+            return stats_from_counts(
+                counts, [queue_from_row(r) for r in queues], [worker_from_row(r) for r in workers],
+                now, window,
+            )  # fmt: skip
+
+        return await self._read("queue statistics", read)
+
+    async def _worker_seen(self, worker: WorkerRow) -> None:
+
+        async def upsert(conn: Conn, attempt: Attempt) -> None:
+            await conn.execute(pg(UPSERT_WORKER), worker_params(worker))
+
+        await self._write(f"worker {worker.worker_id!r}", upsert)
+
+    async def _workers(self) -> list[WorkerRow]:
+        rows = await self._read("listing workers", fetch_all(pg(SELECT_WORKERS), ()))
+        return [worker_from_row(r) for r in rows]
+
+    async def _forget_worker(self, worker_id: str) -> None:
+
+        async def delete(conn: Conn, attempt: Attempt) -> None:
+            await conn.execute(pg(DELETE_WORKER), (worker_id,))
+
+        await self._write(f"worker {worker_id!r}", delete)
+
+    async def _run_durations(
+        self, fingerprint: str, *, limit: int = 200
+    ) -> list[tuple[float, float]]:
+        rows = await self._read(
+            "run durations", fetch_all(pg(RUN_DURATIONS), (fingerprint, max(limit, 0)))
+        )
+        return [(float(c), float(s)) for c, s in rows]

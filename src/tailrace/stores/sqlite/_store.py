@@ -22,9 +22,16 @@ from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 from ..._errors import RunExists, RunNotFound, StoreError
-from .._artifacts import check_expected, stale_version
+from .._artifacts import stale_version
 from .._changes import ChangeHub
-from .._contract import RunStore
+from .._contract import ChangeFeed, RunStore
+from .._queue_rules import (
+    queue_from_row,
+    queue_params,
+    stats_from_counts,
+    worker_from_row,
+    worker_params,
+)
 from .._records import (
     ArtifactVersion,
     EventRow,
@@ -34,23 +41,20 @@ from .._records import (
     NodeRow,
     QuestionRow,
     QuestionStatus,
+    Queue,
+    QueueStats,
     ResultRow,
     RunCount,
     RunRecord,
     RunStatus,
     StoredRun,
+    Submission,
+    WorkerRow,
 )
 from .._rules import (
-    answer_status,
-    check_apply_deferral,
     check_commit,
-    check_harvest,
     check_holder,
-    check_name,
-    check_names,
-    check_new_format,
     check_readable,
-    check_ttl,
     grant_lease,
     not_applicable,
     not_open,
@@ -59,7 +63,25 @@ from .._rules import (
     question_not_found,
     read_only_refusal,
 )
-from .._sql._queues import RUN_COUNTS, list_runs_query, run_counts_from_rows
+from .._sql._queues import (
+    ANSWER_CANDIDATES,
+    ANY_QUEUED,
+    CANCEL_QUEUED,
+    CANCEL_REQUESTS,
+    DEDUP_HOLDER,
+    DELETE_WORKER,
+    LEASED_BY,
+    QUEUE_COUNTS,
+    REQUEST_CANCEL,
+    RUN_COUNTS,
+    RUN_DURATIONS,
+    SELECT_QUEUES,
+    SELECT_WORKERS,
+    UPSERT_QUEUE,
+    UPSERT_WORKER,
+    list_runs_query,
+    run_counts_from_rows,
+)
 from .._sql._statements import (
     ANSWER_QUESTION,
     APPLY_QUESTION,
@@ -70,6 +92,7 @@ from .._sql._statements import (
     EXPIRED_LEASES,
     INSERT_ARTIFACT,
     INSERT_EVENT,
+    INSERT_QUEUED_RUN,
     INSERT_RESULT,
     INSERT_RUN,
     QUESTION_STATE,
@@ -88,11 +111,12 @@ from .._sql._statements import (
     list_questions_query,
     new_run_params,
     question_from_row,
+    queued_run_params,
     record_from_row,
     run_update_params,
 )
 from ._files import prepare_for_writing, read_only_connection, read_only_uri
-from ._queues import DataVersionWatch, SQLiteQueues, bump
+from ._queues import DataVersionWatch, bump, claim, lease_answers, release_all
 from ._threads import (
     Readers,
     Undo,
@@ -130,7 +154,7 @@ async def _open_in_thread(connect: Callable[[], sqlite3.Connection]) -> sqlite3.
 # --- the store -----------------------------------------------------------------
 
 
-class SQLiteStore(SQLiteQueues, RunStore):
+class SQLiteStore(RunStore):
     """The embedded default store: one SQLite file in WAL mode.
 
     Args:
@@ -268,13 +292,7 @@ class SQLiteStore(SQLiteQueues, RunStore):
             raise StoreError(f"{context}: the SQLite store is not open")
         return await self._readers.run(context, read)
 
-    async def create_run(self, run: NewRun) -> None:
-        """Store ``run`` with status ``running``; ``RunExists`` if its id is taken."""
-        check_new_format(run)
-        check_names(
-            run_id=run.run_id, graph_name=run.graph_name, graph_ref=run.graph_ref,
-            fingerprint=run.fingerprint,
-        )  # fmt: skip
+    async def _create_run(self, run: NewRun) -> None:
 
         def apply(conn: sqlite3.Connection) -> None:
             if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run.run_id,)).fetchone():
@@ -283,9 +301,7 @@ class SQLiteStore(SQLiteQueues, RunStore):
 
         await self._write(f"run {run.run_id!r}", apply)
 
-    async def commit(self, run_id: str, token: int, harvest: Harvest) -> None:
-        """Apply ``harvest`` to ``run_id`` in one transaction if ``token`` is current (D1, D6, Q3)."""
-        check_harvest(run_id, harvest)
+    async def _commit(self, run_id: str, token: int, harvest: Harvest) -> None:
         await self._write(
             f"run {run_id!r}", lambda conn: self._apply_harvest(conn, run_id, token, harvest)
         )
@@ -313,9 +329,7 @@ class SQLiteStore(SQLiteQueues, RunStore):
         _apply_question_changes(conn, run_id, harvest, now)  # in the savepoint: may refuse all
         conn.execute(UPDATE_RUN, run_update_params(run_id, harvest, now))
 
-    async def load_run(self, run_id: str) -> StoredRun:
-        """Return run ``run_id`` with its node rows; ``UnsupportedFormat`` if written by a newer tailrace."""
-        check_name("run_id", run_id)
+    async def _load_run(self, run_id: str) -> StoredRun:
 
         def read(conn: sqlite3.Connection) -> StoredRun:
             record = _select_run(conn, run_id)
@@ -331,12 +345,10 @@ class SQLiteStore(SQLiteQueues, RunStore):
 
         return await self._read(f"run {run_id!r}", read)
 
-    async def get_run(self, run_id: str) -> RunRecord:
-        """Return the record of run ``run_id``; ``RunNotFound`` if absent."""
-        check_name("run_id", run_id)
+    async def _get_run(self, run_id: str) -> RunRecord:
         return await self._read(f"run {run_id!r}", lambda conn: _select_run(conn, run_id))
 
-    async def list_runs(
+    async def _list_runs(
         self,
         *,
         status: RunStatus | None = None,
@@ -345,23 +357,18 @@ class SQLiteStore(SQLiteQueues, RunStore):
         graph: str | None = None,
         offset: int = 0,
     ) -> list[RunRecord]:
-        """Runs newest first (``created_at``, then ``run_id``), filtered, ``offset`` skipped, at most ``limit``."""
-        check_names(queue=queue, graph=graph)
         sql, params = list_runs_query(None if status is None else status.value, queue, graph)
         params += (-1 if limit is None else max(limit, 0), max(offset, 0))
         return await self._read(
             "listing runs", lambda conn: [record_from_row(r) for r in conn.execute(sql, params)]
         )
 
-    async def run_counts(self) -> list[RunCount]:
-        """How many runs there are per graph name, queue and status."""
+    async def _run_counts(self) -> list[RunCount]:
         return await self._read(
             "counting runs", lambda conn: run_counts_from_rows(conn.execute(RUN_COUNTS))
         )
 
-    async def results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
-        """Result rows of ``run_id`` (only ``node_id``'s if given), by node then visit."""
-        check_names(run_id=run_id, node_id=node_id)
+    async def _results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
 
         def read(conn: sqlite3.Connection) -> list[ResultRow]:
             _require_run(conn, run_id)
@@ -374,9 +381,7 @@ class SQLiteStore(SQLiteQueues, RunStore):
 
         return await self._read(f"run {run_id!r}", read)
 
-    async def frozen_inputs(self, run_id: str) -> list[FrozenInput]:
-        """First-k decisions of ``run_id``, by node then activation (E4)."""
-        check_name("run_id", run_id)
+    async def _frozen_inputs(self, run_id: str) -> list[FrozenInput]:
 
         def read(conn: sqlite3.Connection) -> list[FrozenInput]:
             _require_run(conn, run_id)
@@ -389,9 +394,7 @@ class SQLiteStore(SQLiteQueues, RunStore):
 
         return await self._read(f"run {run_id!r}", read)
 
-    async def events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
-        """Events of ``run_id`` with ``seq > after_seq``, in seq order."""
-        check_name("run_id", run_id)
+    async def _events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
 
         def read(conn: sqlite3.Connection) -> list[EventRow]:
             _require_run(conn, run_id)
@@ -403,16 +406,9 @@ class SQLiteStore(SQLiteQueues, RunStore):
 
         return await self._read(f"run {run_id!r}", read)
 
-    async def acquire_lease(
+    async def _acquire_lease(
         self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
     ) -> int:
-        """Lease ``run_id`` to ``owner`` for ``ttl`` seconds, from ``steal_from`` if it holds it; return the token (D6).
-
-        Cancelled once the writer has started it, the call waits for it and
-        releases a lease it newly granted before ``CancelledError`` propagates.
-        """
-        check_ttl(ttl)
-        check_names(run_id=run_id, owner=owner, steal_from=steal_from)
 
         def apply(conn: sqlite3.Connection) -> tuple[int, bool]:
             holder, expires, lease_token = _select_lease(conn, run_id)
@@ -434,10 +430,7 @@ class SQLiteStore(SQLiteQueues, RunStore):
         token, _ = await self._write(f"run {run_id!r}", apply, undo=undo)
         return token
 
-    async def heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
-        """Extend ``owner``'s lease on ``run_id`` to ``ttl`` from now; ``LeaseLost`` if ``token`` is stale."""
-        check_ttl(ttl)
-        check_names(run_id=run_id, owner=owner)
+    async def _heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
 
         def apply(conn: sqlite3.Connection) -> None:
             holder, _expires, lease_token = _select_lease(conn, run_id)
@@ -448,13 +441,10 @@ class SQLiteStore(SQLiteQueues, RunStore):
 
         await self._write(f"run {run_id!r}", apply)
 
-    async def release_lease(self, run_id: str, owner: str, token: int) -> None:
-        """Drop ``owner``'s lease on ``run_id`` if still held with ``token``; else do nothing."""
-        check_names(run_id=run_id, owner=owner)
+    async def _release_lease(self, run_id: str, owner: str, token: int) -> None:
         await self._write(f"run {run_id!r}", lambda conn: _release(conn, run_id, owner, token))
 
-    async def expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
-        """Ids of ``running`` runs with no lease or one that expired before ``now``, at most ``limit``."""
+    async def _expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
         params = (now, max(limit, 0))
         return await self._read(
             "finding expired leases",
@@ -463,7 +453,7 @@ class SQLiteStore(SQLiteQueues, RunStore):
 
     # -- the question ledger (Q2-Q5) ---------------------------------------------
 
-    async def answer(
+    async def _answer(
         self,
         question_id: str,
         answer_json: str,
@@ -471,23 +461,9 @@ class SQLiteStore(SQLiteQueues, RunStore):
         by: str | None = None,
         status: QuestionStatus = QuestionStatus.ANSWERED,
     ) -> QuestionRow:
-        """First answer wins: one atomic ``UPDATE ... WHERE status = 'open'`` (Q2); returns the new row.
-
-        Args:
-            question_id: the question to answer.
-            answer_json: the encoded answer.
-            by: who answered (a person, a poller), stored as ``answered_by``.
-            status: ``answered``, or ``expired`` when the deadline passed (Q5).
-
-        ``AlreadyAnswered`` if the question is not ``open`` (nothing changes),
-        ``QuestionNotFound`` if unknown, ``ValueError`` for another ``status``.
-        """
-        new_status = answer_status(question_id, status)
-        check_names(question_id=question_id)
-        check_name("by", by, context=f"question {question_id!r}: ")
 
         def apply(conn: sqlite3.Connection) -> QuestionRow:
-            values = (new_status.value, answer_json, by, self._clock(), question_id)
+            values = (status.value, answer_json, by, self._clock(), question_id)
             rows = conn.execute(ANSWER_QUESTION, values).fetchall()
             if not rows:
                 raise not_open(question_id, _question_state(conn, question_id)[0])
@@ -496,9 +472,7 @@ class SQLiteStore(SQLiteQueues, RunStore):
 
         return await self._write(f"question {question_id!r}", apply)
 
-    async def get_question(self, question_id: str) -> QuestionRow:
-        """Return question ``question_id``; ``QuestionNotFound`` if absent."""
-        check_name("question_id", question_id)
+    async def _get_question(self, question_id: str) -> QuestionRow:
 
         def read(conn: sqlite3.Connection) -> QuestionRow:
             row = conn.execute(SELECT_QUESTION, (question_id,)).fetchone()
@@ -508,15 +482,13 @@ class SQLiteStore(SQLiteQueues, RunStore):
 
         return await self._read(f"question {question_id!r}", read)
 
-    async def list_questions(
+    async def _list_questions(
         self,
         *,
         status: QuestionStatus | None = None,
         run_id: str | None = None,
         limit: int | None = None,
     ) -> list[QuestionRow]:
-        """Questions oldest first (``created_at``, then id), only those in ``status`` and of ``run_id`` if given, at most ``limit``."""
-        check_name("run_id", run_id)
         query, params = list_questions_query(status, run_id)
         params += (-1 if limit is None else max(limit, 0),)
         return await self._read(
@@ -524,49 +496,30 @@ class SQLiteStore(SQLiteQueues, RunStore):
             lambda conn: [question_from_row(r) for r in conn.execute(query, params)],
         )
 
-    async def unapplied_answers(
+    async def _unapplied_answers(
         self, *, limit: int = 100, now: float | None = None
     ) -> list[QuestionRow]:
-        """Unapplied answers due at ``now`` (default: the clock): fresh ones, then deferred ones (Q4)."""
         params = (self._clock() if now is None else now, max(limit, 0))
         return await self._read(
             "listing unapplied answers",
             lambda conn: [question_from_row(r) for r in conn.execute(DUE_ANSWERS, params)],
         )
 
-    async def defer_answer(self, question_id: str, *, error: str, retry_at: float) -> None:
-        """Record a failed apply of ``question_id``'s answer in one atomic update, if still unapplied.
-
-        ``QuestionNotFound`` if absent.
-        """
-        check_name("question_id", question_id)
-        text = check_apply_deferral(question_id, error, retry_at)
-        values = (text, float(retry_at), question_id)
+    async def _defer_answer(self, question_id: str, *, error: str, retry_at: float) -> None:
+        values = (error, retry_at, question_id)
         await self._write(
             f"question {question_id!r}",
             lambda conn: _changed_one(conn, DEFER_ANSWER, values, question_id),
         )
 
-    async def mark_applied(self, question_id: str) -> bool:
-        """Apply question ``question_id``'s answer outside a harvest; False if it cannot be (Q3).
-
-        The same atomic compare-and-set as a harvest's ``applied``: ``answered``
-        becomes ``applied``, ``expired`` stays so, both get ``applied_at``.
-        ``QuestionNotFound`` if absent.
-        """
-        check_name("question_id", question_id)
+    async def _mark_applied(self, question_id: str) -> bool:
 
         def apply(conn: sqlite3.Connection) -> bool:
             return _changed_one(conn, APPLY_QUESTION, (self._clock(), question_id), question_id)
 
         return await self._write(f"question {question_id!r}", apply)
 
-    async def supersede(self, question_id: str) -> bool:
-        """Mark question ``question_id`` ``superseded``; False if already applied or superseded.
-
-        ``QuestionNotFound`` if absent.
-        """
-        check_name("question_id", question_id)
+    async def _supersede(self, question_id: str) -> bool:
         return await self._write(
             f"question {question_id!r}",
             lambda conn: _changed_one(conn, SUPERSEDE_QUESTION, (question_id,), question_id),
@@ -574,9 +527,7 @@ class SQLiteStore(SQLiteQueues, RunStore):
 
     # -- the evolve ledger --------------------------------------------------------
 
-    async def artifact_head(self, artifact_id: str) -> ArtifactVersion | None:
-        """The newest version of ``artifact_id``, or None if it has none."""
-        check_name("artifact_id", artifact_id)
+    async def _artifact_head(self, artifact_id: str) -> ArtifactVersion | None:
 
         def read(conn: sqlite3.Connection) -> ArtifactVersion | None:
             row = conn.execute(SELECT_ARTIFACT_HEAD, (artifact_id,)).fetchone()
@@ -584,18 +535,9 @@ class SQLiteStore(SQLiteQueues, RunStore):
 
         return await self._read(f"artifact {artifact_id!r}", read)
 
-    async def commit_artifact(
+    async def _commit_artifact(
         self, artifact_id: str, expected: int, entries_json: str, meta_json: str = "{}"
     ) -> ArtifactVersion:
-        """Store version ``expected + 1`` of ``artifact_id`` if its head is ``expected`` (0: none).
-
-        On the writer thread, the head is read and the next version inserted in
-        one write transaction (``BEGIN IMMEDIATE`` keeps other processes out);
-        the primary key would refuse a duplicate version all the same.
-        ``entries_json``/``meta_json`` are stored as given; a stale ``expected``
-        raises ``StaleVersion`` and writes nothing.
-        """
-        check_expected(artifact_id, expected)
 
         def apply(conn: sqlite3.Connection) -> ArtifactVersion:
             head = _artifact_head_version(conn, artifact_id)
@@ -614,13 +556,142 @@ class SQLiteStore(SQLiteQueues, RunStore):
 
         return await self._write(f"artifact {artifact_id!r}", apply)
 
-    async def artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
-        """Every version of ``artifact_id``, oldest first."""
-        check_name("artifact_id", artifact_id)
+    async def _artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
         return await self._read(
             f"artifact {artifact_id!r}",
             lambda conn: [
                 artifact_from_row(r) for r in conn.execute(SELECT_ARTIFACT_HISTORY, (artifact_id,))
+            ],
+        )
+
+    def changes(self) -> contextlib.AbstractAsyncContextManager[ChangeFeed]:
+        """Wake-ups from the ``data_version`` watcher (see :meth:`RunStore.changes`)."""
+        return self._hub.subscribe()
+
+    async def _submit_run(self, run: NewRun, submission: Submission) -> str:
+        q = submission
+
+        def apply(conn: sqlite3.Connection) -> str:
+            if q.dedup_key is not None:
+                row = conn.execute(DEDUP_HOLDER, (q.queue, q.dedup_key)).fetchone()
+                if row is not None:
+                    return str(row[0])
+            if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run.run_id,)).fetchone():
+                raise RunExists(f"run {run.run_id!r} already exists")
+            conn.execute(INSERT_QUEUED_RUN, queued_run_params(run, q))
+            bump(conn, "submit")
+            return run.run_id
+
+        return await self._write(f"run {run.run_id!r}", apply)
+
+    async def _claim_runs(self, queue: str, owner: str, ttl: float, *, limit: int) -> list[str]:
+        waiting = await self._read(
+            f"queue {queue!r}", lambda conn: conn.execute(ANY_QUEUED, (queue,)).fetchone()
+        )
+        if waiting is None:
+            return []
+
+        def undo(ids: list[str]) -> Callable[[sqlite3.Connection], object]:
+            return lambda conn: release_all(conn, ids, owner)  # adopted at once by anyone
+
+        return await self._write(
+            f"queue {queue!r}",
+            lambda conn: claim(conn, queue, owner, ttl, limit, self._clock()),
+            undo=undo,
+        )
+
+    async def _claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
+        now = self._clock()
+        any_due = await self._read(
+            "claiming answers",
+            lambda conn: conn.execute(ANSWER_CANDIDATES, (now, now, 1)).fetchone(),
+        )
+        if any_due is None:
+            return []
+
+        def apply(conn: sqlite3.Connection) -> list[QuestionRow]:
+            ids = lease_answers(conn, owner, ttl, limit, self._clock())
+            return [question_from_row(conn.execute(SELECT_QUESTION, (q,)).fetchone()) for q in ids]
+
+        def undo(rows: list[QuestionRow]) -> Callable[[sqlite3.Connection], object]:
+            return lambda conn: release_all(conn, [q.run_id for q in rows], owner)
+
+        return await self._write("claiming answers", apply, undo=undo)
+
+    async def _request_cancel(self, run_id: str) -> RunStatus:
+
+        def apply(conn: sqlite3.Connection) -> RunStatus:
+            now = self._clock()
+            conn.execute(CANCEL_QUEUED, (now, now, run_id))
+            conn.execute(REQUEST_CANCEL, (now, run_id))
+            row = conn.execute("SELECT status FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            if row is None:
+                raise RunNotFound(f"no run {run_id!r} in the store")
+            bump(conn, "cancel")
+            return parse_status(run_id, row[0])
+
+        return await self._write(f"run {run_id!r}", apply)
+
+    async def _cancel_requests(self, owner: str) -> list[str]:
+        return await self._read(
+            "listing cancel requests",
+            lambda conn: [r[0] for r in conn.execute(CANCEL_REQUESTS, (owner,))],
+        )
+
+    async def _runs_leased_by(self, owner: str, *, limit: int = 100) -> list[str]:
+        return await self._read(
+            "listing leased runs",
+            lambda conn: [r[0] for r in conn.execute(LEASED_BY, (owner, max(limit, 0)))],
+        )
+
+    async def _declare_queue(self, queue: Queue) -> None:
+
+        def apply(conn: sqlite3.Connection) -> None:
+            conn.execute(UPSERT_QUEUE, queue_params(queue, self._clock()))
+            bump(conn, "submit")  # new limits may let more runs start
+
+        await self._write(f"queue {queue.name!r}", apply)
+
+    async def _queues(self) -> list[Queue]:
+        return await self._read(
+            "listing queues", lambda conn: [queue_from_row(r) for r in conn.execute(SELECT_QUEUES)]
+        )
+
+    async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
+
+        def read(conn: sqlite3.Connection) -> list[QueueStats]:
+            counts = conn.execute(QUEUE_COUNTS, (now - window, now)).fetchall()
+            declared_queues = [queue_from_row(r) for r in conn.execute(SELECT_QUEUES)]
+            workers = [worker_from_row(r) for r in conn.execute(SELECT_WORKERS)]
+            return stats_from_counts(counts, declared_queues, workers, now, window)
+
+        return await self._read("queue statistics", read)
+
+    async def _worker_seen(self, worker: WorkerRow) -> None:
+        await self._write(
+            f"worker {worker.worker_id!r}",
+            lambda conn: conn.execute(UPSERT_WORKER, worker_params(worker)),
+        )
+
+    async def _workers(self) -> list[WorkerRow]:
+        return await self._read(
+            "listing workers",
+            lambda conn: [worker_from_row(r) for r in conn.execute(SELECT_WORKERS)],
+        )
+
+    async def _forget_worker(self, worker_id: str) -> None:
+        await self._write(
+            f"worker {worker_id!r}", lambda conn: conn.execute(DELETE_WORKER, (worker_id,))
+        )
+
+    async def _run_durations(
+        self, fingerprint: str, *, limit: int = 200
+    ) -> list[tuple[float, float]]:
+        return await self._read(
+            "run durations",
+            lambda conn: [
+                (float(c), float(s))
+                for c, s in conn.execute(RUN_DURATIONS, (fingerprint, max(limit, 0)))
             ],
         )
 
