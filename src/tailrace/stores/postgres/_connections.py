@@ -35,7 +35,7 @@ import math
 import random
 import select
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import psycopg
@@ -43,8 +43,8 @@ import psycopg_pool
 from psycopg import sql
 
 from ..._errors import StoreError
-from .._records import Harvest
 from .._rules import read_only_refusal
+from ._errors import InDoubt, Texts, mapped_errors, refusal, transient
 from ._schema import PostgresSchema
 
 #: Logged under the store's name, where its operators look.
@@ -54,10 +54,6 @@ Conn = psycopg.AsyncConnection[Any]
 Pool = psycopg_pool.AsyncConnectionPool[Conn]
 T = TypeVar("T")
 
-#: SQLSTATEs (besides class 08, connection exceptions) after which re-running the
-#: whole transaction on a fresh connection is right: admin shutdown, crash
-#: shutdown, "cannot connect now", serialization failure, deadlock.
-_RETRIED_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "40001", "40P01"})
 #: The first and the longest pause between two attempts of one call, seconds.
 _FIRST_PAUSE, _LONGEST_PAUSE = 0.05, 1.0
 #: The transaction's id, which ``pg_xact_status`` takes after a lost connection.
@@ -67,8 +63,6 @@ XID = "pg_current_xact_id()::text"
 Work = Callable[[Conn, "Attempt"], Awaitable[T]]
 #: What a write returns when its earlier attempt turns out to have committed.
 Landed = Callable[[Conn], Awaitable[T]]
-#: The texts a write stores, by name, to name the one the driver refused.
-Texts = Callable[[], Iterable[tuple[str, str | None]]]
 
 
 @dataclasses.dataclass(slots=True)
@@ -76,10 +70,6 @@ class Attempt:
     """One run of a transaction; ``xid`` is its id, once the server told it (before any COMMIT)."""
 
     xid: str | None = None
-
-
-class InDoubt(Exception):
-    """An earlier attempt's transaction is still in progress on the server: ask again later."""
 
 
 async def nothing(conn: Conn) -> None:
@@ -167,16 +157,12 @@ class PostgresConnections(PostgresSchema):
         """
         if self._pool is not None:
             return
-        try:
+        with mapped_errors(self._where, "cannot connect to the server: "):
             conn = await self._connect()
-        except psycopg.Error as exc:
-            raise StoreError(f"{self._where}: cannot connect to the server: {exc}") from exc
-        try:
+        with mapped_errors(self._where):
             async with conn:
                 await self._configure(conn)
                 await self._prepare_schema(conn)
-        except psycopg.Error as exc:
-            raise StoreError(f"{self._where}: {exc}") from exc
         pool: Pool = psycopg_pool.AsyncConnectionPool(
             self._dsn,
             min_size=self._min_size,
@@ -196,10 +182,8 @@ class PostgresConnections(PostgresSchema):
             await asyncio.gather(*self._cleanups, return_exceptions=True)
         pool, self._pool = self._pool, None
         if pool is not None:
-            try:
+            with mapped_errors(self._where, "closing the pool: "):
                 await pool.close()
-            except psycopg.Error as exc:
-                raise StoreError(f"{self._where}: closing the pool: {exc}") from exc
 
     def _open_pool(self, context: str) -> Pool:
         if self._pool is None:
@@ -369,24 +353,6 @@ def readable(fd: int) -> bool:
     return bool(select.select([fd], [], [], 0)[0])
 
 
-def transient(exc: BaseException) -> bool:
-    """Whether re-running the whole transaction on a fresh connection may succeed after ``exc``.
-
-    Connection exceptions (no SQLSTATE: the client lost the connection; or
-    class 08), a shutting-down or starting-up server, serialization failures
-    and deadlocks. Not a pool that is closed or has too many waiters, nor an
-    error in the statement or the data.
-    """
-    if isinstance(exc, InDoubt):
-        return True
-    if isinstance(exc, psycopg_pool.PoolClosed | psycopg_pool.TooManyRequests):
-        return False
-    if not isinstance(exc, psycopg.OperationalError):
-        return False
-    state = exc.sqlstate
-    return state is None or state.startswith("08") or state in _RETRIED_SQLSTATES
-
-
 async def pause(context: str, exc: BaseException, attempt: int, deadline: float) -> None:
     """Sleep before attempt ``attempt + 1``: exponential, jittered, within ``deadline``; else give up."""
     left = deadline - time.monotonic()
@@ -420,51 +386,3 @@ async def committed(conn: Conn, xid: str, context: str) -> bool:
     if status == "committed":
         logger.info("%s: the lost COMMIT of transaction %s had landed", context, xid)
     return status == "committed"
-
-
-def refusal(context: str, exc: BaseException, texts: Texts | None) -> Exception:
-    """Our error for ``exc``, a failure a retry cannot cure; a refused text is named."""
-    text_refused = isinstance(exc, UnicodeEncodeError) or (
-        isinstance(exc, psycopg.DataError) and "NUL" in str(exc)
-    )
-    if text_refused:
-        problem = bad_text(texts() if texts is not None else ())
-        if problem is not None:
-            return ValueError(f"{context}: {problem}; nothing was written")
-        return ValueError(
-            f"{context}: Postgres cannot store this text ({exc}); nothing was written"
-        )
-    return StoreError(f"{context}: {exc}")
-
-
-def bad_text(texts: Iterable[tuple[str, str | None]]) -> str | None:
-    """What is wrong with the first of ``texts`` Postgres cannot store as text, naming it."""
-    for field, value in texts:
-        if value is None:
-            continue
-        if "\x00" in value:
-            at = value.index("\x00")
-            return f"{field} contains a NUL character (\\x00) at {at}, which Postgres cannot store"
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return (
-                f"{field} contains a lone surrogate {value[exc.start]!r} at {exc.start}, "
-                "which is not valid Unicode"
-            )
-    return None
-
-
-def harvest_texts(harvest: Harvest) -> Iterator[tuple[str, str | None]]:
-    """The payload texts ``harvest`` stores, each named by what it belongs to."""
-    yield "state_json", harvest.state_json
-    for n in harvest.nodes:
-        yield f"data_json of node {n.node_id!r}", n.data_json
-    for r in harvest.results:
-        yield f"result of node {r.node_id!r} visit {r.visit}", r.value_json
-    for f in harvest.frozen:
-        yield f"frozen input of node {f.node_id!r} activation {f.activation}", f.payload_json
-    for e in harvest.events:
-        yield f"data_json of event seq {e.seq}", e.data_json
-    for q in harvest.questions:
-        yield f"prompt_json of question {q.question_id!r}", q.prompt_json

@@ -121,9 +121,9 @@ from ._connections import (
     PostgresConnections,
     T,
     Work,
-    harvest_texts,
     nothing,
 )
+from ._errors import harvest_texts
 from ._queues import (
     FALLBACK_POLL,
     INSERT_QUEUED,

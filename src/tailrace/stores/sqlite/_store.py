@@ -115,6 +115,7 @@ from .._sql._statements import (
     record_from_row,
     run_update_params,
 )
+from ._errors import mapped_errors
 from ._files import prepare_for_writing, read_only_connection, read_only_uri
 from ._queues import DataVersionWatch, bump, claim, lease_answers, release_all
 from ._threads import (
@@ -225,18 +226,13 @@ class SQLiteStore(RunStore):
 
     def _open_writer_connection(self) -> sqlite3.Connection:
         where = f"SQLite store {self._path!r}"
-        try:
+        with mapped_errors(where, "cannot open: "):
             conn = self._connect()
-        except sqlite3.Error as exc:
-            raise StoreError(f"{where}: cannot open: {exc}") from exc
-        try:
-            prepare_for_writing(conn, where)
-        except sqlite3.Error as exc:
-            conn.close()
-            raise StoreError(f"{where}: cannot open: {exc}") from exc
-        except BaseException:
-            conn.close()
-            raise
+            try:
+                prepare_for_writing(conn, where)
+            except BaseException:
+                conn.close()
+                raise
         return conn
 
     async def open(self) -> None:
