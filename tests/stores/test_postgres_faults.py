@@ -440,7 +440,7 @@ async def test_a_timeout_that_fires_as_the_pool_hands_over_is_honoured(pg: Pg) -
 
 async def timeout_at_handover(store: PostgresStore, hops: int) -> str:
     """Call the store with the pool busy; free it and fire the call's timeout ``hops`` later."""
-    pool = store._pool  # back door: hold the only connection, give it back at a chosen moment
+    pool = store._db._pool  # back door: hold the only connection, give it back at a chosen moment
     assert pool is not None
     scopes: list[asyncio.Timeout] = []
 

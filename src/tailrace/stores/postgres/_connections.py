@@ -76,28 +76,11 @@ async def nothing(conn: Conn) -> None:
     """The result of a write that returns nothing, once it turned out to have committed."""
 
 
-class PostgresConnections(PostgresSchema):
+class PostgresConnections:
     """Pooled connections to one Postgres schema, and calls run on them with retries.
 
-    :class:`~tailrace.stores.PostgresStore` is one; its arguments are these.
-
-    Args:
-        dsn: libpq connection string or URL, e.g. ``postgresql://user@host/db``.
-        min_size: connections the pool keeps open.
-        max_size: most connections the pool opens.
-        schema: schema holding the tables; created on ``open`` if missing.
-        clock: wall clock for lease expiry, seconds since the epoch. Engines on
-            several hosts need clocks in step within a small part of the ttl.
-        connect_timeout: seconds to wait for the server when connecting
-            (libpq's rule: whole seconds, at least 2); ``open`` fails after
-            that with the driver's reason.
-        retry_budget: seconds one call may spend on transient failures (lost
-            connections, a server restart, serialization failures, deadlocks)
-            and on waiting for a free connection, re-running its transaction;
-            then it raises :class:`~tailrace.StoreError` with the last reason.
-        read_only: read an existing database and never write to it (see
-            :class:`~tailrace.stores.RunStore`); its sessions are read-only on
-            the server too.
+    The collaborator :class:`~tailrace.stores.PostgresStore` runs every call
+    through; it takes the store's arguments (documented there) but the clock.
     """
 
     def __init__(
@@ -107,7 +90,6 @@ class PostgresConnections(PostgresSchema):
         min_size: int = 1,
         max_size: int = 8,
         schema: str = "public",
-        clock: Callable[[], float] = time.time,
         connect_timeout: float = 5.0,
         retry_budget: float = 15.0,
         read_only: bool = False,
@@ -116,7 +98,6 @@ class PostgresConnections(PostgresSchema):
         self._min_size = min_size
         self._max_size = max_size
         self._schema = schema
-        self._clock = clock
         self._connect_timeout = max(2, math.ceil(connect_timeout))
         self._retry_budget = retry_budget
         self._read_only = read_only
@@ -143,7 +124,7 @@ class PostgresConnections(PostgresSchema):
         if self._read_only:  # the server refuses writes too, whatever a bug might send
             await conn.execute("SET default_transaction_read_only = on")
 
-    async def _connect(self) -> Conn:
+    async def connect(self) -> Conn:
         """A connection of our own (not pooled), in autocommit mode."""
         return await psycopg.AsyncConnection.connect(
             self._dsn, autocommit=True, connect_timeout=self._connect_timeout
@@ -158,11 +139,11 @@ class PostgresConnections(PostgresSchema):
         if self._pool is not None:
             return
         with mapped_errors(self._where, "cannot connect to the server: "):
-            conn = await self._connect()
+            conn = await self.connect()
         with mapped_errors(self._where):
             async with conn:
                 await self._configure(conn)
-                await self._prepare_schema(conn)
+                await PostgresSchema(self._schema, self._read_only, self._where).prepare(conn)
         pool: Pool = psycopg_pool.AsyncConnectionPool(
             self._dsn,
             min_size=self._min_size,
@@ -214,9 +195,9 @@ class PostgresConnections(PostgresSchema):
         finally:
             # The pool takes a connection back under its own locks; a cancellation
             # there would lose the connection, and the pool a slot for good.
-            await self._shielded(pool.putconn(conn))
+            await self.shielded(pool.putconn(conn))
 
-    async def _shielded(self, work: Coroutine[Any, Any, T]) -> T:
+    async def shielded(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` to its end even if the caller is cancelled meanwhile.
 
         The caller still gets its ``CancelledError`` at once; the work goes on
@@ -233,11 +214,11 @@ class PostgresConnections(PostgresSchema):
         if not task.cancelled() and task.exception() is not None:
             logger.debug("%s: cleanup failed", self._where, exc_info=task.exception())
 
-    async def _read(self, context: str, work: Work[T]) -> T:
+    async def read(self, context: str, work: Work[T]) -> T:
         """Run ``work`` (autocommit statements, or its own read transaction), retried (see ``_run``)."""
         return await self._run(context, work, landed=None, texts=None, transaction=False)
 
-    async def _write(
+    async def write(
         self,
         context: str,
         work: Work[T],
@@ -312,7 +293,7 @@ class PostgresConnections(PostgresSchema):
             else ""
         )
         try:
-            probe = await self._connect()
+            probe = await self.connect()
         except psycopg.Error as reason:
             return StoreError(
                 f"{context}: cannot reach the Postgres server "

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -157,7 +159,7 @@ from ._sql import (
 )
 
 
-class PostgresStore(PostgresConnections, RunStore):
+class PostgresStore(RunStore):
     """A store in PostgreSQL, shared by any number of engines.
 
     Args:
@@ -178,6 +180,44 @@ class PostgresStore(PostgresConnections, RunStore):
             :class:`RunStore`); its sessions are read-only on the server too.
     """
 
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        min_size: int = 1,
+        max_size: int = 8,
+        schema: str = "public",
+        clock: Callable[[], float] = time.time,
+        connect_timeout: float = 5.0,
+        retry_budget: float = 15.0,
+        read_only: bool = False,
+    ) -> None:
+        self._db = PostgresConnections(
+            dsn, min_size=min_size, max_size=max_size, schema=schema,
+            connect_timeout=connect_timeout, retry_budget=retry_budget, read_only=read_only,
+        )  # fmt: skip
+        self._clock = clock
+        self._channel = notify_channel(schema)
+        self._hub = ChangeHub(self._listen)
+
+    @property
+    def schema(self) -> str:
+        """The schema holding the tables."""
+        return self._db.schema
+
+    @property
+    def read_only(self) -> bool:
+        """Whether this store was opened read-only (it then refuses every write)."""
+        return self._db.read_only
+
+    async def open(self) -> None:
+        """Connect, check the schema and apply pending migrations (none when read-only). Idempotent.
+
+        One connection is made first, so an unreachable server fails here
+        within ``connect_timeout`` with the driver's reason; then the pool opens.
+        """
+        await self._db.open()
+
     # -- runs -----------------------------------------------------------------------
 
     async def _create_run(self, run: NewRun) -> None:
@@ -189,7 +229,7 @@ class PostgresStore(PostgresConnections, RunStore):
                 raise RunExists(f"run {run.run_id!r} already exists")
             attempt.xid = row[0]
 
-        await self._write(
+        await self._db.write(
             f"run {run.run_id!r}", insert, landed=nothing,
             texts=lambda: [("input_json", run.input_json)],
         )  # fmt: skip
@@ -214,7 +254,7 @@ class PostgresStore(PostgresConnections, RunStore):
                 ) from exc
             await apply_question_changes(conn, run_id, harvest, now)  # may refuse it all
 
-        await self._write(
+        await self._db.write(
             f"run {run_id!r}", write, landed=nothing, texts=lambda: harvest_texts(harvest)
         )
 
@@ -235,14 +275,14 @@ class PostgresStore(PostgresConnections, RunStore):
                 }
             return StoredRun(run=record, nodes=nodes)
 
-        return await self._read(f"run {run_id!r}", read)
+        return await self._db.read(f"run {run_id!r}", read)
 
     async def _get_run(self, run_id: str) -> RunRecord:
 
         async def read(conn: Conn, attempt: Attempt) -> RunRecord:
             return record_from_row(await fetch_run_row(conn, SELECT_RUN, run_id))
 
-        return await self._read(f"run {run_id!r}", read)
+        return await self._db.read(f"run {run_id!r}", read)
 
     async def _list_runs(
         self,
@@ -255,11 +295,11 @@ class PostgresStore(PostgresConnections, RunStore):
     ) -> list[RunRecord]:
         query, params = list_runs_query(None if status is None else status.value, queue, graph)
         params += (None if limit is None else max(limit, 0), max(offset, 0))
-        rows = await self._read("listing runs", fetch_all(pg(query), params))
+        rows = await self._db.read("listing runs", fetch_all(pg(query), params))
         return [record_from_row(r) for r in rows]
 
     async def _run_counts(self) -> list[RunCount]:
-        rows = await self._read("counting runs", fetch_all(pg(RUN_COUNTS), ()))
+        rows = await self._db.read("counting runs", fetch_all(pg(RUN_COUNTS), ()))
         return run_counts_from_rows(rows)
 
     async def _results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
@@ -299,7 +339,7 @@ class PostgresStore(PostgresConnections, RunStore):
                 await fetch_run_row(conn, "SELECT 1 FROM runs WHERE run_id = %s", run_id)
             return rows
 
-        return await self._read(f"run {run_id!r}", read)
+        return await self._db.read(f"run {run_id!r}", read)
 
     # -- leases (D6) ------------------------------------------------------------------
 
@@ -327,11 +367,13 @@ class PostgresStore(PostgresConnections, RunStore):
             return token
 
         try:
-            return await self._write(f"run {run_id!r}", grant)  # a re-run finds it ours: same token
+            return await self._db.write(
+                f"run {run_id!r}", grant
+            )  # a re-run finds it ours: same token
         except BaseException:
             if granted:
                 with contextlib.suppress(Exception):  # never hide the original failure
-                    await self._shielded(self.release_lease(run_id, owner, granted[-1]))
+                    await self._db.shielded(self.release_lease(run_id, owner, granted[-1]))
             raise
 
     async def _heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
@@ -344,7 +386,7 @@ class PostgresStore(PostgresConnections, RunStore):
                 (self._clock() + ttl, run_id),
             )
 
-        await self._write(f"run {run_id!r}", extend)
+        await self._db.write(f"run {run_id!r}", extend)
 
     async def _release_lease(self, run_id: str, owner: str, token: int) -> None:
 
@@ -359,11 +401,11 @@ class PostgresStore(PostgresConnections, RunStore):
                 (run_id, owner, token, channel),
             )
 
-        await self._write(f"run {run_id!r}", release, transaction=False)
+        await self._db.write(f"run {run_id!r}", release, transaction=False)
 
     async def _expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
         query = pg(EXPIRED_LEASES)
-        rows = await self._read("finding expired leases", fetch_all(query, (now, max(limit, 0))))
+        rows = await self._db.read("finding expired leases", fetch_all(query, (now, max(limit, 0))))
         return [r[0] for r in rows]
 
     # -- the question ledger (Q2-Q5) ---------------------------------------------
@@ -389,14 +431,14 @@ class PostgresStore(PostgresConnections, RunStore):
             await notify(conn, channel, "answer")
             return question_from_row(row[:-1])
 
-        return await self._write(
+        return await self._db.write(
             f"question {question_id!r}", set_answer,
             landed=lambda conn: select_question(conn, question_id),
             texts=lambda: [("answer_json", answer_json)],
         )  # fmt: skip
 
     async def _get_question(self, question_id: str) -> QuestionRow:
-        return await self._read(
+        return await self._db.read(
             f"question {question_id!r}", lambda conn, _: select_question(conn, question_id)
         )
 
@@ -409,34 +451,36 @@ class PostgresStore(PostgresConnections, RunStore):
     ) -> list[QuestionRow]:
         query, params = list_questions_query(status, run_id)
         params += (None if limit is None else max(limit, 0),)
-        rows = await self._read("listing questions", fetch_all(pg(query), params))
+        rows = await self._db.read("listing questions", fetch_all(pg(query), params))
         return [question_from_row(r) for r in rows]
 
     async def _unapplied_answers(
         self, *, limit: int = 100, now: float | None = None
     ) -> list[QuestionRow]:
         params = (self._clock() if now is None else now, max(limit, 0))
-        rows = await self._read("listing unapplied answers", fetch_all(pg(DUE_ANSWERS), params))
+        rows = await self._db.read("listing unapplied answers", fetch_all(pg(DUE_ANSWERS), params))
         return [question_from_row(r) for r in rows]
 
     async def _defer_answer(self, question_id: str, *, error: str, retry_at: float) -> None:
         values = (error, retry_at, question_id)
         cas = question_cas(returning_xid(DEFER_ANSWER), values, question_id)
-        await self._write(f"question {question_id!r}", cas, landed=changed)  # changed or not: done
+        await self._db.write(
+            f"question {question_id!r}", cas, landed=changed
+        )  # changed or not: done
 
     async def _mark_applied(self, question_id: str) -> bool:
         values = (self._clock(), question_id)
         cas = question_cas(returning_xid(APPLY_QUESTION), values, question_id)
-        return await self._write(f"question {question_id!r}", cas, landed=changed)
+        return await self._db.write(f"question {question_id!r}", cas, landed=changed)
 
     async def _supersede(self, question_id: str) -> bool:
         cas = question_cas(returning_xid(SUPERSEDE_QUESTION), (question_id,), question_id)
-        return await self._write(f"question {question_id!r}", cas, landed=changed)
+        return await self._db.write(f"question {question_id!r}", cas, landed=changed)
 
     # -- the evolve ledger --------------------------------------------------------
 
     async def _artifact_head(self, artifact_id: str) -> ArtifactVersion | None:
-        rows = await self._read(
+        rows = await self._db.read(
             f"artifact {artifact_id!r}", fetch_all(pg(SELECT_ARTIFACT_HEAD), (artifact_id,))
         )
         return artifact_from_row(rows[0]) if rows else None
@@ -463,28 +507,16 @@ class PostgresStore(PostgresConnections, RunStore):
         async def landed(conn: Conn) -> ArtifactVersion:
             return version
 
-        return await self._write(
+        return await self._db.write(
             f"artifact {artifact_id!r}", insert, landed=landed,
             texts=lambda: [("entries_json", entries_json), ("meta_json", meta_json)],
         )  # fmt: skip
 
     async def _artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
-        rows = await self._read(
+        rows = await self._db.read(
             f"artifact {artifact_id!r}", fetch_all(pg(SELECT_ARTIFACT_HISTORY), (artifact_id,))
         )
         return [artifact_from_row(r) for r in rows]
-
-    _hub_of: ChangeHub | None = None
-
-    @property
-    def _channel(self) -> str:
-        return notify_channel(self._schema)
-
-    @property
-    def _hub(self) -> ChangeHub:
-        if self._hub_of is None:
-            self._hub_of = ChangeHub(self._listen)
-        return self._hub_of
 
     def changes(self) -> contextlib.AbstractAsyncContextManager[ChangeFeed]:
         """Wake-ups from ``LISTEN`` on the schema's channel (see :meth:`RunStore.changes`)."""
@@ -506,7 +538,7 @@ class PostgresStore(PostgresConnections, RunStore):
         listen = sql.SQL("LISTEN {}").format(sql.Identifier(self._channel))
         while True:
             try:
-                async with await self._connect() as conn:
+                async with await self._db.connect() as conn:
                     await conn.execute(listen)
                     if ready.is_set():
                         hub.deliver_all()  # back after an outage: what was missed meanwhile
@@ -521,10 +553,9 @@ class PostgresStore(PostgresConnections, RunStore):
             await asyncio.sleep(FALLBACK_POLL)
 
     async def close(self) -> None:
-        """Stop listening, then close the pool (see :class:`PostgresConnections`). Idempotent."""
-        if self._hub_of is not None:
-            await self._hub_of.close()
-        await super().close()
+        """Stop listening, finish cleanups left by cancelled callers, close the pool. Idempotent."""
+        await self._hub.close()
+        await self._db.close()
 
     async def _submit_run(self, run: NewRun, submission: Submission) -> str:
         q = submission
@@ -553,13 +584,13 @@ class PostgresStore(PostgresConnections, RunStore):
         async def landed(conn: Conn) -> str:
             return run.run_id
 
-        return await self._write(
+        return await self._db.write(
             f"run {run.run_id!r}", insert, landed=landed,
             texts=lambda: [("input_json", run.input_json)],
         )  # fmt: skip
 
     async def _claim_runs(self, queue: str, owner: str, ttl: float, *, limit: int) -> list[str]:
-        rows = await self._read(f"queue {queue!r}", fetch_all(pg(ANY_QUEUED), (queue,)))
+        rows = await self._db.read(f"queue {queue!r}", fetch_all(pg(ANY_QUEUED), (queue,)))
         if not rows:
             return []
         claimed: list[str] = []
@@ -570,7 +601,7 @@ class PostgresStore(PostgresConnections, RunStore):
             spec = await declared(conn, queue)
             active = started = 0
             if spec.concurrency is not None or spec.limit is not None:
-                await lock_queue(conn, self._schema, queue)
+                await lock_queue(conn, self._db.schema, queue)
             now = self._clock()  # once the lock is ours: what the previous holder claimed is in
             if spec.concurrency is not None:
                 active = await count_rows(conn, ACTIVE_IN_QUEUE, (queue, now))
@@ -596,7 +627,7 @@ class PostgresStore(PostgresConnections, RunStore):
 
     async def _claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
         now = self._clock()
-        first = await self._read(
+        first = await self._db.read(
             "claiming answers", fetch_all(pg(ANSWER_CANDIDATES), (now, now, 1))
         )
         if not first:
@@ -639,7 +670,7 @@ class PostgresStore(PostgresConnections, RunStore):
             if spec.concurrency is None:
                 active[queue] = None
             else:
-                await lock_queue(conn, self._schema, queue)
+                await lock_queue(conn, self._db.schema, queue)
                 count = await count_rows(conn, ACTIVE_IN_QUEUE, (queue, now))
                 active[queue] = spec.concurrency - count
         free = active[queue]
@@ -657,12 +688,12 @@ class PostgresStore(PostgresConnections, RunStore):
         ``landed``); if it fails or its caller is cancelled, release what it may have
         leased, shielded, so those runs are adopted at once instead of after their ttl."""
         try:
-            return await self._write(context, work, landed=landed)
+            return await self._db.write(context, work, landed=landed)
         except BaseException:
             run_ids = list(leased())
             if run_ids:
                 with contextlib.suppress(Exception):
-                    await self._shielded(self._release_all(run_ids, owner))
+                    await self._db.shielded(self._release_all(run_ids, owner))
             raise
 
     async def _release_all(self, run_ids: list[str], owner: str) -> None:
@@ -677,7 +708,7 @@ class PostgresStore(PostgresConnections, RunStore):
                 )
             await notify(conn, channel, "release")
 
-        await self._write("releasing claimed runs", release)
+        await self._db.write("releasing claimed runs", release)
 
     async def _request_cancel(self, run_id: str) -> RunStatus:
         channel = self._channel
@@ -693,14 +724,18 @@ class PostgresStore(PostgresConnections, RunStore):
             await notify(conn, channel, "cancel")
             return parse_status(run_id, row[0])
 
-        return await self._write(f"run {run_id!r}", cancel)  # idempotent: a re-run changes nothing
+        return await self._db.write(
+            f"run {run_id!r}", cancel
+        )  # idempotent: a re-run changes nothing
 
     async def _cancel_requests(self, owner: str) -> list[str]:
-        rows = await self._read("listing cancel requests", fetch_all(pg(CANCEL_REQUESTS), (owner,)))
+        rows = await self._db.read(
+            "listing cancel requests", fetch_all(pg(CANCEL_REQUESTS), (owner,))
+        )
         return [r[0] for r in rows]
 
     async def _runs_leased_by(self, owner: str, *, limit: int = 100) -> list[str]:
-        rows = await self._read(
+        rows = await self._db.read(
             "listing leased runs", fetch_all(pg(LEASED_BY), (owner, max(limit, 0)))
         )
         return [r[0] for r in rows]
@@ -712,10 +747,10 @@ class PostgresStore(PostgresConnections, RunStore):
             await conn.execute(pg(UPSERT_QUEUE), queue_params(queue, self._clock()))
             await notify(conn, channel, "submit")  # new limits may let more runs start
 
-        await self._write(f"queue {queue.name!r}", upsert)
+        await self._db.write(f"queue {queue.name!r}", upsert)
 
     async def _queues(self) -> list[Queue]:
-        rows = await self._read("listing queues", fetch_all(pg(SELECT_QUEUES), ()))
+        rows = await self._db.read("listing queues", fetch_all(pg(SELECT_QUEUES), ()))
         return [queue_from_row(r) for r in rows]
 
     async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
@@ -733,17 +768,17 @@ class PostgresStore(PostgresConnections, RunStore):
                 now, window,
             )  # fmt: skip
 
-        return await self._read("queue statistics", read)
+        return await self._db.read("queue statistics", read)
 
     async def _worker_seen(self, worker: WorkerRow) -> None:
 
         async def upsert(conn: Conn, attempt: Attempt) -> None:
             await conn.execute(pg(UPSERT_WORKER), worker_params(worker))
 
-        await self._write(f"worker {worker.worker_id!r}", upsert)
+        await self._db.write(f"worker {worker.worker_id!r}", upsert)
 
     async def _workers(self) -> list[WorkerRow]:
-        rows = await self._read("listing workers", fetch_all(pg(SELECT_WORKERS), ()))
+        rows = await self._db.read("listing workers", fetch_all(pg(SELECT_WORKERS), ()))
         return [worker_from_row(r) for r in rows]
 
     async def _forget_worker(self, worker_id: str) -> None:
@@ -751,12 +786,12 @@ class PostgresStore(PostgresConnections, RunStore):
         async def delete(conn: Conn, attempt: Attempt) -> None:
             await conn.execute(pg(DELETE_WORKER), (worker_id,))
 
-        await self._write(f"worker {worker_id!r}", delete)
+        await self._db.write(f"worker {worker_id!r}", delete)
 
     async def _run_durations(
         self, fingerprint: str, *, limit: int = 200
     ) -> list[tuple[float, float]]:
-        rows = await self._read(
+        rows = await self._db.read(
             "run durations", fetch_all(pg(RUN_DURATIONS), (fingerprint, max(limit, 0)))
         )
         return [(float(c), float(s)) for c, s in rows]
