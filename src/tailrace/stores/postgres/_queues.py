@@ -58,11 +58,6 @@ def notify_channel(schema: str) -> str:
     return "tailrace." + hashlib.sha256(schema.encode()).hexdigest()[:32]
 
 
-async def notify(conn: Conn, channel: str, kind: str) -> None:
-    """Send a change of ``kind``; delivered to listeners when the transaction commits."""
-    await conn.execute("SELECT pg_notify(%s, %s)", (channel, kind))
-
-
 async def declared(conn: Conn, name: str) -> Queue:
     cur = await conn.execute(pg(SELECT_QUEUE), (name,))
     row = await cur.fetchone()

@@ -2,33 +2,27 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
-from ..._errors import RunNotFound
+import psycopg
+
+from ..._errors import StoreError
 from .._records import (
     Harvest,
-    QuestionRow,
-    QuestionStatus,
 )
-from .._rules import not_applicable, parse_question_status, question_not_found
 from .._sql._statements import (
-    ANSWER_QUESTION,
-    APPLY_QUESTION,
     ARTIFACT_HEAD_VERSION,
     INSERT_ARTIFACT,
     INSERT_RUN,
-    QUESTION_STATE,
-    RUN_COLUMNS,
-    SELECT_QUESTION,
-    SUPERSEDE_QUESTION,
     UPDATE_RUN,
     UPSERT_NODE,
     harvest_rows,
     node_params,
-    question_from_row,
     run_update_params,
 )
+from .._sql._transactions import Params, Row
 from ._connections import XID, Attempt, Conn, Work
 
 
@@ -42,15 +36,7 @@ def returning_xid(statement: str) -> str:
     return f"{pg(statement)} RETURNING {XID}"
 
 
-SELECT_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = %s"
-LOCK_LEASE = (
-    f"SELECT lease_owner, lease_expires, lease_token, {XID} FROM runs WHERE run_id = %s FOR UPDATE"
-)
-LOCK_FOR_COMMIT = (
-    f"SELECT status, format_version, lease_token, {XID} FROM runs WHERE run_id = %s FOR UPDATE"
-)
 PG_INSERT_RUN = f"{pg(INSERT_RUN)} ON CONFLICT (run_id) DO NOTHING RETURNING {XID}"
-PG_ANSWER_QUESTION = f"{pg(ANSWER_QUESTION)}, {XID}"  # it already returns the row
 PG_INSERT_ARTIFACT = f"{pg(INSERT_ARTIFACT)} ON CONFLICT DO NOTHING RETURNING {XID}"
 
 
@@ -67,29 +53,6 @@ def fetch_all(query: str, params: tuple[object, ...]) -> Work[list[tuple[Any, ..
 async def changed(conn: Conn) -> bool:
     """The result of a compare-and-set that turned out to have committed: it changed the row."""
     return True
-
-
-def question_cas(update: str, values: tuple[object, ...], question_id: str) -> Work[bool]:
-    """A compare-and-set of ``question_id`` (``update`` returns the transaction id): True if it changed the row."""
-
-    async def cas(conn: Conn, attempt: Attempt) -> bool:
-        cur = await conn.execute(update, values)
-        row = await cur.fetchone()
-        if row is not None:
-            attempt.xid = row[0]
-            return True
-        await question_state(conn, question_id)  # QuestionNotFound when there is none
-        return False
-
-    return cas
-
-
-async def select_question(conn: Conn, question_id: str) -> QuestionRow:
-    cur = await conn.execute(pg(SELECT_QUESTION), (question_id,))
-    row = await cur.fetchone()
-    if row is None:
-        raise question_not_found(question_id)
-    return question_from_row(row)
 
 
 async def artifact_head_version(conn: Conn, artifact_id: str) -> int:
@@ -110,38 +73,91 @@ async def write_harvest(conn: Conn, run_id: str, harvest: Harvest, now: float) -
         await cur.execute(pg(UPDATE_RUN), run_update_params(run_id, harvest, now))
 
 
-async def apply_question_changes(conn: Conn, run_id: str, harvest: Harvest, now: float) -> None:
-    """Apply, then supersede, the questions of ``harvest`` (inserted already); refuse it all on a lost CAS.
+@functools.lru_cache(maxsize=256)
+def _spelled(statement: str) -> str:
+    return pg(statement)
 
-    Each apply is one ``UPDATE ... WHERE`` checked by its row count: a racing
-    transaction waits for the row lock, then re-checks the condition and finds
-    the answer applied, so exactly one harvest applies it (Q3). Ids are taken
-    in sorted order so that two harvests never wait on each other's rows.
+
+@functools.lru_cache(maxsize=64)
+def _locking(select: str) -> str:
+    """``select`` (of one row) also returning the transaction id, its row locked ``FOR UPDATE``."""
+    columns, rest = pg(select).split(" FROM ", 1)
+    return f"{columns}, {XID} FROM {rest} FOR UPDATE"
+
+
+@functools.lru_cache(maxsize=64)
+def _changing(update: str) -> str:
+    return returning_xid(update)
+
+
+@functools.lru_cache(maxsize=64)
+def _returning_too(update: str) -> str:
+    """``update`` (which has a RETURNING clause) also returning the transaction id."""
+    return f"{pg(update)}, {XID}"
+
+
+async def notify(conn: Conn, channel: str, kind: str) -> None:
+    """Send a change of ``kind``; delivered to listeners when the transaction commits."""
+    await conn.execute("SELECT pg_notify(%s, %s)", (channel, kind))
+
+
+class PostgresTx:
+    """The Postgres store's :class:`~tailrace.stores._sql._transactions.Tx`: one attempt of a call.
+
+    Statements get psycopg's placeholders. A row read to be written (``lock``)
+    is locked ``FOR UPDATE``, so two engines never both write one run (D6);
+    ``lock``, ``change`` and ``change_returning`` record the transaction's id
+    in ``attempt`` before COMMIT, which settles a lost COMMIT answer. Wake-ups
+    are ``NOTIFY`` on ``channel``, delivered on commit.
     """
-    for question_id in sorted(harvest.applied):
-        cur = await conn.execute(pg(APPLY_QUESTION), (now, question_id))
-        if cur.rowcount != 1:
-            status, applied_at = await question_state(conn, question_id)
-            raise not_applicable(question_id, status, applied_at, run_id=run_id)
-    for question_id in sorted(harvest.superseded):
-        cur = await conn.execute(pg(SUPERSEDE_QUESTION), (question_id,))
-        if cur.rowcount != 1:
-            await question_state(conn, question_id)  # QuestionNotFound when there is none
 
+    __slots__ = ("attempt", "channel", "conn")
 
-async def question_state(conn: Conn, question_id: str) -> tuple[QuestionStatus, Any]:
-    """``(status, applied_at)`` of question ``question_id``; :class:`QuestionNotFound` if absent."""
-    cur = await conn.execute(pg(QUESTION_STATE), (question_id,))
-    row = await cur.fetchone()
-    if row is None:
-        raise question_not_found(question_id)
-    return parse_question_status(question_id, row[0]), row[1]
+    def __init__(self, conn: Conn, attempt: Attempt, channel: str) -> None:
+        self.conn = conn
+        self.attempt = attempt
+        self.channel = channel
 
+    async def one(self, sql: str, params: Params) -> Row | None:
+        cur = await self.conn.execute(_spelled(sql), params)
+        return await cur.fetchone()
 
-async def fetch_run_row(conn: Conn, query: str, run_id: str) -> tuple[Any, ...]:
-    """The one row ``query`` selects for ``run_id``; :class:`RunNotFound` if there is none."""
-    cur = await conn.execute(query, (run_id,))
-    row = await cur.fetchone()
-    if row is None:
-        raise RunNotFound(f"no run {run_id!r} in the store")
-    return tuple(row)
+    async def all(self, sql: str, params: Params) -> list[Row]:
+        cur = await self.conn.execute(_spelled(sql), params)
+        return list(await cur.fetchall())
+
+    async def lock(self, sql: str, params: Params) -> Row | None:
+        cur = await self.conn.execute(_locking(sql), params)
+        row: Row | None = await cur.fetchone()
+        if row is None:
+            return None
+        self.attempt.xid = row[-1]
+        return row[:-1]
+
+    async def change(self, sql: str, params: Params) -> bool:
+        cur = await self.conn.execute(_changing(sql), params)
+        row = await cur.fetchone()
+        if row is None:
+            return False
+        self.attempt.xid = row[0]
+        return True
+
+    async def change_returning(self, sql: str, params: Params) -> Row | None:
+        cur = await self.conn.execute(_returning_too(sql), params)
+        row: Row | None = await cur.fetchone()
+        if row is None:
+            return None
+        self.attempt.xid = row[-1]
+        return row[:-1]
+
+    async def write_harvest(self, run_id: str, harvest: Harvest, now: float) -> None:
+        try:
+            await write_harvest(self.conn, run_id, harvest, now)
+        except psycopg.errors.UniqueViolation as exc:  # nothing committed is rewritten (D1)
+            raise StoreError(
+                f"run {run_id!r}: harvest would rewrite a committed row "
+                f"({exc.diag.message_detail}); nothing of it was written"
+            ) from exc
+
+    async def signal(self, kind: str) -> None:
+        await notify(self.conn, self.channel, kind)

@@ -28,13 +28,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from ..._errors import RunExists, RunNotFound, StoreError
+from ..._errors import RunExists
 from .._artifacts import stale_version
 from .._changes import ChangeHub, Stop
 from .._contract import ChangeFeed, RunStore
@@ -53,7 +53,6 @@ from .._records import (
     FrozenInput,
     Harvest,
     NewRun,
-    NodeRow,
     QuestionRow,
     QuestionStatus,
     Queue,
@@ -66,19 +65,11 @@ from .._records import (
     Submission,
     WorkerRow,
 )
-from .._rules import (
-    check_commit,
-    check_holder,
-    check_readable,
-    grant_lease,
-    not_open,
-    parse_status,
-)
+from .._sql import _transactions as bodies
 from .._sql._queues import (
     ACTIVE_IN_QUEUE,
     ANSWER_CANDIDATES,
     ANY_QUEUED,
-    CANCEL_QUEUED,
     CANCEL_REQUESTS,
     CLAIM_RUN,
     DEDUP_HOLDER,
@@ -86,7 +77,6 @@ from .._sql._queues import (
     LEASE_FOR_ANSWER,
     LEASED_BY,
     QUEUE_COUNTS,
-    REQUEST_CANCEL,
     RUN_COUNTS,
     RUN_DURATIONS,
     SELECT_QUEUES,
@@ -102,14 +92,12 @@ from .._sql._statements import (
     APPLY_QUESTION,
     DEFER_ANSWER,
     DUE_ANSWERS,
-    EVENT_COLUMNS,
     EXPIRED_LEASES,
     SELECT_ARTIFACT_HEAD,
     SELECT_ARTIFACT_HISTORY,
     SUPERSEDE_QUESTION,
     artifact_from_row,
     artifact_params,
-    event_from_row,
     list_questions_query,
     new_run_params,
     question_from_row,
@@ -134,28 +122,18 @@ from ._queues import (
     declared,
     lock_queue,
     logger,
-    notify,
     notify_channel,
     transaction_id,
 )
 from ._sql import (
-    LOCK_FOR_COMMIT,
-    LOCK_LEASE,
-    PG_ANSWER_QUESTION,
     PG_INSERT_ARTIFACT,
     PG_INSERT_RUN,
-    SELECT_RUN,
-    apply_question_changes,
+    PostgresTx,
     artifact_head_version,
     changed,
     fetch_all,
-    fetch_run_row,
+    notify,
     pg,
-    question_cas,
-    question_state,
-    returning_xid,
-    select_question,
-    write_harvest,
 )
 
 
@@ -235,54 +213,29 @@ class PostgresStore(RunStore):
         )  # fmt: skip
 
     async def _commit(self, run_id: str, token: int, harvest: Harvest) -> None:
+        # Idempotent across a lost connection: when the answer to the COMMIT is
+        # lost, the retry finds the transaction committed and returns, and the
+        # harvest is not applied a second time.
         now = self._clock()  # once, so that a re-run writes the very same rows
 
         async def write(conn: Conn, attempt: Attempt) -> None:
-            status, version, lease_token, attempt.xid = await fetch_run_row(
-                conn, LOCK_FOR_COMMIT, run_id
-            )
-            check_commit(
-                run_id, current=parse_status(run_id, status), format_version=version,
-                lease_token=lease_token, token=token, new=harvest.status,
-            )  # fmt: skip
-            try:
-                await write_harvest(conn, run_id, harvest, now)
-            except psycopg.errors.UniqueViolation as exc:  # nothing committed is rewritten (D1)
-                raise StoreError(
-                    f"run {run_id!r}: harvest would rewrite a committed row "
-                    f"({exc.diag.message_detail}); nothing of it was written"
-                ) from exc
-            await apply_question_changes(conn, run_id, harvest, now)  # may refuse it all
+            tx = PostgresTx(conn, attempt, self._channel)
+            await bodies.commit_harvest(tx, run_id, token, harvest, now)
 
         await self._db.write(
             f"run {run_id!r}", write, landed=nothing, texts=lambda: harvest_texts(harvest)
         )
 
     async def _load_run(self, run_id: str) -> StoredRun:
-
         async def read(conn: Conn, attempt: Attempt) -> StoredRun:
-            async with conn.transaction():
+            async with conn.transaction():  # the run and its nodes as of one moment
                 await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-                record = record_from_row(await fetch_run_row(conn, SELECT_RUN, run_id))
-                check_readable(run_id, record.format_version)
-                cur = await conn.execute(
-                    "SELECT node_id, status, visits, data_json FROM node_states WHERE run_id = %s",
-                    (run_id,),
-                )
-                nodes = {
-                    r[0]: NodeRow(node_id=r[0], status=r[1], visits=r[2], data_json=r[3])
-                    for r in await cur.fetchall()
-                }
-            return StoredRun(run=record, nodes=nodes)
+                return await bodies.load_run(PostgresTx(conn, attempt, self._channel), run_id)
 
         return await self._db.read(f"run {run_id!r}", read)
 
     async def _get_run(self, run_id: str) -> RunRecord:
-
-        async def read(conn: Conn, attempt: Attempt) -> RunRecord:
-            return record_from_row(await fetch_run_row(conn, SELECT_RUN, run_id))
-
-        return await self._db.read(f"run {run_id!r}", read)
+        return await self._db.read(f"run {run_id!r}", self._body(bodies.get_run, run_id))
 
     async def _list_runs(
         self,
@@ -303,73 +256,44 @@ class PostgresStore(RunStore):
         return run_counts_from_rows(rows)
 
     async def _results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
-        query = "SELECT node_id, visit, value_json FROM results WHERE run_id = %s"
-        params: tuple[object, ...] = (run_id,)
-        if node_id is not None:
-            query, params = query + " AND node_id = %s", (run_id, node_id)
-        rows = await self._select_of_run(run_id, query + " ORDER BY node_id, visit", params)
-        return [ResultRow(node_id=r[0], visit=r[1], value_json=r[2]) for r in rows]
+        read = self._body(bodies.results, run_id, node_id)
+        return await self._db.read(f"run {run_id!r}", read)
 
     async def _frozen_inputs(self, run_id: str) -> list[FrozenInput]:
-        rows = await self._select_of_run(
-            run_id,
-            "SELECT node_id, activation, payload_json FROM frozen_inputs WHERE run_id = %s "
-            "ORDER BY node_id, activation",
-            (run_id,),
-        )
-        return [FrozenInput(node_id=r[0], activation=r[1], payload_json=r[2]) for r in rows]
+        read = self._body(bodies.frozen_inputs, run_id)
+        return await self._db.read(f"run {run_id!r}", read)
 
     async def _events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
-        rows = await self._select_of_run(
-            run_id,
-            f"SELECT {EVENT_COLUMNS} FROM events WHERE run_id = %s AND seq > %s ORDER BY seq",
-            (run_id, after_seq),
-        )
-        return [event_from_row(r) for r in rows]
-
-    async def _select_of_run(
-        self, run_id: str, query: str, params: tuple[object, ...]
-    ) -> list[tuple[Any, ...]]:
-        """Rows of ``query``, or :class:`RunNotFound` when the run does not exist."""
-
-        async def read(conn: Conn, attempt: Attempt) -> list[tuple[Any, ...]]:
-            cur = await conn.execute(query, params)
-            rows = await cur.fetchall()
-            if not rows:
-                await fetch_run_row(conn, "SELECT 1 FROM runs WHERE run_id = %s", run_id)
-            return rows
-
+        read = self._body(bodies.events, run_id, after_seq)
         return await self._db.read(f"run {run_id!r}", read)
+
+    def _body(self, body: Callable[..., Awaitable[T]], *args: Any) -> Work[T]:
+        """Work running the shared ``body(tx, *args)`` on a pooled connection."""
+        channel = self._channel
+
+        async def work(conn: Conn, attempt: Attempt) -> T:
+            return await body(PostgresTx(conn, attempt, channel), *args)
+
+        return work
 
     # -- leases (D6) ------------------------------------------------------------------
 
     async def _acquire_lease(
         self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
     ) -> int:
+        # A call that fails or is cancelled after granting a new lease releases
+        # it (shielded) before raising, so it leaves no lease behind.
         granted: list[int] = []  # new tokens this call wrote (a re-acquire keeps its token)
 
         async def grant(conn: Conn, attempt: Attempt) -> int:
-            holder, expires, lease_token, attempt.xid = await fetch_run_row(
-                conn, LOCK_LEASE, run_id
-            )
-            now = self._clock()
-            token = grant_lease(
-                run_id, owner, now=now, holder=holder, expires=expires, lease_token=lease_token,
-                steal_from=steal_from,
-            )  # fmt: skip
-            if token != lease_token:
+            tx = PostgresTx(conn, attempt, self._channel)
+            token, new = await bodies.take_lease(tx, run_id, owner, ttl, steal_from, self._clock)
+            if new:
                 granted.append(token)
-            await conn.execute(
-                "UPDATE runs SET lease_owner = %s, lease_expires = %s, lease_token = %s "
-                "WHERE run_id = %s",
-                (owner, now + ttl, token, run_id),
-            )
             return token
 
         try:
-            return await self._db.write(
-                f"run {run_id!r}", grant
-            )  # a re-run finds it ours: same token
+            return await self._db.write(f"run {run_id!r}", grant)  # a re-run finds it ours
         except BaseException:
             if granted:
                 with contextlib.suppress(Exception):  # never hide the original failure
@@ -377,15 +301,7 @@ class PostgresStore(RunStore):
             raise
 
     async def _heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
-
-        async def extend(conn: Conn, attempt: Attempt) -> None:
-            holder, _expires, lease_token, _xid = await fetch_run_row(conn, LOCK_LEASE, run_id)
-            check_holder(run_id, owner, token, holder=holder, lease_token=lease_token)
-            await conn.execute(
-                "UPDATE runs SET lease_expires = %s WHERE run_id = %s",
-                (self._clock() + ttl, run_id),
-            )
-
+        extend = self._body(bodies.extend_lease, run_id, owner, token, ttl, self._clock)
         await self._db.write(f"run {run_id!r}", extend)
 
     async def _release_lease(self, run_id: str, owner: str, token: int) -> None:
@@ -418,29 +334,17 @@ class PostgresStore(RunStore):
         by: str | None = None,
         status: QuestionStatus = QuestionStatus.ANSWERED,
     ) -> QuestionRow:
-        values = (status.value, answer_json, by, self._clock(), question_id)
-
-        channel = self._channel
-
-        async def set_answer(conn: Conn, attempt: Attempt) -> QuestionRow:
-            cur = await conn.execute(PG_ANSWER_QUESTION, values)
-            row = await cur.fetchone()
-            if row is None:  # a question never goes back to open: this state is final enough
-                raise not_open(question_id, (await question_state(conn, question_id))[0])
-            attempt.xid = row[-1]
-            await notify(conn, channel, "answer")
-            return question_from_row(row[:-1])
-
+        answer = self._body(bodies.answer, question_id, answer_json, by, status, self._clock())
+        question = self._body(bodies.get_question, question_id)
         return await self._db.write(
-            f"question {question_id!r}", set_answer,
-            landed=lambda conn: select_question(conn, question_id),
+            f"question {question_id!r}", answer,
+            landed=lambda conn: question(conn, Attempt()),
             texts=lambda: [("answer_json", answer_json)],
         )  # fmt: skip
 
     async def _get_question(self, question_id: str) -> QuestionRow:
-        return await self._db.read(
-            f"question {question_id!r}", lambda conn, _: select_question(conn, question_id)
-        )
+        read = self._body(bodies.get_question, question_id)
+        return await self._db.read(f"question {question_id!r}", read)
 
     async def _list_questions(
         self,
@@ -463,18 +367,16 @@ class PostgresStore(RunStore):
 
     async def _defer_answer(self, question_id: str, *, error: str, retry_at: float) -> None:
         values = (error, retry_at, question_id)
-        cas = question_cas(returning_xid(DEFER_ANSWER), values, question_id)
-        await self._db.write(
-            f"question {question_id!r}", cas, landed=changed
-        )  # changed or not: done
+        cas = self._body(bodies.question_cas, DEFER_ANSWER, values, question_id)
+        await self._db.write(f"question {question_id!r}", cas, landed=changed)  # changed or not
 
     async def _mark_applied(self, question_id: str) -> bool:
         values = (self._clock(), question_id)
-        cas = question_cas(returning_xid(APPLY_QUESTION), values, question_id)
+        cas = self._body(bodies.question_cas, APPLY_QUESTION, values, question_id)
         return await self._db.write(f"question {question_id!r}", cas, landed=changed)
 
     async def _supersede(self, question_id: str) -> bool:
-        cas = question_cas(returning_xid(SUPERSEDE_QUESTION), (question_id,), question_id)
+        cas = self._body(bodies.question_cas, SUPERSEDE_QUESTION, (question_id,), question_id)
         return await self._db.write(f"question {question_id!r}", cas, landed=changed)
 
     # -- the evolve ledger --------------------------------------------------------
@@ -651,7 +553,11 @@ class PostgresStore(RunStore):
                     continue
                 done = await conn.execute(pg(LEASE_FOR_ANSWER), (owner, now + ttl, run_id, now))
                 if done.rowcount == 1:
-                    taken.append(await select_question(conn, question_id))
+                    taken.append(
+                        await bodies.get_question(
+                            PostgresTx(conn, attempt, self._channel), question_id
+                        )
+                    )
             return list(taken)
 
         async def landed(conn: Conn) -> list[QuestionRow]:
@@ -711,22 +617,11 @@ class PostgresStore(RunStore):
         await self._db.write("releasing claimed runs", release)
 
     async def _request_cancel(self, run_id: str) -> RunStatus:
-        channel = self._channel
-
         async def cancel(conn: Conn, attempt: Attempt) -> RunStatus:
-            now = self._clock()
-            await conn.execute(pg(CANCEL_QUEUED), (now, now, run_id))
-            await conn.execute(pg(REQUEST_CANCEL), (now, run_id))
-            cur = await conn.execute("SELECT status FROM runs WHERE run_id = %s", (run_id,))
-            row = await cur.fetchone()
-            if row is None:
-                raise RunNotFound(f"no run {run_id!r} in the store")
-            await notify(conn, channel, "cancel")
-            return parse_status(run_id, row[0])
+            tx = PostgresTx(conn, attempt, self._channel)
+            return await bodies.request_cancel(tx, run_id, self._clock())
 
-        return await self._db.write(
-            f"run {run_id!r}", cancel
-        )  # idempotent: a re-run changes nothing
+        return await self._db.write(f"run {run_id!r}", cancel)  # a re-run changes nothing
 
     async def _cancel_requests(self, owner: str) -> list[str]:
         rows = await self._db.read(

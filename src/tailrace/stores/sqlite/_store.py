@@ -18,10 +18,10 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
-from ..._errors import RunExists, RunNotFound, StoreError
+from ..._errors import RunExists, StoreError
 from .._artifacts import stale_version
 from .._changes import ChangeHub
 from .._contract import ChangeFeed, RunStore
@@ -38,7 +38,6 @@ from .._records import (
     FrozenInput,
     Harvest,
     NewRun,
-    NodeRow,
     QuestionRow,
     QuestionStatus,
     Queue,
@@ -52,27 +51,17 @@ from .._records import (
     WorkerRow,
 )
 from .._rules import (
-    check_commit,
-    check_holder,
-    check_readable,
-    grant_lease,
-    not_applicable,
-    not_open,
-    parse_question_status,
-    parse_status,
-    question_not_found,
     read_only_refusal,
 )
+from .._sql import _transactions as bodies
 from .._sql._queues import (
     ANSWER_CANDIDATES,
     ANY_QUEUED,
-    CANCEL_QUEUED,
     CANCEL_REQUESTS,
     DEDUP_HOLDER,
     DELETE_WORKER,
     LEASED_BY,
     QUEUE_COUNTS,
-    REQUEST_CANCEL,
     RUN_COUNTS,
     RUN_DURATIONS,
     SELECT_QUEUES,
@@ -83,38 +72,27 @@ from .._sql._queues import (
     run_counts_from_rows,
 )
 from .._sql._statements import (
-    ANSWER_QUESTION,
     APPLY_QUESTION,
     ARTIFACT_HEAD_VERSION,
     DEFER_ANSWER,
     DUE_ANSWERS,
-    EVENT_COLUMNS,
     EXPIRED_LEASES,
     INSERT_ARTIFACT,
-    INSERT_EVENT,
     INSERT_QUEUED_RUN,
-    INSERT_RESULT,
     INSERT_RUN,
-    QUESTION_STATE,
-    RUN_COLUMNS,
     SELECT_ARTIFACT_HEAD,
     SELECT_ARTIFACT_HISTORY,
     SELECT_QUESTION,
     SUPERSEDE_QUESTION,
-    UPDATE_RUN,
-    UPSERT_NODE,
-    append_only_rows,
     artifact_from_row,
     artifact_params,
-    event_from_row,
-    harvest_rows,
     list_questions_query,
     new_run_params,
     question_from_row,
     queued_run_params,
     record_from_row,
-    run_update_params,
 )
+from .._sql._transactions import run_now
 from ._errors import mapped_errors
 from ._files import prepare_for_writing, read_only_connection, read_only_uri
 from ._queues import DataVersionWatch, bump, claim, lease_answers, release_all
@@ -123,22 +101,17 @@ from ._threads import (
     Undo,
     Writer,
     finish_despite_cancellation,
-    insert_rows,
-    insert_run_rows,
 )
+from ._tx import SQLiteTx
 
 T = TypeVar("T")
 
 
-def first_duplicate(conn: sqlite3.Connection, run_id: str, harvest: Harvest) -> str:
-    """Describe the first row of ``harvest`` that is already stored (the slow path of an error)."""
-    conn.execute("ROLLBACK TO tailrace_write")  # forget this harvest's partial inserts
-    for sql, values, what in harvest_rows(run_id, harvest):
-        try:
-            conn.execute(sql, values)
-        except sqlite3.IntegrityError:
-            return what
-    return f"run {run_id!r}: a row of this harvest"
+def _body(
+    body: Callable[..., Coroutine[Any, Any, T]], *args: Any
+) -> Callable[[sqlite3.Connection], T]:
+    """What a thread runs on its connection: the shared ``body(tx, *args)``, at once."""
+    return lambda conn: run_now(body(SQLiteTx(conn), *args))
 
 
 async def _open_in_thread(connect: Callable[[], sqlite3.Connection]) -> sqlite3.Connection:
@@ -298,51 +271,17 @@ class SQLiteStore(RunStore):
         await self._write(f"run {run.run_id!r}", apply)
 
     async def _commit(self, run_id: str, token: int, harvest: Harvest) -> None:
-        await self._write(
-            f"run {run_id!r}", lambda conn: self._apply_harvest(conn, run_id, token, harvest)
-        )
+        def apply(conn: sqlite3.Connection) -> None:
+            tx = SQLiteTx(conn)
+            run_now(bodies.commit_harvest(tx, run_id, token, harvest, self._clock()))
 
-    def _apply_harvest(
-        self, conn: sqlite3.Connection, run_id: str, token: int, harvest: Harvest
-    ) -> None:
-        status, format_version, lease_token = _one(
-            conn, "SELECT status, format_version, lease_token FROM runs WHERE run_id = ?", run_id
-        )
-        check_commit(
-            run_id, current=parse_status(run_id, status), format_version=format_version,
-            lease_token=lease_token, token=token, new=harvest.status,
-        )  # fmt: skip
-        insert_run_rows(conn, UPSERT_NODE, run_id, harvest.nodes)
-        try:
-            insert_run_rows(conn, INSERT_RESULT, run_id, harvest.results)
-            insert_run_rows(conn, INSERT_EVENT, run_id, harvest.events)
-            for sql, rows in append_only_rows(run_id, harvest):
-                insert_rows(conn, sql, rows)
-        except sqlite3.IntegrityError as exc:  # nothing committed is rewritten (D1)
-            what = first_duplicate(conn, run_id, harvest)
-            raise StoreError(f"{what} already committed; nothing of it was written") from exc
-        now = self._clock()
-        _apply_question_changes(conn, run_id, harvest, now)  # in the savepoint: may refuse all
-        conn.execute(UPDATE_RUN, run_update_params(run_id, harvest, now))
+        await self._write(f"run {run_id!r}", apply)
 
     async def _load_run(self, run_id: str) -> StoredRun:
-
-        def read(conn: sqlite3.Connection) -> StoredRun:
-            record = _select_run(conn, run_id)
-            check_readable(run_id, record.format_version)
-            rows = conn.execute(
-                "SELECT node_id, status, visits, data_json FROM node_states WHERE run_id = ?",
-                (run_id,),
-            )
-            nodes = {
-                r[0]: NodeRow(node_id=r[0], status=r[1], visits=r[2], data_json=r[3]) for r in rows
-            }
-            return StoredRun(run=record, nodes=nodes)
-
-        return await self._read(f"run {run_id!r}", read)
+        return await self._read(f"run {run_id!r}", _body(bodies.load_run, run_id))
 
     async def _get_run(self, run_id: str) -> RunRecord:
-        return await self._read(f"run {run_id!r}", lambda conn: _select_run(conn, run_id))
+        return await self._read(f"run {run_id!r}", _body(bodies.get_run, run_id))
 
     async def _list_runs(
         self,
@@ -365,77 +304,31 @@ class SQLiteStore(RunStore):
         )
 
     async def _results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
-
-        def read(conn: sqlite3.Connection) -> list[ResultRow]:
-            _require_run(conn, run_id)
-            rows = conn.execute(
-                "SELECT node_id, visit, value_json FROM results WHERE run_id = ? "
-                "AND (? IS NULL OR node_id = ?) ORDER BY node_id, visit",
-                (run_id, node_id, node_id),
-            )
-            return [ResultRow(node_id=r[0], visit=r[1], value_json=r[2]) for r in rows]
-
-        return await self._read(f"run {run_id!r}", read)
+        return await self._read(f"run {run_id!r}", _body(bodies.results, run_id, node_id))
 
     async def _frozen_inputs(self, run_id: str) -> list[FrozenInput]:
-
-        def read(conn: sqlite3.Connection) -> list[FrozenInput]:
-            _require_run(conn, run_id)
-            rows = conn.execute(
-                "SELECT node_id, activation, payload_json FROM frozen_inputs WHERE run_id = ? "
-                "ORDER BY node_id, activation",
-                (run_id,),
-            )
-            return [FrozenInput(node_id=r[0], activation=r[1], payload_json=r[2]) for r in rows]
-
-        return await self._read(f"run {run_id!r}", read)
+        return await self._read(f"run {run_id!r}", _body(bodies.frozen_inputs, run_id))
 
     async def _events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
-
-        def read(conn: sqlite3.Connection) -> list[EventRow]:
-            _require_run(conn, run_id)
-            rows = conn.execute(
-                f"SELECT {EVENT_COLUMNS} FROM events WHERE run_id = ? AND seq > ? ORDER BY seq",
-                (run_id, after_seq),
-            )
-            return [event_from_row(r) for r in rows]
-
-        return await self._read(f"run {run_id!r}", read)
+        return await self._read(f"run {run_id!r}", _body(bodies.events, run_id, after_seq))
 
     async def _acquire_lease(
         self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
     ) -> int:
-
-        def apply(conn: sqlite3.Connection) -> tuple[int, bool]:
-            holder, expires, lease_token = _select_lease(conn, run_id)
-            now = self._clock()
-            token = grant_lease(
-                run_id, owner, now=now, holder=holder, expires=expires, lease_token=lease_token,
-                steal_from=steal_from,
-            )  # fmt: skip
-            conn.execute(
-                "UPDATE runs SET lease_owner = ?, lease_expires = ?, lease_token = ? WHERE run_id = ?",
-                (owner, now + ttl, token, run_id),
-            )
-            return token, token != lease_token  # a new grant, not a renewal of one's own
+        # Cancelled once the writer has started it, the call waits for it and
+        # releases a lease it newly granted before CancelledError propagates.
+        take = _body(bodies.take_lease, run_id, owner, ttl, steal_from, self._clock)
 
         def undo(granted: tuple[int, bool]) -> Callable[[sqlite3.Connection], object] | None:
             token, new = granted  # a renewal is left alone: the caller held that lease before
             return (lambda conn: _release(conn, run_id, owner, token)) if new else None
 
-        token, _ = await self._write(f"run {run_id!r}", apply, undo=undo)
+        token, _ = await self._write(f"run {run_id!r}", take, undo=undo)
         return token
 
     async def _heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
-
-        def apply(conn: sqlite3.Connection) -> None:
-            holder, _expires, lease_token = _select_lease(conn, run_id)
-            check_holder(run_id, owner, token, holder=holder, lease_token=lease_token)
-            conn.execute(
-                "UPDATE runs SET lease_expires = ? WHERE run_id = ?", (self._clock() + ttl, run_id)
-            )
-
-        await self._write(f"run {run_id!r}", apply)
+        extend = _body(bodies.extend_lease, run_id, owner, token, ttl, self._clock)
+        await self._write(f"run {run_id!r}", extend)
 
     async def _release_lease(self, run_id: str, owner: str, token: int) -> None:
         await self._write(f"run {run_id!r}", lambda conn: _release(conn, run_id, owner, token))
@@ -457,26 +350,14 @@ class SQLiteStore(RunStore):
         by: str | None = None,
         status: QuestionStatus = QuestionStatus.ANSWERED,
     ) -> QuestionRow:
-
-        def apply(conn: sqlite3.Connection) -> QuestionRow:
-            values = (status.value, answer_json, by, self._clock(), question_id)
-            rows = conn.execute(ANSWER_QUESTION, values).fetchall()
-            if not rows:
-                raise not_open(question_id, _question_state(conn, question_id)[0])
-            bump(conn, "answer")
-            return question_from_row(rows[0])
-
-        return await self._write(f"question {question_id!r}", apply)
+        now = self._clock()
+        answer = _body(bodies.answer, question_id, answer_json, by, status, now)
+        return await self._write(f"question {question_id!r}", answer)
 
     async def _get_question(self, question_id: str) -> QuestionRow:
-
-        def read(conn: sqlite3.Connection) -> QuestionRow:
-            row = conn.execute(SELECT_QUESTION, (question_id,)).fetchone()
-            if row is None:
-                raise question_not_found(question_id)
-            return question_from_row(row)
-
-        return await self._read(f"question {question_id!r}", read)
+        return await self._read(
+            f"question {question_id!r}", _body(bodies.get_question, question_id)
+        )
 
     async def _list_questions(
         self,
@@ -502,24 +383,19 @@ class SQLiteStore(RunStore):
         )
 
     async def _defer_answer(self, question_id: str, *, error: str, retry_at: float) -> None:
-        values = (error, retry_at, question_id)
-        await self._write(
-            f"question {question_id!r}",
-            lambda conn: _changed_one(conn, DEFER_ANSWER, values, question_id),
-        )
+        cas = _body(bodies.question_cas, DEFER_ANSWER, (error, retry_at, question_id), question_id)
+        await self._write(f"question {question_id!r}", cas)
 
     async def _mark_applied(self, question_id: str) -> bool:
-
         def apply(conn: sqlite3.Connection) -> bool:
-            return _changed_one(conn, APPLY_QUESTION, (self._clock(), question_id), question_id)
+            values = (self._clock(), question_id)
+            return run_now(bodies.question_cas(SQLiteTx(conn), APPLY_QUESTION, values, question_id))
 
         return await self._write(f"question {question_id!r}", apply)
 
     async def _supersede(self, question_id: str) -> bool:
-        return await self._write(
-            f"question {question_id!r}",
-            lambda conn: _changed_one(conn, SUPERSEDE_QUESTION, (question_id,), question_id),
-        )
+        cas = _body(bodies.question_cas, SUPERSEDE_QUESTION, (question_id,), question_id)
+        return await self._write(f"question {question_id!r}", cas)
 
     # -- the evolve ledger --------------------------------------------------------
 
@@ -615,16 +491,8 @@ class SQLiteStore(RunStore):
         return await self._write("claiming answers", apply, undo=undo)
 
     async def _request_cancel(self, run_id: str) -> RunStatus:
-
         def apply(conn: sqlite3.Connection) -> RunStatus:
-            now = self._clock()
-            conn.execute(CANCEL_QUEUED, (now, now, run_id))
-            conn.execute(REQUEST_CANCEL, (now, run_id))
-            row = conn.execute("SELECT status FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-            if row is None:
-                raise RunNotFound(f"no run {run_id!r} in the store")
-            bump(conn, "cancel")
-            return parse_status(run_id, row[0])
+            return run_now(bodies.request_cancel(SQLiteTx(conn), run_id, self._clock()))
 
         return await self._write(f"run {run_id!r}", apply)
 
@@ -697,56 +565,6 @@ def _artifact_head_version(conn: sqlite3.Connection, artifact_id: str) -> int:
     return int(conn.execute(ARTIFACT_HEAD_VERSION, (artifact_id,)).fetchone()[0])
 
 
-def _question_state(conn: sqlite3.Connection, question_id: str) -> tuple[QuestionStatus, Any]:
-    """``(status, applied_at)`` of question ``question_id``; :class:`QuestionNotFound` if absent."""
-    row = conn.execute(QUESTION_STATE, (question_id,)).fetchone()
-    if row is None:
-        raise question_not_found(question_id)
-    return parse_question_status(question_id, row[0]), row[1]
-
-
-def _changed_one(
-    conn: sqlite3.Connection, update: str, values: tuple[object, ...], question_id: str
-) -> bool:
-    """Run a question compare-and-set: True if it changed the row, False if it did not apply."""
-    if conn.execute(update, values).rowcount == 1:
-        return True
-    _question_state(conn, question_id)  # QuestionNotFound when there is no such question
-    return False
-
-
-def _apply_question_changes(
-    conn: sqlite3.Connection, run_id: str, harvest: Harvest, now: float
-) -> None:
-    """Apply, then supersede, the questions of ``harvest`` (inserted already); refuse it all on a lost CAS.
-
-    Each apply is one ``UPDATE ... WHERE`` checked by its row count, so across
-    connections and processes exactly one harvest applies an answer (Q3).
-    """
-    for question_id in harvest.applied:
-        if conn.execute(APPLY_QUESTION, (now, question_id)).rowcount != 1:
-            status, applied_at = _question_state(conn, question_id)
-            raise not_applicable(question_id, status, applied_at, run_id=run_id)
-    for question_id in harvest.superseded:
-        _changed_one(conn, SUPERSEDE_QUESTION, (question_id,), question_id)
-
-
-def _one(conn: sqlite3.Connection, sql: str, run_id: str) -> Any:
-    """The one row ``sql`` selects for ``run_id``; :class:`RunNotFound` if there is none."""
-    row = conn.execute(sql, (run_id,)).fetchone()
-    if row is None:
-        raise RunNotFound(f"no run {run_id!r} in the store")
-    return row
-
-
-def _select_run(conn: sqlite3.Connection, run_id: str) -> RunRecord:
-    return record_from_row(_one(conn, f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?", run_id))
-
-
-def _require_run(conn: sqlite3.Connection, run_id: str) -> None:
-    _one(conn, "SELECT 1 FROM runs WHERE run_id = ?", run_id)
-
-
 def _release(conn: sqlite3.Connection, run_id: str, owner: str, token: int) -> None:
     released = conn.execute(
         "UPDATE runs SET lease_owner = NULL, lease_expires = NULL "
@@ -755,9 +573,3 @@ def _release(conn: sqlite3.Connection, run_id: str, owner: str, token: int) -> N
     )
     if released.rowcount:
         bump(conn, "release")  # a run finished, suspended or was let go: workers look
-
-
-def _select_lease(conn: sqlite3.Connection, run_id: str) -> tuple[str | None, float | None, int]:
-    sql = "SELECT lease_owner, lease_expires, lease_token FROM runs WHERE run_id = ?"
-    holder, expires, token = _one(conn, sql, run_id)
-    return holder, expires, token
