@@ -134,13 +134,17 @@ async def run_row(tx: Tx, sql: str, run_id: str, *, lock: bool = False) -> Row:
 
 async def commit_harvest(tx: Tx, run_id: str, token: int, harvest: Harvest, now: float) -> None:
     """Apply ``harvest`` to run ``run_id`` if ``token`` is current (D1, D6, Q3); may refuse it all."""
-    status, format_version, lease_token = await run_row(tx, SELECT_FOR_COMMIT, run_id, lock=True)
+    row = await tx.lock(SELECT_FOR_COMMIT, (run_id,))
+    if row is None:
+        raise run_not_found(run_id)
+    status, format_version, lease_token = row
     check_commit(
         run_id, current=parse_status(run_id, status), format_version=format_version,
         lease_token=lease_token, token=token, new=harvest.status,
     )  # fmt: skip
     await tx.write_harvest(run_id, harvest, now)
-    await apply_question_changes(tx, run_id, harvest, now)
+    if harvest.applied or harvest.superseded:  # most harvests change no question
+        await apply_question_changes(tx, run_id, harvest, now)
 
 
 async def apply_question_changes(tx: Tx, run_id: str, harvest: Harvest, now: float) -> None:
