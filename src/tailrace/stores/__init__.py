@@ -86,7 +86,7 @@ _MEMORY_NAMES = (":memory:", "memory:")
 
 def _import_postgres_store() -> type[PostgresStore]:
     try:
-        from .postgres import PostgresStore
+        from .postgres import PostgresStore  # the postgres extra (psycopg) is optional
     except ImportError as exc:
         raise ImportError(
             "PostgresStore needs psycopg 3 and psycopg-pool: pip install 'tailrace[postgres]'"

@@ -15,6 +15,7 @@ from ._records import (
     LIVE_STATUSES,
     Queue,
     QueueStats,
+    RunCount,
     RunRecord,
     RunStatus,
     WorkerRow,
@@ -195,3 +196,8 @@ def stats_from_counts(
             )
         )  # fmt: skip
     return out
+
+
+def run_count_order(c: RunCount) -> tuple[str, bool, str, str]:
+    """How run counts are listed: by graph, runs of no queue first, then queue and status."""
+    return (c.graph_name, c.queue_name is not None, c.queue_name or "", c.status.value)

@@ -31,6 +31,7 @@ from .._queue_rules import (
     free_slots,
     holds_slot,
     partition_blocked,
+    run_count_order,
     stats_of,
 )
 from .._records import (
@@ -70,7 +71,6 @@ from .._rules import (
     printable_text,
     question_not_found,
 )
-from .._sql._queues import run_count_order
 
 # --- the store ---------------------------------------------------------------
 
