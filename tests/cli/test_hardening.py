@@ -186,7 +186,7 @@ def test_the_missing_driver_hint_keeps_its_postgres_extra(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # As if psycopg were not installed: importing the Postgres store fails.
-    monkeypatch.setitem(sys.modules, "tailrace.stores._postgres", None)
+    monkeypatch.setitem(sys.modules, "tailrace.stores.postgres", None)
     result = invoke("runs", "--db", "postgresql://alice:s3cret@localhost/x")
     clean(result)
     assert result.exit_code == 1

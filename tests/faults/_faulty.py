@@ -43,12 +43,14 @@ T = TypeVar("T")
 
 
 def _delegate(name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
+    public = name.removeprefix("_")  # a backend primitive ``_x`` forwards the contract's ``x``
+
     async def method(self: DelegatingStore, *args: Any, **kwargs: Any) -> Any:
-        self.before(name)
-        return await getattr(self.inner, name)(*args, **kwargs)
+        self.before(public)
+        return await getattr(self.inner, public)(*args, **kwargs)
 
     method.__name__ = name
-    method.__doc__ = f"Forward ``{name}`` to the wrapped store."
+    method.__doc__ = f"Forward ``{public}`` to the wrapped store."
     return method
 
 

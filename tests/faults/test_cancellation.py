@@ -405,7 +405,7 @@ async def _timeout_at_handover(
 ) -> None:
     """Start ``run_id`` while the pool's only connection is held; free it and fire the
     user's timeout ``hops`` loop turns later. The run must end with ``TimeoutError``."""
-    pool = store._pool  # back door: hold the only connection, give it back at a chosen moment
+    pool = store._db._pool  # back door: hold the only connection, give it back at a chosen moment
     scopes: list[asyncio.Timeout] = []
 
     async def call() -> None:

@@ -234,7 +234,7 @@ async def test_runs_in_flight_survive_a_server_restart(running: Server) -> None:
 
 def pool_saw_the_outage(store: PostgresStore) -> bool:
     """Whether the store's pool lost connections or has callers waiting for one (a back door)."""
-    pool = store._pool
+    pool = store._db._pool
     assert pool is not None
     stats = pool.get_stats()
     return stats.get("connections_lost", 0) > 0 or stats.get("requests_waiting", 0) > 0

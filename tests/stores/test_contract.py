@@ -43,7 +43,7 @@ from tailrace.stores import (
     open_store,
 )
 from tailrace.stores._floor import postgres_raw_commit_rate, sqlite_raw_commit_rate
-from tailrace.stores._sql import MIGRATIONS
+from tailrace.stores._sql._statements import MIGRATIONS
 
 if TYPE_CHECKING:
     from conftest import Backend
@@ -713,7 +713,7 @@ def test_postgres_store_without_psycopg_says_what_to_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setitem(sys.modules, "psycopg", None)  # as if not installed
-    monkeypatch.delitem(sys.modules, "tailrace.stores._postgres", raising=False)
+    monkeypatch.delitem(sys.modules, "tailrace.stores.postgres", raising=False)
     with pytest.raises(ImportError, match=r"pip install 'tailrace\[postgres\]'"):
         stores.PostgresStore  # noqa: B018
     with pytest.raises(ImportError, match="tailrace"):

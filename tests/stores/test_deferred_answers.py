@@ -19,7 +19,7 @@ import pytest
 from tailrace._errors import QuestionNotFound
 from tailrace.stores import Harvest, NewRun, QuestionRow, QuestionStatus, RunStore, SQLiteStore
 from tailrace.stores._rules import MAX_APPLY_ERROR
-from tailrace.stores._sql import (
+from tailrace.stores._sql._statements import (
     CREATE_MIGRATIONS_TABLE,
     INSERT_RUN,
     MIGRATIONS,

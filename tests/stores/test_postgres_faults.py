@@ -279,7 +279,7 @@ def through(pg: Pg, proxy: CommitCutter) -> str:
 async def test_a_commit_whose_answer_is_lost_is_applied_exactly_once(
     pg: Pg, cutter: CommitCutter, after: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="tailrace.stores._postgres")
+    caplog.set_level(logging.INFO, logger="tailrace.stores.postgres")
     async with pg.store(dsn=through(pg, cutter), max_size=1) as store:
         token = await leased_run(store)
         await answered_question(store, token)
@@ -318,7 +318,7 @@ async def test_other_writes_whose_commit_answer_is_lost_are_not_repeated(
 async def test_the_pool_replaces_connections_the_server_killed(
     pg: Pg, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="tailrace.stores._postgres")
+    caplog.set_level(logging.INFO, logger="tailrace.stores.postgres")
     async with pg.store(min_size=2, max_size=2) as store:
         token = await leased_run(store)
         await until(lambda: _count(pg.store_backends(), 2), "two pooled connections")
@@ -344,7 +344,7 @@ async def _gone(pids: Any, killed: list[int]) -> bool:
 async def test_a_transaction_whose_backend_is_killed_is_rerun_whole(
     pg: Pg, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="tailrace.stores._postgres")
+    caplog.set_level(logging.INFO, logger="tailrace.stores.postgres")
     async with pg.store(max_size=2) as store:
         token = await leased_run(store)
         await answered_question(store, token)
@@ -362,7 +362,7 @@ async def test_a_transaction_whose_backend_is_killed_is_rerun_whole(
 async def test_a_commit_chosen_as_deadlock_victim_is_rerun_whole(
     pg: Pg, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="tailrace.stores._postgres")
+    caplog.set_level(logging.INFO, logger="tailrace.stores.postgres")
     async with pg.store(max_size=2) as store:
         token = await leased_run(store)
         await answered_question(store, token)
@@ -440,7 +440,7 @@ async def test_a_timeout_that_fires_as_the_pool_hands_over_is_honoured(pg: Pg) -
 
 async def timeout_at_handover(store: PostgresStore, hops: int) -> str:
     """Call the store with the pool busy; free it and fire the call's timeout ``hops`` later."""
-    pool = store._pool  # back door: hold the only connection, give it back at a chosen moment
+    pool = store._db._pool  # back door: hold the only connection, give it back at a chosen moment
     assert pool is not None
     scopes: list[asyncio.Timeout] = []
 

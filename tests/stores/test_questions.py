@@ -41,7 +41,7 @@ from tailrace.stores import (
     RunStore,
     SQLiteStore,
 )
-from tailrace.stores._sql import (
+from tailrace.stores._sql._statements import (
     CREATE_MIGRATIONS_TABLE,
     INSERT_RUN,
     MIGRATIONS,

@@ -35,7 +35,7 @@ from tailrace.stores import (
     SQLiteStore,
     open_store,
 )
-from tailrace.stores._sql import (
+from tailrace.stores._sql._statements import (
     CREATE_MIGRATIONS_TABLE,
     INSERT_RUN,
     MIGRATIONS,
@@ -214,7 +214,7 @@ async def test_a_newer_schema_is_unsupported_and_untouched(tmp_path: Path) -> No
 
 _HOLD_THE_WRITE_LOCK = """
 import sqlite3, sys
-from tailrace.stores._sql import INSERT_RUN, new_run_params
+from tailrace.stores._sql._statements import INSERT_RUN, new_run_params
 from tailrace.stores import NewRun
 
 conn = sqlite3.connect(sys.argv[1], isolation_level=None)
@@ -358,7 +358,7 @@ async def test_reading_works_on_read_only_media(media: Path) -> None:
 
 _CRASH_AFTER_A_COMMIT = """
 import os, signal, sqlite3, sys
-from tailrace.stores._sql import INSERT_RUN, new_run_params
+from tailrace.stores._sql._statements import INSERT_RUN, new_run_params
 from tailrace.stores import NewRun
 
 conn = sqlite3.connect(sys.argv[1], isolation_level=None)

@@ -19,35 +19,35 @@ import os
 import typing
 import urllib.parse
 
-from ._base import CHANGE_KINDS as CHANGE_KINDS
-from ._base import FORMAT_VERSION as FORMAT_VERSION
-from ._base import LIVE_STATUSES as LIVE_STATUSES
-from ._base import QUESTION_TRANSITIONS as QUESTION_TRANSITIONS
-from ._base import TERMINAL_STATUSES as TERMINAL_STATUSES
-from ._base import ArtifactVersion as ArtifactVersion
-from ._base import ChangeFeed as ChangeFeed
-from ._base import EventRow as EventRow
-from ._base import FrozenInput as FrozenInput
-from ._base import Harvest as Harvest
-from ._base import NewRun as NewRun
-from ._base import NodeRow as NodeRow
-from ._base import QuestionRow as QuestionRow
-from ._base import QuestionStatus as QuestionStatus
-from ._base import Queue as Queue
-from ._base import QueueStats as QueueStats
-from ._base import ResultRow as ResultRow
-from ._base import RunCount as RunCount
-from ._base import RunRecord as RunRecord
-from ._base import RunStatus as RunStatus
-from ._base import RunStore as RunStore
-from ._base import StoredRun as StoredRun
-from ._base import Submission as Submission
-from ._base import WorkerRow as WorkerRow
-from ._memory import MemoryStore as MemoryStore
-from ._sqlite import SQLiteStore as SQLiteStore
+from ._contract import ChangeFeed as ChangeFeed
+from ._contract import RunStore as RunStore
+from ._records import CHANGE_KINDS as CHANGE_KINDS
+from ._records import FORMAT_VERSION as FORMAT_VERSION
+from ._records import LIVE_STATUSES as LIVE_STATUSES
+from ._records import QUESTION_TRANSITIONS as QUESTION_TRANSITIONS
+from ._records import TERMINAL_STATUSES as TERMINAL_STATUSES
+from ._records import ArtifactVersion as ArtifactVersion
+from ._records import EventRow as EventRow
+from ._records import FrozenInput as FrozenInput
+from ._records import Harvest as Harvest
+from ._records import NewRun as NewRun
+from ._records import NodeRow as NodeRow
+from ._records import QuestionRow as QuestionRow
+from ._records import QuestionStatus as QuestionStatus
+from ._records import Queue as Queue
+from ._records import QueueStats as QueueStats
+from ._records import ResultRow as ResultRow
+from ._records import RunCount as RunCount
+from ._records import RunRecord as RunRecord
+from ._records import RunStatus as RunStatus
+from ._records import StoredRun as StoredRun
+from ._records import Submission as Submission
+from ._records import WorkerRow as WorkerRow
+from .memory import MemoryStore as MemoryStore
+from .sqlite import SQLiteStore as SQLiteStore
 
 if typing.TYPE_CHECKING:
-    from ._postgres import PostgresStore as PostgresStore
+    from .postgres import PostgresStore as PostgresStore
 
 __all__ = [
     "CHANGE_KINDS",
@@ -86,7 +86,7 @@ _MEMORY_NAMES = (":memory:", "memory:")
 
 def _import_postgres_store() -> type[PostgresStore]:
     try:
-        from ._postgres import PostgresStore
+        from .postgres import PostgresStore  # the postgres extra (psycopg) is optional
     except ImportError as exc:
         raise ImportError(
             "PostgresStore needs psycopg 3 and psycopg-pool: pip install 'tailrace[postgres]'"

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 
 from .._errors import StaleVersion
-from ._base import ArtifactVersion
+from ._records import ArtifactVersion
 from ._rules import check_name
 
 

@@ -15,7 +15,8 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from ._base import CHANGE_KINDS, ChangeFeed
+from ._contract import ChangeFeed
+from ._records import CHANGE_KINDS
 
 logger = logging.getLogger("tailrace.stores.changes")
 

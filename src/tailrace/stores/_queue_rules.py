@@ -1,7 +1,7 @@
 """Queue rules every backend shares: claim order, partitions, limits, records.
 
 The memory store applies these functions directly; the SQL stores phrase the
-same decisions as queries (``_sql_queues``), checked against these by one
+same decisions as queries (``_sql._queues``), checked against these by one
 contract suite. ``free_slots`` is where every claim's number comes from.
 """
 
@@ -11,7 +11,15 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ._base import LIVE_STATUSES, Queue, QueueStats, RunRecord, RunStatus, WorkerRow
+from ._records import (
+    LIVE_STATUSES,
+    Queue,
+    QueueStats,
+    RunCount,
+    RunRecord,
+    RunStatus,
+    WorkerRow,
+)
 from ._rules import check_name, check_ttl
 
 
@@ -188,3 +196,8 @@ def stats_from_counts(
             )
         )  # fmt: skip
     return out
+
+
+def run_count_order(c: RunCount) -> tuple[str, bool, str, str]:
+    """How run counts are listed: by graph, runs of no queue first, then queue and status."""
+    return (c.graph_name, c.queue_name is not None, c.queue_name or "", c.status.value)

@@ -31,7 +31,7 @@ from .._errors import (
     StoreError,
     UnsupportedFormat,
 )
-from ._base import (
+from ._records import (
     FORMAT_VERSION,
     QUESTION_TRANSITIONS,
     RUN_TRANSITIONS,

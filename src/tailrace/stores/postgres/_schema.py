@@ -2,40 +2,45 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from .._errors import StoreError, UnsupportedFormat
-from ._sql import CREATE_MIGRATIONS_TABLE, MIGRATIONS, SCHEMA_VERSION
+from ..._errors import StoreError, UnsupportedFormat
+from .._sql._statements import CREATE_MIGRATIONS_TABLE, MIGRATIONS, SCHEMA_VERSION
 
 #: First key of the advisory lock that serialises migrations ("tr").
 _MIGRATION_LOCK = 0x7472
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class PostgresSchema:
-    """Opening a schema: read its version, migrate only when needed, never when read-only."""
+    """Opening a schema: read its version, migrate only when needed, never when read-only.
 
-    _schema: str
-    _read_only: bool
-    _where: str
+    ``name`` is the schema; ``where`` names the store in error messages.
+    """
 
-    async def _prepare_schema(self, conn: psycopg.AsyncConnection[Any]) -> None:
+    name: str
+    read_only: bool
+    where: str
+
+    async def prepare(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Check the schema version; migrate only when needed, and never when read-only (D4)."""
         current = await self._recorded_version(conn)
         if current is not None and current > SCHEMA_VERSION:
             raise self._newer_schema(current)
-        if self._read_only:
+        if self.read_only:
             if current is None:
                 raise StoreError(
-                    f"{self._where}: no tailrace tables in this database and schema "
+                    f"{self.where}: no tailrace tables in this database and schema "
                     "(opened read-only, so none were created)"
                 )
             if current < SCHEMA_VERSION:
                 raise StoreError(
-                    f"{self._where}: schema version {current} is older than this tailrace's "
+                    f"{self.where}: schema version {current} is older than this tailrace's "
                     f"({SCHEMA_VERSION}); open it once without read_only to migrate it"
                 )
             return
@@ -44,7 +49,7 @@ class PostgresSchema:
 
     def _newer_schema(self, current: int) -> UnsupportedFormat:
         return UnsupportedFormat(
-            f"{self._where}: database schema version {current} is newer than this tailrace "
+            f"{self.where}: database schema version {current} is newer than this tailrace "
             f"supports ({SCHEMA_VERSION}); upgrade tailrace. Nothing was written."
         )
 
@@ -52,7 +57,7 @@ class PostgresSchema:
         """Apply pending migrations in one transaction, under an advisory lock (D4)."""
         async with conn.transaction():
             await conn.execute(
-                "SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_MIGRATION_LOCK, self._schema)
+                "SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_MIGRATION_LOCK, self.name)
             )
             current = await self._recorded_version(conn)  # again: another process may have won
             if current is not None and current > SCHEMA_VERSION:
@@ -73,7 +78,7 @@ class PostgresSchema:
     async def _recorded_version(self, conn: psycopg.AsyncConnection[Any]) -> int | None:
         cur = await conn.execute(
             "SELECT 1 FROM pg_tables WHERE schemaname = %s AND tablename = 'schema_migrations'",
-            (self._schema,),
+            (self.name,),
         )
         if await cur.fetchone() is None:
             return None
@@ -82,6 +87,6 @@ class PostgresSchema:
         return int(row[0]) if row is not None and row[0] is not None else 0
 
     async def _create_schema(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        cur = await conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (self._schema,))
+        cur = await conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (self.name,))
         if await cur.fetchone() is None:  # CREATE needs a privilege an existing schema does not
-            await conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(self._schema)))
+            await conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(self.name)))

@@ -12,9 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .._errors import CorruptRecord
-from ._base import Queue, RunCount, RunStatus
-from ._sql import RUN_COLUMNS
+from ..._errors import CorruptRecord
+from .._queue_rules import run_count_order
+from .._records import (
+    Queue,
+    RunCount,
+    RunStatus,
+)
+from ._statements import RUN_COLUMNS
 
 QUEUE_COLUMNS = "name, concurrency, worker_concurrency, rate_limit, rate_period, ordering"
 WORKER_COLUMNS = "worker_id, queues_json, concurrency, started_at, seen_at, running"
@@ -173,11 +178,6 @@ def run_counts_from_rows(rows: Iterable[Sequence[Any]]) -> list[RunCount]:
             raise CorruptRecord(f"runs of graph {graph!r} have unknown status {status!r}") from None
         counts.append(RunCount(graph_name=graph, queue_name=queue, status=known, count=int(n)))
     return sorted(counts, key=run_count_order)
-
-
-def run_count_order(c: RunCount) -> tuple[str, bool, str, str]:
-    """How run counts are listed: by graph, runs of no queue first, then queue and status."""
-    return (c.graph_name, c.queue_name is not None, c.queue_name or "", c.status.value)
 
 
 #: Values: kind. What a SQLite watcher reads when ``data_version`` moves.

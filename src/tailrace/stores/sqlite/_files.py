@@ -22,8 +22,9 @@ import sqlite3
 import time
 from pathlib import Path
 
-from .._errors import StoreError, UnsupportedFormat
-from ._sql import CREATE_MIGRATIONS_TABLE, MIGRATIONS, SCHEMA_VERSION
+from ..._errors import StoreError, UnsupportedFormat
+from .._sql._statements import CREATE_MIGRATIONS_TABLE, MIGRATIONS, SCHEMA_VERSION
+from ._errors import mapped_errors
 
 
 def newer_schema(where: str, version: int) -> UnsupportedFormat:
@@ -124,7 +125,7 @@ def read_only_uri(path: str, timeout: float) -> str:
             f"{where}: no such database file (a read-only store never creates one; check the path)"
         )
     uri = f"{file.as_uri()}?mode=ro"
-    try:
+    with mapped_errors(where, "cannot open read-only: "):
         try:
             _check_uri(uri, timeout, where)
         except sqlite3.OperationalError as exc:
@@ -132,8 +133,6 @@ def read_only_uri(path: str, timeout: float) -> str:
                 raise
             uri += "&immutable=1"  # read-only media: see the module docstring
             _check_uri(uri, timeout, where)
-    except sqlite3.Error as exc:
-        raise StoreError(f"{where}: cannot open read-only: {exc}") from exc
     return uri
 
 

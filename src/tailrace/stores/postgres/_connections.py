@@ -1,7 +1,7 @@
 """Postgres connections and faults: the pool, retries, lost COMMITs, cancellation.
 
 The machinery :class:`~tailrace.stores.PostgresStore` runs every call through
-(split from ``_postgres`` so that the store module holds the contract only).
+(a collaborator of the store, so that the store module holds the contract only).
 
 Faults. A lost connection, a server restart (admin or crash shutdown, "the
 database system is starting up"), a serialization failure or a deadlock
@@ -35,29 +35,25 @@ import math
 import random
 import select
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import psycopg
 import psycopg_pool
 from psycopg import sql
 
-from .._errors import StoreError
-from ._base import Harvest
-from ._postgres_schema import PostgresSchema
-from ._rules import read_only_refusal
+from ..._errors import StoreError
+from .._rules import read_only_refusal
+from ._errors import InDoubt, Texts, mapped_errors, refusal, transient
+from ._schema import PostgresSchema
 
 #: Logged under the store's name, where its operators look.
-logger = logging.getLogger("tailrace.stores._postgres")
+logger = logging.getLogger("tailrace.stores.postgres")
 
 Conn = psycopg.AsyncConnection[Any]
 Pool = psycopg_pool.AsyncConnectionPool[Conn]
 T = TypeVar("T")
 
-#: SQLSTATEs (besides class 08, connection exceptions) after which re-running the
-#: whole transaction on a fresh connection is right: admin shutdown, crash
-#: shutdown, "cannot connect now", serialization failure, deadlock.
-_RETRIED_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "40001", "40P01"})
 #: The first and the longest pause between two attempts of one call, seconds.
 _FIRST_PAUSE, _LONGEST_PAUSE = 0.05, 1.0
 #: The transaction's id, which ``pg_xact_status`` takes after a lost connection.
@@ -67,8 +63,6 @@ XID = "pg_current_xact_id()::text"
 Work = Callable[[Conn, "Attempt"], Awaitable[T]]
 #: What a write returns when its earlier attempt turns out to have committed.
 Landed = Callable[[Conn], Awaitable[T]]
-#: The texts a write stores, by name, to name the one the driver refused.
-Texts = Callable[[], Iterable[tuple[str, str | None]]]
 
 
 @dataclasses.dataclass(slots=True)
@@ -78,36 +72,15 @@ class Attempt:
     xid: str | None = None
 
 
-class InDoubt(Exception):
-    """An earlier attempt's transaction is still in progress on the server: ask again later."""
-
-
 async def nothing(conn: Conn) -> None:
     """The result of a write that returns nothing, once it turned out to have committed."""
 
 
-class PostgresConnections(PostgresSchema):
+class PostgresConnections:
     """Pooled connections to one Postgres schema, and calls run on them with retries.
 
-    :class:`~tailrace.stores.PostgresStore` is one; its arguments are these.
-
-    Args:
-        dsn: libpq connection string or URL, e.g. ``postgresql://user@host/db``.
-        min_size: connections the pool keeps open.
-        max_size: most connections the pool opens.
-        schema: schema holding the tables; created on ``open`` if missing.
-        clock: wall clock for lease expiry, seconds since the epoch. Engines on
-            several hosts need clocks in step within a small part of the ttl.
-        connect_timeout: seconds to wait for the server when connecting
-            (libpq's rule: whole seconds, at least 2); ``open`` fails after
-            that with the driver's reason.
-        retry_budget: seconds one call may spend on transient failures (lost
-            connections, a server restart, serialization failures, deadlocks)
-            and on waiting for a free connection, re-running its transaction;
-            then it raises :class:`~tailrace.StoreError` with the last reason.
-        read_only: read an existing database and never write to it (see
-            :class:`~tailrace.stores.RunStore`); its sessions are read-only on
-            the server too.
+    The collaborator :class:`~tailrace.stores.PostgresStore` runs every call
+    through; it takes the store's arguments (documented there) but the clock.
     """
 
     def __init__(
@@ -117,7 +90,6 @@ class PostgresConnections(PostgresSchema):
         min_size: int = 1,
         max_size: int = 8,
         schema: str = "public",
-        clock: Callable[[], float] = time.time,
         connect_timeout: float = 5.0,
         retry_budget: float = 15.0,
         read_only: bool = False,
@@ -126,7 +98,6 @@ class PostgresConnections(PostgresSchema):
         self._min_size = min_size
         self._max_size = max_size
         self._schema = schema
-        self._clock = clock
         self._connect_timeout = max(2, math.ceil(connect_timeout))
         self._retry_budget = retry_budget
         self._read_only = read_only
@@ -153,7 +124,7 @@ class PostgresConnections(PostgresSchema):
         if self._read_only:  # the server refuses writes too, whatever a bug might send
             await conn.execute("SET default_transaction_read_only = on")
 
-    async def _connect(self) -> Conn:
+    async def connect(self) -> Conn:
         """A connection of our own (not pooled), in autocommit mode."""
         return await psycopg.AsyncConnection.connect(
             self._dsn, autocommit=True, connect_timeout=self._connect_timeout
@@ -167,16 +138,12 @@ class PostgresConnections(PostgresSchema):
         """
         if self._pool is not None:
             return
-        try:
-            conn = await self._connect()
-        except psycopg.Error as exc:
-            raise StoreError(f"{self._where}: cannot connect to the server: {exc}") from exc
-        try:
+        with mapped_errors(self._where, "cannot connect to the server: "):
+            conn = await self.connect()
+        with mapped_errors(self._where):
             async with conn:
                 await self._configure(conn)
-                await self._prepare_schema(conn)
-        except psycopg.Error as exc:
-            raise StoreError(f"{self._where}: {exc}") from exc
+                await PostgresSchema(self._schema, self._read_only, self._where).prepare(conn)
         pool: Pool = psycopg_pool.AsyncConnectionPool(
             self._dsn,
             min_size=self._min_size,
@@ -196,10 +163,8 @@ class PostgresConnections(PostgresSchema):
             await asyncio.gather(*self._cleanups, return_exceptions=True)
         pool, self._pool = self._pool, None
         if pool is not None:
-            try:
+            with mapped_errors(self._where, "closing the pool: "):
                 await pool.close()
-            except psycopg.Error as exc:
-                raise StoreError(f"{self._where}: closing the pool: {exc}") from exc
 
     def _open_pool(self, context: str) -> Pool:
         if self._pool is None:
@@ -230,9 +195,9 @@ class PostgresConnections(PostgresSchema):
         finally:
             # The pool takes a connection back under its own locks; a cancellation
             # there would lose the connection, and the pool a slot for good.
-            await self._shielded(pool.putconn(conn))
+            await self.shielded(pool.putconn(conn))
 
-    async def _shielded(self, work: Coroutine[Any, Any, T]) -> T:
+    async def shielded(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` to its end even if the caller is cancelled meanwhile.
 
         The caller still gets its ``CancelledError`` at once; the work goes on
@@ -249,11 +214,11 @@ class PostgresConnections(PostgresSchema):
         if not task.cancelled() and task.exception() is not None:
             logger.debug("%s: cleanup failed", self._where, exc_info=task.exception())
 
-    async def _read(self, context: str, work: Work[T]) -> T:
+    async def read(self, context: str, work: Work[T]) -> T:
         """Run ``work`` (autocommit statements, or its own read transaction), retried (see ``_run``)."""
         return await self._run(context, work, landed=None, texts=None, transaction=False)
 
-    async def _write(
+    async def write(
         self,
         context: str,
         work: Work[T],
@@ -328,7 +293,7 @@ class PostgresConnections(PostgresSchema):
             else ""
         )
         try:
-            probe = await self._connect()
+            probe = await self.connect()
         except psycopg.Error as reason:
             return StoreError(
                 f"{context}: cannot reach the Postgres server "
@@ -369,24 +334,6 @@ def readable(fd: int) -> bool:
     return bool(select.select([fd], [], [], 0)[0])
 
 
-def transient(exc: BaseException) -> bool:
-    """Whether re-running the whole transaction on a fresh connection may succeed after ``exc``.
-
-    Connection exceptions (no SQLSTATE: the client lost the connection; or
-    class 08), a shutting-down or starting-up server, serialization failures
-    and deadlocks. Not a pool that is closed or has too many waiters, nor an
-    error in the statement or the data.
-    """
-    if isinstance(exc, InDoubt):
-        return True
-    if isinstance(exc, psycopg_pool.PoolClosed | psycopg_pool.TooManyRequests):
-        return False
-    if not isinstance(exc, psycopg.OperationalError):
-        return False
-    state = exc.sqlstate
-    return state is None or state.startswith("08") or state in _RETRIED_SQLSTATES
-
-
 async def pause(context: str, exc: BaseException, attempt: int, deadline: float) -> None:
     """Sleep before attempt ``attempt + 1``: exponential, jittered, within ``deadline``; else give up."""
     left = deadline - time.monotonic()
@@ -420,51 +367,3 @@ async def committed(conn: Conn, xid: str, context: str) -> bool:
     if status == "committed":
         logger.info("%s: the lost COMMIT of transaction %s had landed", context, xid)
     return status == "committed"
-
-
-def refusal(context: str, exc: BaseException, texts: Texts | None) -> Exception:
-    """Our error for ``exc``, a failure a retry cannot cure; a refused text is named."""
-    text_refused = isinstance(exc, UnicodeEncodeError) or (
-        isinstance(exc, psycopg.DataError) and "NUL" in str(exc)
-    )
-    if text_refused:
-        problem = bad_text(texts() if texts is not None else ())
-        if problem is not None:
-            return ValueError(f"{context}: {problem}; nothing was written")
-        return ValueError(
-            f"{context}: Postgres cannot store this text ({exc}); nothing was written"
-        )
-    return StoreError(f"{context}: {exc}")
-
-
-def bad_text(texts: Iterable[tuple[str, str | None]]) -> str | None:
-    """What is wrong with the first of ``texts`` Postgres cannot store as text, naming it."""
-    for field, value in texts:
-        if value is None:
-            continue
-        if "\x00" in value:
-            at = value.index("\x00")
-            return f"{field} contains a NUL character (\\x00) at {at}, which Postgres cannot store"
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return (
-                f"{field} contains a lone surrogate {value[exc.start]!r} at {exc.start}, "
-                "which is not valid Unicode"
-            )
-    return None
-
-
-def harvest_texts(harvest: Harvest) -> Iterator[tuple[str, str | None]]:
-    """The payload texts ``harvest`` stores, each named by what it belongs to."""
-    yield "state_json", harvest.state_json
-    for n in harvest.nodes:
-        yield f"data_json of node {n.node_id!r}", n.data_json
-    for r in harvest.results:
-        yield f"result of node {r.node_id!r} visit {r.visit}", r.value_json
-    for f in harvest.frozen:
-        yield f"frozen input of node {f.node_id!r} activation {f.activation}", f.payload_json
-    for e in harvest.events:
-        yield f"data_json of event seq {e.seq}", e.data_json
-    for q in harvest.questions:
-        yield f"prompt_json of question {q.question_id!r}", q.prompt_json

@@ -5,395 +5,53 @@ per wake-up (D1), fenced by the run's lease token (D6). Every payload crosses
 this seam already encoded as text, so stores never see Python objects and a
 result that cannot be encoded fails before anything is written (D5).
 
-Stores map their driver's exceptions to :class:`~tailrace.StoreError` (and
-its subclasses) at this seam; the engine never imports a driver. The rules
-every backend applies live in ``_rules`` and the SQL both SQL backends share,
-migrations included, in ``_sql``.
+:class:`RunStore` is documented here once. Its public methods check their
+arguments (the rules in ``_rules``) and then call a backend's primitive of
+the same name with a leading underscore, so a backend receives only checked
+arguments and documents only what differs: its locking and its SQL. Stores
+map their driver's exceptions to :class:`~tailrace.StoreError` (and its
+subclasses) at this seam, in one place per backend; the engine never imports
+a driver. The SQL both SQL backends share, migrations included, is in
+``_sql``.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
-import enum
-import math
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import KW_ONLY, dataclass, field
-from typing import NamedTuple
-
-#: Version of the rows this code writes (D4). Bumped on incompatible change.
-FORMAT_VERSION = 1
-
-
-class RunStatus(enum.StrEnum):
-    """Lifecycle of a run. Legal transitions live in ``RUN_TRANSITIONS``.
-
-    ``queued``: submitted to a queue and not claimed by a worker yet.
-    """
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    SUSPENDED = "suspended"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-RUN_TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
-    RunStatus.QUEUED: frozenset({RunStatus.RUNNING, RunStatus.FAILED, RunStatus.CANCELLED}),
-    RunStatus.RUNNING: frozenset(
-        {
-            RunStatus.RUNNING,
-            RunStatus.SUSPENDED,
-            RunStatus.COMPLETED,
-            RunStatus.FAILED,
-            RunStatus.CANCELLED,
-        }
-    ),
-    RunStatus.SUSPENDED: frozenset({RunStatus.RUNNING, RunStatus.FAILED, RunStatus.CANCELLED}),
-    RunStatus.COMPLETED: frozenset(),
-    RunStatus.FAILED: frozenset(),
-    RunStatus.CANCELLED: frozenset(),
-}
-
-TERMINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
-#: Statuses of a run that has not finished: a dedup key is live while its run is in one.
-LIVE_STATUSES = frozenset({RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.SUSPENDED})
-
-
-class QuestionStatus(enum.StrEnum):
-    """Lifecycle of a question (Q2-Q5); legal moves are in ``QUESTION_TRANSITIONS``.
-
-    ``answered`` and ``expired`` questions carry an answer that has not been
-    applied yet when ``applied_at`` is None; applying moves ``answered`` to
-    ``applied`` and stamps ``applied_at`` on both.
-    """
-
-    OPEN = "open"
-    ANSWERED = "answered"
-    APPLIED = "applied"
-    SUPERSEDED = "superseded"
-    EXPIRED = "expired"
-
-
-QUESTION_TRANSITIONS: dict[QuestionStatus, frozenset[QuestionStatus]] = {
-    QuestionStatus.OPEN: frozenset(
-        {QuestionStatus.ANSWERED, QuestionStatus.EXPIRED, QuestionStatus.SUPERSEDED}
-    ),
-    QuestionStatus.ANSWERED: frozenset({QuestionStatus.APPLIED, QuestionStatus.SUPERSEDED}),
-    QuestionStatus.EXPIRED: frozenset({QuestionStatus.EXPIRED, QuestionStatus.SUPERSEDED}),
-    QuestionStatus.APPLIED: frozenset(),
-    QuestionStatus.SUPERSEDED: frozenset(),
-}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class QuestionRow:
-    """An open gate as stored: who asks what, and what was answered (Q1-Q5).
-
-    ``turn`` is the run's turn when the question opened; ``deadline`` an
-    absolute wall-clock time or None; ``poller`` names a machine gate's
-    poller. ``run_id`` may name a LangGraph thread driven by tailrace.
-
-    ``apply_error``, ``apply_attempts`` and ``retry_at`` record answers a
-    daemon could not apply (see :meth:`RunStore.defer_answer`): the last
-    reason, how many times applying failed, and when to try again. They stay
-    as history once the question is applied or superseded.
-    """
-
-    question_id: str
-    run_id: str
-    node_id: str
-    visit: int
-    turn: int
-    prompt_json: str
-    poller: str | None = None
-    deadline: float | None = None
-    status: QuestionStatus = QuestionStatus.OPEN
-    answer_json: str | None = None
-    answered_by: str | None = None
-    created_at: float = 0.0
-    answered_at: float | None = None
-    applied_at: float | None = None
-    apply_error: str | None = None
-    apply_attempts: int = 0
-    retry_at: float | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ArtifactVersion:
-    """One version of an evolving artifact (prompts, skills, rules) in the evolve ledger.
-
-    ``version`` counts from 1; ``entries_json`` holds the artifact's keyed text
-    entries; ``meta_json`` what produced it (the edit, scores, who merged it).
-    """
-
-    artifact_id: str
-    version: int
-    entries_json: str
-    meta_json: str = "{}"
-    created_at: float = 0.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class NewRun:
-    """What ``create_run`` stores for a new run."""
-
-    run_id: str
-    graph_name: str
-    graph_ref: str | None
-    fingerprint: str
-    input_json: str
-    created_at: float
-    format_version: int = FORMAT_VERSION
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RunRecord:
-    """A run as stored (without its node rows)."""
-
-    run_id: str
-    graph_name: str
-    graph_ref: str | None
-    fingerprint: str
-    status: RunStatus
-    input_json: str
-    state_json: str
-    error: str | None
-    created_at: float
-    updated_at: float
-    finished_at: float | None
-    nodes_done: int
-    lease_owner: str | None
-    lease_expires: float | None
-    lease_token: int
-    format_version: int
-    #: The queue the run was submitted to (None: started directly), and how it
-    #: was submitted (see :class:`Submission`).
-    queue_name: str | None = None
-    priority: int = 0
-    partition_key: str | None = None
-    dedup_key: str | None = None
-    cost: float | None = None
-    estimate: float | None = None
-    #: When it was submitted, and when a worker claimed it (None until then).
-    queued_at: float | None = None
-    started_at: float | None = None
-    #: When someone asked to cancel it while it ran (its driver stops at its next harvest).
-    cancel_requested_at: float | None = None
-
-
-class NodeRow(NamedTuple):
-    """The latest state of one node, encoded by the engine (``data_json``).
-
-    Rows are named tuples, fields in column order: a harvest carries
-    thousands, and a store binds them without a pass per field.
-    """
-
-    node_id: str
-    status: str
-    visits: int
-    data_json: str
-
-
-class ResultRow(NamedTuple):
-    """The result of one node visit (append-only; never rewritten)."""
-
-    node_id: str
-    visit: int
-    value_json: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FrozenInput:
-    """A first-k decision: the payload an aggregate activation fired with (E4)."""
-
-    node_id: str
-    activation: int
-    payload_json: str
-
-
-class EventRow(NamedTuple):
-    """A durable event record; ``seq`` is unique and increasing per run."""
-
-    seq: int
-    type: str
-    node_id: str | None
-    visit: int | None
-    attempt: int | None
-    ts: float
-    data_json: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Harvest:
-    """Everything one harvest produces, committed atomically (D1)."""
-
-    state_json: str
-    status: RunStatus = RunStatus.RUNNING
-    error: str | None = None
-    nodes: Sequence[NodeRow] = ()
-    results: Sequence[ResultRow] = ()
-    frozen: Sequence[FrozenInput] = ()
-    events: Sequence[EventRow] = ()
-    nodes_done_delta: int = 0
-    finished_at: float | None = None
-    #: Questions opened by this harvest (status ``open``), inserted.
-    questions: Sequence[QuestionRow] = ()
-    #: Question ids whose answer this harvest applies: each must be ``answered``
-    #: (becomes ``applied``) or ``expired`` with no ``applied_at``, else the whole
-    #: harvest is refused with :class:`~tailrace.AlreadyAnswered` (Q3).
-    applied: Sequence[str] = ()
-    #: Question ids this harvest supersedes (``open``/``answered``/``expired`` -> ``superseded``).
-    superseded: Sequence[str] = ()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StoredRun:
-    """A run and all its node rows, as ``load_run`` returns it."""
-
-    run: RunRecord
-    nodes: dict[str, NodeRow] = field(default_factory=dict)
-
-
-# --- queues and workers (scale-out: the store is the coordinator) -----------------
-
-#: How a queue orders the runs it hands out: by submit time, by ``priority``
-#: (higher first, then submit time), or longest estimated run first (``lpt``).
-QUEUE_ORDERS = ("fifo", "priority", "lpt")
-
-
-@dataclass(frozen=True, slots=True)
-class Queue:
-    """A named queue of runs and the limits every worker claiming from it keeps.
-
-    Args:
-        name: the queue's name (what ``submit(queue=...)`` names).
-        concurrency: most runs of this queue running at once across all
-            workers (None: no limit). A run holds its slot from its claim
-            until it finishes or suspends on a gate; a run whose worker died
-            keeps it until another worker, having adopted it, finishes it.
-        worker_concurrency: most runs of this queue one worker process drives
-            at once (None: only the worker's own ``concurrency``).
-        limit: most runs started (claimed) per ``period`` seconds across all
-            workers, a sliding window (None: no rate limit).
-        period: the rate limit's window in seconds.
-        order: ``"fifo"`` (submit order), ``"priority"`` (higher ``priority``
-            first, then submit order) or ``"lpt"`` (longest estimated run
-            first, then submit order; see ``Engine.submit``'s ``estimate``).
-
-    Runs submitted with a ``partition`` key start one at a time per key, in
-    submit order: the next one starts once the previous one finished.
-
-    >>> Queue("emails", concurrency=10, limit=100, period=60.0)
-    Queue(name='emails', concurrency=10, worker_concurrency=None, limit=100, period=60.0, order='fifo')
-    """
-
-    name: str
-    _: KW_ONLY
-    concurrency: int | None = None
-    worker_concurrency: int | None = None
-    limit: int | None = None
-    period: float = 1.0
-    order: str = "fifo"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"queue name must be a non-empty string, got {self.name!r}")
-        for what in ("concurrency", "worker_concurrency", "limit"):
-            value = getattr(self, what)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"queue {self.name!r}: {what} must be None or >= 1, got {value!r}")
-        if (
-            self.concurrency is not None
-            and self.worker_concurrency is not None
-            and self.worker_concurrency > self.concurrency
-        ):
-            raise ValueError(
-                f"queue {self.name!r}: worker_concurrency {self.worker_concurrency} exceeds "
-                f"concurrency {self.concurrency}"
-            )
-        if not (isinstance(self.period, int | float) and 0 < self.period < math.inf):
-            raise ValueError(
-                f"queue {self.name!r}: period must be a positive number of seconds, got {self.period!r}"
-            )
-        if self.order not in QUEUE_ORDERS:
-            raise ValueError(
-                f"queue {self.name!r}: order must be one of {', '.join(QUEUE_ORDERS)}, got {self.order!r}"
-            )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Submission:
-    """How a run is submitted to a queue (``submit_run``).
-
-    ``queue`` names it; ``priority`` orders a ``priority`` queue (higher
-    first); ``partition`` makes runs with the same key start one at a time in
-    submit order; ``dedup_key`` makes a second submit with that key, while a
-    run holding it is live (queued, running or suspended), return that run;
-    ``cost`` is what the duration estimator was given and ``estimate`` the
-    seconds it predicted (an ``lpt`` queue hands out the largest first).
-    """
-
-    queue: str
-    priority: int = 0
-    partition: str | None = None
-    dedup_key: str | None = None
-    cost: float | None = None
-    estimate: float | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RunCount:
-    """How many runs of one graph, in one queue (None: submitted to none), have one status."""
-
-    graph_name: str
-    queue_name: str | None
-    status: RunStatus
-    count: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class QueueStats:
-    """One queue as ``queue_stats`` sees it: declared limits and what its runs do now.
-
-    ``queued``/``running``/``suspended`` count its runs in each status;
-    ``started`` those claimed within the last ``window`` seconds; ``workers``
-    the live workers that serve it; ``oldest_queued_at`` the submit time of
-    the longest-waiting queued run (None when none waits).
-    """
-
-    name: str
-    queue: Queue | None
-    queued: int
-    running: int
-    suspended: int
-    started: int
-    window: float
-    workers: int
-    oldest_queued_at: float | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WorkerRow:
-    """A worker process as it last reported itself (``worker_seen``).
-
-    ``worker_id`` is its lease owner name (``host:pid:start:nonce``);
-    ``queues`` the queues it claims from; ``running`` how many runs it drove
-    at ``seen_at``.
-    """
-
-    worker_id: str
-    queues: tuple[str, ...]
-    concurrency: int
-    started_at: float
-    seen_at: float
-    running: int = 0
-
-
-#: What a change feed reports: a run was submitted, a question answered, a
-#: lease released (a run finished, suspended, or let go), a cancel requested.
-CHANGE_KINDS = frozenset({"submit", "answer", "release", "cancel"})
+from collections.abc import AsyncIterator
+
+from ._artifacts import check_expected
+from ._queue_rules import check_claim, check_worker
+from ._records import (
+    CHANGE_KINDS,
+    ArtifactVersion,
+    EventRow,
+    FrozenInput,
+    Harvest,
+    NewRun,
+    QuestionRow,
+    QuestionStatus,
+    Queue,
+    QueueStats,
+    ResultRow,
+    RunCount,
+    RunRecord,
+    RunStatus,
+    StoredRun,
+    Submission,
+    WorkerRow,
+)
+from ._rules import (
+    answer_status,
+    check_apply_deferral,
+    check_harvest,
+    check_name,
+    check_names,
+    check_new_format,
+    check_ttl,
+)
 
 
 class ChangeFeed(abc.ABC):
@@ -417,8 +75,6 @@ class PollingFeed(ChangeFeed):
 
     async def wait(self, seconds: float) -> frozenset[str]:
         """Sleep ``min(seconds, interval)``, then report every kind (or none if ``seconds`` was shorter)."""
-        import asyncio
-
         await asyncio.sleep(max(0.0, min(seconds, self.interval)))
         return CHANGE_KINDS if seconds >= self.interval else frozenset()
 
@@ -478,27 +134,34 @@ class RunStore(abc.ABC):
     async def close(self) -> None:
         """Flush pending writes and release connections. Idempotent."""
 
-    @abc.abstractmethod
     async def create_run(self, run: NewRun) -> None:
         """Store a new run with status ``running``; :class:`~tailrace.RunExists` if the id is taken."""
+        check_new_format(run)
+        check_names(
+            run_id=run.run_id, graph_name=run.graph_name, graph_ref=run.graph_ref,
+            fingerprint=run.fingerprint,
+        )  # fmt: skip
+        await self._create_run(run)
 
-    @abc.abstractmethod
     async def commit(self, run_id: str, token: int, harvest: Harvest) -> None:
         """Apply ``harvest`` atomically if ``token`` is the run's current lease token.
 
         Raises :class:`~tailrace.LeaseLost` (nothing written) when fenced out,
         :class:`~tailrace.RunNotFound` for an unknown run.
         """
+        check_harvest(run_id, harvest)
+        await self._commit(run_id, token, harvest)
 
-    @abc.abstractmethod
     async def load_run(self, run_id: str) -> StoredRun:
         """Return the run and its node rows; :class:`~tailrace.RunNotFound` if absent."""
+        check_name("run_id", run_id)
+        return await self._load_run(run_id)
 
-    @abc.abstractmethod
     async def get_run(self, run_id: str) -> RunRecord:
         """Return the run record alone; :class:`~tailrace.RunNotFound` if absent."""
+        check_name("run_id", run_id)
+        return await self._get_run(run_id)
 
-    @abc.abstractmethod
     async def list_runs(
         self,
         *,
@@ -517,24 +180,30 @@ class RunStore(abc.ABC):
             graph: only runs of this graph name.
             offset: skip this many of the matching runs first.
         """
+        check_names(queue=queue, graph=graph)
+        return await self._list_runs(
+            status=status, limit=limit, queue=queue, graph=graph, offset=offset
+        )
 
-    @abc.abstractmethod
     async def run_counts(self) -> list[RunCount]:
         """How many runs there are per graph name, queue and status (one query: for dashboards)."""
+        return await self._run_counts()
 
-    @abc.abstractmethod
     async def results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
         """Result rows of a run (of one node if given), by node then visit."""
+        check_names(run_id=run_id, node_id=node_id)
+        return await self._results(run_id, node_id)
 
-    @abc.abstractmethod
     async def frozen_inputs(self, run_id: str) -> list[FrozenInput]:
         """First-k decisions of a run, by node then activation."""
+        check_name("run_id", run_id)
+        return await self._frozen_inputs(run_id)
 
-    @abc.abstractmethod
     async def events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
         """Events of a run with ``seq > after_seq``, in seq order."""
+        check_name("run_id", run_id)
+        return await self._events(run_id, after_seq=after_seq)
 
-    @abc.abstractmethod
     async def acquire_lease(
         self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
     ) -> int:
@@ -555,18 +224,23 @@ class RunStore(abc.ABC):
         message says what the user can do. :class:`~tailrace.RunNotFound` for
         an unknown run.
         """
+        check_ttl(ttl)
+        check_names(run_id=run_id, owner=owner, steal_from=steal_from)
+        return await self._acquire_lease(run_id, owner, ttl, steal_from=steal_from)
 
-    @abc.abstractmethod
     async def heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
         """Extend the lease; :class:`~tailrace.LeaseLost` if ``token`` is no longer current."""
+        check_ttl(ttl)
+        check_names(run_id=run_id, owner=owner)
+        await self._heartbeat(run_id, owner, token, ttl)
 
-    @abc.abstractmethod
     async def release_lease(self, run_id: str, owner: str, token: int) -> None:
         """Drop the lease if still held with ``token``; otherwise do nothing."""
+        check_names(run_id=run_id, owner=owner)
+        await self._release_lease(run_id, owner, token)
 
     # -- the question ledger (Q2-Q5) ---------------------------------------------
 
-    @abc.abstractmethod
     async def answer(
         self,
         question_id: str,
@@ -582,12 +256,16 @@ class RunStore(abc.ABC):
         :class:`~tailrace.AlreadyAnswered` and changes nothing; an unknown one
         :class:`~tailrace.QuestionNotFound`.
         """
+        status = answer_status(question_id, status)
+        check_name("question_id", question_id)
+        check_name("by", by, context=f"question {question_id!r}: ")
+        return await self._answer(question_id, answer_json, by=by, status=status)
 
-    @abc.abstractmethod
     async def get_question(self, question_id: str) -> QuestionRow:
         """The question; :class:`~tailrace.QuestionNotFound` if absent."""
+        check_name("question_id", question_id)
+        return await self._get_question(question_id)
 
-    @abc.abstractmethod
     async def list_questions(
         self,
         *,
@@ -596,8 +274,9 @@ class RunStore(abc.ABC):
         limit: int | None = None,
     ) -> list[QuestionRow]:
         """Questions, oldest first, filtered by ``status`` and ``run_id``, at most ``limit``."""
+        check_name("run_id", run_id)
+        return await self._list_questions(status=status, run_id=run_id, limit=limit)
 
-    @abc.abstractmethod
     async def unapplied_answers(
         self, *, limit: int = 100, now: float | None = None
     ) -> list[QuestionRow]:
@@ -615,8 +294,8 @@ class RunStore(abc.ABC):
         deferred, never hide one it can: however many are stuck, a new answer
         is at the head of the list.
         """
+        return await self._unapplied_answers(limit=limit, now=now)
 
-    @abc.abstractmethod
     async def defer_answer(self, question_id: str, *, error: str, retry_at: float) -> None:
         """Record that applying ``question_id``'s answer failed, and when to try again.
 
@@ -632,32 +311,38 @@ class RunStore(abc.ABC):
         changed, in one atomic update; on any other it does nothing.
         :class:`~tailrace.QuestionNotFound` if the question is unknown.
         """
+        check_name("question_id", question_id)
+        error = check_apply_deferral(question_id, error, retry_at)
+        retry_at = float(retry_at)
+        await self._defer_answer(question_id, error=error, retry_at=retry_at)
 
-    @abc.abstractmethod
     async def mark_applied(self, question_id: str) -> bool:
         """Outside a harvest (drivers of external graphs): apply-CAS; False if already applied or superseded.
 
         ``apply_error``/``apply_attempts``/``retry_at`` are kept as history.
         """
+        check_name("question_id", question_id)
+        return await self._mark_applied(question_id)
 
-    @abc.abstractmethod
     async def supersede(self, question_id: str) -> bool:
         """Mark a question ``superseded`` unless applied; False if it already was final.
 
         ``apply_error``/``apply_attempts``/``retry_at`` are kept as history.
         """
+        check_name("question_id", question_id)
+        return await self._supersede(question_id)
 
-    @abc.abstractmethod
     async def expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
         """Ids of runs in status ``running`` whose lease expired before ``now`` (orphans)."""
+        return await self._expired_leases(now, limit=limit)
 
     # -- the evolve ledger ----------------------------------------------------------
 
-    @abc.abstractmethod
     async def artifact_head(self, artifact_id: str) -> ArtifactVersion | None:
         """The newest version of ``artifact_id``, or None if it has none."""
+        check_name("artifact_id", artifact_id)
+        return await self._artifact_head(artifact_id)
 
-    @abc.abstractmethod
     async def commit_artifact(
         self, artifact_id: str, expected: int, entries_json: str, meta_json: str = "{}"
     ) -> ArtifactVersion:
@@ -667,10 +352,13 @@ class RunStore(abc.ABC):
         committed first) raises :class:`~tailrace.StaleVersion` and writes
         nothing. ``entries_json``/``meta_json`` are stored as given.
         """
+        check_expected(artifact_id, expected)
+        return await self._commit_artifact(artifact_id, expected, entries_json, meta_json)
 
-    @abc.abstractmethod
     async def artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
         """Every version of ``artifact_id``, oldest first."""
+        check_name("artifact_id", artifact_id)
+        return await self._artifact_history(artifact_id)
 
     # -- queues, claims and workers (scale-out) ----------------------------------
     #
@@ -682,7 +370,6 @@ class RunStore(abc.ABC):
     # advisory lock while a limit needs counting); SQLite in one ``BEGIN
     # IMMEDIATE`` transaction; memory under its lock.
 
-    @abc.abstractmethod
     async def submit_run(self, run: NewRun, submission: Submission) -> str:
         """Store ``run`` as ``queued`` in ``submission.queue`` and return its id.
 
@@ -691,8 +378,15 @@ class RunStore(abc.ABC):
         is returned instead. :class:`~tailrace.RunExists` if ``run.run_id`` is
         taken. Wakes workers waiting on the queue (a ``submit`` change).
         """
+        check_new_format(run)
+        q = submission
+        check_names(
+            run_id=run.run_id, graph_name=run.graph_name, graph_ref=run.graph_ref,
+            fingerprint=run.fingerprint, queue=q.queue, partition=q.partition,
+            dedup_key=q.dedup_key,
+        )  # fmt: skip
+        return await self._submit_run(run, submission)
 
-    @abc.abstractmethod
     async def claim_runs(self, queue: str, owner: str, ttl: float, *, limit: int) -> list[str]:
         """Claim up to ``limit`` queued runs of ``queue`` for ``owner`` and return their ids, in queue order.
 
@@ -711,8 +405,11 @@ class RunStore(abc.ABC):
         leased to ``owner`` with a new fencing token (D6). A run is claimed
         by one caller only, across processes and hosts.
         """
+        check_claim(queue, owner, ttl, limit)
+        if limit <= 0:
+            return []
+        return await self._claim_runs(queue, owner, ttl, limit=limit)
 
-    @abc.abstractmethod
     async def claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
         """Lease up to ``limit`` suspended runs that have an answer due, to ``owner``; one due question per run.
 
@@ -727,8 +424,12 @@ class RunStore(abc.ABC):
         a free slot (its lease then holds the slot). The caller applies the
         answer and releases the lease.
         """
+        check_name("owner", owner)
+        check_ttl(ttl)
+        if limit <= 0:
+            return []
+        return await self._claim_answers(owner, ttl, limit=limit)
 
-    @abc.abstractmethod
     async def request_cancel(self, run_id: str) -> RunStatus:
         """Cancel a queued run now, or ask its driver to cancel a running or suspended one; return the status now.
 
@@ -739,24 +440,28 @@ class RunStore(abc.ABC):
         as it is. Wakes workers (a ``cancel`` change).
         :class:`~tailrace.RunNotFound` if absent.
         """
+        check_name("run_id", run_id)
+        return await self._request_cancel(run_id)
 
-    @abc.abstractmethod
     async def cancel_requests(self, owner: str) -> list[str]:
         """Ids of ``running`` runs leased to ``owner`` with a cancel request."""
+        check_name("owner", owner)
+        return await self._cancel_requests(owner)
 
-    @abc.abstractmethod
     async def runs_leased_by(self, owner: str, *, limit: int = 100) -> list[str]:
         """Ids of ``running`` runs whose lease ``owner`` holds (live or not), at most ``limit``."""
+        check_name("owner", owner)
+        return await self._runs_leased_by(owner, limit=limit)
 
-    @abc.abstractmethod
     async def declare_queue(self, queue: Queue) -> None:
         """Store ``queue``'s limits (replacing an earlier declaration); every claim from it keeps them."""
+        check_name("queue", queue.name)
+        await self._declare_queue(queue)
 
-    @abc.abstractmethod
     async def queues(self) -> list[Queue]:
         """Every declared queue, by name."""
+        return await self._queues()
 
-    @abc.abstractmethod
     async def queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
         """Declared queues and queues that have runs, by name, with their counts at ``now``.
 
@@ -764,20 +469,22 @@ class RunStore(abc.ABC):
         ``now``; ``workers`` the workers seen within ``window`` that serve
         the queue.
         """
+        return await self._queue_stats(now, window=window)
 
-    @abc.abstractmethod
     async def worker_seen(self, worker: WorkerRow) -> None:
         """Record (insert or replace) ``worker``'s report of itself."""
+        check_worker(worker)
+        await self._worker_seen(worker)
 
-    @abc.abstractmethod
     async def workers(self) -> list[WorkerRow]:
         """Every worker that reported itself and was not forgotten, by id."""
+        return await self._workers()
 
-    @abc.abstractmethod
     async def forget_worker(self, worker_id: str) -> None:
         """Drop ``worker_id``'s report (it stopped, or died and its runs were adopted)."""
+        check_name("worker_id", worker_id)
+        await self._forget_worker(worker_id)
 
-    @abc.abstractmethod
     async def run_durations(
         self, fingerprint: str, *, limit: int = 200
     ) -> list[tuple[float, float]]:
@@ -786,6 +493,8 @@ class RunStore(abc.ABC):
         ``seconds`` runs from the claim to the finish; a run submitted with no
         cost has cost 0. For the duration estimator an ``lpt`` queue orders by.
         """
+        check_name("fingerprint", fingerprint)
+        return await self._run_durations(fingerprint, limit=limit)
 
     def changes(self) -> contextlib.AbstractAsyncContextManager[ChangeFeed]:
         """A feed of wake-ups: ``async with store.changes() as feed: kinds = await feed.wait(1.0)``.
@@ -799,6 +508,184 @@ class RunStore(abc.ABC):
         :class:`PollingFeed` of 50 ms), for stores that have nothing better.
         """
         return _polling_changes()
+
+    # -- what a backend implements ----------------------------------------------
+    #
+    # Each public method above checks its arguments, then calls its primitive
+    # here; a backend implements these and documents only what differs.
+
+    @abc.abstractmethod
+    async def _create_run(self, run: NewRun) -> None:
+        """:meth:`create_run`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _commit(self, run_id: str, token: int, harvest: Harvest) -> None:
+        """:meth:`commit`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _load_run(self, run_id: str) -> StoredRun:
+        """:meth:`load_run`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _get_run(self, run_id: str) -> RunRecord:
+        """:meth:`get_run`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _list_runs(
+        self,
+        *,
+        status: RunStatus | None = None,
+        limit: int | None = None,
+        queue: str | None = None,
+        graph: str | None = None,
+        offset: int = 0,
+    ) -> list[RunRecord]:
+        """:meth:`list_runs`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _run_counts(self) -> list[RunCount]:
+        """:meth:`run_counts`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
+        """:meth:`results`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _frozen_inputs(self, run_id: str) -> list[FrozenInput]:
+        """:meth:`frozen_inputs`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
+        """:meth:`events`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _acquire_lease(
+        self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
+    ) -> int:
+        """:meth:`acquire_lease`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
+        """:meth:`heartbeat`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _release_lease(self, run_id: str, owner: str, token: int) -> None:
+        """:meth:`release_lease`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _answer(
+        self,
+        question_id: str,
+        answer_json: str,
+        *,
+        by: str | None = None,
+        status: QuestionStatus = QuestionStatus.ANSWERED,
+    ) -> QuestionRow:
+        """:meth:`answer`, called with a legal ``status``."""
+
+    @abc.abstractmethod
+    async def _get_question(self, question_id: str) -> QuestionRow:
+        """:meth:`get_question`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _list_questions(
+        self,
+        *,
+        status: QuestionStatus | None = None,
+        run_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[QuestionRow]:
+        """:meth:`list_questions`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _unapplied_answers(
+        self, *, limit: int = 100, now: float | None = None
+    ) -> list[QuestionRow]:
+        """:meth:`unapplied_answers`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _defer_answer(self, question_id: str, *, error: str, retry_at: float) -> None:
+        """:meth:`defer_answer`, called with ``error`` already made printable and cut, ``retry_at`` a float."""
+
+    @abc.abstractmethod
+    async def _mark_applied(self, question_id: str) -> bool:
+        """:meth:`mark_applied`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _supersede(self, question_id: str) -> bool:
+        """:meth:`supersede`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
+        """:meth:`expired_leases`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _artifact_head(self, artifact_id: str) -> ArtifactVersion | None:
+        """:meth:`artifact_head`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _commit_artifact(
+        self, artifact_id: str, expected: int, entries_json: str, meta_json: str = "{}"
+    ) -> ArtifactVersion:
+        """:meth:`commit_artifact`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
+        """:meth:`artifact_history`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _submit_run(self, run: NewRun, submission: Submission) -> str:
+        """:meth:`submit_run`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _claim_runs(self, queue: str, owner: str, ttl: float, *, limit: int) -> list[str]:
+        """:meth:`claim_runs`, called with ``limit`` >= 1."""
+
+    @abc.abstractmethod
+    async def _claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
+        """:meth:`claim_answers`, called with ``limit`` >= 1."""
+
+    @abc.abstractmethod
+    async def _request_cancel(self, run_id: str) -> RunStatus:
+        """:meth:`request_cancel`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _cancel_requests(self, owner: str) -> list[str]:
+        """:meth:`cancel_requests`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _runs_leased_by(self, owner: str, *, limit: int = 100) -> list[str]:
+        """:meth:`runs_leased_by`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _declare_queue(self, queue: Queue) -> None:
+        """:meth:`declare_queue`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _queues(self) -> list[Queue]:
+        """:meth:`queues`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
+        """:meth:`queue_stats`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _worker_seen(self, worker: WorkerRow) -> None:
+        """:meth:`worker_seen`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _workers(self) -> list[WorkerRow]:
+        """:meth:`workers`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _forget_worker(self, worker_id: str) -> None:
+        """:meth:`forget_worker`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _run_durations(
+        self, fingerprint: str, *, limit: int = 200
+    ) -> list[tuple[float, float]]:
+        """:meth:`run_durations`, called with checked arguments."""
 
 
 @contextlib.asynccontextmanager

@@ -14,15 +14,27 @@ It applies the rules every backend shares (``_rules``) under one lock.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
-from .._errors import RunExists, RunNotFound, StoreError
-from ._artifacts import ArtifactLedger
-from ._base import (
+from ..._errors import RunExists, RunNotFound, StoreError
+from .._artifacts import ArtifactLedger
+from .._changes import ChangeHub
+from .._contract import ChangeFeed, RunStore
+from .._queue_rules import (
+    claim_key,
+    dedup_holder,
+    free_slots,
+    holds_slot,
+    partition_blocked,
+    run_count_order,
+    stats_of,
+)
+from .._records import (
     ArtifactVersion,
     EventRow,
     FrozenInput,
@@ -32,32 +44,24 @@ from ._base import (
     QuestionRow,
     QuestionStatus,
     Queue,
+    QueueStats,
     ResultRow,
     RunCount,
     RunRecord,
     RunStatus,
-    RunStore,
     StoredRun,
     Submission,
     WorkerRow,
 )
-from ._changes import ChangeHub
-from ._memory_queues import MemoryQueues
-from ._rules import (
+from .._rules import (
     EMPTY_STATE_JSON,
-    answer_status,
     applied_status,
     can_apply,
     can_supersede,
-    check_apply_deferral,
     check_commit,
-    check_harvest,
     check_holder,
     check_name,
-    check_names,
-    check_new_format,
     check_readable,
-    check_ttl,
     due,
     due_order,
     duplicate_in_harvest,
@@ -67,12 +71,11 @@ from ._rules import (
     printable_text,
     question_not_found,
 )
-from ._sql_queues import run_count_order
 
 # --- the store ---------------------------------------------------------------
 
 
-class MemoryStore(MemoryQueues, RunStore):
+class MemoryStore(RunStore):
     """A store in process memory: fast, thread-safe, gone when the process ends.
 
     Args:
@@ -90,13 +93,13 @@ class MemoryStore(MemoryQueues, RunStore):
         self._lock = threading.Lock()
         self._runs: dict[str, RunRecord] = {}
         self._nodes: dict[str, dict[str, NodeRow]] = {}
-        self._results: dict[str, dict[tuple[str, int], ResultRow]] = {}
+        self._result_rows: dict[str, dict[tuple[str, int], ResultRow]] = {}
         self._frozen: dict[str, dict[tuple[str, int], FrozenInput]] = {}
-        self._events: dict[str, dict[int, EventRow]] = {}
+        self._event_rows: dict[str, dict[int, EventRow]] = {}
         self._questions: dict[str, QuestionRow] = {}
         self._artifacts = ArtifactLedger(clock)
-        self._queues: dict[str, Queue] = {}
-        self._workers: dict[str, WorkerRow] = {}
+        self._queue_specs: dict[str, Queue] = {}
+        self._worker_rows: dict[str, WorkerRow] = {}
         self._hub = ChangeHub()
 
     async def open(self) -> None:
@@ -112,13 +115,7 @@ class MemoryStore(MemoryQueues, RunStore):
         except KeyError:
             raise RunNotFound(f"no run {run_id!r} in the store") from None
 
-    async def create_run(self, run: NewRun) -> None:
-        """Store a new run with status ``running``; ``RunExists`` if ``run.run_id`` is taken."""
-        check_new_format(run)
-        check_names(
-            run_id=run.run_id, graph_name=run.graph_name, graph_ref=run.graph_ref,
-            fingerprint=run.fingerprint,
-        )  # fmt: skip
+    async def _create_run(self, run: NewRun) -> None:
         with self._lock:
             if run.run_id in self._runs:
                 raise RunExists(f"run {run.run_id!r} already exists")
@@ -153,13 +150,11 @@ class MemoryStore(MemoryQueues, RunStore):
             queued_at=None if q is None else run.created_at,
         )
         self._nodes[run.run_id] = {}
-        self._results[run.run_id] = {}
+        self._result_rows[run.run_id] = {}
         self._frozen[run.run_id] = {}
-        self._events[run.run_id] = {}
+        self._event_rows[run.run_id] = {}
 
-    async def commit(self, run_id: str, token: int, harvest: Harvest) -> None:
-        """Apply ``harvest`` to ``run_id`` atomically if ``token`` is current (D1, D6, Q3)."""
-        check_harvest(run_id, harvest)
+    async def _commit(self, run_id: str, token: int, harvest: Harvest) -> None:
         with self._lock:
             record = self._run(run_id)
             check_commit(
@@ -175,9 +170,9 @@ class MemoryStore(MemoryQueues, RunStore):
             questions = self._question_changes(run_id, harvest, now)  # may refuse: nothing written
             self._questions.update(questions)
             self._nodes[run_id].update((n.node_id, n) for n in harvest.nodes)
-            self._results[run_id].update(((r.node_id, r.visit), r) for r in harvest.results)
+            self._result_rows[run_id].update(((r.node_id, r.visit), r) for r in harvest.results)
             self._frozen[run_id].update(((f.node_id, f.activation), f) for f in harvest.frozen)
-            self._events[run_id].update((e.seq, e) for e in harvest.events)
+            self._event_rows[run_id].update((e.seq, e) for e in harvest.events)
             self._runs[run_id] = dataclasses.replace(
                 record,
                 state_json=harvest.state_json,
@@ -199,7 +194,11 @@ class MemoryStore(MemoryQueues, RunStore):
             raise StoreError(problem + "; nothing of this harvest was written")
 
     def _rewrites(self, run_id: str, harvest: Harvest) -> Iterator[str]:
-        results, frozen, events = self._results[run_id], self._frozen[run_id], self._events[run_id]
+        results, frozen, events = (
+            self._result_rows[run_id],
+            self._frozen[run_id],
+            self._event_rows[run_id],
+        )
         for r in harvest.results:
             if (r.node_id, r.visit) in results:
                 yield f"run {run_id!r}: result of node {r.node_id!r} visit {r.visit} already committed"
@@ -245,19 +244,17 @@ class MemoryStore(MemoryQueues, RunStore):
                 changed[question_id] = dataclasses.replace(row, status=QuestionStatus.SUPERSEDED)
         return changed
 
-    async def load_run(self, run_id: str) -> StoredRun:
-        """Return run ``run_id`` with its node rows; ``UnsupportedFormat`` if written by a newer tailrace."""
+    async def _load_run(self, run_id: str) -> StoredRun:
         with self._lock:
             record = self._run(run_id)
             check_readable(run_id, record.format_version)
             return StoredRun(run=record, nodes=dict(self._nodes[run_id]))
 
-    async def get_run(self, run_id: str) -> RunRecord:
-        """Return the record of run ``run_id``; ``RunNotFound`` if absent."""
+    async def _get_run(self, run_id: str) -> RunRecord:
         with self._lock:
             return self._run(run_id)
 
-    async def list_runs(
+    async def _list_runs(
         self,
         *,
         status: RunStatus | None = None,
@@ -266,8 +263,6 @@ class MemoryStore(MemoryQueues, RunStore):
         graph: str | None = None,
         offset: int = 0,
     ) -> list[RunRecord]:
-        """Runs newest first (``created_at``, then ``run_id``), filtered, ``offset`` skipped, at most ``limit``."""
-        check_names(queue=queue, graph=graph)
         with self._lock:
             runs = [
                 r
@@ -280,8 +275,7 @@ class MemoryStore(MemoryQueues, RunStore):
         runs = runs[max(offset, 0) :]
         return runs if limit is None else runs[: max(limit, 0)]
 
-    async def run_counts(self) -> list[RunCount]:
-        """How many runs there are per graph name, queue and status."""
+    async def _run_counts(self) -> list[RunCount]:
         with self._lock:
             grouped = Counter((r.graph_name, r.queue_name, r.status) for r in self._runs.values())
         counts = [
@@ -290,34 +284,27 @@ class MemoryStore(MemoryQueues, RunStore):
         ]
         return sorted(counts, key=run_count_order)
 
-    async def results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
-        """Result rows of ``run_id`` (only ``node_id``'s if given), by node then visit."""
-        check_name("node_id", node_id)
+    async def _results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
         with self._lock:
             self._run(run_id)
-            rows = [r for r in self._results[run_id].values() if node_id in (None, r.node_id)]
+            rows = [r for r in self._result_rows[run_id].values() if node_id in (None, r.node_id)]
         return sorted(rows, key=lambda r: (r.node_id, r.visit))
 
-    async def frozen_inputs(self, run_id: str) -> list[FrozenInput]:
-        """First-k decisions of ``run_id``, by node then activation (E4)."""
+    async def _frozen_inputs(self, run_id: str) -> list[FrozenInput]:
         with self._lock:
             self._run(run_id)
             rows = list(self._frozen[run_id].values())
         return sorted(rows, key=lambda f: (f.node_id, f.activation))
 
-    async def events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
-        """Events of ``run_id`` with ``seq > after_seq``, in seq order."""
+    async def _events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
         with self._lock:
             self._run(run_id)
-            rows = [e for seq, e in self._events[run_id].items() if seq > after_seq]
+            rows = [e for seq, e in self._event_rows[run_id].items() if seq > after_seq]
         return sorted(rows, key=lambda e: e.seq)
 
-    async def acquire_lease(
+    async def _acquire_lease(
         self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
     ) -> int:
-        """Lease ``run_id`` to ``owner`` for ``ttl`` seconds, from ``steal_from`` if it holds it; return the token (D6)."""
-        check_ttl(ttl)
-        check_names(run_id=run_id, owner=owner, steal_from=steal_from)
         with self._lock:
             record = self._run(run_id)
             now = self._clock()
@@ -335,10 +322,7 @@ class MemoryStore(MemoryQueues, RunStore):
             )
             return token
 
-    async def heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
-        """Extend ``owner``'s lease on ``run_id`` to ``ttl`` from now; ``LeaseLost`` if ``token`` is stale."""
-        check_ttl(ttl)
-        check_name("owner", owner)
+    async def _heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
         with self._lock:
             record = self._run(run_id)
             check_holder(
@@ -346,9 +330,7 @@ class MemoryStore(MemoryQueues, RunStore):
             )
             self._runs[run_id] = dataclasses.replace(record, lease_expires=self._clock() + ttl)
 
-    async def release_lease(self, run_id: str, owner: str, token: int) -> None:
-        """Drop ``owner``'s lease on ``run_id`` if still held with ``token``; else do nothing."""
-        check_names(run_id=run_id, owner=owner)
+    async def _release_lease(self, run_id: str, owner: str, token: int) -> None:
         with self._lock:
             record = self._runs.get(run_id)
             if not (record and record.lease_owner == owner and record.lease_token == token):
@@ -356,8 +338,7 @@ class MemoryStore(MemoryQueues, RunStore):
             self._runs[run_id] = dataclasses.replace(record, lease_owner=None, lease_expires=None)
         self._hub.deliver(frozenset({"release"}))
 
-    async def expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
-        """Ids of ``running`` runs with no lease or one that expired before ``now``, at most ``limit``."""
+    async def _expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
         with self._lock:
             orphans = [
                 r
@@ -377,7 +358,7 @@ class MemoryStore(MemoryQueues, RunStore):
         except KeyError:
             raise question_not_found(question_id) from None
 
-    async def answer(
+    async def _answer(
         self,
         question_id: str,
         answer_json: str,
@@ -385,19 +366,6 @@ class MemoryStore(MemoryQueues, RunStore):
         by: str | None = None,
         status: QuestionStatus = QuestionStatus.ANSWERED,
     ) -> QuestionRow:
-        """First answer wins: compare-and-set ``open -> status`` and return the new row (Q2).
-
-        Args:
-            question_id: the question to answer.
-            answer_json: the encoded answer.
-            by: who answered (a person, a poller), stored as ``answered_by``.
-            status: ``answered``, or ``expired`` when the deadline passed (Q5).
-
-        ``AlreadyAnswered`` if the question is not ``open`` (nothing changes),
-        ``QuestionNotFound`` if unknown, ``ValueError`` for another ``status``.
-        """
-        status = answer_status(question_id, status)
-        check_name("by", by, context=f"question {question_id!r}: ")
         with self._lock:
             row = self._question(question_id)
             if row.status is not QuestionStatus.OPEN:
@@ -410,20 +378,17 @@ class MemoryStore(MemoryQueues, RunStore):
         self._hub.deliver(frozenset({"answer"}))
         return row
 
-    async def get_question(self, question_id: str) -> QuestionRow:
-        """Return question ``question_id``; ``QuestionNotFound`` if absent."""
+    async def _get_question(self, question_id: str) -> QuestionRow:
         with self._lock:
             return self._question(question_id)
 
-    async def list_questions(
+    async def _list_questions(
         self,
         *,
         status: QuestionStatus | None = None,
         run_id: str | None = None,
         limit: int | None = None,
     ) -> list[QuestionRow]:
-        """Questions oldest first (``created_at``, then id), only those in ``status`` and of ``run_id`` if given, at most ``limit``."""
-        check_name("run_id", run_id)
         with self._lock:
             rows = [
                 q
@@ -433,10 +398,9 @@ class MemoryStore(MemoryQueues, RunStore):
         rows.sort(key=lambda q: (q.created_at, q.question_id))
         return rows if limit is None else rows[: max(limit, 0)]
 
-    async def unapplied_answers(
+    async def _unapplied_answers(
         self, *, limit: int = 100, now: float | None = None
     ) -> list[QuestionRow]:
-        """Unapplied answers due at ``now`` (default: the clock): fresh ones, then deferred ones (Q4)."""
         at = self._clock() if now is None else now
         with self._lock:
             rows = [
@@ -447,26 +411,16 @@ class MemoryStore(MemoryQueues, RunStore):
         rows.sort(key=due_order)
         return rows[: max(limit, 0)]
 
-    async def defer_answer(self, question_id: str, *, error: str, retry_at: float) -> None:
-        """Record a failed apply of ``question_id``'s answer: ``error``, one more attempt, ``retry_at``.
-
-        Only while the answer is unapplied; ``QuestionNotFound`` if absent.
-        """
-        text = check_apply_deferral(question_id, error, retry_at)
+    async def _defer_answer(self, question_id: str, *, error: str, retry_at: float) -> None:
         with self._lock:
             row = self._question(question_id)
             if can_apply(row.status, row.applied_at):
                 self._questions[question_id] = dataclasses.replace(
-                    row, apply_error=text, apply_attempts=row.apply_attempts + 1,
-                    retry_at=float(retry_at),
+                    row, apply_error=error, apply_attempts=row.apply_attempts + 1,
+                    retry_at=retry_at,
                 )  # fmt: skip
 
-    async def mark_applied(self, question_id: str) -> bool:
-        """Apply question ``question_id``'s answer outside a harvest; False if it cannot be (Q3).
-
-        ``answered`` becomes ``applied``; ``expired`` stays so; both get
-        ``applied_at``. ``QuestionNotFound`` if absent.
-        """
+    async def _mark_applied(self, question_id: str) -> bool:
         with self._lock:
             row = self._question(question_id)
             if not can_apply(row.status, row.applied_at):
@@ -476,11 +430,7 @@ class MemoryStore(MemoryQueues, RunStore):
             )
             return True
 
-    async def supersede(self, question_id: str) -> bool:
-        """Mark question ``question_id`` ``superseded``; False if already applied or superseded.
-
-        ``QuestionNotFound`` if absent.
-        """
+    async def _supersede(self, question_id: str) -> bool:
         with self._lock:
             row = self._question(question_id)
             if not can_supersede(row.status, row.applied_at):
@@ -492,20 +442,186 @@ class MemoryStore(MemoryQueues, RunStore):
 
     # -- the evolve ledger --------------------------------------------------------
 
-    async def artifact_head(self, artifact_id: str) -> ArtifactVersion | None:
-        """The newest version of ``artifact_id``, or None if it has none."""
+    async def _artifact_head(self, artifact_id: str) -> ArtifactVersion | None:
         return self._artifacts.head(artifact_id)
 
-    async def commit_artifact(
+    async def _commit_artifact(
         self, artifact_id: str, expected: int, entries_json: str, meta_json: str = "{}"
     ) -> ArtifactVersion:
-        """Store version ``expected + 1`` of ``artifact_id`` if its head is ``expected`` (0: none).
-
-        ``entries_json``/``meta_json`` are stored as given; a stale ``expected``
-        raises ``StaleVersion`` and writes nothing.
-        """
         return self._artifacts.commit(artifact_id, expected, entries_json, meta_json)
 
-    async def artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
-        """Every version of ``artifact_id``, oldest first."""
+    async def _artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
         return self._artifacts.history(artifact_id)
+
+    def changes(self) -> contextlib.AbstractAsyncContextManager[ChangeFeed]:
+        """Wake-ups delivered as the writes happen (see :meth:`RunStore.changes`)."""
+        return self._hub.subscribe()
+
+    def _declared(self, name: str) -> Queue:
+        return self._queue_specs.get(name) or Queue(name)
+
+    async def _submit_run(self, run: NewRun, submission: Submission) -> str:
+        with self._lock:
+            holder = dedup_holder(self._runs.values(), submission.queue, submission.dedup_key)
+            if holder is not None:
+                return holder.run_id
+            if run.run_id in self._runs:
+                raise RunExists(f"run {run.run_id!r} already exists")
+            self._insert_run(run, submission)
+        self._hub.deliver(frozenset({"submit"}))
+        return run.run_id
+
+    async def _claim_runs(self, queue: str, owner: str, ttl: float, *, limit: int) -> list[str]:
+        with self._lock:
+            now = self._clock()
+            spec = self._declared(queue)
+            mine = [r for r in self._runs.values() if r.queue_name == queue]
+            free = free_slots(
+                spec,
+                want=limit,
+                active=sum(holds_slot(r, now) for r in mine),
+                started_recently=sum(
+                    r.started_at is not None and r.started_at > now - spec.period for r in mine
+                ),
+            )
+            queued = sorted(
+                (r for r in mine if r.status is RunStatus.QUEUED),
+                key=lambda r: claim_key(spec, r),
+            )
+            claimed: list[str] = []
+            for run in queued:
+                if len(claimed) >= free:
+                    break
+                if partition_blocked(run, mine):
+                    continue
+                started = dataclasses.replace(
+                    run, status=RunStatus.RUNNING, lease_owner=owner, lease_expires=now + ttl,
+                    lease_token=run.lease_token + 1, started_at=now, updated_at=now,
+                )  # fmt: skip
+                self._runs[run.run_id] = started
+                mine = [started if r.run_id == run.run_id else r for r in mine]
+                claimed.append(run.run_id)
+            return claimed
+
+    async def _claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
+        with self._lock:
+            now = self._clock()
+            due_rows = sorted(
+                (
+                    q
+                    for q in self._questions.values()
+                    if can_apply(q.status, q.applied_at) and due(q.retry_at, now)
+                ),
+                key=due_order,
+            )
+            taken: dict[str, QuestionRow] = {}
+            for question in due_rows:
+                if len(taken) >= limit:
+                    break
+                run = self._runs.get(question.run_id)
+                if run is None or question.run_id in taken or not self._free_for_answer(run, now):
+                    continue
+                self._runs[run.run_id] = dataclasses.replace(
+                    run, lease_owner=owner, lease_expires=now + ttl, lease_token=run.lease_token + 1
+                )
+                taken[run.run_id] = question
+            return list(taken.values())
+
+    def _free_for_answer(self, run: RunRecord, now: float) -> bool:
+        """Whether a worker may take ``run`` to apply an answer now (no live lease, a queue slot)."""
+        if run.status is not RunStatus.SUSPENDED:
+            return False
+        if (
+            run.lease_owner is not None
+            and run.lease_expires is not None
+            and run.lease_expires >= now
+        ):
+            return False
+        if run.queue_name is None:
+            return True
+        spec = self._declared(run.queue_name)
+        active = sum(
+            holds_slot(r, now) for r in self._runs.values() if r.queue_name == run.queue_name
+        )
+        return free_slots(spec, want=1, active=active, started_recently=0) > 0
+
+    async def _request_cancel(self, run_id: str) -> RunStatus:
+        with self._lock:
+            run = self._runs.get(run_id)
+            if run is None:
+                raise RunNotFound(f"no run {run_id!r} in the store")
+            now = self._clock()
+            if run.status is RunStatus.QUEUED:
+                run = dataclasses.replace(
+                    run, status=RunStatus.CANCELLED, finished_at=now, updated_at=now
+                )
+            elif run.status in (RunStatus.RUNNING, RunStatus.SUSPENDED):
+                run = dataclasses.replace(run, cancel_requested_at=run.cancel_requested_at or now)
+            self._runs[run_id] = run
+        self._hub.deliver(frozenset({"cancel"}))
+        return run.status
+
+    async def _cancel_requests(self, owner: str) -> list[str]:
+        with self._lock:
+            return sorted(
+                r.run_id
+                for r in self._runs.values()
+                if r.lease_owner == owner
+                and r.status is RunStatus.RUNNING
+                and r.cancel_requested_at is not None
+            )
+
+    async def _runs_leased_by(self, owner: str, *, limit: int = 100) -> list[str]:
+        with self._lock:
+            ids = sorted(
+                r.run_id
+                for r in self._runs.values()
+                if r.lease_owner == owner and r.status is RunStatus.RUNNING
+            )
+        return ids[: max(limit, 0)]
+
+    async def _declare_queue(self, queue: Queue) -> None:
+        with self._lock:
+            self._queue_specs[queue.name] = queue
+        self._hub.deliver(frozenset({"submit"}))  # new limits may let more runs start
+
+    async def _queues(self) -> list[Queue]:
+        with self._lock:
+            return [self._queue_specs[name] for name in sorted(self._queue_specs)]
+
+    async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
+        with self._lock:
+            runs = [r for r in self._runs.values() if r.queue_name is not None]
+            declared, workers = dict(self._queue_specs), list(self._worker_rows.values())
+        names = {r.queue_name for r in runs if r.queue_name is not None}
+        return stats_of(names, declared, runs, workers, now, window)
+
+    async def _worker_seen(self, worker: WorkerRow) -> None:
+        with self._lock:
+            self._worker_rows[worker.worker_id] = worker
+
+    async def _workers(self) -> list[WorkerRow]:
+        with self._lock:
+            return [self._worker_rows[w] for w in sorted(self._worker_rows)]
+
+    async def _forget_worker(self, worker_id: str) -> None:
+        with self._lock:
+            self._worker_rows.pop(worker_id, None)
+
+    async def _run_durations(
+        self, fingerprint: str, *, limit: int = 200
+    ) -> list[tuple[float, float]]:
+        with self._lock:
+            done = [
+                r
+                for r in self._runs.values()
+                if r.fingerprint == fingerprint
+                and r.status is RunStatus.COMPLETED
+                and r.started_at is not None
+                and r.finished_at is not None
+            ]
+        done.sort(key=lambda r: r.finished_at or 0.0, reverse=True)
+        return [
+            (r.cost or 0.0, (r.finished_at or 0.0) - (r.started_at or 0.0))
+            for r in done[: max(limit, 0)]
+        ]

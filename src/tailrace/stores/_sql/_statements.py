@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ._base import (
+from .._records import (
     ArtifactVersion,
     EventRow,
     Harvest,
@@ -25,7 +25,7 @@ from ._base import (
     RunStatus,
     Submission,
 )
-from ._rules import EMPTY_STATE_JSON, parse_question_status, parse_status, printable_text
+from .._rules import EMPTY_STATE_JSON, parse_question_status, parse_status, printable_text
 
 # --- runs, node states, results, frozen inputs, events --------------------------
 

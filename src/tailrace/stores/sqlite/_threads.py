@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from itertools import chain, repeat
 from typing import Any, TypeVar, cast
 
-from .._errors import StoreError
+from ..._errors import StoreError
+from ._errors import mapped, mapped_errors, store_error
 
 T = TypeVar("T")
 logger = logging.getLogger("tailrace.stores")
@@ -88,16 +89,11 @@ async def finish_despite_cancellation(future: asyncio.Future[T]) -> T:
                 raise
 
 
-def _store_error(message: str, cause: BaseException) -> StoreError:
-    error = StoreError(message)
-    error.__cause__ = cause
+def _broken(exc: Exception, context: str) -> StoreError:
+    """What every caller of a group hears when the writer itself failed (a bug, not the driver)."""
+    error = StoreError(f"{context}: {exc!r}")
+    error.__cause__ = exc
     return error
-
-
-def _map_error(exc: Exception, context: str) -> Exception:
-    if isinstance(exc, sqlite3.Error):
-        return _store_error(f"{context}: {exc}", exc)
-    return exc  # ours (LeaseLost, RunExists, ...) pass through, and so do bugs
 
 
 class Writer:
@@ -194,7 +190,7 @@ class Writer:
                 except Exception as exc:  # a bug must not kill the writer; callers hear of it
                     self._rollback_quietly()
                     for write in batch:
-                        _deliver(write, False, _store_error(f"{write.context}: {exc!r}", exc))
+                        _deliver(write, False, _broken(exc, write.context))
         finally:
             self._conn.close()
 
@@ -228,7 +224,7 @@ class Writer:
             self._conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             for w in live:
-                _deliver(w, False, _store_error(f"{w.context}: cannot begin a write: {exc}", exc))
+                _deliver(w, False, store_error(exc, w.context, "cannot begin a write: "))
             return
         outcomes: list[_Outcome] = []
         for w in live:
@@ -253,11 +249,11 @@ class Writer:
         try:
             conn.execute("SAVEPOINT tailrace_write")
         except sqlite3.Error as exc:
-            return False, _map_error(exc, write.context), True
+            return False, mapped(exc, write.context), True
         try:
             value = write.apply(conn)
         except Exception as exc:
-            error = _map_error(exc, write.context)
+            error = mapped(exc, write.context)
             try:
                 conn.execute("ROLLBACK TO tailrace_write")
                 conn.execute("RELEASE tailrace_write")
@@ -267,7 +263,7 @@ class Writer:
         try:
             conn.execute("RELEASE tailrace_write")
         except sqlite3.Error as exc:
-            return False, _map_error(exc, write.context), True
+            return False, mapped(exc, write.context), True
         return True, value, False
 
     def _rollback_quietly(self) -> None:
@@ -363,15 +359,13 @@ class Readers:
         return await loop.run_in_executor(self._executor, self._run, context, read)
 
     def _run(self, context: str, read: Callable[[sqlite3.Connection], T]) -> T:
-        try:
+        with mapped_errors(context):
             conn = self._connection()
             conn.execute("BEGIN")
             try:
                 return read(conn)
             finally:
                 conn.execute("ROLLBACK")
-        except sqlite3.Error as exc:
-            raise StoreError(f"{context}: {exc}") from exc
 
     def _connection(self) -> sqlite3.Connection:
         conn = cast("sqlite3.Connection | None", getattr(self._local, "conn", None))

@@ -1,0 +1,388 @@
+"""The records a store keeps and returns, their statuses, and the format version.
+
+Every payload is already encoded as text by the engine (D5); these records
+carry it across the store seam unchanged. Statuses are enums whose legal
+moves are written here once (``RUN_TRANSITIONS``, ``QUESTION_TRANSITIONS``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass, field
+from typing import NamedTuple
+
+#: Version of the rows this code writes (D4). Bumped on incompatible change.
+FORMAT_VERSION = 1
+
+
+class RunStatus(enum.StrEnum):
+    """Lifecycle of a run. Legal transitions live in ``RUN_TRANSITIONS``.
+
+    ``queued``: submitted to a queue and not claimed by a worker yet.
+    """
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUSPENDED = "suspended"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+RUN_TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
+    RunStatus.QUEUED: frozenset({RunStatus.RUNNING, RunStatus.FAILED, RunStatus.CANCELLED}),
+    RunStatus.RUNNING: frozenset(
+        {
+            RunStatus.RUNNING,
+            RunStatus.SUSPENDED,
+            RunStatus.COMPLETED,
+            RunStatus.FAILED,
+            RunStatus.CANCELLED,
+        }
+    ),
+    RunStatus.SUSPENDED: frozenset({RunStatus.RUNNING, RunStatus.FAILED, RunStatus.CANCELLED}),
+    RunStatus.COMPLETED: frozenset(),
+    RunStatus.FAILED: frozenset(),
+    RunStatus.CANCELLED: frozenset(),
+}
+
+TERMINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
+#: Statuses of a run that has not finished: a dedup key is live while its run is in one.
+LIVE_STATUSES = frozenset({RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.SUSPENDED})
+
+
+class QuestionStatus(enum.StrEnum):
+    """Lifecycle of a question (Q2-Q5); legal moves are in ``QUESTION_TRANSITIONS``.
+
+    ``answered`` and ``expired`` questions carry an answer that has not been
+    applied yet when ``applied_at`` is None; applying moves ``answered`` to
+    ``applied`` and stamps ``applied_at`` on both.
+    """
+
+    OPEN = "open"
+    ANSWERED = "answered"
+    APPLIED = "applied"
+    SUPERSEDED = "superseded"
+    EXPIRED = "expired"
+
+
+QUESTION_TRANSITIONS: dict[QuestionStatus, frozenset[QuestionStatus]] = {
+    QuestionStatus.OPEN: frozenset(
+        {QuestionStatus.ANSWERED, QuestionStatus.EXPIRED, QuestionStatus.SUPERSEDED}
+    ),
+    QuestionStatus.ANSWERED: frozenset({QuestionStatus.APPLIED, QuestionStatus.SUPERSEDED}),
+    QuestionStatus.EXPIRED: frozenset({QuestionStatus.EXPIRED, QuestionStatus.SUPERSEDED}),
+    QuestionStatus.APPLIED: frozenset(),
+    QuestionStatus.SUPERSEDED: frozenset(),
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QuestionRow:
+    """An open gate as stored: who asks what, and what was answered (Q1-Q5).
+
+    ``turn`` is the run's turn when the question opened; ``deadline`` an
+    absolute wall-clock time or None; ``poller`` names a machine gate's
+    poller. ``run_id`` may name a LangGraph thread driven by tailrace.
+
+    ``apply_error``, ``apply_attempts`` and ``retry_at`` record answers a
+    daemon could not apply (see :meth:`RunStore.defer_answer`): the last
+    reason, how many times applying failed, and when to try again. They stay
+    as history once the question is applied or superseded.
+    """
+
+    question_id: str
+    run_id: str
+    node_id: str
+    visit: int
+    turn: int
+    prompt_json: str
+    poller: str | None = None
+    deadline: float | None = None
+    status: QuestionStatus = QuestionStatus.OPEN
+    answer_json: str | None = None
+    answered_by: str | None = None
+    created_at: float = 0.0
+    answered_at: float | None = None
+    applied_at: float | None = None
+    apply_error: str | None = None
+    apply_attempts: int = 0
+    retry_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ArtifactVersion:
+    """One version of an evolving artifact (prompts, skills, rules) in the evolve ledger.
+
+    ``version`` counts from 1; ``entries_json`` holds the artifact's keyed text
+    entries; ``meta_json`` what produced it (the edit, scores, who merged it).
+    """
+
+    artifact_id: str
+    version: int
+    entries_json: str
+    meta_json: str = "{}"
+    created_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NewRun:
+    """What ``create_run`` stores for a new run."""
+
+    run_id: str
+    graph_name: str
+    graph_ref: str | None
+    fingerprint: str
+    input_json: str
+    created_at: float
+    format_version: int = FORMAT_VERSION
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunRecord:
+    """A run as stored (without its node rows)."""
+
+    run_id: str
+    graph_name: str
+    graph_ref: str | None
+    fingerprint: str
+    status: RunStatus
+    input_json: str
+    state_json: str
+    error: str | None
+    created_at: float
+    updated_at: float
+    finished_at: float | None
+    nodes_done: int
+    lease_owner: str | None
+    lease_expires: float | None
+    lease_token: int
+    format_version: int
+    #: The queue the run was submitted to (None: started directly), and how it
+    #: was submitted (see :class:`Submission`).
+    queue_name: str | None = None
+    priority: int = 0
+    partition_key: str | None = None
+    dedup_key: str | None = None
+    cost: float | None = None
+    estimate: float | None = None
+    #: When it was submitted, and when a worker claimed it (None until then).
+    queued_at: float | None = None
+    started_at: float | None = None
+    #: When someone asked to cancel it while it ran (its driver stops at its next harvest).
+    cancel_requested_at: float | None = None
+
+
+class NodeRow(NamedTuple):
+    """The latest state of one node, encoded by the engine (``data_json``).
+
+    Rows are named tuples, fields in column order: a harvest carries
+    thousands, and a store binds them without a pass per field.
+    """
+
+    node_id: str
+    status: str
+    visits: int
+    data_json: str
+
+
+class ResultRow(NamedTuple):
+    """The result of one node visit (append-only; never rewritten)."""
+
+    node_id: str
+    visit: int
+    value_json: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrozenInput:
+    """A first-k decision: the payload an aggregate activation fired with (E4)."""
+
+    node_id: str
+    activation: int
+    payload_json: str
+
+
+class EventRow(NamedTuple):
+    """A durable event record; ``seq`` is unique and increasing per run."""
+
+    seq: int
+    type: str
+    node_id: str | None
+    visit: int | None
+    attempt: int | None
+    ts: float
+    data_json: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Harvest:
+    """Everything one harvest produces, committed atomically (D1)."""
+
+    state_json: str
+    status: RunStatus = RunStatus.RUNNING
+    error: str | None = None
+    nodes: Sequence[NodeRow] = ()
+    results: Sequence[ResultRow] = ()
+    frozen: Sequence[FrozenInput] = ()
+    events: Sequence[EventRow] = ()
+    nodes_done_delta: int = 0
+    finished_at: float | None = None
+    #: Questions opened by this harvest (status ``open``), inserted.
+    questions: Sequence[QuestionRow] = ()
+    #: Question ids whose answer this harvest applies: each must be ``answered``
+    #: (becomes ``applied``) or ``expired`` with no ``applied_at``, else the whole
+    #: harvest is refused with :class:`~tailrace.AlreadyAnswered` (Q3).
+    applied: Sequence[str] = ()
+    #: Question ids this harvest supersedes (``open``/``answered``/``expired`` -> ``superseded``).
+    superseded: Sequence[str] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoredRun:
+    """A run and all its node rows, as ``load_run`` returns it."""
+
+    run: RunRecord
+    nodes: dict[str, NodeRow] = field(default_factory=dict)
+
+
+# --- queues and workers (scale-out: the store is the coordinator) -----------------
+
+#: How a queue orders the runs it hands out: by submit time, by ``priority``
+#: (higher first, then submit time), or longest estimated run first (``lpt``).
+QUEUE_ORDERS = ("fifo", "priority", "lpt")
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    """A named queue of runs and the limits every worker claiming from it keeps.
+
+    Args:
+        name: the queue's name (what ``submit(queue=...)`` names).
+        concurrency: most runs of this queue running at once across all
+            workers (None: no limit). A run holds its slot from its claim
+            until it finishes or suspends on a gate; a run whose worker died
+            keeps it until another worker, having adopted it, finishes it.
+        worker_concurrency: most runs of this queue one worker process drives
+            at once (None: only the worker's own ``concurrency``).
+        limit: most runs started (claimed) per ``period`` seconds across all
+            workers, a sliding window (None: no rate limit).
+        period: the rate limit's window in seconds.
+        order: ``"fifo"`` (submit order), ``"priority"`` (higher ``priority``
+            first, then submit order) or ``"lpt"`` (longest estimated run
+            first, then submit order; see ``Engine.submit``'s ``estimate``).
+
+    Runs submitted with a ``partition`` key start one at a time per key, in
+    submit order: the next one starts once the previous one finished.
+
+    >>> Queue("emails", concurrency=10, limit=100, period=60.0)
+    Queue(name='emails', concurrency=10, worker_concurrency=None, limit=100, period=60.0, order='fifo')
+    """
+
+    name: str
+    _: KW_ONLY
+    concurrency: int | None = None
+    worker_concurrency: int | None = None
+    limit: int | None = None
+    period: float = 1.0
+    order: str = "fifo"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"queue name must be a non-empty string, got {self.name!r}")
+        for what in ("concurrency", "worker_concurrency", "limit"):
+            value = getattr(self, what)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"queue {self.name!r}: {what} must be None or >= 1, got {value!r}")
+        if (
+            self.concurrency is not None
+            and self.worker_concurrency is not None
+            and self.worker_concurrency > self.concurrency
+        ):
+            raise ValueError(
+                f"queue {self.name!r}: worker_concurrency {self.worker_concurrency} exceeds "
+                f"concurrency {self.concurrency}"
+            )
+        if not (isinstance(self.period, int | float) and 0 < self.period < math.inf):
+            raise ValueError(
+                f"queue {self.name!r}: period must be a positive number of seconds, got {self.period!r}"
+            )
+        if self.order not in QUEUE_ORDERS:
+            raise ValueError(
+                f"queue {self.name!r}: order must be one of {', '.join(QUEUE_ORDERS)}, got {self.order!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Submission:
+    """How a run is submitted to a queue (``submit_run``).
+
+    ``queue`` names it; ``priority`` orders a ``priority`` queue (higher
+    first); ``partition`` makes runs with the same key start one at a time in
+    submit order; ``dedup_key`` makes a second submit with that key, while a
+    run holding it is live (queued, running or suspended), return that run;
+    ``cost`` is what the duration estimator was given and ``estimate`` the
+    seconds it predicted (an ``lpt`` queue hands out the largest first).
+    """
+
+    queue: str
+    priority: int = 0
+    partition: str | None = None
+    dedup_key: str | None = None
+    cost: float | None = None
+    estimate: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunCount:
+    """How many runs of one graph, in one queue (None: submitted to none), have one status."""
+
+    graph_name: str
+    queue_name: str | None
+    status: RunStatus
+    count: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueueStats:
+    """One queue as ``queue_stats`` sees it: declared limits and what its runs do now.
+
+    ``queued``/``running``/``suspended`` count its runs in each status;
+    ``started`` those claimed within the last ``window`` seconds; ``workers``
+    the live workers that serve it; ``oldest_queued_at`` the submit time of
+    the longest-waiting queued run (None when none waits).
+    """
+
+    name: str
+    queue: Queue | None
+    queued: int
+    running: int
+    suspended: int
+    started: int
+    window: float
+    workers: int
+    oldest_queued_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerRow:
+    """A worker process as it last reported itself (``worker_seen``).
+
+    ``worker_id`` is its lease owner name (``host:pid:start:nonce``);
+    ``queues`` the queues it claims from; ``running`` how many runs it drove
+    at ``seen_at``.
+    """
+
+    worker_id: str
+    queues: tuple[str, ...]
+    concurrency: int
+    started_at: float
+    seen_at: float
+    running: int = 0
+
+
+#: What a change feed reports: a run was submitted, a question answered, a
+#: lease released (a run finished, suspended, or let go), a cancel requested.
+CHANGE_KINDS = frozenset({"submit", "answer", "release", "cancel"})

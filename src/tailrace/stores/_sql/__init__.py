@@ -1,0 +1,5 @@
+"""SQL shared by the SQLite and Postgres stores: schema, migrations, statements, row codecs.
+
+Statements are written once in SQLite's ``?`` style; Postgres turns them into
+its own with ``postgres._sql.pg``.
+"""

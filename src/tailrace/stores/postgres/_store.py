@@ -1,0 +1,692 @@
+"""Postgres run store: the same contract for many processes and hosts.
+
+Built on psycopg 3 and its async pool; needs PostgreSQL 13 or newer
+(``pg_xact_status``). Every write is one transaction; a commit locks its run
+row (``SELECT ... FOR UPDATE``) before checking the fencing token, so two
+engines can never both write the same run (D6). Migrations run under a
+transaction-scoped advisory lock, so processes that start together do not
+race; a database already at this code's version is opened without the lock
+(``_schema``). Of racing artifact commits, the ``artifact_versions``
+primary key lets one insert through and the others become
+:class:`~tailrace.StaleVersion`. The tables live in ``schema`` (``public`` by
+default), which lets several deployments, or tests, share one database.
+
+Faults and cancellation (a lost connection, a server restart, a lost
+``COMMIT`` answer, a cancelled caller) are handled by the connection layer in
+``_connections``: every call re-runs its whole transaction on a fresh
+connection within ``retry_budget``, a write is never applied twice, and a
+connection always goes back to the pool. The statements live in
+``_sql`` (Postgres's spelling of the shared statements).
+
+Every psycopg exception becomes ours at this seam (CONVENTIONS 3), naming the
+run, question or artifact. Requires the ``postgres`` extra:
+``pip install 'tailrace[postgres]'``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from ..._errors import RunExists
+from .._artifacts import stale_version
+from .._changes import ChangeHub, Stop
+from .._contract import ChangeFeed, RunStore
+from .._queue_rules import (
+    free_slots,
+    queue_from_row,
+    queue_params,
+    stats_from_counts,
+    worker_from_row,
+    worker_params,
+)
+from .._records import (
+    CHANGE_KINDS,
+    ArtifactVersion,
+    EventRow,
+    FrozenInput,
+    Harvest,
+    NewRun,
+    QuestionRow,
+    QuestionStatus,
+    Queue,
+    QueueStats,
+    ResultRow,
+    RunCount,
+    RunRecord,
+    RunStatus,
+    StoredRun,
+    Submission,
+    WorkerRow,
+)
+from .._sql import _transactions as bodies
+from .._sql._queues import (
+    ACTIVE_IN_QUEUE,
+    ANSWER_CANDIDATES,
+    ANY_QUEUED,
+    CANCEL_REQUESTS,
+    CLAIM_RUN,
+    DEDUP_HOLDER,
+    DELETE_WORKER,
+    LEASE_FOR_ANSWER,
+    LEASED_BY,
+    QUEUE_COUNTS,
+    RUN_COUNTS,
+    RUN_DURATIONS,
+    SELECT_QUEUES,
+    SELECT_WORKERS,
+    STARTED_SINCE,
+    UPSERT_QUEUE,
+    UPSERT_WORKER,
+    claim_candidates,
+    list_runs_query,
+    run_counts_from_rows,
+)
+from .._sql._statements import (
+    APPLY_QUESTION,
+    DEFER_ANSWER,
+    DUE_ANSWERS,
+    EXPIRED_LEASES,
+    SELECT_ARTIFACT_HEAD,
+    SELECT_ARTIFACT_HISTORY,
+    SUPERSEDE_QUESTION,
+    artifact_from_row,
+    artifact_params,
+    list_questions_query,
+    new_run_params,
+    question_from_row,
+    queued_run_params,
+    record_from_row,
+)
+from ._connections import (
+    Attempt,
+    Conn,
+    Landed,
+    PostgresConnections,
+    T,
+    Work,
+    nothing,
+)
+from ._errors import harvest_texts
+from ._queues import (
+    FALLBACK_POLL,
+    INSERT_QUEUED,
+    SKIP_LOCKED,
+    count_rows,
+    declared,
+    lock_queue,
+    logger,
+    notify_channel,
+    transaction_id,
+)
+from ._sql import (
+    PG_INSERT_ARTIFACT,
+    PG_INSERT_RUN,
+    PostgresTx,
+    artifact_head_version,
+    changed,
+    fetch_all,
+    notify,
+    pg,
+)
+
+
+class PostgresStore(RunStore):
+    """A store in PostgreSQL, shared by any number of engines.
+
+    Args:
+        dsn: libpq connection string or URL, e.g. ``postgresql://user@host/db``.
+        min_size: connections the pool keeps open.
+        max_size: most connections the pool opens.
+        schema: schema holding the tables; created on ``open`` if missing.
+        clock: wall clock for lease expiry, seconds since the epoch. Engines on
+            several hosts need clocks in step within a small part of the ttl.
+        connect_timeout: seconds to wait for the server when connecting
+            (libpq's rule: whole seconds, at least 2); ``open`` fails after
+            that with the driver's reason.
+        retry_budget: seconds one call may spend on transient failures (lost
+            connections, a server restart, serialization failures, deadlocks)
+            and on waiting for a free connection, re-running its transaction;
+            then it raises :class:`~tailrace.StoreError` with the last reason.
+        read_only: read an existing database and never write to it (see
+            :class:`RunStore`); its sessions are read-only on the server too.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        min_size: int = 1,
+        max_size: int = 8,
+        schema: str = "public",
+        clock: Callable[[], float] = time.time,
+        connect_timeout: float = 5.0,
+        retry_budget: float = 15.0,
+        read_only: bool = False,
+    ) -> None:
+        self._db = PostgresConnections(
+            dsn, min_size=min_size, max_size=max_size, schema=schema,
+            connect_timeout=connect_timeout, retry_budget=retry_budget, read_only=read_only,
+        )  # fmt: skip
+        self._clock = clock
+        self._channel = notify_channel(schema)
+        self._hub = ChangeHub(self._listen)
+
+    @property
+    def schema(self) -> str:
+        """The schema holding the tables."""
+        return self._db.schema
+
+    @property
+    def read_only(self) -> bool:
+        """Whether this store was opened read-only (it then refuses every write)."""
+        return self._db.read_only
+
+    async def open(self) -> None:
+        """Connect, check the schema and apply pending migrations (none when read-only). Idempotent.
+
+        One connection is made first, so an unreachable server fails here
+        within ``connect_timeout`` with the driver's reason; then the pool opens.
+        """
+        await self._db.open()
+
+    # -- runs -----------------------------------------------------------------------
+
+    async def _create_run(self, run: NewRun) -> None:
+
+        async def insert(conn: Conn, attempt: Attempt) -> None:
+            cur = await conn.execute(PG_INSERT_RUN, new_run_params(run))
+            row = await cur.fetchone()
+            if row is None:
+                raise RunExists(f"run {run.run_id!r} already exists")
+            attempt.xid = row[0]
+
+        await self._db.write(
+            f"run {run.run_id!r}", insert, landed=nothing,
+            texts=lambda: [("input_json", run.input_json)],
+        )  # fmt: skip
+
+    async def _commit(self, run_id: str, token: int, harvest: Harvest) -> None:
+        # Idempotent across a lost connection: when the answer to the COMMIT is
+        # lost, the retry finds the transaction committed and returns, and the
+        # harvest is not applied a second time.
+        now = self._clock()  # once, so that a re-run writes the very same rows
+
+        async def write(conn: Conn, attempt: Attempt) -> None:
+            tx = PostgresTx(conn, attempt, self._channel)
+            await bodies.commit_harvest(tx, run_id, token, harvest, now)
+
+        await self._db.write(
+            f"run {run_id!r}", write, landed=nothing, texts=lambda: harvest_texts(harvest)
+        )
+
+    async def _load_run(self, run_id: str) -> StoredRun:
+        async def read(conn: Conn, attempt: Attempt) -> StoredRun:
+            async with conn.transaction():  # the run and its nodes as of one moment
+                await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                return await bodies.load_run(PostgresTx(conn, attempt, self._channel), run_id)
+
+        return await self._db.read(f"run {run_id!r}", read)
+
+    async def _get_run(self, run_id: str) -> RunRecord:
+        return await self._db.read(f"run {run_id!r}", self._body(bodies.get_run, run_id))
+
+    async def _list_runs(
+        self,
+        *,
+        status: RunStatus | None = None,
+        limit: int | None = None,
+        queue: str | None = None,
+        graph: str | None = None,
+        offset: int = 0,
+    ) -> list[RunRecord]:
+        query, params = list_runs_query(None if status is None else status.value, queue, graph)
+        params += (None if limit is None else max(limit, 0), max(offset, 0))
+        rows = await self._db.read("listing runs", fetch_all(pg(query), params))
+        return [record_from_row(r) for r in rows]
+
+    async def _run_counts(self) -> list[RunCount]:
+        rows = await self._db.read("counting runs", fetch_all(pg(RUN_COUNTS), ()))
+        return run_counts_from_rows(rows)
+
+    async def _results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
+        read = self._body(bodies.results, run_id, node_id)
+        return await self._db.read(f"run {run_id!r}", read)
+
+    async def _frozen_inputs(self, run_id: str) -> list[FrozenInput]:
+        read = self._body(bodies.frozen_inputs, run_id)
+        return await self._db.read(f"run {run_id!r}", read)
+
+    async def _events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
+        read = self._body(bodies.events, run_id, after_seq)
+        return await self._db.read(f"run {run_id!r}", read)
+
+    def _body(self, body: Callable[..., Awaitable[T]], *args: Any) -> Work[T]:
+        """Work running the shared ``body(tx, *args)`` on a pooled connection."""
+        channel = self._channel
+
+        async def work(conn: Conn, attempt: Attempt) -> T:
+            return await body(PostgresTx(conn, attempt, channel), *args)
+
+        return work
+
+    # -- leases (D6) ------------------------------------------------------------------
+
+    async def _acquire_lease(
+        self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
+    ) -> int:
+        # A call that fails or is cancelled after granting a new lease releases
+        # it (shielded) before raising, so it leaves no lease behind.
+        granted: list[int] = []  # new tokens this call wrote (a re-acquire keeps its token)
+
+        async def grant(conn: Conn, attempt: Attempt) -> int:
+            tx = PostgresTx(conn, attempt, self._channel)
+            token, new = await bodies.take_lease(tx, run_id, owner, ttl, steal_from, self._clock)
+            if new:
+                granted.append(token)
+            return token
+
+        try:
+            return await self._db.write(f"run {run_id!r}", grant)  # a re-run finds it ours
+        except BaseException:
+            if granted:
+                with contextlib.suppress(Exception):  # never hide the original failure
+                    await self._db.shielded(self.release_lease(run_id, owner, granted[-1]))
+            raise
+
+    async def _heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
+        extend = self._body(bodies.extend_lease, run_id, owner, token, ttl, self._clock)
+        await self._db.write(f"run {run_id!r}", extend)
+
+    async def _release_lease(self, run_id: str, owner: str, token: int) -> None:
+
+        channel = self._channel
+
+        async def release(conn: Conn, attempt: Attempt) -> None:
+            # One statement: the release and, if it released, a wake-up for workers.
+            await conn.execute(
+                "WITH released AS (UPDATE runs SET lease_owner = NULL, lease_expires = NULL "
+                "WHERE run_id = %s AND lease_owner = %s AND lease_token = %s RETURNING 1) "
+                "SELECT pg_notify(%s, 'release') FROM released",
+                (run_id, owner, token, channel),
+            )
+
+        await self._db.write(f"run {run_id!r}", release, transaction=False)
+
+    async def _expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
+        query = pg(EXPIRED_LEASES)
+        rows = await self._db.read("finding expired leases", fetch_all(query, (now, max(limit, 0))))
+        return [r[0] for r in rows]
+
+    # -- the question ledger (Q2-Q5) ---------------------------------------------
+
+    async def _answer(
+        self,
+        question_id: str,
+        answer_json: str,
+        *,
+        by: str | None = None,
+        status: QuestionStatus = QuestionStatus.ANSWERED,
+    ) -> QuestionRow:
+        answer = self._body(bodies.answer, question_id, answer_json, by, status, self._clock())
+        question = self._body(bodies.get_question, question_id)
+        return await self._db.write(
+            f"question {question_id!r}", answer,
+            landed=lambda conn: question(conn, Attempt()),
+            texts=lambda: [("answer_json", answer_json)],
+        )  # fmt: skip
+
+    async def _get_question(self, question_id: str) -> QuestionRow:
+        read = self._body(bodies.get_question, question_id)
+        return await self._db.read(f"question {question_id!r}", read)
+
+    async def _list_questions(
+        self,
+        *,
+        status: QuestionStatus | None = None,
+        run_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[QuestionRow]:
+        query, params = list_questions_query(status, run_id)
+        params += (None if limit is None else max(limit, 0),)
+        rows = await self._db.read("listing questions", fetch_all(pg(query), params))
+        return [question_from_row(r) for r in rows]
+
+    async def _unapplied_answers(
+        self, *, limit: int = 100, now: float | None = None
+    ) -> list[QuestionRow]:
+        params = (self._clock() if now is None else now, max(limit, 0))
+        rows = await self._db.read("listing unapplied answers", fetch_all(pg(DUE_ANSWERS), params))
+        return [question_from_row(r) for r in rows]
+
+    async def _defer_answer(self, question_id: str, *, error: str, retry_at: float) -> None:
+        values = (error, retry_at, question_id)
+        cas = self._body(bodies.question_cas, DEFER_ANSWER, values, question_id)
+        await self._db.write(f"question {question_id!r}", cas, landed=changed)  # changed or not
+
+    async def _mark_applied(self, question_id: str) -> bool:
+        values = (self._clock(), question_id)
+        cas = self._body(bodies.question_cas, APPLY_QUESTION, values, question_id)
+        return await self._db.write(f"question {question_id!r}", cas, landed=changed)
+
+    async def _supersede(self, question_id: str) -> bool:
+        cas = self._body(bodies.question_cas, SUPERSEDE_QUESTION, (question_id,), question_id)
+        return await self._db.write(f"question {question_id!r}", cas, landed=changed)
+
+    # -- the evolve ledger --------------------------------------------------------
+
+    async def _artifact_head(self, artifact_id: str) -> ArtifactVersion | None:
+        rows = await self._db.read(
+            f"artifact {artifact_id!r}", fetch_all(pg(SELECT_ARTIFACT_HEAD), (artifact_id,))
+        )
+        return artifact_from_row(rows[0]) if rows else None
+
+    async def _commit_artifact(
+        self, artifact_id: str, expected: int, entries_json: str, meta_json: str = "{}"
+    ) -> ArtifactVersion:
+        version = ArtifactVersion(
+            artifact_id=artifact_id, version=expected + 1, entries_json=entries_json,
+            meta_json=meta_json, created_at=self._clock(),
+        )  # fmt: skip
+
+        async def insert(conn: Conn, attempt: Attempt) -> ArtifactVersion:
+            head = await artifact_head_version(conn, artifact_id)
+            if head == expected:
+                cur = await conn.execute(PG_INSERT_ARTIFACT, artifact_params(version))
+                row = await cur.fetchone()
+                if row is not None:
+                    attempt.xid = row[0]
+                    return version
+                head = await artifact_head_version(conn, artifact_id)  # the winner's
+            raise stale_version(artifact_id, expected, head)
+
+        async def landed(conn: Conn) -> ArtifactVersion:
+            return version
+
+        return await self._db.write(
+            f"artifact {artifact_id!r}", insert, landed=landed,
+            texts=lambda: [("entries_json", entries_json), ("meta_json", meta_json)],
+        )  # fmt: skip
+
+    async def _artifact_history(self, artifact_id: str) -> list[ArtifactVersion]:
+        rows = await self._db.read(
+            f"artifact {artifact_id!r}", fetch_all(pg(SELECT_ARTIFACT_HISTORY), (artifact_id,))
+        )
+        return [artifact_from_row(r) for r in rows]
+
+    def changes(self) -> contextlib.AbstractAsyncContextManager[ChangeFeed]:
+        """Wake-ups from ``LISTEN`` on the schema's channel (see :meth:`RunStore.changes`)."""
+        return self._hub.subscribe()
+
+    async def _listen(self, hub: ChangeHub) -> Stop:
+        ready = asyncio.Event()
+        task = asyncio.create_task(self._listen_loop(hub, ready), name="tailrace-pg-listen")
+        await ready.wait()
+
+        async def stop() -> None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        return stop
+
+    async def _listen_loop(self, hub: ChangeHub, ready: asyncio.Event) -> None:
+        """Deliver notifications; while the connection is down, poll (report everything)."""
+        listen = sql.SQL("LISTEN {}").format(sql.Identifier(self._channel))
+        while True:
+            try:
+                async with await self._db.connect() as conn:
+                    await conn.execute(listen)
+                    if ready.is_set():
+                        hub.deliver_all()  # back after an outage: what was missed meanwhile
+                    ready.set()
+                    async for note in conn.notifies():
+                        kinds = frozenset(note.payload.split(",")) & CHANGE_KINDS
+                        hub.deliver(kinds or CHANGE_KINDS)
+            except (psycopg.Error, OSError) as exc:
+                logger.warning("listening for changes failed (%s); polling meanwhile", exc)
+            ready.set()
+            hub.deliver_all()
+            await asyncio.sleep(FALLBACK_POLL)
+
+    async def close(self) -> None:
+        """Stop listening, finish cleanups left by cancelled callers, close the pool. Idempotent."""
+        await self._hub.close()
+        await self._db.close()
+
+    async def _submit_run(self, run: NewRun, submission: Submission) -> str:
+        q = submission
+        channel = self._channel
+
+        async def insert(conn: Conn, attempt: Attempt) -> str:
+            for _ in range(3):  # a dedup holder may finish between the insert and the look
+                cur = await conn.execute(INSERT_QUEUED, queued_run_params(run, q))
+                row = await cur.fetchone()
+                if row is not None:
+                    attempt.xid = row[0]
+                    await notify(conn, channel, "submit")
+                    return run.run_id
+                if q.dedup_key is not None:
+                    cur = await conn.execute(pg(DEDUP_HOLDER), (q.queue, q.dedup_key))
+                    holder = await cur.fetchone()
+                    if holder is not None:
+                        return str(holder[0])
+                cur = await conn.execute("SELECT 1 FROM runs WHERE run_id = %s", (run.run_id,))
+                if await cur.fetchone() is not None:
+                    raise RunExists(f"run {run.run_id!r} already exists")
+            raise RunExists(
+                f"run {run.run_id!r}: its dedup key {q.dedup_key!r} keeps changing hands"
+            )
+
+        async def landed(conn: Conn) -> str:
+            return run.run_id
+
+        return await self._db.write(
+            f"run {run.run_id!r}", insert, landed=landed,
+            texts=lambda: [("input_json", run.input_json)],
+        )  # fmt: skip
+
+    async def _claim_runs(self, queue: str, owner: str, ttl: float, *, limit: int) -> list[str]:
+        rows = await self._db.read(f"queue {queue!r}", fetch_all(pg(ANY_QUEUED), (queue,)))
+        if not rows:
+            return []
+        claimed: list[str] = []
+
+        async def claim(conn: Conn, attempt: Attempt) -> list[str]:
+            claimed.clear()
+            attempt.xid = await transaction_id(conn)
+            spec = await declared(conn, queue)
+            active = started = 0
+            if spec.concurrency is not None or spec.limit is not None:
+                await lock_queue(conn, self._db.schema, queue)
+            now = self._clock()  # once the lock is ours: what the previous holder claimed is in
+            if spec.concurrency is not None:
+                active = await count_rows(conn, ACTIVE_IN_QUEUE, (queue, now))
+            if spec.limit is not None:
+                started = await count_rows(conn, STARTED_SINCE, (queue, now - spec.period))
+            free = free_slots(spec, want=limit, active=active, started_recently=started)
+            if free <= 0:
+                return []
+            cur = await conn.execute(pg(claim_candidates(spec)) + SKIP_LOCKED, (queue, free))
+            ids = [r[0] for r in await cur.fetchall()]
+            # Stamped after the look: a run of a partition then never starts
+            # "before" the finish of the one it waited for (same clock).
+            stamp = max(now, self._clock())
+            for run_id in ids:
+                await conn.execute(pg(CLAIM_RUN), (owner, stamp + ttl, stamp, stamp, run_id))
+            claimed.extend(ids)
+            return ids
+
+        async def landed(conn: Conn) -> list[str]:
+            return list(claimed)
+
+        return await self._leasing(f"queue {queue!r}", claim, landed, owner, lambda: claimed)
+
+    async def _claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
+        now = self._clock()
+        first = await self._db.read(
+            "claiming answers", fetch_all(pg(ANSWER_CANDIDATES), (now, now, 1))
+        )
+        if not first:
+            return []
+        taken: list[QuestionRow] = []
+
+        async def lease(conn: Conn, attempt: Attempt) -> list[QuestionRow]:
+            taken.clear()
+            attempt.xid = await transaction_id(conn)
+            now = self._clock()
+            cur = await conn.execute(pg(ANSWER_CANDIDATES) + SKIP_LOCKED, (now, now, limit * 4 + 8))
+            active: dict[str, int | None] = {}
+            seen: set[str] = set()
+            for question_id, run_id, queue_name in await cur.fetchall():
+                if len(taken) >= limit or run_id in seen:
+                    continue
+                seen.add(run_id)
+                if queue_name is not None and not await self._slot_for(
+                    conn, queue_name, active, now
+                ):
+                    continue
+                done = await conn.execute(pg(LEASE_FOR_ANSWER), (owner, now + ttl, run_id, now))
+                if done.rowcount == 1:
+                    taken.append(
+                        await bodies.get_question(
+                            PostgresTx(conn, attempt, self._channel), question_id
+                        )
+                    )
+            return list(taken)
+
+        async def landed(conn: Conn) -> list[QuestionRow]:
+            return list(taken)
+
+        return await self._leasing(
+            "claiming answers", lease, landed, owner, lambda: [q.run_id for q in taken]
+        )
+
+    async def _slot_for(
+        self, conn: Conn, queue: str, active: dict[str, int | None], now: float
+    ) -> bool:
+        """Whether ``queue`` has a free slot for one more run (counted once, under its lock)."""
+        if queue not in active:
+            spec = await declared(conn, queue)
+            if spec.concurrency is None:
+                active[queue] = None
+            else:
+                await lock_queue(conn, self._db.schema, queue)
+                count = await count_rows(conn, ACTIVE_IN_QUEUE, (queue, now))
+                active[queue] = spec.concurrency - count
+        free = active[queue]
+        if free is None:
+            return True
+        if free <= 0:
+            return False
+        active[queue] = free - 1
+        return True
+
+    async def _leasing(
+        self, context: str, work: Work[T], landed: Landed[T], owner: str, leased: Any
+    ) -> T:
+        """Run a claim (its ids known before COMMIT, so a lost COMMIT answer is settled by
+        ``landed``); if it fails or its caller is cancelled, release what it may have
+        leased, shielded, so those runs are adopted at once instead of after their ttl."""
+        try:
+            return await self._db.write(context, work, landed=landed)
+        except BaseException:
+            run_ids = list(leased())
+            if run_ids:
+                with contextlib.suppress(Exception):
+                    await self._db.shielded(self._release_all(run_ids, owner))
+            raise
+
+    async def _release_all(self, run_ids: list[str], owner: str) -> None:
+        channel = self._channel
+
+        async def release(conn: Conn, attempt: Attempt) -> None:
+            for run_id in run_ids:
+                await conn.execute(
+                    "UPDATE runs SET lease_owner = NULL, lease_expires = NULL "
+                    "WHERE run_id = %s AND lease_owner = %s",
+                    (run_id, owner),
+                )
+            await notify(conn, channel, "release")
+
+        await self._db.write("releasing claimed runs", release)
+
+    async def _request_cancel(self, run_id: str) -> RunStatus:
+        async def cancel(conn: Conn, attempt: Attempt) -> RunStatus:
+            tx = PostgresTx(conn, attempt, self._channel)
+            return await bodies.request_cancel(tx, run_id, self._clock())
+
+        return await self._db.write(f"run {run_id!r}", cancel)  # a re-run changes nothing
+
+    async def _cancel_requests(self, owner: str) -> list[str]:
+        rows = await self._db.read(
+            "listing cancel requests", fetch_all(pg(CANCEL_REQUESTS), (owner,))
+        )
+        return [r[0] for r in rows]
+
+    async def _runs_leased_by(self, owner: str, *, limit: int = 100) -> list[str]:
+        rows = await self._db.read(
+            "listing leased runs", fetch_all(pg(LEASED_BY), (owner, max(limit, 0)))
+        )
+        return [r[0] for r in rows]
+
+    async def _declare_queue(self, queue: Queue) -> None:
+        channel = self._channel
+
+        async def upsert(conn: Conn, attempt: Attempt) -> None:
+            await conn.execute(pg(UPSERT_QUEUE), queue_params(queue, self._clock()))
+            await notify(conn, channel, "submit")  # new limits may let more runs start
+
+        await self._db.write(f"queue {queue.name!r}", upsert)
+
+    async def _queues(self) -> list[Queue]:
+        rows = await self._db.read("listing queues", fetch_all(pg(SELECT_QUEUES), ()))
+        return [queue_from_row(r) for r in rows]
+
+    async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
+
+        async def read(conn: Conn, attempt: Attempt) -> list[QueueStats]:
+            async with conn.transaction():
+                await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                counts = await (
+                    await conn.execute(pg(QUEUE_COUNTS), (now - window, now))
+                ).fetchall()
+                queues = await (await conn.execute(pg(SELECT_QUEUES))).fetchall()
+                workers = await (await conn.execute(pg(SELECT_WORKERS))).fetchall()
+            return stats_from_counts(
+                counts, [queue_from_row(r) for r in queues], [worker_from_row(r) for r in workers],
+                now, window,
+            )  # fmt: skip
+
+        return await self._db.read("queue statistics", read)
+
+    async def _worker_seen(self, worker: WorkerRow) -> None:
+
+        async def upsert(conn: Conn, attempt: Attempt) -> None:
+            await conn.execute(pg(UPSERT_WORKER), worker_params(worker))
+
+        await self._db.write(f"worker {worker.worker_id!r}", upsert)
+
+    async def _workers(self) -> list[WorkerRow]:
+        rows = await self._db.read("listing workers", fetch_all(pg(SELECT_WORKERS), ()))
+        return [worker_from_row(r) for r in rows]
+
+    async def _forget_worker(self, worker_id: str) -> None:
+
+        async def delete(conn: Conn, attempt: Attempt) -> None:
+            await conn.execute(pg(DELETE_WORKER), (worker_id,))
+
+        await self._db.write(f"worker {worker_id!r}", delete)
+
+    async def _run_durations(
+        self, fingerprint: str, *, limit: int = 200
+    ) -> list[tuple[float, float]]:
+        rows = await self._db.read(
+            "run durations", fetch_all(pg(RUN_DURATIONS), (fingerprint, max(limit, 0)))
+        )
+        return [(float(c), float(s)) for c, s in rows]
