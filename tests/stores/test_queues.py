@@ -136,6 +136,19 @@ async def test_priority_and_lpt_queues_order_their_claims(store: RunStore) -> No
     assert await store.claim_runs("long", "w", TTL, limit=9) == ["g", "h", "e", "f"]
 
 
+async def test_a_runs_priority_orders_every_queue_fifo_among_equals(store: RunStore) -> None:
+    # No queue declared: a plain fifo queue still hands out higher priorities first.
+    for n, (run_id, priority) in enumerate([("a", 0), ("b", 5), ("c", 5), ("d", -1)]):
+        await submit(store, run_id, "plain", at=float(n), priority=priority)
+    await store.declare_queue(Queue("long", order="lpt"))
+    for n, (run_id, priority, estimate) in enumerate(
+        [("e", 0, 50.0), ("f", 1, 1.0), ("g", 1, 9.0), ("h", 0, None)]
+    ):
+        await submit(store, run_id, "long", at=float(n), priority=priority, estimate=estimate)
+    assert await store.claim_runs("plain", "w", TTL, limit=9) == ["b", "c", "a", "d"]
+    assert await store.claim_runs("long", "w", TTL, limit=9) == ["g", "f", "e", "h"]
+
+
 async def test_concurrency_is_global_and_a_slot_frees_when_a_run_ends(backend: Backend) -> None:
     store = backend.store
     await store.declare_queue(Queue("q", concurrency=2))

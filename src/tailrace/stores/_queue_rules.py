@@ -26,15 +26,14 @@ from ._rules import check_name, check_ttl
 def claim_key(queue: Queue, run: RunRecord) -> tuple[Any, ...]:
     """Sort key of a queued ``run`` in ``queue``: smaller is handed out first.
 
-    ``fifo``: submit time, then id; ``priority``: higher ``priority`` first;
-    ``lpt``: larger ``estimate`` first (none counts as 0).
+    A higher ``priority`` goes first in every queue (as DBOS does); among runs
+    of equal priority, ``fifo`` and ``priority`` take submit time, then id, and
+    ``lpt`` the larger ``estimate`` first (none counts as 0).
     """
     tie = (run.queued_at or 0.0, run.run_id)
-    if queue.order == "priority":
-        return (-run.priority, *tie)
     if queue.order == "lpt":
-        return (-(run.estimate or 0.0), *tie)
-    return tie
+        return (-run.priority, -(run.estimate or 0.0), *tie)
+    return (-run.priority, *tie)
 
 
 def holds_slot(run: RunRecord, now: float) -> bool:

@@ -250,8 +250,10 @@ class StoredRun:
 
 # --- queues and workers (scale-out: the store is the coordinator) -----------------
 
-#: How a queue orders the runs it hands out: by submit time, by ``priority``
-#: (higher first, then submit time), or longest estimated run first (``lpt``).
+#: How a queue orders the runs it hands out among runs of equal ``priority``
+#: (a higher priority goes first in every queue): by submit time (``fifo``, and
+#: ``priority``, its name for queues that mean to use priorities), or longest
+#: estimated run first (``lpt``).
 QUEUE_ORDERS = ("fifo", "priority", "lpt")
 
 
@@ -270,9 +272,11 @@ class Queue:
         limit: most runs started (claimed) per ``period`` seconds across all
             workers, a sliding window (None: no rate limit).
         period: the rate limit's window in seconds.
-        order: ``"fifo"`` (submit order), ``"priority"`` (higher ``priority``
-            first, then submit order) or ``"lpt"`` (longest estimated run
-            first, then submit order; see ``Engine.submit``'s ``estimate``).
+        order: how runs of equal ``priority`` are handed out (a higher
+            ``priority`` goes first in every queue): ``"fifo"`` (submit
+            order; ``"priority"`` is the same, for queues that mean to use
+            priorities) or ``"lpt"`` (longest estimated run first, then submit
+            order; see ``Engine.submit``'s ``estimate``).
 
     Runs submitted with a ``partition`` key start one at a time per key, in
     submit order: the next one starts once the previous one finished.
@@ -319,8 +323,8 @@ class Queue:
 class Submission:
     """How a run is submitted to a queue (``submit_run``).
 
-    ``queue`` names it; ``priority`` orders a ``priority`` queue (higher
-    first); ``partition`` makes runs with the same key start one at a time in
+    ``queue`` names it; ``priority`` orders its queue (higher first, whatever
+    the queue's order); ``partition`` makes runs with the same key start one at a time in
     submit order; ``dedup_key`` makes a second submit with that key, while a
     run holding it is live (queued, running or suspended), return that run;
     ``cost`` is what the duration estimator was given and ``estimate`` the

@@ -51,10 +51,12 @@ ACTIVE_IN_QUEUE = (
 #: Values: queue, since. Runs claimed after ``since`` (the rate limit's window).
 STARTED_SINCE = "SELECT COUNT(*) FROM runs WHERE queue_name = ? AND started_at > ?"
 
+#: A run's priority orders its queue whatever the queue's order (higher first);
+#: the order decides among runs of equal priority (see ``claim_key``).
 _ORDER = {
-    "fifo": "r.queued_at, r.run_id",
+    "fifo": "r.priority DESC, r.queued_at, r.run_id",
     "priority": "r.priority DESC, r.queued_at, r.run_id",
-    "lpt": "COALESCE(r.estimate, 0) DESC, r.queued_at, r.run_id",
+    "lpt": "r.priority DESC, COALESCE(r.estimate, 0) DESC, r.queued_at, r.run_id",
 }
 
 
