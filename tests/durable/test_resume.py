@@ -31,7 +31,6 @@ from typing import Any
 
 import pytest
 
-import _stores
 import tailrace as tr
 from tailrace._errors import (
     EncodeError,
@@ -56,6 +55,7 @@ from tailrace.stores import (
     RunStore,
     SQLiteStore,
 )
+from tests import fixtures
 
 HANG_GUARD = 15.0
 TTL = 30.0  # long: with the fake clock, leases expire only when a test says so
@@ -64,7 +64,7 @@ TTL = 30.0  # long: with the fake clock, leases expire only when a test says so
 # --- stores -------------------------------------------------------------------
 
 
-FakeClock = _stores.FakeClock
+FakeClock = fixtures.FakeClock
 
 
 @dataclass
@@ -143,7 +143,7 @@ async def _postgres_backend(dsn: str) -> AsyncIterator[Backend]:
 
     from tailrace.stores import PostgresStore
 
-    schema = _stores.new_schema("tailrace_durable")
+    schema = fixtures.new_schema("tailrace_durable")
     clock = FakeClock()
 
     async def execute(statement: str, params: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
@@ -179,10 +179,10 @@ async def _postgres_backend(dsn: str) -> AsyncIterator[Backend]:
                 "postgres", store, clock, sibling, set_run_version, set_node_data, raw_nodes
             )
     finally:
-        await _stores.drop_schema(schema)
+        await fixtures.drop_schema(schema)
 
 
-@pytest.fixture(params=_stores.ALL_STORES)
+@pytest.fixture(params=fixtures.ALL_STORES)
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
     """Each store in turn, on a fresh database, with a fake clock."""
     if request.param == "memory":
@@ -190,8 +190,8 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     elif request.param == "sqlite":
         factory = _sqlite_backend(tmp_path / "runs.db")
     else:
-        assert _stores.POSTGRES_DSN is not None
-        factory = _postgres_backend(_stores.POSTGRES_DSN)
+        assert fixtures.POSTGRES_DSN is not None
+        factory = _postgres_backend(fixtures.POSTGRES_DSN)
     async for value in factory:
         yield value
 
@@ -258,7 +258,7 @@ async def until(
     condition: Callable[[], Any], what: str = "condition", guard: float = HANG_GUARD
 ) -> None:
     """Wait until ``condition()`` (or its awaited value) is true; fail after ``guard`` s."""
-    await _stores.until(condition, what, guard=guard)
+    await fixtures.until(condition, what, guard=guard)
 
 
 async def result_keys(store: RunStore, run_id: str) -> set[tuple[str, int]]:

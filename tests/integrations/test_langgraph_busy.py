@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-import _stores
+from tests import fixtures
 
 pytest.importorskip("langgraph")
 pytest.importorskip("langgraph.checkpoint.sqlite")
@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 TRIALS = 20
 
 
-lg = _stores.load_module("tailrace_tests_integrations_lg_graphs", HERE / "lg_graphs.py")
+lg = fixtures.load_module("tailrace_tests_integrations_lg_graphs", HERE / "lg_graphs.py")
 
 
 @pytest.fixture
@@ -45,10 +45,10 @@ async def store(tmp_path: Path) -> AsyncIterator[SQLiteStore]:
         yield s
 
 
-@pytest.fixture(params=_stores.SHARED_STORES)
+@pytest.fixture(params=fixtures.SHARED_STORES)
 async def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[RunStore]:
     """The tailrace store on SQLite, or on Postgres in a schema of its own."""
-    async with _stores.open_store(
+    async with fixtures.open_store(
         request.param, tmp_path, filename="tailrace.db", prefix="lg_busy", max_size=4
     ) as opened:
         yield opened

@@ -44,9 +44,10 @@ from tailrace.stores._sql import (
 )
 
 if TYPE_CHECKING:
-    from conftest import Backend
+    from tests.fixtures import Backend
 
-POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
+from tests.fixtures import POSTGRES_DSN
+
 SRC_DIR = Path(stores.__file__).resolve().parents[2]
 ENTRIES = json.dumps({"system": "Sé breve ✓", "style": "terse"}, ensure_ascii=False)
 

@@ -47,12 +47,13 @@ from tailrace.stores._sql import (
     MIGRATIONS,
     new_run_params,
 )
+from tests.fixtures import POSTGRES_DSN
 
 if TYPE_CHECKING:
-    from conftest import Backend
+    from tests.fixtures import Backend
 
 TTL = 30.0
-POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
+
 SRC_DIR = Path(stores.__file__).resolve().parents[2]
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,20 +19,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tailrace_tests_ui_support import (  # loaded by conftest.py
-    TOKEN,
-    Background,
-    Factory,
-    in_thread,
-    served,
-)
 
 import tailrace as tr
 from tailrace.cli._evolve import run_demo
 from tailrace.ui import UiConfig
 from tailrace.ui._links import run_url
+from tests.ui.support import (
+    TOKEN,
+    Background,
+    Factory,
+    in_thread,
+    scenarios,
+    served,
+)
 
-scenarios = sys.modules["tailrace_tests_ui_scenarios"]
 CHROMIUM = next(
     (
         p

@@ -18,8 +18,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tailrace.cli._app import app
+from tests.ui.support import scenarios
 
-scenarios = sys.modules["tailrace_tests_ui_scenarios"]
 SCRIPT = Path(sys.executable).parent / "tailrace"
 DEADLINE = 30.0
 

@@ -1,21 +1,29 @@
-"""Store-backend plumbing the test modules share: which backends, fresh databases, polling.
+"""The test suite's fixtures, fakes and store-backend plumbing, in one place.
 
-``tests/`` is not a package and the suite imports in ``importlib`` mode, so
-``tests/conftest.py`` registers this file as the module ``_stores``; test
-modules ``import _stores`` and bind what they need at module level (a fixture
-bound as ``store = _stores.each_store`` is found by pytest under that name).
+Test modules import it normally (``from tests import fixtures`` or
+``from tests.fixtures import ...``); a ``conftest.py`` only registers the
+fixtures its folder uses (``from tests.fixtures import backend as backend``), and
+a test module may bind one at module level (``store = fixtures.each_store``), so
+pytest finds it under that name.
 
+- :data:`POSTGRES_DSN` is ``TAILRACE_TEST_POSTGRES_DSN`` (``.ci/postgres.sh``
+  starts a server and sets it); :data:`POSTGRES` is the fixture parameter that
+  needs it, marked ``postgres`` and skipped without a server.
 - :data:`ALL_STORES` / :data:`SHARED_STORES`: fixture parameters, one per
-  backend (the second list only those another process can open); Postgres runs
-  whenever ``TAILRACE_TEST_POSTGRES_DSN`` is set and is skipped otherwise.
+  backend (the second list only those another process can open).
 - :func:`open_store` opens one backend on a fresh database: a new
   :class:`~tailrace.stores.MemoryStore`, a real SQLite file under ``tmp_path``,
   or Postgres in a schema of its own (:func:`postgres_schema`), dropped afterwards.
 - :func:`database` hands out a :class:`Database`: many store instances on one
   fresh database, all closed afterwards.
+- :class:`Backend` and the fixtures ``backend``, ``pg_backend`` and ``store``:
+  the store contract suite's backends, each on a :class:`FakeClock`, with the
+  back doors the contract tests need.
 - :class:`FakeClock` is a wall clock that moves only when told to; :func:`until`
   polls observed state under a hang guard that is never a timing assertion.
-- :func:`load_module` loads a helper file by path.
+- :func:`load_module` loads a file by path under a fixed top-level name: for
+  graph modules whose import name is recorded in stored runs and read back by
+  a child process (or shown on a page), so every process names them alike.
 """
 
 from __future__ import annotations
@@ -24,10 +32,11 @@ import asyncio
 import contextlib
 import importlib.util
 import os
+import sqlite3
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
@@ -60,7 +69,9 @@ D = TypeVar("D", bound="Database")
 def load_module(name: str, path: Path) -> ModuleType:
     """The file at ``path`` as module ``name``, loaded once per process.
 
-    The test directories are not packages, so helper files are loaded by path.
+    Only for modules that must keep one top-level name in every process (a
+    child process loads the same file by path under the same name); helpers
+    are imported normally.
     """
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
@@ -215,6 +226,98 @@ async def database(
         finally:
             for store in db.opened:
                 await store.close()
+
+
+# --- the store contract suite's backends ----------------------------------------------
+
+
+@dataclass
+class Backend:
+    """A store under test plus the back doors the contract tests need."""
+
+    name: str
+    store: RunStore
+    clock: FakeClock
+    #: Another, unopened store on the same database (``None`` for memory).
+    sibling: Callable[[], RunStore] | None
+    #: Rewrite a run row's format_version behind the store's back.
+    set_format_version: Callable[[str, int], Awaitable[None]]
+
+
+async def _memory_backend() -> AsyncIterator[Backend]:
+    clock = FakeClock()
+    store = MemoryStore(clock=clock)
+
+    async def set_format_version(run_id: str, version: int) -> None:
+        runs = store._runs  # test back door
+        runs[run_id] = replace(runs[run_id], format_version=version)
+
+    async with store:
+        yield Backend("memory", store, clock, None, set_format_version)
+
+
+async def _sqlite_backend(path: Path) -> AsyncIterator[Backend]:
+    clock = FakeClock()
+
+    async def set_format_version(run_id: str, version: int) -> None:
+        with sqlite3.connect(path, isolation_level=None) as conn:
+            conn.execute("UPDATE runs SET format_version = ? WHERE run_id = ?", (version, run_id))
+        conn.close()
+
+    async with SQLiteStore(path, clock=clock) as store:
+        yield Backend(
+            "sqlite", store, clock, lambda: SQLiteStore(path, clock=clock), set_format_version
+        )
+
+
+async def _postgres_backend() -> AsyncIterator[Backend]:
+    import psycopg
+    from psycopg import sql
+
+    from tailrace.stores import PostgresStore
+
+    clock = FakeClock()
+
+    async with postgres_schema() as schema:
+
+        async def set_format_version(run_id: str, version: int) -> None:
+            query = sql.SQL("UPDATE {}.runs SET format_version = %s WHERE run_id = %s")
+            async with await psycopg.AsyncConnection.connect(_dsn(), autocommit=True) as conn:
+                await conn.execute(query.format(sql.Identifier(schema)), (version, run_id))
+
+        def sibling() -> RunStore:
+            return PostgresStore(_dsn(), schema=schema, clock=clock)
+
+        async with sibling() as store:
+            yield Backend("postgres", store, clock, sibling, set_format_version)
+
+
+@pytest.fixture(params=ALL_STORES)
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
+    """Each store in turn, opened on a fresh database, closed afterwards."""
+    if request.param == "memory":
+        factory = _memory_backend()
+    elif request.param == "sqlite":
+        factory = _sqlite_backend(tmp_path / "runs.db")
+    else:
+        factory = _postgres_backend()
+    async for value in factory:
+        yield value
+
+
+@pytest.fixture
+async def pg_backend() -> AsyncIterator[Backend]:
+    """The Postgres store alone, for tests of what only Postgres has."""
+    if POSTGRES_DSN is None:
+        pytest.skip("TAILRACE_TEST_POSTGRES_DSN is not set")
+    async for value in _postgres_backend():
+        yield value
+
+
+@pytest.fixture
+async def store(backend: Backend) -> RunStore:
+    """The store of ``backend``."""
+    return backend.store
 
 
 # --- time and waiting ------------------------------------------------------------------
