@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tailrace.stores import MemoryStore, RunStore, SQLiteStore
+from tailrace.stores import MemoryStore, NodeRow, RunStore, SQLiteStore
 
 POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
 
@@ -233,7 +233,7 @@ async def database(
 
 @dataclass
 class Backend:
-    """A store under test plus the back doors the contract tests need."""
+    """A store under test, its fake clock, and back doors to its raw rows."""
 
     name: str
     store: RunStore
@@ -242,32 +242,50 @@ class Backend:
     sibling: Callable[[], RunStore] | None
     #: Rewrite a run row's format_version behind the store's back.
     set_format_version: Callable[[str, int], Awaitable[None]]
+    #: Rewrite a node row's ``data_json`` behind the store's back.
+    set_node_data: Callable[[str, str, str], Awaitable[None]]
+    #: Node rows as stored, without any format check.
+    raw_nodes: Callable[[str], Awaitable[dict[str, NodeRow]]]
+
+    def reopen(self) -> RunStore:
+        """A store on the same database: a :attr:`sibling`, or for memory the one store."""
+        return self.store if self.sibling is None else self.sibling()
 
 
 async def _memory_backend() -> AsyncIterator[Backend]:
     clock = FakeClock()
     store = MemoryStore(clock=clock)
 
+    # test back doors: the memory store's own dictionaries
     async def set_format_version(run_id: str, version: int) -> None:
-        runs = store._runs  # test back door
-        runs[run_id] = replace(runs[run_id], format_version=version)
+        store._runs[run_id] = replace(store._runs[run_id], format_version=version)
+
+    async def set_node_data(run_id: str, node_id: str, data_json: str) -> None:
+        rows = store._nodes[run_id]
+        rows[node_id] = rows[node_id]._replace(data_json=data_json)
+
+    async def raw_nodes(run_id: str) -> dict[str, NodeRow]:
+        return dict(store._nodes.get(run_id, {}))
 
     async with store:
-        yield Backend("memory", store, clock, None, set_format_version)
+        yield Backend("memory", store, clock, None, set_format_version, set_node_data, raw_nodes)
 
 
 async def _sqlite_backend(path: Path) -> AsyncIterator[Backend]:
     clock = FakeClock()
 
-    async def set_format_version(run_id: str, version: int) -> None:
-        with sqlite3.connect(path, isolation_level=None) as conn:
-            conn.execute("UPDATE runs SET format_version = ? WHERE run_id = ?", (version, run_id))
-        conn.close()
+    async def execute(statement: str, params: tuple[object, ...]) -> list[tuple[Any, ...]]:
+        conn = sqlite3.connect(path, isolation_level=None, timeout=10)
+        try:
+            return conn.execute(statement, params).fetchall()
+        finally:
+            conn.close()
 
-    async with SQLiteStore(path, clock=clock) as store:
-        yield Backend(
-            "sqlite", store, clock, lambda: SQLiteStore(path, clock=clock), set_format_version
-        )
+    def sibling() -> RunStore:
+        return SQLiteStore(path, clock=clock)
+
+    async with sibling() as store:
+        yield Backend("sqlite", store, clock, sibling, *_back_doors(execute, "?"))
 
 
 async def _postgres_backend() -> AsyncIterator[Backend]:
@@ -280,16 +298,49 @@ async def _postgres_backend() -> AsyncIterator[Backend]:
 
     async with postgres_schema() as schema:
 
-        async def set_format_version(run_id: str, version: int) -> None:
-            query = sql.SQL("UPDATE {}.runs SET format_version = %s WHERE run_id = %s")
+        async def execute(statement: str, params: tuple[object, ...]) -> list[tuple[Any, ...]]:
             async with await psycopg.AsyncConnection.connect(_dsn(), autocommit=True) as conn:
-                await conn.execute(query.format(sql.Identifier(schema)), (version, run_id))
+                await conn.execute(
+                    sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)), None
+                )
+                cur = await conn.execute(statement, params)
+                return list(await cur.fetchall()) if cur.description else []
 
         def sibling() -> RunStore:
             return PostgresStore(_dsn(), schema=schema, clock=clock)
 
         async with sibling() as store:
-            yield Backend("postgres", store, clock, sibling, set_format_version)
+            yield Backend("postgres", store, clock, sibling, *_back_doors(execute, "%s"))
+
+
+def _back_doors(
+    execute: Callable[[str, tuple[object, ...]], Awaitable[list[tuple[Any, ...]]]], mark: str
+) -> tuple[
+    Callable[[str, int], Awaitable[None]],
+    Callable[[str, str, str], Awaitable[None]],
+    Callable[[str], Awaitable[dict[str, NodeRow]]],
+]:
+    """:class:`Backend`'s back doors over an SQL database, ``mark`` its placeholder."""
+
+    async def set_format_version(run_id: str, version: int) -> None:
+        await execute(
+            f"UPDATE runs SET format_version = {mark} WHERE run_id = {mark}", (version, run_id)
+        )
+
+    async def set_node_data(run_id: str, node_id: str, data_json: str) -> None:
+        await execute(
+            f"UPDATE node_states SET data_json = {mark} WHERE run_id = {mark} AND node_id = {mark}",
+            (data_json, run_id, node_id),
+        )
+
+    async def raw_nodes(run_id: str) -> dict[str, NodeRow]:
+        rows = await execute(
+            f"SELECT node_id, status, visits, data_json FROM node_states WHERE run_id = {mark}",
+            (run_id,),
+        )
+        return {r[0]: NodeRow(node_id=r[0], status=r[1], visits=r[2], data_json=r[3]) for r in rows}
+
+    return set_format_version, set_node_data, raw_nodes
 
 
 @pytest.fixture(params=ALL_STORES)
