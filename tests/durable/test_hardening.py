@@ -640,6 +640,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store_url", fixtures.SHARED_STORES, indirect=True)
 async def test_13_sync_a_successor_never_acted_on_a_value_a_crash_lost(
     tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch

@@ -26,6 +26,8 @@ from tests import fixtures
 
 GUARD = 120.0  # hang guard (s): fails a test only when something hangs
 
+pytestmark = pytest.mark.slow  # a local Ray, SIGKILLed workers and drivers
+
 
 async def until(predicate: Any, what: str, deadline: float = 60.0) -> None:
     """Poll ``predicate`` (sync or async) until true; fail naming ``what`` past ``deadline``."""

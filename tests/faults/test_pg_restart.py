@@ -45,6 +45,7 @@ GATES = (9, 14)  # the nodes of each chain that wait for the test
 RUNS = 3
 
 pytestmark = [
+    pytest.mark.slow,  # starts, stops and restarts a server of its own
     pytest.mark.postgres,
     pytest.mark.skipif(POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set"),
     pytest.mark.skipif(not (BINDIR / "initdb").exists(), reason=f"no initdb in {BINDIR}"),

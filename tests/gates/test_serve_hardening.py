@@ -93,6 +93,7 @@ async def _question(store: RunStore, question_id: str) -> QuestionRow:
 # -- finding 5: stuck answers never starve the others -------------------------------------
 
 
+@pytest.mark.slow
 async def test_finding5_unappliable_answers_never_starve_an_applicable_one(
     backend: Backend, side: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

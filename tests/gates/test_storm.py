@@ -48,6 +48,8 @@ from tailrace.gates import ResumeWorker
 from tailrace.stores import QuestionStatus, RunStore
 from tests import fixtures
 
+pytestmark = pytest.mark.slow  # storms of threads and processes racing answers
+
 HERE = Path(__file__).resolve().parent
 GRAPH_FILE = HERE / "gate_graphs.py"
 ACTOR_FILE = HERE / "storm_actor.py"

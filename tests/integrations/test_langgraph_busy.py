@@ -86,6 +86,7 @@ async def _assert_completed_once(
 # --- both answered at once, in one event loop ---------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sync", "async"])
 async def test_both_answers_at_once_complete_the_graph_without_a_sweep(
     tmp_path: Path, any_store: RunStore, kind: str
@@ -231,6 +232,7 @@ async def test_an_answer_arriving_while_the_holder_lets_go_is_applied(
 # --- four processes race both answers and both resumes -------------------------------
 
 
+@pytest.mark.slow
 async def test_four_processes_racing_parallel_answers_apply_each_once(
     tmp_path: Path, store: SQLiteStore
 ) -> None:

@@ -230,6 +230,7 @@ async def _wait_for_polls(path: Path, count: int, daemon: subprocess.Popen[bytes
     await eventually(f"{count} polls", enough)
 
 
+@pytest.mark.slow
 async def test_a_restarted_daemon_completes_a_thread_that_waits_on_ci(
     tmp_path: Path, store: SQLiteStore
 ) -> None:

@@ -230,6 +230,7 @@ async def _race_in_processes(args: list[str], count: int) -> list[dict[str, Any]
                 await p.wait()
 
 
+@pytest.mark.slow
 async def test_commits_racing_across_processes_have_exactly_one_winner(backend: Backend) -> None:
     if backend.sibling is None:
         pytest.skip("a memory store is one process's own")

@@ -294,6 +294,7 @@ asyncio.run(main(*sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 async def test_answers_racing_across_processes_have_exactly_one_winner(backend: Backend) -> None:
     if backend.sibling is None:
         pytest.skip("a memory store is one process's own")

@@ -25,6 +25,8 @@ import pytest
 
 from tests.fixtures import POSTGRES_DSN, SHARED_STORES
 
+pytestmark = pytest.mark.slow  # SIGKILLs a durable run at seeded moments, 30 times a store
+
 BENCH_TORTURE = Path(__file__).resolve().parents[2] / "bench" / "torture.py"
 
 KILLS = int(os.environ.get("TAILRACE_TORTURE_KILLS", "30"))

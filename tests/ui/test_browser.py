@@ -45,10 +45,13 @@ CHROMIUM = next(
     ),
     None,
 )
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None,
-    reason="no chromium binary: install Debian's package (apt-get install -y chromium) or set TAILRACE_CHROMIUM",
-)
+pytestmark = [
+    pytest.mark.slow,  # a real browser
+    pytest.mark.skipif(
+        CHROMIUM is None,
+        reason="no chromium binary: install Debian's package (apt-get install -y chromium) or set TAILRACE_CHROMIUM",
+    ),
+]
 WAIT_MS = 20_000  # generous: only there so a bug fails a test instead of hanging it
 STEPS = ("step1", "step2", "step3", "step4")
 

@@ -24,6 +24,8 @@ from tailrace import Engine
 from tailrace.stores import QuestionStatus, RunStatus, open_store
 from tests import fixtures
 
+pytestmark = pytest.mark.slow  # fleets of worker processes, SIGKILLed and restarted
+
 GRAPHS = Path(__file__).with_name("fleet_graphs.py")
 graphs = fixtures.load_module("fleet_graphs", GRAPHS)
 fleet = fixtures.load_module(
