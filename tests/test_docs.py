@@ -96,6 +96,7 @@ def _env() -> dict[str, str]:
 # -- the site builds ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_site_builds_strictly(tmp_path: Path) -> None:
     pytest.importorskip("mkdocs")
     pytest.importorskip("material")
@@ -122,6 +123,7 @@ def test_every_page_is_in_the_nav() -> None:
 # -- every example is true ----------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in PAGES if "```python" in (DOCS / p).read_text()])
 def test_the_python_examples_of_a_page_run(page: str, tmp_path: Path) -> None:
     text = (DOCS / page).read_text()
@@ -169,6 +171,7 @@ def test_the_block_conventions_are_understood() -> None:
 # -- the quickstart works as written ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_quickstart_session_runs_as_written(tmp_path: Path) -> None:
     assert SCRIPT.is_file(), f"the console script is not installed at {SCRIPT}"
     text = (DOCS / "quickstart.md").read_text()

@@ -400,6 +400,7 @@ def tailrace(args: Sequence[object], cwd: Path) -> subprocess.CompletedProcess[s
     )
 
 
+@pytest.mark.slow
 def test_resume_after_the_process_was_killed(tmp_path: Path) -> None:
     assert SCRIPT.is_file(), f"the console script is not installed at {SCRIPT}"
     module = tmp_path / "crashy.py"

@@ -387,6 +387,7 @@ def interrupted_run(tmp_path: Path, run_id: str) -> tuple[Path, subprocess.Compl
     return db, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_run_prints_the_run_id_and_the_command_that_resumes_it(
     tmp_path: Path,
 ) -> None:

@@ -21,11 +21,11 @@ from typing import Any
 
 import pytest
 
-import _stores
 import tailrace as tr
 import tailrace.core._writer
 from tailrace.graph import load_file_module
 from tailrace.stores import Harvest, RunStatus, RunStore
+from tests import fixtures
 
 GUARD = 30.0  # seconds; only there so that a bug fails the test instead of hanging it
 
@@ -37,8 +37,8 @@ async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIter
     if request.param == "sqlite":
         yield str(tmp_path / "runs.db")
         return
-    async with _stores.postgres_schema("tailrace_hard") as schema:
-        yield f"{_stores.POSTGRES_DSN}#{schema}"
+    async with fixtures.postgres_schema("tailrace_hard") as schema:
+        yield f"{fixtures.POSTGRES_DSN}#{schema}"
 
 
 def open_location(location: str) -> RunStore:
@@ -67,7 +67,7 @@ async def _reap(child: asyncio.subprocess.Process) -> None:
         await child.wait()
 
 
-store = _stores.each_store  # the fixture: each store in turn, on a fresh database
+store = fixtures.each_store  # the fixture: each store in turn, on a fresh database
 
 
 # -- finding 3: values the codec lets through but a store refuses ----------------
@@ -235,10 +235,10 @@ if __name__ == "__main__":
 
 
 async def _wait_for(check: Callable[[], Any], what: str) -> Any:
-    return await _stores.until(check, what, guard=GUARD, every=0.02)
+    return await fixtures.until(check, what, guard=GUARD, every=0.02)
 
 
-@pytest.mark.parametrize("store_url", _stores.SHARED_STORES, indirect=True)
+@pytest.mark.parametrize("store_url", fixtures.SHARED_STORES, indirect=True)
 async def test_17_a_node_killed_during_its_backoff_continues_its_retry_policy(
     tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -357,7 +357,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("store_url", _stores.SHARED_STORES, indirect=True)
+@pytest.mark.parametrize("store_url", fixtures.SHARED_STORES, indirect=True)
 async def test_10_a_run_whose_local_owner_died_is_taken_over_without_waiting(
     tmp_path: Path, store_url: str
 ) -> None:
@@ -640,7 +640,8 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("store_url", _stores.SHARED_STORES, indirect=True)
+@pytest.mark.slow
+@pytest.mark.parametrize("store_url", fixtures.SHARED_STORES, indirect=True)
 async def test_13_sync_a_successor_never_acted_on_a_value_a_crash_lost(
     tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

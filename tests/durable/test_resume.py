@@ -16,22 +16,18 @@ seconds, which is a deadlock guard, never a timing assertion.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import importlib
 import itertools
 import json
-import sqlite3
 import textwrap
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-import _stores
 import tailrace as tr
 from tailrace._errors import (
     EncodeError,
@@ -48,14 +44,12 @@ from tailrace.core._writer import NODE_ROW_VERSION
 from tailrace.stores import (
     FORMAT_VERSION,
     Harvest,
-    MemoryStore,
     NewRun,
-    NodeRow,
     ResultRow,
     RunStatus,
     RunStore,
-    SQLiteStore,
 )
+from tests import fixtures
 
 HANG_GUARD = 15.0
 TTL = 30.0  # long: with the fake clock, leases expire only when a test says so
@@ -64,136 +58,8 @@ TTL = 30.0  # long: with the fake clock, leases expire only when a test says so
 # --- stores -------------------------------------------------------------------
 
 
-FakeClock = _stores.FakeClock
-
-
-@dataclass
-class Backend:
-    """A store under test, its clock, and back doors to its raw rows."""
-
-    name: str
-    store: RunStore
-    clock: FakeClock
-    #: A second, unopened store on the same database (the same object for memory).
-    sibling: Callable[[], RunStore]
-    #: Rewrite a run row's ``format_version`` behind the store's back.
-    set_run_version: Callable[[str, int], Awaitable[None]]
-    #: Rewrite a node row's ``data_json`` behind the store's back.
-    set_node_data: Callable[[str, str, str], Awaitable[None]]
-    #: Node rows as stored, without any format check.
-    raw_nodes: Callable[[str], Awaitable[dict[str, NodeRow]]]
-
-
-async def _memory_backend() -> AsyncIterator[Backend]:
-    clock = FakeClock()
-    store = MemoryStore(clock=clock)
-
-    async def set_run_version(run_id: str, version: int) -> None:
-        store._runs[run_id] = dataclasses.replace(store._runs[run_id], format_version=version)
-
-    async def set_node_data(run_id: str, node_id: str, data_json: str) -> None:
-        rows = store._nodes[run_id]
-        rows[node_id] = rows[node_id]._replace(data_json=data_json)
-
-    async def raw_nodes(run_id: str) -> dict[str, NodeRow]:
-        return dict(store._nodes.get(run_id, {}))
-
-    async with store:
-        yield Backend(
-            "memory", store, clock, lambda: store, set_run_version, set_node_data, raw_nodes
-        )
-
-
-async def _sqlite_backend(path: Path) -> AsyncIterator[Backend]:
-    clock = FakeClock()
-
-    def execute(statement: str, params: tuple[object, ...]) -> list[tuple[Any, ...]]:
-        conn = sqlite3.connect(path, isolation_level=None, timeout=10)
-        try:
-            return conn.execute(statement, params).fetchall()
-        finally:
-            conn.close()
-
-    async def set_run_version(run_id: str, version: int) -> None:
-        execute("UPDATE runs SET format_version = ? WHERE run_id = ?", (version, run_id))
-
-    async def set_node_data(run_id: str, node_id: str, data_json: str) -> None:
-        execute(
-            "UPDATE node_states SET data_json = ? WHERE run_id = ? AND node_id = ?",
-            (data_json, run_id, node_id),
-        )
-
-    async def raw_nodes(run_id: str) -> dict[str, NodeRow]:
-        rows = execute(
-            "SELECT node_id, status, visits, data_json FROM node_states WHERE run_id = ?",
-            (run_id,),
-        )
-        return {r[0]: NodeRow(node_id=r[0], status=r[1], visits=r[2], data_json=r[3]) for r in rows}
-
-    def sibling() -> RunStore:
-        return SQLiteStore(path, clock=clock)
-
-    async with sibling() as store:
-        yield Backend("sqlite", store, clock, sibling, set_run_version, set_node_data, raw_nodes)
-
-
-async def _postgres_backend(dsn: str) -> AsyncIterator[Backend]:
-    import psycopg
-    from psycopg import sql
-
-    from tailrace.stores import PostgresStore
-
-    schema = _stores.new_schema("tailrace_durable")
-    clock = FakeClock()
-
-    async def execute(statement: str, params: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
-        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-            await conn.execute(
-                sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)), None
-            )
-            cur = await conn.execute(statement, params or None)
-            return list(await cur.fetchall()) if cur.description else []
-
-    async def set_run_version(run_id: str, version: int) -> None:
-        await execute("UPDATE runs SET format_version = %s WHERE run_id = %s", (version, run_id))
-
-    async def set_node_data(run_id: str, node_id: str, data_json: str) -> None:
-        await execute(
-            "UPDATE node_states SET data_json = %s WHERE run_id = %s AND node_id = %s",
-            (data_json, run_id, node_id),
-        )
-
-    async def raw_nodes(run_id: str) -> dict[str, NodeRow]:
-        rows = await execute(
-            "SELECT node_id, status, visits, data_json FROM node_states WHERE run_id = %s",
-            (run_id,),
-        )
-        return {r[0]: NodeRow(node_id=r[0], status=r[1], visits=r[2], data_json=r[3]) for r in rows}
-
-    def sibling() -> RunStore:
-        return PostgresStore(dsn, schema=schema, clock=clock)
-
-    try:
-        async with sibling() as store:
-            yield Backend(
-                "postgres", store, clock, sibling, set_run_version, set_node_data, raw_nodes
-            )
-    finally:
-        await _stores.drop_schema(schema)
-
-
-@pytest.fixture(params=_stores.ALL_STORES)
-async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
-    """Each store in turn, on a fresh database, with a fake clock."""
-    if request.param == "memory":
-        factory = _memory_backend()
-    elif request.param == "sqlite":
-        factory = _sqlite_backend(tmp_path / "runs.db")
-    else:
-        assert _stores.POSTGRES_DSN is not None
-        factory = _postgres_backend(_stores.POSTGRES_DSN)
-    async for value in factory:
-        yield value
+Backend = fixtures.Backend
+backend = fixtures.backend
 
 
 # --- probes, crashes, snapshots ----------------------------------------------------
@@ -258,7 +124,7 @@ async def until(
     condition: Callable[[], Any], what: str = "condition", guard: float = HANG_GUARD
 ) -> None:
     """Wait until ``condition()`` (or its awaited value) is true; fail after ``guard`` s."""
-    await _stores.until(condition, what, guard=guard)
+    await fixtures.until(condition, what, guard=guard)
 
 
 async def result_keys(store: RunStore, run_id: str) -> set[tuple[str, int]]:
@@ -743,7 +609,7 @@ async def crashed_fork(backend: Backend, probe: Probe, label: str) -> tuple[tr.G
 async def test_d4_future_run_format_is_refused_and_nothing_written(backend: Backend) -> None:
     probe = Probe()
     g, run_id = await crashed_fork(backend, probe, "d4-run")
-    await backend.set_run_version(run_id, FORMAT_VERSION + 1)
+    await backend.set_format_version(run_id, FORMAT_VERSION + 1)
     before = await snapshot(backend, run_id)
     runs_before = Counter(probe.runs)
 
@@ -772,10 +638,10 @@ async def test_d4_future_node_format_is_refused_and_nothing_written(backend: Bac
 async def test_d4_run_stays_resumable_after_refusal_is_undone(backend: Backend) -> None:
     probe = Probe()
     g, run_id = await crashed_fork(backend, probe, "d4-undo")
-    await backend.set_run_version(run_id, FORMAT_VERSION + 1)
+    await backend.set_format_version(run_id, FORMAT_VERSION + 1)
     with pytest.raises(UnsupportedFormat):
         await engine(backend).resume(run_id, g)
-    await backend.set_run_version(run_id, FORMAT_VERSION)
+    await backend.set_format_version(run_id, FORMAT_VERSION)
     result = await engine(backend).resume(run_id, g)
     assert result.status == "completed"
     assert probe.runs[("a", 1)] == 1 and probe.runs[("b", 1)] == 1
@@ -877,7 +743,7 @@ async def test_d6_live_lease_blocks_resume_and_expiry_fences_old_owner(backend: 
     await until(committed(backend, run_id, ("c", 1)), "c committed")
     token_a = (await backend.store.get_run(run_id)).lease_token
 
-    async with backend.sibling() as other_store:
+    async with backend.reopen() as other_store:
         second = tr.Engine(store=other_store, owner="engine-b", lease_ttl=TTL)
         before = await snapshot(backend, run_id)
         with pytest.raises(LeaseHeld, match="engine-a"):

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-import _stores
 from tailrace import Engine, Graph, RetryPolicy
 from tailrace.core._inflight import TRACEBACK_CHARS
+from tests import fixtures
 
-store = _stores.each_store
+store = fixtures.each_store
 
 
 def failing(message: str, *, depth: int = 0, retries: int = 1) -> Graph:

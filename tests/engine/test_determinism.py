@@ -16,6 +16,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import asyncio
@@ -113,6 +115,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_e2_same_output_under_every_hash_seed(tmp_path):
     script = tmp_path / "determinism_run.py"
     script.write_text(SCRIPT)

@@ -949,6 +949,7 @@ def _check_only_graph_errors(data):
     assert again.to_json() == graph.to_json()
 
 
+@pytest.mark.slow
 def test_g1_fuzz_mutated_documents_only_ever_raise_graph_error():
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st

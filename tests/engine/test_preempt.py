@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -30,8 +28,9 @@ import pytest
 import tailrace as tr
 from tailrace._errors import LeaseHeld, NotResumable
 from tailrace.stores import MemoryStore, RunStore, SQLiteStore
+from tests import fixtures
+from tests.fixtures import POSTGRES_DSN
 
-POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
 HANG_GUARD = 15.0
 
 
@@ -143,41 +142,18 @@ class Backend:
 
 
 async def _postgres(dsn: str) -> AsyncIterator[Backend]:
-    import psycopg
-    from psycopg import sql
-
     from tailrace.stores import PostgresStore
 
-    schema = f"tailrace_preempt_{uuid.uuid4().hex[:12]}"
+    async with fixtures.postgres_schema("tailrace_preempt") as schema:
 
-    def reopen() -> RunStore:
-        return PostgresStore(dsn, schema=schema)
+        def reopen() -> RunStore:
+            return PostgresStore(dsn, schema=schema)
 
-    try:
         async with reopen() as store:
             yield Backend("postgres", store, reopen)
-    finally:
-        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-            await conn.execute(
-                sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
-            )
 
 
-@pytest.fixture(
-    params=[
-        "memory",
-        "sqlite",
-        pytest.param(
-            "postgres",
-            marks=[
-                pytest.mark.postgres,
-                pytest.mark.skipif(
-                    POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set"
-                ),
-            ],
-        ),
-    ]
-)
+@pytest.fixture(params=fixtures.ALL_STORES)
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
     """Each store in turn, on a fresh database."""
     if request.param == "memory":

@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 
-import _stores
 import tailrace as tr
 from tailrace.gates import Server
 from tailrace.graph import load_file_module, resolve_reference
 from tailrace.stores import NewRun, QuestionStatus, RunStore
+from tests import fixtures
 
 HOSTILE = """\
 import os
@@ -76,7 +76,7 @@ def hostile(tmp_path: Path) -> Hostile:
 # -- backends ---------------------------------------------------------------------------
 
 
-class Backend(_stores.Database):
+class Backend(fixtures.Database):
     """A database under test; ``store()`` opens another store instance on it."""
 
     async def engine(self) -> tr.Engine:
@@ -84,9 +84,9 @@ class Backend(_stores.Database):
         return tr.Engine(store=await self.store())
 
 
-@pytest.fixture(params=_stores.ALL_STORES)
+@pytest.fixture(params=fixtures.ALL_STORES)
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
-    async with _stores.database(
+    async with fixtures.database(
         request.param, tmp_path, cls=Backend, filename="trust.db", max_size=2
     ) as opened:
         yield opened

@@ -235,6 +235,7 @@ def ray_session() -> Iterator[Any]:
             ray.shutdown()
 
 
+@pytest.mark.slow
 async def test_on_ray_every_call_is_a_ray_task_and_the_outcome_is_unchanged(
     ray_session: Any,
 ) -> None:
@@ -281,6 +282,7 @@ async def until(predicate: Any, what: str, deadline: float = 60.0) -> None:
         await asyncio.sleep(0.02)
 
 
+@pytest.mark.slow
 async def test_a_sigkilled_ray_worker_fails_the_rollout_which_is_recorded_and_retried(
     ray_session: Any, tmp_path: Path
 ) -> None:

@@ -1,7 +1,7 @@
 """Graphs and handlers for the executor tests, run in this process and in Ray workers.
 
-Loaded by path (test directories are not packages; pytest imports in
-``importlib`` mode) under the name ``tailrace_tests_executors``, and pickled
+Loaded by path under the name ``tailrace_tests_executors`` (the Ray driver test's
+child process loads it the same way), and pickled
 by value for Ray, so workers need not import it. Handlers are closures over a
 directory: they coordinate with the test and with each other through files in
 it (Ray workers are other processes), never through sleeps as

@@ -7,8 +7,6 @@ installed, the tests that need it are skipped, saying so.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -16,28 +14,16 @@ from typing import Any
 
 import pytest
 
+from tests import fixtures
+
+#: The name ``_graphs.py`` has in every process (the Ray driver test loads it by path too).
 GRAPHS_MODULE = "tailrace_tests_executors"
-
-
-def load_graphs() -> ModuleType:
-    """``_graphs.py``, loaded by path once under :data:`GRAPHS_MODULE`."""
-    module = sys.modules.get(GRAPHS_MODULE)
-    if module is not None:
-        return module
-    spec = importlib.util.spec_from_file_location(
-        GRAPHS_MODULE, Path(__file__).with_name("_graphs.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[GRAPHS_MODULE] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="session")
 def graphs() -> ModuleType:
     """The graphs and handlers shared by the executor tests."""
-    return load_graphs()
+    return fixtures.load_module(GRAPHS_MODULE, Path(__file__).with_name("_graphs.py"))
 
 
 @pytest.fixture(scope="session")

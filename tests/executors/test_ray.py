@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 import textwrap
-import time
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
@@ -23,22 +22,16 @@ import pytest
 import tailrace as tr
 from tailrace.executors import RayExecutor
 from tailrace.stores import SQLiteStore
+from tests import fixtures
 
 GUARD = 120.0  # hang guard (s): fails a test only when something hangs
+
+pytestmark = pytest.mark.slow  # a local Ray, SIGKILLed workers and drivers
 
 
 async def until(predicate: Any, what: str, deadline: float = 60.0) -> None:
     """Poll ``predicate`` (sync or async) until true; fail naming ``what`` past ``deadline``."""
-    end = time.monotonic() + deadline
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > end:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+    await fixtures.until(predicate, what, guard=deadline, every=0.02)
 
 
 async def test_node_resources_and_runtime_env_reach_ray(

@@ -44,7 +44,7 @@ class PassThrough:
         await self.inner.aclose()
 
 
-@pytest.fixture(params=["local", "seam", "ray"])
+@pytest.fixture(params=["local", "seam", pytest.param("ray", marks=pytest.mark.slow)])
 async def executor(request: pytest.FixtureRequest) -> AsyncIterator[Executor | None]:
     """The executor under test (None: the engine's inline default)."""
     if request.param == "local":

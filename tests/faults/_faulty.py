@@ -1,10 +1,9 @@
 """Shared pieces of the fault-injection suite: stores, a failing store, a handler recorder.
 
-Loaded by path from the test modules (test directories are not packages and
-pytest imports in ``importlib`` mode), under the name ``tailrace_tests_faulty``.
+Imported by the test modules as ``from tests.faults import _faulty as faulty``.
 
 - The stores under test (each backend on a fresh database) come from
-  ``tests/_stores.py``: the modules bind ``_stores.each_store`` as their ``store``.
+  :mod:`tests.fixtures`: the modules bind ``fixtures.each_store`` as their ``store``.
 - :class:`DelegatingStore` forwards every method of the :class:`RunStore`
   contract to a real store; :class:`CancellingStore` cancels a task just
   before forwarding its N-th call; :class:`FailingStore` makes its ``commit`` raise
@@ -28,13 +27,13 @@ from typing import Any, TypeVar
 
 import pytest
 
-import _stores
 import tailrace as tr
 from tailrace._errors import RunNotFound
 from tailrace.stores import Harvest, RunStore
+from tests import fixtures
 
 #: Seconds after which a wait is a hang; generous, so a loaded machine never trips it.
-HANG_GUARD = _stores.HANG_GUARD
+HANG_GUARD = fixtures.HANG_GUARD
 
 T = TypeVar("T")
 
@@ -269,7 +268,7 @@ async def guarded(awaitable: Coroutine[Any, Any, T], what: str, guard: float = H
 
 async def until(condition: Callable[[], bool], what: str, guard: float = HANG_GUARD) -> None:
     """Poll ``condition()`` until it holds (a deadlock guard after ``guard`` s, never a timing check)."""
-    await _stores.until(condition, what, guard=guard, every=0.001)
+    await fixtures.until(condition, what, guard=guard, every=0.001)
 
 
 def after_hops(hops: int, fn: Callable[[], Any]) -> None:

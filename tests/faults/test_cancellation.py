@@ -31,16 +31,14 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-import _stores
 import tailrace as tr
 from tailrace.stores import RunStatus, RunStore
-
-faulty = _stores.load_module("tailrace_tests_faulty", Path(__file__).with_name("_faulty.py"))
+from tests import fixtures
+from tests.faults import _faulty as faulty
 
 CANCELLATIONS = 40
 RESUMED_RUNS = 4
@@ -53,7 +51,7 @@ CHAIN = 4
 TTL = 30.0
 
 
-store = _stores.each_store  # the fixture: each backend in turn, on a fresh database
+store = fixtures.each_store  # the fixture: each backend in turn, on a fresh database
 
 
 def _plus_one(x: int) -> int:
@@ -352,14 +350,14 @@ async def test_user_timeout_around_a_run_whose_handler_never_returns(store: RunS
 
 
 @pytest.mark.postgres
-@pytest.mark.skipif(_stores.POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set")
+@pytest.mark.skipif(fixtures.POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set")
 async def test_user_timeouts_are_honoured_on_a_postgres_pool_of_one_connection() -> None:
     rec = faulty.Recorder()
     # A long chain keeps the writer busy on the one connection when a timeout fires,
     # and a short lease keeps the heartbeat contending for it. ``hang`` never
     # returns: only the user's timeout can end these runs.
     graph = build_graph(rec, hang=True, chain=40)
-    async with _stores.postgres_store(min_size=1, max_size=1) as store:
+    async with fixtures.postgres_store(min_size=1, max_size=1) as store:
         reference = await _reference(store, rec, graph)
         engine = tr.Engine(store=store, lease_ttl=1.5)
         rec.phase, rec.hang = "hang", True

@@ -25,6 +25,8 @@ from typer.testing import CliRunner
 
 from tailrace.cli._app import app
 
+pytestmark = pytest.mark.slow  # a CLI process per command and case
+
 SCRIPT = Path(sys.executable).parent / "tailrace"
 ENV: dict[str, str | None] = {"COLUMNS": "400", "TAILRACE_DB": None, "TAILRACE_LEASE_TTL": None}
 # What a terminal would act on (C0 controls but newline, DEL, C1, bidi overrides),

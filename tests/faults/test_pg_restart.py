@@ -34,8 +34,8 @@ import pytest
 import tailrace as tr
 from tailrace._errors import StoreError
 from tailrace.stores import MemoryStore, RunStatus
+from tests.fixtures import POSTGRES_DSN
 
-POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
 BINDIR = Path(os.environ.get("TAILRACE_PG_BINDIR", "/usr/lib/postgresql/15/bin"))
 HANG_GUARD = 45.0
 if TYPE_CHECKING or POSTGRES_DSN is not None:
@@ -45,6 +45,7 @@ GATES = (9, 14)  # the nodes of each chain that wait for the test
 RUNS = 3
 
 pytestmark = [
+    pytest.mark.slow,  # starts, stops and restarts a server of its own
     pytest.mark.postgres,
     pytest.mark.skipif(POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set"),
     pytest.mark.skipif(not (BINDIR / "initdb").exists(), reason=f"no initdb in {BINDIR}"),

@@ -32,16 +32,14 @@ import functools
 import json
 import random
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-import _stores
 import tailrace as tr
 from tailrace.stores import RunStatus, RunStore
-
-faulty = _stores.load_module("tailrace_tests_faulty", Path(__file__).with_name("_faulty.py"))
+from tests import fixtures
+from tests.faults import _faulty as faulty
 
 #: The run must fail long before this; it only turns a hang into a failure.
 FAIL_GUARD = 5.0
@@ -56,7 +54,7 @@ def _fail_at(seed: int) -> int:
     return random.Random(f"store-failure-{seed}").randint(1, 20)
 
 
-store = _stores.each_store  # the fixture: each backend in turn, on a fresh database
+store = fixtures.each_store  # the fixture: each backend in turn, on a fresh database
 
 
 def _plus_one(x: int) -> int:

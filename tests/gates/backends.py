@@ -1,8 +1,9 @@
 """What the gate test modules share: the store backends, polling helpers, the side file.
 
-Built on ``tests/_stores.py``. Test modules load this file by path
-(``_stores.load_module``: ``tests/`` is not a package) and bind its fixtures at
-module level (``backend = backends.backend``), so pytest finds them there.
+Built on :mod:`tests.fixtures`. Test modules import it (``from tests.gates import
+backends``) and bind its fixtures at module level (``backend = backends.backend``), so
+pytest finds them there. The gate graphs keep one top-level name in every process
+(a storm's child processes load the same file), so they are loaded by path.
 """
 
 from __future__ import annotations
@@ -13,19 +14,19 @@ from typing import Any
 
 import pytest
 
-import _stores
 import tailrace as tr
 from tailrace.stores import RunStore
+from tests import fixtures
 
 HERE = Path(__file__).resolve().parent
 GRAPH_FILE = HERE / "gate_graphs.py"
 #: Generous bound on any wait in these tests: they poll observed state, never time it.
 TIMEOUT = 20.0
 
-graphs = _stores.load_module("tailrace_tests_gate_graphs", GRAPH_FILE)
+graphs = fixtures.load_module("tailrace_tests_gate_graphs", GRAPH_FILE)
 
 
-class Backend(_stores.Database):
+class Backend(fixtures.Database):
     """A database under test: ``store()`` opens another store instance on it."""
 
     async def engine(self, **options: Any) -> tr.Engine:
@@ -33,10 +34,10 @@ class Backend(_stores.Database):
         return graphs.engine(await self.store(), **options)
 
 
-@pytest.fixture(params=_stores.ALL_STORES)
+@pytest.fixture(params=fixtures.ALL_STORES)
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
     """Each store in turn on a fresh database; every store it opened is closed afterwards."""
-    async with _stores.database(
+    async with fixtures.database(
         request.param, tmp_path, cls=Backend, filename="gates.db", max_size=4
     ) as opened:
         yield opened
@@ -52,7 +53,7 @@ async def eventually(
     check: Callable[[], Awaitable[bool]], what: str, within: float = TIMEOUT
 ) -> None:
     """Poll ``check`` until it is true; fail naming ``what`` after ``within`` seconds."""
-    await _stores.until(check, what, guard=within, every=0.01)
+    await fixtures.until(check, what, guard=within, every=0.01)
 
 
 async def run_status(store: RunStore, run_id: str) -> str:

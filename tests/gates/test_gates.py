@@ -29,7 +29,6 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner, Result
 
-import _stores
 import tailrace as tr
 from tailrace.cli._app import app
 from tailrace.gates import (
@@ -43,11 +42,11 @@ from tailrace.gates import (
     serve,
 )
 from tailrace.stores import MemoryStore, QuestionRow, QuestionStatus, RunStore, SQLiteStore
+from tests.gates import backends
 
 HERE = Path(__file__).resolve().parent
 
 
-backends = _stores.load_module("tailrace_tests_gate_backends", HERE / "backends.py")
 graphs = backends.graphs
 Backend = backends.Backend
 backend = backends.backend  # the fixture: each store in turn

@@ -34,7 +34,6 @@ from typing import Any
 
 import pytest
 
-import _stores
 import tailrace as tr
 from tailrace.gates import GateTimeout, Server, WaitState
 from tailrace.stores import (
@@ -47,11 +46,11 @@ from tailrace.stores import (
     RunStatus,
     RunStore,
 )
+from tests.gates import backends
 
 HERE = Path(__file__).resolve().parent
 
 
-backends = _stores.load_module("tailrace_tests_gate_backends", HERE / "backends.py")
 graphs = backends.graphs
 backend = backends.backend  # the fixture: each store in turn
 side = backends.side
@@ -94,6 +93,7 @@ async def _question(store: RunStore, question_id: str) -> QuestionRow:
 # -- finding 5: stuck answers never starve the others -------------------------------------
 
 
+@pytest.mark.slow
 async def test_finding5_unappliable_answers_never_starve_an_applicable_one(
     backend: Backend, side: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

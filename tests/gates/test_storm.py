@@ -43,15 +43,17 @@ from typing import Any, TextIO
 
 import pytest
 
-import _stores
 import tailrace as tr
 from tailrace.gates import ResumeWorker
 from tailrace.stores import QuestionStatus, RunStore
+from tests import fixtures
+
+pytestmark = pytest.mark.slow  # storms of threads and processes racing answers
 
 HERE = Path(__file__).resolve().parent
 GRAPH_FILE = HERE / "gate_graphs.py"
 ACTOR_FILE = HERE / "storm_actor.py"
-POSTGRES_DSN = _stores.POSTGRES_DSN
+POSTGRES_DSN = fixtures.POSTGRES_DSN
 TRIALS = int(os.environ.get("TAILRACE_STORM_TRIALS", "50"))
 RESTARTS = int(os.environ.get("TAILRACE_STORM_RESTARTS", "6"))
 SEED = int(os.environ.get("TAILRACE_STORM_SEED", "20261201"))
@@ -61,12 +63,12 @@ WAIT = 60.0
 SCRIPT = Path(sys.executable).parent / "tailrace"
 
 
-graphs = _stores.load_module("tailrace_tests_gate_graphs", GRAPH_FILE)
-actor = _stores.load_module("tailrace_tests_storm_actor", ACTOR_FILE)
+graphs = fixtures.load_module("tailrace_tests_gate_graphs", GRAPH_FILE)
+actor = fixtures.load_module("tailrace_tests_storm_actor", ACTOR_FILE)
 APPROVAL_REF = f"{GRAPH_FILE}:approval"
 PADDED_REF = f"{GRAPH_FILE}:padded"
 
-STORES = _stores.SHARED_STORES
+STORES = fixtures.SHARED_STORES
 
 
 @dataclass(frozen=True)
@@ -90,11 +92,11 @@ def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Databas
         yield Database("sqlite", str(tmp_path / "storm.db"))
         return
     assert POSTGRES_DSN is not None
-    schema = _stores.new_schema("tailrace_storm")
+    schema = fixtures.new_schema("tailrace_storm")
     try:
         yield Database("postgres", POSTGRES_DSN, schema)
     finally:
-        _stores.drop_schema_sync(schema)
+        fixtures.drop_schema_sync(schema)
 
 
 # -- the racers -------------------------------------------------------------------------
@@ -516,7 +518,7 @@ def test_threads_resuming_by_module_reference_all_find_the_graph(
     name = f"tailrace_tests_slow_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{name}.py").write_text(SLOW_IMPORT)
     monkeypatch.syspath_prepend(str(tmp_path))
-    slow = _stores.load_module(
+    slow = fixtures.load_module(
         f"{name}_owner", tmp_path / f"{name}.py"
     )  # the owner's copy, not the module
     db = tmp_path / "import.db"

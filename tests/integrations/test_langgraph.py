@@ -17,7 +17,7 @@ from typing import Any, TypedDict
 
 import pytest
 
-import _stores
+from tests import fixtures
 
 pytest.importorskip("langgraph")
 pytest.importorskip("langgraph.checkpoint.sqlite")
@@ -38,7 +38,7 @@ from tailrace.stores import (
     SQLiteStore,
 )
 
-lg = _stores.load_module(
+lg = fixtures.load_module(
     "tailrace_tests_integrations_lg_graphs", Path(__file__).with_name("lg_graphs.py")
 )
 

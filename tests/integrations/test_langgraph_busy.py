@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-import _stores
+from tests import fixtures
 
 pytest.importorskip("langgraph")
 pytest.importorskip("langgraph.checkpoint.sqlite")
@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 TRIALS = 20
 
 
-lg = _stores.load_module("tailrace_tests_integrations_lg_graphs", HERE / "lg_graphs.py")
+lg = fixtures.load_module("tailrace_tests_integrations_lg_graphs", HERE / "lg_graphs.py")
 
 
 @pytest.fixture
@@ -45,10 +45,10 @@ async def store(tmp_path: Path) -> AsyncIterator[SQLiteStore]:
         yield s
 
 
-@pytest.fixture(params=_stores.SHARED_STORES)
+@pytest.fixture(params=fixtures.SHARED_STORES)
 async def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[RunStore]:
     """The tailrace store on SQLite, or on Postgres in a schema of its own."""
-    async with _stores.open_store(
+    async with fixtures.open_store(
         request.param, tmp_path, filename="tailrace.db", prefix="lg_busy", max_size=4
     ) as opened:
         yield opened
@@ -86,6 +86,7 @@ async def _assert_completed_once(
 # --- both answered at once, in one event loop ---------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sync", "async"])
 async def test_both_answers_at_once_complete_the_graph_without_a_sweep(
     tmp_path: Path, any_store: RunStore, kind: str
@@ -231,6 +232,7 @@ async def test_an_answer_arriving_while_the_holder_lets_go_is_applied(
 # --- four processes race both answers and both resumes -------------------------------
 
 
+@pytest.mark.slow
 async def test_four_processes_racing_parallel_answers_apply_each_once(
     tmp_path: Path, store: SQLiteStore
 ) -> None:

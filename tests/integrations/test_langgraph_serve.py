@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-import _stores
+from tests import fixtures
 
 pytest.importorskip("langgraph")
 pytest.importorskip("langgraph.checkpoint.sqlite")
@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 WAIT = 60.0
 
 
-lg = _stores.load_module("tailrace_tests_integrations_lg_graphs", HERE / "lg_graphs.py")
+lg = fixtures.load_module("tailrace_tests_integrations_lg_graphs", HERE / "lg_graphs.py")
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ async def store(tmp_path: Path) -> AsyncIterator[SQLiteStore]:
 
 async def eventually(what: str, check: Callable[[], Awaitable[bool]]) -> None:
     """Poll the observed state until ``check`` holds; fail naming ``what`` after a generous wait."""
-    await _stores.until(check, what, guard=WAIT, every=0.02)
+    await fixtures.until(check, what, guard=WAIT, every=0.02)
 
 
 async def completed(store: SQLiteStore, thread_id: str) -> bool:
@@ -230,6 +230,7 @@ async def _wait_for_polls(path: Path, count: int, daemon: subprocess.Popen[bytes
     await eventually(f"{count} polls", enough)
 
 
+@pytest.mark.slow
 async def test_a_restarted_daemon_completes_a_thread_that_waits_on_ci(
     tmp_path: Path, store: SQLiteStore
 ) -> None:

@@ -31,6 +31,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -336,6 +337,7 @@ async def run_engine(spec: Spec) -> tuple[Outcome, VirtualClock, Any]:
     return out, clock, None
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=specs())
 def test_engine_matches_reference_interpreter(spec: Spec) -> None:

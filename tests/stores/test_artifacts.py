@@ -44,9 +44,10 @@ from tailrace.stores._sql._statements import (
 )
 
 if TYPE_CHECKING:
-    from conftest import Backend
+    from tests.fixtures import Backend
 
-POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
+from tests.fixtures import POSTGRES_DSN
+
 SRC_DIR = Path(stores.__file__).resolve().parents[2]
 ENTRIES = json.dumps({"system": "Sé breve ✓", "style": "terse"}, ensure_ascii=False)
 
@@ -232,6 +233,7 @@ async def _race_in_processes(args: list[str], count: int) -> list[dict[str, Any]
                 await p.wait()
 
 
+@pytest.mark.slow
 async def test_commits_racing_across_processes_have_exactly_one_winner(backend: Backend) -> None:
     if backend.sibling is None:
         pytest.skip("a memory store is one process's own")

@@ -25,7 +25,7 @@ import pytest
 from tailrace.stores import Harvest, NewRun, ResultRow, SQLiteStore
 
 if TYPE_CHECKING:
-    from conftest import Backend
+    from tests.fixtures import Backend
 
 T = TypeVar("T")
 TTL = 30.0

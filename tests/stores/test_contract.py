@@ -44,12 +44,13 @@ from tailrace.stores import (
 )
 from tailrace.stores._floor import postgres_raw_commit_rate, sqlite_raw_commit_rate
 from tailrace.stores._sql._statements import MIGRATIONS
+from tests.fixtures import POSTGRES_DSN
 
 if TYPE_CHECKING:
-    from conftest import Backend
+    from tests.fixtures import Backend
 
 TTL = 30.0
-POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
+
 SRC_DIR = Path(stores.__file__).resolve().parents[2]
 
 

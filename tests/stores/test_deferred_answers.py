@@ -29,7 +29,7 @@ from tailrace.stores._sql._statements import (
 )
 
 if TYPE_CHECKING:
-    from conftest import Backend
+    from tests.fixtures import Backend
 
 #: How to bring question "q1" into each state (as in test_questions).
 STATES = ["open", "answered", "expired", "applied", "expired-applied", "superseded"]

@@ -19,7 +19,7 @@ from tailrace._errors import LeaseHeld, LeaseLost, RunNotFound
 from tailrace.stores import Harvest, NewRun, RunStore
 
 if TYPE_CHECKING:
-    from conftest import Backend
+    from tests.fixtures import Backend
 
 TTL = 30.0
 

@@ -29,7 +29,7 @@ from tailrace.stores import (
 )
 
 if TYPE_CHECKING:
-    from conftest import Backend
+    from tests.fixtures import Backend
 
 TTL = 30.0
 BAD = {"nul": "a\x00b", "surrogate": "a\ud800b"}

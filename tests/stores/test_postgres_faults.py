@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -38,8 +37,8 @@ from tailrace.stores import (
     ResultRow,
     RunStatus,
 )
+from tests.fixtures import POSTGRES_DSN
 
-POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
 HANG_GUARD = 20.0
 TTL = 30.0
 

@@ -47,12 +47,13 @@ from tailrace.stores._sql._statements import (
     MIGRATIONS,
     new_run_params,
 )
+from tests.fixtures import POSTGRES_DSN
 
 if TYPE_CHECKING:
-    from conftest import Backend
+    from tests.fixtures import Backend
 
 TTL = 30.0
-POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
+
 SRC_DIR = Path(stores.__file__).resolve().parents[2]
 
 
@@ -293,6 +294,7 @@ asyncio.run(main(*sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 async def test_answers_racing_across_processes_have_exactly_one_winner(backend: Backend) -> None:
     if backend.sibling is None:
         pytest.skip("a memory store is one process's own")

@@ -30,7 +30,7 @@ from tailrace.stores import (
 )
 
 if TYPE_CHECKING:
-    from conftest import Backend
+    from tests.fixtures import Backend
 
 TTL = 30.0
 

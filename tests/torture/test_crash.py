@@ -23,8 +23,12 @@ from types import ModuleType
 
 import pytest
 
+from tests.fixtures import POSTGRES_DSN, SHARED_STORES
+
+pytestmark = pytest.mark.slow  # SIGKILLs a durable run at seeded moments, 30 times a store
+
 BENCH_TORTURE = Path(__file__).resolve().parents[2] / "bench" / "torture.py"
-POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
+
 KILLS = int(os.environ.get("TAILRACE_TORTURE_KILLS", "30"))
 SEED = int(os.environ.get("TAILRACE_TORTURE_SEED", "20261129"))
 
@@ -46,21 +50,7 @@ def load_harness() -> ModuleType:
     return module
 
 
-@pytest.mark.parametrize(
-    "store",
-    [
-        "sqlite",
-        pytest.param(
-            "postgres",
-            marks=[
-                pytest.mark.postgres,
-                pytest.mark.skipif(
-                    POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set"
-                ),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("store", SHARED_STORES)
 def test_sigkill_at_random_points_then_resume(store: str, tmp_path: Path) -> None:
     torture = load_harness()
     seed = SEED + (1 if store == "postgres" else 0)

@@ -1,8 +1,8 @@
 """Runs for the dashboard's tests, made by the real engine on a real store.
 
-Loaded by the test modules as ``tailrace_tests_ui_scenarios`` (``tests/`` is
-not a package), so the graphs here have a module reference a run records and
-the dashboard can import, like an installed package's graphs.
+Loaded by path as ``tailrace_tests_ui_scenarios`` (``tests.ui.support`` does it),
+so the graphs here have a module reference a run records and the dashboard can
+import, like an installed package's graphs.
 
 Handlers never sleep to order themselves: the slow tool waits for the merge
 to fire (an event), the hedged node's first attempt waits until it is

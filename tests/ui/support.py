@@ -1,29 +1,31 @@
-"""Helpers of the dashboard's tests, loaded by ``conftest.py`` as ``tailrace_tests_ui_support``.
+"""Helpers of the dashboard's tests, imported as ``tests.ui.support``.
 
-Test modules import it by that name (``tests/`` is not a package).
+``scenarios`` is ``scenarios.py``, loaded by path as ``tailrace_tests_ui_scenarios``:
+runs record that module reference and the dashboard imports it, like an installed
+package's graphs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from starlette.testclient import TestClient
 
 from tailrace.stores import RunStore
 from tailrace.ui import UiConfig, create_app
+from tests import fixtures
 
-scenarios = sys.modules["tailrace_tests_ui_scenarios"]
+scenarios = fixtures.load_module(
+    "tailrace_tests_ui_scenarios", Path(__file__).with_name("scenarios.py")
+)
 T = TypeVar("T")
 
 TOKEN = "test-token-0123456789"
-POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
 
 
 Factory = Callable[[bool], RunStore]
@@ -32,20 +34,12 @@ Factory = Callable[[bool], RunStore]
 @contextlib.asynccontextmanager
 async def postgres_schema() -> AsyncIterator[Factory]:
     """A factory of Postgres stores on a fresh schema, dropped afterwards."""
-    import psycopg
-    from psycopg import sql
-
     from tailrace.stores import PostgresStore
 
-    assert POSTGRES_DSN is not None
-    schema = f"tailrace_ui_{uuid.uuid4().hex[:12]}"
-    try:
-        yield lambda read_only: PostgresStore(POSTGRES_DSN, schema=schema, read_only=read_only)
-    finally:
-        async with await psycopg.AsyncConnection.connect(POSTGRES_DSN, autocommit=True) as conn:
-            await conn.execute(
-                sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
-            )
+    dsn = fixtures.POSTGRES_DSN
+    assert dsn is not None
+    async with fixtures.postgres_schema("tailrace_ui") as schema:
+        yield lambda read_only: PostgresStore(dsn, schema=schema, read_only=read_only)
 
 
 @contextlib.contextmanager

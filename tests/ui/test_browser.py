@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,20 +19,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tailrace_tests_ui_support import (  # loaded by conftest.py
-    TOKEN,
-    Background,
-    Factory,
-    in_thread,
-    served,
-)
 
 import tailrace as tr
 from tailrace.cli._evolve import run_demo
 from tailrace.ui import UiConfig
 from tailrace.ui._links import run_url
+from tests.ui.support import (
+    TOKEN,
+    Background,
+    Factory,
+    in_thread,
+    scenarios,
+    served,
+)
 
-scenarios = sys.modules["tailrace_tests_ui_scenarios"]
 CHROMIUM = next(
     (
         p
@@ -46,10 +45,13 @@ CHROMIUM = next(
     ),
     None,
 )
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None,
-    reason="no chromium binary: install Debian's package (apt-get install -y chromium) or set TAILRACE_CHROMIUM",
-)
+pytestmark = [
+    pytest.mark.slow,  # a real browser
+    pytest.mark.skipif(
+        CHROMIUM is None,
+        reason="no chromium binary: install Debian's package (apt-get install -y chromium) or set TAILRACE_CHROMIUM",
+    ),
+]
 WAIT_MS = 20_000  # generous: only there so a bug fails a test instead of hanging it
 STEPS = ("step1", "step2", "step3", "step4")
 

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
-from tailrace_tests_ui_support import TOKEN, Factory, dashboard, resumer_of  # loaded by conftest.py
 
 import tailrace as tr
 from tailrace.stores import QuestionRow, QuestionStatus, RunRecord
 from tailrace.ui._app import _same_page
-
-scenarios = sys.modules["tailrace_tests_ui_scenarios"]
+from tests.ui.support import TOKEN, Factory, dashboard, resumer_of, scenarios
 
 
 def suspended(factory: Factory, run_id: str = "gated", graph: tr.Graph | None = None) -> str:

@@ -18,8 +18,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tailrace.cli._app import app
+from tests.ui.support import scenarios
 
-scenarios = sys.modules["tailrace_tests_ui_scenarios"]
 SCRIPT = Path(sys.executable).parent / "tailrace"
 DEADLINE = 30.0
 
@@ -75,6 +75,7 @@ def gated_db(path: Path) -> str:
     return asyncio.run(make())
 
 
+@pytest.mark.slow
 def test_it_prints_an_address_with_a_token_serves_pages_and_accepts_a_token_change(
     tmp_path: Path, stopped: list[subprocess.Popen[str]]
 ) -> None:
@@ -98,6 +99,7 @@ def test_it_prints_an_address_with_a_token_serves_pages_and_accepts_a_token_chan
     assert proc.stdout is not None and "stopped" in proc.stdout.read()
 
 
+@pytest.mark.slow
 def test_read_only_prints_no_token_and_refuses_changes(
     tmp_path: Path, stopped: list[subprocess.Popen[str]]
 ) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 from tailrace._attempts import Attempt, Outcome
 from tailrace.stores import ArtifactVersion, EventRow, NodeRow
@@ -11,8 +10,7 @@ from tailrace.ui._curve import reward_curve, version_rows
 from tailrace.ui._gantt import LABEL_W, TRACK_W, gantt
 from tailrace.ui._layout import layout, shape_from_store, shape_of_graph
 from tailrace.ui._security import script_json, token_matches
-
-scenarios = sys.modules["tailrace_tests_ui_scenarios"]  # loaded by conftest.py
+from tests.ui.support import scenarios
 
 
 def row(node_id: str, status: str = "completed", visits: int = 1, data: object = None) -> NodeRow:

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import re
-import sys
-
-from tailrace_tests_ui_support import TOKEN, Factory, dashboard  # loaded by conftest.py
 
 import tailrace as tr
 from tailrace.stores import Queue, RunStatus
 from tailrace.ui._fleet import limits_text
-
-scenarios = sys.modules["tailrace_tests_ui_scenarios"]
+from tests.ui.support import TOKEN, Factory, dashboard, scenarios
 
 
 def fleet(factory: Factory) -> None:

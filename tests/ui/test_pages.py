@@ -5,19 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-from tailrace_tests_ui_support import Factory, dashboard  # loaded by conftest.py
 
 import tailrace as tr
 from tailrace.stores import MemoryStore, NewRun, QuestionStatus, RunRecord, RunStatus
 from tailrace.ui._links import run_url
 from tailrace.ui._views import RUN_FILTERS, runs_page
-
-scenarios = sys.modules["tailrace_tests_ui_scenarios"]
+from tests.ui.support import Factory, dashboard, scenarios
 
 
 def run_ids(html: str) -> list[str]:

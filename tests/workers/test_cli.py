@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
-import _stores
 from tailrace.cli._app import app
 from tailrace.stores import Queue, SQLiteStore
+from tests import fixtures
 
 GRAPHS = Path(__file__).with_name("fleet_graphs.py")
-fleet = _stores.load_module(
+fleet = fixtures.load_module(
     "tailrace_bench_fleet", Path(__file__).resolve().parents[2] / "bench" / "fleet.py"
 )
 BASE_ENV: dict[str, str | None] = {
@@ -90,7 +90,7 @@ def worker_process(db: Path, tmp_path: Path) -> Iterator[list[subprocess.Popen[s
     for proc in started:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=_stores.HANG_GUARD)
+        proc.communicate(timeout=fixtures.HANG_GUARD)
 
 
 def start_worker(
@@ -104,7 +104,7 @@ def start_worker(
     started.append(proc)
     assert proc.stdout is not None
     banner = proc.stdout.readline()  # printed once the store is open and the queues declared
-    assert "serving " in banner, banner + proc.communicate(timeout=_stores.HANG_GUARD)[1]
+    assert "serving " in banner, banner + proc.communicate(timeout=fixtures.HANG_GUARD)[1]
     return proc
 
 
@@ -132,7 +132,7 @@ def test_a_queue_object_named_on_the_command_line_is_declared(
         # The banner comes as the worker starts; it declares its queues as it
         # begins serving: poll for the declaration (a hang guard, not a timing).
         async with SQLiteStore(db) as store:
-            queues: list[Queue] = await _stores.until(store.queues, "the worker's queues declared")
+            queues: list[Queue] = await fixtures.until(store.queues, "the worker's queues declared")
             return queues
 
     assert asyncio.run(declared()) == [
@@ -197,7 +197,7 @@ def test_langgraph_graphs_given_names_are_served(
         f"two={source}:second",
     )  # fmt: skip
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=_stores.HANG_GUARD)
+    out, err = proc.communicate(timeout=fixtures.HANG_GUARD)
     assert proc.returncode == 0, err
     assert "stopped: WorkerStats(" in out
 

@@ -20,16 +20,18 @@ from pathlib import Path
 
 import pytest
 
-import _stores
 from tailrace import Engine
 from tailrace.stores import QuestionStatus, RunStatus, open_store
+from tests import fixtures
+
+pytestmark = pytest.mark.slow  # fleets of worker processes, SIGKILLed and restarted
 
 GRAPHS = Path(__file__).with_name("fleet_graphs.py")
-graphs = _stores.load_module("fleet_graphs", GRAPHS)
-fleet = _stores.load_module(
+graphs = fixtures.load_module("fleet_graphs", GRAPHS)
+fleet = fixtures.load_module(
     "tailrace_bench_fleet", Path(__file__).resolve().parents[2] / "bench" / "fleet.py"
 )
-until = _stores.until
+until = fixtures.until
 KILLS = int(os.environ.get("TAILRACE_FLEET_KILLS", "30"))
 SEED = int(os.environ.get("TAILRACE_FLEET_SEED", "20261201"))
 
@@ -38,14 +40,14 @@ SEED = int(os.environ.get("TAILRACE_FLEET_SEED", "20261201"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("store", _stores.SHARED_STORES)
+@pytest.mark.parametrize("store", fixtures.SHARED_STORES)
 def test_a_fleet_with_workers_killed_completes_every_run_exactly(
     store: str, tmp_path: Path
 ) -> None:
     seed = SEED + (1 if store == "postgres" else 0)
     config = fleet.TortureConfig(runs=400, kills=KILLS)
     stats = fleet.torture(
-        store, workdir=tmp_path, seed=seed, dsn=_stores.POSTGRES_DSN, config=config
+        store, workdir=tmp_path, seed=seed, dsn=fixtures.POSTGRES_DSN, config=config
     )
     report = f"{stats}\n" + "\n".join(stats.problems)
     assert stats.kills >= KILLS, report
@@ -73,9 +75,9 @@ class Fleet:
         self.url = (
             str(tmp_path / "fleet.db")
             if kind == "sqlite"
-            else f"{_stores.POSTGRES_DSN}&schema={schema}"
-            if "?" in (_stores.POSTGRES_DSN or "")
-            else f"{_stores.POSTGRES_DSN}?schema={schema}"
+            else f"{fixtures.POSTGRES_DSN}&schema={schema}"
+            if "?" in (fixtures.POSTGRES_DSN or "")
+            else f"{fixtures.POSTGRES_DSN}?schema={schema}"
         )
         self.tmp_path = tmp_path
         self.side = tmp_path / "side.log"
@@ -109,22 +111,22 @@ class Fleet:
                 proc.send_signal(signal.SIGTERM)
         for proc in self.workers:
             try:
-                proc.wait(timeout=_stores.HANG_GUARD)
+                proc.wait(timeout=fixtures.HANG_GUARD)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
 
 
-@pytest.fixture(params=_stores.SHARED_STORES)
+@pytest.fixture(params=fixtures.SHARED_STORES)
 def fleet_of(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Fleet]:
-    schema = _stores.new_schema("fleet") if request.param == "postgres" else None
+    schema = fixtures.new_schema("fleet") if request.param == "postgres" else None
     workers = Fleet(request.param, tmp_path, schema)
     try:
         yield workers
     finally:
         workers.stop_all()
         if schema is not None:
-            _stores.drop_schema_sync(schema)
+            fixtures.drop_schema_sync(schema)
 
 
 @contextlib.asynccontextmanager
@@ -191,7 +193,7 @@ async def test_a_dead_workers_run_is_adopted_at_once_not_after_its_lease(
         monkeypatch.setenv("TAILRACE_TEST_CRAWL", "0")
         fleet_of.start("--lease-ttl", 3600, env={"TAILRACE_TEST_CRAWL": "0"})
         # The lease would last an hour: only the dead-owner path can finish it in time.
-        result = await submitter.wait(run_id, timeout=_stores.HANG_GUARD)
+        result = await submitter.wait(run_id, timeout=fixtures.HANG_GUARD)
     assert (result.status, result.output) == ("completed", 2)
     assert fleet_of.starts()[(run_id, "warm", 1)] == 1  # committed before the kill: not re-run
 
@@ -204,11 +206,11 @@ async def test_sigterm_drains_releases_the_lease_and_another_worker_finishes(
         first = fleet_of.start("--grace", 0.2, env={"TAILRACE_TEST_CRAWL": "3600"})
         await until(lambda: (run_id, "crawl", 1) in fleet_of.starts(), "the run to be crawling")
         first.send_signal(signal.SIGTERM)
-        assert await asyncio.to_thread(first.wait, _stores.HANG_GUARD) == 0, fleet_of.log(0)
+        assert await asyncio.to_thread(first.wait, fixtures.HANG_GUARD) == 0, fleet_of.log(0)
         assert submitter.store is not None
         record = await submitter.store.get_run(run_id)
         assert (record.status, record.lease_owner) == (RunStatus.RUNNING, None)
         assert "stopped: WorkerStats(" in fleet_of.log(0)
         fleet_of.start(env={"TAILRACE_TEST_CRAWL": "0"})
-        result = await submitter.wait(run_id, timeout=_stores.HANG_GUARD)
+        result = await submitter.wait(run_id, timeout=fixtures.HANG_GUARD)
     assert (result.status, result.output) == ("completed", 6)

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-import _stores
 from tailrace import Engine, Graph, GraphMismatch, NotResumable
 from tailrace.stores import RunStatus, SQLiteStore
 from tailrace.workers import Worker
+from tests import fixtures
 
-store = _stores.each_store
+store = fixtures.each_store
 
 
 def shaped(name: str, calls: list[str], *, gated: bool = False) -> Graph:
@@ -80,7 +80,7 @@ async def test_a_stored_cost_that_is_no_number_never_poisons_later_estimates(
         stop = asyncio.Event()
         working = asyncio.create_task(Worker(first, graphs=[graph], poll_interval=0.05).run(stop))
         try:
-            result = await engine.wait(run_id, timeout=_stores.HANG_GUARD)
+            result = await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
         finally:
             stop.set()
             await working

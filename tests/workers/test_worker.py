@@ -17,21 +17,21 @@ from pathlib import Path
 
 import pytest
 
-import _stores
 from tailrace import Engine
 from tailrace.core._queued import estimates_of
 from tailrace.stores import NewRun, QuestionStatus, Queue, RunStatus
 from tailrace.workers import DuplicateRun, RunFailed, Worker
+from tests import fixtures
 
-graphs = _stores.load_module("fleet_graphs", Path(__file__).with_name("fleet_graphs.py"))
-until = _stores.until
+graphs = fixtures.load_module("fleet_graphs", Path(__file__).with_name("fleet_graphs.py"))
+until = fixtures.until
 
 
-@pytest.fixture(params=_stores.ALL_STORES)
-async def db(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[_stores.Database]:
+@pytest.fixture(params=fixtures.ALL_STORES)
+async def db(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[fixtures.Database]:
     graphs.reset()
-    async with _stores.database(
-        request.param, tmp_path, cls=_stores.Database, filename="fleet.db", max_size=4
+    async with fixtures.database(
+        request.param, tmp_path, cls=fixtures.Database, filename="fleet.db", max_size=4
     ) as database:
         yield database
 
@@ -48,11 +48,11 @@ async def working(worker: Worker) -> AsyncIterator[Worker]:
         await task
 
 
-async def engine_on(db: _stores.Database) -> Engine:
+async def engine_on(db: fixtures.Database) -> Engine:
     return Engine(store=await db.store())
 
 
-async def worker_on(db: _stores.Database, **options: object) -> Worker:
+async def worker_on(db: fixtures.Database, **options: object) -> Worker:
     options.setdefault("graphs", [graphs.chain, graphs.failing, graphs.gated, graphs.held])
     options.setdefault("poll_interval", 0.2)
     return Worker(await db.store(), **options)  # type: ignore[arg-type]
@@ -62,13 +62,13 @@ async def worker_on(db: _stores.Database, **options: object) -> Worker:
 
 
 async def test_a_worker_runs_what_was_submitted_and_anyone_waits_for_it(
-    db: _stores.Database,
+    db: fixtures.Database,
 ) -> None:
     submitter, waiter = await engine_on(db), await engine_on(db)
     run_id = await submitter.submit(graphs.chain, 20, queue="default")
     assert (await (await db.store()).get_run(run_id)).status is RunStatus.QUEUED
     async with working(await worker_on(db)):
-        result = await waiter.wait(run_id, timeout=_stores.HANG_GUARD)
+        result = await waiter.wait(run_id, timeout=fixtures.HANG_GUARD)
     expected = await Engine().run(graphs.chain, 20)
     assert (result.status, result.output, result.results) == (
         "completed", expected.output, expected.results,
@@ -77,7 +77,7 @@ async def test_a_worker_runs_what_was_submitted_and_anyone_waits_for_it(
     assert events[0] == "run_started" and events[-1] == "run_completed"
 
 
-async def test_a_live_dedup_key_returns_its_run_or_raises(db: _stores.Database) -> None:
+async def test_a_live_dedup_key_returns_its_run_or_raises(db: fixtures.Database) -> None:
     engine = await engine_on(db)
     first = await engine.submit(graphs.chain, 1, dedup_key="order-7")
     assert await engine.submit(graphs.chain, 2, dedup_key="order-7") == first
@@ -87,18 +87,18 @@ async def test_a_live_dedup_key_returns_its_run_or_raises(db: _stores.Database) 
     assert len(await (await db.store()).list_runs(queue="default")) == 1
 
 
-async def test_a_failed_run_raises_its_stored_error_to_the_waiter(db: _stores.Database) -> None:
+async def test_a_failed_run_raises_its_stored_error_to_the_waiter(db: fixtures.Database) -> None:
     engine = await engine_on(db)
     run_id = await engine.submit(graphs.failing, 3)
     async with working(await worker_on(db)) as worker:
         with pytest.raises(RunFailed, match="bad input 3") as info:
-            await engine.wait(run_id, timeout=_stores.HANG_GUARD)
+            await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
     assert info.value.result.status == "failed"
     assert worker.stats.failed == 1
 
 
 async def test_waiting_for_a_run_nobody_works_on_times_out_naming_it(
-    db: _stores.Database,
+    db: fixtures.Database,
 ) -> None:
     engine = await engine_on(db)
     run_id = await engine.submit(graphs.chain, 1, run_id="lonely")
@@ -109,20 +109,20 @@ async def test_waiting_for_a_run_nobody_works_on_times_out_naming_it(
 # --- cancel ----------------------------------------------------------------------------------
 
 
-async def test_a_queued_run_cancelled_is_never_started(db: _stores.Database) -> None:
+async def test_a_queued_run_cancelled_is_never_started(db: fixtures.Database) -> None:
     engine = await engine_on(db)
     doomed = await engine.submit(graphs.chain, 1)
     assert await engine.cancel(doomed) == "cancelled"
     later = await engine.submit(graphs.chain, 2)
     async with working(await worker_on(db)):
-        await engine.wait(later, timeout=_stores.HANG_GUARD)  # the worker went past it
+        await engine.wait(later, timeout=fixtures.HANG_GUARD)  # the worker went past it
     result = await engine.wait(doomed)
     assert (result.status, result.results) == ("cancelled", {})
     assert await (await db.store()).events(doomed) == []
 
 
 async def test_a_running_run_is_cancelled_at_its_next_harvest_by_its_worker(
-    db: _stores.Database,
+    db: fixtures.Database,
 ) -> None:
     engine = await engine_on(db)
     run_id = await engine.submit(graphs.held, 5)
@@ -131,7 +131,7 @@ async def test_a_running_run_is_cancelled_at_its_next_harvest_by_its_worker(
         # Another engine (not the driver) asks; the worker's engine ends it (it may
         # have done so already when the answer comes back).
         assert await (await engine_on(db)).cancel(run_id) in ("running", "cancelled")
-        result = await engine.wait(run_id, timeout=_stores.HANG_GUARD)
+        result = await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
     assert result.status == "cancelled"
     assert graphs.SEEN["cancelled"] == [run_id]  # the in-flight handler was cancelled
     events = await (await db.store()).events(run_id)
@@ -141,7 +141,7 @@ async def test_a_running_run_is_cancelled_at_its_next_harvest_by_its_worker(
 
 
 async def test_a_run_driven_by_a_plain_engine_run_hears_a_cancel_from_another_engine(
-    db: _stores.Database,
+    db: fixtures.Database,
 ) -> None:
     # No worker: engine.run drives it, and another engine (another process, as far
     # as the store can tell) asks; the driver hears it at a lease heartbeat.
@@ -150,7 +150,7 @@ async def test_a_run_driven_by_a_plain_engine_run_hears_a_cancel_from_another_en
     try:
         await until(graphs.HOLD["started"].is_set, "the held handler to start")
         assert await (await engine_on(db)).cancel("plain") == "running"  # not theirs to end
-        async with asyncio.timeout(_stores.HANG_GUARD):
+        async with asyncio.timeout(fixtures.HANG_GUARD):
             result = await running
     finally:
         running.cancel()
@@ -162,12 +162,12 @@ async def test_a_run_driven_by_a_plain_engine_run_hears_a_cancel_from_another_en
 
 
 async def test_a_suspended_run_is_cancelled_at_once_and_its_question_superseded(
-    db: _stores.Database,
+    db: fixtures.Database,
 ) -> None:
     engine = await engine_on(db)
     run_id = await engine.submit(graphs.gated, "deploy?")
     async with working(await worker_on(db)):
-        suspended = await engine.wait(run_id, timeout=_stores.HANG_GUARD)
+        suspended = await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
     (question,) = suspended.questions
     assert await engine.cancel(run_id) == "cancelled"
     store = await db.store()
@@ -178,11 +178,11 @@ async def test_a_suspended_run_is_cancelled_at_once_and_its_question_superseded(
 # --- answers ----------------------------------------------------------------------------------
 
 
-async def test_an_answer_recorded_elsewhere_is_applied_by_a_worker(db: _stores.Database) -> None:
+async def test_an_answer_recorded_elsewhere_is_applied_by_a_worker(db: fixtures.Database) -> None:
     engine = await engine_on(db)
     run_id = await engine.submit(graphs.gated, "ship it?")
     async with working(await worker_on(db)) as worker:
-        (question,) = (await engine.wait(run_id, timeout=_stores.HANG_GUARD)).questions
+        (question,) = (await engine.wait(run_id, timeout=fixtures.HANG_GUARD)).questions
         await (await engine_on(db)).answer(question.question_id, "yes", resume=False)
         await until(
             lambda: _status_is(db, run_id, RunStatus.COMPLETED), "the answered run to complete"
@@ -194,14 +194,14 @@ async def test_an_answer_recorded_elsewhere_is_applied_by_a_worker(db: _stores.D
     assert row.status is QuestionStatus.APPLIED
 
 
-async def _status_is(db: _stores.Database, run_id: str, status: RunStatus) -> bool:
+async def _status_is(db: fixtures.Database, run_id: str, status: RunStatus) -> bool:
     return (await (await db.store()).get_run(run_id)).status is status
 
 
 # --- limits ------------------------------------------------------------------------------------
 
 
-async def test_queue_limits_hold_across_workers_and_within_one(db: _stores.Database) -> None:
+async def test_queue_limits_hold_across_workers_and_within_one(db: fixtures.Database) -> None:
     engine = await engine_on(db)
     await engine.store.declare_queue(Queue("q", concurrency=3, worker_concurrency=2))
     ids = [await engine.submit(graphs.held, n, queue="q") for n in range(7)]
@@ -217,12 +217,12 @@ async def test_queue_limits_hold_across_workers_and_within_one(db: _stores.Datab
         assert max(owners.count(a.owner), owners.count(b.owner)) == 2  # worker_concurrency
         graphs.HOLD["release"].set()
         for run_id in ids:
-            await engine.wait(run_id, timeout=_stores.HANG_GUARD)
+            await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
     assert max(graphs.SEEN["peak"]) == 3
     assert a.stats.claimed + b.stats.claimed == 7
 
 
-async def test_an_lpt_queue_starts_the_longest_estimate_first(db: _stores.Database) -> None:
+async def test_an_lpt_queue_starts_the_longest_estimate_first(db: fixtures.Database) -> None:
     engine = await engine_on(db)
     await (await db.store()).declare_queue(Queue("lpt", order="lpt"))
     estimates = {"short": 1.0, "long": 30.0, "middle": 5.0}
@@ -230,7 +230,7 @@ async def test_an_lpt_queue_starts_the_longest_estimate_first(db: _stores.Databa
         await engine.submit(graphs.chain, 1, queue="lpt", run_id=run_id, estimate=seconds)
     async with working(await worker_on(db, queues=["lpt"], concurrency=1)):
         for run_id in estimates:
-            await engine.wait(run_id, timeout=_stores.HANG_GUARD)
+            await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
     store = await db.store()
     records = {run_id: await store.get_run(run_id) for run_id in estimates}
     assert sorted(records, key=lambda r: records[r].started_at or 0.0) == [
@@ -243,7 +243,7 @@ async def test_an_lpt_queue_starts_the_longest_estimate_first(db: _stores.Databa
 async def test_the_estimator_fits_completed_runs_and_submit_stores_its_estimate(
     tmp_path: Path,
 ) -> None:
-    clock = _stores.FakeClock()
+    clock = fixtures.FakeClock()
     from tailrace.stores import Harvest, NewRun, SQLiteStore, Submission
 
     async with SQLiteStore(tmp_path / "est.db", clock=clock) as store:
@@ -269,7 +269,7 @@ async def test_the_estimator_fits_completed_runs_and_submit_stores_its_estimate(
 
 
 async def test_orphans_no_target_here_drives_never_hide_the_ones_it_does(
-    db: _stores.Database, caplog: pytest.LogCaptureFixture
+    db: fixtures.Database, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Five orphans of a graph this worker does not have sort before one it has, and
     # a worker of concurrency 1 asks the store for 4 at a time: it must still find it.
@@ -289,7 +289,7 @@ async def test_orphans_no_target_here_drives_never_hide_the_ones_it_does(
     with caplog.at_level(logging.INFO, logger="tailrace.serve"):
         worker = await worker_on(db, concurrency=1)
         async with working(worker):
-            result = await engine.wait("z-ours", timeout=_stores.HANG_GUARD, graph=graphs.chain)
+            result = await engine.wait("z-ours", timeout=fixtures.HANG_GUARD, graph=graphs.chain)
     assert (result.status, result.output) == ("completed", 4)
     assert worker.stats.adopted == 1
     left = [r.getMessage() for r in caplog.records if "no target here drives it" in r.getMessage()]
@@ -299,7 +299,7 @@ async def test_orphans_no_target_here_drives_never_hide_the_ones_it_does(
 
 
 async def test_a_stopped_worker_lets_go_of_its_runs_and_another_adopts_them(
-    db: _stores.Database,
+    db: fixtures.Database,
 ) -> None:
     engine = await engine_on(db)
     run_id = await engine.submit(graphs.held, 9)
@@ -312,7 +312,7 @@ async def test_a_stopped_worker_lets_go_of_its_runs_and_another_adopts_them(
     graphs.HOLD["release"].set()
     second = await worker_on(db)
     async with working(second):
-        result = await engine.wait(run_id, timeout=_stores.HANG_GUARD)
+        result = await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
     assert (result.status, result.output) == ("completed", 109)
     assert second.stats.adopted == 1
     types = [e.type for e in await (await db.store()).events(run_id)]

@@ -1,21 +1,29 @@
-"""Store-backend plumbing the test modules share: which backends, fresh databases, polling.
+"""The test suite's fixtures, fakes and store-backend plumbing, in one place.
 
-``tests/`` is not a package and the suite imports in ``importlib`` mode, so
-``tests/conftest.py`` registers this file as the module ``_stores``; test
-modules ``import _stores`` and bind what they need at module level (a fixture
-bound as ``store = _stores.each_store`` is found by pytest under that name).
+Test modules import it normally (``from tests import fixtures`` or
+``from tests.fixtures import ...``); a ``conftest.py`` only registers the
+fixtures its folder uses (``from tests.fixtures import backend as backend``), and
+a test module may bind one at module level (``store = fixtures.each_store``), so
+pytest finds it under that name.
 
+- :data:`POSTGRES_DSN` is ``TAILRACE_TEST_POSTGRES_DSN`` (``.ci/postgres.sh``
+  starts a server and sets it); :data:`POSTGRES` is the fixture parameter that
+  needs it, marked ``postgres`` and skipped without a server.
 - :data:`ALL_STORES` / :data:`SHARED_STORES`: fixture parameters, one per
-  backend (the second list only those another process can open); Postgres runs
-  whenever ``TAILRACE_TEST_POSTGRES_DSN`` is set and is skipped otherwise.
+  backend (the second list only those another process can open).
 - :func:`open_store` opens one backend on a fresh database: a new
   :class:`~tailrace.stores.MemoryStore`, a real SQLite file under ``tmp_path``,
   or Postgres in a schema of its own (:func:`postgres_schema`), dropped afterwards.
 - :func:`database` hands out a :class:`Database`: many store instances on one
   fresh database, all closed afterwards.
+- :class:`Backend` and the fixtures ``backend``, ``pg_backend`` and ``store``:
+  the store contract suite's backends, each on a :class:`FakeClock`, with the
+  back doors the contract tests need.
 - :class:`FakeClock` is a wall clock that moves only when told to; :func:`until`
   polls observed state under a hang guard that is never a timing assertion.
-- :func:`load_module` loads a helper file by path.
+- :func:`load_module` loads a file by path under a fixed top-level name: for
+  graph modules whose import name is recorded in stored runs and read back by
+  a child process (or shown on a page), so every process names them alike.
 """
 
 from __future__ import annotations
@@ -24,17 +32,18 @@ import asyncio
 import contextlib
 import importlib.util
 import os
+import sqlite3
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
 import pytest
 
-from tailrace.stores import MemoryStore, RunStore, SQLiteStore
+from tailrace.stores import MemoryStore, NodeRow, RunStore, SQLiteStore
 
 POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
 
@@ -60,7 +69,9 @@ D = TypeVar("D", bound="Database")
 def load_module(name: str, path: Path) -> ModuleType:
     """The file at ``path`` as module ``name``, loaded once per process.
 
-    The test directories are not packages, so helper files are loaded by path.
+    Only for modules that must keep one top-level name in every process (a
+    child process loads the same file by path under the same name); helpers
+    are imported normally.
     """
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
@@ -215,6 +226,149 @@ async def database(
         finally:
             for store in db.opened:
                 await store.close()
+
+
+# --- the store contract suite's backends ----------------------------------------------
+
+
+@dataclass
+class Backend:
+    """A store under test, its fake clock, and back doors to its raw rows."""
+
+    name: str
+    store: RunStore
+    clock: FakeClock
+    #: Another, unopened store on the same database (``None`` for memory).
+    sibling: Callable[[], RunStore] | None
+    #: Rewrite a run row's format_version behind the store's back.
+    set_format_version: Callable[[str, int], Awaitable[None]]
+    #: Rewrite a node row's ``data_json`` behind the store's back.
+    set_node_data: Callable[[str, str, str], Awaitable[None]]
+    #: Node rows as stored, without any format check.
+    raw_nodes: Callable[[str], Awaitable[dict[str, NodeRow]]]
+
+    def reopen(self) -> RunStore:
+        """A store on the same database: a :attr:`sibling`, or for memory the one store."""
+        return self.store if self.sibling is None else self.sibling()
+
+
+async def _memory_backend() -> AsyncIterator[Backend]:
+    clock = FakeClock()
+    store = MemoryStore(clock=clock)
+
+    # test back doors: the memory store's own dictionaries
+    async def set_format_version(run_id: str, version: int) -> None:
+        store._runs[run_id] = replace(store._runs[run_id], format_version=version)
+
+    async def set_node_data(run_id: str, node_id: str, data_json: str) -> None:
+        rows = store._nodes[run_id]
+        rows[node_id] = rows[node_id]._replace(data_json=data_json)
+
+    async def raw_nodes(run_id: str) -> dict[str, NodeRow]:
+        return dict(store._nodes.get(run_id, {}))
+
+    async with store:
+        yield Backend("memory", store, clock, None, set_format_version, set_node_data, raw_nodes)
+
+
+async def _sqlite_backend(path: Path) -> AsyncIterator[Backend]:
+    clock = FakeClock()
+
+    async def execute(statement: str, params: tuple[object, ...]) -> list[tuple[Any, ...]]:
+        conn = sqlite3.connect(path, isolation_level=None, timeout=10)
+        try:
+            return conn.execute(statement, params).fetchall()
+        finally:
+            conn.close()
+
+    def sibling() -> RunStore:
+        return SQLiteStore(path, clock=clock)
+
+    async with sibling() as store:
+        yield Backend("sqlite", store, clock, sibling, *_back_doors(execute, "?"))
+
+
+async def _postgres_backend() -> AsyncIterator[Backend]:
+    import psycopg
+    from psycopg import sql
+
+    from tailrace.stores import PostgresStore
+
+    clock = FakeClock()
+
+    async with postgres_schema() as schema:
+
+        async def execute(statement: str, params: tuple[object, ...]) -> list[tuple[Any, ...]]:
+            async with await psycopg.AsyncConnection.connect(_dsn(), autocommit=True) as conn:
+                await conn.execute(
+                    sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)), None
+                )
+                cur = await conn.execute(statement, params)
+                return list(await cur.fetchall()) if cur.description else []
+
+        def sibling() -> RunStore:
+            return PostgresStore(_dsn(), schema=schema, clock=clock)
+
+        async with sibling() as store:
+            yield Backend("postgres", store, clock, sibling, *_back_doors(execute, "%s"))
+
+
+def _back_doors(
+    execute: Callable[[str, tuple[object, ...]], Awaitable[list[tuple[Any, ...]]]], mark: str
+) -> tuple[
+    Callable[[str, int], Awaitable[None]],
+    Callable[[str, str, str], Awaitable[None]],
+    Callable[[str], Awaitable[dict[str, NodeRow]]],
+]:
+    """:class:`Backend`'s back doors over an SQL database, ``mark`` its placeholder."""
+
+    async def set_format_version(run_id: str, version: int) -> None:
+        await execute(
+            f"UPDATE runs SET format_version = {mark} WHERE run_id = {mark}", (version, run_id)
+        )
+
+    async def set_node_data(run_id: str, node_id: str, data_json: str) -> None:
+        await execute(
+            f"UPDATE node_states SET data_json = {mark} WHERE run_id = {mark} AND node_id = {mark}",
+            (data_json, run_id, node_id),
+        )
+
+    async def raw_nodes(run_id: str) -> dict[str, NodeRow]:
+        rows = await execute(
+            f"SELECT node_id, status, visits, data_json FROM node_states WHERE run_id = {mark}",
+            (run_id,),
+        )
+        return {r[0]: NodeRow(node_id=r[0], status=r[1], visits=r[2], data_json=r[3]) for r in rows}
+
+    return set_format_version, set_node_data, raw_nodes
+
+
+@pytest.fixture(params=ALL_STORES)
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
+    """Each store in turn, opened on a fresh database, closed afterwards."""
+    if request.param == "memory":
+        factory = _memory_backend()
+    elif request.param == "sqlite":
+        factory = _sqlite_backend(tmp_path / "runs.db")
+    else:
+        factory = _postgres_backend()
+    async for value in factory:
+        yield value
+
+
+@pytest.fixture
+async def pg_backend() -> AsyncIterator[Backend]:
+    """The Postgres store alone, for tests of what only Postgres has."""
+    if POSTGRES_DSN is None:
+        pytest.skip("TAILRACE_TEST_POSTGRES_DSN is not set")
+    async for value in _postgres_backend():
+        yield value
+
+
+@pytest.fixture
+async def store(backend: Backend) -> RunStore:
+    """The store of ``backend``."""
+    return backend.store
 
 
 # --- time and waiting ------------------------------------------------------------------
