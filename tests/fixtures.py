@@ -246,6 +246,10 @@ class Backend:
     set_node_data: Callable[[str, str, str], Awaitable[None]]
     #: Node rows as stored, without any format check.
     raw_nodes: Callable[[str], Awaitable[dict[str, NodeRow]]]
+    #: Run one SQL statement behind the store's back (None for memory), and its
+    #: placeholder (``?`` or ``%s``).
+    execute: Callable[[str, tuple[object, ...]], Awaitable[list[tuple[Any, ...]]]] | None = None
+    mark: str = "?"
 
     def reopen(self) -> RunStore:
         """A store on the same database: a :attr:`sibling`, or for memory the one store."""
@@ -285,7 +289,9 @@ async def _sqlite_backend(path: Path) -> AsyncIterator[Backend]:
         return SQLiteStore(path, clock=clock)
 
     async with sibling() as store:
-        yield Backend("sqlite", store, clock, sibling, *_back_doors(execute, "?"))
+        yield Backend(
+            "sqlite", store, clock, sibling, *_back_doors(execute, "?"), execute=execute, mark="?"
+        )
 
 
 async def _postgres_backend() -> AsyncIterator[Backend]:
@@ -310,7 +316,10 @@ async def _postgres_backend() -> AsyncIterator[Backend]:
             return PostgresStore(_dsn(), schema=schema, clock=clock)
 
         async with sibling() as store:
-            yield Backend("postgres", store, clock, sibling, *_back_doors(execute, "%s"))
+            yield Backend(
+                "postgres", store, clock, sibling, *_back_doors(execute, "%s"),
+                execute=execute, mark="%s",
+            )  # fmt: skip
 
 
 def _back_doors(

@@ -16,7 +16,7 @@ import pytest
 
 from tailrace import Engine, Graph, GraphMismatch, NotResumable
 from tailrace.stores import RunStatus, SQLiteStore
-from tailrace.workers import Worker
+from tailrace.workers import Queue, Worker
 from tests import fixtures
 
 store = fixtures.each_store
@@ -182,3 +182,35 @@ async def test_submit_names_a_bad_option_the_same_on_every_store(
     with pytest.raises(ValueError, match=f"submit: {says}"):
         await Engine(store=store).submit(shaped("g", []), 1, **{option: value})  # type: ignore[arg-type]
     assert await store.list_runs() == []
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (
+            lambda s: Worker(s, concurrency=math.nan),
+            "Worker: concurrency must be an integer within",
+        ),
+        (lambda s: Worker(s, concurrency=2.5), "Worker: concurrency must be an integer within"),
+        (
+            lambda s: Worker(s, concurrency=math.inf),
+            "Worker: concurrency must be an integer within",
+        ),
+        (lambda s: Worker(s, concurrency=2**63), "Worker: concurrency must be an integer within"),
+        (lambda s: Worker(s, concurrency=True), "Worker: concurrency must be an integer within"),
+        (lambda s: Worker(s, lease_ttl=math.nan), "Worker: lease_ttl must be a finite number"),
+        (lambda s: Worker(s, poll_interval="1"), "Worker: poll_interval must be a finite number"),
+        (
+            lambda s: Queue("q", concurrency=True),
+            "queue 'q': concurrency must be an integer within",
+        ),
+        (lambda s: Queue("q", limit=2**40), "queue 'q': limit must be an integer within"),
+        (lambda s: Queue("q" * 1_000_000), "queue name must be a non-empty string of at most 200"),
+    ],
+)
+async def test_hostile_limits_are_refused_when_declared_naming_the_option(
+    store, make: object, says: str
+) -> None:
+    with pytest.raises(ValueError, match=says):
+        make(store)  # type: ignore[operator]
+    assert await store.queues() == [] and await store.workers() == []

@@ -8,6 +8,7 @@ contract suite. ``free_slots`` is where every claim's number comes from.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -21,6 +22,8 @@ from ._records import (
     WorkerRow,
 )
 from ._rules import check_name, check_ttl
+
+logger = logging.getLogger("tailrace.stores")
 
 
 def claim_key(queue: Queue, run: RunRecord) -> tuple[Any, ...]:
@@ -110,10 +113,63 @@ def queue_params(queue: Queue, now: float) -> tuple[object, ...]:
 def queue_from_row(row: Sequence[Any]) -> Queue:
     """Decode a ``queues`` row selected with ``QUEUE_COLUMNS``."""
     name, concurrency, worker_concurrency, limit, period, order = row[:6]
+    if not isinstance(period, int | float) or isinstance(period, bool):
+        raise ValueError(f"period is not a number of seconds: {period!r}")
     return Queue(
         name, concurrency=concurrency, worker_concurrency=worker_concurrency, limit=limit,
         period=float(period), order=order,
     )  # fmt: skip
+
+
+#: Rows already reported as unusable (kind, row), so each is said once.
+_REPORTED: set[tuple[str, str]] = set()
+#: Reported rows remembered at most (a flood of bad rows is not remembered whole).
+_MAX_REPORTED = 10_000
+
+
+def _unusable(kind: str, row: Sequence[Any], exc: Exception, then: str) -> None:
+    key = (kind, repr(tuple(row)))
+    if key in _REPORTED:
+        return
+    if len(_REPORTED) < _MAX_REPORTED:
+        _REPORTED.add(key)
+    logger.warning("a %s row cannot be used (%s): %s; %s", kind, exc, key[1][:200], then)
+
+
+def queue_rows(rows: Iterable[Sequence[Any]]) -> list[Queue]:
+    """The ``queues`` rows that decode into a :class:`Queue`; each other one is reported once.
+
+    A row an operator or an older writer broke (``concurrency = 0``, a word for
+    a number) must not stop every worker: it is left out of listings, and its
+    queue claims nothing (see :func:`declared_queue`).
+    """
+    queues = []
+    for row in rows:
+        try:
+            queues.append(queue_from_row(row))
+        except (ValueError, TypeError) as exc:
+            _unusable("queues", row, exc, "its queue claims nothing until it is declared again")
+    return queues
+
+
+def declared_queue(name: str, row: Sequence[Any] | None) -> Queue | None:
+    """The limits of queue ``name`` from its ``queues`` row (defaults without one);
+    None when the row cannot be used, so nothing is claimed from it (said once)."""
+    if row is None:
+        return Queue(name)
+    usable = queue_rows([row])
+    return usable[0] if usable else None
+
+
+def worker_rows(rows: Iterable[Sequence[Any]]) -> list[WorkerRow]:
+    """The ``workers`` rows that decode; each other one is reported once and left out."""
+    workers = []
+    for row in rows:
+        try:
+            workers.append(worker_from_row(row))
+        except (ValueError, TypeError) as exc:
+            _unusable("workers", row, exc, "it is left out of listings and burials")
+    return workers
 
 
 def worker_params(worker: WorkerRow) -> tuple[object, ...]:
@@ -126,8 +182,17 @@ def worker_params(worker: WorkerRow) -> tuple[object, ...]:
 def worker_from_row(row: Sequence[Any]) -> WorkerRow:
     """Decode a ``workers`` row selected with ``WORKER_COLUMNS``."""
     worker_id, queues, concurrency, started_at, seen_at, running = row
+    names = json.loads(queues)
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"queues_json is not a list of names: {queues!r}")
+    for what, value in (("concurrency", concurrency), ("running", running)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{what} is not a count: {value!r}")
+    for what, value in (("started_at", started_at), ("seen_at", seen_at)):
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ValueError(f"{what} is not a time: {value!r}")
     return WorkerRow(
-        worker_id=worker_id, queues=tuple(json.loads(queues)), concurrency=concurrency,
+        worker_id=worker_id, queues=tuple(names), concurrency=concurrency,
         started_at=started_at, seen_at=seen_at, running=running,
     )  # fmt: skip
 

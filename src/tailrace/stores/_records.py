@@ -250,6 +250,22 @@ class StoredRun:
 
 # --- queues and workers (scale-out: the store is the coordinator) -----------------
 
+#: The largest count a limit may hold: every store keeps limits as 32-bit integers.
+MAX_LIMIT = 2**31 - 1
+#: The longest queue name (every store indexes it).
+MAX_NAME_CHARS = 200
+
+
+def check_limit(what: str, value: object, *, optional: bool = False) -> None:
+    """Refuse a limit that is not a whole count within 1..:data:`MAX_LIMIT` (None if
+    ``optional``), naming it (``what``) and the accepted range, the same on every store."""
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_LIMIT:
+        accepted = f"an integer within 1..{MAX_LIMIT}" + (" or None" if optional else "")
+        raise ValueError(f"{what} must be {accepted}, got {value!r}")
+
+
 #: How a queue orders the runs it hands out among runs of equal ``priority``
 #: (a higher priority goes first in every queue): by submit time (``fifo``, and
 #: ``priority``, its name for queues that mean to use priorities), or longest
@@ -294,12 +310,19 @@ class Queue:
     order: str = "fifo"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"queue name must be a non-empty string, got {self.name!r}")
+        if (
+            not isinstance(self.name, str)
+            or not self.name
+            or len(self.name) > MAX_NAME_CHARS
+            or "\x00" in self.name
+        ):
+            shown = repr(self.name) if len(repr(self.name)) <= 60 else repr(self.name)[:57] + "..."
+            raise ValueError(
+                f"queue name must be a non-empty string of at most {MAX_NAME_CHARS} "
+                f"characters (no NUL), got {shown}"
+            )
         for what in ("concurrency", "worker_concurrency", "limit"):
-            value = getattr(self, what)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"queue {self.name!r}: {what} must be None or >= 1, got {value!r}")
+            check_limit(f"queue {self.name!r}: {what}", getattr(self, what), optional=True)
         if (
             self.concurrency is not None
             and self.worker_concurrency is not None

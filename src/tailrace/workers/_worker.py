@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Mapping, Sequence
@@ -45,6 +46,7 @@ from ..gates._polling import GatePolling
 from ..gates._worker import UNRESUMABLE, describe
 from ..graph import Graph
 from ..stores import CHANGE_KINDS, QuestionRow, Queue, RunStatus, RunStore, WorkerRow
+from ..stores._records import check_limit
 
 logger = logging.getLogger("tailrace.workers")
 
@@ -119,13 +121,17 @@ class Worker:
         poll_interval: float = 1.0,
         heartbeat: float = 1.0,
     ) -> None:
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        check_limit("Worker: concurrency", concurrency)
         for what, value in (("grace", grace), ("poll_interval", poll_interval)):
-            if not 0 <= value < float("inf"):
-                raise ValueError(f"{what} must be a non-negative number of seconds, got {value}")
-        if not 0 < heartbeat < float("inf"):
-            raise ValueError(f"heartbeat must be a positive number of seconds, got {heartbeat}")
+            if not _seconds(value) or value < 0:
+                raise ValueError(
+                    f"Worker: {what} must be a finite number of seconds >= 0, got {value!r}"
+                )
+        for what, value in (("heartbeat", heartbeat), ("lease_ttl", lease_ttl)):
+            if not _seconds(value) or value <= 0:
+                raise ValueError(
+                    f"Worker: {what} must be a finite number of seconds > 0, got {value!r}"
+                )
         self.engine = engine or Engine(store=store, lease_ttl=lease_ttl)
         if self.engine.store is not store:
             raise ValueError("the worker's engine must use the worker's store")
@@ -446,3 +452,7 @@ class Worker:
         for task in pending:
             task.cancel()  # each run's lease is released on its way out (RunWriter.leased)
         await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _seconds(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

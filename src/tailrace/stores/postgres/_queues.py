@@ -26,7 +26,7 @@ import hashlib
 import logging
 
 from .._queue_rules import (
-    queue_from_row,
+    declared_queue,
 )
 from .._records import (
     Queue,
@@ -58,10 +58,10 @@ def notify_channel(schema: str) -> str:
     return "tailrace." + hashlib.sha256(schema.encode()).hexdigest()[:32]
 
 
-async def declared(conn: Conn, name: str) -> Queue:
+async def declared(conn: Conn, name: str) -> Queue | None:
+    """The declared limits of queue ``name`` (defaults if never declared; None: unusable)."""
     cur = await conn.execute(pg(SELECT_QUEUE), (name,))
-    row = await cur.fetchone()
-    return Queue(name) if row is None else queue_from_row(row)
+    return declared_queue(name, await cur.fetchone())
 
 
 async def count_rows(conn: Conn, query: str, params: tuple[object, ...]) -> int:

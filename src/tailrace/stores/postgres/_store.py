@@ -40,11 +40,11 @@ from .._changes import ChangeHub, Stop
 from .._contract import ChangeFeed, RunStore
 from .._queue_rules import (
     free_slots,
-    queue_from_row,
     queue_params,
+    queue_rows,
     stats_from_counts,
-    worker_from_row,
     worker_params,
+    worker_rows,
 )
 from .._records import (
     CHANGE_KINDS,
@@ -501,6 +501,8 @@ class PostgresStore(RunStore):
             claimed.clear()
             attempt.xid = await transaction_id(conn)
             spec = await declared(conn, queue)
+            if spec is None:
+                return []  # its row cannot be used: nothing is claimed from it (said once)
             active = started = 0
             if spec.concurrency is not None or spec.limit is not None:
                 await lock_queue(conn, self._db.schema, queue)
@@ -573,7 +575,9 @@ class PostgresStore(RunStore):
         """Whether ``queue`` has a free slot for one more run (counted once, under its lock)."""
         if queue not in active:
             spec = await declared(conn, queue)
-            if spec.concurrency is None:
+            if spec is None:
+                active[queue] = 0  # its row cannot be used: paused until declared again
+            elif spec.concurrency is None:
                 active[queue] = None
             else:
                 await lock_queue(conn, self._db.schema, queue)
@@ -646,7 +650,7 @@ class PostgresStore(RunStore):
 
     async def _queues(self) -> list[Queue]:
         rows = await self._db.read("listing queues", fetch_all(pg(SELECT_QUEUES), ()))
-        return [queue_from_row(r) for r in rows]
+        return queue_rows(rows)
 
     async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
 
@@ -659,7 +663,7 @@ class PostgresStore(RunStore):
                 queues = await (await conn.execute(pg(SELECT_QUEUES))).fetchall()
                 workers = await (await conn.execute(pg(SELECT_WORKERS))).fetchall()
             return stats_from_counts(
-                counts, [queue_from_row(r) for r in queues], [worker_from_row(r) for r in workers],
+                counts, queue_rows(queues), worker_rows(workers),
                 now, window,
             )  # fmt: skip
 
@@ -674,7 +678,7 @@ class PostgresStore(RunStore):
 
     async def _workers(self) -> list[WorkerRow]:
         rows = await self._db.read("listing workers", fetch_all(pg(SELECT_WORKERS), ()))
-        return [worker_from_row(r) for r in rows]
+        return worker_rows(rows)
 
     async def _forget_worker(self, worker_id: str) -> None:
 

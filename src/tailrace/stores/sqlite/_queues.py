@@ -24,8 +24,8 @@ from typing import TypeVar
 
 from .._changes import ChangeHub, Stop
 from .._queue_rules import (
+    declared_queue,
     free_slots,
-    queue_from_row,
 )
 from .._records import (
     Queue,
@@ -49,10 +49,9 @@ logger = logging.getLogger("tailrace.stores")
 WATCH_INTERVAL = 0.002
 
 
-def declared(conn: sqlite3.Connection, name: str) -> Queue:
-    """The declared limits of queue ``name`` (the defaults if it was never declared)."""
-    row = conn.execute(SELECT_QUEUE, (name,)).fetchone()
-    return Queue(name) if row is None else queue_from_row(row)
+def declared(conn: sqlite3.Connection, name: str) -> Queue | None:
+    """The declared limits of queue ``name`` (defaults if never declared; None: unusable)."""
+    return declared_queue(name, conn.execute(SELECT_QUEUE, (name,)).fetchone())
 
 
 def bump(conn: sqlite3.Connection, kind: str) -> None:
@@ -65,6 +64,8 @@ def claim(
 ) -> list[str]:
     """Claim up to ``limit`` runs of ``queue`` within its limits (the writer's transaction)."""
     spec = declared(conn, queue)
+    if spec is None:
+        return []  # its row cannot be used: nothing is claimed from it (said once)
     active = conn.execute(ACTIVE_IN_QUEUE, (queue, now)).fetchone()[0] if spec.concurrency else 0
     started = (
         conn.execute(STARTED_SINCE, (queue, now - spec.period)).fetchone()[0] if spec.limit else 0
@@ -93,6 +94,8 @@ def lease_answers(
             continue
         if queue_name is not None:
             spec = declared(conn, queue_name)
+            if spec is None:
+                continue  # its row cannot be used: paused until declared again
             if spec.concurrency is not None:
                 if queue_name not in active:
                     active[queue_name] = conn.execute(

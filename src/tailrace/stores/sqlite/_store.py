@@ -26,11 +26,11 @@ from .._artifacts import stale_version
 from .._changes import ChangeHub
 from .._contract import ChangeFeed, RunStore
 from .._queue_rules import (
-    queue_from_row,
     queue_params,
+    queue_rows,
     stats_from_counts,
-    worker_from_row,
     worker_params,
+    worker_rows,
 )
 from .._records import (
     ArtifactVersion,
@@ -518,15 +518,15 @@ class SQLiteStore(RunStore):
 
     async def _queues(self) -> list[Queue]:
         return await self._read(
-            "listing queues", lambda conn: [queue_from_row(r) for r in conn.execute(SELECT_QUEUES)]
+            "listing queues", lambda conn: queue_rows(conn.execute(SELECT_QUEUES))
         )
 
     async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
 
         def read(conn: sqlite3.Connection) -> list[QueueStats]:
             counts = conn.execute(QUEUE_COUNTS, (now - window, now)).fetchall()
-            declared_queues = [queue_from_row(r) for r in conn.execute(SELECT_QUEUES)]
-            workers = [worker_from_row(r) for r in conn.execute(SELECT_WORKERS)]
+            declared_queues = queue_rows(conn.execute(SELECT_QUEUES))
+            workers = worker_rows(conn.execute(SELECT_WORKERS))
             return stats_from_counts(counts, declared_queues, workers, now, window)
 
         return await self._read("queue statistics", read)
@@ -540,7 +540,7 @@ class SQLiteStore(RunStore):
     async def _workers(self) -> list[WorkerRow]:
         return await self._read(
             "listing workers",
-            lambda conn: [worker_from_row(r) for r in conn.execute(SELECT_WORKERS)],
+            lambda conn: worker_rows(conn.execute(SELECT_WORKERS)),
         )
 
     async def _forget_worker(self, worker_id: str) -> None:
