@@ -8,6 +8,7 @@ run because of it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import sqlite3
 from pathlib import Path
@@ -214,3 +215,56 @@ async def test_hostile_limits_are_refused_when_declared_naming_the_option(
     with pytest.raises(ValueError, match=says):
         make(store)  # type: ignore[operator]
     assert await store.queues() == [] and await store.workers() == []
+
+
+async def test_a_worker_without_a_runs_graph_hands_it_back_for_one_that_has_it(
+    store, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls: list[str] = []
+    current = shaped("pipeline", calls)
+    stale = shaped("pipeline", calls, gated=True)  # an older deploy: same name, other shape
+    assert current.compile().fingerprint != stale.compile().fingerprint
+    engine = Engine(store=store)
+    ids = [await engine.submit(current, n, queue="q") for n in range(20)]
+
+    stop = asyncio.Event()
+    stale_worker = Worker(store, queues=["q"], graphs=[stale], poll_interval=0.05)
+    with caplog.at_level(logging.WARNING, logger="tailrace.workers"):
+        stale_running = asyncio.create_task(stale_worker.run(stop))
+        await fixtures.until(
+            lambda: any("went back to queue" in r.getMessage() for r in caplog.records),
+            "the stale worker to hand a run back",
+        )
+        good_running = asyncio.create_task(
+            Worker(store, queues=["q"], graphs=[current], poll_interval=0.05).run(stop)
+        )
+        try:
+            results = [await engine.wait(run_id, timeout=fixtures.HANG_GUARD) for run_id in ids]
+        finally:
+            stop.set()
+            await asyncio.gather(stale_running, good_running)
+    assert [r.status for r in results] == [RunStatus.COMPLETED] * 20
+    assert sorted(calls) == ["pipeline"] * 20  # each run once, by the worker that has it
+    said = [r for r in caplog.records if "went back to queue" in r.getMessage()]
+    assert len(said) == 1  # once per graph, however many runs
+    assert stale_worker.stats.errors == 0
+
+
+async def test_return_claim_refuses_a_run_that_started_or_is_not_the_callers(store) -> None:
+    graph = shaped("g", [])
+    engine = Engine(store=store)
+    run_id = await engine.submit(graph, 1, queue="q")
+    assert await store.claim_runs("q", "w1", 30.0, limit=1, skip=[("g", "other")]) == [run_id]
+    assert not await store.return_claim(run_id, "w2")  # not its claimant
+    assert await store.return_claim(run_id, "w1")
+    record = await store.get_run(run_id)
+    assert (record.status, record.lease_owner, record.started_at) == (RunStatus.QUEUED, None, None)
+    fingerprint = graph.compile().fingerprint
+    assert await store.claim_runs("q", "w1", 30.0, limit=1, skip=[("g", fingerprint)]) == []
+    assert await store.claim_runs("q", "w1", 30.0, limit=1, graphs=[("h", fingerprint)]) == []
+    assert await store.claim_runs("q", "w1", 30.0, limit=1, graphs=[("g", fingerprint)]) == [run_id]
+    engine.register(graph)
+    worker_engine = Engine(store=store, owner="w1")
+    worker_engine.register(graph)
+    await worker_engine.start_claimed(run_id)
+    assert not await store.return_claim(run_id, "w1")  # it ran: never re-queued

@@ -20,10 +20,10 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 
 from ._artifacts import check_expected
-from ._queue_rules import check_claim, check_worker
+from ._queue_rules import check_claim, check_worker, graph_keys
 from ._records import (
     CHANGE_KINDS,
     ArtifactVersion,
@@ -387,7 +387,16 @@ class RunStore(abc.ABC):
         )  # fmt: skip
         return await self._submit_run(run, submission)
 
-    async def claim_runs(self, queue: str, owner: str, ttl: float, *, limit: int) -> list[str]:
+    async def claim_runs(
+        self,
+        queue: str,
+        owner: str,
+        ttl: float,
+        *,
+        limit: int,
+        graphs: Collection[tuple[str, str]] | None = None,
+        skip: Collection[tuple[str, str]] = (),
+    ) -> list[str]:
         """Claim up to ``limit`` queued runs of ``queue`` for ``owner`` and return their ids, in queue order.
 
         Args:
@@ -396,6 +405,11 @@ class RunStore(abc.ABC):
             owner: the worker claiming (its lease owner name).
             ttl: seconds the leases last unless renewed.
             limit: the most runs to claim.
+            graphs: when given, only runs of these graphs, each a (graph
+                name, fingerprint) pair, are claimed: a worker claims only
+                what it can drive, and leaves the rest to workers that can.
+            skip: runs of these graphs (the same pairs) are not claimed: those
+                a worker found it cannot drive (see :meth:`return_claim`).
 
         Atomically: the queue's ``concurrency`` is never exceeded (counting
         its runs ``running``, and ``suspended`` ones whose lease is live),
@@ -406,9 +420,25 @@ class RunStore(abc.ABC):
         by one caller only, across processes and hosts.
         """
         check_claim(queue, owner, ttl, limit)
-        if limit <= 0:
+        keys = None if graphs is None else graph_keys(graphs)
+        if limit <= 0 or keys == ():
             return []
-        return await self._claim_runs(queue, owner, ttl, limit=limit)
+        return await self._claim_runs(
+            queue, owner, ttl, limit=limit, graphs=keys, skip=graph_keys(skip)
+        )
+
+    async def return_claim(self, run_id: str, owner: str) -> bool:
+        """Give ``run_id``, claimed by ``owner`` and not started, back to its queue; True if it was.
+
+        For a claimant that cannot drive the run (its graph or an executor it
+        names is not at hand): the run is ``queued`` again, with no lease and
+        no ``started_at``, so another worker claims it. Refused (False) when
+        ``owner`` does not hold it, it is not ``running``, or it recorded any
+        event (it started: it is resumed, never re-queued). Workers are woken.
+        """
+        check_name("run_id", run_id)
+        check_name("owner", owner)
+        return await self._return_claim(run_id, owner)
 
     async def claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
         """Lease up to ``limit`` suspended runs that have an answer due, to ``owner``; one due question per run.
@@ -638,8 +668,21 @@ class RunStore(abc.ABC):
         """:meth:`submit_run`, called with checked arguments."""
 
     @abc.abstractmethod
-    async def _claim_runs(self, queue: str, owner: str, ttl: float, *, limit: int) -> list[str]:
-        """:meth:`claim_runs`, called with ``limit`` >= 1."""
+    async def _return_claim(self, run_id: str, owner: str) -> bool:
+        """:meth:`return_claim`."""
+
+    @abc.abstractmethod
+    async def _claim_runs(
+        self,
+        queue: str,
+        owner: str,
+        ttl: float,
+        *,
+        limit: int,
+        graphs: tuple[str, ...] | None,
+        skip: tuple[str, ...],
+    ) -> list[str]:
+        """:meth:`claim_runs`, called with ``limit`` >= 1; :func:`graph_keys` made ``graphs``."""
 
     @abc.abstractmethod
     async def _claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:

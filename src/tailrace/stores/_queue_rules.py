@@ -94,6 +94,26 @@ def check_claim(queue: str, owner: str, ttl: float, limit: int) -> None:
         raise ValueError(f"claim limit must be an int, got {limit!r}")
 
 
+def graph_keys(graphs: Iterable[tuple[str, str]]) -> tuple[str, ...]:
+    """The claim filter's keys, ``name/fingerprint``, sorted (a fingerprint holds no ``/``)."""
+    keys = set()
+    for pair in graphs:
+        if (
+            not isinstance(pair, tuple)
+            or len(pair) != 2
+            or not all(isinstance(part, str) and part for part in pair)
+            or "/" in pair[1]
+        ):
+            raise ValueError(f"claim graphs must be (graph name, fingerprint) pairs, got {pair!r}")
+        keys.add(f"{pair[0]}/{pair[1]}")
+    return tuple(sorted(keys))
+
+
+def run_graph_key(run: RunRecord) -> str:
+    """The claim filter's key of ``run`` (see :func:`graph_keys`)."""
+    return f"{run.graph_name}/{run.fingerprint}"
+
+
 def dedup_holder(runs: Iterable[RunRecord], queue: str, dedup_key: str | None) -> RunRecord | None:
     """The live run of ``queue`` that holds ``dedup_key``, if any."""
     if dedup_key is None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._codec import DEFAULT_CODEC
-from .._errors import LeaseHeld, LeaseLost, NotResumable, RunNotFound
+from .._errors import GraphError, GraphMismatch, LeaseHeld, LeaseLost, NotResumable, RunNotFound
 from ..core import Engine, RunResult, cancel_undriven, owner_is_dead
 from ..gates import Outcome, Poller, Resumable, ResumeWorker, ServeStats
 from ..gates._daemon import Beside, Daemon, Loop
@@ -45,7 +45,15 @@ from ..gates._orphans import Orphan, OrphanScan
 from ..gates._polling import GatePolling
 from ..gates._worker import UNRESUMABLE, describe
 from ..graph import Graph
-from ..stores import CHANGE_KINDS, QuestionRow, Queue, RunStatus, RunStore, WorkerRow
+from ..stores import (
+    CHANGE_KINDS,
+    QuestionRow,
+    Queue,
+    RunRecord,
+    RunStatus,
+    RunStore,
+    WorkerRow,
+)
 from ..stores._records import check_limit
 
 logger = logging.getLogger("tailrace.workers")
@@ -161,6 +169,8 @@ class Worker:
         self.orphans = OrphanScan(store, self.resumer, self.stats)
         self._jobs: dict[asyncio.Task[None], _Job] = {}
         self._here: set[str] = set()
+        #: Graphs (name, fingerprint) of runs this worker found it cannot drive.
+        self._not_here: set[tuple[str, str]] = set()
         self._by_queue: Counter[str] = Counter()
         self._kinds: set[str] = set()
         self._wake = asyncio.Event()
@@ -269,7 +279,7 @@ class Worker:
             if free <= 0:
                 continue
             claimed = await self.store.claim_runs(
-                queue.name, self.owner, self.engine.lease_ttl, limit=free
+                queue.name, self.owner, self.engine.lease_ttl, limit=free, skip=self._not_here
             )
             for run_id in claimed:
                 self.stats.claimed += 1
@@ -336,13 +346,36 @@ class Worker:
             return None
         return await self._start_or_fail(run_id)
 
-    async def _start_or_fail(self, run_id: str) -> RunResult:
-        """Start (or resume) a queued run; one whose graph can never load is failed, once (Q6)."""
+    async def _start_or_fail(self, run_id: str) -> RunResult | None:
+        """Start (or resume) a queued run; one whose rows can never be read is failed, once (Q6).
+
+        A run this worker cannot drive (its graph, or an executor it names, is
+        not at hand here: another deploy's) goes back to its queue for a worker
+        that can, and this worker claims no more runs of that graph.
+        """
         try:
             return await self.engine.start_claimed(run_id)
+        except (GraphError, GraphMismatch) as exc:
+            record = await self.store.get_run(run_id)
+            if await self.store.return_claim(run_id, self.owner):
+                self._cannot_drive(record, exc)
+                return None
+            await self.engine.fail_run(run_id, f"cannot be started: {describe(exc)}")
+            raise
         except UNRESUMABLE as exc:
             await self.engine.fail_run(run_id, f"cannot be started: {describe(exc)}")
             raise
+
+    def _cannot_drive(self, record: RunRecord, exc: Exception) -> None:
+        """Claim no more runs of ``record``'s graph; say so once per graph."""
+        key = (record.graph_name, record.fingerprint)
+        if key not in self._not_here:
+            self._not_here.add(key)
+            logger.warning(
+                "run %s (graph %r) went back to queue %r: this worker cannot drive it (%s); "
+                "it claims no more runs of that graph",
+                record.run_id, record.graph_name, record.queue_name, describe(exc),
+            )  # fmt: skip
 
     # -- answers, orphans, cancels ----------------------------------------------------------
 

@@ -60,8 +60,10 @@ _ORDER = {
 }
 
 
-def claim_candidates(queue: Queue) -> str:
-    """Values: queue name, limit. Queued runs of the queue that may start now, in its order.
+def claim_candidates(queue: Queue, graphs: int | None = None, skip: int = 0) -> str:
+    """Values: queue name, ``graphs`` graph keys if given, ``skip`` graph keys, the limit.
+    Queued runs of the queue that may start now, in its order (of those graphs only, when
+    given, and none of the skipped ones).
 
     A run with a partition key qualifies only when no run of its partition is
     running or suspended and none was submitted before it and still waits.
@@ -73,7 +75,17 @@ def claim_candidates(queue: Queue) -> str:
         "AND o.run_id <> r.run_id AND (o.status IN ('running', 'suspended') "
         "OR (o.status = 'queued' AND (o.queued_at < r.queued_at "
         "OR (o.queued_at = r.queued_at AND o.run_id < r.run_id)))))) "
-        f"ORDER BY {_ORDER[queue.order]} LIMIT ?"
+        + (
+            ""
+            if graphs is None
+            else f"AND (r.graph_name || '/' || r.fingerprint) IN ({', '.join('?' * graphs)}) "
+        )
+        + (
+            ""
+            if not skip
+            else f"AND (r.graph_name || '/' || r.fingerprint) NOT IN ({', '.join('?' * skip)}) "
+        )
+        + f"ORDER BY {_ORDER[queue.order]} LIMIT ?"
     )
 
 
@@ -184,6 +196,14 @@ def run_counts_from_rows(rows: Iterable[Sequence[Any]]) -> list[RunCount]:
 
 #: Values: kind. What a SQLite watcher reads when ``data_version`` moves.
 BUMP_SIGNAL = "UPDATE signals SET n = n + 1 WHERE kind = ?"
+
+#: Values: now, run_id, owner. A claimed run that never started goes back to its
+#: queue (its claimant cannot drive it); exactly one row changes when it did.
+RETURN_CLAIM = (
+    "UPDATE runs SET status = 'queued', lease_owner = NULL, lease_expires = NULL, "
+    "started_at = NULL, updated_at = ? WHERE run_id = ? AND lease_owner = ? "
+    "AND status = 'running' AND NOT EXISTS (SELECT 1 FROM events e WHERE e.run_id = runs.run_id)"
+)
 SELECT_SIGNALS = "SELECT kind, n FROM signals"
 #: Values: queue. Whether a queue has a run waiting (a claim's cheap first look).
 ANY_QUEUED = "SELECT 1 FROM runs WHERE queue_name = ? AND status = 'queued' LIMIT 1"

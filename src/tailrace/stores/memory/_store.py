@@ -32,6 +32,7 @@ from .._queue_rules import (
     holds_slot,
     partition_blocked,
     run_count_order,
+    run_graph_key,
     stats_of,
 )
 from .._records import (
@@ -471,7 +472,33 @@ class MemoryStore(RunStore):
         self._hub.deliver(frozenset({"submit"}))
         return run.run_id
 
-    async def _claim_runs(self, queue: str, owner: str, ttl: float, *, limit: int) -> list[str]:
+    async def _return_claim(self, run_id: str, owner: str) -> bool:
+        with self._lock:
+            run = self._runs.get(run_id)
+            if (
+                run is None
+                or run.status is not RunStatus.RUNNING
+                or run.lease_owner != owner
+                or self._event_rows.get(run_id)
+            ):
+                return False
+            self._runs[run_id] = dataclasses.replace(
+                run, status=RunStatus.QUEUED, lease_owner=None, lease_expires=None,
+                started_at=None, updated_at=self._clock(),
+            )  # fmt: skip
+        self._hub.deliver(frozenset({"submit"}))
+        return True
+
+    async def _claim_runs(
+        self,
+        queue: str,
+        owner: str,
+        ttl: float,
+        *,
+        limit: int,
+        graphs: tuple[str, ...] | None,
+        skip: tuple[str, ...],
+    ) -> list[str]:
         with self._lock:
             now = self._clock()
             spec = self._declared(queue)
@@ -484,8 +511,15 @@ class MemoryStore(RunStore):
                     r.started_at is not None and r.started_at > now - spec.period for r in mine
                 ),
             )
+            wanted, skipped = (None if graphs is None else set(graphs)), set(skip)
             queued = sorted(
-                (r for r in mine if r.status is RunStatus.QUEUED),
+                (
+                    r
+                    for r in mine
+                    if r.status is RunStatus.QUEUED
+                    and (wanted is None or run_graph_key(r) in wanted)
+                    and run_graph_key(r) not in skipped
+                ),
                 key=lambda r: claim_key(spec, r),
             )
             claimed: list[str] = []

@@ -77,6 +77,7 @@ from .._sql._queues import (
     LEASE_FOR_ANSWER,
     LEASED_BY,
     QUEUE_COUNTS,
+    RETURN_CLAIM,
     RUN_COUNTS,
     RUN_DURATIONS,
     SELECT_QUEUES,
@@ -319,6 +320,18 @@ class PostgresStore(RunStore):
 
         await self._db.write(f"run {run_id!r}", release, transaction=False)
 
+    async def _return_claim(self, run_id: str, owner: str) -> bool:
+        channel = self._channel
+
+        async def give_back(conn: Conn, attempt: Attempt) -> bool:
+            cur = await conn.execute(pg(RETURN_CLAIM), (self._clock(), run_id, owner))
+            if cur.rowcount != 1:
+                return False
+            await notify(conn, channel, "submit")  # queued again: wake the workers
+            return True
+
+        return await self._db.write(f"run {run_id!r}", give_back)
+
     async def _expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
         query = pg(EXPIRED_LEASES)
         rows = await self._db.read("finding expired leases", fetch_all(query, (now, max(limit, 0))))
@@ -491,7 +504,16 @@ class PostgresStore(RunStore):
             texts=lambda: [("input_json", run.input_json)],
         )  # fmt: skip
 
-    async def _claim_runs(self, queue: str, owner: str, ttl: float, *, limit: int) -> list[str]:
+    async def _claim_runs(
+        self,
+        queue: str,
+        owner: str,
+        ttl: float,
+        *,
+        limit: int,
+        graphs: tuple[str, ...] | None,
+        skip: tuple[str, ...],
+    ) -> list[str]:
         rows = await self._db.read(f"queue {queue!r}", fetch_all(pg(ANY_QUEUED), (queue,)))
         if not rows:
             return []
@@ -514,7 +536,9 @@ class PostgresStore(RunStore):
             free = free_slots(spec, want=limit, active=active, started_recently=started)
             if free <= 0:
                 return []
-            cur = await conn.execute(pg(claim_candidates(spec)) + SKIP_LOCKED, (queue, free))
+            query = claim_candidates(spec, None if graphs is None else len(graphs), len(skip))
+            params = (queue, *(graphs or ()), *skip, free)
+            cur = await conn.execute(pg(query) + SKIP_LOCKED, params)
             ids = [r[0] for r in await cur.fetchall()]
             # Stamped after the look: a run of a partition then never starts
             # "before" the finish of the one it waited for (same clock).

@@ -60,7 +60,14 @@ def bump(conn: sqlite3.Connection, kind: str) -> None:
 
 
 def claim(
-    conn: sqlite3.Connection, queue: str, owner: str, ttl: float, limit: int, now: float
+    conn: sqlite3.Connection,
+    queue: str,
+    owner: str,
+    ttl: float,
+    limit: int,
+    now: float,
+    graphs: tuple[str, ...] | None = None,
+    skip: tuple[str, ...] = (),
 ) -> list[str]:
     """Claim up to ``limit`` runs of ``queue`` within its limits (the writer's transaction)."""
     spec = declared(conn, queue)
@@ -73,7 +80,8 @@ def claim(
     free = free_slots(spec, want=limit, active=active, started_recently=started)
     if free <= 0:
         return []
-    ids = [row[0] for row in conn.execute(claim_candidates(spec), (queue, free))]
+    query = claim_candidates(spec, None if graphs is None else len(graphs), len(skip))
+    ids = [row[0] for row in conn.execute(query, (queue, *(graphs or ()), *skip, free))]
     for run_id in ids:
         conn.execute(CLAIM_RUN, (owner, now + ttl, now, now, run_id))
     return ids

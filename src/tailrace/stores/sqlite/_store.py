@@ -62,6 +62,7 @@ from .._sql._queues import (
     DELETE_WORKER,
     LEASED_BY,
     QUEUE_COUNTS,
+    RETURN_CLAIM,
     RUN_COUNTS,
     RUN_DURATIONS,
     SELECT_QUEUES,
@@ -456,7 +457,16 @@ class SQLiteStore(RunStore):
 
         return await self._write(f"run {run.run_id!r}", apply)
 
-    async def _claim_runs(self, queue: str, owner: str, ttl: float, *, limit: int) -> list[str]:
+    async def _claim_runs(
+        self,
+        queue: str,
+        owner: str,
+        ttl: float,
+        *,
+        limit: int,
+        graphs: tuple[str, ...] | None,
+        skip: tuple[str, ...],
+    ) -> list[str]:
         waiting = await self._read(
             f"queue {queue!r}", lambda conn: conn.execute(ANY_QUEUED, (queue,)).fetchone()
         )
@@ -468,9 +478,18 @@ class SQLiteStore(RunStore):
 
         return await self._write(
             f"queue {queue!r}",
-            lambda conn: claim(conn, queue, owner, ttl, limit, self._clock()),
+            lambda conn: claim(conn, queue, owner, ttl, limit, self._clock(), graphs, skip),
             undo=undo,
         )
+
+    async def _return_claim(self, run_id: str, owner: str) -> bool:
+        def apply(conn: sqlite3.Connection) -> bool:
+            if conn.execute(RETURN_CLAIM, (self._clock(), run_id, owner)).rowcount != 1:
+                return False
+            bump(conn, "submit")  # queued again: wake the workers
+            return True
+
+        return await self._write(f"run {run_id!r}", apply)
 
     async def _claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
         now = self._clock()
