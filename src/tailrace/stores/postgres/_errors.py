@@ -22,8 +22,10 @@ from .._records import Harvest
 
 #: SQLSTATEs (besides class 08, connection exceptions) after which re-running the
 #: whole transaction on a fresh connection is right: admin shutdown, crash
-#: shutdown, "cannot connect now", serialization failure, deadlock.
-_RETRIED_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "40001", "40P01"})
+#: shutdown, "cannot connect now", serialization failure, deadlock, and a statement
+#: cancelled by `statement_timeout` (its transaction was rolled back: a lock held
+#: elsewhere outlasted it, and may be gone on the next attempt).
+_RETRIED_SQLSTATES = frozenset({"57014", "57P01", "57P02", "57P03", "40001", "40P01"})
 
 #: The texts a write stores, by name, to name the one the driver refused.
 Texts = Callable[[], Iterable[tuple[str, str | None]]]
