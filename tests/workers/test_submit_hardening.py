@@ -268,3 +268,60 @@ async def test_return_claim_refuses_a_run_that_started_or_is_not_the_callers(sto
     worker_engine.register(graph)
     await worker_engine.start_claimed(run_id)
     assert not await store.return_claim(run_id, "w1")  # it ran: never re-queued
+
+
+def machine_gated(deadline: float | None) -> Graph:
+    g = Graph("ci")
+
+    async def ci(x: object) -> dict[str, object]:
+        return {"sha": x}
+
+    g.add_node("ci", ci, kind="gate", poller="ci_status", deadline=deadline)
+
+    @g.task()
+    async def merge(result: object) -> object:
+        return result
+
+    g.add_edge("ci", "merge")
+    return g
+
+
+async def test_a_workers_stats_count_polls_poller_errors_and_expired_deadlines(
+    store, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls: list[object] = []
+
+    def ci_status(prompt: object) -> object:
+        if prompt != {"sha": "abc"}:
+            return None  # still pending: its deadline answers it
+        calls.append(prompt)
+        if len(calls) <= 7:
+            raise ConnectionError("CI API down")
+        return {"state": "green"}
+
+    engine = Engine(store=store)
+    polled_graph, deadline_graph = machine_gated(None), machine_gated(0.05)
+    polled = await engine.run(polled_graph, "abc", run_id="polled")
+    expiring = await engine.run(deadline_graph, "def", run_id="expiring")
+    assert polled.status is RunStatus.SUSPENDED and expiring.status is RunStatus.SUSPENDED
+    worker = Worker(
+        store, queues=["q"], graphs=[polled_graph], pollers={"ci_status": ci_status},
+        poll_interval=0.02,
+    )  # fmt: skip
+    stop = asyncio.Event()
+    with caplog.at_level(logging.CRITICAL):
+        running = asyncio.create_task(worker.run(stop))
+        try:
+            for run_id in ("polled", "expiring"):
+                await fixtures.until(
+                    lambda run_id=run_id: _finished(store, run_id), f"run {run_id} to finish"
+                )
+        finally:
+            stop.set()
+            stats = await running
+    assert stats.polled >= 8 and stats.errors >= 7 and stats.expired == 1
+
+
+async def _finished(store: object, run_id: str) -> bool:
+    record = await store.get_run(run_id)  # type: ignore[attr-defined]
+    return bool(record.status is RunStatus.COMPLETED)

@@ -39,7 +39,7 @@ from typing import Any
 from .._codec import DEFAULT_CODEC
 from .._errors import GraphError, GraphMismatch, LeaseHeld, LeaseLost, NotResumable, RunNotFound
 from ..core import Engine, RunResult, cancel_undriven, owner_is_dead
-from ..gates import Outcome, Poller, Resumable, ResumeWorker, ServeStats
+from ..gates import Outcome, Poller, Resumable, ResumeWorker
 from ..gates._daemon import Beside, Daemon, Loop
 from ..gates._orphans import Orphan, OrphanScan
 from ..gates._polling import GatePolling
@@ -66,8 +66,10 @@ class WorkerStats:
     ``claimed`` queued runs it claimed; ``applied`` answers it applied;
     ``adopted`` runs it took over from a dead owner; ``completed``,
     ``suspended``, ``failed`` and ``cancelled`` how the runs it drove ended;
-    ``busy`` claims or adoptions another owner won; ``errors`` failed rounds
-    and jobs (logged); ``outcomes`` every answer's outcome by name.
+    ``busy`` claims or adoptions another owner won; ``polled`` machine-gate
+    polls, ``poll_timeouts`` those cut by the time limit, ``expired`` gate
+    deadlines that fired (Q5); ``errors`` failed rounds, jobs and polls
+    (logged); ``outcomes`` every answer's outcome by name.
     """
 
     claimed: int = 0
@@ -78,6 +80,9 @@ class WorkerStats:
     failed: int = 0
     cancelled: int = 0
     busy: int = 0
+    polled: int = 0
+    poll_timeouts: int = 0
+    expired: int = 0
     errors: int = 0
     rounds: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
@@ -160,10 +165,10 @@ class Worker:
         self.stats = WorkerStats()
         #: Applies answers exactly once (Q3) and says which target drives a run.
         self.resumer = ResumeWorker(engine=self.engine, targets=targets)
-        #: Machine gates and deadlines (Q5); its poll counts are its own.
+        #: Machine gates and deadlines (Q5), counted in this worker's stats.
         self.gates = GatePolling(
             store, self.engine.codec or DEFAULT_CODEC, pollers or {}, timeout=10.0, threads=16,
-            stats=ServeStats(), wake=lambda: None,  # answers reach the worker through the store
+            stats=self.stats, wake=lambda: None,  # answers reach the worker through the store
         )  # fmt: skip
         #: Takes over runs whose owner died (D6, W3).
         self.orphans = OrphanScan(store, self.resumer, self.stats)
