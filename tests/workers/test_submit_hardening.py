@@ -325,3 +325,25 @@ async def test_a_workers_stats_count_polls_poller_errors_and_expired_deadlines(
 async def _finished(store: object, run_id: str) -> bool:
     record = await store.get_run(run_id)  # type: ignore[attr-defined]
     return bool(record.status is RunStatus.COMPLETED)
+
+
+async def test_answers_of_runs_no_target_drives_never_hide_an_applicable_one(store) -> None:
+    from tailrace.gates import Outcome, ResumeWorker
+
+    foreign = shaped("foreign", [], gated=True)  # started in-process, with no reference
+    starter = Engine(store=store)
+    for n in range(120):
+        result = await starter.run(foreign, n, run_id=f"f{n:03}")
+        await store.answer(result.questions[0].question_id, '"yes"')
+    calls: list[str] = []
+    ours = shaped("ours", calls, gated=True)
+    daemon_engine = Engine(store=store)
+    daemon_engine.register(ours)
+    mine = await daemon_engine.run(ours, "x", run_id="mine")
+    await store.answer(mine.questions[0].question_id, '"yes"')  # the newest answer
+    worker = ResumeWorker(engine=daemon_engine)
+    applied = 0
+    for _ in range(3):  # a few rounds, never 60
+        applied += (await worker.sweep(limit=100)).get(Outcome.APPLIED, 0)
+    assert applied == 1 and calls[-1] == "ours.done"
+    assert (await store.get_run("mine")).status is RunStatus.COMPLETED

@@ -101,6 +101,10 @@ class Outcome(enum.StrEnum):
     DEFERRED = "deferred"
 
 
+#: The most answers of runs driven elsewhere a resume worker remembers to skip.
+MAX_SKIPPED = 10_000
+
+
 class EngineTarget:
     """:class:`Resumable` over a tailrace :class:`~tailrace.Engine` with a store."""
 
@@ -111,7 +115,7 @@ class EngineTarget:
 
     def handles(self, run: RunRecord) -> bool:
         """Runs of tailrace graphs this engine can find again (by reference or because it ran them)."""
-        return run.graph_ref is not None or self.engine.knows_graph(run.fingerprint)
+        return run.graph_ref is not None or self.engine.knows_graph(run.fingerprint, run.graph_name)
 
     async def get_state(self, key: str) -> WaitState:
         """Gates of run ``key`` that wait on a question (from the stored node rows)."""
@@ -198,6 +202,9 @@ class ResumeWorker:
         self.retry_base = retry_base
         self.retry_max = retry_max
         self._locks: dict[str, asyncio.Lock] = {}
+        #: Answered questions of runs no target here drives: skipped from now on, and
+        #: the store is asked for that many more, so they never hide the others.
+        self._foreign: set[str] = set()
 
     def target_for(self, run: RunRecord) -> Resumable | None:
         """The first target that handles ``run`` (one without ``handles`` takes any); None if none does."""
@@ -228,10 +235,22 @@ class ResumeWorker:
         target handles are skipped and not counted.
         """
         counts: dict[Outcome, int] = {}
-        for question in await self.store.unapplied_answers(limit=limit, now=time.time()):
+        wanted = min(limit + len(self._foreign), MAX_SKIPPED)
+        rows = await self.store.unapplied_answers(limit=wanted, now=time.time())
+        if len(rows) < wanted:  # all of them were read: forget those applied elsewhere
+            self._foreign.intersection_update(q.question_id for q in rows)
+        taken = 0
+        for question in rows:
+            if taken >= limit:
+                break
+            if question.question_id in self._foreign:
+                continue
             target = await self._route(question)
             if target is None:
+                if len(self._foreign) < MAX_SKIPPED:
+                    self._foreign.add(question.question_id)
                 continue
+            taken += 1
             outcome = await self._resume(question, target, due_only=True)
             counts[outcome] = counts.get(outcome, 0) + 1
         return counts
