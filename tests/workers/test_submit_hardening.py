@@ -347,3 +347,47 @@ async def test_answers_of_runs_no_target_drives_never_hide_an_applicable_one(sto
         applied += (await worker.sweep(limit=100)).get(Outcome.APPLIED, 0)
     assert applied == 1 and calls[-1] == "ours.done"
     assert (await store.get_run("mine")).status is RunStatus.COMPLETED
+
+
+def on_executor(name: str, calls: list[str]) -> Graph:
+    g = Graph("remote")
+
+    @g.task(executor=name)
+    async def crunch(x: int) -> int:
+        calls.append("crunch")
+        return x * 2
+
+    return g
+
+
+async def test_a_worker_with_a_runs_executor_drives_it_one_without_hands_it_back(
+    store, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tailrace.executors import LocalExecutor
+
+    calls: list[str] = []
+    graph = on_executor("ray", calls)
+    engine = Engine(store=store)
+    run_id = await engine.submit(graph, 21, queue="q")
+    stop = asyncio.Event()
+    without = Worker(store, queues=["q"], graphs=[graph], poll_interval=0.02)
+    with caplog.at_level(logging.WARNING, logger="tailrace.workers"):
+        first = asyncio.create_task(without.run(stop))
+        await fixtures.until(
+            lambda: any("went back to queue" in r.getMessage() for r in caplog.records),
+            "the worker without the executor to hand the run back",
+        )
+    assert (await store.get_run(run_id)).status is RunStatus.QUEUED and calls == []
+    executor = LocalExecutor()
+    second = asyncio.create_task(
+        Worker(
+            store, queues=["q"], graphs=[graph], poll_interval=0.02, executors={"ray": executor}
+        ).run(stop)
+    )
+    try:
+        result = await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
+    finally:
+        stop.set()
+        await asyncio.gather(first, second)
+        await executor.aclose()
+    assert result.status is RunStatus.COMPLETED and result.output == 42 and calls == ["crunch"]

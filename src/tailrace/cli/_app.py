@@ -42,9 +42,12 @@ from ._render import json_text, node_table, question_table, table_of, text
 from ._session import (
     CommandError,
     DbOption,
+    ExecutorOption,
     FailureWatch,
+    closing_executors,
     console,
     db_argument,
+    executors_from,
     finish,
     flag,
     with_store,
@@ -134,6 +137,7 @@ def run(
     memory: Annotated[bool, flag("--memory", "Keep nothing: run in memory.")] = False,
     capacity: Annotated[int | None, typer.Option(help="Bound on handlers in flight.")] = None,
     lease_ttl: LeaseTtlOption = 30.0,
+    executor: ExecutorOption = None,
 ) -> None:
     """Run a graph durably and print a per-node summary and its output.
 
@@ -145,19 +149,27 @@ def run(
     # A file graph is resumed only with --graphs naming it: the store's word is not enough.
     graphs = [ref] if is_file_spec(ref.rpartition(":")[0]) else []
     watch = FailureWatch()
+    made = executors_from(executor)
     if memory:
-        engine = Engine(capacity=capacity, bus=watch.bus)
+        engine = Engine(capacity=capacity, bus=watch.bus, executors=made)
         result = finish(
-            lambda: engine.run(loaded, payload, run_id=run_id),
+            lambda: closing_executors(made, engine.run(loaded, payload, run_id=run_id)),
             watch=watch,
             interrupted=lambda: text(("interrupted:", "yellow"), f" run {run_id} ran in memory"),
         )
     else:
         result = with_store(
             db,
-            lambda store: Engine(
-                store=store, capacity=capacity, lease_ttl=lease_ttl, bus=watch.bus
-            ).run(loaded, payload, run_id=run_id, graph_ref=ref),
+            lambda store: closing_executors(
+                made,
+                Engine(
+                    store=store,
+                    capacity=capacity,
+                    lease_ttl=lease_ttl,
+                    bus=watch.bus,
+                    executors=made,
+                ).run(loaded, payload, run_id=run_id, graph_ref=ref),
+            ),
             watch=watch,
             interrupted=lambda: _interrupted(run_id, db, graphs),
         )

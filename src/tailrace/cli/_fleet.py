@@ -29,8 +29,11 @@ from ._render import json_text, table_of, text
 from ._session import (
     CommandError,
     DbOption,
+    ExecutorOption,
+    closing_executors,
     console,
     db_location,
+    executors_from,
     flag,
     shown_location,
     with_store,
@@ -172,6 +175,7 @@ def worker(
     max_interval: Annotated[
         float, typer.Option(min=0.001, help="Longest wait between two looks at the store.")
     ] = 1.0,
+    executor: ExecutorOption = None,
 ) -> None:
     """Worker: claim queued runs and drive them; resume answered runs, poll machine gates, adopt runs whose owner died.
 
@@ -186,8 +190,12 @@ def worker(
     pollers = load_pollers(poller)
     sources = [load_langgraph(spec) for spec in langgraph or []]
     location = shown_location(db_location(db))
+    made = executors_from(executor)
 
     async def work(store: RunStore) -> WorkerStats | list[str]:
+        return await closing_executors(made, serve_queues(store))
+
+    async def serve_queues(store: RunStore) -> WorkerStats | list[str]:
         async with contextlib.AsyncExitStack() as stack:
             drivers = [
                 await stack.enter_async_context(open_langgraph(source, store, name, lease_ttl))
@@ -200,6 +208,7 @@ def worker(
             daemon = Worker(
                 store, queues=queues, concurrency=concurrency, graphs=loaded, pollers=pollers,
                 targets=drivers, lease_ttl=lease_ttl, grace=grace, poll_interval=max_interval,
+                executors=made,
             )  # fmt: skip
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()

@@ -24,6 +24,7 @@ from rich.text import Text
 
 from .._errors import TailraceError
 from .._events import Event, EventBus, EventType
+from ..executors import Executor, RayExecutor
 from ..stores import RunStore, open_store
 from ._render import text
 
@@ -43,6 +44,41 @@ DbOption = Annotated[
         "postgresql:// URL (add ?schema=NAME for a schema other than public).",
     ),
 ]
+
+
+ExecutorOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--executor",
+        metavar="ray[=ADDRESS]",
+        help="An executor the graph's nodes name (executor=...): ray, or ray=ADDRESS for a "
+        "running Ray cluster (needs the ray extra). Repeatable.",
+    ),
+]
+
+
+def executors_from(specs: list[str] | None) -> dict[str, Executor]:
+    """The executors ``--executor`` names, by the name nodes use (a usage error names a bad one)."""
+    made: dict[str, Executor] = {}
+    for spec in specs or ():
+        name, _, address = spec.partition("=")
+        if name != "ray":
+            raise typer.BadParameter(
+                f"{spec!r}: the executors are ray or ray=ADDRESS", param_hint="'--executor'"
+            )
+        if name in made:
+            raise typer.BadParameter(f"{name!r} is named twice", param_hint="'--executor'")
+        made[name] = RayExecutor(address or None)
+    return made
+
+
+async def closing_executors(executors: dict[str, Executor], work: Awaitable[T]) -> T:
+    """Await ``work``, then close ``executors`` (whoever makes executors closes them)."""
+    try:
+        return await work
+    finally:
+        for executor in executors.values():
+            await executor.aclose()
 
 
 def flag(name: str, help: str) -> Any:

@@ -39,6 +39,7 @@ from typing import Any
 from .._codec import DEFAULT_CODEC
 from .._errors import GraphError, GraphMismatch, LeaseHeld, LeaseLost, NotResumable, RunNotFound
 from ..core import Engine, RunResult, cancel_undriven, owner_is_dead
+from ..executors import Executor
 from ..gates import Outcome, Poller, Resumable, ResumeWorker
 from ..gates._daemon import Beside, Daemon, Loop
 from ..gates._orphans import Orphan, OrphanScan
@@ -117,6 +118,10 @@ class Worker:
         poll_interval: seconds between two looks at the store with no wake-up.
         heartbeat: seconds between two reports of this worker in the store
             (``tailrace queues`` shows them) and two looks for dead workers.
+        executors: the default engine's executors by the names nodes use
+            (``executor="ray"``: ``{"ray": RayExecutor(address)}``); a run
+            naming one this worker lacks goes back to its queue for a worker
+            that has it. Whoever made them closes them.
     """
 
     def __init__(
@@ -133,6 +138,7 @@ class Worker:
         grace: float = 30.0,
         poll_interval: float = 1.0,
         heartbeat: float = 1.0,
+        executors: Mapping[str, Executor] | None = None,
     ) -> None:
         check_limit("Worker: concurrency", concurrency)
         for what, value in (("grace", grace), ("poll_interval", poll_interval)):
@@ -145,7 +151,9 @@ class Worker:
                 raise ValueError(
                     f"Worker: {what} must be a finite number of seconds > 0, got {value!r}"
                 )
-        self.engine = engine or Engine(store=store, lease_ttl=lease_ttl)
+        if engine is not None and executors:
+            raise ValueError("give the executors to the worker's engine, or no engine")
+        self.engine = engine or Engine(store=store, lease_ttl=lease_ttl, executors=executors)
         if self.engine.store is not store:
             raise ValueError("the worker's engine must use the worker's store")
         self.engine.register(*graphs)
