@@ -8,6 +8,7 @@ here. The public names are re-exported by :mod:`tailrace`.
 from ._admission import AdmissionPolicy as AdmissionPolicy
 from ._engine import Engine as Engine
 from ._engine import run as run
+from ._lease import acquire_lease as acquire_lease
 from ._lease import make_owner as make_owner
 from ._lease import owner_is_dead as owner_is_dead
 from ._outcome import NodeReport as NodeReport
@@ -24,6 +25,7 @@ __all__ = [
     "NodeReport",
     "NodeStatus",
     "RunResult",
+    "acquire_lease",
     "cancel_undriven",
     "find_graph",
     "make_owner",

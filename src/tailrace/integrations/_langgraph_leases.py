@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from .._errors import LeaseHeld, LeaseLost
+from ..core import acquire_lease
 from ..stores import RunStore
 
 logger = logging.getLogger("tailrace.integrations.langgraph")
@@ -43,7 +44,8 @@ class ThreadLeases:
     async def own(self, thread_id: str) -> AsyncIterator[Lease]:
         """Hold ``thread_id``'s lock and a lease of our own; :class:`~tailrace.LeaseHeld` if someone else has it."""
         async with self._lock(thread_id):
-            token = await self.store.acquire_lease(thread_id, self.owner, self.ttl)
+            # A lease whose owner provably died on this host is taken over at once (D6).
+            token = await acquire_lease(self.store, thread_id, self.owner, self.ttl)
             try:
                 yield Lease(self.owner, token, own=True)
             finally:
@@ -81,7 +83,7 @@ class ThreadLeases:
     async def _take_or_adopt(self, thread_id: str) -> Lease:
         for _ in range(3):
             try:
-                token = await self.store.acquire_lease(thread_id, self.owner, self.ttl)
+                token = await acquire_lease(self.store, thread_id, self.owner, self.ttl)
                 return Lease(self.owner, token, own=True)
             except LeaseHeld:
                 record = await self.store.get_run(thread_id)
