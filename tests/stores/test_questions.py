@@ -707,3 +707,38 @@ async def test_postgres_upgrades_a_version_1_database() -> None:
     finally:
         async with await psycopg.AsyncConnection.connect(POSTGRES_DSN, autocommit=True) as conn:
             await conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(ident))
+
+
+async def test_questions_are_counted_by_status_and_listed_by_page(store: RunStore) -> None:
+    from tailrace.stores import NewRun
+
+    await store.create_run(
+        NewRun(run_id="qp", graph_name="g", graph_ref=None, fingerprint="fp", input_json="null",
+               created_at=1.0)
+    )  # fmt: skip
+    token = await store.acquire_lease("qp", "me", 30.0)
+    rows = [
+        QuestionRow(
+            question_id=f"q{n:02}",
+            run_id="qp",
+            node_id="gate",
+            visit=1,
+            turn=0,
+            prompt_json="{}",
+            poller=None,
+            deadline=None,
+            created_at=float(n),
+        )  # fmt: skip
+        for n in range(25)
+    ]
+    await store.commit("qp", token, Harvest(state_json="{}", questions=rows))
+    await store.answer("q03", '"yes"')
+    assert await store.question_counts() == {
+        QuestionStatus.OPEN: 24, QuestionStatus.ANSWERED: 1
+    }  # fmt: skip
+    page = await store.list_questions(status=QuestionStatus.OPEN, limit=10, offset=10)
+    assert [q.question_id for q in page] == [f"q{n:02}" for n in range(11, 21)]
+    tail = await store.list_questions(limit=10, offset=20)
+    assert [q.question_id for q in tail] == [f"q{n:02}" for n in range(20, 25)]
+    with pytest.raises(ValueError, match="offset must be an integer >= 0"):
+        await store.list_questions(offset=-1)

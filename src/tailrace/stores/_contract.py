@@ -272,10 +272,18 @@ class RunStore(abc.ABC):
         status: QuestionStatus | None = None,
         run_id: str | None = None,
         limit: int | None = None,
+        offset: int = 0,
     ) -> list[QuestionRow]:
-        """Questions, oldest first, filtered by ``status`` and ``run_id``, at most ``limit``."""
+        """Questions, oldest first, filtered by ``status`` and ``run_id``, at most ``limit``,
+        after skipping ``offset`` of them (a page)."""
         check_name("run_id", run_id)
-        return await self._list_questions(status=status, run_id=run_id, limit=limit)
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ValueError(f"offset must be an integer >= 0, got {offset!r}")
+        return await self._list_questions(status=status, run_id=run_id, limit=limit, offset=offset)
+
+    async def question_counts(self) -> dict[QuestionStatus, int]:
+        """How many questions there are in each status (one query: for dashboards' headers)."""
+        return await self._question_counts()
 
     async def unapplied_answers(
         self, *, limit: int = 100, now: float | None = None
@@ -618,12 +626,17 @@ class RunStore(abc.ABC):
         """:meth:`get_question`, called with checked arguments."""
 
     @abc.abstractmethod
+    async def _question_counts(self) -> dict[QuestionStatus, int]:
+        """:meth:`question_counts`."""
+
+    @abc.abstractmethod
     async def _list_questions(
         self,
         *,
         status: QuestionStatus | None = None,
         run_id: str | None = None,
         limit: int | None = None,
+        offset: int = 0,
     ) -> list[QuestionRow]:
         """:meth:`list_questions`, called with checked arguments."""
 

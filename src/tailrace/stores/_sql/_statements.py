@@ -336,10 +336,26 @@ def question_from_row(row: Sequence[Any]) -> QuestionRow:
     return QuestionRow(**fields)
 
 
+#: Questions per stored status (``question_counts``).
+QUESTION_COUNTS = "SELECT status, COUNT(*) FROM questions GROUP BY status"
+
+
+def question_counts_from(rows: Sequence[Sequence[Any]]) -> dict[QuestionStatus, int]:
+    """``question_counts`` from :data:`QUESTION_COUNTS` rows (an unknown status is left out)."""
+    counts: dict[QuestionStatus, int] = {}
+    for status, n in rows:
+        try:
+            counts[QuestionStatus(status)] = int(n)
+        except ValueError:
+            continue  # a row written by hand: its questions say so when read
+    return counts
+
+
 def list_questions_query(
     status: QuestionStatus | None, run_id: str | None
 ) -> tuple[str, tuple[object, ...]]:
-    """The query of ``list_questions`` (only ``status`` and ``run_id`` rows if given), ending in ``LIMIT ?``."""
+    """The query of ``list_questions`` (only ``status`` and ``run_id`` rows if given), ending in
+    ``LIMIT ? OFFSET ?``."""
     where: list[str] = []
     params: list[object] = []
     if status is not None:
@@ -350,7 +366,8 @@ def list_questions_query(
         params.append(run_id)
     clause = f"WHERE {' AND '.join(where)} " if where else ""
     query = (
-        f"SELECT {QUESTION_COLUMNS} FROM questions {clause}ORDER BY created_at, question_id LIMIT ?"
+        f"SELECT {QUESTION_COLUMNS} FROM questions {clause}"
+        "ORDER BY created_at, question_id LIMIT ? OFFSET ?"
     )
     return query, tuple(params)
 

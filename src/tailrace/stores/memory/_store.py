@@ -389,6 +389,7 @@ class MemoryStore(RunStore):
         status: QuestionStatus | None = None,
         run_id: str | None = None,
         limit: int | None = None,
+        offset: int = 0,
     ) -> list[QuestionRow]:
         with self._lock:
             rows = [
@@ -397,7 +398,15 @@ class MemoryStore(RunStore):
                 if status in (None, q.status) and run_id in (None, q.run_id)
             ]
         rows.sort(key=lambda q: (q.created_at, q.question_id))
+        rows = rows[offset:]
         return rows if limit is None else rows[: max(limit, 0)]
+
+    async def _question_counts(self) -> dict[QuestionStatus, int]:
+        with self._lock:
+            counts: dict[QuestionStatus, int] = {}
+            for q in self._questions.values():
+                counts[q.status] = counts.get(q.status, 0) + 1
+        return counts
 
     async def _unapplied_answers(
         self, *, limit: int = 100, now: float | None = None

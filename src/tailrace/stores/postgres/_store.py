@@ -94,6 +94,7 @@ from .._sql._statements import (
     DEFER_ANSWER,
     DUE_ANSWERS,
     EXPIRED_LEASES,
+    QUESTION_COUNTS,
     SELECT_ARTIFACT_HEAD,
     SELECT_ARTIFACT_HISTORY,
     SUPERSEDE_QUESTION,
@@ -101,6 +102,7 @@ from .._sql._statements import (
     artifact_params,
     list_questions_query,
     new_run_params,
+    question_counts_from,
     question_from_row,
     queued_run_params,
     record_from_row,
@@ -365,11 +367,16 @@ class PostgresStore(RunStore):
         status: QuestionStatus | None = None,
         run_id: str | None = None,
         limit: int | None = None,
+        offset: int = 0,
     ) -> list[QuestionRow]:
         query, params = list_questions_query(status, run_id)
-        params += (None if limit is None else max(limit, 0),)
+        params += (None if limit is None else max(limit, 0), offset)
         rows = await self._db.read("listing questions", fetch_all(pg(query), params))
         return [question_from_row(r) for r in rows]
+
+    async def _question_counts(self) -> dict[QuestionStatus, int]:
+        rows = await self._db.read("counting questions", fetch_all(pg(QUESTION_COUNTS), ()))
+        return question_counts_from(rows)
 
     async def _unapplied_answers(
         self, *, limit: int = 100, now: float | None = None

@@ -81,6 +81,7 @@ from .._sql._statements import (
     INSERT_ARTIFACT,
     INSERT_QUEUED_RUN,
     INSERT_RUN,
+    QUESTION_COUNTS,
     SELECT_ARTIFACT_HEAD,
     SELECT_ARTIFACT_HISTORY,
     SELECT_QUESTION,
@@ -89,6 +90,7 @@ from .._sql._statements import (
     artifact_params,
     list_questions_query,
     new_run_params,
+    question_counts_from,
     question_from_row,
     queued_run_params,
     record_from_row,
@@ -366,12 +368,19 @@ class SQLiteStore(RunStore):
         status: QuestionStatus | None = None,
         run_id: str | None = None,
         limit: int | None = None,
+        offset: int = 0,
     ) -> list[QuestionRow]:
         query, params = list_questions_query(status, run_id)
-        params += (-1 if limit is None else max(limit, 0),)
+        params += (-1 if limit is None else max(limit, 0), offset)
         return await self._read(
             "listing questions",
             lambda conn: [question_from_row(r) for r in conn.execute(query, params)],
+        )
+
+    async def _question_counts(self) -> dict[QuestionStatus, int]:
+        return await self._read(
+            "counting questions",
+            lambda conn: question_counts_from(conn.execute(QUESTION_COUNTS).fetchall()),
         )
 
     async def _unapplied_answers(
