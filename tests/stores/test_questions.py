@@ -728,7 +728,7 @@ async def test_questions_are_counted_by_status_and_listed_by_page(store: RunStor
             poller=None,
             deadline=None,
             created_at=float(n),
-        )  # fmt: skip
+        )
         for n in range(25)
     ]
     await store.commit("qp", token, Harvest(state_json="{}", questions=rows))
