@@ -13,6 +13,8 @@ never disagree on how an attempt ended:
 - ``node_straggler`` marks the running attempt it flagged (T3);
 - a gate's attempt ends when its question opens (``asked``) and a ``waiting``
   segment runs until the answer is applied (Q1, Q3);
+- the end of a run (``run_cancelled``, ``run_failed``, ``run_completed``)
+  ends what is still running or waiting as ``cancelled``;
 - an attempt still open when the run was resumed was cut by a crash or a stop:
   it ends ``cut`` at the resume (D3);
 - a ``node_late_input`` marks the completed attempt of its source as ``late``
@@ -180,6 +182,12 @@ def _step(walk: _Walk, e: EventRow) -> None:
         for cut in list(walk.open):
             walk.close_all(cut, e.ts, Outcome.CUT, Outcome.CUT)
         return
+    if e.type in _RUN_ENDS:  # nothing still running or waiting goes on once the run ended
+        for key in list(walk.open):
+            walk.close_all(key, e.ts, Outcome.CANCELLED, Outcome.CANCELLED)
+        for key in list(walk.waiting):
+            walk.close_wait(key, e.ts, Outcome.CANCELLED)
+        return
     if e.node_id is None:
         return
     key: _Key = (e.node_id, e.visit)
@@ -205,6 +213,10 @@ def _step(walk: _Walk, e: EventRow) -> None:
         walk.waiting[key] = e.ts
     elif e.type == "question_answered":
         walk.close_wait(key, e.ts, Outcome.WAITING)
+
+
+#: Events that end a run: a segment still open then ends there.
+_RUN_ENDS = ("run_cancelled", "run_failed", "run_completed")
 
 
 def _retry(walk: _Walk, key: _Key, e: EventRow) -> None:

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import socket
 import sys
+import time
 
 import pytest
 from starlette.testclient import TestClient
 from tailrace_tests_ui_support import TOKEN, Factory, dashboard  # loaded by conftest.py
 
 import tailrace as tr
-from tailrace.stores import RunStatus
+from tailrace.core import make_owner
+from tailrace.stores import RunStatus, WorkerRow
 from tailrace.ui._security import TOKEN_COOKIE
 
 scenarios = sys.modules["tailrace_tests_ui_scenarios"]
@@ -154,3 +158,146 @@ def test_beyond_loopback_a_change_still_needs_the_token_and_a_refusal_shows_noth
     assert also_refused.status_code == 403  # the cookie alone never authorises a change (CSRF)
     assert cancelled.status_code == 303
     assert status_of(sqlite_db, "secret-run") is RunStatus.CANCELLED
+
+
+# -- the first day's small things ------------------------------------------------------------------
+
+
+def machine_gated(factory: Factory) -> str:
+    """A run suspended on a machine gate (a question with a poller); returns its question id."""
+    graph = tr.Graph("machine")
+    graph.add_node("checks", scenarios.only, "gate", poller="ci")
+    graph.add_node("deploy", scenarios.only)
+    graph.add_edge("checks", "deploy")
+
+    async def run() -> str:
+        async with scenarios.opened(factory) as store:
+            result = await tr.Engine(store=store).run(graph, {"sha": "abc"}, run_id="machine-run")
+            return str(result.questions[0].question_id)
+
+    return asyncio.run(run())
+
+
+def cut(factory: Factory, run_id: str) -> None:
+    """A run stopped in the middle of a node: running, held by nobody."""
+
+    async def make() -> None:
+        async with scenarios.opened(factory) as store:
+            await scenarios.cut_and_resume(store, run_id, resume=False)
+
+    asyncio.run(make())
+
+
+def held(factory: Factory, run_id: str) -> None:
+    """Hold ``run_id``'s lease as a live process (this one) would: it shows as running."""
+
+    async def take() -> None:
+        async with scenarios.opened(factory) as store:
+            assert await store.acquire_lease(run_id, make_owner(), 300.0) is not None
+
+    asyncio.run(take())
+
+
+def test_the_cancel_button_is_kept_out_of_the_live_updates_and_asks_first(
+    sqlite_db: Factory,
+) -> None:
+    cut(sqlite_db, "secret-run")
+    held(sqlite_db, "secret-run")  # a running run held by a live process: its page streams
+    with dashboard(sqlite_db) as client:
+        client.post("/login", data={"token": TOKEN})
+        page = client.get("/runs/secret-run").text
+        with client.stream("GET", "/stream/runs/secret-run") as stream:
+            lines = stream.iter_lines()
+            update = next(line for line in lines if line.startswith("data: "))
+    header = page[page.index('id="run-header"') : page.index('id="run-actions"')]
+    actions = page[page.index('id="run-actions"') : page.index('id="run-questions"')]
+    assert "Cancel run" not in header and "Cancel run" in actions
+    assert 'data-confirm="Cancel run secret-run?' in actions
+    parts = json.loads(update.removeprefix("data: "))["parts"]
+    assert "run-header" in parts and "run-actions" not in parts  # the button stays put
+
+
+def test_after_a_cancel_the_page_and_the_gate_follow_the_stored_status(
+    sqlite_db: Factory,
+) -> None:
+    gated(sqlite_db, "asked-run")
+    cut(sqlite_db, "driven-run")
+    held(sqlite_db, "driven-run")  # driven by a live process: cancel is only requested
+    with dashboard(sqlite_db) as client:
+        pages = {}
+        for run_id in ("asked-run", "driven-run"):
+            done = client.post(f"/cancel/runs/{run_id}", data={"token": TOKEN})
+            pages[run_id] = client.get(done.headers["location"]).text
+    asked, driven = pages["asked-run"], pages["driven-run"]
+    assert "running now" not in driven and "You asked to cancel this run." in driven
+    assert 'id="run-status">running<' in driven and 'id="cancel-note"' in driven
+    assert 'id="run-status">cancelled<' in asked and "cancelled now" not in asked
+    gate = re.search(r'<g class="node st-(\w+) kind-gate" data-node="approve">', asked)
+    assert gate and gate.group(1) == "cancelled"
+    assert "o-waiting" not in asked and "waiting for an answer" not in asked
+    nodes = asked[asked.index('id="run-nodes"') :]
+    assert '<td class="mono">approve</td><td><span class="pill small s-cancelled">' in nodes
+
+
+def test_the_runs_header_counts_what_every_filter_leaves(sqlite_db: Factory) -> None:
+    async def make() -> None:
+        async with scenarios.opened(sqlite_db) as store:
+            await scenarios.fleet(store)  # graph quick: 3 queued, 1 completed
+
+    asyncio.run(make())
+    gated(sqlite_db)
+    with dashboard(sqlite_db) as client:
+        queued = client.get("/runs?status=queued&graph=quick").text
+        emails = client.get("/runs?status=queued&queue=emails").text
+        done = client.get("/runs?status=completed&graph=approval").text
+    count = r'<p class="sub" id="runs-count">([^<]*)<'
+    assert re.search(count, queued).group(1).startswith("3 queued runs of graph ")  # type: ignore[union-attr]
+    assert re.search(count, emails).group(1).startswith("2 queued runs in queue ")  # type: ignore[union-attr]
+    assert re.search(count, done).group(1).startswith("0 completed runs of graph ")  # type: ignore[union-attr]
+
+
+def test_the_queues_page_shows_dead_workers_marked_dead_in_the_clis_rate_units(
+    sqlite_db: Factory,
+) -> None:
+    dead = f"{socket.gethostname()}:999999999:12345:gone"  # this host, a pid that cannot exist
+
+    async def make() -> None:
+        async with scenarios.opened(sqlite_db) as store:
+            await scenarios.fleet(store)
+            now = time.time()
+            await store.worker_seen(
+                WorkerRow(worker_id=dead, queues=("emails",), concurrency=2,
+                          started_at=now - 50, seen_at=now - 1)
+            )  # fmt: skip
+            assert await store.claim_runs("emails", dead, 300.0, limit=1) == ["mail-0"]
+            # Its report is gone (another worker forgot it), its lease is not: still shown.
+            assert await store.claim_runs("reports", f"{dead}2", 300.0, limit=1) == ["report-0"]
+
+    asyncio.run(make())
+    with dashboard(sqlite_db) as client:
+        page = client.get("/queues").text
+    rows = re.findall(
+        r'<td class="mono" title="([^"]+)">.*?<span class="pill small w-(\w+)">', page, re.S
+    )
+    assert (dead, "dead") in rows and (f"{dead}2", "dead") in rows
+    assert ("otherhost:4242:1.0:abc", "live") in rows
+    assert "started/s (60s)" in page and "starts / min" not in page
+    emails = page[page.index("/runs?queue=emails") : page.index("/runs?queue=reports")]
+    cells = re.findall(r'<td class="num">(.*?)</td>', emails, re.S)
+    assert cells[3] == "0.0167"  # one claim in 60 s, as `tailrace queues` prints it
+    assert cells[4].startswith("1 ") and "1 dead" in cells[4]  # only the live one serves
+
+
+def test_a_machine_gate_is_marked_and_offers_people_no_answer_form(sqlite_db: Factory) -> None:
+    qid = machine_gated(sqlite_db)
+    with dashboard(sqlite_db) as client:
+        client.post("/login", data={"token": TOKEN})
+        inbox = client.get("/questions").text
+        run = client.get("/runs/machine-run").text
+        refused = client.post(f"/answer/{qid}", data={"answer": '"ok"', "token": TOKEN})
+    for page in (inbox, run):
+        card = page[page.index(f'data-question="{qid}"') :]
+        assert "machine gate" in card and 'class="answer-form"' not in card
+        assert "the poller <b" in card
+    assert refused.status_code == 409 and "Nothing was recorded" in refused.text
+    assert status_of(sqlite_db, "machine-run") is RunStatus.SUSPENDED

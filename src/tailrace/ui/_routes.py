@@ -179,8 +179,8 @@ async def run(request: Request) -> Response:
     answered = request.query_params.get("answered")
     cancelled = request.query_params.get("cancelled")
     flash = f"Your answer to question {answered} was recorded." if answered else None
-    if cancelled:
-        flash = f"Cancel requested: the run is {cancelled} now."
+    if cancelled:  # the status pill says what the store says; the flash only what was asked
+        flash = "You asked to cancel this run."
     return await page(request, "run.html", section="runs", v=view, note=note, flash=flash,
                       page_data=data)  # fmt: skip
 
@@ -272,6 +272,11 @@ async def answer(request: Request) -> Response:
     state = ui_state(request)
     assert state.engine is not None and state.resumer is not None  # not read-only
     row = await state.reader.get_question(question_id)
+    if row.poller is not None:  # docs/gates.md: a machine gate's poller answers it, not a person
+        return await page(request, "question.html", section="questions", status_code=409,
+                          q=question_view(row), lost=False,
+                          problem=f"Nothing was recorded: the poller {row.poller!r} answers this "
+                          "machine gate, not a person.")  # fmt: skip
     by = form.get("by")
     by = by.strip()[:200] if isinstance(by, str) and by.strip() else None
     try:
@@ -312,6 +317,6 @@ async def cancel(request: Request) -> Response:
         return refusal
     state = ui_state(request)
     assert state.engine is not None  # not read-only
-    status = await state.engine.cancel(run_id)
-    target = f"{run_url(run_id)}?cancelled={urllib.parse.quote(status, safe='')}"
+    await state.engine.cancel(run_id)
+    target = f"{run_url(run_id)}?cancelled=1"
     return with_cookie(RedirectResponse(target, status_code=303), state.config.token)
