@@ -373,6 +373,7 @@ async def run_view(
     status = shown_status(record, now)
     live = status == "running"
     rows = settled_nodes(stored.nodes, record.status)
+    ended = record.status in TERMINAL_STATUSES
     found = await catalog.find(record)
     shape = shape_of_graph(found.graph) if found.graph is not None else None
     shape = shape or shape_from_store(rows, events)
@@ -395,7 +396,8 @@ async def run_view(
         input=pretty(record.input_json),
         drawing=drawing,
         graph_note=found.reason,
-        gantt=gantt(attempts_from_events(events, live=live, now=now if live else None)),
+        # A suspended run still waits now; a finished one ended at its last event.
+        gantt=gantt(attempts_from_events(events, live=live, now=None if ended else now)),
         late=late_inputs(events),
         events=tuple(event_lines(events[-EVENT_LIMIT:], record.created_at)),
         events_total=len(events),
