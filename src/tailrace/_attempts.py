@@ -13,8 +13,12 @@ never disagree on how an attempt ended:
 - ``node_straggler`` marks the running attempt it flagged (T3);
 - a gate's attempt ends when its question opens (``asked``) and a ``waiting``
   segment runs until the answer is applied (Q1, Q3);
+- the end of a run (``run_cancelled``, ``run_failed``, ``run_completed``)
+  ends what is still running or waiting as ``cancelled``;
 - an attempt still open when the run was resumed was cut by a crash or a stop:
-  it ends ``cut`` at the resume (D3);
+  it ends ``cut`` at the last event its process committed before the resume
+  (D3); the re-run's tries are numbered on from the cut ones, so a cut try 1
+  is followed by try 2;
 - a ``node_late_input`` marks the completed attempt of its source as ``late``
   (E5).
 """
@@ -114,6 +118,24 @@ class _Walk:
     open: dict[_Key, list[_Open]] = field(default_factory=dict)
     waiting: dict[_Key, float] = field(default_factory=dict)
     done: list[Attempt] = field(default_factory=list)
+    #: Tries of a visit cut by crashes or stops: a re-run's tries are numbered after them.
+    cut_tries: dict[_Key, int] = field(default_factory=dict)
+    #: When the last event so far was committed (a cut attempt ends there).
+    last_ts: float | None = None
+
+    def number(self, key: _Key, attempt: int | None) -> int | None:
+        """The try number of ``attempt`` (as an event carries it) across resumes."""
+        before = self.cut_tries.get(key, 0)
+        return attempt + before if attempt is not None else (before + 1 if before else None)
+
+    def cut(self, end: float) -> None:
+        """A resume: every open attempt was cut where its process last committed."""
+        for key in list(self.open):
+            items = self.open.pop(key)
+            for item in items:
+                self.close(key, item, max(end, item.start), Outcome.CUT)
+            tries = max((i.attempt or 1) for i in items)
+            self.cut_tries[key] = max(self.cut_tries.get(key, 0), tries)
 
     def close(self, key: _Key, item: _Open, end: float, outcome: Outcome, **extra: Any) -> None:
         self.done.append(
@@ -155,21 +177,27 @@ def attempts_from_events(
     Args:
         events: the run's durable events, in ``seq`` order.
         live: whether the run may still be running: attempts still open at the
-            end are then ``running``; otherwise (a finished or orphaned run)
-            nothing will close them and they are ``cut``.
-        now: where open segments end; the last event's time when None.
+            end are then ``running`` and end at ``now``; otherwise (a finished
+            or orphaned run) nothing will close them and they are ``cut`` at
+            the last event.
+        now: where running attempts (when ``live``) and open waits end (a
+            suspended run still waits now); the last event's time when None.
     """
     walk = _Walk()
     for event in events:
         _step(walk, event)
-    end = now if now is not None else max((e.ts for e in events), default=0.0)
+        walk.last_ts = event.ts
+    last = max((e.ts for e in events), default=0.0)
+    # Running attempts and open waits go on until now; a cut attempt ended at the last commit.
+    end = now if now is not None and live else last
     for key, items in walk.open.items():
         for item in items:
             walk.close(key, item, max(end, item.start), Outcome.RUNNING if live else Outcome.CUT)
+    wait_end = now if now is not None else last
     for key, start in walk.waiting.items():
         walk.done.append(
             Attempt(node_id=key[0], visit=key[1], attempt=None, start=start,
-                    end=max(end, start), outcome=Outcome.WAITING)
+                    end=max(wait_end, start), outcome=Outcome.WAITING)
         )  # fmt: skip
     attempts = _mark_late(walk.done, events)
     return sorted(attempts, key=lambda a: (a.start, a.label, a.hedge, a.attempt or 0))
@@ -177,15 +205,20 @@ def attempts_from_events(
 
 def _step(walk: _Walk, e: EventRow) -> None:
     if e.type == "run_resumed":
-        for cut in list(walk.open):
-            walk.close_all(cut, e.ts, Outcome.CUT, Outcome.CUT)
+        walk.cut(walk.last_ts if walk.last_ts is not None else e.ts)
+        return
+    if e.type in _RUN_ENDS:  # nothing still running or waiting goes on once the run ended
+        for still in list(walk.open):
+            walk.close_all(still, e.ts, Outcome.CANCELLED, Outcome.CANCELLED)
+        for waits in list(walk.waiting):
+            walk.close_wait(waits, e.ts, Outcome.CANCELLED)
         return
     if e.node_id is None:
         return
     key: _Key = (e.node_id, e.visit)
     if e.type == "node_started":
         hedge = bool(event_data(e).get("hedge"))
-        walk.open.setdefault(key, []).append(_Open(e.ts, e.attempt, hedge))
+        walk.open.setdefault(key, []).append(_Open(e.ts, walk.number(key, e.attempt), hedge))
     elif e.type == "node_retrying":
         _retry(walk, key, e)
     elif e.type == "node_straggler":
@@ -207,6 +240,10 @@ def _step(walk: _Walk, e: EventRow) -> None:
         walk.close_wait(key, e.ts, Outcome.WAITING)
 
 
+#: Events that end a run: a segment still open then ends there.
+_RUN_ENDS = ("run_cancelled", "run_failed", "run_completed")
+
+
 def _retry(walk: _Walk, key: _Key, e: EventRow) -> None:
     """Try ``e.attempt`` failed: close it and open the next try after the backoff (E11)."""
     items = walk.open.get(key)
@@ -217,7 +254,7 @@ def _retry(walk: _Walk, key: _Key, e: EventRow) -> None:
     walk.close(key, item, e.ts, Outcome.RETRIED, error=_text(data.get("error")))
     delay = data.get("delay")
     wait = float(delay) if isinstance(delay, int | float) and delay > 0 else 0.0
-    tries = e.attempt if e.attempt is not None else (item.attempt or 1)
+    tries = walk.number(key, e.attempt) or item.attempt or 1
     items[items.index(item)] = _Open(e.ts + wait, tries + 1, item.hedge, item.straggler_at)
 
 

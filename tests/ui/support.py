@@ -45,9 +45,8 @@ async def postgres_schema() -> AsyncIterator[Factory]:
 @contextlib.contextmanager
 def dashboard(factory: Factory, **options: Any) -> Iterator[TestClient]:
     """The app on ``factory``'s database under TestClient, its lifespan running."""
-    config = UiConfig(
-        store=factory, token=TOKEN, location="test.db", allowed_hosts=("testserver",), **options
-    )
+    options.setdefault("allowed_hosts", ("testserver",))
+    config = UiConfig(store=factory, token=TOKEN, location="test.db", **options)
     with TestClient(create_app(config), follow_redirects=False) as client:
         yield client
 

@@ -81,7 +81,7 @@ def test_an_attempt_open_at_a_resume_was_cut_and_its_rerun_is_separate() -> None
         ev(5, "node_completed", 7.0, "a"),
     ]
     assert shape(attempts_from_events(events)) == [
-        ("a#1", 1.0, 5.0, "cut", False),
+        ("a#1", 1.0, 1.0, "cut", False),  # ends at its process's last commit, not the resume
         ("a#1", 6.0, 7.0, "completed", False),
     ]
 
@@ -152,3 +152,27 @@ def test_data_that_does_not_decode_is_ignored() -> None:
                       data_json="not json")  # fmt: skip
     events = [broken, ev(3, "node_completed", 1.0, "a")]
     assert shape(attempts_from_events(events)) == [("a#1", 0.0, 1.0, "completed", False)]
+
+
+def test_a_cut_attempt_ends_at_its_last_commit_and_its_rerun_is_the_next_try() -> None:
+    events = [
+        ev(1, "node_started", 1.0, "a"),
+        ev(2, "node_completed", 2.0, "a"),
+        ev(3, "node_started", 2.5, "b"),
+        ev(4, "run_resumed", 9.0),
+        ev(5, "node_started", 9.5, "b"),
+        ev(6, "node_completed", 10.0, "b"),
+    ]
+    cut, rerun = [a for a in attempts_from_events(events) if a.node_id == "b"]
+    assert (cut.outcome, cut.end, cut.attempt) == (Outcome.CUT, 2.5, 1)
+    assert (rerun.outcome, rerun.start, rerun.attempt) == (Outcome.COMPLETED, 9.5, 2)
+
+
+def test_a_waiting_gate_waits_until_now_while_the_run_is_suspended() -> None:
+    events = [
+        ev(1, "node_started", 0.0, "g"),
+        ev(2, "question_opened", 0.5, "g", question_id="q"),
+        ev(3, "run_suspended", 0.6),
+    ]
+    waits = [a for a in attempts_from_events(events, live=False, now=30.0) if a.attempt is None]
+    assert [(w.outcome, w.end) for w in waits] == [(Outcome.WAITING, 30.0)]

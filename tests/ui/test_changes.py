@@ -138,20 +138,21 @@ def test_read_only_mode_hides_and_refuses_every_change(sqlite_db: Factory) -> No
     assert question(sqlite_db, qid).status is QuestionStatus.OPEN
 
 
-def test_the_printed_address_logs_the_browser_in_and_forms_carry_the_token(
+def test_the_login_form_logs_the_browser_in_and_forms_carry_the_token(
     sqlite_db: Factory,
 ) -> None:
     qid = suspended(sqlite_db)
     with dashboard(sqlite_db) as client:
         assert 'type="password" name="token"' in client.get("/questions").text
-        login = client.get(f"/questions?token={TOKEN}&tab=open")
+        login = client.post("/login", data={"token": TOKEN, "next": "/questions?tab=open"})
         assert login.status_code == 303 and login.headers["location"] == "/questions?tab=open"
         filled = client.get("/questions").text  # the cookie is sent back now
-        wrong = client.get("/questions?token=guess")
+        client.cookies.clear()
+        wrong = client.post("/login", data={"token": "guess", "next": "/questions"})
         encoded = client.get(f"/runs/a%2Fb?token={TOKEN}")
     assert f'<input type="hidden" name="token" value="{TOKEN}">' in filled
-    assert wrong.status_code == 403 and 'value="' + TOKEN not in wrong.text
-    assert encoded.headers["location"] == "/runs/a%2Fb"  # the id stays one path segment
+    assert wrong.status_code == 401 and 'value="' + TOKEN not in wrong.text
+    assert encoded.headers["location"] == "/login?next=%2Fruns%2Fa%252Fb"  # one path segment
     # A path sent as "//host/x" redirects within this site, never to that host.
     assert (
         _same_page({"raw_path": b"//evil.example/x", "path": "//evil.example/x"})

@@ -84,12 +84,14 @@ def test_it_prints_an_address_with_a_token_serves_pages_and_accepts_a_token_chan
     proc, lines = start("--db", str(db), "--port", "0")
     stopped.append(proc)
     address = lines[-1].removeprefix("open ")
-    match = re.fullmatch(r"http://127\.0\.0\.1:(\d+)/runs\?token=([\w-]+)", address)
-    assert match, lines
-    token = match.group(2)
+    match = re.fullmatch(r"http://127\.0\.0\.1:(\d+)/runs", address)
+    assert match, lines  # no token in the address: addresses end up in histories and logs
+    said = re.fullmatch(r"token for changes: ([\w-]+) \(log in at (\S+)/login\)", lines[1])
+    assert said and said.group(2) == address.removesuffix("/runs"), lines
+    token = said.group(1)
     assert lines[0] == f"tailrace ui: {db}"
     with httpx.Client(base_url=f"http://127.0.0.1:{match.group(1)}") as client:
-        home = client.get(address, follow_redirects=True)
+        home = client.get(address)  # on loopback reading needs nothing
         assert home.status_code == 200 and "cli-run" in home.text
         refused = client.post(f"/answer/{qid}", data={"answer": '"no"', "token": "guess"})
         answered = client.post(f"/answer/{qid}", data={"answer": '"yes"', "token": token})
@@ -117,6 +119,28 @@ def test_read_only_prints_no_token_and_refuses_changes(
         )
     assert 'class="answer-form"' not in page.text and refused.status_code == 403
     proc.send_signal(signal.SIGTERM)  # uvicorn stops gracefully, then dies of the signal
+    assert proc.wait(DEADLINE) == -signal.SIGTERM
+
+
+def test_beyond_loopback_reading_needs_the_printed_token(
+    tmp_path: Path, stopped: list[subprocess.Popen[str]]
+) -> None:
+    db = tmp_path / "runs.db"
+    gated_db(db)
+    proc, lines = start("--db", str(db), "--host", "0.0.0.0", "--port", "0")
+    stopped.append(proc)
+    said = next(line for line in lines if line.startswith("token for reading and changes: "))
+    token = said.split(": ", 1)[1].split()[0]
+    port = re.search(r":(\d+)/runs$", lines[-1])
+    assert port and "token" not in lines[-1], lines
+    with httpx.Client(base_url=f"http://127.0.0.1:{port.group(1)}") as client:
+        # A claimed loopback Host changes nothing.
+        locked = client.get("/runs", headers={"host": "127.0.0.1"})
+        client.post("/login", data={"token": token, "next": "/runs"})
+        page = client.get("/runs")
+    assert locked.status_code == 401 and "cli-run" not in locked.text
+    assert page.status_code == 200 and "cli-run" in page.text
+    proc.send_signal(signal.SIGTERM)
     assert proc.wait(DEADLINE) == -signal.SIGTERM
 
 

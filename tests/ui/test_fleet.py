@@ -85,12 +85,12 @@ def test_cancel_ends_a_queued_a_suspended_and_an_orphaned_run_and_needs_the_toke
         page = client.get(done[0].headers["location"]).text
         finished = client.get("/runs/direct").text
     assert [r.headers["location"] for r in done] == [
-        f"/runs/{r}?cancelled=cancelled" for r in ("mail-0", "waiting", "orphan")
+        f"/runs/{r}?cancelled=1" for r in ("mail-0", "waiting", "orphan")
     ]
     assert [status_of(sqlite_db, r) for r in ("mail-0", "waiting", "orphan")] == [
         RunStatus.CANCELLED
     ] * 3
-    assert "Cancel requested: the run is cancelled now." in page
+    assert "You asked to cancel this run." in page and 'id="run-status">cancelled<' in page
     assert "Cancel run" not in page and "Cancel run" not in finished
 
 

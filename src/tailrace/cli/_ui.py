@@ -55,9 +55,11 @@ def ui(
 ) -> None:  # fmt: skip
     """Serve a web dashboard: runs, a live Gantt of every attempt, questions to answer, evolutions.
 
-    Open the printed address. Reading needs nothing; answering and resuming
-    are POSTs that need the token (``--token``, or one generated and printed
-    here; the printed address carries it once and the browser remembers it).
+    Open the printed address. On 127.0.0.1 reading needs nothing; beyond
+    loopback (``--host 0.0.0.0``) reading needs the token too. Answering,
+    resuming and cancelling are POSTs that need the token (``--token``, or
+    one generated and printed here); log in at ``/login`` with it once and
+    the browser remembers it (an HttpOnly cookie).
     An answered question's run resumes in this process when its graph is
     importable or named with ``--graphs``; otherwise ``tailrace serve``
     applies it.
@@ -86,20 +88,24 @@ def ui(
         graphs=loaded,
         artifacts=tuple(artifact or ()),
         allowed_hosts=LOOPBACK_HOSTS if is_loopback(host) else ("*",),
+        reading_needs_token=not is_loopback(host),
         lease_ttl=lease_ttl,
     )
     sock = _listen(host, port)
     address = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
-    login = address + "/runs" + ("" if read_only else f"?token={secret}")
     console.print(
         text(f"tailrace ui: {config.location}" + (" (read-only)" if read_only else "")),
         soft_wrap=True,
     )
-    console.print(text("open ", (login, "bold")), soft_wrap=True)
-    if not read_only and token is None:
-        console.print(text(f"token for changes: {secret}"), soft_wrap=True)
-    if not is_loopback(host):
-        errors.print(text(("warning:", "yellow"), f" listening on {host}: whoever reaches it can read every run"), soft_wrap=True)  # fmt: skip
+    # The token is printed, never put in an address: addresses end up in histories and logs.
+    needs = "reading and changes" if config.reading_needs_token else "changes"
+    if token is None and (config.reading_needs_token or not read_only):
+        console.print(
+            text(f"token for {needs}: {secret} (log in at {address}/login)"), soft_wrap=True
+        )
+    if config.reading_needs_token:
+        errors.print(text(("warning:", "yellow"), f" listening on {host}: reading needs the token; over plain HTTP, put TLS in front on a network that is not yours"), soft_wrap=True)  # fmt: skip
+    console.print(text("open ", (address + "/runs", "bold")), soft_wrap=True)
     server = uvicorn.Server(
         uvicorn.Config(create_app(config), log_level="warning", timeout_graceful_shutdown=2)
     )

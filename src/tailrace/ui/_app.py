@@ -11,8 +11,8 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
-from starlette.requests import Request
-from starlette.responses import RedirectResponse, Response
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -20,8 +20,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .._errors import QuestionNotFound, RunNotFound, StoreError
 from . import _routes as r
 from ._config import UiConfig, serving
+from ._links import login_url
 from ._pages import Pages
-from ._security import SECURITY_HEADERS, TOKEN_COOKIE, token_matches
+from ._security import LOGIN_PATH, SECURITY_HEADERS, TOKEN_COOKIE, local_path, token_matches
 
 STATIC = Path(__file__).parent / "static"
 
@@ -47,38 +48,47 @@ class SecurityHeaders:
         await self.app(scope, receive, with_headers)
 
 
-class TokenLogin:
-    """``GET /any/page?token=T`` (the address ``tailrace ui`` prints): remember T, drop it from the URL.
+class ReadGuard:
+    """Who may read: everyone on loopback; beyond it only a browser holding the login cookie.
 
-    A right token sets the cookie and redirects to the same page without it (so
-    the token stays out of history and logs); a wrong one is refused.
+    Static files and the login page are open to all. A POST goes on to its
+    route, whose token guard decides (a script sends the token in a header,
+    with no cookie). An address carrying ``?token=`` never logs anyone in:
+    it redirects to the login page without the token, so a token pasted into
+    an address leaves the address bar at once.
     """
 
-    def __init__(self, app: ASGIApp, *, token: str, pages: Pages) -> None:
+    def __init__(self, app: ASGIApp, *, token: str, pages: Pages, required: bool) -> None:
         self.app = app
         self.token = token
         self.pages = pages
+        self.required = required
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "GET":
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path == LOGIN_PATH or path.startswith("/static/"):
             await self.app(scope, receive, send)
             return
-        query = urllib.parse.parse_qsl(scope.get("query_string", b"").decode("latin-1"))
-        given = [v for k, v in query if k == "token"]
-        if not given:
-            await self.app(scope, receive, send)
-            return
+        conn = HTTPConnection(scope)
+        reading = scope["method"] in ("GET", "HEAD")
         response: Response
-        if token_matches(self.token, given[0]):
-            rest = urllib.parse.urlencode([(k, v) for k, v in query if k != "token"])
-            response = RedirectResponse(_same_page(scope) + (f"?{rest}" if rest else ""), 303)
-            response.set_cookie(TOKEN_COOKIE, self.token, httponly=True, samesite="strict")
+        if reading and "token" in conn.query_params:
+            rest = [(k, v) for k, v in conn.query_params.multi_items() if k != "token"]
+            page = _same_page(scope) + (f"?{urllib.parse.urlencode(rest)}" if rest else "")
+            response = RedirectResponse(login_url(page), 303)
+        elif not self.required or scope["method"] == "POST" or self._holds_token(conn):
+            await self.app(scope, receive, send)
+            return
+        elif path.startswith("/stream/"):
+            response = PlainTextResponse("log in first", status_code=401)
         else:
-            response = self.pages.page(
-                "error.html", status_code=403, heading="Refused: wrong token", back=None,
-                message="The token in this address is not the one tailrace ui printed.",
-            )  # fmt: skip
+            page = _same_page(scope) + (f"?{conn.url.query}" if conn.url.query else "")
+            response = self.pages.page("login.html", status_code=401, locked=True,
+                                       next=local_path(page), problem=None)  # fmt: skip
         await response(scope, receive, send)
+
+    def _holds_token(self, conn: HTTPConnection) -> bool:
+        return token_matches(self.token, conn.cookies.get(TOKEN_COOKIE))
 
 
 def _same_page(scope: Scope) -> str:
@@ -126,6 +136,7 @@ def create_app(config: UiConfig) -> Starlette:
 
     routes = [
         Route("/", lambda request: RedirectResponse("/runs", 303), name="home"),
+        Route(LOGIN_PATH, r.login, methods=["GET", "POST"], name="login"),
         Route("/runs", r.runs, name="runs"),
         Route("/runs/{run_id:path}", r.run, name="run"),
         Route("/stream/runs/{run_id:path}", r.stream, name="stream"),
@@ -142,7 +153,7 @@ def create_app(config: UiConfig) -> Starlette:
     middleware = [
         Middleware(SecurityHeaders),
         Middleware(TrustedHostMiddleware, allowed_hosts=list(config.allowed_hosts)),
-        Middleware(TokenLogin, token=config.token, pages=pages),
+        Middleware(ReadGuard, token=config.token, pages=pages, required=config.reading_needs_token),
     ]
     app = Starlette(
         routes=routes,

@@ -36,6 +36,9 @@ class UiConfig:
         artifacts: evolve-ledger artifact ids the evolution page lists.
         allowed_hosts: ``Host`` headers served (a DNS-rebinding guard);
             ``("*",)`` serves any.
+        reading_needs_token: whether reading (pages and live streams) needs
+            the login cookie too; ``tailrace ui`` sets it when it listens
+            beyond loopback. Changes need the token either way.
         poll_interval: seconds between the live stream's reads of new events.
         page_size: runs per page of the runs list.
         lease_ttl: lease lifetime of runs the dashboard resumes (D6).
@@ -48,6 +51,7 @@ class UiConfig:
     graphs: Sequence[Graph] = ()
     artifacts: Sequence[str] = ()
     allowed_hosts: Sequence[str] = LOOPBACK_HOSTS
+    reading_needs_token: bool = False
     poll_interval: float = 0.2
     page_size: int = 25
     lease_ttl: float = 30.0

@@ -14,6 +14,7 @@ __all__ = [
     "artifact_url",
     "cancel_url",
     "inbox_url",
+    "login_url",
     "question_url",
     "resume_url",
     "run_url",
@@ -64,6 +65,11 @@ def cancel_url(run_id: str) -> str:
 def inbox_url(tab: str | None = None) -> str:
     """The questions inbox at ``tab``."""
     return "/questions" + _query(tab=tab)
+
+
+def login_url(after: str | None = None) -> str:
+    """The login page; ``after`` is the page to go on to once logged in."""
+    return "/login" + _query(next=None if after in (None, "/runs") else after)
 
 
 def question_url(question_id: str) -> str:

@@ -62,6 +62,7 @@ class Pages:
         """Render the template ``name`` as a response."""
         context.setdefault("open_questions", 0)
         context.setdefault("section", "")
+        context.setdefault("locked", False)  # a stranger beyond loopback: no store name, no nav
         html = self.env.get_template(name).render(**context)
         return HTMLResponse(html, status_code=status_code)
 

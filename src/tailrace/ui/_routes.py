@@ -1,7 +1,8 @@
 """The dashboard's endpoints: pages that read, POSTs that change state, the live stream.
 
-Reading needs nothing; every state change (answer, resume) is a POST that
-must carry the token (``_security``) and is refused in read-only mode.
+Reading needs nothing on loopback and the login cookie beyond it (the app's
+read guard); every state change (answer, resume, cancel) is a POST that must
+carry the token (``_security``) and is refused in read-only mode.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ._config import UiState
 from ._fleet import fleet_view
 from ._links import artifact_url, run_url, stream_url
 from ._pages import Auth, Pages
-from ._security import TOKEN_COOKIE, TOKEN_FIELD, TOKEN_HEADER, token_matches
+from ._security import TOKEN_COOKIE, TOKEN_FIELD, TOKEN_HEADER, local_path, token_matches
 from ._stream import run_updates
 from ._views import (
     RUN_FILTERS,
@@ -56,6 +57,14 @@ def auth_of(request: Request) -> Auth:
     return Auth(can_change=True, token=config.token if held else None)
 
 
+def can_read(request: Request) -> bool:
+    """Whether this viewer may read: always on loopback, with the login cookie beyond it."""
+    config = ui_state(request).config
+    if not config.reading_needs_token:
+        return True
+    return token_matches(config.token, request.cookies.get(TOKEN_COOKIE))
+
+
 def path_id(request: Request, name: str) -> str:
     """The id in the path; 400 for text no store can key on (NUL, lone surrogates)."""
     value: str = request.path_params[name]
@@ -80,6 +89,8 @@ async def page(request: Request, name: str, *, section: str, status_code: int = 
                **context: Any) -> Response:  # fmt: skip
     """Render ``name`` with what every page shows (open questions count, the viewer's auth)."""
     state = ui_state(request)
+    if not can_read(request):  # a refused POST from a stranger shows nothing of the store
+        return pages_of(request).page(name, status_code=status_code, locked=True, **context)
     open_count = len(await state.reader.list_questions(status=QuestionStatus.OPEN))
     return pages_of(request).page(
         name, status_code=status_code, section=section, open_questions=open_count,
@@ -107,6 +118,33 @@ async def refused(request: Request, form: FormData) -> Response | None:
                           message="A change needs the token `tailrace ui` printed when it started "
                           "(the form's token field, or the X-Tailrace-Token header). Nothing was changed.")  # fmt: skip
     return None
+
+
+# -- logging in ----------------------------------------------------------------------------
+
+
+async def login(request: Request) -> Response:
+    """The login form; its POST of the right token sets the cookie and goes on to ``next``.
+
+    A wrong token gets the form again (401) and says nothing more; the
+    token never appears in an address.
+    """
+    config = ui_state(request).config
+    pages = pages_of(request)
+    if request.method != "POST":
+        target = local_path(request.query_params.get("next"))
+        return pages.page("login.html", locked=not can_read(request), next=target, problem=None)
+    form = await request.form()
+    target = local_path(_text_field(form, "next"))
+    if token_matches(config.token, _text_field(form, TOKEN_FIELD)):
+        return with_cookie(RedirectResponse(target, status_code=303), config.token)
+    return pages.page("login.html", status_code=401, locked=not can_read(request), next=target,
+                      problem="That is not the token. Nothing was changed.")  # fmt: skip
+
+
+def _text_field(form: FormData, name: str) -> str | None:
+    value = form.get(name)
+    return value if isinstance(value, str) else None
 
 
 # -- pages -------------------------------------------------------------------------------
@@ -141,8 +179,8 @@ async def run(request: Request) -> Response:
     answered = request.query_params.get("answered")
     cancelled = request.query_params.get("cancelled")
     flash = f"Your answer to question {answered} was recorded." if answered else None
-    if cancelled:
-        flash = f"Cancel requested: the run is {cancelled} now."
+    if cancelled:  # the status pill says what the store says; the flash only what was asked
+        flash = "You asked to cancel this run."
     return await page(request, "run.html", section="runs", v=view, note=note, flash=flash,
                       page_data=data)  # fmt: skip
 
@@ -234,6 +272,11 @@ async def answer(request: Request) -> Response:
     state = ui_state(request)
     assert state.engine is not None and state.resumer is not None  # not read-only
     row = await state.reader.get_question(question_id)
+    if row.poller is not None:  # docs/gates.md: a machine gate's poller answers it, not a person
+        return await page(request, "question.html", section="questions", status_code=409,
+                          q=question_view(row), lost=False,
+                          problem=f"Nothing was recorded: the poller {row.poller!r} answers this "
+                          "machine gate, not a person.")  # fmt: skip
     by = form.get("by")
     by = by.strip()[:200] if isinstance(by, str) and by.strip() else None
     try:
@@ -274,6 +317,6 @@ async def cancel(request: Request) -> Response:
         return refusal
     state = ui_state(request)
     assert state.engine is not None  # not read-only
-    status = await state.engine.cancel(run_id)
-    target = f"{run_url(run_id)}?cancelled={urllib.parse.quote(status, safe='')}"
+    await state.engine.cancel(run_id)
+    target = f"{run_url(run_id)}?cancelled=1"
     return with_cookie(RedirectResponse(target, status_code=303), state.config.token)

@@ -1,15 +1,21 @@
 """The dashboard's guards: the token for state changes, headers, JSON safe inside a page.
 
-Reading needs no token; anything that changes state (answering, resuming) is
-a POST that carries the token in a form field or the ``X-Tailrace-Token``
-header, compared in constant time. A valid token also sets an HttpOnly,
-SameSite=Strict cookie, so pages served to that browser fill the field in
-(a cross-site page can neither read the field nor send the cookie). The
-cookie alone never authorises a change: that is the CSRF guard.
+Anything that changes state (answering, resuming, cancelling) is a POST that
+carries the token in a form field or the ``X-Tailrace-Token`` header,
+compared in constant time. The login page (a form POST of the token, never a
+``?token=`` address that history and proxy logs keep) sets an HttpOnly,
+SameSite=Strict cookie, so pages served to that browser fill the field in (a
+cross-site page can neither read the field nor send the cookie). The cookie
+alone never authorises a change: that is the CSRF guard.
+
+On loopback reading needs nothing. A dashboard that listens beyond loopback
+needs the cookie to read too, pages and live streams alike; that is decided
+by where it listens, never by the ``Host`` header a request claims.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from typing import Any
@@ -19,6 +25,8 @@ TOKEN_FIELD = "token"
 TOKEN_HEADER = "x-tailrace-token"
 #: Cookie that lets pages fill the token field in for a browser that proved it.
 TOKEN_COOKIE = "tailrace_token"
+#: Where a browser proves it holds the token (a form POST).
+LOGIN_PATH = "/login"
 
 #: Sent with every response. The strict CSP (no inline script or style) is a
 #: second line behind autoescaping: injected markup could not run anyway.
@@ -55,7 +63,10 @@ def token_matches(expected: str, given: str | None) -> bool:
     """Whether ``given`` is ``expected``, compared in constant time."""
     if not given:
         return False
-    return secrets.compare_digest(expected.encode(), given.encode())
+    # Digests of equal length: the comparison time says nothing of the token's length either.
+    want = hashlib.sha256(expected.encode("utf-8", "surrogatepass")).digest()
+    got = hashlib.sha256(given.encode("utf-8", "surrogatepass")).digest()
+    return secrets.compare_digest(want, got)
 
 
 def script_json(value: Any) -> str:
@@ -76,3 +87,16 @@ def script_json(value: Any) -> str:
 def is_loopback(host: str) -> bool:
     """Whether the address ``host`` the dashboard binds is on this machine only."""
     return host in LOOPBACK_HOSTS or host.startswith("127.") or host == "::1"
+
+
+def local_path(target: str | None, default: str = "/runs") -> str:
+    """``target`` if it is a path on this site, else ``default`` (never another host).
+
+    >>> local_path("/runs/a?x=1"), local_path("//evil.example/x"), local_path("https://e.x/")
+    ('/runs/a?x=1', '/runs', '/runs')
+    """
+    if not target or not target.startswith("/") or target.startswith("//"):
+        return default
+    if "\\" in target or any(ord(c) < 0x20 for c in target):
+        return default
+    return target

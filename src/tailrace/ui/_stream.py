@@ -38,6 +38,7 @@ def render_parts(pages: Pages, view: RunView, state: UiState, auth: Auth) -> dic
     note = state.resumer.notes.get(view.run_id) if state.resumer else None
     return {
         "run-header": pages.part("_run.html", "header", view, note, auth),
+        "run-actions": pages.part("_run.html", "actions", view, auth),
         "run-questions": pages.part("_run.html", "questions", view, auth),
         "run-graph": pages.part("_run.html", "graph_card", view),
         "run-gantt": pages.part("_run.html", "gantt", view.gantt),
@@ -53,8 +54,10 @@ async def run_updates(
     reader = state.reader
     events: list[EventRow] = list(await reader.events(run_id))
     view = await run_view(reader, state.catalog, run_id, now=time.time(), events=events)
-    # What the page shows was rendered before this stream began: the first update sends every part.
-    shown: dict[str, str] = {}
+    # What the page shows was rendered before this stream began: the first update sends every
+    # part but the actions, which are replaced only when what they offer changes (a button
+    # replaced under the pointer misses its click).
+    shown = {"run-actions": pages.part("_run.html", "actions", view, auth)}
     sent_seq, sent_at = after, time.monotonic()
     note = _note(state, run_id)
     while True:

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .._attempts import attempts_from_events, event_data
 from ..core import owner_is_dead
 from ..stores import (
+    TERMINAL_STATUSES,
     EventRow,
+    NodeRow,
     QuestionRow,
     QuestionStatus,
     RunRecord,
@@ -34,6 +36,8 @@ EVENT_LIMIT = 1000
 ORPHANED = "orphaned"
 #: Shown statuses whose duration grows until now: running, or waiting in a queue.
 _GROWING = ("running", "queued")
+#: Node statuses of a node that has not finished.
+_UNFINISHED = ("queued", "running", "waiting")
 #: Status filters of the runs page, in lifecycle order; ``orphaned`` is a running run no
 #: live process holds (shown after ``running``).
 RUN_FILTERS = tuple(
@@ -368,10 +372,12 @@ async def run_view(
     record = stored.run
     status = shown_status(record, now)
     live = status == "running"
+    rows = settled_nodes(stored.nodes, record.status)
+    ended = record.status in TERMINAL_STATUSES
     found = await catalog.find(record)
     shape = shape_of_graph(found.graph) if found.graph is not None else None
-    shape = shape or shape_from_store(stored.nodes, events)
-    drawing = layout(shape, stored.nodes)
+    shape = shape or shape_from_store(rows, events)
+    drawing = layout(shape, rows)
     questions = await store.list_questions(run_id=run_id)
     return RunView(
         run_id=record.run_id,
@@ -390,13 +396,14 @@ async def run_view(
         input=pretty(record.input_json),
         drawing=drawing,
         graph_note=found.reason,
-        gantt=gantt(attempts_from_events(events, live=live, now=now if live else None)),
+        # A suspended run still waits now; a finished one ended at its last event.
+        gantt=gantt(attempts_from_events(events, live=live, now=None if ended else now)),
         late=late_inputs(events),
         events=tuple(event_lines(events[-EVENT_LIMIT:], record.created_at)),
         events_total=len(events),
         last_seq=events[-1].seq if events else 0,
         questions=tuple(question_view(q) for q in questions),
-        nodes=await _nodes(store, stored, [n.id for n in shape.nodes]),
+        nodes=await _nodes(store, record.run_id, rows, [n.id for n in shape.nodes]),
         resumable=_resumable(status, questions),
         queue=record.queue_name,
         cancellable=status in ("queued", "running", ORPHANED, "suspended")
@@ -418,15 +425,31 @@ def _resumable(status: str, questions: Sequence[QuestionRow]) -> bool:
     )
 
 
-async def _nodes(store: RunStore, stored: StoredRun, order: list[str]) -> tuple[NodeInfo, ...]:
+def settled_nodes(rows: Mapping[str, NodeRow], status: RunStatus) -> dict[str, NodeRow]:
+    """Node rows as the run's stored status leaves them.
+
+    A run that ended (cancelled, failed) while a node still waited or ran
+    stores that node as it was; it will never go on, so it shows cancelled.
+    """
+    if status not in TERMINAL_STATUSES:
+        return dict(rows)
+    return {
+        node_id: row._replace(status="cancelled") if row.status in _UNFINISHED else row
+        for node_id, row in rows.items()
+    }
+
+
+async def _nodes(
+    store: RunStore, run_id: str, rows: Mapping[str, NodeRow], order: list[str]
+) -> tuple[NodeInfo, ...]:
     """Node rows in the graph's order (definition, or first start), each with its last result."""
     last: dict[str, str] = {}
-    for row in await store.results(stored.run.run_id):  # by node, then visit: the last wins
-        last[row.node_id] = row.value_json
+    for result in await store.results(run_id):  # by node, then visit: the last wins
+        last[result.node_id] = result.value_json
     rank = {node_id: n for n, node_id in enumerate(order)}
     return tuple(
         NodeInfo(id=n, status=row.status, visits=row.visits, result=preview(last.get(n)))
-        for n, row in sorted(stored.nodes.items(), key=lambda item: rank.get(item[0], len(rank)))
+        for n, row in sorted(rows.items(), key=lambda item: rank.get(item[0], len(rank)))
     )
 
 

@@ -2,6 +2,11 @@
 // and append new event-log rows. The HTML was rendered and escaped by the server.
 (function () {
   "use strict";
+  // A form with data-confirm (Cancel run) asks first; delegated, so a re-rendered form asks too.
+  document.addEventListener("submit", function (event) {
+    var form = event.target.closest ? event.target.closest("form[data-confirm]") : null;
+    if (form && !window.confirm(form.dataset.confirm)) { event.preventDefault(); }
+  });
   var data = document.getElementById("page-data");
   if (!data) { return; }
   var page = JSON.parse(data.textContent);
