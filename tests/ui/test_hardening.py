@@ -11,12 +11,12 @@ import time
 
 import pytest
 from starlette.testclient import TestClient
-from tailrace_tests_ui_support import TOKEN, Factory, dashboard  # loaded by conftest.py
 
 import tailrace as tr
 from tailrace.core import make_owner
 from tailrace.stores import RunStatus, WorkerRow
 from tailrace.ui._security import TOKEN_COOKIE
+from tests.ui.support import TOKEN, Factory, dashboard
 
 scenarios = sys.modules["tailrace_tests_ui_scenarios"]
 HOSTILE_HOSTS = ("127.0.0.1", "localhost", "127.0.0.1:8765", "evil.example", "[::1]")
@@ -301,3 +301,27 @@ def test_a_machine_gate_is_marked_and_offers_people_no_answer_form(sqlite_db: Fa
         assert "the poller <b" in card
     assert refused.status_code == 409 and "Nothing was recorded" in refused.text
     assert status_of(sqlite_db, "machine-run") is RunStatus.SUSPENDED
+
+
+def test_the_questions_page_is_paged_and_the_header_counts_in_one_query(
+    sqlite_db: Factory,
+) -> None:
+    async def make() -> None:
+        async with scenarios.opened(sqlite_db) as store:
+            engine = tr.Engine(store=store)
+            for n in range(120):
+                await engine.run(scenarios.approval, f"v{n}", run_id=f"r{n:03}")
+
+    asyncio.run(make())
+    with dashboard(sqlite_db) as client:
+        first = client.get("/questions").text
+        third = client.get("/questions?page=3").text
+        bad = client.get("/questions?page=x")
+        runs = client.get("/runs").text
+    assert first.count('class="card question-card"') == 50
+    assert third.count('class="card question-card"') == 20
+    assert "page 1 of 3 · 120 questions" in first and 'rel="next"' in first
+    assert "page 3 of 3" in third and 'rel="next"' not in third
+    assert bad.status_code == 400
+    assert re.search(r'class="tab on"[^>]*>open <b>120</b>', first)
+    assert ">120<" in runs  # the header's open-question count

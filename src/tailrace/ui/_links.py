@@ -62,9 +62,9 @@ def cancel_url(run_id: str) -> str:
     return "/cancel/runs/" + _quoted(run_id)
 
 
-def inbox_url(tab: str | None = None) -> str:
-    """The questions inbox at ``tab``."""
-    return "/questions" + _query(tab=tab)
+def inbox_url(tab: str | None = None, page: int = 1) -> str:
+    """The questions inbox at ``tab``, page ``page``."""
+    return "/questions" + _query(tab=tab, page=None if page == 1 else str(page))
 
 
 def login_url(after: str | None = None) -> str:

@@ -91,7 +91,7 @@ async def page(request: Request, name: str, *, section: str, status_code: int = 
     state = ui_state(request)
     if not can_read(request):  # a refused POST from a stranger shows nothing of the store
         return pages_of(request).page(name, status_code=status_code, locked=True, **context)
-    open_count = len(await state.reader.list_questions(status=QuestionStatus.OPEN))
+    open_count = (await state.reader.question_counts()).get(QuestionStatus.OPEN, 0)
     return pages_of(request).page(
         name, status_code=status_code, section=section, open_questions=open_count,
         auth=auth_of(request), **context,
@@ -215,7 +215,10 @@ async def questions(request: Request) -> Response:
         tab = Tab(name)
     except ValueError:
         raise HTTPException(400, f"unknown tab {name!r}; one of {', '.join(Tab)}") from None
-    view = await inbox(ui_state(request).reader, tab)
+    page_number = request.query_params.get("page") or "1"
+    if not page_number.isdecimal() or len(page_number) > 9:
+        raise HTTPException(400, f"page {page_number[:20]!r} is not a page number")
+    view = await inbox(ui_state(request).reader, tab, page=int(page_number))
     return await page(request, "questions.html", section="questions", view=view,
                       tabs=[t.value for t in Tab])  # fmt: skip
 

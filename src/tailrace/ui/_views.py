@@ -153,7 +153,10 @@ async def runs_page(
             status=stored, graph=graph, queue=queue, limit=page_size, offset=first
         )
         window = [(r, shown_status(r, now)) for r in records]
-    open_by_run = Counter(q.run_id for q in await store.list_questions(status=QuestionStatus.OPEN))
+    open_by_run = {  # the page's runs only: a store with 10,000 open questions reads none else
+        r.run_id: len(await store.list_questions(run_id=r.run_id, status=QuestionStatus.OPEN))
+        for r, _ in window
+    }
     rows = tuple(
         RunRow(
             run_id=r.run_id,
@@ -264,20 +267,51 @@ class Inbox:
     tab: Tab
     counts: dict[str, int]
     questions: tuple[QuestionView, ...]
+    page: int = 1
+    pages: int = 1
 
 
-async def inbox(store: RunStore, tab: Tab) -> Inbox:
-    """Questions of ``tab``: open ones oldest first (waiting longest), the rest newest first."""
-    rows = await store.list_questions()
-    states = [(q, question_state(q)) for q in rows]
-    counts = Counter(s.value for _, s in states)
-    chosen = [q for q, s in states if tab is Tab.ALL or s is tab]
-    if tab is not Tab.OPEN:
-        chosen.sort(key=lambda q: q.answered_at or q.created_at, reverse=True)
+async def inbox(store: RunStore, tab: Tab, *, page: int = 1, page_size: int = 50) -> Inbox:
+    """One page of ``tab``'s questions: open ones oldest first (waiting longest), the rest
+    newest first; the tabs' counts come from one counting query and the unapplied answers.
+
+    The open tab, where thousands may wait, is read a page at a time from the store.
+    """
+    counts = await store.question_counts()
+    unapplied = [
+        *await store.list_questions(status=QuestionStatus.ANSWERED),
+        *await store.list_questions(status=QuestionStatus.EXPIRED),
+    ]
+    stuck = Counter(q.status for q in unapplied if question_state(q) is Tab.STUCK)
+    shown = {
+        Tab.OPEN: counts.get(QuestionStatus.OPEN, 0),
+        Tab.ANSWERED: counts.get(QuestionStatus.ANSWERED, 0)
+        + counts.get(QuestionStatus.APPLIED, 0)
+        - stuck[QuestionStatus.ANSWERED],
+        Tab.EXPIRED: counts.get(QuestionStatus.EXPIRED, 0) - stuck[QuestionStatus.EXPIRED],
+        Tab.STUCK: sum(stuck.values()),
+        Tab.SUPERSEDED: counts.get(QuestionStatus.SUPERSEDED, 0),
+        Tab.ALL: sum(counts.values()),
+    }
+    pages = max(1, -(-shown[tab] // page_size))
+    page = min(max(page, 1), pages)
+    first = (page - 1) * page_size
+    if tab is Tab.OPEN:
+        chosen = await store.list_questions(
+            status=QuestionStatus.OPEN, limit=page_size, offset=first
+        )
+    else:
+        rows = [
+            q for q in await store.list_questions() if tab is Tab.ALL or question_state(q) is tab
+        ]
+        rows.sort(key=lambda q: q.answered_at or q.created_at, reverse=True)
+        chosen = rows[first : first + page_size]
     return Inbox(
         tab=tab,
-        counts={t.value: (len(rows) if t is Tab.ALL else counts.get(t.value, 0)) for t in Tab},
+        counts={t.value: n for t, n in shown.items()},
         questions=tuple(question_view(q) for q in chosen),
+        page=page,
+        pages=pages,
     )
 
 
