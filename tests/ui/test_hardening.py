@@ -325,3 +325,26 @@ def test_the_questions_page_is_paged_and_the_header_counts_in_one_query(
     assert bad.status_code == 400
     assert re.search(r'class="tab on"[^>]*>open <b>120</b>', first)
     assert ">120<" in runs  # the header's open-question count
+
+
+def test_a_failed_attempts_traceback_is_shown_collapsed_and_as_text(sqlite_db: Factory) -> None:
+    graph = tr.Graph("boom")
+
+    @graph.task()
+    async def boom(x: object) -> None:
+        raise LookupError("<script>alert(1)</script> [bold]x[/]")
+
+    async def run() -> None:
+        async with scenarios.opened(sqlite_db) as store:
+            with pytest.raises(LookupError):
+                await tr.Engine(store=store).run(graph, 1, run_id="boom-run")
+
+    asyncio.run(run())
+    with dashboard(sqlite_db) as client:
+        page = client.get("/runs/boom-run").text
+    details = page[page.index('<details class="traceback">') :]
+    assert (
+        "<summary>traceback</summary>" in details and "Traceback (most recent call last)" in details
+    )
+    assert "in boom" in details and "<script>alert(1)</script>" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; [bold]x[/]" in details

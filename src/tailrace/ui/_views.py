@@ -8,6 +8,7 @@ text until Jinja2 escapes it.
 from __future__ import annotations
 
 import enum
+import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -350,6 +351,8 @@ class EventLine:
     visit: int | None
     attempt: int | None
     data: str
+    #: A failed attempt's stored traceback (shown collapsed), if the event has one.
+    traceback: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -504,19 +507,28 @@ def late_inputs(events: Sequence[EventRow]) -> tuple[LateRow, ...]:
 
 
 def event_lines(events: Sequence[EventRow], t0: float) -> list[EventLine]:
-    """``events`` as log lines, timed from ``t0``."""
-    return [
-        EventLine(
-            seq=e.seq,
-            at=seconds(e.ts - t0),
-            type=e.type,
-            node=e.node_id,
-            visit=e.visit,
-            attempt=e.attempt,
-            data=event_text(e.data_json),
+    """``events`` as log lines, timed from ``t0``; a traceback is kept apart, whole."""
+    lines = []
+    for e in events:
+        data, traceback = e.data_json, None
+        if '"traceback"' in data:
+            value = decode(data)
+            if isinstance(value, dict) and isinstance(value.get("traceback"), str):
+                traceback = value.pop("traceback")
+                data = json.dumps(value)
+        lines.append(
+            EventLine(
+                seq=e.seq,
+                at=seconds(e.ts - t0),
+                type=e.type,
+                node=e.node_id,
+                visit=e.visit,
+                attempt=e.attempt,
+                data=event_text(data),
+                traceback=traceback,
+            )
         )
-        for e in events
-    ]
+    return lines
 
 
 # -- evolution -------------------------------------------------------------------------------
