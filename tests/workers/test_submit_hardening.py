@@ -391,3 +391,28 @@ async def test_a_worker_with_a_runs_executor_drives_it_one_without_hands_it_back
         await asyncio.gather(first, second)
         await executor.aclose()
     assert result.status is RunStatus.COMPLETED and result.output == 42 and calls == ["crunch"]
+
+
+async def test_a_worker_says_one_line_when_a_run_starts_and_one_when_it_ends(
+    store, caplog: pytest.LogCaptureFixture
+) -> None:
+    graph = shaped("g", [])
+    engine = Engine(store=store)
+    run_id = await engine.submit(graph, 1, queue="q")
+    stop = asyncio.Event()
+    with caplog.at_level(logging.INFO, logger="tailrace.workers"):
+        running = asyncio.create_task(
+            Worker(store, queues=["q"], graphs=[graph], poll_interval=0.02).run(stop)
+        )
+        try:
+            await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
+            await fixtures.until(
+                lambda: any(f"run {run_id}: completed" in r.getMessage() for r in caplog.records),
+                "the worker's end line",
+            )
+        finally:
+            stop.set()
+            await running
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"run {run_id}:")]
+    assert lines[0] == f"run {run_id}: claimed from queue 'q'"
+    assert sum(": completed (" in line for line in lines) == 1

@@ -89,6 +89,10 @@ class WorkerStats:
     outcomes: dict[str, int] = field(default_factory=dict)
 
 
+#: What a job's first log line says it does.
+_STARTED = {"claim": "claimed", "answer": "resuming with an answer", "adopt": "adopted"}
+
+
 @dataclass(frozen=True, slots=True)
 class _Job:
     run_id: str
@@ -322,7 +326,12 @@ class Worker:
         self._kick({"slot"})  # a slot is free: claim at once, no wake-up from the store needed
 
     async def _guard(self, job: _Job, work: Awaitable[Any]) -> None:
-        """A job's end never ends the worker: a run's failure is counted and logged (Q6)."""
+        """A job's end never ends the worker: a run's failure is counted and logged (Q6).
+
+        Each job says one INFO line as it starts and one as it ends.
+        """
+        where = f" from queue {job.queue!r}" if job.queue is not None else ""
+        logger.info("run %s: %s%s", job.run_id, _STARTED[job.kind], where)
         try:
             result = await work
         except (LeaseHeld, LeaseLost, NotResumable, RunNotFound) as exc:
@@ -333,6 +342,7 @@ class Worker:
         else:
             if isinstance(result, RunResult):
                 self._count(result.status)
+                logger.info("run %s: %s (%.3g s)", job.run_id, result.status.value, result.duration)
 
     async def _job_failed(self, job: _Job, exc: Exception) -> None:
         try:
