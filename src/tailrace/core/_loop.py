@@ -690,8 +690,9 @@ class RunLoop:
             self._writer.result_completed(i, attempt.visit, result)
         if len(state.frozen) == frozen_before:
             return None
-        for t, activation, _payload in state.frozen[frozen_before:]:
-            sources = [self.topo.ids[s] for s in self.topo.in_sources[t]]
+        for t, activation, _payload, fired_by in state.frozen[frozen_before:]:
+            # The k inputs that fired it (E4), not every edge into it.
+            sources = [self.topo.ids[s] for s in fired_by]
             self.emit(EventType.AGGREGATE_FIRED, t, activation, None, sources=sources)
             if self.topo.nodes[t].late == "cancel":
                 self._fired_cancel.append(t)

@@ -151,7 +151,9 @@ class RunState:
         #: Nodes touched since the last ``take_dirty`` (for per-harvest deltas).
         self.dirty: dict[int, None] = {}
         #: First-k decisions made since the last harvest: (node, activation, payload).
-        self.frozen: list[tuple[int, int, list[Any]]] = []
+        #: First-k decisions not yet written: (aggregate, activation, payload, the
+        #: sources whose inputs it holds, in definition order) (E4).
+        self.frozen: list[tuple[int, int, list[Any], tuple[int, ...]]] = []
         #: Nodes activated and waiting for dispatch, in activation order.
         self.ready: list[int] = []
         #: Set by a preemption: in-loop deliveries (turn boundaries) are parked.
@@ -297,13 +299,14 @@ class RunState:
         ns = self.nodes[t]
         if ns.inputs is None or len(ns.inputs) < self.topo.required[t] or ns.pending is not None:
             return
-        winners = first_k_winners(ns.inputs, self.topo.required[t])
+        sources = first_k_sources(ns.inputs, self.topo.required[t])
+        winners = [ns.inputs[s] for s in sources]
         payload = [value for _, value, _ in winners]
         merged: dict[int, int] | None = None
         for _, _, f in winners:
             merged = _merge(merged, f)
         ns.inputs = None
-        self.frozen.append((t, ns.fired + 1, payload))  # 1-based, like visits
+        self.frozen.append((t, ns.fired + 1, payload, sources))  # 1-based, like visits
         self._fire(t, payload, merged)
 
     def _fire(self, t: int, payload: Any, frontier: dict[int, int] | None) -> None:
@@ -366,8 +369,18 @@ def first_k_winners(
     >>> first_k_winners({0: (3, "A", None), 1: (4, "B", None), 2: (1, "C", None)}, 2)
     [(3, 'A', None), (1, 'C', None)]
     """
-    earliest = sorted(inputs, key=lambda s: inputs[s][0])[:k]
-    return [inputs[s] for s in sorted(earliest)]
+    return [inputs[s] for s in first_k_sources(inputs, k)]
+
+
+def first_k_sources(
+    inputs: dict[int, tuple[int, Any, dict[int, int] | None]], k: int
+) -> tuple[int, ...]:
+    """The sources of :func:`first_k_winners`: the ``k`` earliest to complete, in definition order.
+
+    >>> first_k_sources({0: (3, "A", None), 1: (4, "B", None), 2: (1, "C", None)}, 2)
+    (0, 2)
+    """
+    return tuple(sorted(sorted(inputs, key=lambda s: inputs[s][0])[:k]))
 
 
 def switch_edges(topo: Topology, i: int, route: Any) -> list[OutEdge]:

@@ -380,7 +380,7 @@ class RunWriter:
                     activation=activation,
                     payload_json=self._encode(payload, t, "first-k payload"),
                 )
-                for t, activation, payload in state.frozen
+                for t, activation, payload, _sources in state.frozen
             ]
             state.frozen.clear()
         nodes = pending.nodes
