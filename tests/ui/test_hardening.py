@@ -348,3 +348,25 @@ def test_a_failed_attempts_traceback_is_shown_collapsed_and_as_text(sqlite_db: F
     )
     assert "in boom" in details and "<script>alert(1)</script>" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt; [bold]x[/]" in details
+
+
+def test_a_queued_run_shows_its_wait_and_a_claimed_one_its_run_time_apart(
+    sqlite_db: Factory,
+) -> None:
+    from tailrace.ui._views import run_times
+
+    now = 1_000.0
+
+    def record(**fields: object) -> object:
+        base = {"run_id": "r", "graph_name": "g", "graph_ref": None, "fingerprint": "fp",
+                "status": RunStatus.RUNNING, "created_at": 900.0, "updated_at": 990.0,
+                "state_json": "{}", "input_json": "null", "error": None, "finished_at": None,
+                "nodes_done": 0, "lease_owner": None, "lease_expires": None, "lease_token": 0,
+                "format_version": 1}  # fmt: skip
+        return tr.stores.RunRecord(**{**base, **fields})  # type: ignore[arg-type]
+
+    queued = run_times(record(status=RunStatus.QUEUED, queued_at=900.0), "queued", now)
+    assert queued == ("not yet", "-", "1 min 40 s")
+    done = record(status=RunStatus.COMPLETED, queued_at=900.0, started_at=990.0, finished_at=993.5)
+    _, duration, waited = run_times(done, "completed", now)  # type: ignore[arg-type]
+    assert duration == "3.5 s" and waited == "1 min 30 s"

@@ -12,6 +12,7 @@ import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .._attempts import attempts_from_events, event_data
 from ..core import owner_is_dead
@@ -37,6 +38,31 @@ EVENT_LIMIT = 1000
 ORPHANED = "orphaned"
 #: Shown statuses whose duration grows until now: running, or waiting in a queue.
 _GROWING = ("running", "queued")
+
+
+class RunTimes(NamedTuple):
+    """When a run started, how long it ran, how long it waited in its queue (if it did)."""
+
+    started: str
+    duration: str
+    waited: str | None
+
+
+def run_times(record: RunRecord, status: str, now: float) -> RunTimes:
+    """When a run started, how long it ran and how long it waited in its queue, apart.
+
+    A queued run has not started: its wait grows, its run time is none yet. A
+    claimed one runs from its claim (``started_at``), not from its submit.
+    """
+    queued_at = record.queued_at or record.created_at
+    if status == "queued":
+        return RunTimes("not yet", "-", seconds(now - queued_at))
+    start = record.started_at or record.created_at
+    end = record.finished_at or (now if status in _GROWING else record.updated_at)
+    waited = None if record.started_at is None else seconds(record.started_at - queued_at)
+    return RunTimes(clock(start), seconds(end - start), waited)
+
+
 #: Node statuses of a node that has not finished.
 _UNFINISHED = ("queued", "running", "waiting")
 #: Status filters of the runs page, in lifecycle order; ``orphaned`` is a running run no
@@ -88,6 +114,8 @@ class RunRow:
     duration: str
     nodes_done: int
     questions: int
+    #: How long it waited in its queue before a worker claimed it, if it did.
+    waited: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,10 +192,7 @@ async def runs_page(
             graph=r.graph_name,
             queue=r.queue_name,
             status=s,
-            started=clock(r.created_at),
-            duration=seconds(
-                (r.finished_at or (now if s in _GROWING else r.updated_at)) - r.created_at
-            ),
+            **run_times(r, s, now)._asdict(),
             nodes_done=r.nodes_done,
             questions=open_by_run.get(r.run_id, 0),
         )
@@ -369,6 +394,8 @@ class RunView:
     duration: str
     nodes_done: int
     error: str | None
+    #: How long it waited in its queue before a worker claimed it, if it did.
+    waited: str | None
     input: str
     drawing: Drawing
     graph_note: str
@@ -423,11 +450,7 @@ async def run_view(
         fingerprint=record.fingerprint,
         status=status,
         live=live,
-        started=clock(record.created_at),
-        duration=seconds(
-            (record.finished_at or (now if status in _GROWING else record.updated_at))
-            - record.created_at
-        ),
+        **run_times(record, status, now)._asdict(),
         nodes_done=record.nodes_done,
         error=record.error,
         input=pretty(record.input_json),
