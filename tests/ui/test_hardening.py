@@ -370,3 +370,26 @@ def test_a_queued_run_shows_its_wait_and_a_claimed_one_its_run_time_apart(
     done = record(status=RunStatus.COMPLETED, queued_at=900.0, started_at=990.0, finished_at=993.5)
     _, duration, waited = run_times(done, "completed", now)  # type: ignore[arg-type]
     assert duration == "3.5 s" and waited == "1 min 30 s"
+
+
+def test_the_dashboard_never_draws_a_run_with_a_graph_of_another_name(
+    sqlite_db: Factory,
+) -> None:
+    def shaped(name: str) -> tr.Graph:
+        g = tr.Graph(name)
+        g.add_node("step", scenarios.only)
+        return g
+
+    summarize, translate = shaped("summarize"), shaped("translate")
+    assert summarize.compile().fingerprint == translate.compile().fingerprint
+
+    async def run() -> None:
+        async with scenarios.opened(sqlite_db) as store:
+            await tr.Engine(store=store).run(translate, "x", run_id="translate-run")
+
+    asyncio.run(run())
+    with dashboard(sqlite_db, graphs=[summarize]) as client:
+        page = client.get("/runs/translate-run").text
+    with dashboard(sqlite_db, graphs=[translate]) as client:
+        right = client.get("/runs/translate-run").text
+    assert "named with --graphs" not in page and "named with --graphs" in right

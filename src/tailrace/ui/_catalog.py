@@ -28,7 +28,10 @@ class Found:
 
 
 class GraphCatalog:
-    """Graphs by fingerprint, plus a cache of module imports by reference.
+    """Graphs by name and fingerprint, plus a cache of module imports by reference.
+
+    A graph is its name and its fingerprint: a run is never drawn or resumed
+    with a graph of another name, whatever its shape.
 
     Args:
         graphs: graphs the user named (``--graphs``); their runs are drawn
@@ -36,16 +39,16 @@ class GraphCatalog:
     """
 
     def __init__(self, graphs: Iterable[Graph] = ()) -> None:
-        self._by_fingerprint = {g.fingerprint(): g for g in graphs}
+        self._by_key = {(g.name, g.fingerprint()): g for g in graphs}
         self._imported: dict[str, Graph | GraphError] = {}
 
-    def registered(self, fingerprint: str) -> Graph | None:
-        """The graph handed in with this fingerprint, if any."""
-        return self._by_fingerprint.get(fingerprint)
+    def registered(self, record: RunRecord) -> Graph | None:
+        """The graph handed in for ``record``'s run (its name and fingerprint), if any."""
+        return self._by_key.get((record.graph_name, record.fingerprint))
 
     async def find(self, record: RunRecord) -> Found:
         """The graph ``record`` ran, if this dashboard may and can load it."""
-        graph = self._by_fingerprint.get(record.fingerprint)
+        graph = self.registered(record)
         if graph is not None:
             return Found(graph=graph, reason="named with --graphs")
         ref = record.graph_ref
@@ -62,6 +65,11 @@ class GraphCatalog:
             loaded = self._imported[ref] = await asyncio.to_thread(_import, record)
         if isinstance(loaded, GraphError):
             return Found(graph=None, reason=str(loaded))
+        if loaded.name != record.graph_name:
+            return Found(
+                graph=None,
+                reason=f"{ref} is graph {loaded.name!r}, not the run's {record.graph_name!r}",
+            )
         if loaded.fingerprint() != record.fingerprint:
             return Found(
                 graph=None,
