@@ -393,3 +393,24 @@ def test_the_dashboard_never_draws_a_run_with_a_graph_of_another_name(
     with dashboard(sqlite_db, graphs=[translate]) as client:
         right = client.get("/runs/translate-run").text
     assert "named with --graphs" not in page and "named with --graphs" in right
+
+
+def test_a_graph_that_does_not_import_is_explained_for_each_run_as_its_own(
+    sqlite_db: Factory,
+) -> None:
+    async def make() -> None:
+        async with scenarios.opened(sqlite_db) as store:
+            for run_id in ("first-run", "second-run"):
+                await store.create_run(
+                    tr.stores.NewRun(
+                        run_id=run_id, graph_name="g", graph_ref="tailrace_no_such_module:graph",
+                        fingerprint="fp", input_json="null", created_at=time.time(),
+                    )
+                )  # fmt: skip
+
+    asyncio.run(make())
+    with dashboard(sqlite_db) as client:
+        first = client.get("/runs/first-run").text
+        second = client.get("/runs/second-run").text
+    assert "cannot import its graph" in first and "cannot import its graph" in second
+    assert "first-run" not in second.replace('href="/runs/first-run"', "")

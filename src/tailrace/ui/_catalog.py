@@ -80,8 +80,12 @@ class GraphCatalog:
 
 
 def _import(record: RunRecord) -> Graph | GraphError:
-    """Import the module reference (the engine's own lookup, which refuses files)."""
+    """Import the module reference (the engine's own lookup, which refuses files).
+
+    The result is cached by reference and shown for every run naming it, so an
+    error says what is wrong with the reference, not which run met it first.
+    """
     try:
         return find_graph(record)
     except GraphError as exc:
-        return exc
+        return GraphError(str(exc).removeprefix(f"run {record.run_id!r}: "))
