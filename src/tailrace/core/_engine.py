@@ -404,6 +404,7 @@ class Engine:
                 source_id=str(data.get("source")),
                 activation=e.visit or 0,
                 reason=str(data.get("reason")),
+                item=data.get("item"),
             )
             for e in await self.store.events(run_id)
             if e.type == EventType.NODE_LATE_INPUT.value
