@@ -45,6 +45,9 @@ EventTuple = tuple[
 #: The data of a hedge's NODE_STARTED (shared: every Event gets its own copy).
 _HEDGE_DATA: Mapping[str, Any] = MappingProxyType({"hedge": True})
 
+#: Inputs a ``late="cancel"`` merge cancels once it fired without them (E5, Q7).
+_CANCELLABLE = frozenset({NodeStatus.RUNNING, NodeStatus.QUEUED, NodeStatus.WAITING})
+
 #: What admission queues: (node index, item index), the item -1 for a node's own attempt.
 Unit = tuple[int, int]
 
@@ -765,12 +768,15 @@ class RunLoop:
         return failure
 
     def _cancel_dead_inputs(self) -> None:
-        """Cancel inputs nobody will read: every consumer fired without them (``late="cancel"``)."""
+        """Cancel inputs nobody will read: every consumer fired without them (``late="cancel"``).
+
+        A gate waiting on its answer is withdrawn: its question is superseded (Q7).
+        """
         fired, self._fired_cancel = self._fired_cancel, []
         for t in fired:
             for s in self.topo.in_sources[t]:
                 status = self.state.nodes[s].status
-                if status in (NodeStatus.RUNNING, NodeStatus.QUEUED) and self._unread(s):
+                if status in _CANCELLABLE and self._unread(s):
                     self._cancel_dead(s, t)
 
     def _unread(self, s: int) -> bool:
@@ -797,6 +803,10 @@ class RunLoop:
             self.state.ready.remove(s)
         if self.hedger is not None:
             self.hedger.forget(s)
+        if ns.question is not None:  # a gate nobody needs an answer from any more (Q7)
+            if self._writer is not None:
+                self._writer.superseded.append(ns.question)
+            ns.question = None
         self.state.cancel(s)
         self.state.late.append(
             LateInput(
@@ -961,6 +971,10 @@ class RunLoop:
         if not late:
             return
         i = items.node
+        for j in late:  # first, so that no slot freed below goes to a late item
+            ticket = self._tickets.pop((i, j), None)
+            if ticket is not None:
+                ticket.cancel()
         wanted = set(late)
         running: dict[int, list[Attempt]] = {}
         for attempt in self._in_flight:
@@ -972,9 +986,6 @@ class RunLoop:
                 for attempt in attempts:
                     attempt.abandon()  # its end is no failure
                 self._release_slot()  # the item's; a hedge's extra slot is freed at its harvest
-            ticket = self._tickets.pop((i, j), None)
-            if ticket is not None:
-                ticket.cancel()
             if self.hedger is not None:
                 self.hedger.live.pop((i, j), None)
             self.state.item_cancelled(items, j)
@@ -1017,10 +1028,15 @@ class RunLoop:
         if i is None:
             return False
         ns = self.state.nodes[i]
+        frozen_before = len(self.state.frozen)
         self.state.answer(i, value)
         self.emit(EventType.QUESTION_ANSWERED, i, ns.visits, None, question_id=question_id)
         if self._writer is not None:
             self._writer.result_completed(i, ns.visits, value)
+        if len(self.state.frozen) != frozen_before:
+            self._aggregates_fired(frozen_before)
+            if self._fired_cancel:  # M-of-N: the answers still awaited are withdrawn (Q7)
+                self._cancel_dead_inputs()
         return True
 
     async def absorb_answers(self) -> list[str]:
