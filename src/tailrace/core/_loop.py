@@ -875,6 +875,9 @@ class RunLoop:
         if items.status[j] is not ItemStatus.RUNNING:
             return None  # ended already (cancelled as late while it finished)
         i = attempt.index
+        failing = self._failing
+        if failing is not None and failing.index == i:
+            return None  # its map fails in this harvest: nothing after that decides it (E9)
         exc = attempt.error
         value = attempt.value
         text = None
