@@ -732,7 +732,6 @@ class RunLoop:
             if hedger is not None and not hedger.settle(attempt):
                 self._release_extra(attempt)
                 continue
-            self._durations[i] += now - attempt.started
             if attempt.item >= 0:
                 exc = self._harvest_item(attempt, now)  # recorded there, failed or not
                 if exc is not None and failure is None:
@@ -740,6 +739,7 @@ class RunLoop:
                     self._failing = attempt
                     continue  # its slot is freed after the queue is cancelled (E9)
             else:
+                self._durations[i] += now - attempt.started
                 # A handler that raised CancelledError itself failed (E9).
                 exc = attempt.error
                 if exc is None:
@@ -949,6 +949,7 @@ class RunLoop:
         frozen_before = len(self.state.frozen)
         output = self.state.decide_map(items)
         winners = list(items.winners or ())
+        self._durations[i] += now - ns.started_at  # a map's time: expansion to decision
         self.emit(
             EventType.NODE_COMPLETED,
             i,
