@@ -63,7 +63,7 @@ class IllegalTransition(RuntimeError):
     """A bug guard: the engine tried a status change the state machine forbids."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, repr=False)
 class LateInput:
     """An input that arrived for an activation that had already fired (E5), or past max_visits.
 
@@ -78,6 +78,13 @@ class LateInput:
     activation: int
     reason: str
     item: int | None = None
+
+    def __repr__(self) -> str:
+        item = "" if self.item is None else f", item={self.item!r}"
+        return (
+            f"LateInput(node_id={self.node_id!r}, source_id={self.source_id!r}, "
+            f"activation={self.activation!r}, reason={self.reason!r}{item})"
+        )
 
 
 class NodeState:
