@@ -792,13 +792,14 @@ class RunLoop:
 
     def _cancel_dead(self, s: int, t: int) -> None:
         ns = self.state.nodes[s]
+        # Its queued tickets first, so that no slot freed below goes to one of them.
+        for unit in [u for u in self._tickets if u[0] == s]:
+            self._tickets.pop(unit).cancel()
         running = [a for a in self._in_flight if a.index == s and not a.abandoned]
         for attempt in running:
             attempt.abandon()  # its end is no failure; its slot is freed here
         for _ in {a.item for a in running}:  # one slot per node, or per item of a map
             self._release_slot()
-        for unit in [u for u in self._tickets if u[0] == s]:
-            self._tickets.pop(unit).cancel()
         if s in self.state.ready:
             self.state.ready.remove(s)
         if self.hedger is not None:
