@@ -300,3 +300,19 @@ def blocked(directory: str, timeout: float) -> tr.Graph:
 
     g.add_node("sleeper", sleeper, timeout=timeout)
     return g
+
+
+def where_am_i(x: int) -> dict[str, Any]:
+    """A map item's view of itself, from wherever it runs (another process on Ray)."""
+    ctx = tr.current_node()
+    assert ctx is not None
+    return {"x": x, "item": ctx.item, "node": ctx.node_id, "pid": os.getpid()}
+
+
+def mapped() -> tr.Graph:
+    """``items -> each`` (a map of 4 items), the items run by the engine's executor."""
+    g = tr.Graph("executor_map")
+    g.add_node("items", lambda n: list(range(n)))
+    g.add_node("each", where_am_i, "map", required=4)
+    g.chain("items", "each")
+    return g

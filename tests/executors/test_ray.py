@@ -46,6 +46,19 @@ async def test_node_resources_and_runtime_env_reach_ray(
     assert result.results["env"] == "from-node"
 
 
+async def test_map_items_run_on_ray_and_know_their_item(
+    ray_session: Any, graphs: ModuleType
+) -> None:
+    async with RayExecutor() as ray_executor:
+        engine = tr.Engine(executor=ray_executor)
+        async with asyncio.timeout(GUARD):
+            result = await engine.run(graphs.mapped(), 4)
+    assert [(r["x"], r["item"], r["node"]) for r in result.output] == [
+        (j, j, "each") for j in range(4)
+    ]
+    assert all(r["pid"] != os.getpid() for r in result.output)  # in Ray's workers (M2)
+
+
 async def test_a_sigkilled_worker_fails_the_try_and_the_retry_runs_on_another_worker(
     ray_session: Any, graphs: ModuleType, tmp_path: Path
 ) -> None:

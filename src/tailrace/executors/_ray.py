@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 from .._codec import DEFAULT_CODEC
-from .._context import _current
+from .._context import Where, _current
 from .._errors import EncodeError, ExecutorLost
 
 if TYPE_CHECKING:
@@ -152,7 +152,9 @@ class RayExecutor:
                 f"run {context.run_id!r}: node {node.id!r}: its input cannot be sent to Ray "
                 f"as JSON: {exc}"
             ) from exc
-        where = (context.run_id, context.node_id, context.visit, context.attempt)
+        where: Where = (context.run_id, context.node_id, context.visit, context.attempt)
+        if context.item is not None:  # a map's item: current_node().item in the worker too
+            where = (*where, context.item)
         ref = self._function_for(node).remote(text, where)
         try:
             result = await ref
@@ -227,18 +229,16 @@ def task_options(resources: Mapping[str, float], runtime_env: Mapping[str, Any])
 def _task_for(handler: Handler, codec: Codec | None) -> Any:
     """The function Ray runs for ``handler``: a closure Ray pickles once, calling :func:`run_task`."""
 
-    def tailrace_task(text: str, where: tuple[str, str, int, int]) -> str:
+    def tailrace_task(text: str, where: Where) -> str:
         return run_task(handler, codec, text, where)
 
     return tailrace_task
 
 
-def run_task(
-    handler: Handler, codec: Codec | None, text: str, where: tuple[str, str, int, int]
-) -> str:
+def run_task(handler: Handler, codec: Codec | None, text: str, where: Where) -> str:
     """Inside the worker: decode the input, run the handler as that attempt, encode its result.
 
-    ``where`` is (run id, node id, visit, try): ``current_node()`` returns it
+    ``where`` is (run id, node id, visit, try[, item]): ``current_node()`` returns it
     while the handler runs. An async handler runs on an event loop of its own.
     """
     codec = codec or DEFAULT_CODEC
