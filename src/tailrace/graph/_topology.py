@@ -212,12 +212,31 @@ def _check_switches(nodes: Sequence[Node], out: Sequence[Sequence[OutEdge]]) -> 
             raise GraphError(f"switch {node.id!r} has no outgoing edges")
 
 
-def _fingerprint(graph: Graph) -> str:
-    shape = {
+def graph_shape(graph: Graph) -> dict[str, list[list[object]]]:
+    """The structure a graph's fingerprint is taken over, as JSON-ready lists.
+
+    ``nodes`` holds ``[id, kind, required, max_visits, any_of]`` per node and
+    ``edges`` ``[source, target, route]`` per edge, in definition order. A
+    store keeps it with a graph's runs, so a changed graph can be checked
+    against what a run did without the old code (V1).
+    """
+    return {
         "nodes": [
-            [n.id, n.kind.value, n.required, n.max_visits, n.any_of] for n in graph.nodes.values()
+            [n.id, n.kind.value, _required_form(n.required), n.max_visits, n.any_of]
+            for n in graph.nodes.values()
         ],
         "edges": [[e.source, e.target, e.route] for e in graph.edges],
     }
-    text = json.dumps(shape, separators=(",", ":"))
+
+
+def _required_form(required: object) -> object:
+    """A node's ``required`` as JSON: a count as it is, a callable by its qualified name."""
+    if required is None or isinstance(required, int):
+        return required
+    module = getattr(required, "__module__", "?")
+    return f"{module}:{getattr(required, '__qualname__', type(required).__name__)}"
+
+
+def _fingerprint(graph: Graph) -> str:
+    text = json.dumps(graph_shape(graph), separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]

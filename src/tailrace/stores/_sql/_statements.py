@@ -34,13 +34,16 @@ RUN_FIELDS = (
     "error", "created_at", "updated_at", "finished_at", "nodes_done", "lease_owner",
     "lease_expires", "lease_token", "format_version", "queue_name", "priority", "partition_key",
     "dedup_key", "cost", "estimate", "queued_at", "started_at", "cancel_requested_at",
+    "forked_from", "forked_at",
 )  # fmt: skip
 RUN_COLUMNS = ", ".join(RUN_FIELDS)
 EVENT_FIELDS = ("seq", "type", "node_id", "visit", "attempt", "ts", "data_json")
 EVENT_COLUMNS = ", ".join(EVENT_FIELDS)
 
-#: The columns a run is created with: those of migration 1 (later columns default).
-_CREATED_FIELDS = RUN_FIELDS[: RUN_FIELDS.index("format_version") + 1]
+#: The columns a run is created with: those of migration 1 and a fork's origin
+#: (the queue's columns default).
+_ORIGIN_FIELDS = ("forked_from", "forked_at")
+_CREATED_FIELDS = RUN_FIELDS[: RUN_FIELDS.index("format_version") + 1] + _ORIGIN_FIELDS
 INSERT_RUN = (
     f"INSERT INTO runs ({', '.join(_CREATED_FIELDS)}) "
     f"VALUES ({', '.join('?' * len(_CREATED_FIELDS))})"
@@ -182,7 +185,33 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
         ),
     ),
 )
+MIGRATIONS += (
+    (
+        6,
+        (
+            # Versions and forks (V1-V5): a fork's origin, and each graph
+            # version's structure, kept once, so that a changed graph can be
+            # checked against what a run did without the old code.
+            "ALTER TABLE runs ADD COLUMN forked_from TEXT",
+            "ALTER TABLE runs ADD COLUMN forked_at TEXT",
+            "CREATE INDEX runs_by_graph ON runs (graph_name, status)",
+            """CREATE TABLE graph_shapes (
+                graph_name TEXT NOT NULL, fingerprint TEXT NOT NULL, shape_json TEXT NOT NULL,
+                created_at DOUBLE PRECISION NOT NULL,
+                PRIMARY KEY (graph_name, fingerprint)) /*WITHOUT ROWID*/""",
+        ),
+    ),
+)
 SCHEMA_VERSION = MIGRATIONS[-1][0]
+#: Keep a graph version's structure the first time a run of it is stored.
+INSERT_SHAPE = (
+    "INSERT INTO graph_shapes (graph_name, fingerprint, shape_json, created_at) "
+    "VALUES (?, ?, ?, ?) ON CONFLICT (graph_name, fingerprint) DO NOTHING"
+)
+SELECT_SHAPE = "SELECT shape_json FROM graph_shapes WHERE graph_name = ? AND fingerprint = ?"
+#: Move a run onto another version of its graph (V2), fenced by its lease (D6).
+SELECT_FOR_MOVE = "SELECT status, fingerprint, lease_owner, lease_token FROM runs WHERE run_id = ?"
+MOVE_RUN = "UPDATE runs SET fingerprint = ?, graph_ref = ?, updated_at = ? WHERE run_id = ?"
 CREATE_MIGRATIONS_TABLE = (
     "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, "
     "applied_at DOUBLE PRECISION NOT NULL)"
@@ -206,17 +235,26 @@ def new_run_params(run: NewRun) -> tuple[object, ...]:
     status, state, at = RunStatus.RUNNING.value, EMPTY_STATE_JSON, run.created_at
     return (
         run.run_id, run.graph_name, run.graph_ref, run.fingerprint, status, run.input_json,
-        state, None, at, at, None, 0, None, None, 0, run.format_version,
+        state, None, at, at, None, 0, None, None, 0, run.format_version, run.forked_from,
+        run.forked_at,
     )  # fmt: skip
+
+
+def shape_params(run: NewRun) -> tuple[object, ...] | None:
+    """Values for :data:`INSERT_SHAPE` from ``run``, or None when it carries no shape."""
+    if run.shape_json is None:
+        return None
+    return (run.graph_name, run.fingerprint, run.shape_json, run.created_at)
 
 
 def queued_run_params(run: NewRun, submission: Submission) -> tuple[object, ...]:
     """Values of the ``runs`` row of ``run`` submitted as ``submission``, for :data:`INSERT_QUEUED_RUN`."""
     q = submission
-    head = (RunStatus.QUEUED.value if i == 4 else v for i, v in enumerate(new_run_params(run)))
+    created = new_run_params(run)
+    head = (RunStatus.QUEUED.value if i == 4 else v for i, v in enumerate(created[:-2]))
     return (
         *head, q.queue, q.priority, q.partition, q.dedup_key, q.cost, q.estimate, run.created_at,
-        None, None,
+        None, None, *created[-2:],
     )  # fmt: skip
 
 
