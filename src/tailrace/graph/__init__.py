@@ -24,6 +24,7 @@ from ._references import resolve_reference as resolve_reference
 from ._topology import OutEdge as OutEdge
 from ._topology import Topology as Topology
 from ._topology import graph_shape as graph_shape
+from ._topology import shape_json as shape_json
 
 __all__ = [
     "EXIT",
@@ -44,4 +45,5 @@ __all__ = [
     "is_file_reference",
     "load_file_module",
     "resolve_reference",
+    "shape_json",
 ]

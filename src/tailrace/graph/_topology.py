@@ -237,6 +237,10 @@ def _required_form(required: object) -> object:
     return f"{module}:{getattr(required, '__qualname__', type(required).__name__)}"
 
 
+def shape_json(graph: Graph) -> str:
+    """:func:`graph_shape` as compact JSON: the text a fingerprint hashes and a store keeps."""
+    return json.dumps(graph_shape(graph), separators=(",", ":"))
+
+
 def _fingerprint(graph: Graph) -> str:
-    text = json.dumps(graph_shape(graph), separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(shape_json(graph).encode()).hexdigest()[:16]
