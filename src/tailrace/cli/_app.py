@@ -38,7 +38,7 @@ from ._fleet import (
 )
 from ._fleet import register as register_fleet
 from ._load import is_file_spec, load_graph, load_graphs
-from ._render import json_text, node_table, question_table, table_of, text
+from ._render import question_table, table_of, text
 from ._session import (
     CommandError,
     DbOption,
@@ -50,10 +50,12 @@ from ._session import (
     executors_from,
     finish,
     flag,
+    print_result,
     with_store,
 )
 from ._timeline import timeline
 from ._ui import ui
+from ._versions import register as register_versions
 
 app = typer.Typer(
     name="tailrace",
@@ -83,25 +85,6 @@ GraphsOption = Annotated[
         "graph files named in the store are never executed.",
     ),
 ]
-
-
-def _print_result(
-    result: RunResult, db: str | None, graphs: Sequence[str] = (), *, durable: bool = True
-) -> None:
-    """The node table, open questions and how to answer them, the summary, the output."""
-    console.print(node_table(result))
-    if result.questions:
-        console.print(question_table(result.questions, title="open questions"))
-        if durable:
-            words = ["tailrace answer QUESTION_ID VALUE", db_argument(db)]
-            words += [f"--graphs {shlex.quote(spec)}" for spec in graphs]
-            console.print(text("answer with: ", " ".join(words)), soft_wrap=True)
-        else:
-            console.print("the run is in memory: its questions end with this process")
-    late = f", {len(result.late_inputs)} late inputs" if result.late_inputs else ""
-    summary = f" {result.status} in {result.duration:.3f}s{late}"
-    console.print(text("run ", (result.run_id, "bold"), summary), soft_wrap=True)
-    console.print(json_text(result.output), soft_wrap=True)
 
 
 def _resume_command(run_id: str, db: str | None, graphs: Sequence[str]) -> str:
@@ -173,7 +156,7 @@ def run(
             watch=watch,
             interrupted=lambda: _interrupted(run_id, db, graphs),
         )
-    _print_result(result, db, graphs, durable=not memory)
+    print_result(result, db, graphs, durable=not memory)
 
 
 async def _resume_here(
@@ -184,7 +167,8 @@ async def _resume_here(
     engine.register(*graphs)
     chosen = None
     if graphs and not engine.knows_graph(record.fingerprint):
-        # The run's graph changed shape: the same name, with --force, resumes with it.
+        # The run's graph changed shape: one of the same name takes it over when it
+        # fits what the run did (V1), or with --force.
         chosen = next((g for g in graphs if g.name == record.graph_name), None)
         if chosen is None:
             names = ", ".join(repr(g.name) for g in graphs)
@@ -227,7 +211,7 @@ def resume(
         watch=watch,
         interrupted=lambda: _interrupted(run_id, db, graphs or []),
     )
-    _print_result(result, db, graphs or [])
+    print_result(result, db, graphs or [])
 
 
 def run_status(record: RunRecord, now: float) -> str:
@@ -250,25 +234,33 @@ def list_runs(
     status: Annotated[RunStatus | None, typer.Option(help="Only runs with this status.")] = None,
     limit: Annotated[int, typer.Option(help="At most this many runs.")] = 50,
     queue: QueueFilter = None,
+    graph: Annotated[str | None, typer.Option(help="Only runs of this graph name.")] = None,
 ) -> None:
-    """List runs, newest first: status, start, duration and nodes done.
+    """List runs, newest first: graph and version, status, start, duration and nodes done.
 
     A running run that no live process holds shows as "running (orphaned)":
-    resume it, or let serve adopt it.
+    resume it, or let serve adopt it. A fork shows the run it came from.
     """
     records = with_store(
-        db, lambda store: store.list_runs(status=status, limit=limit, queue=queue), read_only=True
+        db,
+        lambda store: store.list_runs(status=status, limit=limit, queue=queue, graph=graph),
+        read_only=True,
     )
     now = time.time()
-    headers = (Column("run", no_wrap=True), "graph", "status", "started", "duration", "nodes done")
+    headers = (
+        Column("run", no_wrap=True), "graph", "version", "status", "started", "duration",
+        "nodes done", "forked from",
+    )  # fmt: skip
     rows = (
         (
             r.run_id,
             r.graph_name,
+            r.fingerprint,
             run_status(r, now),
             _clock(r.created_at),
             f"{(r.finished_at or r.updated_at) - r.created_at:.3f}s",
             str(r.nodes_done),
+            "" if r.forked_from is None else f"{r.forked_from} at {r.forked_at}",
         )
         for r in records
     )
@@ -344,6 +336,10 @@ def show(
     )
     if record.graph_ref:
         console.print(text(f"graph reference: {record.graph_ref}"), soft_wrap=True)
+    console.print(text(f"graph version: {record.fingerprint}"), soft_wrap=True)
+    if record.forked_from is not None:
+        origin = f"forked from run {record.forked_from} at node {record.forked_at}"
+        console.print(text(origin), soft_wrap=True)
     rows = ((node_id, row.status, str(row.visits)) for node_id, row in stored.nodes.items())
     console.print(table_of(("node", "status", "visits"), rows))
     console.print(timeline(events, width=max(console.width - 30, 20)))
@@ -481,7 +477,8 @@ def answer(
     if isinstance(result, Text):
         console.print(result, soft_wrap=True)
         return
-    _print_result(result, db, graphs or [])
+    print_result(result, db, graphs or [])
 
 
 register_fleet(app)  # submit, worker (and serve, its other name), cancel, queues
+register_versions(app)  # check, migrate, fork
