@@ -284,6 +284,7 @@ CLAUSES = [
     *(f"D{i}" for i in range(1, 7)),
     *(f"Q{i}" for i in range(1, 7)),
     *(f"T{i}" for i in range(1, 5)),
+    *(f"V{i}" for i in range(1, 6)),
 ]
 
 
