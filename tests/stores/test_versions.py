@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tailrace._errors import GraphMismatch, LeaseLost, NotResumable, RunNotFound
-from tailrace.stores import Harvest, NewRun, RunStatus, Submission
+from tailrace.stores import Harvest, NewRun, NodeRow, RunStatus, Submission
 
 if TYPE_CHECKING:
     from tests.fixtures import Backend
@@ -96,3 +96,20 @@ async def test_v4_a_fork_records_its_origin(backend: Backend) -> None:
     assert listed == {"src": None, "fork": "src"}
     with pytest.raises(ValueError, match="forked_at"):
         await store.create_run(new_run("bad", forked_from="src", forked_at="n\x00"))
+
+
+async def test_v2_frontiers_lists_the_nodes_with_rows_of_live_runs_in_one_read(
+    backend: Backend,
+) -> None:
+    store = backend.store
+    for run_id, graph in (("live", "g"), ("done", "g"), ("other", "h"), ("empty", "g")):
+        await store.create_run(new_run(run_id, graph_name=graph))
+    for run_id, status in (("live", RunStatus.SUSPENDED), ("done", RunStatus.COMPLETED),
+                           ("other", RunStatus.RUNNING)):  # fmt: skip
+        token = await store.acquire_lease(run_id, "me", TTL)
+        rows = [NodeRow(node_id=n, status="completed", visits=1, data_json="{}") for n in "ab"]
+        await store.commit(run_id, token, Harvest(state_json="{}", status=status, nodes=rows))
+
+    assert await store.frontiers("g") == {"live": ("a", "b")}
+    assert await store.frontiers("h") == {"other": ("a", "b")}
+    assert await store.frontiers("none") == {}

@@ -203,12 +203,14 @@ async def stored_shape(store: RunStore, record: RunRecord, known: Graph | None) 
 
 
 def compatibility(
-    stored: StoredRun, graph: Graph, old: Shape | None, frontier: Iterable[str] | None = None
+    record: RunRecord, frontier: Iterable[str], graph: Graph, old: Shape | None
 ) -> Compatibility:
-    """Check ``graph`` against ``stored``'s ``frontier`` (default: every node with a row) (V1)."""
-    record = stored.run
+    """Check ``graph`` against the nodes of ``frontier`` that run ``record`` ran (V1).
+
+    ``old`` is the structure of the version ``record`` is on (None: unknown).
+    """
     fingerprint = graph.compile().fingerprint
-    held = tuple(stored.nodes) if frontier is None else tuple(frontier)
+    held = tuple(frontier)
     report = Compatibility(
         run_id=record.run_id, graph_name=record.graph_name, status=record.status,
         from_fingerprint=record.fingerprint, to_fingerprint=fingerprint, frontier=held,
@@ -231,8 +233,10 @@ def compatibility(
 async def check_stored(
     store: RunStore, stored: StoredRun, graph: Graph, known: Graph | None
 ) -> Compatibility:
-    """:func:`compatibility` of ``stored`` with ``graph``, the old structure read from ``store``. Reads only."""
-    return compatibility(stored, graph, await stored_shape(store, stored.run, known))
+    """:func:`compatibility` of ``stored`` (every node with a row) with ``graph``, the old
+    structure read from ``store``. Reads only."""
+    old = await stored_shape(store, stored.run, known)
+    return compatibility(stored.run, stored.nodes, graph, old)
 
 
 def require_compatible(report: Compatibility) -> None:
@@ -330,16 +334,27 @@ async def migrate_runs(
     """
     fingerprint = graph.compile().fingerprint
     shapes: dict[str, Shape | None] = {}
+    verdicts: dict[tuple[str, frozenset[str]], tuple[Incompatibility, ...]] = {}
+    frontiers = await store.frontiers(graph.name)
     moves: list[RunMove] = []
     for status in LIVE:
         for record in await store.list_runs(status=status, graph=graph.name):
             if record.fingerprint == fingerprint:
                 moves.append(_outcome(record, MoveOutcome.CURRENT))
                 continue
-            stored = await store.load_run(record.run_id)
             if record.fingerprint not in shapes:
                 shapes[record.fingerprint] = await stored_shape(store, record, known(record))
-            report = compatibility(stored, graph, shapes[record.fingerprint])
+            held = frontiers.get(record.run_id, ())
+            key = (record.fingerprint, frozenset(held))  # runs alike are checked once
+            if key not in verdicts:
+                verdicts[key] = compatibility(
+                    record, held, graph, shapes[record.fingerprint]
+                ).incompatible
+            report = Compatibility(
+                run_id=record.run_id, graph_name=record.graph_name, status=record.status,
+                from_fingerprint=record.fingerprint, to_fingerprint=fingerprint,
+                frontier=tuple(held), incompatible=verdicts[key],
+            )  # fmt: skip
             if not report.compatible:
                 moves.append(_outcome(record, MoveOutcome.INCOMPATIBLE, report))
             elif not apply:
@@ -461,7 +476,7 @@ async def plan_fork(
     a = topo.index[at]
     fresh = downstream_of(topo, a)
     reused = tuple(n for n in topo.ids if n in source.nodes and topo.index[n] not in fresh)
-    report = compatibility(source, graph, old, reused)
+    report = compatibility(source.run, reused, graph, old)
     require_compatible(report)
     if payload is None:
         payload = await _last_payload(store, codec, source, at)

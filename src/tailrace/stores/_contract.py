@@ -279,6 +279,12 @@ class RunStore(abc.ABC):
             run_id, owner, token, fingerprint=fingerprint, graph_ref=graph_ref, expected=expected
         )
 
+    async def frontiers(self, graph_name: str) -> dict[str, tuple[str, ...]]:
+        """Per live (``running`` or ``suspended``) run of graph ``graph_name``: the ids of its
+        nodes that have a row (what it ran or holds state for, V1), in one query."""
+        check_name("graph_name", graph_name)
+        return await self._frontiers(graph_name)
+
     async def graph_shape(self, graph_name: str, fingerprint: str) -> str | None:
         """The structure (``graph_shape`` JSON) of a graph version runs were stored with, or None.
 
@@ -658,6 +664,10 @@ class RunStore(abc.ABC):
         expected: str,
     ) -> None:
         """:meth:`move_run`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _frontiers(self, graph_name: str) -> dict[str, tuple[str, ...]]:
+        """:meth:`frontiers`, called with checked arguments."""
 
     @abc.abstractmethod
     async def _graph_shape(self, graph_name: str, fingerprint: str) -> str | None:

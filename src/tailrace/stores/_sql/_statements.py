@@ -208,6 +208,10 @@ INSERT_SHAPE = (
     "INSERT INTO graph_shapes (graph_name, fingerprint, shape_json, created_at) "
     "VALUES (?, ?, ?, ?) ON CONFLICT (graph_name, fingerprint) DO NOTHING"
 )
+SELECT_FRONTIERS = (
+    "SELECT n.run_id, n.node_id FROM node_states n JOIN runs r ON r.run_id = n.run_id "
+    "WHERE r.graph_name = ? AND r.status IN ('running', 'suspended') ORDER BY n.run_id"
+)
 SELECT_SHAPE = "SELECT shape_json FROM graph_shapes WHERE graph_name = ? AND fingerprint = ?"
 #: Move a run onto another version of its graph (V2), fenced by its lease (D6).
 SELECT_FOR_MOVE = "SELECT status, fingerprint, lease_owner, lease_token FROM runs WHERE run_id = ?"

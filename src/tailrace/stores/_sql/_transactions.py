@@ -56,6 +56,7 @@ from ._statements import (
     QUESTION_STATE,
     RUN_COLUMNS,
     SELECT_FOR_MOVE,
+    SELECT_FRONTIERS,
     SELECT_QUESTION,
     SELECT_SHAPE,
     SUPERSEDE_QUESTION,
@@ -237,6 +238,13 @@ async def move_run(
         holder=holder, lease_token=lease_token, expected=expected,
     )  # fmt: skip
     await tx.change(MOVE_RUN, (fingerprint, graph_ref, now, run_id))
+
+
+async def frontiers(tx: Tx, graph_name: str) -> dict[str, tuple[str, ...]]:
+    found: dict[str, list[str]] = {}
+    for run_id, node_id in await tx.all(SELECT_FRONTIERS, (graph_name,)):
+        found.setdefault(run_id, []).append(node_id)
+    return {run_id: tuple(nodes) for run_id, nodes in found.items()}
 
 
 async def graph_shape(tx: Tx, graph_name: str, fingerprint: str) -> str | None:

@@ -350,6 +350,16 @@ class MemoryStore(RunStore):
                 record, fingerprint=fingerprint, graph_ref=graph_ref, updated_at=self._clock()
             )
 
+    async def _frontiers(self, graph_name: str) -> dict[str, tuple[str, ...]]:
+        with self._lock:
+            return {
+                run_id: tuple(self._nodes[run_id])
+                for run_id, record in sorted(self._runs.items())
+                if record.graph_name == graph_name
+                and record.status in (RunStatus.RUNNING, RunStatus.SUSPENDED)
+                and self._nodes[run_id]
+            }
+
     async def _graph_shape(self, graph_name: str, fingerprint: str) -> str | None:
         with self._lock:
             return self._shapes.get((graph_name, fingerprint))

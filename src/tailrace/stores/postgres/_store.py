@@ -248,6 +248,10 @@ class PostgresStore(RunStore):
         )  # fmt: skip
         await self._db.write(f"run {run_id!r}", move, landed=nothing)
 
+    async def _frontiers(self, graph_name: str) -> dict[str, tuple[str, ...]]:
+        read = self._body(bodies.frontiers, graph_name)
+        return await self._db.read(f"graph {graph_name!r}", read)
+
     async def _graph_shape(self, graph_name: str, fingerprint: str) -> str | None:
         read = self._body(bodies.graph_shape, graph_name, fingerprint)
         return await self._db.read(f"graph {graph_name!r}", read)

@@ -309,6 +309,9 @@ class SQLiteStore(RunStore):
         )  # fmt: skip
         await self._write(f"run {run_id!r}", move)
 
+    async def _frontiers(self, graph_name: str) -> dict[str, tuple[str, ...]]:
+        return await self._read(f"graph {graph_name!r}", _body(bodies.frontiers, graph_name))
+
     async def _graph_shape(self, graph_name: str, fingerprint: str) -> str | None:
         read = _body(bodies.graph_shape, graph_name, fingerprint)
         return await self._read(f"graph {graph_name!r}", read)
