@@ -85,10 +85,14 @@ def test_v5_check_migrate_and_fork_from_the_command_line(db: str, tmp_path: Path
     refused = invoke("check", "r1", "--graphs", files["broken"], "--db", db)
     assert refused.exit_code == 1
     assert "'review': its kind changed from gate to task" in refused.output
+    stuck = invoke("migrate", "--graphs", files["broken"], "--db", db)
+    assert "2 incompatible" in stuck.output and "r1" in stuck.output and "r2" in stuck.output
 
     dry = invoke("migrate", "--graphs", files["v2"], "--db", db)
     assert dry.exit_code == 0, dry.output
     assert "2 live runs checked (dry run): 2 compatible" in dry.output
+    assert "r1" not in dry.output  # runs that can move are counted, not listed
+    assert "r1" in invoke("migrate", "--graphs", files["v2"], "--db", db, "--all").output
     v1 = fixtures.load_module("cli_v1", files["v1"]).graph.fingerprint()
     v2 = fixtures.load_module("cli_v2", files["v2"]).graph.fingerprint()
     assert flat(invoke("runs", "--db", db, "--graph", "deploy").output).count(v1) == 2

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from rich.table import Column
 
-from ..core import Compatibility, Engine, MigrationReport, RunResult
+from ..core import Compatibility, Engine, MigrationReport, MoveOutcome, RunResult
 from ..graph import Graph
 from ..stores import RunStore
 from ._load import load_graphs
@@ -83,12 +83,16 @@ def migrate(
     apply: Annotated[
         bool, flag("--apply/--dry-run", "Move the compatible runs (default: report only).")
     ] = False,
+    every: Annotated[
+        bool, flag("--all", "List every run (default: those that cannot move, and a summary).")
+    ] = False,
 ) -> None:
     """Check (and with --apply, move) the live runs of each graph --graphs defines onto that version.
 
     Live runs are running or suspended ones. A run another process drives is
     left alone (held); one whose graph changed incompatibly stays where it is,
-    with each node and why. Each move is one fenced write.
+    with each node and why (listed; --all lists every run). Each move is one
+    fenced write.
     """
     loaded = load_graphs(graphs)
     chosen = [g for g in loaded if graph is None or g.name == graph]
@@ -101,12 +105,17 @@ def migrate(
 
     for report in with_store(db, work, read_only=not apply):
         headers = (Column("run", no_wrap=True), "status", "from version", "outcome", "why")
+        shown = [m for m in report.runs if every or m.outcome in _STUCK]
         rows = (
-            (m.run_id, m.status.value, m.from_fingerprint, m.outcome.value, m.reason)
-            for m in report.runs
+            (m.run_id, m.status.value, m.from_fingerprint, m.outcome.value, m.reason) for m in shown
         )
-        console.print(table_of(headers, rows))
+        if shown:
+            console.print(table_of(headers, rows))
         console.print(text((report.summary(), "bold")), soft_wrap=True)
+
+
+#: Outcomes ``migrate`` lists without ``--all``: runs that stay where they are.
+_STUCK = frozenset({MoveOutcome.INCOMPATIBLE, MoveOutcome.HELD, MoveOutcome.GONE})
 
 
 # --- fork ------------------------------------------------------------------------------------
