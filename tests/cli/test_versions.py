@@ -112,7 +112,8 @@ def test_v5_check_migrate_and_fork_from_the_command_line(db: str, tmp_path: Path
     assert "forked from run r1 at node ship" in forked.output
     shown = invoke("show", "f1", "--db", db)
     assert "forked from run r1 at node ship" in shown.output
-    assert "forked" in flat(invoke("runs", "--db", db).output)
+    assert "r1atship" in flat(invoke("runs", "--db", db, "--graph", "deploy").output)
+    assert "forked" not in invoke("runs", "--db", db).output  # one graph's view only
 
     bad = invoke("fork", "r1", "--at", "nowhere", "--graphs", files["v2"], "--db", db)
     assert bad.exit_code == 1 and "no such node" in bad.output

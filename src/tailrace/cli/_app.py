@@ -236,10 +236,11 @@ def list_runs(
     queue: QueueFilter = None,
     graph: Annotated[str | None, typer.Option(help="Only runs of this graph name.")] = None,
 ) -> None:
-    """List runs, newest first: graph and version, status, start, duration and nodes done.
+    """List runs, newest first: status, start, duration and nodes done.
 
     A running run that no live process holds shows as "running (orphaned)":
-    resume it, or let serve adopt it. A fork shows the run it came from.
+    resume it, or let serve adopt it. With --graph, each run's graph version
+    and, for a fork, the run and node it came from.
     """
     records = with_store(
         db,
@@ -247,24 +248,29 @@ def list_runs(
         read_only=True,
     )
     now = time.time()
-    headers = (
-        Column("run", no_wrap=True), "graph", "version", "status", "started", "duration",
-        "nodes done", "forked from",
+    headers: tuple[str | Column, ...] = (
+        Column("run", no_wrap=True), "graph", "status", "started", "duration", "nodes done",
     )  # fmt: skip
-    rows = (
-        (
-            r.run_id,
-            r.graph_name,
-            r.fingerprint,
-            run_status(r, now),
-            _clock(r.created_at),
-            f"{(r.finished_at or r.updated_at) - r.created_at:.3f}s",
-            str(r.nodes_done),
-            "" if r.forked_from is None else f"{r.forked_from} at {r.forked_at}",
-        )
-        for r in records
-    )
+    if graph is not None:  # one graph: its versions, and where its forks came from
+        headers = (*headers[:2], "version", *headers[2:], "forked from")
+    rows = (_run_row(r, now, versions=graph is not None) for r in records)
     console.print(table_of(headers, rows))
+
+
+def _run_row(r: RunRecord, now: float, *, versions: bool) -> tuple[str, ...]:
+    """A row of ``tailrace runs``; with ``versions``, the run's version and a fork's origin too."""
+    row = (
+        r.run_id,
+        r.graph_name,
+        run_status(r, now),
+        _clock(r.created_at),
+        f"{(r.finished_at or r.updated_at) - r.created_at:.3f}s",
+        str(r.nodes_done),
+    )
+    if not versions:
+        return row
+    origin = "" if r.forked_from is None else f"{r.forked_from} at {r.forked_at}"
+    return (*row[:2], r.fingerprint, *row[2:], origin)
 
 
 #: Lines of a stored traceback ``show`` prints without ``--traceback``: the last frames.

@@ -40,16 +40,19 @@ RUN_COLUMNS = ", ".join(RUN_FIELDS)
 EVENT_FIELDS = ("seq", "type", "node_id", "visit", "attempt", "ts", "data_json")
 EVENT_COLUMNS = ", ".join(EVENT_FIELDS)
 
-#: The columns a run is created with: those of migration 1 and a fork's origin
-#: (the queue's columns default).
-_ORIGIN_FIELDS = ("forked_from", "forked_at")
-_CREATED_FIELDS = RUN_FIELDS[: RUN_FIELDS.index("format_version") + 1] + _ORIGIN_FIELDS
+#: The columns a run is created with: those of migration 1 (later columns default).
+_CREATED_FIELDS = RUN_FIELDS[: RUN_FIELDS.index("format_version") + 1]
+#: The columns of a run submitted to a queue: those of migration 5.
+_QUEUED_FIELDS = RUN_FIELDS[: RUN_FIELDS.index("cancel_requested_at") + 1]
 INSERT_RUN = (
     f"INSERT INTO runs ({', '.join(_CREATED_FIELDS)}) "
     f"VALUES ({', '.join('?' * len(_CREATED_FIELDS))})"
 )
-#: A run submitted to a queue: every column (migration 5 added the queue's).
-INSERT_QUEUED_RUN = f"INSERT INTO runs ({RUN_COLUMNS}) VALUES ({', '.join('?' * len(RUN_FIELDS))})"
+#: A run submitted to a queue (migration 5 added the queue's columns).
+INSERT_QUEUED_RUN = (
+    f"INSERT INTO runs ({', '.join(_QUEUED_FIELDS)}) "
+    f"VALUES ({', '.join('?' * len(_QUEUED_FIELDS))})"
+)
 UPSERT_NODE = (
     "INSERT INTO node_states (run_id, node_id, status, visits, data_json) VALUES (?, ?, ?, ?, ?) "
     "ON CONFLICT (run_id, node_id) DO UPDATE SET status = excluded.status, "
@@ -212,6 +215,8 @@ SELECT_FRONTIERS = (
     "SELECT n.run_id, n.node_id FROM node_states n JOIN runs r ON r.run_id = n.run_id "
     "WHERE r.graph_name = ? AND r.status IN ('running', 'suspended') ORDER BY n.run_id"
 )
+#: A fork's origin, written in the transaction that creates it.
+SET_ORIGIN = "UPDATE runs SET forked_from = ?, forked_at = ? WHERE run_id = ?"
 SELECT_SHAPE = "SELECT shape_json FROM graph_shapes WHERE graph_name = ? AND fingerprint = ?"
 #: Move a run onto another version of its graph (V2), fenced by its lease (D6).
 SELECT_FOR_MOVE = "SELECT status, fingerprint, lease_owner, lease_token FROM runs WHERE run_id = ?"
@@ -239,9 +244,15 @@ def new_run_params(run: NewRun) -> tuple[object, ...]:
     status, state, at = RunStatus.RUNNING.value, EMPTY_STATE_JSON, run.created_at
     return (
         run.run_id, run.graph_name, run.graph_ref, run.fingerprint, status, run.input_json,
-        state, None, at, at, None, 0, None, None, 0, run.format_version, run.forked_from,
-        run.forked_at,
+        state, None, at, at, None, 0, None, None, 0, run.format_version,
     )  # fmt: skip
+
+
+def origin_params(run: NewRun) -> tuple[object, ...] | None:
+    """Values for :data:`SET_ORIGIN` from ``run``, or None when it is no fork."""
+    if run.forked_from is None and run.forked_at is None:
+        return None
+    return (run.forked_from, run.forked_at, run.run_id)
 
 
 def shape_params(run: NewRun) -> tuple[object, ...] | None:
@@ -254,11 +265,10 @@ def shape_params(run: NewRun) -> tuple[object, ...] | None:
 def queued_run_params(run: NewRun, submission: Submission) -> tuple[object, ...]:
     """Values of the ``runs`` row of ``run`` submitted as ``submission``, for :data:`INSERT_QUEUED_RUN`."""
     q = submission
-    created = new_run_params(run)
-    head = (RunStatus.QUEUED.value if i == 4 else v for i, v in enumerate(created[:-2]))
+    head = (RunStatus.QUEUED.value if i == 4 else v for i, v in enumerate(new_run_params(run)))
     return (
         *head, q.queue, q.priority, q.partition, q.dedup_key, q.cost, q.estimate, run.created_at,
-        None, None, *created[-2:],
+        None, None,
     )  # fmt: skip
 
 

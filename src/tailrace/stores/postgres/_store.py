@@ -98,11 +98,13 @@ from .._sql._statements import (
     QUESTION_COUNTS,
     SELECT_ARTIFACT_HEAD,
     SELECT_ARTIFACT_HISTORY,
+    SET_ORIGIN,
     SUPERSEDE_QUESTION,
     artifact_from_row,
     artifact_params,
     list_questions_query,
     new_run_params,
+    origin_params,
     question_counts_from,
     question_from_row,
     queued_run_params,
@@ -211,7 +213,7 @@ class PostgresStore(RunStore):
             if row is None:
                 raise RunExists(f"run {run.run_id!r} already exists")
             attempt.xid = row[0]
-            await _keep_shape(conn, run)
+            await _keep_shape_and_origin(conn, run)
 
         await self._db.write(
             f"run {run.run_id!r}", insert, landed=nothing,
@@ -516,7 +518,7 @@ class PostgresStore(RunStore):
                 row = await cur.fetchone()
                 if row is not None:
                     attempt.xid = row[0]
-                    await _keep_shape(conn, run)
+                    await _keep_shape_and_origin(conn, run)
                     await notify(conn, channel, "submit")
                     return run.run_id
                 if q.dedup_key is not None:
@@ -755,8 +757,11 @@ class PostgresStore(RunStore):
         return [(float(c), float(s)) for c, s in rows]
 
 
-async def _keep_shape(conn: Conn, run: NewRun) -> None:
-    """Keep ``run``'s graph structure, once per graph version (V1)."""
+async def _keep_shape_and_origin(conn: Conn, run: NewRun) -> None:
+    """Keep ``run``'s graph structure, once per graph version (V1), and a fork's origin (V4)."""
     params = shape_params(run)
     if params is not None:
         await conn.execute(pg(INSERT_SHAPE), params)
+    origin = origin_params(run)
+    if origin is not None:
+        await conn.execute(pg(SET_ORIGIN), origin)
