@@ -315,6 +315,8 @@ class Engine:
             apply: move each compatible run onto it (default: a dry run that
                 writes nothing). A move leases the run and is fenced (D6): a run
                 another engine drives is left alone (``held``).
+
+        ``graph`` is registered with this engine, so it can drive the runs it moved.
         """
         store = self._require_store("migrate")
         self.register(graph)
