@@ -282,8 +282,9 @@ CLAUSES = [
     *(f"G{i}" for i in range(1, 4)),
     *(f"E{i}" for i in range(1, 12)),
     *(f"D{i}" for i in range(1, 7)),
-    *(f"Q{i}" for i in range(1, 7)),
+    *(f"Q{i}" for i in range(1, 8)),
     *(f"T{i}" for i in range(1, 5)),
+    *(f"M{i}" for i in range(1, 8)),
     *(f"V{i}" for i in range(1, 6)),
 ]
 

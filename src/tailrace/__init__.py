@@ -18,6 +18,7 @@ from ._errors import Incompatibility as Incompatibility
 from ._errors import LeaseError as LeaseError
 from ._errors import LeaseHeld as LeaseHeld
 from ._errors import LeaseLost as LeaseLost
+from ._errors import MapError as MapError
 from ._errors import NotResumable as NotResumable
 from ._errors import QuestionError as QuestionError
 from ._errors import QuestionNotFound as QuestionNotFound
@@ -85,6 +86,7 @@ __all__ = [
     "LeaseError",
     "LeaseHeld",
     "LeaseLost",
+    "MapError",
     "MigrationReport",
     "MoveOutcome",
     "Node",

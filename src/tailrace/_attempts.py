@@ -20,7 +20,10 @@ never disagree on how an attempt ended:
   (D3); the re-run's tries are numbered on from the cut ones, so a cut try 1
   is followed by try 2;
 - a ``node_late_input`` marks the completed attempt of its source as ``late``
-  (E5).
+  (E5);
+- the items of a map node (M2) are segments of their own, keyed by their
+  ``item`` index (which every item event carries), next to the map's own
+  segment from its expansion to its decision.
 """
 
 from __future__ import annotations
@@ -86,10 +89,18 @@ class Attempt:
     straggler_at: float | None = None
     late: bool = False
     error: str | None = None
+    #: The item index of a map item's segment (M2), None for a node's.
+    item: int | None = None
+    #: How many items of a map's visit this one segment stands for (see :func:`fold_items`).
+    folded: int = 0
 
     @property
     def label(self) -> str:
-        """``node#visit``, as both timelines label a row."""
+        """``node#visit`` (``node#visit[item]`` for a map's item), as both timelines label a row."""
+        if self.folded:
+            return f"{self.node_id}#{self.visit}[{self.folded} more items]"
+        if self.item is not None:
+            return f"{self.node_id}#{self.visit}[{self.item}]"
         return f"{self.node_id}#{self.visit}"
 
     @property
@@ -108,7 +119,8 @@ class _Open:
     straggler_at: float | None = None
 
 
-_Key = tuple[str, int | None]
+#: A segment's row: node id, visit, and the item of a map's item (else None).
+_Key = tuple[str, int | None, int | None]
 
 
 @dataclass(slots=True)
@@ -141,7 +153,8 @@ class _Walk:
         self.done.append(
             Attempt(
                 node_id=key[0], visit=key[1], attempt=item.attempt, start=item.start, end=end,
-                outcome=outcome, hedge=item.hedge, straggler_at=item.straggler_at, **extra,
+                outcome=outcome, hedge=item.hedge, straggler_at=item.straggler_at, item=key[2],
+                **extra,
             )
         )  # fmt: skip
 
@@ -156,7 +169,7 @@ class _Walk:
         if start is not None:
             self.done.append(
                 Attempt(node_id=key[0], visit=key[1], attempt=None, start=start, end=end,
-                        outcome=outcome)
+                        outcome=outcome, item=key[2])
             )  # fmt: skip
 
 
@@ -197,7 +210,7 @@ def attempts_from_events(
     for key, start in walk.waiting.items():
         walk.done.append(
             Attempt(node_id=key[0], visit=key[1], attempt=None, start=start,
-                    end=max(wait_end, start), outcome=Outcome.WAITING)
+                    end=max(wait_end, start), outcome=Outcome.WAITING, item=key[2])
         )  # fmt: skip
     attempts = _mark_late(walk.done, events)
     return sorted(attempts, key=lambda a: (a.start, a.label, a.hedge, a.attempt or 0))
@@ -215,20 +228,22 @@ def _step(walk: _Walk, e: EventRow) -> None:
         return
     if e.node_id is None:
         return
-    key: _Key = (e.node_id, e.visit)
+    data = event_data(e)
+    item = data.get("item")
+    key: _Key = (e.node_id, e.visit, item if isinstance(item, int) else None)
     if e.type == "node_started":
-        hedge = bool(event_data(e).get("hedge"))
+        hedge = bool(data.get("hedge"))
         walk.open.setdefault(key, []).append(_Open(e.ts, walk.number(key, e.attempt), hedge))
     elif e.type == "node_retrying":
-        _retry(walk, key, e)
+        _retry(walk, key, e, data)
     elif e.type == "node_straggler":
         for item in walk.open.get(key, []):
             if not item.hedge and item.straggler_at is None:
                 item.straggler_at = e.ts
     elif e.type == "node_completed":
-        _complete(walk, key, e)
+        _complete(walk, key, e, data)
     elif e.type == "node_failed":
-        error = event_data(e).get("error")
+        error = data.get("error")
         walk.close_all(key, e.ts, Outcome.FAILED, Outcome.LOST, error=_text(error))
     elif e.type == "node_cancelled":
         walk.close_all(key, e.ts, Outcome.CANCELLED, Outcome.CANCELLED)
@@ -244,13 +259,12 @@ def _step(walk: _Walk, e: EventRow) -> None:
 _RUN_ENDS = ("run_cancelled", "run_failed", "run_completed")
 
 
-def _retry(walk: _Walk, key: _Key, e: EventRow) -> None:
+def _retry(walk: _Walk, key: _Key, e: EventRow, data: dict[str, Any]) -> None:
     """Try ``e.attempt`` failed: close it and open the next try after the backoff (E11)."""
     items = walk.open.get(key)
     if not items:
         return
     item = next((i for i in items if not i.hedge), items[0])
-    data = event_data(e)
     walk.close(key, item, e.ts, Outcome.RETRIED, error=_text(data.get("error")))
     delay = data.get("delay")
     wait = float(delay) if isinstance(delay, int | float) and delay > 0 else 0.0
@@ -258,28 +272,33 @@ def _retry(walk: _Walk, key: _Key, e: EventRow) -> None:
     items[items.index(item)] = _Open(e.ts + wait, tries + 1, item.hedge, item.straggler_at)
 
 
-def _complete(walk: _Walk, key: _Key, e: EventRow) -> None:
+def _complete(walk: _Walk, key: _Key, e: EventRow, data: dict[str, Any]) -> None:
     """The winner completed; rivals still running lost the race (T3)."""
     items = walk.open.pop(key, [])
     if not items:
         return
-    hedge = bool(event_data(e).get("hedge"))
+    hedge = bool(data.get("hedge"))
     winner = next((i for i in items if i.hedge == hedge), items[0])
     for item in items:
         walk.close(key, item, e.ts, Outcome.COMPLETED if item is winner else Outcome.LOST)
 
 
 def _mark_late(done: list[Attempt], events: Sequence[EventRow]) -> list[Attempt]:
-    """Mark the completion of each late input's source (emitted in the same harvest, E5)."""
+    """Mark the completion of each late input's source (emitted in the same harvest, E5),
+    or of each late item of a map (M5)."""
     marked = list(done)
     for e in events:
         if e.type != "node_late_input":
             continue
-        source = event_data(e).get("source")
+        data = event_data(e)
+        source, item = data.get("source"), data.get("item")
         candidates = [
             n
             for n, a in enumerate(marked)
-            if a.node_id == source and a.outcome is Outcome.COMPLETED and a.end <= e.ts
+            if a.node_id == source
+            and a.item == item
+            and a.outcome is Outcome.COMPLETED
+            and a.end <= e.ts
         ]
         if candidates:
             n = max(candidates, key=lambda k: marked[k].end)
@@ -289,3 +308,109 @@ def _mark_late(done: list[Attempt], events: Sequence[EventRow]) -> list[Attempt]
 
 def _text(value: object) -> str | None:
     return None if value is None else str(value)
+
+
+# -- map nodes: their items summarised and folded (M2) ------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MapSummary:
+    """One visit of a map node: its items by outcome, its winners and its slowest items.
+
+    ``k`` and ``winners`` are None until the map is decided; ``slowest`` lists
+    up to three (item, seconds) pairs, the longest item segments first.
+    """
+
+    node_id: str
+    visit: int | None
+    items: int
+    k: int | None
+    winners: tuple[int, ...] | None
+    completed: int
+    late: int
+    failed: int
+    cancelled: int
+    running: int
+    slowest: tuple[tuple[int, float], ...]
+
+
+def map_summaries(events: Sequence[EventRow], attempts: Sequence[Attempt]) -> list[MapSummary]:
+    """A :class:`MapSummary` per map visit in ``events`` (the map's own start carries ``items``),
+    counting its item segments in ``attempts`` (from :func:`attempts_from_events`)."""
+    sizes: dict[tuple[str, int | None], int] = {}
+    decided: dict[tuple[str, int | None], list[int]] = {}
+    for e in events:
+        if e.node_id is None or e.type not in ("node_started", "node_completed"):
+            continue
+        data = event_data(e)
+        if e.type == "node_started" and isinstance(data.get("items"), int):
+            sizes[(e.node_id, e.visit)] = data["items"]
+        elif e.type == "node_completed" and isinstance(data.get("winners"), list):
+            decided[(e.node_id, e.visit)] = [w for w in data["winners"] if isinstance(w, int)]
+    out = []
+    for key, size in sizes.items():
+        last: dict[int, Attempt] = {}
+        longest: dict[int, float] = {}
+        for a in attempts:
+            if (a.node_id, a.visit) == key and a.item is not None:
+                last[a.item] = a  # the segments are sorted by start: the last one ended the item
+                longest[a.item] = max(longest.get(a.item, 0.0), a.duration)
+        ended = [a for a in last.values()]
+        winners = decided.get(key)
+        completed = sum(a.outcome is Outcome.COMPLETED and not a.late for a in ended)
+        out.append(
+            MapSummary(
+                node_id=key[0], visit=key[1], items=size,
+                k=None if winners is None else len(winners),
+                winners=None if winners is None else tuple(winners),
+                completed=completed,
+                late=sum(a.outcome is Outcome.COMPLETED and a.late for a in ended),
+                failed=sum(a.outcome is Outcome.FAILED for a in ended),
+                cancelled=sum(a.outcome is Outcome.CANCELLED for a in ended),
+                running=sum(a.outcome is Outcome.RUNNING for a in ended),
+                slowest=tuple(sorted(longest.items(), key=lambda kv: (-kv[1], kv[0]))[:3]),
+            )
+        )  # fmt: skip
+    return out
+
+
+def fold_items(attempts: Sequence[Attempt], *, keep: int) -> list[Attempt]:
+    """``attempts`` with each map visit's item segments cut to its ``keep`` slowest items.
+
+    The other items of that visit become one segment (``folded`` = how many
+    items it stands for) spanning them, ending the way most of them ended, so
+    a 10,000-item map draws a screenful of rows and keeps its stragglers.
+    """
+    longest: dict[tuple[str, int | None], dict[int, float]] = {}
+    for a in attempts:
+        if a.item is not None:
+            per = longest.setdefault((a.node_id, a.visit), {})
+            per[a.item] = max(per.get(a.item, 0.0), a.duration)
+    kept: dict[tuple[str, int | None], set[int]] = {}
+    for key, per in longest.items():
+        if len(per) > keep:
+            ranked = sorted(per, key=lambda j: (-per[j], j))
+            kept[key] = set(ranked[:keep])
+    if not kept:
+        return list(attempts)
+    out: list[Attempt] = []
+    rest: dict[tuple[str, int | None], list[Attempt]] = {}
+    for a in attempts:
+        key = (a.node_id, a.visit)
+        if a.item is None or key not in kept or a.item in kept[key]:
+            out.append(a)
+        else:
+            rest.setdefault(key, []).append(a)
+    for key, folded in rest.items():
+        outcomes: dict[Outcome, int] = {}
+        for a in folded:
+            outcomes[a.outcome] = outcomes.get(a.outcome, 0) + 1
+        out.append(
+            Attempt(
+                node_id=key[0], visit=key[1], attempt=None,
+                start=min(a.start for a in folded), end=max(a.end for a in folded),
+                outcome=max(outcomes, key=lambda o: (outcomes[o], o.value)),
+                folded=len({a.item for a in folded}),
+            )
+        )  # fmt: skip
+    return sorted(out, key=lambda a: (a.start, a.label, a.hedge, a.attempt or 0))

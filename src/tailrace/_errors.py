@@ -9,6 +9,8 @@ callers are expected to handle get their own class::
     ├── RunError
     │   ├── RouteError (ValueError)      a switch returned a route with no edge (E8)
     │   ├── StallError                   quiescent with aggregates still waiting (E10)
+    │   ├── MapError (ValueError)        a map's input, item count or k is wrong, or too
+    │   │                                few of its items can still succeed (M1, M3, M4)
     │   ├── EncodeError (ValueError)     a result the codec cannot encode (D5)
     │   ├── RunNotFound (KeyError)       no run with that id
     │   ├── RunExists                    a run with that id already exists
@@ -56,6 +58,19 @@ class RouteError(RunError, ValueError):
 
 class StallError(RunError):
     """Nothing is ready, nothing is in flight, no gate is open, yet aggregates still wait (E10)."""
+
+
+class MapError(RunError, ValueError):
+    """A map node cannot decide: its input is not a list, it has too many items, its k
+    exceeds the item count, or too few items can still succeed (M1, M3, M4).
+
+    The message names the node; ``errors`` lists the failed items' errors
+    (``item index -> "Type: message"``) when items failing is the reason.
+    """
+
+    def __init__(self, message: str, *, errors: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.errors = dict(errors or {})
 
 
 class EncodeError(RunError, ValueError):

@@ -381,3 +381,42 @@ async def test_v4_fork_refuses_bad_input_naming_it(backend: Backend) -> None:
         await eng.fork(new_id("absent"), at="a")
     listed = {r.run_id for r in await backend.store.list_runs()}
     assert listed == {source_id}  # nothing was created by a refused fork
+
+
+async def test_v4_fork_reuses_a_map_upstream_with_its_items_and_reruns_one_downstream(
+    backend: Backend,
+) -> None:
+    calls: list[str] = []
+    g = tr.Graph("mapped")
+
+    @g.task()
+    async def prompts(n: int) -> list[int]:
+        calls.append("prompts")
+        return list(range(n))
+
+    @g.map(required=3)
+    async def sample(i: int) -> int:
+        calls.append(f"sample {i}")
+        return i * i
+
+    @g.task()
+    async def best(samples: list[int]) -> int:
+        calls.append("best")
+        return sum(samples)
+
+    g.chain("prompts", "sample", "best")
+    eng = engine(backend)
+    source_id = new_id("mapped")
+    source = await eng.run(g, 4, run_id=source_id)
+    items = (await backend.store.load_run(source_id)).items
+    assert items and source.results["sample"] == [0, 1, 4]
+    calls.clear()
+
+    after = await eng.fork(source_id, at="best")  # the map and its decision are reused
+
+    assert after.results == source.results and calls == ["best"]
+    assert sorted((await backend.store.load_run(after.run_id)).items) == sorted(items)
+    calls.clear()
+    again = await eng.fork(source_id, at="sample", input=[5, 6, 7])  # the map runs again
+    assert again.results["sample"] == [25, 36, 49] and again.results["best"] == 110
+    assert sorted(calls) == ["best", "sample 5", "sample 6", "sample 7"]

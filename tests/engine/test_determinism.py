@@ -89,6 +89,18 @@ SCRIPT = textwrap.dedent(
         g.add_edge("check", "end", route=tr.EXIT)
         task("tail", 0)
         g.add_edge("all_pair", "tail")
+        # a map after the loop: first 5 of 12 items, the others recorded late (M7)
+        task("spread", 1, lambda x, ctx: [f"item-{i}" for i in range(12)])
+        g.add_edge("end", "spread")
+
+        async def item(x):
+            ctx = tr.current_node()
+            for _ in range((ctx.item * 5) % 7):
+                await asyncio.sleep(0)
+            return [x, ctx.item]
+
+        g.add_node("fan_map", item, tr.NodeKind.MAP, required=5)
+        g.add_edge("spread", "fan_map")
         return g
 
     async def main():
@@ -99,14 +111,18 @@ SCRIPT = textwrap.dedent(
         per_node = {}
         for e in events:
             if e.node_id is not None:
-                per_node.setdefault(e.node_id, []).append([e.type.value, e.visit, e.attempt])
+                per_node.setdefault(e.node_id, []).append(
+                    [e.type.value, e.visit, e.attempt, e.data.get("item")]
+                )
         out = {
             "status": result.status,
             "results": result.results,
             "visits": result.visits,
-            "late": [[i.node_id, i.source_id, i.activation, i.reason] for i in result.late_inputs],
+            "late": [
+                [i.node_id, i.source_id, i.activation, i.reason, i.item] for i in result.late_inputs
+            ],
             "per_node_events": per_node,
-            "event_order": [[e.type.value, e.node_id, e.visit] for e in events],
+            "event_order": [[e.type.value, e.node_id, e.visit, e.data.get("item")] for e in events],
         }
         print(json.dumps(out, sort_keys=True))
 
@@ -149,6 +165,8 @@ def test_e2_same_output_under_every_hash_seed(tmp_path):
     assert any(node == "first_two" for node, *_ in first["late"])
     assert any(node == "loop_merge" for node, *_ in first["late"])
     assert any(node == "any_late" for node, *_ in first["late"])
+    assert len(first["results"]["fan_map"]) == 5  # first-k over a map's items (M3, M7)
+    assert sum(1 for node, *_ in first["late"] if node == "fan_map") == 7
     for seed, text in enumerate(outputs[1:], start=1):
         assert json.loads(text) == first, f"PYTHONHASHSEED={seed} differs from PYTHONHASHSEED=0"
         assert text == outputs[0]

@@ -22,6 +22,7 @@ import typer
 from rich.table import Column
 from rich.text import Text
 
+from .._attempts import event_data
 from .._errors import GraphError, LeaseHeld, NotResumable
 from .._events import EventType
 from ..core import Engine, RunResult, owner_is_dead
@@ -53,7 +54,7 @@ from ._session import (
     print_result,
     with_store,
 )
-from ._timeline import timeline
+from ._timeline import map_table, timeline
 from ._ui import ui
 from ._versions import register as register_versions
 
@@ -299,6 +300,9 @@ def _print_tracebacks(events: Sequence[EventRow], *, whole: bool) -> None:
         lines = stored.rstrip("\n").split("\n")
         cut = len(lines) - TRACEBACK_TAIL
         attempt = f" attempt {event.attempt}" if event.attempt is not None else ""
+        item = event_data(event).get("item")
+        if isinstance(item, int):
+            attempt = f" item {item}{attempt}"
         console.print(
             text((f"traceback of node {event.node_id}{attempt}:", "bold")), soft_wrap=True
         )
@@ -348,6 +352,9 @@ def show(
         console.print(text(origin), soft_wrap=True)
     rows = ((node_id, row.status, str(row.visits)) for node_id, row in stored.nodes.items())
     console.print(table_of(("node", "status", "visits"), rows))
+    maps = map_table(events)
+    if maps is not None:
+        console.print(maps)
     console.print(timeline(events, width=max(console.width - 30, 20)))
     _print_tracebacks(events, whole=whole_traceback)
 

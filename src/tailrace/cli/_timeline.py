@@ -5,11 +5,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rich.table import Table
 from rich.text import Text
 
-from .._attempts import Attempt, Outcome, attempts_from_events
+from .._attempts import (
+    Attempt,
+    MapSummary,
+    Outcome,
+    attempts_from_events,
+    fold_items,
+    map_summaries,
+)
 from ..stores import EventRow
-from ._render import visible
+from ._render import table_of, visible
+
+#: Item rows drawn per map visit: its slowest items; the others fold into one row.
+ITEM_ROWS = 12
 
 #: Colour per outcome; attempts cut by a crash and hedges that lost are grey.
 _STYLES = {
@@ -45,9 +56,10 @@ def attempt_bars(events: Sequence[EventRow]) -> list[Bar]:
 
     An attempt still open when the run was resumed was interrupted by a crash
     (or a stop): its bar ends at the resume, in grey. A hedge's rival that
-    lost ends when the winner completed.
+    lost ends when the winner completed. A map visit draws its
+    :data:`ITEM_ROWS` slowest items; the rest fold into one bar.
     """
-    return [_bar(a) for a in attempts_from_events(events)]
+    return [_bar(a) for a in fold_items(attempts_from_events(events), keep=ITEM_ROWS)]
 
 
 def timeline(events: Sequence[EventRow], *, width: int = 60) -> Text:
@@ -68,3 +80,47 @@ def timeline(events: Sequence[EventRow], *, width: int = 60) -> Text:
         out.append(f" {(bar.end - bar.start) * 1000:.1f} ms\n")
     out.append(f"{'':<{label_width}} 0{'':>{max(width - 8, 1)}}{span:.3f}s")
     return out
+
+
+#: Winners listed per map before the rest is counted.
+WINNERS_SHOWN = 8
+
+
+def map_table(events: Sequence[EventRow]) -> Table | None:
+    """A row per map visit: its items by outcome, its k and winners, its slowest items (M2-M5)."""
+    maps = map_summaries(events, attempts_from_events(events))
+    if not maps:
+        return None
+    headers = (
+        "map",
+        "items",
+        "k",
+        "completed",
+        "late",
+        "failed",
+        "cancelled",
+        "winners",
+        "slowest",
+    )
+    return table_of(headers, (_map_row(m) for m in maps), title="map items")
+
+
+def _map_row(m: MapSummary) -> tuple[str, ...]:
+    if m.winners is None:
+        winners = "undecided" + (f", {m.running} running" if m.running else "")
+    else:
+        shown = ", ".join(str(w) for w in m.winners[:WINNERS_SHOWN])
+        more = len(m.winners) - WINNERS_SHOWN
+        winners = shown + (f" (+{more})" if more > 0 else "")
+    slowest = ", ".join(f"#{j} {seconds * 1000:.0f} ms" for j, seconds in m.slowest)
+    return (
+        f"{m.node_id}#{m.visit}",
+        str(m.items),
+        "-" if m.k is None else str(m.k),
+        str(m.completed),
+        str(m.late),
+        str(m.failed),
+        str(m.cancelled),
+        winners,
+        slowest,
+    )

@@ -367,7 +367,7 @@ class Engine:
             )
             async with writer.leased(self._lease(fork_id)):
                 writer.refer(plan.big)
-                writer.carry(plan.results, plan.frozen)
+                writer.carry(plan.results, plan.frozen, plan.items)
                 loop = self._loop_for(fork_id, plan.state, writer)
                 loop.emit(EventType.RUN_STARTED, graph=graph.name, forked_from=run_id, at=at)
                 await loop.checkpoint()  # the reused part is durable before anything runs
@@ -505,6 +505,7 @@ class Engine:
                 source_id=str(data.get("source")),
                 activation=e.visit or 0,
                 reason=str(data.get("reason")),
+                item=data.get("item"),
             )
             for e in await self.store.events(run_id)
             if e.type == EventType.NODE_LATE_INPUT.value

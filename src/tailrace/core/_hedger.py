@@ -14,6 +14,9 @@ first of the two to succeed wins; the other is cancelled and awaited by the
 run loop, and only the winner's result is committed. With a
 :class:`~tailrace.tail.HedgePolicy` the backups follow it instead: clones at
 launch and early backups on idle capacity, within a budget.
+
+The items of a map node are hedged one by one (M2): everything here is keyed
+by the *unit* ``(node, item)``, the item -1 for a node's own attempts.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ class Hedger:
         self.tail = tail
         self.stragglers = 0
         self.hedges = 0
-        #: Live attempts per node while a hedge may race.
-        self.live: dict[int, list[Attempt]] = {}
+        #: Live attempts per unit (node, item) while a hedge may race.
+        self.live: dict[tuple[int, int], list[Attempt]] = {}
         #: Attempts a hedge policy would back up, with their estimates.
         self.backup_candidates: dict[Attempt, float] = {}
         #: First attempts started (a hedge policy's budget is a share of them).
@@ -50,13 +53,12 @@ class Hedger:
 
     def watch(self, attempt: Attempt) -> None:
         """Arm the straggler timer of a new attempt (T3)."""
-        self.live.setdefault(attempt.index, []).append(attempt)
+        self.live.setdefault((attempt.index, attempt.item), []).append(attempt)
         if attempt.hedge or self.closing:
             return
         node = self.run.topo.nodes[attempt.index]
-        estimate = self.tail.estimate(
-            attempt.index, self.run.state.nodes[attempt.index].payload, node
-        )
+        payload = self.run.payload_of(attempt.index, attempt.item, attempt.items)
+        estimate = self.tail.estimate(attempt.index, payload, node)
         if estimate is None:
             return
         delay = max(self.tail.factor * estimate, MIN_STRAGGLER_DELAY)
@@ -77,6 +79,7 @@ class Hedger:
         i = attempt.index
         self.stragglers += 1
         elapsed = self.run.loop.time() - attempt.started
+        item = _item_data(attempt)
         self.run.emit(
             EventType.NODE_STRAGGLER,
             i,
@@ -85,39 +88,43 @@ class Hedger:
             elapsed=elapsed,
             estimate=estimate,
             factor=self.tail.factor,
+            **item,
         )
         if self.run.topo.nodes[i].hedge and self.tail.hedging is None:
             self.hedges += 1
-            self.run.emit(EventType.NODE_HEDGED, i, attempt.visit, None)
-            self.run.start_attempt(i, hedge=True)
+            self.run.emit(EventType.NODE_HEDGED, i, attempt.visit, None, **item)
+            self.run.restart(attempt)
         self.run.poke()
 
     # -- the hedge policy -------------------------------------------------------
 
-    def launched(self, batch: list[int]) -> None:
-        """Clone, at launch, the nodes of a batch dispatched together that need it (Dolly).
+    def launched(self, batch: list[tuple[int, int]]) -> None:
+        """Clone, at launch, the units of a batch dispatched together that need it (Dolly).
 
-        ``batch`` lists the nodes that became ready together; those running now
-        with ``hedge=True`` and an estimate are candidates, longest estimate first.
+        ``batch`` lists the units (node, item) that became ready together; those
+        running now with ``hedge=True`` and an estimate are candidates, longest
+        estimate first.
         """
         policy = self.tail.hedging
         if policy is None or self.closing or len(batch) < 2:
             return
         estimates = []
-        for i in batch:
+        for unit in batch:
+            i = unit[0]
             node = self.run.topo.nodes[i]
-            if node.hedge and len(self.live.get(i, ())) == 1:
-                estimate = self.tail.estimate(i, self.run.state.nodes[i].payload, node)
+            live = self.live.get(unit, ())
+            if node.hedge and len(live) == 1:
+                estimate = self.tail.estimate(i, self.run.payload_of(*unit), node)
                 if estimate is not None:
-                    estimates.append((estimate, i))
+                    estimates.append((estimate, unit, live[0]))
         if not estimates:
             return
-        longest = max(estimate for estimate, _ in estimates)
-        estimates.sort(key=lambda pair: (-pair[0], pair[1]))
-        for estimate, i in estimates:
+        longest = max(estimate for estimate, _, _ in estimates)
+        estimates.sort(key=lambda entry: (-entry[0], entry[1]))
+        for estimate, _unit, attempt in estimates:
             if not policy.clones_at_launch(estimate, longest):
                 break  # sorted: no shorter node needs a clone either
-            if not self._extra_attempt(i, "clone"):
+            if not self._extra_attempt(attempt, "clone"):
                 return
 
     def _backup_due(self, attempt: Attempt, estimate: float) -> None:
@@ -138,18 +145,20 @@ class Hedger:
         candidates = self.backup_candidates
         if not candidates or self.tail.hedging is None:
             return
-        ranked = sorted(candidates.items(), key=lambda item: (-item[1], item[0].index))
+        ranked = sorted(
+            candidates.items(), key=lambda entry: (-entry[1], entry[0].index, entry[0].item)
+        )
         for attempt, _estimate in ranked:
-            i = attempt.index
-            if attempt.finished or attempt.abandoned or len(self.live.get(i, ())) != 1:
+            unit = (attempt.index, attempt.item)
+            if attempt.finished or attempt.abandoned or len(self.live.get(unit, ())) != 1:
                 del candidates[attempt]
                 continue
-            if not self._extra_attempt(i, "backup"):
+            if not self._extra_attempt(attempt, "backup"):
                 return
             del candidates[attempt]
 
-    def _extra_attempt(self, i: int, reason: str) -> bool:
-        """Start a clone or backup of node ``i`` if budget and idle capacity allow it."""
+    def _extra_attempt(self, attempt: Attempt, reason: str) -> bool:
+        """Start a clone or backup of ``attempt``'s unit if budget and idle capacity allow it."""
         assert self.tail.hedging is not None
         if self.closing:
             return False
@@ -158,9 +167,15 @@ class Hedger:
         if not self.run.take_idle_slot():
             return False
         self.hedges += 1
-        visit = self.run.state.nodes[i].visits
-        self.run.emit(EventType.NODE_HEDGED, i, visit, None, reason=reason)
-        self.run.start_attempt(i, hedge=True, extra_slot=True)
+        self.run.emit(
+            EventType.NODE_HEDGED,
+            attempt.index,
+            attempt.visit,
+            None,
+            reason=reason,
+            **_item_data(attempt),
+        )
+        self.run.restart(attempt, extra_slot=True)
         self.run.poke()
         return True
 
@@ -170,7 +185,8 @@ class Hedger:
         A successful attempt wins and cancels its rivals; a failed one is
         ignored while a rival is still running (the rival may still succeed).
         """
-        live = self.live.get(attempt.index, [])
+        unit = (attempt.index, attempt.item)
+        live = self.live.get(unit, [])
         if attempt in live:
             live.remove(attempt)
         failed = attempt.error is not None
@@ -179,8 +195,13 @@ class Hedger:
             return False
         for rival in live:
             rival.abandon()
-        self.live.pop(attempt.index, None)
+        self.live.pop(unit, None)
         return True
+
+    def forget(self, i: int) -> None:
+        """Stop racing node ``i``'s units (the node is cancelled as a dead input)."""
+        for unit in [u for u in self.live if u[0] == i]:
+            del self.live[unit]
 
     def close(self) -> None:
         """Stop hedging in a run that is winding down, and disarm its timers."""
@@ -193,3 +214,8 @@ class Hedger:
                     attempt.backup_timer.cancel()
         self.live.clear()
         self.backup_candidates.clear()
+
+
+def _item_data(attempt: Attempt) -> dict[str, int]:
+    """The ``item`` of a map item's event data (M2); nothing for a node's attempt."""
+    return {} if attempt.item < 0 else {"item": attempt.item}

@@ -9,7 +9,10 @@ import gc
 import operator
 import traceback
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._state import MapItems
 
 
 class Attempt:
@@ -29,6 +32,8 @@ class Attempt:
         "finished",
         "hedge",
         "index",
+        "item",
+        "items",
         "started",
         "straggled",
         "task",
@@ -45,8 +50,14 @@ class Attempt:
         started: float,
         hedge: bool = False,
         tries: int = 1,
+        item: int = -1,
+        items: MapItems | None = None,
     ) -> None:
         self.index = index
+        #: The item index of an attempt of a map's item (M2), -1 for a node's attempt.
+        self.item = item
+        #: The map visit the item belongs to (the node's current one may be newer).
+        self.items = items
         self.visit = visit
         self.started = started
         self.hedge = hedge
@@ -78,8 +89,8 @@ class Attempt:
             self.backup_timer.cancel()
 
 
-#: Harvest order (E2): definition order, an attempt before its hedge.
-harvest_order = operator.attrgetter("index", "hedge")
+#: Harvest order (E2, M7): definition order, then item order, an attempt before its hedge.
+harvest_order = operator.attrgetter("index", "item", "hedge")
 
 
 def describe(exc: BaseException) -> str:

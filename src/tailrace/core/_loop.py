@@ -20,7 +20,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from .._context import set_current
-from .._errors import EncodeError, RunError, StallError
+from .._errors import EncodeError, MapError, RunError, StallError
 from .._events import Event, EventType
 from ..executors._base import AttemptContext
 from ..graph import Node, NodeKind
@@ -30,7 +30,7 @@ from ._admission import AdmissionPolicy, SlotQueue, Ticket
 from ._hedger import Hedger
 from ._inflight import BULK, Attempt, describe, harvest_order, paused_gc, traceback_text
 from ._outcome import NodeReport, RunResult
-from ._state import LateInput, NodeStatus, RunState
+from ._state import ItemStatus, LateInput, MapItems, NodeStatus, RunState, map_plan
 
 if TYPE_CHECKING:
     from ..executors import Executor
@@ -44,6 +44,12 @@ EventTuple = tuple[
 
 #: The data of a hedge's NODE_STARTED (shared: every Event gets its own copy).
 _HEDGE_DATA: Mapping[str, Any] = MappingProxyType({"hedge": True})
+
+#: Inputs a ``late="cancel"`` merge cancels once it fired without them (E5, Q7).
+_CANCELLABLE = frozenset({NodeStatus.RUNNING, NodeStatus.QUEUED, NodeStatus.WAITING})
+
+#: What admission queues: (node index, item index), the item -1 for a node's own attempt.
+Unit = tuple[int, int]
 
 
 class RunLoop:
@@ -94,7 +100,7 @@ class RunLoop:
         self._run_slots = SlotQueue(run_capacity) if run_capacity is not None else None
         self._policy = policy
         self._tail = tail
-        self._tickets: dict[int, Ticket] = {}
+        self._tickets: dict[Unit, Ticket] = {}
         #: Attempts running now, in start order (a dict: ordered, O(1) removal).
         self._in_flight: dict[Attempt, None] = {}
         self._done: list[Attempt] = []
@@ -127,6 +133,9 @@ class RunLoop:
         self._unreported_cb = self._unreported
         self._cb_context = contextvars.Context()
         self._gate = tuple(n.kind is NodeKind.GATE for n in self.topo.nodes)
+        #: Map nodes run their handler per item (M1); ``_has_maps`` keeps the rest fast.
+        self._map = tuple(n.kind is NodeKind.MAP for n in self.topo.nodes)
+        self._has_maps = any(self._map)
         #: Whether finished attempts free admission slots (E3).
         self._bounded = engine_slots is not None or run_capacity is not None
         #: Set by :meth:`request_cancel`: the run ends ``cancelled`` at its next wake-up.
@@ -300,28 +309,66 @@ class RunLoop:
         if len(ready) > 1:
             ready.sort()  # E2: simultaneously ready nodes go in definition order
         self.state.ready = []
-        if self._engine_slots is None and self._run_slots is None:
+        units: list[Unit] | None = None
+        if self._has_maps:  # a map's items are units of their own (M2), in item order
+            units = []
             for i in ready:
-                self.start_attempt(i)
+                if self._map[i]:
+                    units.extend([(i, j) for j in self._expand(i)])
+                else:
+                    units.append((i, -1))
+        if self._engine_slots is None and self._run_slots is None:
+            if units is None:
+                for i in ready:
+                    self.start_attempt(i)
+            else:
+                for i, j in units:
+                    self._start_unit(i, j)
         else:
-            keyed = sorted((self._admission_key(i), n, i) for n, i in enumerate(ready))
-            for key, _, i in keyed:  # the policy orders a ready batch too (E3, T2)
-                self._admit(i, key)
-        if self.hedger is not None and len(ready) > 1:
-            self.hedger.launched(ready)
+            if units is None:
+                units = [(i, -1) for i in ready]
+            keyed = sorted((self._admission_key(u), n, u) for n, u in enumerate(units))
+            for key, _, unit in keyed:  # the policy orders a ready batch too (E3, T2)
+                self._admit(unit, key)
+        if self.hedger is not None:
+            launched = units if units is not None else [(i, -1) for i in ready]
+            if len(launched) > 1:
+                self.hedger.launched(launched)
 
-    def _admission_key(self, i: int) -> tuple[float, ...]:
-        payload = self.state.nodes[i].payload
+    def _start_unit(self, i: int, j: int) -> None:
+        if j < 0:
+            self.start_attempt(i)
+        else:
+            self.start_item(i, j)
+
+    def payload_of(self, i: int, j: int, items: MapItems | None = None) -> Any:
+        """What unit ``(i, j)`` runs on: item ``j`` of the map's visit, or the node's payload."""
+        if j < 0:
+            return self.state.nodes[i].payload
+        items = items or self.state.nodes[i].items
+        assert items is not None
+        return items.values[j]
+
+    def _admission_key(self, unit: Unit) -> tuple[float, ...]:
+        i, j = unit
+        payload = self.payload_of(i, j)
         node = self.topo.nodes[i]
-        estimate = self._tail.estimate(i, payload, node) if self._tail else None
+        estimate = None
+        if self._tail is not None:
+            estimate = self._tail.estimate(i, payload, node)
+            if estimate is None and j >= 0 and node.cost is not None:
+                # Before any observation, a map's items keep the order of their cost
+                # (any fit b + m * cost with m > 0 ranks them alike, T2).
+                estimate = self._tail.cost_of(node, payload)
         return self._policy.key(node, payload, estimate)
 
-    def _admit(self, i: int, key: tuple[float, ...]) -> None:
+    def _admit(self, unit: Unit, key: tuple[float, ...]) -> None:
         engine_slots = self._engine_slots
+        i, j = unit
 
         def granted_by_engine() -> None:
-            self._tickets.pop(i, None)
-            self.start_attempt(i)
+            self._tickets.pop(unit, None)
+            self._start_unit(i, j)
             self.poke()  # granted from another run's harvest: publish NODE_STARTED now (E3)
 
         def granted_by_run() -> None:
@@ -329,15 +376,82 @@ class RunLoop:
                 granted_by_engine()
                 return
             ticket = Ticket(granted_by_engine)
-            self._tickets[i] = ticket
+            self._tickets[unit] = ticket
             engine_slots.submit(key, ticket)
 
         if self._run_slots is None:
             granted_by_run()
             return
         ticket = Ticket(granted_by_run)
-        self._tickets[i] = ticket
+        self._tickets[unit] = ticket
         self._run_slots.submit(key, ticket)
+
+    # -- map nodes (M1-M6) ----------------------------------------------------
+
+    def _expand(self, i: int) -> list[int]:
+        """Start map ``i``'s visit (M1); the items to dispatch now, in item order.
+
+        A bad input fails the node (E9) and an empty list completes it with
+        ``[]``, both through the next harvest. A visit restored mid-way (D3,
+        M6) dispatches only the items that had not ended.
+        """
+        state = self.state
+        ns = state.nodes[i]
+        items = ns.items
+        now = time.monotonic()
+        if items is None:
+            try:
+                values, k = map_plan(self.topo.nodes[i], ns.payload)
+            except MapError as exc:
+                state.start(i, now)
+                self._settled(i, error=exc)
+                return []
+            items = state.expand(i, values, k, now)
+            self.emit(EventType.NODE_STARTED, i, ns.visits, ns.attempts, items=len(values))
+            if not values:
+                self._settled(i, value=[])
+                return []
+        elif ns.status is NodeStatus.QUEUED:  # restored with some items ended
+            state.start(i, now)
+            self.emit(
+                EventType.NODE_STARTED, i, ns.visits, ns.attempts, items=len(items), resumed=True
+            )
+        return items.pending()
+
+    def _settled(self, i: int, *, value: Any = None, error: BaseException | None = None) -> None:
+        """Map ``i``'s own outcome, known at its dispatch: harvested like an attempt's end."""
+        ns = self.state.nodes[i]
+        attempt = Attempt(i, ns.visits, time.monotonic(), False, ns.attempts or 1)
+        attempt.value = value
+        attempt.error = error
+        attempt.finished = True
+        self._done.append(attempt)
+
+    def _holds_slot(self, attempt: Attempt) -> bool:
+        """Whether ``attempt`` holds an admission slot: a map's own outcome holds none."""
+        return attempt.item >= 0 or not self._map[attempt.index]
+
+    def start_item(
+        self,
+        i: int,
+        j: int,
+        *,
+        hedge: bool = False,
+        extra_slot: bool = False,
+        items: MapItems | None = None,
+    ) -> None:
+        """Start an attempt of item ``j`` of map ``i`` (of ``items``, default its current visit)."""
+        items = items or self.state.nodes[i].items
+        assert items is not None
+        if not hedge:
+            items.start(j)
+            if self.hedger is not None:
+                self.hedger.first_attempts += 1
+        attempt = Attempt(i, items.visit, time.monotonic(), hedge, items.attempts[j] or 1, j, items)
+        if extra_slot:
+            attempt.extra_slot = True
+        data = {"item": j, "hedge": True} if hedge else {"item": j}
+        self._launch(attempt, items.values[j], data)
 
     def _release_slot(self) -> None:
         if self._engine_slots is not None:
@@ -385,11 +499,25 @@ class RunLoop:
         attempt = Attempt(i, ns.visits, now, hedge, ns.attempts or 1)
         if extra_slot:
             attempt.extra_slot = True
+        self._launch(attempt, ns.payload, _HEDGE_DATA if hedge else None)
+
+    def restart(self, attempt: Attempt, *, extra_slot: bool = False) -> None:
+        """Start a hedge of ``attempt``'s node or item (T3, per item for maps, M2)."""
+        if attempt.item < 0:
+            self.start_attempt(attempt.index, hedge=True, extra_slot=extra_slot)
+        else:
+            self.start_item(
+                attempt.index, attempt.item, hedge=True, extra_slot=extra_slot, items=attempt.items
+            )
+
+    def _launch(self, attempt: Attempt, payload: Any, data: Mapping[str, Any] | None) -> None:
+        """Run ``attempt`` on ``payload`` as a task; its NODE_STARTED carries ``data``."""
+        i = attempt.index
         node = self.topo.nodes[i]
         if self._direct[i]:
-            coro = self._run_direct(node, ns.payload, attempt)
+            coro = self._run_direct(node, payload, attempt)
         else:
-            coro = self._run_attempt(node, self._async[i], ns.payload, attempt)
+            coro = self._run_attempt(node, self._async[i], payload, attempt)
         task = self.loop.create_task(coro, name=node.id)
         # Removed when the attempt reports its end: it fires only for a task
         # cancelled before its first step (whose coroutine never ran).
@@ -403,10 +531,10 @@ class RunLoop:
                     self.event_seq,
                     EventType.NODE_STARTED,
                     i,
-                    ns.visits,
-                    ns.attempts,
+                    attempt.visit,
+                    attempt.tries,
                     time.time(),
-                    _HEDGE_DATA if hedge else None,
+                    data,
                 )
             )
         if self.hedger is not None:
@@ -425,7 +553,10 @@ class RunLoop:
 
     async def _run_direct(self, node: Node, payload: Any, attempt: Attempt) -> None:
         """An attempt of an async handler with no retry, timeout or executor (the short path)."""
-        set_current((self.run_id, node.id, attempt.visit, attempt.tries))
+        if attempt.item < 0:
+            set_current((self.run_id, node.id, attempt.visit, attempt.tries))
+        else:
+            set_current((self.run_id, node.id, attempt.visit, attempt.tries, attempt.item))
         try:
             attempt.value = await node.handler(payload)
         except BaseException as exc:
@@ -490,12 +621,19 @@ class RunLoop:
         """
         retry = node.retry
         tries = attempt.tries
-        due = self.state.nodes[attempt.index].retry_due
+        items = attempt.items
+        if items is None:
+            due = self.state.nodes[attempt.index].retry_due
+        else:
+            due = items.retry_due.get(attempt.item)
         if due is not None and retry is not None and not attempt.hedge:
             # Resumed while backing off: wait out what is left of that backoff.
             await asyncio.sleep(min(max(0.0, due - time.time()), retry.delay(max(tries - 1, 1))))
         while True:
-            set_current((self.run_id, node.id, attempt.visit, tries))
+            if items is None:
+                set_current((self.run_id, node.id, attempt.visit, tries))
+            else:
+                set_current((self.run_id, node.id, attempt.visit, tries, attempt.item))
             try:
                 if node.timeout is not None:
                     async with asyncio.timeout(node.timeout):
@@ -511,16 +649,28 @@ class RunLoop:
                 await asyncio.sleep(delay)
                 tries += 1
                 attempt.tries = tries
-                self.state.nodes[attempt.index].retry_due = None  # the next try is no longer due
+                # The next try is no longer due.
+                if items is None:
+                    self.state.nodes[attempt.index].retry_due = None
+                else:
+                    items.retry_due.pop(attempt.item, None)
 
     def _retrying(self, attempt: Attempt, tries: int, exc: BaseException, delay: float) -> None:
         """Try ``tries`` failed and another follows after ``delay``: make it durable and live now."""
         i = attempt.index
         ns = self.state.nodes[i]
-        if ns.visits == attempt.visit and ns.status is NodeStatus.RUNNING:
+        items, j = attempt.items, attempt.item
+        if items is not None:
+            if items.status[j] is ItemStatus.RUNNING:
+                items.attempts[j] = tries + 1
+                items.retry_due[j] = time.time() + delay
+                items.dirty[j] = None
+                self.state.dirty_items[items] = None
+        elif ns.visits == attempt.visit and ns.status is NodeStatus.RUNNING:
             ns.attempts = tries + 1
             ns.retry_due = time.time() + delay
             self.state.dirty[i] = None
+        extra = {} if items is None else {"item": j}
         self.emit(
             EventType.NODE_RETRYING,
             i,
@@ -529,6 +679,7 @@ class RunLoop:
             error=describe(exc),
             delay=delay,
             traceback=traceback_text(exc),
+            **extra,
         )
         self.poke()  # an empty harvest commits and publishes it now (E11)
 
@@ -541,6 +692,7 @@ class RunLoop:
                     node_id=node.id,
                     visit=attempt.visit,
                     attempt=attempt.tries,
+                    item=None if attempt.item < 0 else attempt.item,
                     hedge=attempt.hedge,
                 )
                 return await executor.invoke(node, payload, where)
@@ -580,27 +732,34 @@ class RunLoop:
             if hedger is not None and not hedger.settle(attempt):
                 self._release_extra(attempt)
                 continue
-            self._durations[i] += now - attempt.started
-            # A handler that raised CancelledError itself failed (E9).
-            exc = attempt.error
-            if exc is None:
-                exc = self._complete(i, attempt.value, attempt, now)
-            if exc is not None and failure is None:
-                failure = (i, exc)
-                self._failing = attempt
-                continue  # its slot is freed after the queue is cancelled (E9)
-            if exc is not None:
-                state.fail(i)
-                self.emit(
-                    EventType.NODE_FAILED,
-                    i,
-                    attempt.visit,
-                    attempt.tries,
-                    error=describe(exc),
-                    traceback=traceback_text(exc),
-                )
+            if attempt.item >= 0:
+                exc = self._harvest_item(attempt, now)  # recorded there, failed or not
+                if exc is not None and failure is None:
+                    failure = (i, exc)
+                    self._failing = attempt
+                    continue  # its slot is freed after the queue is cancelled (E9)
+            else:
+                self._durations[i] += now - attempt.started
+                # A handler that raised CancelledError itself failed (E9).
+                exc = attempt.error
+                if exc is None:
+                    exc = self._complete(i, attempt.value, attempt, now)
+                if exc is not None and failure is None:
+                    failure = (i, exc)
+                    self._failing = attempt
+                    continue  # its slot is freed after the queue is cancelled (E9)
+                if exc is not None:
+                    state.fail(i)
+                    self.emit(
+                        EventType.NODE_FAILED,
+                        i,
+                        attempt.visit,
+                        attempt.tries,
+                        error=describe(exc),
+                        traceback=traceback_text(exc),
+                    )
             # Freed only now, so the event log never shows more than capacity in flight (E3).
-            if self._bounded:
+            if self._bounded and self._holds_slot(attempt):
                 self._release_slot()
                 self._release_extra(attempt)
         if self._fired_cancel and failure is None:
@@ -609,12 +768,15 @@ class RunLoop:
         return failure
 
     def _cancel_dead_inputs(self) -> None:
-        """Cancel inputs nobody will read: every consumer fired without them (``late="cancel"``)."""
+        """Cancel inputs nobody will read: every consumer fired without them (``late="cancel"``).
+
+        A gate waiting on its answer is withdrawn: its question is superseded (Q7).
+        """
         fired, self._fired_cancel = self._fired_cancel, []
         for t in fired:
             for s in self.topo.in_sources[t]:
                 status = self.state.nodes[s].status
-                if status in (NodeStatus.RUNNING, NodeStatus.QUEUED) and self._unread(s):
+                if status in _CANCELLABLE and self._unread(s):
                     self._cancel_dead(s, t)
 
     def _unread(self, s: int) -> bool:
@@ -633,15 +795,18 @@ class RunLoop:
         running = [a for a in self._in_flight if a.index == s and not a.abandoned]
         for attempt in running:
             attempt.abandon()  # its end is no failure; its slot is freed here
-        if running:
+        for _ in {a.item for a in running}:  # one slot per node, or per item of a map
             self._release_slot()
-        ticket = self._tickets.pop(s, None)
-        if ticket is not None:
-            ticket.cancel()
+        for unit in [u for u in self._tickets if u[0] == s]:
+            self._tickets.pop(unit).cancel()
         if s in self.state.ready:
             self.state.ready.remove(s)
         if self.hedger is not None:
-            self.hedger.live.pop(s, None)
+            self.hedger.forget(s)
+        if ns.question is not None:  # a gate nobody needs an answer from any more (Q7)
+            if self._writer is not None:
+                self._writer.superseded.append(ns.question)
+            ns.question = None
         self.state.cancel(s)
         self.state.late.append(
             LateInput(
@@ -669,7 +834,7 @@ class RunLoop:
             state.complete(i, result)  # a switch may raise; nothing was changed then
         except RunError as exc:  # a switch's bad route (E8); nothing was changed
             return exc
-        if self._tail is not None:
+        if self._tail is not None and not self._map[i]:  # a map's items are observed instead
             self._tail.observe(
                 self.topo.nodes[i], ns.payload, now - attempt.started, attempt.straggled
             )
@@ -688,15 +853,154 @@ class RunLoop:
             )
         if self._writer is not None:
             self._writer.result_completed(i, attempt.visit, result)
-        if len(state.frozen) == frozen_before:
-            return None
-        for t, activation, _payload, fired_by in state.frozen[frozen_before:]:
+        if len(state.frozen) != frozen_before:
+            self._aggregates_fired(frozen_before)
+        return None
+
+    def _aggregates_fired(self, frozen_before: int) -> None:
+        """Emit AGGREGATE_FIRED for the first-k decisions a completion just made (E4)."""
+        for t, activation, _payload, fired_by in self.state.frozen[frozen_before:]:
             # The k inputs that fired it (E4), not every edge into it.
             sources = [self.topo.ids[s] for s in fired_by]
             self.emit(EventType.AGGREGATE_FIRED, t, activation, None, sources=sources)
             if self.topo.nodes[t].late == "cancel":
                 self._fired_cancel.append(t)
+
+    # -- map items: harvest, decision, late items (M2-M5) ------------------------
+
+    def _harvest_item(self, attempt: Attempt, now: float) -> BaseException | None:
+        """Record a finished item attempt; the error that fails its map, if it does (M4)."""
+        items, j = attempt.items, attempt.item
+        assert items is not None
+        if items.status[j] is not ItemStatus.RUNNING:
+            return None  # ended already (cancelled as late while it finished)
+        i = attempt.index
+        failing = self._failing
+        if failing is not None and failing.index == i:
+            return None  # its map fails in this harvest: nothing after that decides it (E9)
+        exc = attempt.error
+        value = attempt.value
+        text = None
+        if exc is None and self._writer is not None:
+            try:
+                value, text = self._writer.canonical_item(self.topo.ids[i], items.visit, j, value)
+            except EncodeError as error:
+                exc = error
+        if exc is not None:
+            return self._item_failed(attempt, exc)
+        node = self.topo.nodes[i]
+        if self._tail is not None:
+            self._tail.observe(node, items.values[j], now - attempt.started, attempt.straggled)
+        items.texts[j] = text
+        decides = self.state.item_succeeded(items, j, value)
+        if self._record:
+            self.event_seq += 1
+            self._events.append(
+                (
+                    self.event_seq,
+                    EventType.NODE_COMPLETED,
+                    i,
+                    attempt.visit,
+                    attempt.tries,
+                    time.time(),
+                    {"duration": now - attempt.started, "hedge": attempt.hedge, "item": j},
+                )
+            )
+        if decides:
+            self._decide(items, now)
         return None
+
+    def _item_failed(self, attempt: Attempt, exc: BaseException) -> BaseException | None:
+        """Item ``attempt.item`` failed for good: record it; what fails the map, if anything (M4)."""
+        items, j, i = attempt.items, attempt.item, attempt.index
+        assert items is not None
+        decided = items.winners is not None
+        decidable = self.state.item_failed(items, j, describe(exc))
+        self.emit(
+            EventType.NODE_FAILED,
+            i,
+            attempt.visit,
+            attempt.tries,
+            item=j,
+            error=describe(exc),
+            traceback=traceback_text(exc),
+        )
+        if decided:
+            return None  # a late item: its failure changes nothing
+        node = self.topo.nodes[i]
+        if node.errors == "fail":
+            return exc  # E9: the item's own exception fails the node and the run
+        if items.hopeless():
+            k = "every item" if items.k is None else f"k={items.k}"
+            return MapError(
+                f"map {node.id!r}: {items.failed} of {len(items)} items failed, so fewer "
+                f"than {k} can still succeed; errors: "
+                + "; ".join(f"item {e}: {text}" for e, text in sorted(items.errors.items())),
+                errors=items.errors,
+            )
+        if decidable:
+            self._decide(items, time.monotonic())
+        return None
+
+    def _decide(self, items: MapItems, now: float) -> None:
+        """Decide map ``items`` (M3): complete its node with the output; cancel late items (M5)."""
+        i = items.node
+        ns = self.state.nodes[i]
+        frozen_before = len(self.state.frozen)
+        output = self.state.decide_map(items)
+        winners = list(items.winners or ())
+        self._durations[i] += now - ns.started_at  # a map's time: expansion to decision
+        self.emit(
+            EventType.NODE_COMPLETED,
+            i,
+            items.visit,
+            ns.attempts,
+            duration=now - ns.started_at,
+            hedge=False,
+            items=len(items),
+            k=len(winners),
+            winners=winners,
+        )
+        if self._writer is not None:
+            texts = [items.texts[w] for w in winners]
+            text = None if None in texts else "[" + ",".join(t for t in texts if t) + "]"
+            self._writer.result_completed(i, items.visit, output, text=text)
+        if len(self.state.frozen) != frozen_before:
+            self._aggregates_fired(frozen_before)
+        if self.topo.nodes[i].late == "cancel":
+            self._cancel_items(items, items.unfinished())
+
+    def _cancel_items(self, items: MapItems, late: list[int]) -> None:
+        """Cancel the items of ``items`` still queued or running at its decision (M5)."""
+        if not late:
+            return
+        i = items.node
+        for j in late:  # first, so that no slot freed below goes to a late item
+            ticket = self._tickets.pop((i, j), None)
+            if ticket is not None:
+                ticket.cancel()
+        wanted = set(late)
+        running: dict[int, list[Attempt]] = {}
+        for attempt in self._in_flight:
+            if attempt.items is items and attempt.item in wanted and not attempt.abandoned:
+                running.setdefault(attempt.item, []).append(attempt)
+        for j in late:
+            attempts = running.get(j)
+            if attempts:
+                for attempt in attempts:
+                    attempt.abandon()  # its end is no failure
+                self._release_slot()  # the item's; a hedge's extra slot is freed at its harvest
+            if self.hedger is not None:
+                self.hedger.live.pop((i, j), None)
+            self.state.item_cancelled(items, j)
+            self.emit(
+                EventType.NODE_CANCELLED,
+                i,
+                items.visit,
+                items.attempts[j] or None,
+                item=j,
+                reason="late",
+            )
 
     def _open_question(self, i: int, prompt: Any, attempt: Attempt) -> None:
         """A gate's handler returned its prompt: open the question and wait (Q1)."""
@@ -728,10 +1032,15 @@ class RunLoop:
         if i is None:
             return False
         ns = self.state.nodes[i]
+        frozen_before = len(self.state.frozen)
         self.state.answer(i, value)
         self.emit(EventType.QUESTION_ANSWERED, i, ns.visits, None, question_id=question_id)
         if self._writer is not None:
             self._writer.result_completed(i, ns.visits, value)
+        if len(self.state.frozen) != frozen_before:
+            self._aggregates_fired(frozen_before)
+            if self._fired_cancel:  # M-of-N: the answers still awaited are withdrawn (Q7)
+                self._cancel_dead_inputs()
         return True
 
     async def absorb_answers(self) -> list[str]:
@@ -756,6 +1065,7 @@ class RunLoop:
         late = self.state.late
         for item in late[self._late_seen :]:
             t = self.topo.index[item.node_id]
+            extra = {} if item.item is None else {"item": item.item}
             self.emit(
                 EventType.NODE_LATE_INPUT,
                 t,
@@ -763,6 +1073,7 @@ class RunLoop:
                 None,
                 source=item.source_id,
                 reason=item.reason,
+                **extra,
             )
         self._late_seen = len(late)
 
@@ -770,8 +1081,9 @@ class RunLoop:
 
     async def _fail(self, i: int, exc: BaseException) -> None:
         """E9: cancel and await siblings, one final write, NODE_FAILED last, re-raise."""
-        await self._cancel_in_flight(record=True)
-        self._release_slot()  # the failed node's; no queued sibling can take it now
+        await self._cancel_in_flight(record=True, keep=i)
+        if self._failing is None or self._holds_slot(self._failing):
+            self._release_slot()  # the failed node's; no queued sibling can take it now
         if self._failing is not None:
             self._release_extra(self._failing)
         self._supersede_waiting()
@@ -799,7 +1111,9 @@ class RunLoop:
             if self._writer is not None:
                 self._writer.superseded.append(question_id)
 
-    async def _cancel_in_flight(self, *, record: bool) -> None:
+    async def _cancel_in_flight(self, *, record: bool, keep: int | None = None) -> None:
+        """Cancel and await what is in flight and queued; with ``record``, mark those nodes
+        cancelled (all but ``keep``, the node whose failure ends the run)."""
         self._close_tail()  # first: no hedge may start while we wind down
         tickets, self._tickets = self._tickets, {}
         for ticket in tickets.values():
@@ -814,12 +1128,13 @@ class RunLoop:
         for attempt in (*attempts, *self._done):
             self._release_extra(attempt)  # clones and backups hold their own
         # Abandoned attempts (hedge losers, cancelled dead inputs) hold no node slot.
-        holding = {a.index for a in attempts if not a.abandoned} | {
-            a.index for a in self._done if not a.abandoned
+        holding = {(a.index, a.item) for a in attempts if not a.abandoned} | {
+            (a.index, a.item) for a in self._done if not a.abandoned and self._holds_slot(a)
         }
-        for _ in holding:  # one slot per node visit, however many attempts raced
+        for _ in holding:  # one slot per node visit or item, however many attempts raced
             self._release_slot()
-        stopped = holding | set(tickets)
+        stopped = {i for i, _ in holding} | {i for i, _ in tickets}
+        stopped.discard(-1 if keep is None else keep)
         self._done = []
         if not record:
             return

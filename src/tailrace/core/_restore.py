@@ -15,9 +15,9 @@ from typing import Any
 
 from .._codec import Codec
 from .._errors import CorruptRecord, GraphError, UnsupportedFormat
-from ..graph import Graph, Topology, is_file_reference, resolve_reference
-from ..stores import FORMAT_VERSION, NodeRow, RunRecord, RunStore, StoredRun
-from ._state import LateInput, NodeStatus, RunState
+from ..graph import Graph, NodeKind, Topology, is_file_reference, resolve_reference
+from ..stores import FORMAT_VERSION, ItemRow, NodeRow, RunRecord, RunStore, StoredRun
+from ._state import ItemStatus, LateInput, MapItems, NodeStatus, RunState
 from ._writer import NODE_ROW_VERSION, _unpairs
 
 
@@ -136,6 +136,9 @@ class _Reader:
             for src, dst, value, f in meta.get("parked", [])
         ]
         state.late.extend(late)
+        items: dict[str, list[ItemRow]] = {}
+        for item_row in stored.items:
+            items.setdefault(item_row.node_id, []).append(item_row)
         for node_id, row in stored.nodes.items():
             i = self.topo.index.get(node_id)
             if i is None:
@@ -143,6 +146,8 @@ class _Reader:
                     f"run {self.run_id!r}: stored node {node_id!r} is not in the graph"
                 )
             self._restore_node(state, i, row, rows[node_id], values)
+            if "map" in rows[node_id]:
+                self._restore_items(state, i, rows[node_id]["map"], items.get(node_id, []))
         state.dirty.clear()
         if not stored.nodes:
             state.activate_entries(self._decode(run.input_json, "input"))
@@ -231,6 +236,46 @@ class _Reader:
             # (E11): a crash-cut attempt runs again under its own number.
             ns.status = NodeStatus.QUEUED
             state.ready.append(i)
+
+    def _restore_items(self, state: RunState, i: int, info: Any, rows: list[ItemRow]) -> None:
+        """Rebuild map ``i``'s current visit from its stored items (M6): only items that had
+        not ended run again, and a decision made is kept (M3)."""
+        ns = state.nodes[i]
+        node_id = self.topo.ids[i]
+        if self.topo.nodes[i].kind is not NodeKind.MAP or not isinstance(ns.payload, list):
+            raise CorruptRecord(
+                f"run {self.run_id!r}: node {node_id!r} has map items but is no map"
+            )
+        try:
+            k = info["k"]
+            items = MapItems(i, ns.visits, ns.payload, None if k is None else int(k))
+            for row in rows:
+                if row.visit != ns.visits:
+                    continue  # an earlier visit's items: history only
+                if not 0 <= row.item < len(items):
+                    raise ValueError(f"item {row.item} of {len(items)}")
+                status = ItemStatus(row.status)
+                text = row.value_json
+                items.restore_row(
+                    row.item,
+                    status,
+                    seq=int(row.seq),
+                    attempts=int(row.attempts),
+                    result=None if text is None else self._decode(text, f"item of {node_id!r}"),
+                    text=text,
+                    error=row.error,
+                    retry_due=row.retry_due,
+                )
+            if info["winners"] is not None:
+                items.winners = tuple(int(w) for w in info["winners"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptRecord(
+                f"run {self.run_id!r}: map {node_id!r} items do not decode: {exc!r}"
+            ) from exc
+        ns.items = items
+        late_items = self.topo.nodes[i].late == "record" and items.pending()
+        if items.winners is not None and late_items and ns.status is NodeStatus.COMPLETED:
+            state.ready.append(i)  # its late items run on (M5)
 
     def _shared(self, i: int, values: dict[tuple[str, int], Any], key: tuple[str, int]) -> Any:
         """A referenced result, the same object wherever it is referenced (so it stays stored once)."""

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import RouteError
-from ..graph import EXIT, NodeKind, OutEdge, Topology
+from .._errors import GraphError, MapError, RouteError
+from ..graph import EXIT, MAX_ITEMS, Node, NodeKind, OutEdge, Topology
 
 
 class NodeStatus(enum.StrEnum):
@@ -63,18 +63,28 @@ class IllegalTransition(RuntimeError):
     """A bug guard: the engine tried a status change the state machine forbids."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, repr=False)
 class LateInput:
     """An input that arrived for an activation that had already fired (E5), or past max_visits.
 
     ``activation`` is 1-based, like visits; ``reason`` is ``"fired"``,
-    ``"max_visits"`` or ``"duplicate"``.
+    ``"max_visits"``, ``"duplicate"`` or ``"cancelled"``. A late *item* of a
+    map (M5) has ``source_id`` = ``node_id`` = the map and its ``item`` index;
+    ``item`` is None for an input of an aggregate.
     """
 
     node_id: str
     source_id: str
     activation: int
     reason: str
+    item: int | None = None
+
+    def __repr__(self) -> str:
+        item = "" if self.item is None else f", item={self.item!r}"
+        return (
+            f"LateInput(node_id={self.node_id!r}, source_id={self.source_id!r}, "
+            f"activation={self.activation!r}, reason={self.reason!r}{item})"
+        )
 
 
 class NodeState:
@@ -86,6 +96,7 @@ class NodeState:
         "frontier",
         "has_result",
         "inputs",
+        "items",
         "payload",
         "pending",
         "question",
@@ -112,6 +123,8 @@ class NodeState:
         self.started_at = 0.0
         #: Wall-clock time the next attempt is due while backing off between retries (E11).
         self.retry_due: float | None = None
+        #: A map node's items of its current visit, once expanded (M1).
+        self.items: MapItems | None = None
 
     def move(self, to: NodeStatus, node_id: str) -> None:
         """Change status, refusing moves ``NODE_TRANSITIONS`` does not allow."""
@@ -129,6 +142,7 @@ class RunState:
         "_aggregate",
         "_switch",
         "dirty",
+        "dirty_items",
         "edge_gen",
         "frozen",
         "late",
@@ -150,6 +164,8 @@ class RunState:
         self.edge_gen: dict[tuple[int, int], int] = {}
         #: Nodes touched since the last ``take_dirty`` (for per-harvest deltas).
         self.dirty: dict[int, None] = {}
+        #: Map visits with items touched since the last ``take_dirty_items``.
+        self.dirty_items: dict[MapItems, None] = {}
         #: First-k decisions made since the last harvest: (node, activation, payload).
         #: First-k decisions not yet written: (aggregate, activation, payload, the
         #: sources whose inputs it holds, in definition order) (E4).
@@ -339,6 +355,7 @@ class RunState:
         ns.frontier = frontier
         ns.attempts = 0
         ns.retry_due = None
+        ns.items = None  # a map expands its new visit's items when it is dispatched
         self.dirty[t] = None
         self.ready.append(t)
 
@@ -365,6 +382,282 @@ class RunState:
         dirty = sorted(self.dirty)
         self.dirty.clear()
         return dirty
+
+    # -- map items (M1-M6) --------------------------------------------------
+
+    def expand(self, i: int, values: list[Any], k: int | None, now: float) -> MapItems:
+        """Start map ``i``'s visit over ``values`` with quorum ``k`` (see :func:`map_plan`)."""
+        self.start(i, now)
+        ns = self.nodes[i]
+        items = ns.items = MapItems(i, ns.visits, values, k)
+        return items
+
+    def item_succeeded(self, items: MapItems, j: int, value: Any) -> bool:
+        """Item ``j`` of ``items`` returned ``value``; True if that decides the map (M3).
+
+        An item that succeeds after the decision is late (M5): recorded with
+        reason ``fired``, never in the output.
+        """
+        self.seq += 1
+        self.dirty_items[items] = None
+        if not items.succeed(j, value, self.seq):
+            self._late_item(items, j, "fired")
+            return False
+        return items.decidable()
+
+    def item_failed(self, items: MapItems, j: int, error: str) -> bool:
+        """Item ``j`` failed for good; True if the map can be decided now (M4, errors="skip")."""
+        items.fail(j, error)
+        self.dirty_items[items] = None
+        return items.winners is None and items.decidable()
+
+    def item_cancelled(self, items: MapItems, j: int) -> None:
+        """Item ``j``, still running or queued at the decision, is cancelled as late (M5)."""
+        items.cancel(j)
+        self.dirty_items[items] = None
+        self._late_item(items, j, "cancelled")
+
+    def decide_map(self, items: MapItems) -> list[Any]:
+        """Decide map ``items`` (M3) and complete its node with the output, routing it on.
+
+        The output is the winners' results in item order. Returns it.
+        """
+        output = items.decide()
+        self.dirty_items[items] = None
+        i = items.node
+        ns = self.nodes[i]
+        if ns.items is items and ns.status is NodeStatus.RUNNING:
+            self.complete(i, output)
+        return output
+
+    def _late_item(self, items: MapItems, j: int, reason: str) -> None:
+        node_id = self.topo.ids[items.node]
+        self.late.append(
+            LateInput(
+                node_id=node_id, source_id=node_id, activation=items.visit, reason=reason, item=j
+            )
+        )
+
+    def take_dirty_items(self) -> list[MapItems]:
+        """Map visits whose items changed since the last call."""
+        dirty = list(self.dirty_items)
+        self.dirty_items.clear()
+        return dirty
+
+
+class ItemStatus(enum.StrEnum):
+    """Lifecycle of one item of a map visit (M2-M5)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    LATE = "late"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+#: Items that have not ended: they hold the map open (or run on, late).
+OPEN_ITEMS = frozenset({ItemStatus.PENDING, ItemStatus.RUNNING})
+
+_ITEM_PENDING, _ITEM_RUNNING = ItemStatus.PENDING, ItemStatus.RUNNING
+_ITEM_COMPLETED, _ITEM_LATE = ItemStatus.COMPLETED, ItemStatus.LATE
+
+
+class MapItems:
+    """The items of one visit of a map node and the first-k decision over them (M1-M6).
+
+    ``k`` is the quorum, or None for "every item that succeeds" (``errors="skip"``
+    with no ``required``): the map is then decided once no item is open.
+    ``seq`` holds each item's completion sequence (0: none), shared with the
+    run's, so "the k earliest" is the run's own completion order (M3, M7).
+    ``dirty`` lists the items whose stored row must be written.
+    """
+
+    __slots__ = (
+        "attempts",
+        "dirty",
+        "errors",
+        "failed",
+        "k",
+        "node",
+        "open",
+        "results",
+        "retry_due",
+        "seq",
+        "status",
+        "succeeded",
+        "texts",
+        "values",
+        "visit",
+        "winners",
+    )
+
+    def __init__(self, node: int, visit: int, values: list[Any], k: int | None) -> None:
+        n = len(values)
+        self.node = node
+        self.visit = visit
+        self.values = values
+        self.k = k
+        self.status = [_ITEM_PENDING] * n
+        self.seq = [0] * n
+        self.results: list[Any] = [None] * n
+        #: Each result's JSON once encoded (its stored row, and the output's text).
+        self.texts: list[str | None] = [None] * n
+        self.errors: dict[int, str] = {}
+        self.attempts = [0] * n
+        self.retry_due: dict[int, float] = {}
+        self.succeeded = 0
+        self.failed = 0
+        self.open = n
+        #: The items whose results make the output, in item order, once decided.
+        self.winners: tuple[int, ...] | None = None
+        self.dirty: dict[int, None] = {}
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def start(self, j: int) -> None:
+        """Item ``j`` is admitted: its attempt starts now."""
+        if self.status[j] is _ITEM_PENDING:
+            self.status[j] = _ITEM_RUNNING
+        if self.attempts[j] < 1:
+            self.attempts[j] = 1
+
+    def succeed(self, j: int, value: Any, seq: int) -> bool:
+        """Record item ``j``'s result; False if it came after the decision (late)."""
+        self.open -= 1
+        self.results[j] = value
+        self.seq[j] = seq
+        self.dirty[j] = None
+        self.retry_due.pop(j, None)
+        if self.winners is not None:
+            self.status[j] = _ITEM_LATE
+            return False
+        self.status[j] = _ITEM_COMPLETED
+        self.succeeded += 1
+        return True
+
+    def fail(self, j: int, error: str) -> None:
+        """Record item ``j``'s final error."""
+        self.open -= 1
+        self.status[j] = ItemStatus.FAILED
+        self.errors[j] = error
+        self.failed += 1
+        self.dirty[j] = None
+        self.retry_due.pop(j, None)
+
+    def cancel(self, j: int) -> None:
+        """Item ``j`` is cancelled as late (``late="cancel"``)."""
+        self.open -= 1
+        self.status[j] = ItemStatus.CANCELLED
+        self.dirty[j] = None
+        self.retry_due.pop(j, None)
+
+    def restore_row(
+        self,
+        j: int,
+        status: ItemStatus,
+        *,
+        seq: int,
+        attempts: int,
+        result: Any = None,
+        text: str | None = None,
+        error: str | None = None,
+        retry_due: float | None = None,
+    ) -> None:
+        """Take back item ``j`` as its stored row left it (M6); a running item runs again."""
+        self.attempts[j] = attempts
+        if status is _ITEM_RUNNING:  # it was backing off between tries: it runs again
+            if retry_due is not None:
+                self.retry_due[j] = retry_due
+            return
+        self.status[j] = status
+        self.seq[j] = seq
+        self.open -= 1
+        if status is _ITEM_COMPLETED or status is _ITEM_LATE:
+            self.results[j] = result
+            self.texts[j] = text
+            self.succeeded += status is _ITEM_COMPLETED
+        elif status is ItemStatus.FAILED:
+            self.errors[j] = error or ""
+            self.failed += 1
+
+    def decidable(self) -> bool:
+        """Whether the decision can be made: k successes, or (k None) nothing open."""
+        if self.winners is not None:
+            return False
+        if self.k is None:
+            return self.open == 0 and self.succeeded > 0
+        return self.succeeded >= self.k
+
+    def hopeless(self) -> bool:
+        """Whether fewer than k items can still succeed (M4): the map fails."""
+        if self.winners is not None:
+            return False
+        if self.k is None:
+            return self.open == 0 and self.succeeded == 0
+        return self.succeeded + self.open < self.k
+
+    def decide(self) -> list[Any]:
+        """Freeze the winners: the k earliest to succeed, listed in item order (M3)."""
+        done = [j for j, st in enumerate(self.status) if st is _ITEM_COMPLETED]
+        k = len(done) if self.k is None else self.k
+        if len(done) > k:
+            done.sort(key=self.seq.__getitem__)
+            done = sorted(done[:k])
+        self.winners = tuple(done)
+        return [self.results[j] for j in done]
+
+    def output(self) -> list[Any]:
+        """The decided output: the winners' results in item order."""
+        assert self.winners is not None
+        return [self.results[j] for j in self.winners]
+
+    def unfinished(self) -> list[int]:
+        """Items not ended yet (pending or running), in item order."""
+        status = self.status
+        return [j for j in range(len(status)) if status[j] in OPEN_ITEMS]
+
+    def pending(self) -> list[int]:
+        """Items not started yet, in item order."""
+        status = self.status
+        return [j for j in range(len(status)) if status[j] is _ITEM_PENDING]
+
+
+def map_plan(node: Node, payload: Any) -> tuple[list[Any], int | None]:
+    """The items of map ``node`` for ``payload`` and its quorum k (M1, M3), or :class:`MapError`.
+
+    ``payload`` must be a list (a tuple in memory) of at most ``max_items``
+    items; k comes from ``required`` (a count or a function of the count) and
+    must lie in 1..count. k is None for ``errors="skip"`` without
+    ``required``: every item that succeeds. An empty list has no k.
+
+    >>> from tailrace.graph import Node, NodeKind
+    >>> map_plan(Node(id="m", handler=print, kind=NodeKind.MAP, required=2), ["a", "b", "c"])
+    (['a', 'b', 'c'], 2)
+    """
+    if not isinstance(payload, list | tuple):
+        raise MapError(f"map {node.id!r}: its input must be a list, got {type(payload).__name__}")
+    count = len(payload)
+    limit = node.max_items if node.max_items is not None else MAX_ITEMS
+    if count > limit:
+        raise MapError(f"map {node.id!r}: {count} items exceed its max_items={limit}")
+    values = list(payload)
+    if not values:
+        return values, 0
+    if node.required is None and node.errors == "skip":
+        return values, None
+    try:
+        k = node.quorum(count)
+    except GraphError as exc:
+        raise MapError(str(exc)) from None
+    except Exception as exc:  # the user's function of the count raised
+        raise MapError(
+            f"map {node.id!r}: required({count}) raised {type(exc).__name__}: {exc}"
+        ) from exc
+    if not 1 <= k <= count:
+        raise MapError(f"map {node.id!r}: required={k} is outside 1..{count} (its item count)")
+    return values, k
 
 
 def first_k_winners(

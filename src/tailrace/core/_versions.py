@@ -38,7 +38,15 @@ from .._errors import (
     NotResumable,
 )
 from ..graph import Graph, NodeKind, Topology, graph_shape, guess_reference
-from ..stores import FrozenInput, ResultRow, RunRecord, RunStatus, RunStore, StoredRun
+from ..stores import (
+    FrozenInput,
+    ItemRow,
+    ResultRow,
+    RunRecord,
+    RunStatus,
+    RunStore,
+    StoredRun,
+)
 from ._lease import Lease
 from ._restore import restore_run
 from ._state import NodeStatus, RunState, switch_edges
@@ -424,9 +432,11 @@ class ForkPlan:
     """What a fork starts from: its state, the source's rows it copies, and its input."""
 
     state: RunState
-    #: The source's result rows and first-k decisions of the reused nodes, copied as stored.
+    #: The source's result rows, first-k decisions and map items of the reused nodes,
+    #: copied as stored.
     results: list[ResultRow]
     frozen: list[FrozenInput]
+    items: list[ItemRow]
     #: Large results read back by reference (see ``RunWriter.refer``).
     big: dict[int, tuple[int, Any]]
     #: The source run's input (the fork's input too).
@@ -480,23 +490,24 @@ async def plan_fork(
     require_compatible(report)
     if payload is None:
         payload = await _last_payload(store, codec, source, at)
+    keep = set(reused)
     rows = {node_id: source.nodes[node_id] for node_id in reused}
+    items = [r for r in source.items if r.node_id in keep]
     if rows:
-        kept = dataclasses.replace(
-            source.run, state_json=_kept_meta(codec, source.run, set(reused))
+        kept = dataclasses.replace(source.run, state_json=_kept_meta(codec, source.run, keep))
+        restored = await restore_run(
+            store, codec, topo, StoredRun(run=kept, nodes=rows, items=items), []
         )
-        restored = await restore_run(store, codec, topo, StoredRun(run=kept, nodes=rows), [])
         state, big = restored.state, restored.big
     else:
         state, big = RunState(topo), {}
     _rerun_unfinished(state, [topo.index[n] for n in reused])
     _redeliver(state, [topo.index[n] for n in reused], fresh - {a})
     state.activate(a, payload)
-    keep = set(reused)
     results = [r for r in await store.results(run_id) if r.node_id in keep] if keep else []
     frozen = [f for f in await store.frozen_inputs(run_id) if f.node_id in keep] if keep else []
     return ForkPlan(
-        state=state, results=results, frozen=frozen, big=big,
+        state=state, results=results, frozen=frozen, items=items, big=big,
         input=_decode(codec, source.run.input_json, run_id, "input"), reused=reused,
     )  # fmt: skip
 

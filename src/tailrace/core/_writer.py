@@ -28,6 +28,7 @@ from ..stores import (
     EventRow,
     FrozenInput,
     Harvest,
+    ItemRow,
     NewRun,
     NodeRow,
     QuestionRow,
@@ -39,7 +40,7 @@ from ..stores import (
 )
 from ._inflight import BULK, paused_gc
 from ._lease import Lease, run_to_end
-from ._state import NodeState
+from ._state import MapItems, NodeState
 
 if TYPE_CHECKING:
     from ._loop import EventTuple, RunLoop
@@ -80,8 +81,9 @@ class RunWriter:
         self._results: list[ResultRow] = []
         self._encoded: dict[int, str] = {}
         self._questions: list[QuestionRow] = []
-        #: First-k decisions copied from a fork's source run, for the next commit.
+        #: First-k decisions and map items copied from a fork's source run, for the next commit.
         self._carried: list[FrozenInput] = []
+        self._carried_items: list[ItemRow] = []
         self.applied: list[str] = []
         self.superseded: list[str] = []
         self._queued: list[_Pending] = []
@@ -151,11 +153,17 @@ class RunWriter:
         writer._input = (input, input_json)
         return writer
 
-    def carry(self, results: Sequence[ResultRow], frozen: Sequence[FrozenInput]) -> None:
-        """Write ``results`` and ``frozen`` decisions, copied from the run a fork reuses, with
-        the next commit (V4): stored as they were, not encoded again."""
+    def carry(
+        self,
+        results: Sequence[ResultRow],
+        frozen: Sequence[FrozenInput],
+        items: Sequence[ItemRow] = (),
+    ) -> None:
+        """Write ``results``, ``frozen`` decisions and map ``items``, copied from the run a fork
+        reuses, with the next commit (V4): stored as they were, not encoded again."""
         self._results.extend(results)
         self._carried.extend(frozen)
+        self._carried_items.extend(items)
 
     def refer(self, big: dict[int, tuple[int, Any]]) -> None:
         """Take the large results a restore read back (:func:`~._restore.restore_run`), so
@@ -192,19 +200,24 @@ class RunWriter:
         """Encode ``result`` now (a bad one fails its node before any commit, D5) and
         return it as it reads back, so a run sees the same values whether or not it
         was resumed in between (JSON has no tuples and only string keys)."""
-        try:
-            if self._plain and type(result) in _SCALARS:
-                text, value = _scalar_json(self.codec, result), result
-            else:
-                text = self.codec.encode(result)
-                value = self.codec.decode(text)
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise EncodeError(
-                f"run {self.run_id!r}: result of node {node_id!r} (visit {visit}) "
-                f"cannot be encoded: {exc}"
-            ) from exc
+        value, text = self._canonical(result, f"node {node_id!r} (visit {visit})")
         self._encoded[self.topo.index[node_id]] = text
         return value
+
+    def canonical_item(self, node_id: str, visit: int, item: int, result: Any) -> tuple[Any, str]:
+        """Like :meth:`canonical`, for item ``item`` of a map's visit: (value, its JSON)."""
+        return self._canonical(result, f"map {node_id!r} (visit {visit}, item {item})")
+
+    def _canonical(self, result: Any, what: str) -> tuple[Any, str]:
+        try:
+            if self._plain and type(result) in _SCALARS:
+                return result, _scalar_json(self.codec, result)
+            text = self.codec.encode(result)
+            return self.codec.decode(text), text
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise EncodeError(
+                f"run {self.run_id!r}: result of {what} cannot be encoded: {exc}"
+            ) from exc
 
     async def unapplied_answers(self) -> list[tuple[str, Any]]:
         """(question id, decoded answer) of this run's answers not yet applied, oldest first."""
@@ -247,9 +260,11 @@ class RunWriter:
             )
         )
 
-    def result_completed(self, i: int, visit: int, result: Any) -> None:
-        """Queue the result row of node ``i``'s ``visit`` for the next commit."""
-        text = self._encoded.pop(i, None)
+    def result_completed(self, i: int, visit: int, result: Any, *, text: str | None = None) -> None:
+        """Queue the result row of node ``i``'s ``visit`` for the next commit (``text``: its
+        JSON when the caller has it, as a map has from its items' texts)."""
+        if text is None:
+            text = self._encoded.pop(i, None)
         if text is None:
             text = self.codec.encode(result)
         if len(text) >= REF_MIN_CHARS:
@@ -324,7 +339,7 @@ class RunWriter:
                 batch, self._queued = self._queued, []
                 self._staged = 0
                 for pending in batch:
-                    if len(pending.nodes) + len(pending.events) < BULK:
+                    if len(pending.nodes) + len(pending.events) + len(pending.items) < BULK:
                         harvest = pending.harvest(self.topo.ids)
                     else:
                         with paused_gc():
@@ -399,9 +414,17 @@ class RunWriter:
                 for t, activation, payload, _sources in state.frozen
             ]
             state.frozen.clear()
+        items: list[tuple[tuple[str, int, int], ItemRow]] = []
+        if state.dirty_items:
+            for visit_items in state.take_dirty_items():
+                items.extend(self._item_rows(visit_items))
         nodes = pending.nodes
         for i, row in zip(dirty, rows, strict=True):
             nodes[i] = row  # the latest row of a node wins
+        if self._carried_items:  # before this harvest's own rows, which win
+            pending.items.update(((r.node_id, r.visit, r.item), r) for r in self._carried_items)
+            self._carried_items = []
+        pending.items.update(items)  # and of an item
         if self._carried:
             pending.frozen.extend(self._carried)
             self._carried = []
@@ -449,6 +472,13 @@ class RunWriter:
             # The most common event, written by hand (engine data: a float and a bool).
             duration, hedge = data["duration"], data["hedge"]
             return f'{{"duration":{duration!r},"hedge":{"true" if hedge else "false"}}}'
+        if len(data) <= 3 and "item" in data:  # a map item's start or end, by hand too
+            if type is EventType.NODE_STARTED and len(data) == 1:
+                return f'{{"item":{data["item"]:d}}}'
+            if type is EventType.NODE_COMPLETED and len(data) == 3:
+                duration, hedge, item = data["duration"], data["hedge"], data["item"]
+                hedged = "true" if hedge else "false"
+                return f'{{"duration":{duration!r},"hedge":{hedged},"item":{item:d}}}'
         return self.codec.encode(data if isinstance(data, dict) else dict(data))
 
     def _state_json(self, loop: RunLoop) -> str:
@@ -480,6 +510,32 @@ class RunWriter:
                 f"run {self.run_id!r}: {what} of node {self.topo.ids[i]!r} cannot be encoded: {exc}"
             ) from exc
 
+    def _item_rows(self, items: MapItems) -> list[tuple[tuple[str, int, int], ItemRow]]:
+        """The stored rows of the items of ``items`` changed since the last write (M6)."""
+        node_id = self.topo.ids[items.node]
+        visit = items.visit
+        rows = []
+        for j in items.dirty:
+            status = items.status[j]
+            text = items.texts[j] if status.value in _RESULT_ITEMS else None
+            row = _new_tuple(
+                ItemRow,
+                (
+                    node_id,
+                    visit,
+                    j,
+                    status.value,
+                    items.seq[j],
+                    items.attempts[j],
+                    text,
+                    items.errors.get(j),
+                    items.retry_due.get(j),
+                ),
+            )
+            rows.append(((node_id, visit, j), row))
+        items.dirty.clear()
+        return rows
+
     def _node_row(self, i: int, ns: NodeState) -> NodeRow | PlainRow:
         if (
             ns.frontier is None
@@ -487,6 +543,7 @@ class RunWriter:
             and ns.pending is None
             and ns.question is None
             and ns.retry_due is None
+            and ns.items is None
         ):
             row = self._plain_row(i, ns)
             if row is not None:
@@ -515,6 +572,10 @@ class RunWriter:
         }
         if ns.retry_due is not None:
             data["retry_due"] = ns.retry_due
+        if ns.items is not None:  # a map's k and, once decided, its winners (M3)
+            items = ns.items
+            winners = None if items.winners is None else list(items.winners)
+            data["map"] = {"count": len(items), "k": items.k, "winners": winners}
         self._refer_big_values(i, ns, data)
         return NodeRow(
             node_id=ids[i],
@@ -608,6 +669,9 @@ def _unpairs(pairs: list[list[Any]] | None, index: dict[str, int]) -> dict[int, 
     return None if pairs is None else {index[k]: int(v) for k, v in pairs}
 
 
+#: Item statuses whose stored row carries the item's result.
+_RESULT_ITEMS = frozenset({"completed", "late"})
+
 #: Types whose values strict JSON reads back unchanged (exact types: no subclasses).
 _SCALARS = frozenset({type(None), bool, int, float, str})
 
@@ -676,6 +740,7 @@ class _Pending:
         "events",
         "finished_at",
         "frozen",
+        "items",
         "nodes",
         "questions",
         "results",
@@ -693,6 +758,8 @@ class _Pending:
         self.finished_at: float | None = None
         #: node index -> its latest row, or the snapshot to compose it from.
         self.nodes: dict[int, NodeRow | PlainRow] = {}
+        #: (node id, visit, item) -> the item's latest row (M6).
+        self.items: dict[tuple[str, int, int], ItemRow] = {}
         self.results: list[ResultRow] = []
         self.frozen: list[FrozenInput] = []
         self.events: list[EventRow] = []
@@ -715,6 +782,7 @@ class _Pending:
             ],
             results=self.results,
             frozen=self.frozen,
+            items=list(self.items.values()),
             events=self.events,
             nodes_done_delta=len(self.results),
             finished_at=self.finished_at,

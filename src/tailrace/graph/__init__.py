@@ -9,6 +9,9 @@ executors, the dashboard, the command line).
 from ._codec import GRAPH_FORMAT as GRAPH_FORMAT
 from ._graph import Graph as Graph
 from ._node import EXIT as EXIT
+from ._node import ITEM_ERRORS as ITEM_ERRORS
+from ._node import LATE_POLICIES as LATE_POLICIES
+from ._node import MAX_ITEMS as MAX_ITEMS
 from ._node import NODE_OPTIONS as NODE_OPTIONS
 from ._node import Edge as Edge
 from ._node import Handler as Handler
@@ -29,6 +32,9 @@ from ._topology import shape_json as shape_json
 __all__ = [
     "EXIT",
     "GRAPH_FORMAT",
+    "ITEM_ERRORS",
+    "LATE_POLICIES",
+    "MAX_ITEMS",
     "NODE_OPTIONS",
     "Edge",
     "Graph",

@@ -68,8 +68,9 @@ def _add_node(graph: Graph, raw: Any, where: str, resolver: _Resolver) -> None:
             )
         except GraphError as exc:
             raise GraphError(f"{where}: field 'retry': {exc}") from exc
-    if isinstance(options.get("cost"), Mapping):  # a cost function, by reference
-        options["cost"] = resolver.cost(options["cost"], f"{where}: field 'cost'")
+    for name in ("cost", "required"):  # a cost function, a map's k of the item count
+        if isinstance(options.get(name), Mapping):
+            options[name] = resolver.function(options[name], f"{where}: field {name!r}")
     handler = resolver.handler(ref, node_id, f"{where}: field 'handler'")
     graph.add_node(node_id, handler, kind, **options)
 
@@ -101,8 +102,8 @@ class _Resolver:
             return _callable(self.handlers[node_id], where, f"handlers[{node_id!r}]")
         return self._by_reference(ref, where)
 
-    def cost(self, raw: Mapping[str, Any], where: str) -> Handler:
-        """A cost function named ``{"ref": "module:attr"}`` (mapped by reference only)."""
+    def function(self, raw: Mapping[str, Any], where: str) -> Handler:
+        """A function named ``{"ref": "module:attr"}`` (a cost, a map's ``required``; by reference only)."""
         _refuse_unknown(raw, _COST_FIELDS, where)
         return self._by_reference(_field(raw, "ref", str, where), where)
 

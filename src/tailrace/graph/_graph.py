@@ -19,7 +19,16 @@ from typing import Any, TypeVar
 from .._errors import GraphError
 from ._checks import _json_copy
 from ._codec import GRAPH_FORMAT, graph_from_dict
-from ._node import NODE_OPTIONS, Edge, Handler, Node, NodeKind, RetryPolicy, _check_option_types
+from ._node import (
+    NODE_OPTIONS,
+    Edge,
+    Handler,
+    Node,
+    NodeKind,
+    Required,
+    RetryPolicy,
+    _check_option_types,
+)
 from ._topology import Topology
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -51,7 +60,7 @@ class Graph:
         handler: Handler,
         kind: NodeKind | str = NodeKind.TASK,
         *,
-        required: int | None = None,
+        required: Required | None = None,
         max_visits: int | None = None,
         priority: int = 0,
         any_of: bool = False,
@@ -66,6 +75,8 @@ class Graph:
         resources: Mapping[str, float] | None = None,
         runtime_env: Mapping[str, Any] | None = None,
         late: str = "record",
+        errors: str = "fail",
+        max_items: int | None = None,
     ) -> Node:
         """Add a node and return it.
 
@@ -93,6 +104,14 @@ class Graph:
         as late inputs (E5); ``"cancel"`` cancels a running input once every
         consumer it feeds has fired without it, recording it as a late,
         cancelled input, so a run returns as soon as its output is decided.
+
+        A ``map`` node runs its handler once per item of its input list
+        (M1-M7): ``required`` is its k, an integer or a function of the item
+        count (default: every item); ``late`` applies to items still running
+        or queued at the decision; ``errors`` is ``"fail"`` (an item's final
+        error fails the node) or ``"skip"`` (failed items are recorded and
+        skipped); ``max_items`` bounds the list (default 10,000). ``retry``,
+        ``timeout``, ``cost`` (of one item) and ``hedge`` apply per item.
         """
         if not isinstance(name, str) or not name:
             raise GraphError(f"node name must be a non-empty string, got {name!r}")
@@ -120,12 +139,11 @@ class Graph:
             "resources": resources,
             "runtime_env": runtime_env,
             "late": late,
+            "errors": errors,
+            "max_items": max_items,
         }
         _check_option_types(name, **options)
-        if late != "record" and node_kind is not NodeKind.AGGREGATE:
-            raise GraphError(f"node {name!r}: late= applies to aggregates only")
-        if required is not None and node_kind is not NodeKind.AGGREGATE:
-            raise GraphError(f"node {name!r}: required= applies to aggregates only")
+        _check_kind_options(name, node_kind, options)
         if any_of and node_kind is NodeKind.AGGREGATE:
             raise GraphError(f"node {name!r}: an aggregate cannot be any_of")
         if (poller is not None or deadline is not None) and node_kind is not NodeKind.GATE:
@@ -191,6 +209,17 @@ class Graph:
         """Decorator: add a fan-in firing on its ``required``-th input (``name``/``options`` as in :meth:`task`)."""
         return self._decorator(NodeKind.AGGREGATE, {"name": name, "required": required, **options})
 
+    def map(
+        self, name: str | None = None, *, required: Required | None = None, **options: Any
+    ) -> Callable[[F], F]:
+        """Decorator: add a map node; its handler runs once per item of its input list (M1).
+
+        ``required`` is the k of first-k over the items (an integer or a
+        function of the item count); ``name``/``options`` as in :meth:`task`
+        (``late``, ``errors``, ``max_items`` among them).
+        """
+        return self._decorator(NodeKind.MAP, {"name": name, "required": required, **options})
+
     def gate(self, name: str | None = None, **options: Any) -> Callable[[F], F]:
         """Decorator: add a gate; its handler returns the question's prompt (``name``/``options`` as in :meth:`task`)."""
         return self._decorator(NodeKind.GATE, {"name": name, **options})
@@ -250,6 +279,28 @@ class Graph:
         :class:`~tailrace.UnsupportedFormat` (D4).
         """
         return graph_from_dict(cls, data, handlers, allow_files=allow_files)
+
+
+#: Kinds that decide on the first k of their inputs (an aggregate) or items (a map).
+_FIRST_K = (NodeKind.AGGREGATE, NodeKind.MAP)
+
+
+def _check_kind_options(name: str, kind: NodeKind, options: dict[str, Any]) -> None:
+    """Refuse options that do not apply to a node of ``kind`` (G1), naming the node."""
+    if options["late"] != "record" and kind not in _FIRST_K:
+        raise GraphError(f"node {name!r}: late= applies to aggregates and maps only")
+    required = options["required"]
+    if required is not None and kind not in _FIRST_K:
+        raise GraphError(f"node {name!r}: required= applies to aggregates and maps only")
+    if callable(required) and kind is not NodeKind.MAP:
+        raise GraphError(f"aggregate {name!r}: required= must be an integer")
+    if kind is NodeKind.MAP and isinstance(required, int) and required < 1:
+        raise GraphError(f"map {name!r}: required={required} must be >= 1")
+    for option, default in (("errors", "fail"), ("max_items", None)):
+        if options[option] != default and kind is not NodeKind.MAP:
+            raise GraphError(f"node {name!r}: {option}= applies to maps only")
+    if kind is NodeKind.MAP and options["any_of"]:
+        raise GraphError(f"map {name!r}: a map takes one input list; it cannot be any_of")
 
 
 def iter_in_order(graph: Graph) -> Iterable[Node]:

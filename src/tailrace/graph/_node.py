@@ -42,6 +42,21 @@ class NodeKind(enum.StrEnum):
     SWITCH = "switch"
     AGGREGATE = "aggregate"
     GATE = "gate"
+    MAP = "map"
+
+
+#: What an aggregate or a map does with inputs (items) still running once it has
+#: fired (its decision is made): let them run and record them, or cancel them.
+LATE_POLICIES = ("record", "cancel")
+
+#: What a map does when one of its items fails for good (M4).
+ITEM_ERRORS = ("fail", "skip")
+
+#: A map's ``max_items`` unless the node sets its own (M1).
+MAX_ITEMS = 10_000
+
+#: A map's ``required``: a count, or a function of the item count (M3).
+Required = int | Callable[[int], int]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,7 +131,7 @@ class Node:
     id: str
     handler: Handler
     kind: NodeKind = NodeKind.TASK
-    required: int | None = None
+    required: Required | None = None
     max_visits: int | None = None
     priority: int = 0
     any_of: bool = False
@@ -132,6 +147,22 @@ class Node:
     resources: Mapping[str, float] | None = field(default=None, hash=False)
     runtime_env: Mapping[str, Any] | None = field(default=None, hash=False)
     late: str = "record"
+    errors: str = "fail"
+    max_items: int | None = None
+
+    def quorum(self, count: int) -> int:
+        """A map's k for ``count`` items (M3): ``required`` (or its value for the count), else all.
+
+        >>> Node(id="m", handler=print, kind=NodeKind.MAP, required=lambda n: n // 2).quorum(9)
+        4
+        """
+        required = self.required
+        if required is None:
+            return count
+        k = required(count) if callable(required) else required
+        if not _is_int(k):
+            raise GraphError(f"map {self.id!r}: required({count}) returned {k!r}, not an integer")
+        return int(k)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form; the handler is named by reference."""
@@ -141,7 +172,11 @@ class Node:
             "handler": callable_reference(self.handler, self.id),
         }
         optional: dict[str, Any] = {
-            "required": self.required,
+            "required": (
+                {"ref": callable_reference(self.required, self.id)}
+                if callable(self.required)
+                else self.required
+            ),
             "max_visits": self.max_visits,
             "priority": self.priority or None,
             "any_of": self.any_of or None,
@@ -160,6 +195,8 @@ class Node:
             "resources": dict(self.resources) if self.resources is not None else None,
             "runtime_env": _json_copy(self.runtime_env) if self.runtime_env is not None else None,
             "late": None if self.late == "record" else self.late,
+            "errors": None if self.errors == "fail" else self.errors,
+            "max_items": self.max_items,
         }
         data.update({k: v for k, v in optional.items() if v is not None})
         return data
@@ -199,6 +236,8 @@ NODE_OPTIONS = frozenset(
         "resources",
         "runtime_env",
         "late",
+        "errors",
+        "max_items",
     }
 )
 
@@ -206,7 +245,10 @@ NODE_OPTIONS = frozenset(
 #: What each node option accepts, and how the error says so (G1: at build time,
 #: not as a TypeError when the run loop first compares it).
 _OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "required": (_optional(_is_int), "an integer"),
+    "required": (
+        _optional(lambda v: _is_int(v) or callable(v)),
+        "an integer (a map's may be a function of its item count)",
+    ),
     "max_visits": (_optional(lambda v: _is_int(v) and v >= 1), "an integer >= 1"),
     "priority": (_is_number, "a finite number"),
     "any_of": (lambda v: isinstance(v, bool), "True or False"),
@@ -226,7 +268,9 @@ _OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "a mapping of resource names to finite numbers >= 0",
     ),
     "runtime_env": (_optional(_is_json_object), "a JSON object (string keys)"),
-    "late": (lambda v: v in ("record", "cancel"), "'record' or 'cancel'"),
+    "late": (lambda v: v in LATE_POLICIES, " or ".join(map(repr, LATE_POLICIES))),
+    "errors": (lambda v: v in ITEM_ERRORS, " or ".join(map(repr, ITEM_ERRORS))),
+    "max_items": (_optional(lambda v: _is_int(v) and v >= 1), "an integer >= 1"),
 }
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from .._errors import GraphError
 from ._node import NodeKind
-from ._references import is_async_callable
+from ._references import callable_reference, is_async_callable
 
 if TYPE_CHECKING:
     from ._graph import Graph
@@ -165,7 +165,7 @@ def _check_fan_in(
     for i, node in enumerate(nodes):
         fan_in = len(in_sources[i])
         if node.kind is NodeKind.AGGREGATE:
-            k = node.required if node.required is not None else fan_in
+            k = node.required if isinstance(node.required, int) else fan_in
             if not 1 <= k <= fan_in:
                 raise GraphError(
                     f"aggregate {node.id!r}: required={k} is outside 1..{fan_in} (its fan-in)"
@@ -222,19 +222,11 @@ def graph_shape(graph: Graph) -> dict[str, list[list[object]]]:
     """
     return {
         "nodes": [
-            [n.id, n.kind.value, _required_form(n.required), n.max_visits, n.any_of]
+            [n.id, n.kind.value, _quorum_shape(n), n.max_visits, n.any_of]
             for n in graph.nodes.values()
         ],
         "edges": [[e.source, e.target, e.route] for e in graph.edges],
     }
-
-
-def _required_form(required: object) -> object:
-    """A node's ``required`` as JSON: a count as it is, a callable by its qualified name."""
-    if required is None or isinstance(required, int):
-        return required
-    module = getattr(required, "__module__", "?")
-    return f"{module}:{getattr(required, '__qualname__', type(required).__name__)}"
 
 
 def shape_json(graph: Graph) -> str:
@@ -244,3 +236,9 @@ def shape_json(graph: Graph) -> str:
 
 def _fingerprint(graph: Graph) -> str:
     return hashlib.sha256(shape_json(graph).encode()).hexdigest()[:16]
+
+
+def _quorum_shape(node: Node) -> object:
+    """A node's ``required`` as the fingerprint sees it: a count, or a map's function by name."""
+    required = node.required
+    return callable_reference(required, node.id) if callable(required) else required

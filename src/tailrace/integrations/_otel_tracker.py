@@ -51,6 +51,8 @@ GRAPH = "tailrace.graph"
 NODE = "tailrace.node"
 VISIT = "tailrace.visit"
 ATTEMPT = "tailrace.attempt"
+#: The item index of a map item's attempt (M2); absent on a node's own spans.
+ITEM = "tailrace.item"
 OUTCOME = "tailrace.outcome"
 STRAGGLER = "tailrace.straggler"
 HEDGED = "tailrace.hedged"
@@ -149,6 +151,10 @@ def _ns(seconds: float) -> int:
     return int(seconds * 1_000_000_000)
 
 
+#: What a visit's attempts race for: (node, visit, item); the item None for a node's own.
+Slot = tuple[str, int, int | None]
+
+
 @dataclass(slots=True, eq=False)
 class AttemptSpan:
     """One attempt (one try, or one hedge backup) of a node visit, and what is known of its end."""
@@ -159,6 +165,8 @@ class AttemptSpan:
     tries: int
     hedge: bool
     span: Span
+    #: The item of a map item's attempt (M2), None for a node's.
+    item: int | None = None
     #: An executor call ran (or runs) this attempt.
     claimed: bool = False
     #: The executor call has not returned yet: the span may not end.
@@ -185,7 +193,7 @@ class RunSpan:
     verb: str
     #: The span's name holds its graph (a resume learns it from RUN_RESUMED).
     named: bool
-    attempts: dict[tuple[str, int], list[AttemptSpan]] = field(default_factory=dict)
+    attempts: dict[Slot, list[AttemptSpan]] = field(default_factory=dict)
 
     def open_attempts(self) -> Iterator[AttemptSpan]:
         """Every attempt span not ended yet."""
@@ -273,18 +281,21 @@ class SpanTracker:
         tries: int,
         hedge: bool,
         executor: str,
+        item: int | None = None,
     ) -> AttemptSpan | None:
         """The executor starts an attempt: its span (joined or new), or None for a run not traced.
 
-        ``hedge`` marks a backup attempt (T3); ``executor`` names where it runs.
+        ``hedge`` marks a backup attempt (T3); ``executor`` names where it runs;
+        ``item`` is the item of a map item's attempt (M2).
         """
         run = self.runs.get(run_id)
         if run is None:
             return None
-        attempts = run.attempts.setdefault((node_id, visit), [])
+        slot = (node_id, visit, item)
+        attempts = run.attempts.setdefault(slot, [])
         attempt = _unclaimed(attempts, tries, hedge)
         if attempt is None:
-            attempt = self._start(run, node_id, visit, tries, hedge, time.time_ns())
+            attempt = self._start(run, slot, tries, hedge, time.time_ns())
         attempt.claimed = attempt.running = True
         attempt.span.set_attribute(EXECUTOR, executor)
         return attempt
@@ -293,7 +304,7 @@ class SpanTracker:
         """The executor call of ``attempt`` returned (``seen``: completed, failed or cancelled)."""
         attempt.running = False
         run = self.runs.get(attempt.run_id)
-        if run is None or attempt not in run.attempts.get((attempt.node, attempt.visit), ()):
+        if run is None or attempt not in run.attempts.get(_slot_of(attempt), ()):
             return  # the run's end closed it already
         attempt.seen = seen
         attempt.returned_at = time.time_ns()
@@ -323,11 +334,11 @@ class SpanTracker:
             run.named = True
 
     def _node_started(self, run: RunSpan, event: Event) -> None:
-        node, visit, tries = _where(event)
+        slot, tries = _where(event)
         hedge = bool(event.data.get("hedge", False))
-        attempts = run.attempts.setdefault((node, visit), [])
+        attempts = run.attempts.setdefault(slot, [])
         if _find(attempts, tries, hedge) is None:  # else its executor call came first
-            self._start(run, node, visit, tries, hedge, _ns(event.ts))
+            self._start(run, slot, tries, hedge, _ns(event.ts))
 
     def _straggler(self, run: RunSpan, event: Event) -> None:
         primary = self._primary(run, event)
@@ -345,8 +356,8 @@ class SpanTracker:
             primary.span.set_attribute(HEDGED, True)
 
     def _retrying(self, run: RunSpan, event: Event) -> None:
-        node, visit, tries = _where(event)
-        attempts = run.attempts.setdefault((node, visit), [])
+        slot, tries = _where(event)
+        attempts = run.attempts.setdefault(slot, [])
         failed = [
             a for a in attempts if a.outcome is None and a.seen == FAILED and a.tries == tries
         ]
@@ -359,8 +370,8 @@ class SpanTracker:
         self._settle_visit(run, event, winner, COMPLETED)
 
     def _failed(self, run: RunSpan, event: Event) -> None:
-        node, visit, _ = _where(event)
-        attempts = run.attempts.get((node, visit), [])
+        slot, _ = _where(event)
+        attempts = run.attempts.get(slot, [])
         # The attempt that failed is the one its executor saw end (raised, or
         # returned a result the run could not take); without an executor, the primary.
         culprits = [a for a in attempts if a.outcome is None and a.seen in (FAILED, COMPLETED)]
@@ -369,8 +380,8 @@ class SpanTracker:
         self._settle_visit(run, event, culprit, FAILED)
 
     def _cancelled(self, run: RunSpan, event: Event) -> None:
-        node, visit, _ = _where(event)
-        for attempt in list(run.attempts.get((node, visit), [])):
+        slot, _ = _where(event)
+        for attempt in list(run.attempts.get(slot, [])):
             if attempt.outcome is None:
                 self._decide(run, attempt, CANCELLED, event)
 
@@ -386,43 +397,45 @@ class SpanTracker:
         run.span.add_event("question_answered", _question(event), timestamp=_ns(event.ts))
 
     def _late_input(self, run: RunSpan, event: Event) -> None:
-        node, visit, _ = _where(event)
+        (node, visit, item), _ = _where(event)
         late: dict[str, AttributeValue] = {
             NODE: node,
             VISIT: visit,
             "tailrace.source": str(event.data.get("source", "")),
             "tailrace.reason": str(event.data.get("reason", "")),
         }
+        if item is not None:
+            late[ITEM] = item
         run.span.add_event("late_input", late, timestamp=_ns(event.ts))
 
     def _aggregate_fired(self, run: RunSpan, event: Event) -> None:
-        node, visit, _ = _where(event)
+        (node, visit, _), _ = _where(event)
         fired: dict[str, AttributeValue] = {NODE: node, VISIT: visit}
         run.span.add_event("aggregate_fired", fired, timestamp=_ns(event.ts))
 
     # -- attempts --------------------------------------------------------------
 
-    def _start(
-        self, run: RunSpan, node: str, visit: int, tries: int, hedge: bool, at: int
-    ) -> AttemptSpan:
+    def _start(self, run: RunSpan, slot: Slot, tries: int, hedge: bool, at: int) -> AttemptSpan:
+        node, visit, item = slot
+        attributes: dict[str, AttributeValue] = {
+            RUN_ID: run.run_id,
+            NODE: node,
+            VISIT: visit,
+            ATTEMPT: tries,
+            BACKUP: hedge,
+            HEDGED: hedge,
+            STRAGGLER: False,
+        }
+        if item is not None:  # one span per item attempt of a map (M2)
+            attributes[ITEM] = item
         span = self.start_span(
-            f"tailrace.node {node}",
-            context=run.context,
-            start_time=at,
-            attributes={
-                RUN_ID: run.run_id,
-                NODE: node,
-                VISIT: visit,
-                ATTEMPT: tries,
-                BACKUP: hedge,
-                HEDGED: hedge,
-                STRAGGLER: False,
-            },
+            f"tailrace.node {node}", context=run.context, start_time=at, attributes=attributes
         )
         attempt = AttemptSpan(
-            run_id=run.run_id, node=node, visit=visit, tries=tries, hedge=hedge, span=span
-        )
-        run.attempts.setdefault((node, visit), []).append(attempt)
+            run_id=run.run_id, node=node, visit=visit, tries=tries, hedge=hedge, span=span,
+            item=item,
+        )  # fmt: skip
+        run.attempts.setdefault(slot, []).append(attempt)
         return attempt
 
     def _lazy(self, run: RunSpan, event: Event, *, hedge: bool) -> AttemptSpan:
@@ -431,23 +444,23 @@ class SpanTracker:
         Its executor call or its ``NODE_STARTED`` opened it; should neither
         have, a span starts at the event, so the outcome is still recorded.
         """
-        node, visit, tries = _where(event)
-        found = _find(run.attempts.setdefault((node, visit), []), tries, hedge)
+        slot, tries = _where(event)
+        found = _find(run.attempts.setdefault(slot, []), tries, hedge)
         if found is not None:
             return found
-        return self._start(run, node, visit, tries, hedge, _ns(event.ts))
+        return self._start(run, slot, tries, hedge, _ns(event.ts))
 
     def _primary(self, run: RunSpan, event: Event) -> AttemptSpan | None:
-        node, visit, _ = _where(event)
+        slot, _ = _where(event)
         open_primaries = [
-            a for a in run.attempts.get((node, visit), []) if a.outcome is None and not a.hedge
+            a for a in run.attempts.get(slot, []) if a.outcome is None and not a.hedge
         ]
         return open_primaries[-1] if open_primaries else None
 
     def _settle_visit(self, run: RunSpan, event: Event, chosen: AttemptSpan, outcome: str) -> None:
         """``chosen`` ended the visit with ``outcome``; its rivals failed or are cancelled (T3)."""
-        node, visit, _ = _where(event)
-        for attempt in list(run.attempts.get((node, visit), [])):
+        slot, _ = _where(event)
+        for attempt in list(run.attempts.get(slot, [])):
             if attempt is chosen:
                 self._decide(run, attempt, outcome, event)
             elif attempt.outcome is None:
@@ -463,12 +476,12 @@ class SpanTracker:
         """End ``attempt``'s span once its outcome is known and its executor call returned."""
         if attempt.outcome is None or attempt.running:
             return
-        attempts = run.attempts.get((attempt.node, attempt.visit), [])
+        attempts = run.attempts.get(_slot_of(attempt), [])
         if attempt not in attempts:
             return  # ended already
         attempts.remove(attempt)
         if not attempts:
-            del run.attempts[(attempt.node, attempt.visit)]
+            del run.attempts[_slot_of(attempt)]
         span = attempt.span
         span.set_attribute(OUTCOME, attempt.outcome)
         if attempt.outcome in (FAILED, RETRYING) and attempt.seen != FAILED:
@@ -478,13 +491,20 @@ class SpanTracker:
         span.end(end_time=end)
 
 
-def _where(event: Event) -> tuple[str, int, int]:
-    return event.node_id or "", event.visit or 0, event.attempt or 1
+def _where(event: Event) -> tuple[Slot, int]:
+    """The slot an event speaks of (node, visit, item), and its try number."""
+    item = event.data.get("item")
+    slot = (event.node_id or "", event.visit or 0, item if isinstance(item, int) else None)
+    return slot, event.attempt or 1
+
+
+def _slot_of(attempt: AttemptSpan) -> Slot:
+    return attempt.node, attempt.visit, attempt.item
 
 
 def _question(event: Event) -> dict[str, AttributeValue]:
     """The attributes of a gate's span events: question id, gate node, visit (Q1-Q3)."""
-    node, visit, _ = _where(event)
+    (node, visit, _), _ = _where(event)
     return {QUESTION_ID: str(event.data.get("question_id", "")), NODE: node, VISIT: visit}
 
 

@@ -117,6 +117,7 @@ class OtelExecutor:
             context.attempt,
             context.hedge,
             self.name,
+            context.item,
         )
         if attempt is None:  # a run this engine drives outside run()/resume()
             return await self.inner.invoke(node, payload, context)

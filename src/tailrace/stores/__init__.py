@@ -30,6 +30,7 @@ from ._records import ArtifactVersion as ArtifactVersion
 from ._records import EventRow as EventRow
 from ._records import FrozenInput as FrozenInput
 from ._records import Harvest as Harvest
+from ._records import ItemRow as ItemRow
 from ._records import NewRun as NewRun
 from ._records import NodeRow as NodeRow
 from ._records import QuestionRow as QuestionRow
@@ -60,6 +61,7 @@ __all__ = [
     "EventRow",
     "FrozenInput",
     "Harvest",
+    "ItemRow",
     "MemoryStore",
     "NewRun",
     "NodeRow",

@@ -205,6 +205,25 @@ class ResultRow(NamedTuple):
     value_json: str
 
 
+class ItemRow(NamedTuple):
+    """The latest state of one item of a map node's visit (M6), fields in column order.
+
+    ``status`` is ``running`` (a retry is due: ``attempts``, ``retry_due``),
+    ``completed`` or ``late`` (with ``value_json``), ``failed`` (with
+    ``error``) or ``cancelled``; ``seq`` is its completion in the run's order.
+    """
+
+    node_id: str
+    visit: int
+    item: int
+    status: str
+    seq: int
+    attempts: int
+    value_json: str | None
+    error: str | None
+    retry_due: float | None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FrozenInput:
     """A first-k decision: the payload an aggregate activation fired with (E4)."""
@@ -236,6 +255,8 @@ class Harvest:
     nodes: Sequence[NodeRow] = ()
     results: Sequence[ResultRow] = ()
     frozen: Sequence[FrozenInput] = ()
+    #: Rows of map items, upserted: the latest row of an item wins (M6).
+    items: Sequence[ItemRow] = ()
     events: Sequence[EventRow] = ()
     nodes_done_delta: int = 0
     finished_at: float | None = None
@@ -251,10 +272,12 @@ class Harvest:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoredRun:
-    """A run and all its node rows, as ``load_run`` returns it."""
+    """A run, all its node rows and its map items' rows, as ``load_run`` returns it."""
 
     run: RunRecord
     nodes: dict[str, NodeRow] = field(default_factory=dict)
+    #: Every map item row of the run, ordered by node id, visit and item.
+    items: list[ItemRow] = field(default_factory=list)
 
 
 # --- queues and workers (scale-out: the store is the coordinator) -----------------

@@ -197,6 +197,7 @@ def duplicate_in_harvest(run_id: str, harvest: Harvest) -> str | None:
     checks: tuple[tuple[str, Iterable[object]], ...] = (
         ("result", ((r.node_id, r.visit) for r in harvest.results)),
         ("frozen input", ((f.node_id, f.activation) for f in harvest.frozen)),
+        ("map item", ((r.node_id, r.visit, r.item) for r in harvest.items)),
         ("event", (e.seq for e in harvest.events)),
         ("question", (q.question_id for q in harvest.questions)),
     )
@@ -266,7 +267,16 @@ def question_not_found(question_id: str) -> QuestionNotFound:
 
 
 def not_open(question_id: str, status: QuestionStatus) -> AlreadyAnswered:
-    """The error for answering question ``question_id`` that is in ``status``, not ``open`` (Q2)."""
+    """The error for answering question ``question_id`` that is in ``status``, not ``open`` (Q2).
+
+    A superseded question was withdrawn (the run went on without it, Q3, Q7):
+    the message says so rather than that an answer won.
+    """
+    if status is QuestionStatus.SUPERSEDED:
+        return AlreadyAnswered(
+            f"question {question_id!r} is superseded: it was withdrawn because its run no "
+            "longer waits for it (its consumers went on without it); nothing was changed"
+        )
     return AlreadyAnswered(
         f"question {question_id!r} is already {status.value}, not open: "
         "the first answer won and nothing was changed"

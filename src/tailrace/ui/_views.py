@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .._attempts import attempts_from_events, event_data
+from .._attempts import MapSummary, attempts_from_events, event_data, fold_items, map_summaries
 from ..core import owner_is_dead
 from ..stores import (
     TERMINAL_STATUSES,
@@ -354,6 +354,10 @@ class NodeInfo:
     result: str
 
 
+#: Item rows the Gantt draws per map visit (a screenful): its slowest items; the rest fold.
+GANTT_ITEM_ROWS = 30
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LateRow:
     """An input that reached an aggregate after it fired (E5)."""
@@ -400,6 +404,8 @@ class RunView:
     drawing: Drawing
     graph_note: str
     gantt: Gantt
+    #: Each map visit's items by outcome, its winners and slowest items (M2-M5).
+    maps: tuple[MapSummary, ...]
     late: tuple[LateRow, ...]
     events: tuple[EventLine, ...]
     events_total: int
@@ -443,6 +449,7 @@ async def run_view(
     shape = shape or shape_from_store(rows, events)
     drawing = layout(shape, rows)
     questions = await store.list_questions(run_id=run_id)
+    attempts = attempts_from_events(events, live=live, now=None if ended else now)
     return RunView(
         run_id=record.run_id,
         graph_name=record.graph_name,
@@ -457,7 +464,8 @@ async def run_view(
         drawing=drawing,
         graph_note=found.reason,
         # A suspended run still waits now; a finished one ended at its last event.
-        gantt=gantt(attempts_from_events(events, live=live, now=None if ended else now)),
+        gantt=gantt(fold_items(attempts, keep=GANTT_ITEM_ROWS)),
+        maps=tuple(map_summaries(events, attempts)),
         late=late_inputs(events),
         events=tuple(event_lines(events[-EVENT_LIMIT:], record.created_at)),
         events_total=len(events),
@@ -519,7 +527,9 @@ def late_inputs(events: Sequence[EventRow]) -> tuple[LateRow, ...]:
         LateRow(
             node=e.node_id or "",
             activation=e.visit,
-            source=str(data.get("source", "")),
+            # A map's late item (M5) is named by its index.
+            source=str(data.get("source", ""))
+            + (f"[{data['item']}]" if isinstance(data.get("item"), int) else ""),
             reason=str(data.get("reason", "")),
             at=clock(e.ts),
         )

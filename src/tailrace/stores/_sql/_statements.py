@@ -62,6 +62,19 @@ INSERT_RESULT = "INSERT INTO results (run_id, node_id, visit, value_json) VALUES
 INSERT_FROZEN = (
     "INSERT INTO frozen_inputs (run_id, node_id, activation, payload_json) VALUES (?, ?, ?, ?)"
 )
+ITEM_FIELDS = (
+    "node_id", "visit", "item", "status", "seq", "attempts", "value_json", "error", "retry_due",
+)  # fmt: skip
+ITEM_COLUMNS = ", ".join(ITEM_FIELDS)
+UPSERT_ITEM = (
+    f"INSERT INTO map_items (run_id, {ITEM_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (run_id, node_id, visit, item) DO UPDATE SET status = excluded.status, "
+    "seq = excluded.seq, attempts = excluded.attempts, value_json = excluded.value_json, "
+    "error = excluded.error, retry_due = excluded.retry_due"
+)
+SELECT_ITEMS = (
+    f"SELECT {ITEM_COLUMNS} FROM map_items WHERE run_id = ? ORDER BY node_id, visit, item"
+)
 INSERT_EVENT = f"INSERT INTO events (run_id, {EVENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 UPDATE_RUN = (
     "UPDATE runs SET state_json = ?, status = ?, error = ?, updated_at = ?, "
@@ -187,10 +200,20 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             "('release', 0), ('cancel', 0)",
         ),
     ),
-)
-MIGRATIONS += (
     (
         6,
+        (
+            # One row per item of a map node's visit that ended or backs off (M6).
+            """CREATE TABLE map_items (
+                run_id TEXT NOT NULL, node_id TEXT NOT NULL, visit INTEGER NOT NULL,
+                item INTEGER NOT NULL, status TEXT NOT NULL, seq BIGINT NOT NULL,
+                attempts INTEGER NOT NULL, value_json TEXT, error TEXT,
+                retry_due DOUBLE PRECISION,
+                PRIMARY KEY (run_id, node_id, visit, item)) /*WITHOUT ROWID*/""",
+        ),
+    ),
+    (
+        7,
         (
             # Versions and forks (V1-V5): a fork's origin, and each graph
             # version's structure, kept once, so that a changed graph can be
@@ -303,6 +326,11 @@ def append_only_rows(run_id: str, harvest: Harvest) -> list[tuple[str, list[tupl
     if harvest.questions:
         groups.append((INSERT_QUESTION, [question_params(q) for q in harvest.questions]))
     return groups
+
+
+def item_params(run_id: str, harvest: Harvest) -> list[tuple[object, ...]]:
+    """Values for :data:`UPSERT_ITEM`, one tuple per item row of ``harvest`` in run ``run_id``."""
+    return [(run_id, *row) for row in harvest.items]
 
 
 def node_params(run_id: str, harvest: Harvest) -> list[tuple[object, ...]]:

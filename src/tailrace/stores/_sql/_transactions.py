@@ -27,6 +27,7 @@ from .._records import (
     EventRow,
     FrozenInput,
     Harvest,
+    ItemRow,
     NodeRow,
     QuestionRow,
     QuestionStatus,
@@ -57,6 +58,7 @@ from ._statements import (
     RUN_COLUMNS,
     SELECT_FOR_MOVE,
     SELECT_FRONTIERS,
+    SELECT_ITEMS,
     SELECT_QUESTION,
     SELECT_SHAPE,
     SUPERSEDE_QUESTION,
@@ -175,7 +177,8 @@ async def load_run(tx: Tx, run_id: str) -> StoredRun:
     check_readable(run_id, record.format_version)
     rows = await tx.all(SELECT_NODES, (run_id,))
     nodes = {r[0]: NodeRow(node_id=r[0], status=r[1], visits=r[2], data_json=r[3]) for r in rows}
-    return StoredRun(run=record, nodes=nodes)
+    items = [ItemRow(*r) for r in await tx.all(SELECT_ITEMS, (run_id,))]
+    return StoredRun(run=record, nodes=nodes, items=items)
 
 
 async def get_run(tx: Tx, run_id: str) -> RunRecord:

@@ -40,6 +40,7 @@ from .._records import (
     EventRow,
     FrozenInput,
     Harvest,
+    ItemRow,
     NewRun,
     NodeRow,
     QuestionRow,
@@ -97,6 +98,7 @@ class MemoryStore(RunStore):
         self._nodes: dict[str, dict[str, NodeRow]] = {}
         self._result_rows: dict[str, dict[tuple[str, int], ResultRow]] = {}
         self._frozen: dict[str, dict[tuple[str, int], FrozenInput]] = {}
+        self._items: dict[str, dict[tuple[str, int, int], ItemRow]] = {}
         self._event_rows: dict[str, dict[int, EventRow]] = {}
         self._questions: dict[str, QuestionRow] = {}
         #: (graph name, fingerprint) -> the graph version's structure JSON (V1).
@@ -160,6 +162,7 @@ class MemoryStore(RunStore):
         self._nodes[run.run_id] = {}
         self._result_rows[run.run_id] = {}
         self._frozen[run.run_id] = {}
+        self._items[run.run_id] = {}
         self._event_rows[run.run_id] = {}
 
     async def _commit(self, run_id: str, token: int, harvest: Harvest) -> None:
@@ -180,6 +183,8 @@ class MemoryStore(RunStore):
             self._nodes[run_id].update((n.node_id, n) for n in harvest.nodes)
             self._result_rows[run_id].update(((r.node_id, r.visit), r) for r in harvest.results)
             self._frozen[run_id].update(((f.node_id, f.activation), f) for f in harvest.frozen)
+            if harvest.items:
+                self._items[run_id].update(((r.node_id, r.visit, r.item), r) for r in harvest.items)
             self._event_rows[run_id].update((e.seq, e) for e in harvest.events)
             self._runs[run_id] = dataclasses.replace(
                 record,
@@ -256,7 +261,8 @@ class MemoryStore(RunStore):
         with self._lock:
             record = self._run(run_id)
             check_readable(run_id, record.format_version)
-            return StoredRun(run=record, nodes=dict(self._nodes[run_id]))
+            items = [row for _, row in sorted(self._items[run_id].items())]
+            return StoredRun(run=record, nodes=dict(self._nodes[run_id]), items=items)
 
     async def _get_run(self, run_id: str) -> RunRecord:
         with self._lock:

@@ -17,8 +17,10 @@ from .._sql._statements import (
     INSERT_ARTIFACT,
     INSERT_RUN,
     UPDATE_RUN,
+    UPSERT_ITEM,
     UPSERT_NODE,
     harvest_rows,
+    item_params,
     node_params,
     run_update_params,
 )
@@ -67,6 +69,8 @@ async def write_harvest(conn: Conn, run_id: str, harvest: Harvest, now: float) -
     async with conn.pipeline(), conn.cursor() as cur:
         if harvest.nodes:
             await cur.executemany(pg(UPSERT_NODE), node_params(run_id, harvest))
+        if harvest.items:
+            await cur.executemany(pg(UPSERT_ITEM), item_params(run_id, harvest))
         rows = harvest_rows(run_id, harvest)
         for statement, group in itertools.groupby(rows, key=lambda row: row[0]):
             await cur.executemany(pg(statement), [values for _, values, _ in group])

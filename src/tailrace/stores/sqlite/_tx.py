@@ -17,6 +17,7 @@ from .._sql._statements import (
     INSERT_EVENT,
     INSERT_RESULT,
     UPDATE_RUN,
+    UPSERT_ITEM,
     UPSERT_NODE,
     append_only_rows,
     harvest_rows,
@@ -56,6 +57,8 @@ class SQLiteTx:
     async def write_harvest(self, run_id: str, harvest: Harvest, now: float) -> None:
         conn = self.conn
         insert_run_rows(conn, UPSERT_NODE, run_id, harvest.nodes)
+        if harvest.items:
+            insert_run_rows(conn, UPSERT_ITEM, run_id, harvest.items)
         try:
             insert_run_rows(conn, INSERT_RESULT, run_id, harvest.results)
             insert_run_rows(conn, INSERT_EVENT, run_id, harvest.events)
