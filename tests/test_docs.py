@@ -285,6 +285,7 @@ CLAUSES = [
     *(f"Q{i}" for i in range(1, 8)),
     *(f"T{i}" for i in range(1, 5)),
     *(f"M{i}" for i in range(1, 8)),
+    *(f"V{i}" for i in range(1, 6)),
 ]
 
 

@@ -14,6 +14,7 @@ from ._errors import EncodeError as EncodeError
 from ._errors import ExecutorLost as ExecutorLost
 from ._errors import GraphError as GraphError
 from ._errors import GraphMismatch as GraphMismatch
+from ._errors import Incompatibility as Incompatibility
 from ._errors import LeaseError as LeaseError
 from ._errors import LeaseHeld as LeaseHeld
 from ._errors import LeaseLost as LeaseLost
@@ -35,10 +36,14 @@ from ._events import Event as Event
 from ._events import EventBus as EventBus
 from ._events import EventType as EventType
 from .core import AdmissionPolicy as AdmissionPolicy
+from .core import Compatibility as Compatibility
 from .core import Engine as Engine
 from .core import LateInput as LateInput
+from .core import MigrationReport as MigrationReport
+from .core import MoveOutcome as MoveOutcome
 from .core import NodeReport as NodeReport
 from .core import NodeStatus as NodeStatus
+from .core import RunMove as RunMove
 from .core import RunResult as RunResult
 from .core import run as run
 from .gates import GateTimeout as GateTimeout
@@ -61,6 +66,7 @@ __all__ = [
     "AdmissionPolicy",
     "AlreadyAnswered",
     "Codec",
+    "Compatibility",
     "CorruptRecord",
     "DuplicateRun",
     "Edge",
@@ -74,12 +80,15 @@ __all__ = [
     "Graph",
     "GraphError",
     "GraphMismatch",
+    "Incompatibility",
     "JsonCodec",
     "LateInput",
     "LeaseError",
     "LeaseHeld",
     "LeaseLost",
     "MapError",
+    "MigrationReport",
+    "MoveOutcome",
     "Node",
     "NodeContext",
     "NodeKind",
@@ -96,6 +105,7 @@ __all__ = [
     "RunError",
     "RunExists",
     "RunFailed",
+    "RunMove",
     "RunNotFound",
     "RunResult",
     "StaleVersion",

@@ -36,7 +36,8 @@ exception (E9).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 
 class TailraceError(Exception):
@@ -115,8 +116,27 @@ class RunFailed(RunError):
         self.result = result
 
 
+class Incompatibility(NamedTuple):
+    """Why a changed graph cannot take over what a run did at one node (V1).
+
+    ``node_id`` is None when the reason is the graph's as a whole (its old
+    version's structure is unknown, say).
+    """
+
+    node_id: str | None
+    reason: str
+
+
 class GraphMismatch(RunError):
-    """The graph's structural fingerprint differs from the one the run started with."""
+    """The graph changed since the run began in a way the run cannot continue on (V1).
+
+    ``incompatible`` lists each node that makes it so, with the reason (empty
+    when the message alone says why: a graph of another name, say).
+    """
+
+    def __init__(self, message: str, incompatible: Sequence[Incompatibility] = ()) -> None:
+        super().__init__(message)
+        self.incompatible = tuple(incompatible)
 
 
 class NotResumable(RunError):

@@ -969,24 +969,38 @@ async def test_concurrent_resumes_on_one_engine_run_each_node_once(backend: Back
 
 
 async def test_graph_mismatch_is_refused_unless_forced(backend: Backend) -> None:
+    """A changed graph is checked against what the run did (V1); ``force`` checks nothing."""
     probe = Probe()
     _, run_id = await crashed_fork(backend, probe, "mismatch")
-    changed = fork_graph(probe)
-    changed.add_node("extra", probe.task(lambda xs: "extra"))
-    changed.add_edge("sink", "extra")
+    incompatible = tr.Graph("fork")
+    for node in fork_graph(probe).nodes.values():
+        incompatible.add_node(node.id, node.handler, node.kind.value, any_of=node.id == "d")
+    for edge in fork_graph(probe).edges:
+        incompatible.add_edge(edge.source, edge.target)
+    incompatible.add_node("b2", probe.task())
+    incompatible.add_edge("a", "b2")
+    incompatible.add_edge("b2", "d")  # into d, which was running: refused
     before = await snapshot(backend, run_id)
     runs_before = Counter(probe.runs)
 
-    with pytest.raises(GraphMismatch, match="force=True"):
-        await engine(backend).resume(run_id, changed)
+    with pytest.raises(GraphMismatch, match="an edge into it was added: b2 -> d"):
+        await engine(backend).resume(run_id, incompatible)
     assert await snapshot(backend, run_id) == before
     assert probe.runs == runs_before
 
-    result = await engine(backend).resume(run_id, changed, force=True)
+    changed = fork_graph(probe)
+    changed.add_node("extra", probe.task(lambda xs: "extra"))
+    changed.add_edge("sink", "extra")  # downstream of the frontier: free
+    result = await engine(backend).resume(run_id, changed)
     assert result.status == "completed"
     assert result.results["extra"] == "extra"
     assert probe.runs[("a", 1)] == 1 and probe.runs[("b", 1)] == 1
     assert probe.runs[("c", 1)] == 2 and probe.runs[("extra", 1)] == 1
+
+    _, forced_id = await crashed_fork(backend, probe, "forced")
+    forced = await engine(backend).resume(forced_id, incompatible, force=True)
+    assert forced.status == "completed"
+    assert (await backend.store.get_run(forced_id)).fingerprint == fork_graph(probe).fingerprint()
 
 
 async def test_finished_runs_are_not_resumable(backend: Backend) -> None:

@@ -39,7 +39,7 @@ from ._fleet import (
 )
 from ._fleet import register as register_fleet
 from ._load import is_file_spec, load_graph, load_graphs
-from ._render import json_text, node_table, question_table, table_of, text
+from ._render import question_table, table_of, text
 from ._session import (
     CommandError,
     DbOption,
@@ -51,10 +51,12 @@ from ._session import (
     executors_from,
     finish,
     flag,
+    print_result,
     with_store,
 )
 from ._timeline import map_table, timeline
 from ._ui import ui
+from ._versions import register as register_versions
 
 app = typer.Typer(
     name="tailrace",
@@ -84,25 +86,6 @@ GraphsOption = Annotated[
         "graph files named in the store are never executed.",
     ),
 ]
-
-
-def _print_result(
-    result: RunResult, db: str | None, graphs: Sequence[str] = (), *, durable: bool = True
-) -> None:
-    """The node table, open questions and how to answer them, the summary, the output."""
-    console.print(node_table(result))
-    if result.questions:
-        console.print(question_table(result.questions, title="open questions"))
-        if durable:
-            words = ["tailrace answer QUESTION_ID VALUE", db_argument(db)]
-            words += [f"--graphs {shlex.quote(spec)}" for spec in graphs]
-            console.print(text("answer with: ", " ".join(words)), soft_wrap=True)
-        else:
-            console.print("the run is in memory: its questions end with this process")
-    late = f", {len(result.late_inputs)} late inputs" if result.late_inputs else ""
-    summary = f" {result.status} in {result.duration:.3f}s{late}"
-    console.print(text("run ", (result.run_id, "bold"), summary), soft_wrap=True)
-    console.print(json_text(result.output), soft_wrap=True)
 
 
 def _resume_command(run_id: str, db: str | None, graphs: Sequence[str]) -> str:
@@ -174,7 +157,7 @@ def run(
             watch=watch,
             interrupted=lambda: _interrupted(run_id, db, graphs),
         )
-    _print_result(result, db, graphs, durable=not memory)
+    print_result(result, db, graphs, durable=not memory)
 
 
 async def _resume_here(
@@ -185,7 +168,8 @@ async def _resume_here(
     engine.register(*graphs)
     chosen = None
     if graphs and not engine.knows_graph(record.fingerprint):
-        # The run's graph changed shape: the same name, with --force, resumes with it.
+        # The run's graph changed shape: one of the same name takes it over when it
+        # fits what the run did (V1), or with --force.
         chosen = next((g for g in graphs if g.name == record.graph_name), None)
         if chosen is None:
             names = ", ".join(repr(g.name) for g in graphs)
@@ -228,7 +212,7 @@ def resume(
         watch=watch,
         interrupted=lambda: _interrupted(run_id, db, graphs or []),
     )
-    _print_result(result, db, graphs or [])
+    print_result(result, db, graphs or [])
 
 
 def run_status(record: RunRecord, now: float) -> str:
@@ -251,29 +235,43 @@ def list_runs(
     status: Annotated[RunStatus | None, typer.Option(help="Only runs with this status.")] = None,
     limit: Annotated[int, typer.Option(help="At most this many runs.")] = 50,
     queue: QueueFilter = None,
+    graph: Annotated[str | None, typer.Option(help="Only runs of this graph name.")] = None,
 ) -> None:
     """List runs, newest first: status, start, duration and nodes done.
 
     A running run that no live process holds shows as "running (orphaned)":
-    resume it, or let serve adopt it.
+    resume it, or let serve adopt it. With --graph, each run's graph version
+    and, for a fork, the run and node it came from.
     """
     records = with_store(
-        db, lambda store: store.list_runs(status=status, limit=limit, queue=queue), read_only=True
+        db,
+        lambda store: store.list_runs(status=status, limit=limit, queue=queue, graph=graph),
+        read_only=True,
     )
     now = time.time()
-    headers = (Column("run", no_wrap=True), "graph", "status", "started", "duration", "nodes done")
-    rows = (
-        (
-            r.run_id,
-            r.graph_name,
-            run_status(r, now),
-            _clock(r.created_at),
-            f"{(r.finished_at or r.updated_at) - r.created_at:.3f}s",
-            str(r.nodes_done),
-        )
-        for r in records
-    )
+    headers: tuple[str | Column, ...] = (
+        Column("run", no_wrap=True), "graph", "status", "started", "duration", "nodes done",
+    )  # fmt: skip
+    if graph is not None:  # one graph: its versions, and where its forks came from
+        headers = (*headers[:2], "version", *headers[2:], "forked from")
+    rows = (_run_row(r, now, versions=graph is not None) for r in records)
     console.print(table_of(headers, rows))
+
+
+def _run_row(r: RunRecord, now: float, *, versions: bool) -> tuple[str, ...]:
+    """A row of ``tailrace runs``; with ``versions``, the run's version and a fork's origin too."""
+    row = (
+        r.run_id,
+        r.graph_name,
+        run_status(r, now),
+        _clock(r.created_at),
+        f"{(r.finished_at or r.updated_at) - r.created_at:.3f}s",
+        str(r.nodes_done),
+    )
+    if not versions:
+        return row
+    origin = "" if r.forked_from is None else f"{r.forked_from} at {r.forked_at}"
+    return (*row[:2], r.fingerprint, *row[2:], origin)
 
 
 #: Lines of a stored traceback ``show`` prints without ``--traceback``: the last frames.
@@ -348,6 +346,10 @@ def show(
     )
     if record.graph_ref:
         console.print(text(f"graph reference: {record.graph_ref}"), soft_wrap=True)
+    console.print(text(f"graph version: {record.fingerprint}"), soft_wrap=True)
+    if record.forked_from is not None:
+        origin = f"forked from run {record.forked_from} at node {record.forked_at}"
+        console.print(text(origin), soft_wrap=True)
     rows = ((node_id, row.status, str(row.visits)) for node_id, row in stored.nodes.items())
     console.print(table_of(("node", "status", "visits"), rows))
     maps = map_table(events)
@@ -488,7 +490,8 @@ def answer(
     if isinstance(result, Text):
         console.print(result, soft_wrap=True)
         return
-    _print_result(result, db, graphs or [])
+    print_result(result, db, graphs or [])
 
 
 register_fleet(app)  # submit, worker (and serve, its other name), cancel, queues
+register_versions(app)  # check, migrate, fork

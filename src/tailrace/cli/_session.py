@@ -14,7 +14,7 @@ import contextlib
 import os
 import shlex
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
 
@@ -24,9 +24,10 @@ from rich.text import Text
 
 from .._errors import TailraceError
 from .._events import Event, EventBus, EventType
+from ..core import RunResult
 from ..executors import Executor, RayExecutor
 from ..stores import RunStore, open_store
-from ._render import text
+from ._render import json_text, node_table, question_table, text
 
 T = TypeVar("T")
 
@@ -216,3 +217,22 @@ def with_store(
             return await work(store)
 
     return finish(main, watch=watch, interrupted=interrupted)
+
+
+def print_result(
+    result: RunResult, db: str | None, graphs: Sequence[str] = (), *, durable: bool = True
+) -> None:
+    """The node table, open questions and how to answer them, the summary, the output."""
+    console.print(node_table(result))
+    if result.questions:
+        console.print(question_table(result.questions, title="open questions"))
+        if durable:
+            words = ["tailrace answer QUESTION_ID VALUE", db_argument(db)]
+            words += [f"--graphs {shlex.quote(spec)}" for spec in graphs]
+            console.print(text("answer with: ", " ".join(words)), soft_wrap=True)
+        else:
+            console.print("the run is in memory: its questions end with this process")
+    late = f", {len(result.late_inputs)} late inputs" if result.late_inputs else ""
+    summary = f" {result.status} in {result.duration:.3f}s{late}"
+    console.print(text("run ", (result.run_id, "bold"), summary), soft_wrap=True)
+    console.print(json_text(result.output), soft_wrap=True)

@@ -17,13 +17,21 @@ from ._queued import cancel_undriven as cancel_undriven
 from ._restore import find_graph as find_graph
 from ._state import LateInput as LateInput
 from ._state import NodeStatus as NodeStatus
+from ._versions import Compatibility as Compatibility
+from ._versions import MigrationReport as MigrationReport
+from ._versions import MoveOutcome as MoveOutcome
+from ._versions import RunMove as RunMove
 
 __all__ = [
     "AdmissionPolicy",
+    "Compatibility",
     "Engine",
     "LateInput",
+    "MigrationReport",
+    "MoveOutcome",
     "NodeReport",
     "NodeStatus",
+    "RunMove",
     "RunResult",
     "acquire_lease",
     "cancel_undriven",

@@ -33,6 +33,16 @@ from ._outcome import RunResult
 from ._queued import cancel_run, submit_run, wait_for
 from ._restore import find_graph, restore_run
 from ._state import LateInput, RunState
+from ._versions import (
+    Compatibility,
+    MigrationReport,
+    check_stored,
+    migrate_runs,
+    move_leased,
+    plan_fork,
+    require_compatible,
+    stored_shape,
+)
 from ._writer import RunWriter
 
 
@@ -183,9 +193,12 @@ class Engine:
         decisions are reused; answers that arrived for waiting gates are
         applied exactly once, and answers to questions no gate waits on any
         more are marked superseded. ``graph`` defaults to the one the run
-        recorded (by ``module:attribute`` reference); a graph whose structural
-        fingerprint differs is refused with :class:`GraphMismatch` unless
-        ``force`` is true. A preempted run continues from its parked turn
+        recorded (by ``module:attribute`` reference). A graph whose structural
+        fingerprint differs is checked against what the run did (V1): a
+        compatible one takes the run over (the move is recorded in the store,
+        fenced by the lease), an incompatible one is refused with
+        :class:`GraphMismatch` listing each node and why; ``force`` skips the
+        check and the move. A preempted run continues from its parked turn
         boundaries, their values passed through ``patch`` (a mapping merged
         into dict values, or a function), e.g. to render a newer artifact. A
         suspended run with nothing new to do is returned as it is, without a
@@ -231,11 +244,10 @@ class Engine:
         _check_resumable(stored.run)
         graph = self._graph_of(stored.run, graph)
         topo = graph.compile()
-        if topo.fingerprint != stored.run.fingerprint and not force:
-            raise GraphMismatch(
-                f"run {run_id!r} started with graph fingerprint {stored.run.fingerprint}, "
-                f"but {graph.name!r} now has {topo.fingerprint}; pass force=True to resume anyway"
-            )
+        moving = topo.fingerprint != stored.run.fingerprint and not force
+        if moving:  # V1: continue on a changed graph only if it fits what the run did
+            known = self.graph_for(stored.run)
+            require_compatible(await check_stored(store, stored, graph, known))
         self._executors.plan(topo)  # an unknown executor name fails here, before any write
         # D4: refuse unreadable rows before writing anything.
         await restore_run(store, self._codec, topo, stored, [])
@@ -243,6 +255,9 @@ class Engine:
         async with writer.leased(self._lease(run_id)):
             stored = await store.load_run(run_id)  # re-read under the lease
             _check_resumable(stored.run)
+            if moving:  # re-checked as it stands under the lease, then moved (V2, D6)
+                known = self.graph_for(stored.run)
+                await move_leased(store, stored, graph, self.owner, writer.token, known)
             restored = await restore_run(
                 store, self._codec, topo, stored, await self._late_inputs(run_id)
             )
@@ -270,9 +285,95 @@ class Engine:
         graphs of one shape with different names are different graphs. This is how a
         daemon is told about graphs defined in files: stored references are
         only ever imported as modules, never executed as files (trust model).
+        Several versions of one graph (one name, several fingerprints) can be
+        registered at once: each run continues on the version it is on (V3).
         """
         for graph in graphs:
             self._graphs.setdefault((graph.name, graph.compile().fingerprint), graph)
+
+    # -- versions and forks (the work is done in _versions) ----------------------
+
+    async def check(self, run_id: str, graph: Graph) -> Compatibility:
+        """Whether the durable run ``run_id`` can continue on ``graph`` (V1); writes nothing (V2).
+
+        Args:
+            run_id: the run.
+            graph: the changed graph (same name; usually a newer version).
+
+        The report lists each node that ran or holds state and that ``graph``
+        changed incompatibly, with the reason (``Compatibility.incompatible``).
+        """
+        store = self._require_store("check")
+        stored = await store.load_run(run_id)
+        return await check_stored(store, stored, graph, self.graph_for(stored.run))
+
+    async def migrate(self, graph: Graph, *, apply: bool = False) -> MigrationReport:
+        """Check every live (running or suspended) run of ``graph``'s name against its version (V2).
+
+        Args:
+            graph: the new version.
+            apply: move each compatible run onto it (default: a dry run that
+                writes nothing). A move leases the run and is fenced (D6): a run
+                another engine drives is left alone (``held``).
+
+        ``graph`` is registered with this engine, so it can drive the runs it moved.
+        """
+        store = self._require_store("migrate")
+        self.register(graph)
+        return await migrate_runs(
+            store, graph, owner=self.owner, ttl=self.lease_ttl, apply=apply,
+            known=self.graph_for, guard=self._driving,
+        )  # fmt: skip
+
+    async def fork(
+        self,
+        run_id: str,
+        *,
+        at: str,
+        graph: Graph | None = None,
+        input: Any = None,
+        fork_id: str | None = None,
+    ) -> RunResult:
+        """Run a new run that reuses run ``run_id``'s committed results up to node ``at`` (V4).
+
+        Args:
+            run_id: the source run; it is only read, and may still be running.
+            at: the node the fork runs again, with everything downstream of it.
+            graph: the graph the fork runs (default: the source's version); a
+                changed one is checked against the reused part (V1).
+            input: the payload ``at`` runs with (None: the one its latest visit
+                in the source ran with).
+            fork_id: the fork's run id (default: a fresh uuid).
+
+        Every node not downstream of ``at`` keeps its result, visits and
+        first-k decisions; one that was running, waiting or failed runs
+        again. The fork records its origin (``RunRecord.forked_from``,
+        ``forked_at``) and is a run like any other (resumable, listed).
+        """
+        store = self._require_store("fork")
+        source = await store.load_run(checked_run_id(run_id))
+        known = self.graph_for(source.run)
+        graph = self._graph_of(source.run, graph)
+        old = await stored_shape(store, source.run, known)
+        plan = await plan_fork(store, self._codec, source, graph, at, input, old)
+        topo = graph.compile()
+        self._executors.plan(topo)
+        self._graphs.setdefault((graph.name, topo.fingerprint), graph)
+        fork_id = uuid.uuid4().hex if fork_id is None else checked_run_id(fork_id)
+        with self._driving(fork_id):
+            ref = guess_reference(graph) or source.run.graph_ref
+            writer = await RunWriter.create(
+                store, self._codec, fork_id, graph, topo, plan.input, ref, origin=(run_id, at)
+            )
+            async with writer.leased(self._lease(fork_id)):
+                writer.refer(plan.big)
+                writer.carry(plan.results, plan.frozen, plan.items)
+                loop = self._loop_for(fork_id, plan.state, writer)
+                loop.emit(EventType.RUN_STARTED, graph=graph.name, forked_from=run_id, at=at)
+                await loop.checkpoint()  # the reused part is durable before anything runs
+                result = await loop.drive()
+            result = await self._with_questions(result)
+            return await self._settle(result, graph, False)
 
     async def fail_run(self, run_id: str, reason: str) -> None:
         """Record the durable run ``run_id`` as failed with ``reason``, without loading its graph.

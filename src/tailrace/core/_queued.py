@@ -40,7 +40,7 @@ from .._codec import DEFAULT_CODEC
 from .._errors import DuplicateRun, EncodeError, LeaseHeld, RunFailed, TailraceError
 from .._events import EventType
 from .._values import checked_run_id
-from ..graph import Graph, guess_reference
+from ..graph import Graph, guess_reference, shape_json
 from ..stores import (
     EventRow,
     Harvest,
@@ -187,6 +187,7 @@ async def submit_run(
     new = NewRun(
         run_id=run_id, graph_name=graph.name, graph_ref=graph_ref or guess_reference(graph),
         fingerprint=topo.fingerprint, input_json=input_json, created_at=time.time(),
+        shape_json=shape_json(graph),
     )  # fmt: skip
     submission = Submission(
         queue=queue, priority=priority, partition=partition, dedup_key=dedup_key, cost=cost,

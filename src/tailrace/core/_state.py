@@ -184,6 +184,14 @@ class RunState:
         for i in self.topo.entries:
             self._fire(i, payload, None)
 
+    def activate(self, i: int, payload: Any) -> None:
+        """Fire node ``i`` with ``payload`` as if its inputs had arrived (a fork's first node, V4)."""
+        self._fire(i, payload, None)
+
+    def redeliver(self, s: int, t: int, value: Any) -> None:
+        """Deliver ``value`` from the completed node ``s`` to ``t`` again (a fork's reused input, V4)."""
+        self._deliver(s, t, value, self.nodes[s].frontier)
+
     def start(self, i: int, now: float) -> None:
         """Mark node ``i`` admitted (E3): its attempt starts now."""
         ns = self.nodes[i]

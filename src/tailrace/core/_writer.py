@@ -16,13 +16,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._codec import Codec, JsonCodec
 from .._errors import EncodeError
 from .._events import EventType
-from ..graph import Graph, Topology
+from ..graph import Graph, Topology, shape_json
 from ..stores import (
     FORMAT_VERSION,
     EventRow,
@@ -81,6 +81,9 @@ class RunWriter:
         self._results: list[ResultRow] = []
         self._encoded: dict[int, str] = {}
         self._questions: list[QuestionRow] = []
+        #: First-k decisions and map items copied from a fork's source run, for the next commit.
+        self._carried: list[FrozenInput] = []
+        self._carried_items: list[ItemRow] = []
         self.applied: list[str] = []
         self.superseded: list[str] = []
         self._queued: list[_Pending] = []
@@ -122,8 +125,13 @@ class RunWriter:
         topo: Topology,
         input: Any,
         graph_ref: str | None,
+        origin: tuple[str, str] | None = None,
     ) -> RunWriter:
-        """Store a new run (its input encoded, D5) and return its writer."""
+        """Store a new run (its input encoded, D5) and return its writer.
+
+        ``origin`` is a fork's (source run id, node it re-runs from), stored
+        with the run (V4).
+        """
         try:
             input_json = codec.encode(input)
         except (TypeError, ValueError) as exc:
@@ -136,11 +144,26 @@ class RunWriter:
             fingerprint=topo.fingerprint,
             input_json=input_json,
             created_at=now,
+            shape_json=shape_json(graph),
+            forked_from=None if origin is None else origin[0],
+            forked_at=None if origin is None else origin[1],
         )
         await store.create_run(new)
         writer = cls(store, codec, run_id, topo, await store.get_run(run_id))
         writer._input = (input, input_json)
         return writer
+
+    def carry(
+        self,
+        results: Sequence[ResultRow],
+        frozen: Sequence[FrozenInput],
+        items: Sequence[ItemRow] = (),
+    ) -> None:
+        """Write ``results``, ``frozen`` decisions and map ``items``, copied from the run a fork
+        reuses, with the next commit (V4): stored as they were, not encoded again."""
+        self._results.extend(results)
+        self._carried.extend(frozen)
+        self._carried_items.extend(items)
 
     def refer(self, big: dict[int, tuple[int, Any]]) -> None:
         """Take the large results a restore read back (:func:`~._restore.restore_run`), so
@@ -398,7 +421,13 @@ class RunWriter:
         nodes = pending.nodes
         for i, row in zip(dirty, rows, strict=True):
             nodes[i] = row  # the latest row of a node wins
+        if self._carried_items:  # before this harvest's own rows, which win
+            pending.items.update(((r.node_id, r.visit, r.item), r) for r in self._carried_items)
+            self._carried_items = []
         pending.items.update(items)  # and of an item
+        if self._carried:
+            pending.frozen.extend(self._carried)
+            self._carried = []
         pending.frozen.extend(frozen)
         if self._results:
             pending.results.extend(self._results)

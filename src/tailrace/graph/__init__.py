@@ -26,6 +26,8 @@ from ._references import load_file_module as load_file_module
 from ._references import resolve_reference as resolve_reference
 from ._topology import OutEdge as OutEdge
 from ._topology import Topology as Topology
+from ._topology import graph_shape as graph_shape
+from ._topology import shape_json as shape_json
 
 __all__ = [
     "EXIT",
@@ -43,9 +45,11 @@ __all__ = [
     "RetryPolicy",
     "Topology",
     "callable_reference",
+    "graph_shape",
     "guess_reference",
     "is_async_callable",
     "is_file_reference",
     "load_file_module",
     "resolve_reference",
+    "shape_json",
 ]

@@ -212,16 +212,30 @@ def _check_switches(nodes: Sequence[Node], out: Sequence[Sequence[OutEdge]]) -> 
             raise GraphError(f"switch {node.id!r} has no outgoing edges")
 
 
-def _fingerprint(graph: Graph) -> str:
-    shape = {
+def graph_shape(graph: Graph) -> dict[str, list[list[object]]]:
+    """The structure a graph's fingerprint is taken over, as JSON-ready lists.
+
+    ``nodes`` holds ``[id, kind, required, max_visits, any_of]`` per node and
+    ``edges`` ``[source, target, route]`` per edge, in definition order. A
+    store keeps it with a graph's runs, so a changed graph can be checked
+    against what a run did without the old code (V1).
+    """
+    return {
         "nodes": [
             [n.id, n.kind.value, _quorum_shape(n), n.max_visits, n.any_of]
             for n in graph.nodes.values()
         ],
         "edges": [[e.source, e.target, e.route] for e in graph.edges],
     }
-    text = json.dumps(shape, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def shape_json(graph: Graph) -> str:
+    """:func:`graph_shape` as compact JSON: the text a fingerprint hashes and a store keeps."""
+    return json.dumps(graph_shape(graph), separators=(",", ":"))
+
+
+def _fingerprint(graph: Graph) -> str:
+    return hashlib.sha256(shape_json(graph).encode()).hexdigest()[:16]
 
 
 def _quorum_shape(node: Node) -> object:

@@ -135,11 +135,16 @@ class RunStore(abc.ABC):
         """Flush pending writes and release connections. Idempotent."""
 
     async def create_run(self, run: NewRun) -> None:
-        """Store a new run with status ``running``; :class:`~tailrace.RunExists` if the id is taken."""
+        """Store a new run with status ``running``; :class:`~tailrace.RunExists` if the id is taken.
+
+        Its graph's structure (``run.shape_json``) is kept with it unless that
+        version's is kept already; a fork's origin (``forked_from``,
+        ``forked_at``) is stored with the run (V4).
+        """
         check_new_format(run)
         check_names(
             run_id=run.run_id, graph_name=run.graph_name, graph_ref=run.graph_ref,
-            fingerprint=run.fingerprint,
+            fingerprint=run.fingerprint, forked_from=run.forked_from, forked_at=run.forked_at,
         )  # fmt: skip
         await self._create_run(run)
 
@@ -238,6 +243,57 @@ class RunStore(abc.ABC):
         """Drop the lease if still held with ``token``; otherwise do nothing."""
         check_names(run_id=run_id, owner=owner)
         await self._release_lease(run_id, owner, token)
+
+    # -- graph versions (V1-V3) ---------------------------------------------------
+
+    async def move_run(
+        self,
+        run_id: str,
+        owner: str,
+        token: int,
+        *,
+        fingerprint: str,
+        graph_ref: str | None,
+        expected: str,
+    ) -> None:
+        """Move the live run ``run_id`` onto another version of its graph (V2), in one transaction.
+
+        Args:
+            run_id: the run (``running`` or ``suspended``, else
+                :class:`~tailrace.NotResumable`).
+            owner: who holds its lease; the move is fenced like a commit (D6):
+                :class:`~tailrace.LeaseLost`, nothing written, unless ``owner``
+                holds it with ``token``.
+            token: the lease's fencing token.
+            fingerprint: the version moved to; ``graph_ref`` the reference
+                stored with it.
+            graph_ref: ``module:attribute`` of the new version, or None.
+            expected: the version the caller checked the run against: a run
+                on another one by now raises :class:`~tailrace.GraphMismatch`.
+        """
+        check_names(
+            run_id=run_id, owner=owner, fingerprint=fingerprint, graph_ref=graph_ref,
+            expected=expected,
+        )  # fmt: skip
+        await self._move_run(
+            run_id, owner, token, fingerprint=fingerprint, graph_ref=graph_ref, expected=expected
+        )
+
+    async def frontiers(self, graph_name: str) -> dict[str, tuple[str, ...]]:
+        """Per live (``running`` or ``suspended``) run of graph ``graph_name``: the ids of its
+        nodes that have a row (what it ran or holds state for, V1), in one query."""
+        check_name("graph_name", graph_name)
+        return await self._frontiers(graph_name)
+
+    async def graph_shape(self, graph_name: str, fingerprint: str) -> str | None:
+        """The structure (``graph_shape`` JSON) of a graph version runs were stored with, or None.
+
+        Kept once per graph name and fingerprint by ``create_run`` and
+        ``submit_run`` when the :class:`NewRun` carries it, so a changed graph
+        can be checked against a run without the old code (V1).
+        """
+        check_names(graph_name=graph_name, fingerprint=fingerprint)
+        return await self._graph_shape(graph_name, fingerprint)
 
     # -- the question ledger (Q2-Q5) ---------------------------------------------
 
@@ -595,6 +651,27 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     async def _events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
         """:meth:`events`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _move_run(
+        self,
+        run_id: str,
+        owner: str,
+        token: int,
+        *,
+        fingerprint: str,
+        graph_ref: str | None,
+        expected: str,
+    ) -> None:
+        """:meth:`move_run`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _frontiers(self, graph_name: str) -> dict[str, tuple[str, ...]]:
+        """:meth:`frontiers`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _graph_shape(self, graph_name: str, fingerprint: str) -> str | None:
+        """:meth:`graph_shape`, called with checked arguments."""
 
     @abc.abstractmethod
     async def _acquire_lease(

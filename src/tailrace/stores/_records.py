@@ -138,6 +138,12 @@ class NewRun:
     input_json: str
     created_at: float
     format_version: int = FORMAT_VERSION
+    #: The graph's structure (``graph_shape`` as JSON), kept once per graph name
+    #: and fingerprint so a changed graph can be checked against the run (V1).
+    shape_json: str | None = None
+    #: A fork's origin: the run it was forked from and the node it re-runs from (V4).
+    forked_from: str | None = None
+    forked_at: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -173,6 +179,9 @@ class RunRecord:
     started_at: float | None = None
     #: When someone asked to cancel it while it ran (its driver stops at its next harvest).
     cancel_requested_at: float | None = None
+    #: A fork's origin: the run it was forked from and the node it re-ran from (V4).
+    forked_from: str | None = None
+    forked_at: str | None = None
 
 
 class NodeRow(NamedTuple):

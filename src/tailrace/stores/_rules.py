@@ -25,8 +25,10 @@ from itertools import chain
 from .._errors import (
     AlreadyAnswered,
     CorruptRecord,
+    GraphMismatch,
     LeaseHeld,
     LeaseLost,
+    NotResumable,
     QuestionNotFound,
     StoreError,
     UnsupportedFormat,
@@ -159,6 +161,34 @@ def check_holder(
         raise LeaseLost(
             f"run {run_id!r}: lease of {owner!r} with token {token} was lost "
             f"(holder {holder!r}, token {lease_token})"
+        )
+
+
+def check_move(
+    run_id: str,
+    owner: str,
+    token: int,
+    *,
+    status: RunStatus,
+    fingerprint: str,
+    holder: str | None,
+    lease_token: int,
+    expected: str,
+) -> None:
+    """Decide whether run ``run_id`` may be moved onto another version of its graph (V2).
+
+    ``owner`` must hold the run's lease with ``token`` (else :class:`LeaseLost`,
+    D6); the run must be ``running`` or ``suspended`` (else
+    :class:`NotResumable`); its fingerprint must still be ``expected`` (else
+    :class:`GraphMismatch`: it was moved meanwhile).
+    """
+    check_holder(run_id, owner, token, holder=holder, lease_token=lease_token)
+    if status not in (RunStatus.RUNNING, RunStatus.SUSPENDED):
+        raise NotResumable(f"run {run_id!r} is {status.value}: only a live run moves to a version")
+    if fingerprint != expected:
+        raise GraphMismatch(
+            f"run {run_id!r} is on graph version {fingerprint} now, not {expected}: "
+            "it was moved meanwhile; nothing was written"
         )
 
 

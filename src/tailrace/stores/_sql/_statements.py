@@ -34,6 +34,7 @@ RUN_FIELDS = (
     "error", "created_at", "updated_at", "finished_at", "nodes_done", "lease_owner",
     "lease_expires", "lease_token", "format_version", "queue_name", "priority", "partition_key",
     "dedup_key", "cost", "estimate", "queued_at", "started_at", "cancel_requested_at",
+    "forked_from", "forked_at",
 )  # fmt: skip
 RUN_COLUMNS = ", ".join(RUN_FIELDS)
 EVENT_FIELDS = ("seq", "type", "node_id", "visit", "attempt", "ts", "data_json")
@@ -41,12 +42,17 @@ EVENT_COLUMNS = ", ".join(EVENT_FIELDS)
 
 #: The columns a run is created with: those of migration 1 (later columns default).
 _CREATED_FIELDS = RUN_FIELDS[: RUN_FIELDS.index("format_version") + 1]
+#: The columns of a run submitted to a queue: those of migration 5.
+_QUEUED_FIELDS = RUN_FIELDS[: RUN_FIELDS.index("cancel_requested_at") + 1]
 INSERT_RUN = (
     f"INSERT INTO runs ({', '.join(_CREATED_FIELDS)}) "
     f"VALUES ({', '.join('?' * len(_CREATED_FIELDS))})"
 )
-#: A run submitted to a queue: every column (migration 5 added the queue's).
-INSERT_QUEUED_RUN = f"INSERT INTO runs ({RUN_COLUMNS}) VALUES ({', '.join('?' * len(RUN_FIELDS))})"
+#: A run submitted to a queue (migration 5 added the queue's columns).
+INSERT_QUEUED_RUN = (
+    f"INSERT INTO runs ({', '.join(_QUEUED_FIELDS)}) "
+    f"VALUES ({', '.join('?' * len(_QUEUED_FIELDS))})"
+)
 UPSERT_NODE = (
     "INSERT INTO node_states (run_id, node_id, status, visits, data_json) VALUES (?, ?, ?, ?, ?) "
     "ON CONFLICT (run_id, node_id) DO UPDATE SET status = excluded.status, "
@@ -206,8 +212,38 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
                 PRIMARY KEY (run_id, node_id, visit, item)) /*WITHOUT ROWID*/""",
         ),
     ),
+    (
+        7,
+        (
+            # Versions and forks (V1-V5): a fork's origin, and each graph
+            # version's structure, kept once, so that a changed graph can be
+            # checked against what a run did without the old code.
+            "ALTER TABLE runs ADD COLUMN forked_from TEXT",
+            "ALTER TABLE runs ADD COLUMN forked_at TEXT",
+            "CREATE INDEX runs_by_graph ON runs (graph_name, status)",
+            """CREATE TABLE graph_shapes (
+                graph_name TEXT NOT NULL, fingerprint TEXT NOT NULL, shape_json TEXT NOT NULL,
+                created_at DOUBLE PRECISION NOT NULL,
+                PRIMARY KEY (graph_name, fingerprint)) /*WITHOUT ROWID*/""",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
+#: Keep a graph version's structure the first time a run of it is stored.
+INSERT_SHAPE = (
+    "INSERT INTO graph_shapes (graph_name, fingerprint, shape_json, created_at) "
+    "VALUES (?, ?, ?, ?) ON CONFLICT (graph_name, fingerprint) DO NOTHING"
+)
+SELECT_FRONTIERS = (
+    "SELECT n.run_id, n.node_id FROM node_states n JOIN runs r ON r.run_id = n.run_id "
+    "WHERE r.graph_name = ? AND r.status IN ('running', 'suspended') ORDER BY n.run_id"
+)
+#: A fork's origin, written in the transaction that creates it.
+SET_ORIGIN = "UPDATE runs SET forked_from = ?, forked_at = ? WHERE run_id = ?"
+SELECT_SHAPE = "SELECT shape_json FROM graph_shapes WHERE graph_name = ? AND fingerprint = ?"
+#: Move a run onto another version of its graph (V2), fenced by its lease (D6).
+SELECT_FOR_MOVE = "SELECT status, fingerprint, lease_owner, lease_token FROM runs WHERE run_id = ?"
+MOVE_RUN = "UPDATE runs SET fingerprint = ?, graph_ref = ?, updated_at = ? WHERE run_id = ?"
 CREATE_MIGRATIONS_TABLE = (
     "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, "
     "applied_at DOUBLE PRECISION NOT NULL)"
@@ -233,6 +269,20 @@ def new_run_params(run: NewRun) -> tuple[object, ...]:
         run.run_id, run.graph_name, run.graph_ref, run.fingerprint, status, run.input_json,
         state, None, at, at, None, 0, None, None, 0, run.format_version,
     )  # fmt: skip
+
+
+def origin_params(run: NewRun) -> tuple[object, ...] | None:
+    """Values for :data:`SET_ORIGIN` from ``run``, or None when it is no fork."""
+    if run.forked_from is None and run.forked_at is None:
+        return None
+    return (run.forked_from, run.forked_at, run.run_id)
+
+
+def shape_params(run: NewRun) -> tuple[object, ...] | None:
+    """Values for :data:`INSERT_SHAPE` from ``run``, or None when it carries no shape."""
+    if run.shape_json is None:
+        return None
+    return (run.graph_name, run.fingerprint, run.shape_json, run.created_at)
 
 
 def queued_run_params(run: NewRun, submission: Submission) -> tuple[object, ...]:

@@ -39,6 +39,7 @@ from .._records import (
 from .._rules import (
     check_commit,
     check_holder,
+    check_move,
     check_readable,
     grant_lease,
     not_applicable,
@@ -52,10 +53,14 @@ from ._statements import (
     ANSWER_QUESTION,
     APPLY_QUESTION,
     EVENT_COLUMNS,
+    MOVE_RUN,
     QUESTION_STATE,
     RUN_COLUMNS,
+    SELECT_FOR_MOVE,
+    SELECT_FRONTIERS,
     SELECT_ITEMS,
     SELECT_QUESTION,
+    SELECT_SHAPE,
     SUPERSEDE_QUESTION,
     event_from_row,
     question_from_row,
@@ -213,6 +218,41 @@ async def request_cancel(tx: Tx, run_id: str, now: float) -> RunStatus:
     (status,) = await run_row(tx, SELECT_STATUS, run_id)
     await tx.signal("cancel")
     return parse_status(run_id, status)
+
+
+# --- graph versions (V1-V3) -------------------------------------------------------------
+
+
+async def move_run(
+    tx: Tx,
+    run_id: str,
+    owner: str,
+    token: int,
+    *,
+    fingerprint: str,
+    graph_ref: str | None,
+    expected: str,
+    now: float,
+) -> None:
+    """Move run ``run_id`` onto the graph version ``fingerprint`` if ``owner`` holds it with ``token``."""
+    status, current, holder, lease_token = await run_row(tx, SELECT_FOR_MOVE, run_id, lock=True)
+    check_move(
+        run_id, owner, token, status=parse_status(run_id, status), fingerprint=current,
+        holder=holder, lease_token=lease_token, expected=expected,
+    )  # fmt: skip
+    await tx.change(MOVE_RUN, (fingerprint, graph_ref, now, run_id))
+
+
+async def frontiers(tx: Tx, graph_name: str) -> dict[str, tuple[str, ...]]:
+    found: dict[str, list[str]] = {}
+    for run_id, node_id in await tx.all(SELECT_FRONTIERS, (graph_name,)):
+        found.setdefault(run_id, []).append(node_id)
+    return {run_id: tuple(nodes) for run_id, nodes in found.items()}
+
+
+async def graph_shape(tx: Tx, graph_name: str, fingerprint: str) -> str | None:
+    row = await tx.one(SELECT_SHAPE, (graph_name, fingerprint))
+    return None if row is None else str(row[0])
 
 
 # --- leases (D6) -------------------------------------------------------------------------

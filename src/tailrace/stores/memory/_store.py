@@ -62,6 +62,7 @@ from .._rules import (
     can_supersede,
     check_commit,
     check_holder,
+    check_move,
     check_name,
     check_readable,
     due,
@@ -100,6 +101,8 @@ class MemoryStore(RunStore):
         self._items: dict[str, dict[tuple[str, int, int], ItemRow]] = {}
         self._event_rows: dict[str, dict[int, EventRow]] = {}
         self._questions: dict[str, QuestionRow] = {}
+        #: (graph name, fingerprint) -> the graph version's structure JSON (V1).
+        self._shapes: dict[tuple[str, str], str] = {}
         self._artifacts = ArtifactLedger(clock)
         self._queue_specs: dict[str, Queue] = {}
         self._worker_rows: dict[str, WorkerRow] = {}
@@ -151,7 +154,11 @@ class MemoryStore(RunStore):
             cost=None if q is None else q.cost,
             estimate=None if q is None else q.estimate,
             queued_at=None if q is None else run.created_at,
+            forked_from=run.forked_from,
+            forked_at=run.forked_at,
         )
+        if run.shape_json is not None:
+            self._shapes.setdefault((run.graph_name, run.fingerprint), run.shape_json)
         self._nodes[run.run_id] = {}
         self._result_rows[run.run_id] = {}
         self._frozen[run.run_id] = {}
@@ -328,6 +335,40 @@ class MemoryStore(RunStore):
                 record, lease_owner=owner, lease_expires=now + ttl, lease_token=token
             )
             return token
+
+    async def _move_run(
+        self,
+        run_id: str,
+        owner: str,
+        token: int,
+        *,
+        fingerprint: str,
+        graph_ref: str | None,
+        expected: str,
+    ) -> None:
+        with self._lock:
+            record = self._run(run_id)
+            check_move(
+                run_id, owner, token, status=record.status, fingerprint=record.fingerprint,
+                holder=record.lease_owner, lease_token=record.lease_token, expected=expected,
+            )  # fmt: skip
+            self._runs[run_id] = dataclasses.replace(
+                record, fingerprint=fingerprint, graph_ref=graph_ref, updated_at=self._clock()
+            )
+
+    async def _frontiers(self, graph_name: str) -> dict[str, tuple[str, ...]]:
+        with self._lock:
+            return {
+                run_id: tuple(self._nodes[run_id])
+                for run_id, record in sorted(self._runs.items())
+                if record.graph_name == graph_name
+                and record.status in (RunStatus.RUNNING, RunStatus.SUSPENDED)
+                and self._nodes[run_id]
+            }
+
+    async def _graph_shape(self, graph_name: str, fingerprint: str) -> str | None:
+        with self._lock:
+            return self._shapes.get((graph_name, fingerprint))
 
     async def _heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
         with self._lock:

@@ -94,18 +94,22 @@ from .._sql._statements import (
     DEFER_ANSWER,
     DUE_ANSWERS,
     EXPIRED_LEASES,
+    INSERT_SHAPE,
     QUESTION_COUNTS,
     SELECT_ARTIFACT_HEAD,
     SELECT_ARTIFACT_HISTORY,
+    SET_ORIGIN,
     SUPERSEDE_QUESTION,
     artifact_from_row,
     artifact_params,
     list_questions_query,
     new_run_params,
+    origin_params,
     question_counts_from,
     question_from_row,
     queued_run_params,
     record_from_row,
+    shape_params,
 )
 from ._connections import (
     Attempt,
@@ -209,6 +213,7 @@ class PostgresStore(RunStore):
             if row is None:
                 raise RunExists(f"run {run.run_id!r} already exists")
             attempt.xid = row[0]
+            await _keep_shape_and_origin(conn, run)
 
         await self._db.write(
             f"run {run.run_id!r}", insert, landed=nothing,
@@ -228,6 +233,30 @@ class PostgresStore(RunStore):
         await self._db.write(
             f"run {run_id!r}", write, landed=nothing, texts=lambda: harvest_texts(harvest)
         )
+
+    async def _move_run(
+        self,
+        run_id: str,
+        owner: str,
+        token: int,
+        *,
+        fingerprint: str,
+        graph_ref: str | None,
+        expected: str,
+    ) -> None:
+        move = self._body(
+            bodies.move_run, run_id, owner, token, fingerprint=fingerprint,
+            graph_ref=graph_ref, expected=expected, now=self._clock(),
+        )  # fmt: skip
+        await self._db.write(f"run {run_id!r}", move, landed=nothing)
+
+    async def _frontiers(self, graph_name: str) -> dict[str, tuple[str, ...]]:
+        read = self._body(bodies.frontiers, graph_name)
+        return await self._db.read(f"graph {graph_name!r}", read)
+
+    async def _graph_shape(self, graph_name: str, fingerprint: str) -> str | None:
+        read = self._body(bodies.graph_shape, graph_name, fingerprint)
+        return await self._db.read(f"graph {graph_name!r}", read)
 
     async def _load_run(self, run_id: str) -> StoredRun:
         async def read(conn: Conn, attempt: Attempt) -> StoredRun:
@@ -270,12 +299,12 @@ class PostgresStore(RunStore):
         read = self._body(bodies.events, run_id, after_seq)
         return await self._db.read(f"run {run_id!r}", read)
 
-    def _body(self, body: Callable[..., Awaitable[T]], *args: Any) -> Work[T]:
-        """Work running the shared ``body(tx, *args)`` on a pooled connection."""
+    def _body(self, body: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> Work[T]:
+        """Work running the shared ``body(tx, *args, **kwargs)`` on a pooled connection."""
         channel = self._channel
 
         async def work(conn: Conn, attempt: Attempt) -> T:
-            return await body(PostgresTx(conn, attempt, channel), *args)
+            return await body(PostgresTx(conn, attempt, channel), *args, **kwargs)
 
         return work
 
@@ -489,6 +518,7 @@ class PostgresStore(RunStore):
                 row = await cur.fetchone()
                 if row is not None:
                     attempt.xid = row[0]
+                    await _keep_shape_and_origin(conn, run)
                     await notify(conn, channel, "submit")
                     return run.run_id
                 if q.dedup_key is not None:
@@ -725,3 +755,13 @@ class PostgresStore(RunStore):
             "run durations", fetch_all(pg(RUN_DURATIONS), (fingerprint, max(limit, 0)))
         )
         return [(float(c), float(s)) for c, s in rows]
+
+
+async def _keep_shape_and_origin(conn: Conn, run: NewRun) -> None:
+    """Keep ``run``'s graph structure, once per graph version (V1), and a fork's origin (V4)."""
+    params = shape_params(run)
+    if params is not None:
+        await conn.execute(pg(INSERT_SHAPE), params)
+    origin = origin_params(run)
+    if origin is not None:
+        await conn.execute(pg(SET_ORIGIN), origin)

@@ -81,19 +81,23 @@ from .._sql._statements import (
     INSERT_ARTIFACT,
     INSERT_QUEUED_RUN,
     INSERT_RUN,
+    INSERT_SHAPE,
     QUESTION_COUNTS,
     SELECT_ARTIFACT_HEAD,
     SELECT_ARTIFACT_HISTORY,
     SELECT_QUESTION,
+    SET_ORIGIN,
     SUPERSEDE_QUESTION,
     artifact_from_row,
     artifact_params,
     list_questions_query,
     new_run_params,
+    origin_params,
     question_counts_from,
     question_from_row,
     queued_run_params,
     record_from_row,
+    shape_params,
 )
 from .._sql._transactions import run_now
 from ._errors import mapped_errors
@@ -111,10 +115,20 @@ T = TypeVar("T")
 
 
 def _body(
-    body: Callable[..., Coroutine[Any, Any, T]], *args: Any
+    body: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any
 ) -> Callable[[sqlite3.Connection], T]:
-    """What a thread runs on its connection: the shared ``body(tx, *args)``, at once."""
-    return lambda conn: run_now(body(SQLiteTx(conn), *args))
+    """What a thread runs on its connection: the shared ``body(tx, *args, **kwargs)``, at once."""
+    return lambda conn: run_now(body(SQLiteTx(conn), *args, **kwargs))
+
+
+def _keep_shape_and_origin(conn: sqlite3.Connection, run: NewRun) -> None:
+    """Keep ``run``'s graph structure, once per graph version (V1), and a fork's origin (V4)."""
+    params = shape_params(run)
+    if params is not None:
+        conn.execute(INSERT_SHAPE, params)
+    origin = origin_params(run)
+    if origin is not None:
+        conn.execute(SET_ORIGIN, origin)
 
 
 async def _open_in_thread(connect: Callable[[], sqlite3.Connection]) -> sqlite3.Connection:
@@ -270,6 +284,7 @@ class SQLiteStore(RunStore):
             if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run.run_id,)).fetchone():
                 raise RunExists(f"run {run.run_id!r} already exists")
             conn.execute(INSERT_RUN, new_run_params(run))
+            _keep_shape_and_origin(conn, run)
 
         await self._write(f"run {run.run_id!r}", apply)
 
@@ -282,6 +297,29 @@ class SQLiteStore(RunStore):
 
     async def _load_run(self, run_id: str) -> StoredRun:
         return await self._read(f"run {run_id!r}", _body(bodies.load_run, run_id))
+
+    async def _move_run(
+        self,
+        run_id: str,
+        owner: str,
+        token: int,
+        *,
+        fingerprint: str,
+        graph_ref: str | None,
+        expected: str,
+    ) -> None:
+        move = _body(
+            bodies.move_run, run_id, owner, token, fingerprint=fingerprint,
+            graph_ref=graph_ref, expected=expected, now=self._clock(),
+        )  # fmt: skip
+        await self._write(f"run {run_id!r}", move)
+
+    async def _frontiers(self, graph_name: str) -> dict[str, tuple[str, ...]]:
+        return await self._read(f"graph {graph_name!r}", _body(bodies.frontiers, graph_name))
+
+    async def _graph_shape(self, graph_name: str, fingerprint: str) -> str | None:
+        read = _body(bodies.graph_shape, graph_name, fingerprint)
+        return await self._read(f"graph {graph_name!r}", read)
 
     async def _get_run(self, run_id: str) -> RunRecord:
         return await self._read(f"run {run_id!r}", _body(bodies.get_run, run_id))
@@ -461,6 +499,7 @@ class SQLiteStore(RunStore):
             if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run.run_id,)).fetchone():
                 raise RunExists(f"run {run.run_id!r} already exists")
             conn.execute(INSERT_QUEUED_RUN, queued_run_params(run, q))
+            _keep_shape_and_origin(conn, run)
             bump(conn, "submit")
             return run.run_id
 

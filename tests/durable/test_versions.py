@@ -1,0 +1,422 @@
+"""Versions and forks through the public API, against every store (V1-V4).
+
+A run is crashed in process (its task cancelled while handlers are held), so
+the store holds exactly what a dead process left; a changed graph is then
+checked against it, resumed on it, migrated onto it, or forked from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import tailrace as tr
+from tailrace._errors import GraphMismatch, Incompatibility
+from tailrace.stores import RunStatus
+from tests.durable.test_resume import (
+    Backend,
+    Probe,
+    backend,
+    crash,
+    crashed_fork,
+    engine,
+    fork_graph,
+    loop_graph,
+    new_id,
+    running,
+    snapshot,
+    until,
+)
+
+__all__ = ["backend"]
+
+
+def fan_graph(probe: Probe, tag: str = "v1", *, required: int = 2) -> tr.Graph:
+    """``a`` -> ``x``, ``y``, ``z`` -> ``agg`` (first ``required``) -> ``out``."""
+    g = tr.Graph("fan")
+    g.add_node("a", probe.task())
+    for n in "xyz":
+        g.add_node(n, probe.task(lambda v, n=n: f"{n}{tag}:{v}"))
+        g.add_edge("a", n)
+    g.add_node("agg", probe.task(), "aggregate", required=required)
+    for n in "xyz":
+        g.add_edge(n, "agg")
+    g.add_node("out", probe.task(len))
+    g.add_edge("agg", "out")
+    return g
+
+
+def gate_graph(probe: Probe, *, extra: bool = False, gate_kind: str = "gate") -> tr.Graph:
+    """``prep`` -> ``review`` (a gate) -> ``ship``; with ``extra``, ``ship`` -> ``notify`` too."""
+    g = tr.Graph("deploy")
+    g.add_node("prep", probe.task(lambda x: {"draft": x}))
+    if gate_kind == "gate":
+        g.add_node("review", lambda draft: {"ask": draft}, "gate")
+    else:
+        g.add_node("review", probe.task(), gate_kind)
+    g.add_node("ship", probe.task(lambda answer: {"shipped": answer}))
+    g.chain("prep", "review", "ship")
+    if extra:
+        g.add_node("notify", probe.task(lambda x: "notified"))
+        g.add_edge("ship", "notify")
+    return g
+
+
+# --- V1: a changed graph against what the run did ------------------------------------------
+
+
+async def test_v1_a_compatible_change_continues_and_the_move_is_recorded(backend: Backend) -> None:
+    probe = Probe()
+    _, run_id = await crashed_fork(backend, probe, "compatible")
+    changed = fork_graph(probe)
+    changed.add_node("extra", probe.task(lambda xs: "extra"))
+    changed.add_edge("sink", "extra")
+
+    result = await engine(backend).resume(run_id, changed)
+
+    assert result.status is RunStatus.COMPLETED
+    assert result.results["extra"] == "extra"
+    assert probe.executions("a") == 1 and probe.executions("b") == 1  # D3: reused
+    record = await backend.store.get_run(run_id)
+    assert record.fingerprint == changed.fingerprint()
+
+
+async def test_v1_a_completed_node_whose_kind_changed_is_refused_naming_it(
+    backend: Backend,
+) -> None:
+    probe = Probe()
+    g, run_id = await crashed_fork(backend, probe, "kind")
+    changed = tr.Graph("fork")
+    for node in g.nodes.values():
+        kind = "aggregate" if node.id == "b" else node.kind.value
+        changed.add_node(node.id, node.handler, kind)
+    for edge in g.edges:
+        changed.add_edge(edge.source, edge.target)
+    before = await snapshot(backend, run_id)
+
+    with pytest.raises(GraphMismatch, match="'b': its kind changed from task to aggregate") as info:
+        await engine(backend).resume(run_id, changed)
+
+    assert info.value.incompatible == (
+        Incompatibility("b", "its kind changed from task to aggregate"),
+    )
+    assert await snapshot(backend, run_id) == before  # nothing written
+    forced = await engine(backend).resume(run_id, changed, force=True)  # force checks nothing
+    assert forced.status is RunStatus.COMPLETED
+
+
+async def test_v1_required_and_edges_into_the_frontier_are_checked_new_nodes_are_free(
+    backend: Backend,
+) -> None:
+    probe = Probe()
+    probe.held = {"out"}
+    run_id = new_id("fan")
+    task = asyncio.create_task(engine(backend).run(fan_graph(probe), 1, run_id=run_id))
+    await until(running(backend, run_id, "out"), "out running")
+    await crash(task)
+    probe.held.clear()
+    eng = engine(backend)
+
+    fewer = fan_graph(probe, required=1)
+    report = await eng.check(run_id, fewer)
+    assert not report.compatible
+    assert report.incompatible == (Incompatibility("agg", "its required changed from 2 to 1"),)
+
+    legal = fan_graph(probe)
+    legal.add_node("w", probe.task())
+    legal.add_edge("a", "w")
+    legal.add_edge("w", "agg")
+    report = await eng.check(run_id, legal)
+    assert report.incompatible == (Incompatibility("agg", "an edge into it was added: w -> agg"),)
+
+    free = fan_graph(probe)
+    free.add_node("after", probe.task())
+    free.add_edge("out", "after")
+    report = await eng.check(run_id, free)
+    assert report.compatible and not report.same_version
+    assert set(report.frontier) == {"a", "x", "y", "z", "agg", "out"}
+
+
+# --- V2: check writes nothing and needs no old code --------------------------------------------
+
+
+async def test_v2_check_reports_without_writing_and_without_the_old_version(
+    backend: Backend,
+) -> None:
+    probe = Probe()
+    _, run_id = await crashed_fork(backend, probe, "check")
+    before = await snapshot(backend, run_id)
+    changed = fork_graph(probe)
+    changed.add_node("extra", probe.task())
+    changed.add_edge("sink", "extra")
+
+    fresh = engine(backend)  # knows neither version: the store keeps the old structure
+    report = await fresh.check(run_id, changed)
+
+    assert isinstance(report, tr.Compatibility)
+    assert report.compatible and report.from_fingerprint != report.to_fingerprint
+    assert report.status is RunStatus.RUNNING
+    assert "compatible" in report.describe()
+    assert await snapshot(backend, run_id) == before
+    other = tr.Graph("elsewhere")
+    other.add_node("a", probe.task())
+    report = await fresh.check(run_id, other)
+    assert report.incompatible[0].node_id is None
+    assert "not 'elsewhere'" in report.incompatible[0].reason
+
+
+# --- V3: several versions at once ----------------------------------------------------------------
+
+
+async def test_v3_each_run_continues_on_its_own_version(backend: Backend) -> None:
+    probe = Probe()
+    v1, v2 = fan_graph(probe, "v1"), fan_graph(probe, "v2")
+    v2.add_node("after", probe.task(lambda n: f"after {n}"))
+    v2.add_edge("out", "after")
+    ids = {}
+    for label, graph in (("one", v1), ("two", v2)):
+        probe.held = {"out"}
+        ids[label] = new_id(label)
+        task = asyncio.create_task(engine(backend).run(graph, 1, run_id=ids[label]))
+        await until(running(backend, ids[label], "out"), f"{label} running")
+        await crash(task)
+    probe.held.clear()
+
+    both = engine(backend)
+    both.register(v1, v2)
+    one = await both.resume(ids["one"])
+    two = await both.resume(ids["two"])
+
+    assert "after" not in one.results and one.results["x"] == "xv1:1"
+    assert two.results["after"] == "after 2" and two.results["x"] == "xv2:1"
+    assert (await backend.store.get_run(ids["one"])).fingerprint == v1.fingerprint()
+    assert (await backend.store.get_run(ids["two"])).fingerprint == v2.fingerprint()
+
+
+# --- V2: migrate the live runs of a graph -------------------------------------------------------
+
+
+async def test_v2_migrate_dry_run_then_apply_moves_only_the_compatible(backend: Backend) -> None:
+    probe = Probe()
+    old = gate_graph(probe)
+    eng = engine(backend)
+    eng.register(old)
+    waiting = [new_id("waiting") for _ in range(3)]
+    for run_id in waiting:
+        result = await eng.run(old, run_id, run_id=run_id)
+        assert result.status is RunStatus.SUSPENDED
+    done = new_id("done")
+    probe.held = {"prep"}
+    task = asyncio.create_task(eng.run(old, "x", run_id=done))
+    await until(running(backend, done, "prep"), "prep running")
+    await crash(task)
+    probe.held.clear()
+    new = gate_graph(probe, extra=True)
+    before = {r: await snapshot(backend, r) for r in [*waiting, done]}
+
+    dry = await engine(backend).migrate(new)
+
+    assert {m.run_id: m.outcome for m in dry.runs} == {
+        **{r: tr.MoveOutcome.COMPATIBLE for r in waiting},
+        done: tr.MoveOutcome.COMPATIBLE,
+    }
+    assert "4 compatible" in dry.summary() and "dry run" in dry.summary()
+    assert {r: await snapshot(backend, r) for r in before} == before
+
+    broken = gate_graph(probe, gate_kind="task")  # the waiting gate became a task
+    refused = await engine(backend).migrate(broken, apply=True)
+    assert refused.count(tr.MoveOutcome.INCOMPATIBLE) == 3
+    assert refused.count(tr.MoveOutcome.MOVED) == 1  # the run waiting on prep only
+    assert all(
+        m.incompatible == (Incompatibility("review", "its kind changed from gate to task"),)
+        for m in refused.runs
+        if m.outcome is tr.MoveOutcome.INCOMPATIBLE
+    )
+
+    applied = await engine(backend).migrate(new, apply=True)
+    assert applied.count(tr.MoveOutcome.MOVED) == 3
+    assert applied.count(tr.MoveOutcome.INCOMPATIBLE) == 1  # done moved to 'broken' above
+    for run_id in waiting:
+        assert (await backend.store.get_run(run_id)).fingerprint == new.fingerprint()
+    question = (await backend.store.list_questions(run_id=waiting[0]))[0]
+    after = engine(backend)
+    after.register(new)
+    result = await after.answer(question.question_id, "approved")
+    assert result is not None and result.status is RunStatus.COMPLETED
+    assert result.results["notify"] == "notified"
+    again = await engine(backend).migrate(new)
+    assert again.count(tr.MoveOutcome.CURRENT) == 2
+
+
+# --- V4: forks -------------------------------------------------------------------------------
+
+
+async def test_v4_fork_reuses_results_upstream_and_reruns_from_the_node(backend: Backend) -> None:
+    probe = Probe()
+    g = fork_graph(probe)
+    source_id = new_id("source")
+    eng = engine(backend)
+    source = await eng.run(g, "in", run_id=source_id)
+    before = await snapshot(backend, source_id)
+    runs_before = dict(probe.runs)
+
+    fork = await eng.fork(source_id, at="c", fork_id=new_id("fork"))
+
+    assert fork.status is RunStatus.COMPLETED and fork.results == source.results
+    assert probe.executions("a") == 1 and probe.executions("b") == 1 and probe.executions("d") == 1
+    assert probe.executions("c") == 2 and probe.executions("sink") == 2
+    assert probe.payloads[("c", 1)][-1] == {"b_saw": None}  # the payload c ran with
+    assert await snapshot(backend, source_id) == before  # the source is unchanged
+    record = await backend.store.get_run(fork.run_id)
+    assert (record.forked_from, record.forked_at) == (source_id, "c")
+    assert {r.node_id for r in await backend.store.results(fork.run_id)} == set(source.results)
+    assert runs_before[("a", 1)] == 1
+
+
+async def test_v4_fork_with_an_input_and_a_changed_graph(backend: Backend) -> None:
+    probe = Probe()
+    source_id = new_id("source")
+    await engine(backend).run(fork_graph(probe), "in", run_id=source_id)
+    changed = fork_graph(probe)
+    changed.add_node("extra", probe.task(lambda xs: len(xs)))
+    changed.add_edge("sink", "extra")
+
+    fork = await engine(backend).fork(source_id, at="c", graph=changed, input="new prompt")
+
+    assert fork.results["c"] == {"c_saw": "new prompt"}
+    assert fork.results["extra"] == 2
+    assert (await backend.store.get_run(fork.run_id)).fingerprint == changed.fingerprint()
+
+    renamed = tr.Graph("fork")  # b's kind changed: b is reused, so the fork is refused
+    for node in changed.nodes.values():
+        renamed.add_node(node.id, node.handler, "aggregate" if node.id == "b" else node.kind.value)
+    for edge in changed.edges:
+        renamed.add_edge(edge.source, edge.target)
+    with pytest.raises(GraphMismatch, match="'b': its kind changed"):
+        await engine(backend).fork(source_id, at="c", graph=renamed)
+    fine = await engine(backend).fork(source_id, at="b", graph=renamed)  # b is re-run: free
+    assert fine.status is RunStatus.COMPLETED
+
+
+async def test_v4_fork_behind_a_first_k_decision_reuses_or_redoes_it(backend: Backend) -> None:
+    probe = Probe()
+    source_id = new_id("source")
+    eng = engine(backend)
+    source = await eng.run(fan_graph(probe), 1, run_id=source_id)
+    assert source.results["agg"] == ["xv1:1", "yv1:1"]
+    frozen = await backend.store.frozen_inputs(source_id)
+
+    downstream = await eng.fork(source_id, at="out")  # the decision is reused
+    assert downstream.results["agg"] == source.results["agg"]
+    assert probe.executions("agg") == 1 and probe.executions("out") == 2
+    assert await backend.store.frozen_inputs(downstream.run_id) == frozen
+
+    upstream = await engine(backend).fork(source_id, at="x", graph=fan_graph(probe, "v2"))
+    # Redone: reused inputs count as completed before anything the fork runs.
+    assert upstream.results["agg"] == ["yv1:1", "zv1:1"]
+    assert upstream.results["x"] == "xv2:1"
+    assert [late.source_id for late in upstream.late_inputs] == ["x"]
+
+
+async def test_v4_fork_inside_a_loop_restarts_the_loop_at_the_node(backend: Backend) -> None:
+    probe = Probe()
+    source_id = new_id("loop")
+    g = loop_graph(probe)
+    source = await engine(backend).run(g, None, run_id=source_id)
+    assert source.results["spin"] == 3 and source.visits["spin"] == 3
+
+    fork = await engine(backend).fork(source_id, at="spin", graph=g)
+
+    # Its latest visit ran with 2; the loop runs its max_visits again from there.
+    assert fork.visits["spin"] == 3 and fork.results["spin"] == 5
+    assert fork.results["after"] == {"after": 3}
+    assert probe.executions("seed") == 1
+
+
+async def test_v4_fork_of_a_run_still_running_and_of_one_waiting_on_a_gate(
+    backend: Backend,
+) -> None:
+    probe = Probe()
+    g = fork_graph(probe)
+    probe.held = {"c", "d"}
+    source_id = new_id("live")
+    live = asyncio.create_task(engine(backend).run(g, "in", run_id=source_id))
+    await until(running(backend, source_id, "c", "d"), "c and d running")
+    probe.held = set()
+
+    fork = await engine(backend).fork(source_id, at="b", graph=g)  # d was running: runs again
+
+    assert fork.status is RunStatus.COMPLETED
+    assert probe.executions("a") == 1
+    probe.release_all()
+    assert (await live).status is RunStatus.COMPLETED
+
+    waiting = new_id("gate")
+    eng = engine(backend)
+    assert (await eng.run(gate_graph(probe), "x", run_id=waiting)).status is RunStatus.SUSPENDED
+    asked = await eng.fork(waiting, at="ship", input="self-approved")
+    assert asked.results["ship"] == {"shipped": "self-approved"}
+    again = await eng.fork(waiting, at="prep")
+    assert again.status is RunStatus.SUSPENDED
+    (question,) = again.questions
+    assert question.run_id == again.run_id  # the fork asks in its own name
+    assert len(await backend.store.list_questions(run_id=waiting)) == 1
+
+
+async def test_v4_fork_refuses_bad_input_naming_it(backend: Backend) -> None:
+    probe = Probe()
+    source_id = new_id("source")
+    await engine(backend).run(fork_graph(probe), "in", run_id=source_id)
+    eng = engine(backend)
+    eng.register(fork_graph(probe))
+    with pytest.raises(ValueError, match="no such node"):
+        await eng.fork(source_id, at="nope")
+    changed = fork_graph(probe)
+    changed.add_node("late", probe.task())
+    changed.add_edge("sink", "late")
+    with pytest.raises(ValueError, match="'late' never ran"):
+        await eng.fork(source_id, at="late", graph=changed)
+    with pytest.raises(tr.RunNotFound):
+        await eng.fork(new_id("absent"), at="a")
+    listed = {r.run_id for r in await backend.store.list_runs()}
+    assert listed == {source_id}  # nothing was created by a refused fork
+
+
+async def test_v4_fork_reuses_a_map_upstream_with_its_items_and_reruns_one_downstream(
+    backend: Backend,
+) -> None:
+    calls: list[str] = []
+    g = tr.Graph("mapped")
+
+    @g.task()
+    async def prompts(n: int) -> list[int]:
+        calls.append("prompts")
+        return list(range(n))
+
+    @g.map(required=3)
+    async def sample(i: int) -> int:
+        calls.append(f"sample {i}")
+        return i * i
+
+    @g.task()
+    async def best(samples: list[int]) -> int:
+        calls.append("best")
+        return sum(samples)
+
+    g.chain("prompts", "sample", "best")
+    eng = engine(backend)
+    source_id = new_id("mapped")
+    source = await eng.run(g, 4, run_id=source_id)
+    items = (await backend.store.load_run(source_id)).items
+    assert items and source.results["sample"] == [0, 1, 4]
+    calls.clear()
+
+    after = await eng.fork(source_id, at="best")  # the map and its decision are reused
+
+    assert after.results == source.results and calls == ["best"]
+    assert sorted((await backend.store.load_run(after.run_id)).items) == sorted(items)
+    calls.clear()
+    again = await eng.fork(source_id, at="sample", input=[5, 6, 7])  # the map runs again
+    assert again.results["sample"] == [25, 36, 49] and again.results["best"] == 110
+    assert sorted(calls) == ["best", "sample 5", "sample 6", "sample 7"]

@@ -1,0 +1,229 @@
+"""Faults around versions and forks: a migration racing a live driver, a store failing
+mid-migration, a fork cancelled or SIGKILLed mid-run then resumed (V2, V4, D3, D6).
+
+The stores run on a fake wall clock, so a lease expires when a test says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import tailrace as tr
+from tailrace._errors import LeaseLost, StoreError
+from tailrace.stores import RunStatus, RunStore, SQLiteStore
+from tests import fixtures
+from tests.durable.test_resume import (
+    Backend,
+    Probe,
+    backend,
+    crash,
+    engine,
+    fork_graph,
+    new_id,
+    running,
+    until,
+)
+from tests.faults import _faulty as faulty
+
+__all__ = ["backend"]
+
+TTL = 30.0
+
+
+def versions(probe: Probe) -> tuple[tr.Graph, tr.Graph]:
+    """``fork_graph`` and a second version with a step after its sink."""
+    old, new = fork_graph(probe), fork_graph(probe)
+    new.add_node("extra", probe.task(lambda xs: "extra"))
+    new.add_edge("sink", "extra")
+    return old, new
+
+
+async def test_migrate_racing_a_live_driver_one_side_loses_cleanly(backend: Backend) -> None:
+    probe = Probe()
+    old, new = versions(probe)
+    probe.held = {"c", "d"}
+    run_id = new_id("raced")
+    driver = engine(backend)
+    task = asyncio.create_task(driver.run(old, "in", run_id=run_id))
+    await until(running(backend, run_id, "c", "d"), "c and d running")
+    rows = await backend.raw_nodes(run_id)
+
+    held = await engine(backend).migrate(new, apply=True)  # the driver's lease is live
+
+    assert [m.outcome for m in held.runs] == [tr.MoveOutcome.HELD]
+    assert (await backend.store.get_run(run_id)).fingerprint == old.fingerprint()
+
+    backend.clock.advance(TTL + 1)  # the driver stalls past its lease: it can be taken over
+    moved = await engine(backend).migrate(new, apply=True)
+    assert [m.outcome for m in moved.runs] == [tr.MoveOutcome.MOVED]
+
+    probe.release_all()  # the old driver wakes up and tries to commit: fenced out (D6)
+    with pytest.raises(LeaseLost):
+        await task
+    assert await backend.raw_nodes(run_id) == rows  # nothing of the old driver's was written
+    record = await backend.store.get_run(run_id)
+    assert record.fingerprint == new.fingerprint()
+
+    result = await engine(backend).resume(run_id, new)
+    assert result.status is RunStatus.COMPLETED and result.results["extra"] == "extra"
+    assert probe.runs[("a", 1)] == 1 and probe.runs[("b", 1)] == 1  # reused, not re-run
+
+
+class FailingMoves(faulty.DelegatingStore):
+    """Forwards everything; the ``fail_at``-th ``move_run`` raises before reaching the store."""
+
+    def __init__(self, inner: RunStore, *, fail_at: int) -> None:
+        super().__init__(inner)
+        self.fail_at = fail_at
+        self.moves = 0
+
+    def before(self, name: str) -> None:
+        if name == "move_run":
+            self.moves += 1
+            if self.moves == self.fail_at:
+                raise StoreError("the database went away (injected)")
+
+
+async def test_a_store_failing_mid_migration_moves_each_run_whole_or_not(
+    backend: Backend,
+) -> None:
+    probe = Probe()
+    old, new = versions(probe)
+    ids = []
+    for _ in range(3):
+        probe.held = {"c", "d"}
+        run_id = new_id("batch")
+        task = asyncio.create_task(engine(backend).run(old, "in", run_id=run_id))
+        await until(running(backend, run_id, "c", "d"), "c and d running")
+        await crash(task)
+        ids.append(run_id)
+    probe.held.clear()
+    backend.clock.advance(TTL + 1)  # the crashed runs' leases expire
+    failing = FailingMoves(backend.store, fail_at=2)
+
+    with pytest.raises(StoreError, match="injected"):
+        await tr.Engine(store=failing, lease_ttl=TTL).migrate(new, apply=True)
+
+    fingerprints = [(await backend.store.get_run(r)).fingerprint for r in sorted(ids)]
+    assert fingerprints.count(new.fingerprint()) == 1  # moved before the failure
+    assert fingerprints.count(old.fingerprint()) == 2  # the failed one and the one after
+    for run_id in ids:  # no lease is left behind by the failed move
+        assert (await backend.store.get_run(run_id)).lease_owner is None
+
+    again = await engine(backend).migrate(new, apply=True)
+    assert again.count(tr.MoveOutcome.MOVED) == 2 and again.count(tr.MoveOutcome.CURRENT) == 1
+    for run_id in ids:
+        result = await engine(backend).resume(run_id, new)
+        assert result.results["extra"] == "extra"
+
+
+async def test_a_fork_cancelled_mid_run_resumes_rerunning_only_what_was_in_flight(
+    backend: Backend,
+) -> None:
+    probe = Probe()
+    g = fork_graph(probe)
+    source_id = new_id("source")
+    eng = engine(backend)
+    source = await eng.run(g, "in", run_id=source_id)
+    probe.held = {"c"}
+    fork_id = new_id("fork")
+    task = asyncio.create_task(eng.fork(source_id, at="c", fork_id=fork_id))
+    await until(running(backend, fork_id, "c"), "the fork's c running")
+    await crash(task)
+    probe.held.clear()
+    assert {r.node_id for r in await backend.store.results(fork_id)} == {"a", "b", "d"}
+
+    result = await engine(backend).resume(fork_id, g)
+
+    assert result.results == source.results
+    assert probe.executions("a") == 1 and probe.executions("b") == 1 and probe.executions("d") == 1
+    assert probe.executions("c") == 3  # the source's, the cancelled one, the resumed one
+    assert probe.executions("sink") == 2
+
+
+# --- a real process SIGKILLed during a forked run ------------------------------------------
+
+GRAPH_FILE = """
+    import os, time
+    import tailrace as tr
+
+    LOG = os.environ["VERSIONS_LOG"]
+
+    def logged(name, fn):
+        async def handler(x):
+            with open(LOG, "a") as f:
+                f.write(name + "\\n")
+            if name == "c" and os.environ.get("VERSIONS_HANG") == "1":
+                with open(LOG + ".hung", "w") as f:
+                    f.write("c")
+                time.sleep(3600)
+            return fn(x)
+        return handler
+
+    graph = tr.Graph("killed")
+    graph.add_node("a", logged("a", lambda x: x + 1))
+    graph.add_node("b", logged("b", lambda x: x * 10))
+    graph.add_node("c", logged("c", lambda x: x + 5))
+    graph.add_node("d", logged("d", lambda x: {"d": x}))
+    graph.chain("a", "b", "c", "d")
+"""
+
+FORK_SCRIPT = """
+    import asyncio, sys
+    sys.path.insert(0, sys.argv[1])
+    import tailrace as tr
+    from tailrace.stores import SQLiteStore
+    import killed_graph
+
+    async def main():
+        async with SQLiteStore(sys.argv[2]) as store:
+            engine = tr.Engine(store=store)
+            engine.register(killed_graph.graph)
+            await engine.fork("source", at="c", fork_id="forked")
+
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.slow  # a real subprocess, killed and resumed
+async def test_sigkill_during_a_forked_run_then_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "killed_graph.py").write_text(textwrap.dedent(GRAPH_FILE))
+    (tmp_path / "fork.py").write_text(textwrap.dedent(FORK_SCRIPT))
+    log = tmp_path / "log"
+    monkeypatch.setenv("VERSIONS_LOG", str(log))
+    module = fixtures.load_module("killed_graph", tmp_path / "killed_graph.py")
+    db = tmp_path / "runs.db"
+    async with SQLiteStore(db) as store:
+        source = await tr.Engine(store=store).run(module.graph, 1, run_id="source")
+    assert source.results["d"] == {"d": 25}
+    log.write_text("")
+
+    env = {**os.environ, "VERSIONS_HANG": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, str(tmp_path / "fork.py"), str(tmp_path), str(db), env=env
+    )
+    try:
+        await fixtures.until(lambda: (tmp_path / "log.hung").exists(), "the fork's c running")
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        await child.wait()
+    assert child.returncode == -signal.SIGKILL
+
+    async with SQLiteStore(db) as store:
+        record = await store.get_run("forked")
+        assert (record.forked_from, record.forked_at) == ("source", "c")
+        assert record.status is RunStatus.RUNNING
+        kept = {r.node_id for r in await store.results("forked")}
+        assert kept == {"a", "b"}  # the reused part was durable before c ran
+        result = await tr.Engine(store=store).resume("forked", module.graph)
+    assert result.status is RunStatus.COMPLETED and result.results == source.results
+    assert log.read_text().split() == ["c", "c", "d"]  # c was in flight: it alone re-ran, then d
