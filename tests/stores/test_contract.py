@@ -180,6 +180,15 @@ async def test_commit_keeps_finished_at_when_harvest_has_none(store: RunStore) -
     assert (await store.get_run("r1")).finished_at == 3.0
 
 
+async def test_commit_reports_a_cancel_requested_from_anywhere(store: RunStore) -> None:
+    """W5: the driver of a running run hears a cancel request at its next commit."""
+    token = await leased_run(store)
+    assert await store.commit("r1", token, harvest(state='{"step":1}')) is False
+    assert await store.request_cancel("r1") is RunStatus.RUNNING  # another process asks
+    assert await store.commit("r1", token, harvest(state='{"step":2}')) is True
+    assert (await store.get_run("r1")).state_json == '{"step":2}'  # and the commit landed
+
+
 # --- D1: atomic, append-only ------------------------------------------------------
 
 
@@ -456,7 +465,7 @@ async def test_failing_writes_do_not_poison_their_group(store: RunStore) -> None
         return_exceptions=True,
     )
     kinds = [type(o).__name__ for o in outcomes]
-    assert kinds == ["NoneType"] * 4 + ["StoreError", "LeaseLost", "RunExists"] + ["NoneType"] * 4
+    assert kinds == ["bool"] * 4 + ["StoreError", "LeaseLost", "RunExists"] + ["bool"] * 4
     for r in runs[1:5] + runs[6:]:
         assert (await store.get_run(r)).nodes_done == 1
     assert (await store.get_run("run-0")).nodes_done == 0

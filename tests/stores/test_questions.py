@@ -483,8 +483,8 @@ async def test_harvests_racing_to_apply_one_answer_have_one_winner(backend: Back
             ),
             return_exceptions=True,
         )
-    assert sorted(type(o).__name__ for o in outcomes) == ["AlreadyAnswered"] * 7 + ["NoneType"]
-    [winner] = [r for r, o in zip(runs, outcomes, strict=True) if o is None]
+    assert sorted(type(o).__name__ for o in outcomes) == ["AlreadyAnswered"] * 7 + ["bool"]
+    [winner] = [r for r, o in zip(runs, outcomes, strict=True) if o is False]
     for r in runs:
         won = r == winner
         assert (await store.get_run(r)).state_json == ('{"won":1}' if won else "{}")

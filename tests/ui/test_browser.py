@@ -10,7 +10,9 @@ set), and no page may log a console error (a CSP violation would).
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import shutil
 import threading
 from collections.abc import Iterator
@@ -280,3 +282,69 @@ def test_every_page_renders_for_a_person(
     assert response is not None and response.status == 200
     expect(page.locator("h1").first).to_be_visible()
     page.screenshot(path=shots / f"{name}.png", full_page=True)
+
+
+def cancellable_graph(ticks: int) -> tr.Graph:
+    """``start`` fans out to a gate (``approve -> ship``) and to ``tick``, a short step that
+    loops back to itself (E7), keeping the page's live updates flowing while the gate waits."""
+    g = tr.Graph("cancellable")
+    g.add_node("start", scenarios.only)
+    g.add_node("approve", scenarios.only, tr.NodeKind.GATE)
+    g.add_node("ship", scenarios.only)
+
+    async def tick(x: Any) -> Any:
+        await asyncio.sleep(0.05)
+        return x
+
+    g.add_node("tick", tick, max_visits=ticks)
+    g.add_edge("start", "approve")
+    g.add_edge("approve", "ship")
+    g.add_edge("start", "tick")
+    g.add_edge("tick", "tick")
+    return g
+
+
+def test_the_cancel_button_clicked_while_updates_flow_asks_then_cancels_the_run(
+    site: Site, open_page: Any, shots: Path
+) -> None:
+    """A person clicks Cancel on a live run (a gate waiting, ticks streaming in): one click
+    hits the button, the browser asks, the run ends cancelled and the page says so live."""
+    graph = cancellable_graph(1_000)
+    asked = threading.Event()
+
+    async def drive() -> tr.RunResult:
+        bus = tr.EventBus()
+        bus.subscribe(lambda e: asked.set(), tr.EventType.QUESTION_OPENED)
+        async with scenarios.opened(site.factory) as store:
+            engine = tr.Engine(store=store, bus=bus, lease_ttl=1.5)  # hears a cancel in a beat
+            return await engine.run(graph, "go", run_id="cancel-me")
+
+    run = Background(drive)
+    assert asked.wait(scenarios.GUARD)
+    page = open_page(login(site))
+    dialogs: list[str] = []
+
+    def confirm(dialog: Any) -> None:
+        dialogs.append(dialog.message)
+        dialog.accept()
+
+    page.on("dialog", confirm)
+    page.goto(f"{site.url}/runs/cancel-me")
+    expect(page.locator("body")).to_have_attribute("data-stream", "open", timeout=WAIT_MS)
+    expect(page.locator("#run-status")).to_have_text("running")
+    expect(page.locator("#run-gantt g.bar.o-waiting")).to_have_count(1)
+    events = page.locator("#event-rows tr")
+    seen = events.count()
+    expect(events).not_to_have_count(seen, timeout=WAIT_MS)  # updates flow while we click
+    page.screenshot(path=shots / "cancel-live.png", full_page=True)
+    page.locator("#cancel-form button[type=submit]").click()  # one ordinary click
+    page.wait_for_url("**/runs/cancel-me?cancelled=1")
+    assert dialogs == ["Cancel run cancel-me? Its nodes stop and it cannot be resumed."]
+    expect(page.locator("#flash")).to_contain_text("You asked to cancel this run.")
+    expect(page.locator("#run-status")).to_have_text("cancelled", timeout=WAIT_MS)
+    assert run.join().status == "cancelled"
+    expect(page.locator("#run-gantt g.bar.o-waiting")).to_have_count(0)
+    expect(page.locator("g.node[data-node='approve']")).to_have_class(re.compile(r"st-cancelled"))
+    expect(page.locator("body")).not_to_contain_text("running now")
+    expect(page.locator("body")).not_to_contain_text("waiting for an answer from")
+    page.screenshot(path=shots / "cancelled.png", full_page=True)

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -160,3 +161,141 @@ def test_a_missing_store_a_memory_store_and_a_busy_port_are_one_line_errors(tmp_
         port = busy.getsockname()[1]
         taken = runner.invoke(app, ["ui", "--db", str(tmp_path / "t.db"), "--port", str(port)])
     assert taken.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in taken.output
+
+
+# -- --langgraph: a LangGraph thread's answers applied by the dashboard's own process ------------
+
+REVIEW_MODULE = """
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, TypedDict
+
+from langgraph.checkpoint.sqlite import SqliteSaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import interrupt
+
+HERE = Path(__file__).parent
+
+
+class State(TypedDict, total=False):
+    topic: str
+    approved: Any
+
+
+def log(line: str) -> None:
+    with (HERE / "ran.log").open("a") as f:
+        f.write(line + "\\n")
+
+
+def review(state: State) -> State:
+    answer = interrupt(f"publish {state['topic']}?")
+    log(f"review-after:{answer}")
+    for _ in range(1200):  # held until the test releases it (a step a SIGKILL can cut)
+        if not (HERE / "hold").exists():
+            break
+        time.sleep(0.05)
+    return {"approved": answer}
+
+
+def publish(state: State) -> State:
+    log("publish")
+    return {}
+
+
+builder = StateGraph(State)
+builder.add_node("review", review)
+builder.add_node("publish", publish)
+builder.add_edge(START, "review")
+builder.add_edge("review", "publish")
+builder.add_edge("publish", END)
+graph = builder.compile(
+    checkpointer=SqliteSaver(sqlite3.connect(HERE / "checkpoints.db", check_same_thread=False)),
+    name="review",
+)
+"""
+
+
+def langgraph_thread_db(tmp_path: Path) -> tuple[Path, Path, str]:
+    """A thread of ``review`` (the module above, on a checkpoint file) waiting on its interrupt."""
+    pytest.importorskip("langgraph")
+    from tailrace.graph import load_file_module
+    from tailrace.integrations.langgraph import LangGraphDriver  # the langgraph extra
+
+    module = tmp_path / "review.py"
+    module.write_text(REVIEW_MODULE)
+    graph = load_file_module(str(module)).graph
+    db = tmp_path / "runs.db"
+
+    async def start() -> str:
+        async with scenarios.opened(scenarios.sqlite_factory(db)) as store:
+            [question] = await LangGraphDriver(graph, store, name="review").start(
+                "thread-1", {"topic": "tides"}
+            )
+            return question.question_id
+
+    return db, module, asyncio.run(start())
+
+
+def thread_state(db: Path) -> tuple[Any, Any, float | None]:
+    async def read() -> tuple[Any, Any, float | None]:
+        async with scenarios.opened(scenarios.sqlite_factory(db)) as store:
+            run = await store.get_run("thread-1")
+            [question] = await store.list_questions(run_id="thread-1")
+            return run.status.value, question.status.value, run.lease_expires
+
+    return asyncio.run(read())
+
+
+def until(check: Any, what: str) -> None:
+    """Poll the observed state until ``check()`` holds (a hang guard, not a timing assertion)."""
+    deadline = time.monotonic() + DEADLINE
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_ui_langgraph_names_twice_are_refused_in_one_line(tmp_path: Path) -> None:
+    db, module, _ = langgraph_thread_db(tmp_path)
+    spec = f"review={module}:graph"
+    result = CliRunner().invoke(
+        app, ["ui", "--db", str(db), "--port", "0", "--langgraph", spec, "--langgraph", spec]
+    )
+    assert result.exit_code == 2 and "graphs named twice: review" in result.output, result.output
+
+
+@pytest.mark.slow
+def test_ui_langgraph_applies_answers_and_a_sigkilled_dashboard_s_thread_is_taken_over_once(
+    tmp_path: Path, stopped: list[subprocess.Popen[str]]
+) -> None:
+    """The dashboard's process is SIGKILLed inside the resumed step; a second dashboard takes
+    the thread over: the answer is applied (never superseded), the step after it runs once."""
+    db, module, qid = langgraph_thread_db(tmp_path)
+    (tmp_path / "hold").touch()
+    args = ("--db", str(db), "--port", "0", "--token", "t0ken", "--lease-ttl", "1")
+    args += ("--langgraph", f"review={module}:graph")
+    first, lines = start(*args)
+    stopped.append(first)
+    with httpx.Client(base_url=lines[-1].removeprefix("open ").removesuffix("/runs")) as client:
+        answered = client.post(f"/answer/{qid}", data={"answer": '"yes"', "token": "t0ken"})
+    assert answered.status_code == 303
+    ran = tmp_path / "ran.log"
+    until(lambda: ran.exists() and "review-after:yes" in ran.read_text(), "the step never ran")
+    first.kill()  # inside the resumed step: LangGraph committed nothing of it
+    first.wait(DEADLINE)
+    assert thread_state(db)[:2] == ("running", "answered")
+    (tmp_path / "hold").unlink()
+    until(lambda: (thread_state(db)[2] or 0) < time.time(), "the dead dashboard's lease")
+    second, lines = start(*args)
+    stopped.append(second)
+    with httpx.Client(base_url=lines[-1].removeprefix("open ").removesuffix("/runs")) as client:
+        orphan = client.get("/runs/thread-1").text
+        resumed = client.post("/resume/runs/thread-1", data={"token": "t0ken"})
+        assert resumed.status_code == 303
+        until(lambda: thread_state(db)[:2] == ("completed", "applied"), "the takeover")
+        page = client.get("/runs/thread-1").text
+    assert "Resume here" in orphan
+    assert ran.read_text().splitlines().count("publish") == 1  # a committed step never re-runs
+    assert 'class="pill q-pill-applied">applied</span>' in page
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(DEADLINE) == -signal.SIGTERM

@@ -8,7 +8,7 @@ from tailrace._attempts import Attempt, Outcome
 from tailrace.stores import ArtifactVersion, EventRow, NodeRow
 from tailrace.ui._curve import reward_curve, version_rows
 from tailrace.ui._gantt import LABEL_W, TRACK_W, gantt
-from tailrace.ui._layout import layout, shape_from_store, shape_of_graph
+from tailrace.ui._layout import layout, nodes_from_events, shape_from_store, shape_of_graph
 from tailrace.ui._security import script_json, token_matches
 from tests.ui.support import scenarios
 
@@ -54,6 +54,63 @@ def test_the_stored_shape_holds_nodes_that_ran_and_the_edges_decisions_name() ->
     assert {(e.source, e.target) for e in shape.edges} == {("a", "m"), ("b", "m"), ("c", "m")}
     assert {n.id: n.kind for n in shape.nodes}["m"] == "aggregate"
     assert not shape.complete
+
+
+def started(structure: object, seq: int = 1) -> EventRow:
+    data = json.dumps({"graph": "g", "structure": structure})
+    return EventRow(seq=seq, type="run_started", node_id=None, visit=None, attempt=None, ts=0.0,
+                    data_json=data)  # fmt: skip
+
+
+def test_the_structure_a_run_stored_draws_its_graph_whole_without_its_code() -> None:
+    structure = scenarios.research.structure()
+    shape = shape_from_store({}, [started(structure)])
+    assert shape.complete
+    assert [n.id for n in shape.nodes] == list(scenarios.research.nodes)
+    assert {(e.source, e.target, e.route) for e in shape.edges} == {
+        (e.source, e.target, e.route) for e in scenarios.research.edges
+    }
+    assert shape == shape_of_graph(scenarios.research)
+
+
+def test_a_node_the_records_name_beyond_the_stored_structure_is_drawn_too() -> None:
+    later = EventRow(seq=2, type="node_started", node_id="added", visit=1, attempt=1, ts=0.1,
+                     data_json="{}")  # fmt: skip
+    shape = shape_from_store({}, [started({"nodes": [["a", "task"]], "edges": []}), later])
+    assert [n.id for n in shape.nodes] == ["a", "added"]
+
+
+def test_a_stored_structure_that_does_not_read_is_not_drawn_and_the_records_are() -> None:
+    ran = EventRow(seq=2, type="node_started", node_id="a", visit=1, attempt=1, ts=0.1,
+                   data_json="{}")  # fmt: skip
+    bad = [
+        "not a structure",
+        {"nodes": "a", "edges": []},
+        {"nodes": [["a", "task"]], "edges": [["a", "nowhere", None]]},  # an edge to no node
+        {"nodes": [["a", "task"], ["a", "gate"]], "edges": []},  # one id twice
+        {"nodes": [["a", 7]], "edges": []},
+        {"nodes": [["a", "task"]], "edges": [["a", "a", {"x": 1}]]},
+        {"nodes": [["a", "task", "extra"]], "edges": []},
+    ]
+    for structure in bad:
+        shape = shape_from_store({}, [started(structure), ran])
+        assert not shape.complete, structure
+        assert [n.id for n in shape.nodes] == ["a"], structure
+
+
+def test_node_rows_from_events_give_each_node_its_last_state_and_visits() -> None:
+    def event(seq: int, type: str, node: str, visit: int) -> EventRow:
+        return EventRow(seq=seq, type=type, node_id=node, visit=visit, attempt=1, ts=seq,
+                        data_json="{}")  # fmt: skip
+
+    rows = nodes_from_events([
+        event(1, "node_started", "review", 1), event(2, "question_opened", "review", 1),
+        event(3, "node_started", "plan", 1), event(4, "node_completed", "plan", 1),
+        event(5, "node_started", "plan", 2), event(6, "node_failed", "plan", 2),
+    ])  # fmt: skip
+    assert {n: (r.status, r.visits) for n, r in rows.items()} == {
+        "review": ("waiting", 1), "plan": ("failed", 2),
+    }  # fmt: skip
 
 
 def attempt(label: str, start: float, end: float, outcome: Outcome, **kw: object) -> Attempt:

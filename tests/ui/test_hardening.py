@@ -8,6 +8,7 @@ import re
 import socket
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
@@ -414,3 +415,28 @@ def test_a_graph_that_does_not_import_is_explained_for_each_run_as_its_own(
         second = client.get("/runs/second-run").text
     assert "cannot import its graph" in first and "cannot import its graph" in second
     assert "first-run" not in second.replace('href="/runs/first-run"', "")
+
+
+def test_the_readme_graph_run_from_its_file_is_drawn_with_every_edge_without_graphs(
+    sqlite_db: Factory,
+) -> None:
+    """The README's command runs ``examples/research.py:graph``, a file reference the dashboard
+    never executes: the structure the run stored draws it whole, every edge and route."""
+    from tailrace.graph import load_file_module
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "research.py"
+    graph = load_file_module(str(path)).graph
+
+    async def run() -> None:
+        async with scenarios.opened(sqlite_db) as store:
+            engine = tr.Engine(store=store)
+            await engine.run(graph, "tail latency", run_id="readme", graph_ref=f"{path}:graph")
+
+    asyncio.run(run())
+    with dashboard(sqlite_db) as client:
+        page = client.get("/runs/readme").text
+    drawn = set(re.findall(r"<title>([\w-]+) → ([\w-]+)(?: \(route [\w-]+\))?</title>", page))
+    assert drawn == {(e.source, e.target) for e in graph.edges}
+    assert page.count('<path class="edge') == len(graph.edges)
+    assert "drawn whole: from the structure the run stored when it started" in page
+    assert "which a stored reference never executes" in page  # and why its code is not loaded

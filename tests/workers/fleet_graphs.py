@@ -142,3 +142,18 @@ async def crawl(x: int) -> int:
 
 
 slow.add_edge("warm", "crawl")
+
+# -- four short steps (a claim racing a cancel, tests/faults) ---------------------------------------
+
+RACE_STEPS = ("first", "second", "third", "last")
+race = tr.Graph("claim_race")
+
+for _name in RACE_STEPS:
+
+    async def _race_step(x: int) -> int:
+        _log()
+        await asyncio.sleep(0.02)  # short: the race is at the claim, not in a long wait
+        return x + 1
+
+    race.add_node(_name, _race_step)
+race.chain(*RACE_STEPS)

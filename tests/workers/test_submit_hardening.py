@@ -162,6 +162,41 @@ async def test_a_cancel_right_after_a_claim_is_never_lost(store) -> None:
     assert [e.type for e in await store.events(run_id)][-1] == "run_cancelled"
 
 
+async def test_a_cancel_from_another_engine_is_heard_at_the_next_commit(store) -> None:
+    """W5: a plain ``engine.run`` (no worker, a heartbeat far off) asked to cancel by another
+    engine on the store ends cancelled at its next harvest: no node after it runs."""
+    started: list[str] = []
+    release = asyncio.Event()
+    g = Graph("heard")
+
+    @g.task(name="first")
+    async def first(x: int) -> int:
+        started.append("first")
+        await release.wait()
+        return x
+
+    for name in ("second", "third", "fourth"):
+
+        async def step(x: int, name: str = name) -> int:
+            started.append(name)
+            await asyncio.sleep(0)
+            return x
+
+        g.add_node(name, step)
+    g.chain("first", "second", "third", "fourth")
+    driver, other = Engine(store=store, lease_ttl=300.0), Engine(store=store)
+    run = asyncio.create_task(driver.run(g, 1, run_id="heard", durability="sync"))
+    await fixtures.until(lambda: started == ["first"], "first to start")
+    # Recorded for the driver to hear; a commit still in flight may report it at once.
+    assert await other.cancel("heard") in ("running", "cancelled")
+    release.set()
+    result = await asyncio.wait_for(run, fixtures.HANG_GUARD)
+    assert result.status is RunStatus.CANCELLED
+    assert "fourth" not in started  # heard at the commit of first's harvest
+    done = {r.node_id for r in await store.results("heard")}
+    assert done <= {"first", "second"}, done
+
+
 @pytest.mark.parametrize(
     ("option", "value", "says"),
     [

@@ -437,10 +437,9 @@ async def _answer_with_drivers(
             f"answered {question_id}; thread {record.run_id} failed: {after.error or 'unknown'}"
         )
     if outcome == "deferred":
-        return text(
-            f"answered {question_id}; recorded, not applied here ({after.error}): ",
-            _apply_hint(record),
-        )
+        why = (await store.get_question(question_id)).apply_error or after.error
+        return text(f"answered {question_id}; recorded, not applied here ({why}): ",
+                    _apply_hint(record))  # fmt: skip
     return text(f"answered {question_id}; thread {record.run_id}: {outcome}, {after.status}")
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
-from typing import Annotated
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any
 
 import typer
 
-from ..stores import open_store
+from ..stores import RunStore, open_store
+from ._fleet import load_langgraph, open_langgraph
 from ._load import load_graphs
 from ._render import text
 from ._session import console, db_location, errors, fail, shown_location, with_store
@@ -30,6 +33,25 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+Opening = Callable[[RunStore], contextlib.AbstractAsyncContextManager[Any]]
+
+
+def _drivers(specs: Sequence[str], lease_ttl: float) -> list[Opening]:
+    """``--langgraph`` specs as what opens each driver over the dashboard's store."""
+
+    def opener(name: str | None, source: Any) -> Opening:
+        return lambda store: open_langgraph(source, store, name, lease_ttl)
+
+    return [opener(name, source) for name, source in (load_langgraph(s) for s in specs)]
+
+
+async def _check_drivers(store: RunStore, drivers: Sequence[Opening]) -> list[str]:
+    """Open each driver once before serving (one clear line if one cannot); names given twice."""
+    async with contextlib.AsyncExitStack() as stack:
+        names = [(await stack.enter_async_context(opening(store))).name for opening in drivers]
+    return sorted({n for n in names if names.count(n) > 1})
+
+
 def ui(
     db: Annotated[
         str | None,
@@ -49,6 +71,10 @@ def ui(
     artifact: Annotated[
         list[str] | None, typer.Option("--artifact", help="An evolve artifact id to list on the evolution page (repeatable)."),
     ] = None,
+    langgraph: Annotated[
+        list[str] | None,
+        typer.Option("--langgraph", help="[NAME=]MODULE_OR_FILE:ATTR, a compiled LangGraph graph (or a function or context manager making one) whose threads' answers are applied here (repeatable). Give each a NAME=: LangGraph names every graph 'LangGraph'."),
+    ] = None,
     lease_ttl: Annotated[
         float, typer.Option("--lease-ttl", min=0.001, envvar="TAILRACE_LEASE_TTL", help="Lease seconds of runs resumed here."),
     ] = 30.0,
@@ -61,8 +87,8 @@ def ui(
     one generated and printed here); log in at ``/login`` with it once and
     the browser remembers it (an HttpOnly cookie).
     An answered question's run resumes in this process when its graph is
-    importable or named with ``--graphs``; otherwise ``tailrace serve``
-    applies it.
+    importable or named with --graphs, and a LangGraph thread's when its
+    graph is named with --langgraph; otherwise tailrace serve applies it.
     """
     try:
         # The web extra is optional (starlette, uvicorn, jinja2): imported only by this command.
@@ -78,7 +104,16 @@ def ui(
             "a memory store lives inside one process: point --db at a SQLite file or a postgresql:// URL"
         )
     loaded = load_graphs(graphs)
+    drivers = _drivers(langgraph or [], lease_ttl)
     with_store(db, lambda store: store.list_runs(limit=1), read_only=read_only)  # fails in one line
+    if drivers and not read_only:
+        twice = with_store(db, lambda store: _check_drivers(store, drivers))
+        if twice:
+            raise typer.BadParameter(
+                f"graphs named twice: {', '.join(twice)}; give each its own NAME= "
+                "(LangGraph names every graph 'LangGraph')",
+                param_hint="'--langgraph'",
+            )
     secret = token or new_token()
     config = UiConfig(
         store=lambda ro: open_store(location, read_only=ro),
@@ -86,6 +121,7 @@ def ui(
         location=shown_location(location),
         read_only=read_only,
         graphs=loaded,
+        drivers=drivers,
         artifacts=tuple(artifact or ()),
         allowed_hosts=LOOPBACK_HOSTS if is_loopback(host) else ("*",),
         reading_needs_token=not is_loopback(host),

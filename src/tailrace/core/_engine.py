@@ -174,7 +174,7 @@ class Engine:
         )
         async with writer.leased(self._lease(run_id)):
             loop = self._loop_for(run_id, state, writer)
-            loop.emit(EventType.RUN_STARTED, graph=graph.name)
+            loop.emit(EventType.RUN_STARTED, graph=graph.name, structure=graph.structure())
             result = await loop.drive()
         return await self._with_questions(result)
 
@@ -696,7 +696,8 @@ class Engine:
                     )
                     if stored.run.cancel_requested_at is not None:
                         loop.request_cancel()  # asked between the claim and this start
-                    loop.emit(EventType.RUN_STARTED, graph=graph.name)
+                    loop.emit(EventType.RUN_STARTED, graph=graph.name,
+                              structure=graph.structure())  # fmt: skip
                     result = await loop.drive()
                 result = await self._with_questions(result)
                 return await self._settle(result, graph, False)

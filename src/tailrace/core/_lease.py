@@ -50,7 +50,8 @@ class Lease:
 
     ``ttl`` is the lease lifetime in seconds, renewed every ``ttl / 3``.
     ``on_cancel_request`` is called once when the store records a cancel
-    request for the run (``Engine.cancel`` from another process). Entering
+    request for the run (``Engine.cancel`` from another process): heard by a
+    heartbeat, or by a commit that reports it (:meth:`cancel_requested`). Entering
     acquires the lease (``token`` is its fencing token); leaving releases it,
     shielded from cancellation. If a heartbeat finds the lease taken over,
     the holding task is cancelled and the ``async with`` raises
@@ -74,6 +75,7 @@ class Lease:
         #: Set when a heartbeat found the lease taken over.
         self.lost: LeaseLost | None = None
         self._on_cancel_request = on_cancel_request
+        self._heard = False
         self._holder: asyncio.Task[object] | None = None
         self._stop = asyncio.Event()
         self._beat: asyncio.Task[None] | None = None
@@ -109,8 +111,13 @@ class Lease:
         if self.lost is None:
             await release_quietly(self.store, self.run_id, self.owner, self.token)
 
+    def cancel_requested(self) -> None:
+        """The store says a cancel of the run is requested: tell the run, once (W5)."""
+        if not self._heard and self._on_cancel_request is not None:
+            self._heard = True
+            self._on_cancel_request()
+
     async def _heartbeat(self) -> None:
-        heard = False
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.ttl / 3)
@@ -118,13 +125,12 @@ class Lease:
                 return
             try:
                 await self.store.heartbeat(self.run_id, self.owner, self.token, self.ttl)
-                if not heard and self._on_cancel_request is not None:
-                    # A plain engine.run hears a cancel request from another
-                    # process here, within a beat.
+                if not self._heard and self._on_cancel_request is not None:
+                    # A run that commits nothing for a while (a long handler) hears
+                    # a cancel request from another process here, within a beat.
                     record = await self.store.get_run(self.run_id)
                     if record.cancel_requested_at is not None:
-                        heard = True
-                        self._on_cancel_request()
+                        self.cancel_requested()
             except LeaseLost as exc:
                 self.lost = exc
                 assert self._holder is not None

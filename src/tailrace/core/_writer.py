@@ -344,7 +344,9 @@ class RunWriter:
                     else:
                         with paused_gc():
                             harvest = pending.harvest(self.topo.ids)
-                    await self.store.commit(self.run_id, self.token, harvest)
+                    cancel = await self.store.commit(self.run_id, self.token, harvest)
+                    if cancel and self.lease is not None:
+                        self.lease.cancel_requested()  # asked from elsewhere: end at the next harvest
         except Exception as exc:
             # Nothing harvested after a failed write may be written (D2); the run
             # loop is woken to stop dispatching, cancel its attempts and re-raise.

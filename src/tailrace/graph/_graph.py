@@ -255,6 +255,25 @@ class Graph:
             "edges": [edge.to_dict() for edge in self.edges],
         }
 
+    def structure(self) -> dict[str, Any]:
+        """The graph's nodes and edges without handlers, as a run stores it to be drawn.
+
+        ``{"nodes": [[id, kind], ...], "edges": [[source, target, route], ...]}``
+        in definition order. A durable run stores it with its ``run_started``
+        event, so tools draw the run's graph whole without importing its code.
+
+        >>> g = Graph("g")
+        >>> _ = g.add_node("a", lambda x: x)
+        >>> _ = g.add_node("b", lambda x: x)
+        >>> _ = g.add_edge("a", "b")
+        >>> g.structure()
+        {'nodes': [['a', 'task'], ['b', 'task']], 'edges': [['a', 'b', None]]}
+        """
+        return {
+            "nodes": [[node.id, node.kind.value] for node in self.nodes.values()],
+            "edges": [[edge.source, edge.target, edge.route] for edge in self.edges],
+        }
+
     def to_json(self) -> str:
         """:meth:`to_dict` as canonical JSON text."""
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))

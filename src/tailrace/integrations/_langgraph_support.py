@@ -157,19 +157,27 @@ def encode(value: Any) -> str:
         return DEFAULT_CODEC.encode(repr(value))
 
 
-def turn_of(record: RunRecord) -> int:
-    """The thread's turn as the driver stored it in the run row."""
+def state_of(record: RunRecord) -> dict[str, Any]:
+    """The run row's state as the driver stored it (empty when it is not the driver's)."""
     try:
         state = DEFAULT_CODEC.decode(record.state_json)
     except ValueError:
-        return 0
-    turn = state.get("turn", 0) if isinstance(state, dict) else 0
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def turn_of(record: RunRecord) -> int:
+    """The thread's turn as the driver stored it in the run row."""
+    turn = state_of(record).get("turn", 0)
     return turn if isinstance(turn, int) else 0
 
 
-def state_json(turn: int) -> str:
-    """The run row's state for a LangGraph thread at ``turn``."""
-    return DEFAULT_CODEC.encode({"driver": "langgraph", "turn": turn})
+def state_json(turn: int, events: Mapping[str, Any] | None = None) -> str:
+    """The run row's state for a LangGraph thread at ``turn``, with its event counters."""
+    state: dict[str, Any] = {"driver": "langgraph", "turn": turn}
+    if events is not None:
+        state["events"] = dict(events)
+    return DEFAULT_CODEC.encode(state)
 
 
 # --- LangGraph's objects -------------------------------------------------------------

@@ -75,10 +75,11 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from .._codec import DEFAULT_CODEC
-from .._errors import NotResumable, RunExists, RunNotFound
+from .._errors import NotResumable, RunError, RunExists, RunNotFound
 from ..gates import Outcome, WaitState
 from ..stores import (
     TERMINAL_STATUSES,
+    EventRow,
     Harvest,
     NewRun,
     QuestionRow,
@@ -88,13 +89,14 @@ from ..stores import (
     RunStore,
 )
 from . import _langgraph_support as lg
+from ._langgraph_events import StepLog, structure_of
 from ._langgraph_leases import Lease, ThreadLeases
 from ._langgraph_support import Pending, as_gate_timeout, machine_gate
 from ._langgraph_worker import SettlingWorker
 
 logger = logging.getLogger("tailrace.integrations.langgraph")
 
-__all__ = ["LangGraphDriver", "as_gate_timeout", "machine_gate", "open_driver"]
+__all__ = ["CheckpointMissing", "LangGraphDriver", "as_gate_timeout", "machine_gate", "open_driver"]
 
 #: ``graph_name`` of the run rows this driver creates is this prefix plus its name.
 GRAPH_NAME_PREFIX = "langgraph:"
@@ -103,6 +105,17 @@ FINGERPRINT = "langgraph"
 
 #: Answers one graph step applies: question id -> (interrupt id, value).
 _Batch = dict[str, tuple[str, Any]]
+
+
+class CheckpointMissing(RunError):
+    """LangGraph's checkpointer has nothing for a thread the ledger saw stop on an interrupt.
+
+    The driver's graph does not share the checkpointer that ran the thread (an
+    ``InMemorySaver`` lives inside one process; a file or database another
+    driver does not open). Nothing can be judged applied or superseded from
+    such a checkpointer, so the answer stays ``answered``, deferred with this
+    message, for a driver on the right checkpointer to apply.
+    """
 
 
 class LangGraphDriver:
@@ -166,6 +179,8 @@ class LangGraphDriver:
             store=store, target=self, owner=f"{self.owner}/resume", lease_ttl=lease_ttl
         )
         self._leases = ThreadLeases(store, self.owner, lease_ttl)
+        #: What graph steps did, stored as the thread's events with the next bookkeeping commit.
+        self._log = StepLog()
 
     # -- naming -------------------------------------------------------------------
 
@@ -203,7 +218,7 @@ class LangGraphDriver:
             unapplied = await self.store.list_questions(run_id=key)
             waiting = {q.question_id for q in unapplied if q.applied_at is None}
             return WaitState(questions=frozenset(waiting), turn=lg.turn_of(record))
-        pending = await self._pending(key)
+        pending = lg.pending_interrupts(await self._checkpoint(key, record))
         turn = 0 if record is None else lg.turn_of(record)
         return WaitState(questions=frozenset(self.question_id(key, i) for i in pending), turn=turn)
 
@@ -226,10 +241,11 @@ class LangGraphDriver:
         is not a thread of this driver's graph raises
         :class:`~tailrace.NotResumable` too.
         """
-        if not self._drives(await self.store.get_run(key)):
+        record = await self.store.get_run(key)
+        if not self._drives(record):
             raise NotResumable(f"run {key!r} is not a thread of {GRAPH_NAME_PREFIX + self.name!r}")
         async with self._leases.for_step(key) as lease:
-            pending = await self._pending(key)
+            pending = lg.pending_interrupts(await self._checkpoint(key, record))
             match = [i for i in pending if self.question_id(key, i) == question.question_id]
             if not match:
                 raise NotResumable(
@@ -267,6 +283,8 @@ class LangGraphDriver:
             )
         async with self._leases.own(thread_id) as lease:
             if not lg.has_checkpoint(await self._snapshot(thread_id)):
+                self._log.run_started(thread_id, GRAPH_NAME_PREFIX + self.name,
+                                      structure_of(self.graph))  # fmt: skip
                 await self._step_or_record_failure(thread_id, input, lease)
             questions = await self._record(thread_id, lease.token)
         await self.worker.settle(thread_id)  # answers that found the thread busy meanwhile
@@ -307,6 +325,33 @@ class LangGraphDriver:
             self._check_orphan(record)
             await self._take_over(record, lease)
         await self.worker.settle(thread_id)
+
+    async def resume(self, thread_id: str) -> RunStatus:
+        """Apply the answers waiting for thread ``thread_id``, as a dashboard's resume does (Q3).
+
+        A thread whose driver died mid-step (``running``, its lease expired)
+        is taken over first (:meth:`adopt`); then each answered interrupt
+        nobody applied is applied through the driver's resume worker, which
+        defers one it cannot apply with the reason (a failed step, a
+        checkpointer without the thread: :class:`CheckpointMissing`) on the
+        question, for a sweep to retry. Returns the thread's status
+        afterwards. Raises :class:`~tailrace.NotResumable` for a run that is
+        not a thread of this graph or that finished, and
+        :class:`~tailrace.LeaseHeld` while another driver takes it over.
+        """
+        record = await self.store.get_run(thread_id)
+        if not self._drives(record):
+            raise NotResumable(
+                f"run {thread_id!r} is not a thread of {GRAPH_NAME_PREFIX + self.name!r}"
+            )
+        if record.status in TERMINAL_STATUSES:
+            raise NotResumable(f"thread {thread_id!r} is {record.status}: nothing to resume")
+        orphaned = record.lease_expires is None or record.lease_expires < time.time()
+        if record.status is RunStatus.RUNNING and orphaned:
+            await self.adopt(thread_id)  # it settles the thread's answers too
+        else:
+            await self.worker.settle(thread_id)
+        return (await self.store.get_run(thread_id)).status
 
     async def answer(self, question_id: str, value: Any, by: str | None = None) -> Outcome:
         """Answer ``question_id`` with ``value`` (first answer wins, Q2), then resume its thread.
@@ -356,6 +401,7 @@ class LangGraphDriver:
                 record, lease, f"its step failed, with no answer to retry it: {record.error}"
             )
         elif not lg.has_checkpoint(snapshot):
+            self._check_checkpoint(record, snapshot)  # a thread that once suspended had one
             await self._fail(record, lease, "its driver died before LangGraph saved a checkpoint")
         else:
             if not lg.pending_interrupts(snapshot) and lg.stopped_mid_graph(snapshot):
@@ -373,6 +419,8 @@ class LangGraphDriver:
     ) -> None:
         """Resume the interrupts of ``batch`` in one graph step; record it, marking the answers applied."""
         await self._mark_running(key, lease.token)
+        nodes = {q.question_id: q.node_id for q in await self.store.list_questions(run_id=key)}
+        self._log.resumed(key, [(qid, nodes.get(qid, "")) for qid in batch])
         command = self._command(resume={iid: value for iid, value in batch.values()})
         try:
             await self._drive(key, command, lease, strict=True)
@@ -427,9 +475,9 @@ class LangGraphDriver:
 
         ``applied`` names answers the step just applied; they are marked in the same commit.
         """
-        snapshot = await self._snapshot(thread_id)
-        pending = lg.pending_interrupts(snapshot)
         record = await self.store.get_run(thread_id)
+        snapshot = await self._checkpoint(thread_id, record)
+        pending = lg.pending_interrupts(snapshot)
         ledger = {q.question_id: q for q in await self.store.list_questions(run_id=thread_id)}
         ids = {self.question_id(thread_id, i): p for i, p in pending.items()}
         turn = lg.turn_of(record)
@@ -446,17 +494,32 @@ class LangGraphDriver:
             if q.status is QuestionStatus.OPEN and q.question_id not in ids
         ]
         status = lg.status_of(snapshot, pending)
+        events, counters = await self._events(record, list(rows.values()), status, error)
         harvest = Harvest(
-            state_json=lg.state_json(turn),
+            state_json=lg.state_json(turn, counters),
             status=status,
             error=error,
+            events=events,
             questions=list(rows.values()),
             applied=applied or (),
             superseded=stale,
             finished_at=now if status is RunStatus.COMPLETED else None,
         )
         await self._commit(record, token, harvest)
+        self._log.committed(thread_id)
         return [rows.get(qid) or ledger[qid] for qid in ids]
+
+    async def _events(
+        self, record: RunRecord, opened: list[QuestionRow], status: RunStatus, error: str | None
+    ) -> tuple[list[EventRow], dict[str, Any]]:
+        """The events a bookkeeping commit stores, numbered after any the store already holds."""
+        state = lg.state_of(record)
+        known = StepLog.stored_seq(state)
+        later = await self.store.events(record.run_id, after_seq=known)  # written by others
+        last = later[-1].seq if later else known
+        return self._log.rows(
+            record, state, opened=opened, status=status, last_seq=last, error=error
+        )
 
     async def _record_after_failure(
         self, thread_id: str, token: int, exc: Exception | None
@@ -472,14 +535,14 @@ class LangGraphDriver:
         """Record that a step began (and leave ``suspended``, so the next suspension is legal)."""
         record = await self.store.get_run(thread_id)
         if record.status is RunStatus.SUSPENDED:
-            harvest = Harvest(state_json=lg.state_json(lg.turn_of(record)))
-            await self.store.commit(thread_id, token, harvest)
+            await self.store.commit(thread_id, token, Harvest(state_json=record.state_json))
 
     async def _commit(self, record: RunRecord, token: int, harvest: Harvest) -> None:
         if record.status in TERMINAL_STATUSES:
             return  # a finished thread's row is final; LangGraph has nothing pending either
         unchanged = (
-            not harvest.questions
+            not harvest.events
+            and not harvest.questions
             and not harvest.superseded
             and not harvest.applied
             and harvest.error is None
@@ -511,6 +574,24 @@ class LangGraphDriver:
             return await self.graph.aget_state(config)
         return await asyncio.to_thread(self.graph.get_state, config)
 
+    async def _checkpoint(self, thread_id: str, record: RunRecord | None) -> Any:
+        """LangGraph's latest snapshot of ``thread_id``, checked against what the ledger recorded."""
+        snapshot = await self._snapshot(thread_id)
+        if record is not None:
+            self._check_checkpoint(record, snapshot)
+        return snapshot
+
+    def _check_checkpoint(self, record: RunRecord, snapshot: Any) -> None:
+        """Raise CheckpointMissing when ``record``'s thread suspended once but ``snapshot`` is empty."""
+        if lg.turn_of(record) > 0 and not lg.has_checkpoint(snapshot):
+            raise CheckpointMissing(
+                f"thread {record.run_id!r} stopped on an interrupt (turn {lg.turn_of(record)}), "
+                f"but the checkpointer of {GRAPH_NAME_PREFIX + self.name!r} has no checkpoint "
+                "of it: this graph does not share the checkpointer that ran the thread (an "
+                "InMemorySaver lives inside one process); give every driver a checkpointer "
+                "on one shared database"
+            )
+
     async def _pending(self, thread_id: str) -> dict[str, Pending]:
         return lg.pending_interrupts(await self._snapshot(thread_id))
 
@@ -522,12 +603,21 @@ class LangGraphDriver:
         renewal = asyncio.create_task(self._leases.keep_alive(thread_id, lease))
         try:
             if self.use_async:
-                await self.graph.ainvoke(graph_input, config)
+                async for chunk in self.graph.astream(graph_input, config, stream_mode="tasks"):
+                    self._log.task_chunk(thread_id, chunk)
             else:
-                await asyncio.to_thread(self.graph.invoke, graph_input, config)
+                await asyncio.to_thread(self._stream_in_thread, thread_id, graph_input, config)
+        except BaseException as exc:
+            self._log.step_failed(thread_id, exc)
+            raise
         finally:
             renewal.cancel()
             await asyncio.wait([renewal])
+
+    def _stream_in_thread(self, thread_id: str, graph_input: Any, config: dict[str, Any]) -> None:
+        """One graph invocation on LangGraph's sync API, its task chunks logged as they come."""
+        for chunk in self.graph.stream(graph_input, config, stream_mode="tasks"):
+            self._log.task_chunk(thread_id, chunk)
 
 
 @contextlib.asynccontextmanager

@@ -148,14 +148,20 @@ class RunStore(abc.ABC):
         )  # fmt: skip
         await self._create_run(run)
 
-    async def commit(self, run_id: str, token: int, harvest: Harvest) -> None:
+    async def commit(self, run_id: str, token: int, harvest: Harvest) -> bool:
         """Apply ``harvest`` atomically if ``token`` is the run's current lease token.
+
+        Returns whether a cancel of the run is requested (:meth:`request_cancel`),
+        read in the same transaction: the process driving a run hears a cancel
+        asked from any process at its next commit (W5). False when that cannot
+        be known (a Postgres commit whose answer was lost and that turned out
+        to have landed); the driver's lease heartbeat hears it then.
 
         Raises :class:`~tailrace.LeaseLost` (nothing written) when fenced out,
         :class:`~tailrace.RunNotFound` for an unknown run.
         """
         check_harvest(run_id, harvest)
-        await self._commit(run_id, token, harvest)
+        return await self._commit(run_id, token, harvest)
 
     async def load_run(self, run_id: str) -> StoredRun:
         """Return the run and its node rows; :class:`~tailrace.RunNotFound` if absent."""
@@ -613,7 +619,7 @@ class RunStore(abc.ABC):
         """:meth:`create_run`, called with checked arguments."""
 
     @abc.abstractmethod
-    async def _commit(self, run_id: str, token: int, harvest: Harvest) -> None:
+    async def _commit(self, run_id: str, token: int, harvest: Harvest) -> bool:
         """:meth:`commit`, called with checked arguments."""
 
     @abc.abstractmethod

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
 from ..core import Engine
 from ..graph import Graph
 from ..stores import RunStore
 from ._catalog import GraphCatalog
-from ._resumer import Resumer
+from ._resumer import Resumer, ThreadDriver
 from ._security import LOOPBACK_HOSTS
 
 #: Makes an unopened store on the dashboard's database; the argument is ``read_only``.
 StoreFactory = Callable[[bool], RunStore]
+#: Opens a driver of LangGraph threads over the dashboard's writable store (``--langgraph``).
+DriverFactory = Callable[[RunStore], AbstractAsyncContextManager[ThreadDriver]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,6 +36,10 @@ class UiConfig:
         graphs: graphs to draw and resume runs of, matched by fingerprint
             (``--graphs``); module references are imported too, stored file
             references never (trust model).
+        drivers: open the drivers whose LangGraph threads the dashboard resumes
+            (``--langgraph``); each is given the writable store and opened for
+            as long as the app serves (not at all when ``read_only``). Their
+            names must differ.
         artifacts: evolve-ledger artifact ids the evolution page lists.
         allowed_hosts: ``Host`` headers served (a DNS-rebinding guard);
             ``("*",)`` serves any.
@@ -49,6 +56,7 @@ class UiConfig:
     location: str = ""
     read_only: bool = False
     graphs: Sequence[Graph] = ()
+    drivers: Sequence[DriverFactory] = ()
     artifacts: Sequence[str] = ()
     allowed_hosts: Sequence[str] = LOOPBACK_HOSTS
     reading_needs_token: bool = False
@@ -97,5 +105,12 @@ async def serving(config: UiConfig) -> AsyncIterator[UiState]:
             state.writer = writer
             state.engine = Engine(store=writer, lease_ttl=config.lease_ttl)
             state.engine.register(*config.graphs)
-            state.resumer = await stack.enter_async_context(Resumer(state.engine))
+            drivers = [
+                await stack.enter_async_context(opening(writer)) for opening in config.drivers
+            ]
+            names = [d.name for d in drivers]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(f"LangGraph drivers named twice: {', '.join(twice)}")
+            state.resumer = await stack.enter_async_context(Resumer(state.engine, drivers))
         yield state

@@ -1,15 +1,20 @@
 """A run's graph as a picture: its shape (full, or what the store shows) and a layered layout.
 
-The store keeps a run's graph only as a reference and a fingerprint, so the
-shape comes from one of two places:
+The store keeps a run's graph as a reference, a fingerprint and, with its
+``run_started`` event, the graph's structure (``Graph.structure``: nodes and
+edges, no code). The shape comes from one of three places:
 
 - :func:`shape_of_graph`: the graph itself, registered with ``--graphs`` or
   imported by its module reference (never a stored file reference: trust
   model), with every node and edge;
-- :func:`shape_from_store`: what the node rows and events show: every node
-  that ran or was reached, and the edges the run's decisions name (an
-  aggregate's sources, late inputs, stored inputs). Edges between plain tasks
-  are not stored, so this shape can be partial; it says so.
+- :func:`shape_from_store` with a stored structure: every node and edge as
+  the run stored them when it started (a LangGraph thread's driver stores
+  its graph's the same way), plus any node the records name that it lacks;
+- :func:`shape_from_store` without one (runs stored before the structure
+  was): what the node rows and events show: every node that ran or was
+  reached, and the edges the run's decisions name (an aggregate's sources,
+  late inputs, stored inputs). Edges between plain tasks are not stored
+  there, so this shape can be partial; it says so.
 
 :func:`layout` places nodes left to right in layers (longest path over the
 edges that are not back edges of a depth-first walk in definition order, E2)
@@ -108,12 +113,89 @@ def shape_of_graph(graph: Graph) -> Shape:
 
 
 def shape_from_store(rows: Mapping[str, NodeRow], events: Sequence[EventRow]) -> Shape:
-    """What the store shows of a run's graph: nodes in the order they first started.
+    """What the store shows of a run's graph: its stored structure, else what its records name.
 
     Args:
         rows: the run's node rows (``StoredRun.nodes``).
         events: the run's events.
     """
+    stored = stored_structure(events)
+    if stored is not None:
+        known = {n.id for n in stored.nodes}
+        named = [n for n in _shape_from_records(rows, events).nodes if n.id not in known]
+        return Shape(nodes=stored.nodes + tuple(named), edges=stored.edges, complete=True)
+    return _shape_from_records(rows, events)
+
+
+def stored_structure(events: Sequence[EventRow]) -> Shape | None:
+    """The structure the run stored with its first ``run_started`` event, if it did and it reads.
+
+    A structure that does not read as ``Graph.structure`` writes it (ids and
+    kinds strings, edges between its nodes) is not drawn at all: the page
+    falls back to what the records name rather than draw a wrong graph.
+    """
+    started = next((e for e in events if e.type == "run_started"), None)
+    raw = event_data(started).get("structure") if started is not None else None
+    if not isinstance(raw, dict):
+        return None
+    nodes, edges = raw.get("nodes"), raw.get("edges")
+    if not isinstance(nodes, list) or not isinstance(edges, list):
+        return None
+    shaped = [ShapeNode(id=n[0], kind=n[1]) for n in nodes if _pair_of_text(n)]
+    ids = {n.id for n in shaped}
+    if len(shaped) != len(nodes) or len(ids) != len(shaped):
+        return None
+    lines = [ShapeEdge(source=e[0], target=e[1], route=e[2]) for e in edges if _stored_edge(e, ids)]
+    if len(lines) != len(edges):
+        return None
+    return Shape(nodes=tuple(shaped), edges=tuple(lines), complete=True)
+
+
+def _pair_of_text(raw: object) -> bool:
+    return isinstance(raw, list) and len(raw) == 2 and all(isinstance(x, str) for x in raw)
+
+
+def _stored_edge(raw: object, ids: set[str]) -> bool:
+    return (
+        isinstance(raw, list)
+        and len(raw) == 3
+        and raw[0] in ids
+        and raw[1] in ids
+        and (raw[2] is None or isinstance(raw[2], str))
+    )
+
+
+def nodes_from_events(events: Sequence[EventRow]) -> dict[str, NodeRow]:
+    """Node rows as a run's events show them, for runs that store events but no node rows.
+
+    A LangGraph thread's driver stores what each step did as events only:
+    each node's status is what its last event says, its visits the highest
+    visit an event names.
+    """
+    rows: dict[str, NodeRow] = {}
+    for e in events:
+        status = _EVENT_STATUS.get(e.type)
+        if e.node_id is None or status is None:
+            continue
+        before = rows.get(e.node_id)
+        visits = max(e.visit or 0, before.visits if before is not None else 0)
+        rows[e.node_id] = NodeRow(node_id=e.node_id, status=status, visits=visits, data_json="{}")
+    return rows
+
+
+#: What a node's last event says of it (``nodes_from_events``).
+_EVENT_STATUS = {
+    "node_started": "running",
+    "node_completed": "completed",
+    "node_failed": "failed",
+    "node_cancelled": "cancelled",
+    "question_opened": "waiting",
+    "question_answered": "running",
+}
+
+
+def _shape_from_records(rows: Mapping[str, NodeRow], events: Sequence[EventRow]) -> Shape:
+    """Nodes in the order they first started, and the edges the run's decisions name."""
     order: dict[str, None] = {}
     kinds: dict[str, str] = {}
     for e in events:

@@ -31,7 +31,7 @@ from ._catalog import GraphCatalog
 from ._curve import Curve, VersionRow, reward_curve, version_rows
 from ._format import clock, decode, event_text, pretty, preview, seconds
 from ._gantt import Gantt, gantt
-from ._layout import Drawing, layout, shape_from_store, shape_of_graph
+from ._layout import Drawing, layout, nodes_from_events, shape_from_store, shape_of_graph
 
 #: The run page lists at most this many of the newest events (the stream appends more).
 EVENT_LIMIT = 1000
@@ -218,7 +218,7 @@ async def runs_page(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class QuestionView:
-    """A question as the inbox and run pages show it; ``state`` is its tab."""
+    """A question as the inbox and run pages show it; ``state`` is its tab, ``label`` its pill."""
 
     question_id: str
     run_id: str
@@ -226,6 +226,7 @@ class QuestionView:
     visit: int
     status: str
     state: str
+    label: str
     headline: str | None
     prompt: str
     created: str
@@ -252,6 +253,13 @@ def question_state(q: QuestionRow) -> Tab:
     return Tab(q.status.value)
 
 
+def question_label(q: QuestionRow) -> str:
+    """What ``q``'s pill says: its tab, except that an answer a run consumed says ``applied``."""
+    if q.status is QuestionStatus.APPLIED:
+        return q.status.value
+    return question_state(q).value
+
+
 def headline(prompt_json: str) -> str | None:
     """The question a structured prompt asks (its ``question``/``prompt``/``text`` string), if any."""
     value = decode(prompt_json)
@@ -271,6 +279,7 @@ def question_view(q: QuestionRow) -> QuestionView:
         visit=q.visit,
         status=q.status.value,
         state=question_state(q).value,
+        label=question_label(q),
         headline=headline(q.prompt_json),
         prompt=pretty(q.prompt_json),
         created=clock(q.created_at),
@@ -442,11 +451,15 @@ async def run_view(
     record = stored.run
     status = shown_status(record, now)
     live = status == "running"
-    rows = settled_nodes(stored.nodes, record.status)
+    rows = settled_nodes(stored.nodes or nodes_from_events(events), record.status)
     ended = record.status in TERMINAL_STATUSES
     found = await catalog.find(record)
     shape = shape_of_graph(found.graph) if found.graph is not None else None
-    shape = shape or shape_from_store(rows, events)
+    note = found.reason
+    if shape is None:
+        shape = shape_from_store(rows, events)
+        if shape.complete:
+            note = f"from the structure the run stored when it started ({found.reason})"
     drawing = layout(shape, rows)
     questions = await store.list_questions(run_id=run_id)
     attempts = attempts_from_events(events, live=live, now=None if ended else now)
@@ -462,7 +475,7 @@ async def run_view(
         error=record.error,
         input=pretty(record.input_json),
         drawing=drawing,
-        graph_note=found.reason,
+        graph_note=note,
         # A suspended run still waits now; a finished one ended at its last event.
         gantt=gantt(fold_items(attempts, keep=GANTT_ITEM_ROWS)),
         maps=tuple(map_summaries(events, attempts)),

@@ -73,7 +73,9 @@ Params = Sequence[object]
 
 SELECT_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?"
 RUN_EXISTS = "SELECT 1 FROM runs WHERE run_id = ?"
-SELECT_FOR_COMMIT = "SELECT status, format_version, lease_token FROM runs WHERE run_id = ?"
+SELECT_FOR_COMMIT = (
+    "SELECT status, format_version, lease_token, cancel_requested_at FROM runs WHERE run_id = ?"
+)
 SELECT_LEASE = "SELECT lease_owner, lease_expires, lease_token FROM runs WHERE run_id = ?"
 SELECT_STATUS = "SELECT status FROM runs WHERE run_id = ?"
 UPDATE_LEASE = (
@@ -139,12 +141,15 @@ async def run_row(tx: Tx, sql: str, run_id: str, *, lock: bool = False) -> Row:
 # --- runs ------------------------------------------------------------------------------
 
 
-async def commit_harvest(tx: Tx, run_id: str, token: int, harvest: Harvest, now: float) -> None:
-    """Apply ``harvest`` to run ``run_id`` if ``token`` is current (D1, D6, Q3); may refuse it all."""
+async def commit_harvest(tx: Tx, run_id: str, token: int, harvest: Harvest, now: float) -> bool:
+    """Apply ``harvest`` to run ``run_id`` if ``token`` is current (D1, D6, Q3); may refuse it all.
+
+    Returns whether a cancel of the run is requested (read under the row lock, W5).
+    """
     row = await tx.lock(SELECT_FOR_COMMIT, (run_id,))
     if row is None:
         raise run_not_found(run_id)
-    status, format_version, lease_token = row
+    status, format_version, lease_token, cancel_requested_at = row
     check_commit(
         run_id, current=parse_status(run_id, status), format_version=format_version,
         lease_token=lease_token, token=token, new=harvest.status,
@@ -152,6 +157,7 @@ async def commit_harvest(tx: Tx, run_id: str, token: int, harvest: Harvest, now:
     await tx.write_harvest(run_id, harvest, now)
     if harvest.applied or harvest.superseded:  # most harvests change no question
         await apply_question_changes(tx, run_id, harvest, now)
+    return cancel_requested_at is not None
 
 
 async def apply_question_changes(tx: Tx, run_id: str, harvest: Harvest, now: float) -> None:

@@ -165,7 +165,7 @@ class MemoryStore(RunStore):
         self._items[run.run_id] = {}
         self._event_rows[run.run_id] = {}
 
-    async def _commit(self, run_id: str, token: int, harvest: Harvest) -> None:
+    async def _commit(self, run_id: str, token: int, harvest: Harvest) -> bool:
         with self._lock:
             record = self._run(run_id)
             check_commit(
@@ -197,6 +197,7 @@ class MemoryStore(RunStore):
                 else record.finished_at,
                 nodes_done=record.nodes_done + harvest.nodes_done_delta,
             )
+            return record.cancel_requested_at is not None
 
     def _check_no_rewrite(self, run_id: str, harvest: Harvest) -> None:
         """Nothing already committed is rewritten: refuse the harvest before applying any of it."""

@@ -220,18 +220,21 @@ class PostgresStore(RunStore):
             texts=lambda: [("input_json", run.input_json)],
         )  # fmt: skip
 
-    async def _commit(self, run_id: str, token: int, harvest: Harvest) -> None:
+    async def _commit(self, run_id: str, token: int, harvest: Harvest) -> bool:
         # Idempotent across a lost connection: when the answer to the COMMIT is
         # lost, the retry finds the transaction committed and returns, and the
         # harvest is not applied a second time.
         now = self._clock()  # once, so that a re-run writes the very same rows
 
-        async def write(conn: Conn, attempt: Attempt) -> None:
+        async def write(conn: Conn, attempt: Attempt) -> bool:
             tx = PostgresTx(conn, attempt, self._channel)
-            await bodies.commit_harvest(tx, run_id, token, harvest, now)
+            return await bodies.commit_harvest(tx, run_id, token, harvest, now)
 
-        await self._db.write(
-            f"run {run_id!r}", write, landed=nothing, texts=lambda: harvest_texts(harvest)
+        async def landed(conn: Conn) -> bool:
+            return False  # the request, if any, is heard by the driver's lease heartbeat
+
+        return await self._db.write(
+            f"run {run_id!r}", write, landed=landed, texts=lambda: harvest_texts(harvest)
         )
 
     async def _move_run(

@@ -288,12 +288,12 @@ class SQLiteStore(RunStore):
 
         await self._write(f"run {run.run_id!r}", apply)
 
-    async def _commit(self, run_id: str, token: int, harvest: Harvest) -> None:
-        def apply(conn: sqlite3.Connection) -> None:
+    async def _commit(self, run_id: str, token: int, harvest: Harvest) -> bool:
+        def apply(conn: sqlite3.Connection) -> bool:
             tx = SQLiteTx(conn)
-            run_now(bodies.commit_harvest(tx, run_id, token, harvest, self._clock()))
+            return run_now(bodies.commit_harvest(tx, run_id, token, harvest, self._clock()))
 
-        await self._write(f"run {run_id!r}", apply)
+        return await self._write(f"run {run_id!r}", apply)
 
     async def _load_run(self, run_id: str) -> StoredRun:
         return await self._read(f"run {run_id!r}", _body(bodies.load_run, run_id))
