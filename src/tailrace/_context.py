@@ -7,7 +7,32 @@ True
 from __future__ import annotations
 
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Checkpoint:
+    """A checkpoint an attempt saved (P1), as a later attempt sees it (P2).
+
+    ``value`` is the JSON value the handler passed to
+    :meth:`NodeContext.checkpoint`; ``item`` is the map item it belongs to
+    (None for a node); ``saved_at`` is the wall-clock time it was saved.
+    """
+
+    value: Any
+    run_id: str
+    node_id: str
+    visit: int
+    item: int | None
+    saved_at: float
+
+
+class CheckpointSink(Protocol):
+    """Where :meth:`NodeContext.checkpoint` sends a value: the run loop driving the attempt."""
+
+    def save(self, node_id: str, visit: int, item: int | None, attempt: int, value: Any) -> None:
+        """Record ``value`` as the latest checkpoint of the attempt (encoded now, or refused)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -15,7 +40,9 @@ class NodeContext:
     """Run id, node id, visit (1-based) and attempt (1-based) of the running handler.
 
     ``item`` is the index of the item a map node's handler runs on (M2), None
-    for any other node.
+    for any other node. ``resumed_from`` is the checkpoint this attempt
+    continues from (P2): set when it starts again after a crash, an adoption,
+    a retry with ``RetryPolicy(resume=True)`` or an unpark; None otherwise.
     """
 
     run_id: str
@@ -23,11 +50,32 @@ class NodeContext:
     visit: int
     attempt: int
     item: int | None = None
+    resumed_from: Checkpoint | None = None
+    _sink: CheckpointSink | None = field(default=None, repr=False, compare=False)
+
+    def checkpoint(self, value: Any) -> None:
+        """Save ``value`` (JSON) as this attempt's latest checkpoint (P1).
+
+        It replaces the previous one and is committed with the run's next
+        write (at once with ``durability="sync"``); a value the run's codec
+        cannot encode raises :class:`~tailrace.EncodeError` here, naming the
+        node and the attempt.
+        """
+        if self._sink is None:
+            raise RuntimeError(
+                f"node {self.node_id!r}: checkpoint() needs an attempt run by a tailrace engine"
+            )
+        self._sink.save(self.node_id, self.visit, self.item, self.attempt, value)
 
 
 #: What the engine stores per attempt: (run id, node id, visit, attempt), plus the
-#: item index for an item of a map node.
-Where = tuple[str, str, int, int] | tuple[str, str, int, int, int]
+#: item index for an item of a map node, then the attempt's checkpoint sink and the
+#: checkpoint it resumes from.
+Where = (
+    tuple[str, str, int, int]
+    | tuple[str, str, int, int, int]
+    | tuple[str, str, int, int, int | None, CheckpointSink, Checkpoint | None]
+)
 
 # The engine stores a plain tuple per attempt; NodeContext is built on demand,
 # which keeps the per-node cost of the engine low.
@@ -41,10 +89,17 @@ def current_node() -> NodeContext | None:
     raw = _current.get()
     if raw is None:
         return None
-    item = raw[4] if len(raw) > 4 else None
+    if len(raw) == 7:
+        run_id, node_id, visit, attempt, item, sink, resumed = raw
+        return NodeContext(
+            run_id=run_id, node_id=node_id, visit=visit, attempt=attempt, item=item,
+            resumed_from=resumed, _sink=sink,
+        )  # fmt: skip
+    item = raw[4] if len(raw) == 5 else None
     return NodeContext(run_id=raw[0], node_id=raw[1], visit=raw[2], attempt=raw[3], item=item)
 
 
 def set_current(raw: Where) -> None:
-    """Set (run id, node id, visit, attempt[, item]) for the current task; the engine does this per attempt."""
+    """Set (run id, node id, visit, attempt[, item[, sink, resumed]]) for the current task; the
+    engine does this per attempt."""
     _current.set(raw)

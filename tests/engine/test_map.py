@@ -504,10 +504,12 @@ async def test_late_record_waits_for_the_late_items_and_records_their_results() 
     assert [(e.data["item"], e.data["reason"]) for e in events] == [(0, "fired"), (2, "fired")]
 
 
-async def test_late_park_is_not_a_policy_yet_and_is_refused_at_build_time() -> None:
-    g = tr.Graph("park")
-    with pytest.raises(tr.GraphError, match="late must be 'record' or 'cancel'"):
-        g.add_node("each", lambda x: x, "map", late="park")
+async def test_late_must_be_one_of_the_policies_and_resume_parked_applies_to_maps() -> None:
+    g = tr.Graph("policies")
+    with pytest.raises(tr.GraphError, match="late must be 'record' or 'cancel' or 'park'"):
+        g.add_node("each", lambda x: x, "map", late="later")
+    with pytest.raises(tr.GraphError, match="resume_parked= applies to maps only"):
+        g.add_node("task", lambda x: x, resume_parked=True)
 
 
 # -- G1 and G3: every option is checked and survives the JSON form ---------------------------

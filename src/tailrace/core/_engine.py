@@ -24,7 +24,15 @@ from .._values import checked_run_id
 from ..executors import Executor
 from ..executors._base import ExecutorTable
 from ..graph import Graph, Topology, guess_reference
-from ..stores import MemoryStore, QuestionStatus, RunRecord, RunStatus, RunStore
+from ..stores import (
+    MemoryStore,
+    ParkedRow,
+    ParkedStatus,
+    QuestionStatus,
+    RunRecord,
+    RunStatus,
+    RunStore,
+)
 from ..tail import TailHooks
 from ._admission import AdmissionPolicy, SlotQueue, resolve_policy
 from ._lease import Lease, make_owner, mark_failed
@@ -162,8 +170,8 @@ class Engine:
     ) -> RunResult:
         state = RunState(topo)
         state.activate_entries(input)
-        if self.store is None and topo.has_gates:
-            self.store = MemoryStore()  # gates need a ledger; keep one in process
+        if self.store is None and topo.needs_ledger:
+            self.store = MemoryStore()  # gates and parked items need a ledger; keep one here
             await self.store.open()
         if self.store is None:
             loop = self._loop_for(run_id, state, None)
@@ -561,6 +569,27 @@ class Engine:
             return None
         self._tail = TailHooks(factor=self.straggler_factor)
         return self._tail
+
+    # -- parked items (P3, P4) ----------------------------------------------------
+
+    async def parked(
+        self, graph: Graph | str, node: str | None = None, *, every: bool = False
+    ) -> list[ParkedRow]:
+        """The items parked by ``late="park"`` for ``graph`` (a graph or its name) and ``node``
+        (every node when None), oldest first (P4); ``every`` lists claimed and dropped ones too.
+
+        Parked items never expire: each waits until a map with
+        ``resume_parked=True`` claims it, or :meth:`drop_parked` drops it.
+        """
+        store = self._require_store("parked")
+        name = graph.name if isinstance(graph, Graph) else graph
+        status = None if every else ParkedStatus.PARKED
+        return await store.list_parked(graph_name=name, node_id=node, status=status)
+
+    async def drop_parked(self, park_id: str) -> bool:
+        """Drop parked item ``park_id``: True if it was parked, False if it was claimed or
+        dropped already (P4)."""
+        return await self._require_store("drop_parked").drop_parked(park_id)
 
     def _require_store(self, what: str) -> RunStore:
         if self.store is None:

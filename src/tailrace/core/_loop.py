@@ -19,14 +19,16 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from .._context import set_current
+from .._codec import DEFAULT_CODEC
+from .._context import Checkpoint, Where, set_current
 from .._errors import EncodeError, MapError, RunError, StallError
 from .._events import Event, EventType
 from ..executors._base import AttemptContext
 from ..graph import Node, NodeKind
-from ..stores import RunStatus
+from ..stores import ParkedRow, RunStatus
 from ..tail import TailHooks
 from ._admission import AdmissionPolicy, SlotQueue, Ticket
+from ._checkpoints import Checkpoints, parked_checkpoint
 from ._hedger import Hedger
 from ._inflight import BULK, Attempt, describe, harvest_order, paused_gc, traceback_text
 from ._outcome import NodeReport, RunResult
@@ -140,6 +142,16 @@ class RunLoop:
         self._bounded = engine_slots is not None or run_capacity is not None
         #: Set by :meth:`request_cancel`: the run ends ``cancelled`` at its next wake-up.
         self.cancel_requested = False
+        #: Maps waiting to claim parked items before their items start (P4).
+        self._claims: list[int] = []
+        #: What attempts save with ``current_node().checkpoint`` and resume from (P1, P2).
+        self.checkpoints = Checkpoints(
+            run_id,
+            writer.codec if writer is not None else DEFAULT_CODEC,
+            state.checkpoints,
+            self.poke,
+            self.loop,
+        )
 
     # -- events ---------------------------------------------------------------
 
@@ -179,6 +191,8 @@ class RunLoop:
             if self.cancel_requested:  # asked before anything was dispatched
                 return await self._cancel()
             self._dispatch_ready()
+            if self._claims:
+                await self.take_parked()
             await self._gather()
             while True:
                 while self._in_flight or self._done or self._queued():
@@ -197,12 +211,14 @@ class RunLoop:
                     failure = self._harvest(batch)
                     if failure is not None:
                         await self._fail(*failure)
-                    if self._sync and self.state.ready:
+                    if self._sync and (self.state.ready or self.checkpoints.pending):
                         # Durability "sync": what this harvest completed is durable
                         # before anything that consumes it starts; completions that
                         # arrive meanwhile join the next write (group commit).
                         await self.checkpoint()
                     self._dispatch_ready()
+                    if self._claims:
+                        await self.take_parked()
                     if self.hedger is not None and self.hedger.backup_candidates:
                         self.hedger.back_up()  # a slot may have been freed
                     if self._stage(defer=True):  # a plain call: no coroutine per wake-up
@@ -212,6 +228,8 @@ class RunLoop:
                 if not await self.absorb_answers():
                     return await self._finish()
                 self._dispatch_ready()
+                if self._claims:
+                    await self.take_parked()
                 await self._gather()
         except BaseException:
             self._stage_on_the_way_out()
@@ -317,23 +335,25 @@ class RunLoop:
                     units.extend([(i, j) for j in self._expand(i)])
                 else:
                     units.append((i, -1))
+        if units is None and self._engine_slots is None and self._run_slots is None:
+            for i in ready:
+                self.start_attempt(i)
+            if self.hedger is not None and len(ready) > 1:
+                self.hedger.launched([(i, -1) for i in ready])
+            return
+        self._dispatch_units(units if units is not None else [(i, -1) for i in ready])
+
+    def _dispatch_units(self, units: list[Unit]) -> None:
+        """Start or admit ``units`` (nodes and map items), in order (E2, E3, M2)."""
         if self._engine_slots is None and self._run_slots is None:
-            if units is None:
-                for i in ready:
-                    self.start_attempt(i)
-            else:
-                for i, j in units:
-                    self._start_unit(i, j)
+            for i, j in units:
+                self._start_unit(i, j)
         else:
-            if units is None:
-                units = [(i, -1) for i in ready]
             keyed = sorted((self._admission_key(u), n, u) for n, u in enumerate(units))
             for key, _, unit in keyed:  # the policy orders a ready batch too (E3, T2)
                 self._admit(unit, key)
-        if self.hedger is not None:
-            launched = units if units is not None else [(i, -1) for i in ready]
-            if len(launched) > 1:
-                self.hedger.launched(launched)
+        if self.hedger is not None and len(units) > 1:
+            self.hedger.launched(units)
 
     def _start_unit(self, i: int, j: int) -> None:
         if j < 0:
@@ -388,25 +408,36 @@ class RunLoop:
 
     # -- map nodes (M1-M6) ----------------------------------------------------
 
-    def _expand(self, i: int) -> list[int]:
+    def _expand(self, i: int, parked: list[ParkedRow] | None = None) -> list[int]:
         """Start map ``i``'s visit (M1); the items to dispatch now, in item order.
 
         A bad input fails the node (E9) and an empty list completes it with
         ``[]``, both through the next harvest. A visit restored mid-way (D3,
-        M6) dispatches only the items that had not ended.
+        M6) dispatches only the items that had not ended. A map with
+        ``resume_parked`` first claims the parked items of its node (see
+        :meth:`take_parked`); they become its first items (P4).
         """
         state = self.state
         ns = state.nodes[i]
         items = ns.items
         now = time.monotonic()
+        node = self.topo.nodes[i]
+        if items is None and parked is None and node.resume_parked and self._writer is not None:
+            self._claims.append(i)  # claimed from the store before its items start
+            return []
         if items is None:
+            payload = ns.payload
+            if parked and isinstance(payload, list | tuple):
+                payload = [self._decode(row.value_json) for row in parked] + list(payload)
             try:
-                values, k = map_plan(self.topo.nodes[i], ns.payload)
+                values, k = map_plan(node, payload)
             except MapError as exc:
                 state.start(i, now)
                 self._settled(i, error=exc)
                 return []
             items = state.expand(i, values, k, now)
+            if parked:
+                self._resume_parked(i, items, parked)
             self.emit(EventType.NODE_STARTED, i, ns.visits, ns.attempts, items=len(values))
             if not values:
                 self._settled(i, value=[])
@@ -417,6 +448,54 @@ class RunLoop:
                 EventType.NODE_STARTED, i, ns.visits, ns.attempts, items=len(items), resumed=True
             )
         return items.pending()
+
+    async def take_parked(self) -> None:
+        """Claim, for each map waiting on it, the parked items of its node (P4), then start
+        its items: each parked item is claimed by exactly one map visit across processes."""
+        claims, self._claims = self._claims, []
+        assert self._writer is not None
+        units: list[Unit] = []
+        for i in claims:
+            node_id, visit = self.topo.ids[i], self.state.nodes[i].visits
+            rows = await self._writer.store.claim_parked(
+                self.topo.graph.name, node_id, f"{self.run_id}/{node_id}/{visit}"
+            )
+            units.extend((i, j) for j in self._expand(i, rows))
+        if units:
+            self._dispatch_units(units)
+
+    def _resume_parked(self, i: int, items: MapItems, parked: list[ParkedRow]) -> None:
+        """The parked items ``items`` took first: named in its row, run from their checkpoint."""
+        items.parked = [row.park_id for row in parked]
+        node_id = self.topo.ids[i]
+        for j, row in enumerate(parked):
+            if row.checkpoint_json is not None:
+                self.state.checkpoints[(node_id, items.visit, j)] = parked_checkpoint(
+                    row, self._decode(row.checkpoint_json)
+                )
+        self.state.dirty[i] = None
+
+    def _decode(self, text: str) -> Any:
+        return (self._writer.codec if self._writer is not None else DEFAULT_CODEC).decode(text)
+
+    def _parked_row(self, i: int, visit: int, item: int | None, value: Any) -> ParkedRow | None:
+        """A straggler of node ``i`` as it is parked (P3): what it runs on and its checkpoint;
+        None when it cannot be kept (no store, or a value the codec refuses: it is cancelled)."""
+        writer = self._writer
+        if writer is None:
+            return None
+        node_id = self.topo.ids[i]
+        checkpoint = self.checkpoints.resumed(node_id, visit, item)
+        try:
+            value_json = writer.codec.encode(value)
+            checkpoint_json = None if checkpoint is None else writer.codec.encode(checkpoint.value)
+        except (TypeError, ValueError):
+            return None
+        return ParkedRow(
+            park_id=uuid.uuid4().hex, graph_name=self.topo.graph.name, node_id=node_id,
+            run_id=self.run_id, visit=visit, item=-1 if item is None else item,
+            value_json=value_json, checkpoint_json=checkpoint_json, parked_at=time.time(),
+        )  # fmt: skip
 
     def _settled(self, i: int, *, value: Any = None, error: BaseException | None = None) -> None:
         """Map ``i``'s own outcome, known at its dispatch: harvested like an attempt's end."""
@@ -553,10 +632,7 @@ class RunLoop:
 
     async def _run_direct(self, node: Node, payload: Any, attempt: Attempt) -> None:
         """An attempt of an async handler with no retry, timeout or executor (the short path)."""
-        if attempt.item < 0:
-            set_current((self.run_id, node.id, attempt.visit, attempt.tries))
-        else:
-            set_current((self.run_id, node.id, attempt.visit, attempt.tries, attempt.item))
+        set_current(self._where(node, attempt, attempt.tries, self._resumed(node, attempt)))
         try:
             attempt.value = await node.handler(payload)
         except BaseException as exc:
@@ -576,6 +652,19 @@ class RunLoop:
                 raise
             return
         self._finished(attempt)
+
+    def _where(self, node: Node, attempt: Attempt, tries: int, resumed: Checkpoint | None) -> Where:
+        """What ``current_node()`` reads in the attempt: where it runs, its checkpoint sink and
+        the checkpoint it resumes from."""
+        item = None if attempt.item < 0 else attempt.item
+        return (self.run_id, node.id, attempt.visit, tries, item, self.checkpoints, resumed)
+
+    def _resumed(self, node: Node, attempt: Attempt) -> Checkpoint | None:
+        """The checkpoint a new attempt continues from (P2); a hedge starts afresh."""
+        if attempt.hedge:
+            return None
+        item = None if attempt.item < 0 else attempt.item
+        return self.checkpoints.resumed(node.id, attempt.visit, item)
 
     def _ended(self, attempt: Attempt, exc: BaseException) -> bool:
         """The attempt raised ``exc``: record it; True if it must propagate (a cancellation).
@@ -629,11 +718,9 @@ class RunLoop:
         if due is not None and retry is not None and not attempt.hedge:
             # Resumed while backing off: wait out what is left of that backoff.
             await asyncio.sleep(min(max(0.0, due - time.time()), retry.delay(max(tries - 1, 1))))
+        resumed = self._resumed(node, attempt)
         while True:
-            if items is None:
-                set_current((self.run_id, node.id, attempt.visit, tries))
-            else:
-                set_current((self.run_id, node.id, attempt.visit, tries, attempt.item))
+            set_current(self._where(node, attempt, tries, resumed))
             try:
                 if node.timeout is not None:
                     async with asyncio.timeout(node.timeout):
@@ -649,6 +736,8 @@ class RunLoop:
                 await asyncio.sleep(delay)
                 tries += 1
                 attempt.tries = tries
+                # The next try starts over, or from the latest checkpoint (P2).
+                resumed = self._resumed(node, attempt) if retry.resume else None
                 # The next try is no longer due.
                 if items is None:
                     self.state.nodes[attempt.index].retry_due = None
@@ -784,7 +873,7 @@ class RunLoop:
         aggregate with ``late="cancel"`` outside any loop with ``s`` that already fired."""
         for edge in self.topo.out_edges[s]:
             node = self.topo.nodes[edge.target]
-            if edge.in_loop or node.kind is not NodeKind.AGGREGATE or node.late != "cancel":
+            if edge.in_loop or node.kind is not NodeKind.AGGREGATE or node.late == "record":
                 return False
             if self.state.nodes[edge.target].fired < 1 or (node.max_visits or 1) != 1:
                 return False
@@ -804,20 +893,27 @@ class RunLoop:
             self.state.ready.remove(s)
         if self.hedger is not None:
             self.hedger.forget(s)
+        row = None
         if ns.question is not None:  # a gate nobody needs an answer from any more (Q7)
             if self._writer is not None:
                 self._writer.superseded.append(ns.question)
             ns.question = None
+        elif self.topo.nodes[t].late == "park":  # a straggler kept for later (P3)
+            row = self._parked_row(s, ns.visits, None, ns.payload)
+            if row is not None:
+                assert self._writer is not None
+                self._writer.parked.append(row)
         self.state.cancel(s)
         self.state.late.append(
             LateInput(
                 node_id=self.topo.ids[t],
                 source_id=self.topo.ids[s],
                 activation=self.state.nodes[t].fired,
-                reason="cancelled",
+                reason="parked" if row is not None else "cancelled",
             )
         )
-        self.emit(EventType.NODE_CANCELLED, s, ns.visits, ns.attempts, reason="late")
+        reason = "parked" if row is not None else "late"
+        self.emit(EventType.NODE_CANCELLED, s, ns.visits, ns.attempts, reason=reason)
 
     def _complete(self, i: int, result: Any, attempt: Attempt, now: float) -> BaseException | None:
         state = self.state
@@ -864,7 +960,7 @@ class RunLoop:
             # The k inputs that fired it (E4), not every edge into it.
             sources = [self.topo.ids[s] for s in fired_by]
             self.emit(EventType.AGGREGATE_FIRED, t, activation, None, sources=sources)
-            if self.topo.nodes[t].late == "cancel":
+            if self.topo.nodes[t].late != "record":
                 self._fired_cancel.append(t)
 
     # -- map items: harvest, decision, late items (M2-M5) ------------------------
@@ -968,11 +1064,13 @@ class RunLoop:
             self._writer.result_completed(i, items.visit, output, text=text)
         if len(self.state.frozen) != frozen_before:
             self._aggregates_fired(frozen_before)
-        if self.topo.nodes[i].late == "cancel":
-            self._cancel_items(items, items.unfinished())
+        late = self.topo.nodes[i].late
+        if late != "record":
+            self._cancel_items(items, items.unfinished(), park=late == "park")
 
-    def _cancel_items(self, items: MapItems, late: list[int]) -> None:
-        """Cancel the items of ``items`` still queued or running at its decision (M5)."""
+    def _cancel_items(self, items: MapItems, late: list[int], *, park: bool = False) -> None:
+        """Cancel the items of ``items`` still queued or running at its decision (M5); with
+        ``park``, keep each as a parked item (P3)."""
         if not late:
             return
         i = items.node
@@ -993,14 +1091,18 @@ class RunLoop:
                 self._release_slot()  # the item's; a hedge's extra slot is freed at its harvest
             if self.hedger is not None:
                 self.hedger.live.pop((i, j), None)
-            self.state.item_cancelled(items, j)
+            row = self._parked_row(i, items.visit, j, items.values[j]) if park else None
+            if row is not None:
+                assert self._writer is not None
+                self._writer.parked.append(row)
+            self.state.item_cancelled(items, j, parked=row is not None)
             self.emit(
                 EventType.NODE_CANCELLED,
                 i,
                 items.visit,
                 items.attempts[j] or None,
                 item=j,
-                reason="late",
+                reason="parked" if row is not None else "late",
             )
 
     def _open_question(self, i: int, prompt: Any, attempt: Attempt) -> None:

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._codec import Codec
+from .._context import Checkpoint
 from .._errors import CorruptRecord, GraphError, UnsupportedFormat
 from ..graph import Graph, NodeKind, Topology, is_file_reference, resolve_reference
-from ..stores import FORMAT_VERSION, ItemRow, NodeRow, RunRecord, RunStore, StoredRun
+from ..stores import FORMAT_VERSION, ItemRow, NodeRow, ParkedRow, RunRecord, RunStore, StoredRun
+from ._checkpoints import parked_checkpoint
 from ._state import ItemStatus, LateInput, MapItems, NodeStatus, RunState
 from ._writer import NODE_ROW_VERSION, _unpairs
 
@@ -94,10 +96,13 @@ class _Reader:
         self.topo = topo
         self.stored_durability: str | None = None
         self._big: dict[int, tuple[int, Any]] = {}
+        #: Per map node: the parked items its current visit took first (P4).
+        self._parked: dict[str, list[ParkedRow]] = {}
 
     async def read(self, stored: StoredRun, late: list[LateInput]) -> Restored:
         rows = {node_id: self._decode_row(row) for node_id, row in stored.nodes.items()}
         values = await self._referenced_results(rows)
+        self._parked = await self._parked_prefixes(rows)
         state, event_seq, turn = self._restore(stored, rows, values, late)
         return Restored(
             state=state,
@@ -148,10 +153,38 @@ class _Reader:
             self._restore_node(state, i, row, rows[node_id], values)
             if "map" in rows[node_id]:
                 self._restore_items(state, i, rows[node_id]["map"], items.get(node_id, []))
+        for cp in stored.checkpoints:
+            state.checkpoints[(cp.node_id, cp.visit, cp.item)] = Checkpoint(
+                value=self._decode(cp.value_json, f"checkpoint of {cp.node_id!r}"),
+                run_id=self.run_id,
+                node_id=cp.node_id,
+                visit=cp.visit,
+                item=None if cp.item < 0 else cp.item,
+                saved_at=cp.saved_at,
+            )
         state.dirty.clear()
         if not stored.nodes:
             state.activate_entries(self._decode(run.input_json, "input"))
         return state, int(meta.get("events", 0)), int(meta.get("turn", 0))
+
+    async def _parked_prefixes(self, rows: dict[str, dict[str, Any]]) -> dict[str, list[ParkedRow]]:
+        """The parked items each map visit took first (P4), as the store holds them."""
+        found: dict[str, list[ParkedRow]] = {}
+        for node_id, data in rows.items():
+            info = data.get("map")
+            if not isinstance(info, dict) or not info.get("parked"):
+                continue
+            claimant = f"{self.run_id}/{node_id}/{data.get('visits')}"
+            held = {
+                r.park_id: r for r in await self.store.list_parked(status=None, claimed_by=claimant)
+            }
+            try:
+                found[node_id] = [held[park_id] for park_id in info["parked"]]
+            except (KeyError, TypeError) as exc:
+                raise CorruptRecord(
+                    f"run {self.run_id!r}: map {node_id!r} names parked items it does not hold: {exc!r}"
+                ) from exc
+        return found
 
     def _decode_row(self, row: NodeRow) -> dict[str, Any]:
         data = self._decode(row.data_json, f"node {row.node_id!r}")
@@ -246,9 +279,17 @@ class _Reader:
             raise CorruptRecord(
                 f"run {self.run_id!r}: node {node_id!r} has map items but is no map"
             )
+        parked = self._parked.get(node_id, [])
+        values = [self._decode(r.value_json, f"parked item of {node_id!r}") for r in parked]
         try:
             k = info["k"]
-            items = MapItems(i, ns.visits, ns.payload, None if k is None else int(k))
+            items = MapItems(i, ns.visits, values + ns.payload, None if k is None else int(k))
+            items.parked = [r.park_id for r in parked]
+            for j, r in enumerate(parked):
+                key = (node_id, ns.visits, j)
+                if r.checkpoint_json is not None and key not in state.checkpoints:
+                    cp = self._decode(r.checkpoint_json, f"parked checkpoint of {node_id!r}")
+                    state.checkpoints[key] = parked_checkpoint(r, cp)
             for row in rows:
                 if row.visit != ns.visits:
                     continue  # an earlier visit's items: history only

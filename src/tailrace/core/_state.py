@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._context import Checkpoint
 from .._errors import GraphError, MapError, RouteError
 from ..graph import EXIT, MAX_ITEMS, Node, NodeKind, OutEdge, Topology
 
@@ -141,6 +142,7 @@ class RunState:
     __slots__ = (
         "_aggregate",
         "_switch",
+        "checkpoints",
         "dirty",
         "dirty_items",
         "edge_gen",
@@ -166,6 +168,9 @@ class RunState:
         self.dirty: dict[int, None] = {}
         #: Map visits with items touched since the last ``take_dirty_items``.
         self.dirty_items: dict[MapItems, None] = {}
+        #: Checkpoints the store held when the run was restored (P2), by
+        #: (node id, visit, item or -1).
+        self.checkpoints: dict[tuple[str, int, int], Checkpoint] = {}
         #: First-k decisions made since the last harvest: (node, activation, payload).
         #: First-k decisions not yet written: (aggregate, activation, payload, the
         #: sources whose inputs it holds, in definition order) (E4).
@@ -411,11 +416,12 @@ class RunState:
         self.dirty_items[items] = None
         return items.winners is None and items.decidable()
 
-    def item_cancelled(self, items: MapItems, j: int) -> None:
-        """Item ``j``, still running or queued at the decision, is cancelled as late (M5)."""
-        items.cancel(j)
+    def item_cancelled(self, items: MapItems, j: int, *, parked: bool = False) -> None:
+        """Item ``j``, still running or queued at the decision, is cancelled as late (M5), or
+        parked (P3)."""
+        items.cancel(j, parked=parked)
         self.dirty_items[items] = None
-        self._late_item(items, j, "cancelled")
+        self._late_item(items, j, "parked" if parked else "cancelled")
 
     def decide_map(self, items: MapItems) -> list[Any]:
         """Decide map ``items`` (M3) and complete its node with the output, routing it on.
@@ -454,6 +460,7 @@ class ItemStatus(enum.StrEnum):
     LATE = "late"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    PARKED = "parked"
 
 
 #: Items that have not ended: they hold the map open (or run on, late).
@@ -481,6 +488,7 @@ class MapItems:
         "k",
         "node",
         "open",
+        "parked",
         "results",
         "retry_due",
         "seq",
@@ -512,6 +520,8 @@ class MapItems:
         #: The items whose results make the output, in item order, once decided.
         self.winners: tuple[int, ...] | None = None
         self.dirty: dict[int, None] = {}
+        #: The parked items this visit took first (P4): their ids, in item order.
+        self.parked: list[str] = []
 
     def __len__(self) -> int:
         return len(self.values)
@@ -546,10 +556,10 @@ class MapItems:
         self.dirty[j] = None
         self.retry_due.pop(j, None)
 
-    def cancel(self, j: int) -> None:
-        """Item ``j`` is cancelled as late (``late="cancel"``)."""
+    def cancel(self, j: int, *, parked: bool = False) -> None:
+        """Item ``j`` is cancelled as late (``late="cancel"``), or parked (``late="park"``)."""
         self.open -= 1
-        self.status[j] = ItemStatus.CANCELLED
+        self.status[j] = ItemStatus.PARKED if parked else ItemStatus.CANCELLED
         self.dirty[j] = None
         self.retry_due.pop(j, None)
 

@@ -25,12 +25,14 @@ from .._events import EventType
 from ..graph import Graph, Topology, shape_json
 from ..stores import (
     FORMAT_VERSION,
+    CheckpointRow,
     EventRow,
     FrozenInput,
     Harvest,
     ItemRow,
     NewRun,
     NodeRow,
+    ParkedRow,
     QuestionRow,
     QuestionStatus,
     ResultRow,
@@ -86,6 +88,8 @@ class RunWriter:
         self._carried_items: list[ItemRow] = []
         self.applied: list[str] = []
         self.superseded: list[str] = []
+        #: Stragglers parked since the last write (P3).
+        self.parked: list[ParkedRow] = []
         self._queued: list[_Pending] = []
         #: Harvests staged since the last write began (the store's backlog).
         self._staged = 0
@@ -427,6 +431,9 @@ class RunWriter:
             pending.items.update(((r.node_id, r.visit, r.item), r) for r in self._carried_items)
             self._carried_items = []
         pending.items.update(items)  # and of an item
+        if loop.checkpoints.pending:  # and the latest checkpoint of a visit (P1)
+            for cp in loop.checkpoints.take_pending():
+                pending.checkpoints[(cp.node_id, cp.visit, cp.item)] = cp
         if self._carried:
             pending.frozen.extend(self._carried)
             self._carried = []
@@ -443,6 +450,9 @@ class RunWriter:
         if self.superseded:
             pending.superseded.extend(self.superseded)
             self.superseded = []
+        if self.parked:
+            pending.parked.extend(self.parked)
+            self.parked = []
         if events:
             ids, data_json, new = self.topo.ids, self._event_data_json, tuple.__new__
             pending.events += [  # the most numerous rows: built inline, as named tuples
@@ -578,6 +588,8 @@ class RunWriter:
             items = ns.items
             winners = None if items.winners is None else list(items.winners)
             data["map"] = {"count": len(items), "k": items.k, "winners": winners}
+            if items.parked:  # the parked items it took first (P4)
+                data["map"]["parked"] = items.parked
         self._refer_big_values(i, ns, data)
         return NodeRow(
             node_id=ids[i],
@@ -738,12 +750,14 @@ class _Pending:
 
     __slots__ = (
         "applied",
+        "checkpoints",
         "error",
         "events",
         "finished_at",
         "frozen",
         "items",
         "nodes",
+        "parked",
         "questions",
         "results",
         "state",
@@ -762,12 +776,15 @@ class _Pending:
         self.nodes: dict[int, NodeRow | PlainRow] = {}
         #: (node id, visit, item) -> the item's latest row (M6).
         self.items: dict[tuple[str, int, int], ItemRow] = {}
+        #: (node id, visit, item or -1) -> the visit's latest checkpoint (P1).
+        self.checkpoints: dict[tuple[str, int, int], CheckpointRow] = {}
         self.results: list[ResultRow] = []
         self.frozen: list[FrozenInput] = []
         self.events: list[EventRow] = []
         self.questions: list[QuestionRow] = []
         self.applied: list[str] = []
         self.superseded: list[str] = []
+        self.parked: list[ParkedRow] = []
 
     def harvest(self, ids: tuple[str, ...]) -> Harvest:
         """The merged harvest, as the store takes it (``ids``: node ids by index)."""
@@ -785,10 +802,12 @@ class _Pending:
             results=self.results,
             frozen=self.frozen,
             items=list(self.items.values()),
+            checkpoints=list(self.checkpoints.values()),
             events=self.events,
             nodes_done_delta=len(self.results),
             finished_at=self.finished_at,
             questions=self.questions,
             applied=self.applied,
             superseded=self.superseded,
+            parked=self.parked,
         )

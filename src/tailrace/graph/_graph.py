@@ -77,6 +77,7 @@ class Graph:
         late: str = "record",
         errors: str = "fail",
         max_items: int | None = None,
+        resume_parked: bool = False,
     ) -> Node:
         """Add a node and return it.
 
@@ -112,6 +113,10 @@ class Graph:
         error fails the node) or ``"skip"`` (failed items are recorded and
         skipped); ``max_items`` bounds the list (default 10,000). ``retry``,
         ``timeout``, ``cost`` (of one item) and ``hedge`` apply per item.
+        ``late="park"`` (maps and aggregates) cancels the stragglers and stores
+        them as parked items (P3); a map with ``resume_parked`` takes the parked
+        items of its graph name and node first, and runs them from their last
+        checkpoint (P4).
         """
         if not isinstance(name, str) or not name:
             raise GraphError(f"node name must be a non-empty string, got {name!r}")
@@ -141,6 +146,7 @@ class Graph:
             "late": late,
             "errors": errors,
             "max_items": max_items,
+            "resume_parked": resume_parked,
         }
         _check_option_types(name, **options)
         _check_kind_options(name, node_kind, options)
@@ -315,7 +321,7 @@ def _check_kind_options(name: str, kind: NodeKind, options: dict[str, Any]) -> N
         raise GraphError(f"aggregate {name!r}: required= must be an integer")
     if kind is NodeKind.MAP and isinstance(required, int) and required < 1:
         raise GraphError(f"map {name!r}: required={required} must be >= 1")
-    for option, default in (("errors", "fail"), ("max_items", None)):
+    for option, default in (("errors", "fail"), ("max_items", None), ("resume_parked", False)):
         if options[option] != default and kind is not NodeKind.MAP:
             raise GraphError(f"node {name!r}: {option}= applies to maps only")
     if kind is NodeKind.MAP and options["any_of"]:

@@ -33,6 +33,8 @@ EXIT = "exit"
 Handler = Callable[[Any], Any]
 
 _RETRY_FIELDS = ("attempts", "backoff", "multiplier", "max_backoff", "retry_on")
+#: Fields a retry policy's JSON form may leave out (their default then holds).
+_RETRY_OPTIONAL = ("resume",)
 
 
 class NodeKind(enum.StrEnum):
@@ -47,7 +49,7 @@ class NodeKind(enum.StrEnum):
 
 #: What an aggregate or a map does with inputs (items) still running once it has
 #: fired (its decision is made): let them run and record them, or cancel them.
-LATE_POLICIES = ("record", "cancel")
+LATE_POLICIES = ("record", "cancel", "park")
 
 #: What a map does when one of its items fails for good (M4).
 ITEM_ERRORS = ("fail", "skip")
@@ -65,7 +67,9 @@ class RetryPolicy:
 
     ``attempts`` counts the first try; the n-th retry waits
     ``min(backoff * multiplier**(n-1), max_backoff)`` seconds. Only exceptions
-    that are instances of ``retry_on`` are retried.
+    that are instances of ``retry_on`` are retried. With ``resume`` a retry
+    continues from the attempt's latest checkpoint (``current_node().resumed_from``,
+    P2) instead of starting over.
     """
 
     attempts: int = 3
@@ -73,8 +77,11 @@ class RetryPolicy:
     multiplier: float = 2.0
     max_backoff: float = 60.0
     retry_on: tuple[type[BaseException], ...] = (Exception,)
+    resume: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.resume, bool):
+            raise GraphError(f"RetryPolicy.resume must be True or False, got {self.resume!r}")
         if not _is_int(self.attempts) or self.attempts < 1:
             raise GraphError(f"RetryPolicy.attempts must be an integer >= 1, got {self.attempts!r}")
         for field_name in ("backoff", "multiplier", "max_backoff"):
@@ -105,6 +112,7 @@ class RetryPolicy:
             "multiplier": self.multiplier,
             "max_backoff": self.max_backoff,
             "retry_on": [f"{t.__module__}:{t.__qualname__}" for t in self.retry_on],
+            **({"resume": True} if self.resume else {}),
         }
 
     @classmethod
@@ -117,8 +125,9 @@ class RetryPolicy:
         :class:`GraphError` naming the field.
         """
         doc = _object(data, "retry policy")
-        _refuse_unknown(doc, frozenset(_RETRY_FIELDS), "retry policy")
+        _refuse_unknown(doc, frozenset(_RETRY_FIELDS + _RETRY_OPTIONAL), "retry policy")
         values = {name: _present(doc, name, "retry policy") for name in _RETRY_FIELDS}
+        values.update({name: doc[name] for name in _RETRY_OPTIONAL if name in doc})
         refs = _field(doc, "retry_on", list, "retry policy")
         values["retry_on"] = tuple(_exception_class(ref, allow_files) for ref in refs)
         return cls(**values)  # __post_init__ checks the numbers' types and ranges
@@ -149,6 +158,7 @@ class Node:
     late: str = "record"
     errors: str = "fail"
     max_items: int | None = None
+    resume_parked: bool = False
 
     def quorum(self, count: int) -> int:
         """A map's k for ``count`` items (M3): ``required`` (or its value for the count), else all.
@@ -197,6 +207,7 @@ class Node:
             "late": None if self.late == "record" else self.late,
             "errors": None if self.errors == "fail" else self.errors,
             "max_items": self.max_items,
+            "resume_parked": self.resume_parked or None,
         }
         data.update({k: v for k, v in optional.items() if v is not None})
         return data
@@ -238,6 +249,7 @@ NODE_OPTIONS = frozenset(
         "late",
         "errors",
         "max_items",
+        "resume_parked",
     }
 )
 
@@ -271,6 +283,7 @@ _OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "late": (lambda v: v in LATE_POLICIES, " or ".join(map(repr, LATE_POLICIES))),
     "errors": (lambda v: v in ITEM_ERRORS, " or ".join(map(repr, ITEM_ERRORS))),
     "max_items": (_optional(lambda v: _is_int(v) and v >= 1), "an integer >= 1"),
+    "resume_parked": (lambda v: isinstance(v, bool), "True or False"),
 }
 
 

@@ -97,6 +97,8 @@ class Topology:
     sinks: tuple[int, ...]
     is_async: tuple[bool, ...]
     has_gates: bool
+    #: Gates, parking or parked items: the run needs a store, if only one in memory.
+    needs_ledger: bool
     fingerprint: str
 
     @classmethod
@@ -149,6 +151,10 @@ class Topology:
             sinks=tuple(i for i in range(n) if not out[i]),
             is_async=tuple(is_async_callable(node.handler) for node in nodes),
             has_gates=any(node.kind is NodeKind.GATE for node in nodes),
+            needs_ledger=any(
+                node.kind is NodeKind.GATE or node.late == "park" or node.resume_parked
+                for node in nodes
+            ),
             fingerprint=_fingerprint(graph),
         )
 

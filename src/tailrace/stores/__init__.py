@@ -27,12 +27,15 @@ from ._records import LIVE_STATUSES as LIVE_STATUSES
 from ._records import QUESTION_TRANSITIONS as QUESTION_TRANSITIONS
 from ._records import TERMINAL_STATUSES as TERMINAL_STATUSES
 from ._records import ArtifactVersion as ArtifactVersion
+from ._records import CheckpointRow as CheckpointRow
 from ._records import EventRow as EventRow
 from ._records import FrozenInput as FrozenInput
 from ._records import Harvest as Harvest
 from ._records import ItemRow as ItemRow
 from ._records import NewRun as NewRun
 from ._records import NodeRow as NodeRow
+from ._records import ParkedRow as ParkedRow
+from ._records import ParkedStatus as ParkedStatus
 from ._records import QuestionRow as QuestionRow
 from ._records import QuestionStatus as QuestionStatus
 from ._records import Queue as Queue
@@ -58,6 +61,7 @@ __all__ = [
     "TERMINAL_STATUSES",
     "ArtifactVersion",
     "ChangeFeed",
+    "CheckpointRow",
     "EventRow",
     "FrozenInput",
     "Harvest",
@@ -65,6 +69,8 @@ __all__ = [
     "MemoryStore",
     "NewRun",
     "NodeRow",
+    "ParkedRow",
+    "ParkedStatus",
     "PostgresStore",
     "QuestionRow",
     "QuestionStatus",

@@ -26,11 +26,14 @@ from ._artifacts import check_expected
 from ._queue_rules import check_claim, check_worker, graph_keys
 from ._records import (
     CHANGE_KINDS,
+    MAX_LIMIT,
     ArtifactVersion,
     EventRow,
     FrozenInput,
     Harvest,
     NewRun,
+    ParkedRow,
+    ParkedStatus,
     QuestionRow,
     QuestionStatus,
     Queue,
@@ -42,6 +45,7 @@ from ._records import (
     StoredRun,
     Submission,
     WorkerRow,
+    check_limit,
 )
 from ._rules import (
     answer_status,
@@ -342,6 +346,49 @@ class RunStore(abc.ABC):
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise ValueError(f"offset must be an integer >= 0, got {offset!r}")
         return await self._list_questions(status=status, run_id=run_id, limit=limit, offset=offset)
+
+    # -- parked items (P3, P4) --------------------------------------------------
+
+    async def list_parked(
+        self,
+        *,
+        graph_name: str | None = None,
+        node_id: str | None = None,
+        status: ParkedStatus | None = ParkedStatus.PARKED,
+        claimed_by: str | None = None,
+    ) -> list[ParkedRow]:
+        """Parked items (P4), oldest first: of ``graph_name`` and ``node_id`` when given, in
+        ``status`` (default ``parked``; None: every status), claimed by ``claimed_by``."""
+        for name, value in (("graph_name", graph_name), ("node_id", node_id),
+                            ("claimed_by", claimed_by)):  # fmt: skip
+            check_name(name, value)
+        return await self._list_parked(
+            graph_name=graph_name,
+            node_id=node_id,
+            status=None if status is None else ParkedStatus(status),
+            claimed_by=claimed_by,
+        )
+
+    async def claim_parked(
+        self, graph_name: str, node_id: str, claimant: str, *, limit: int = MAX_LIMIT
+    ) -> list[ParkedRow]:
+        """Claim up to ``limit`` parked items of ``graph_name``'s ``node_id`` for ``claimant``
+        (a map visit), oldest first, each for exactly one claimant across processes (P4).
+
+        Returns every item ``claimant`` holds, so a claimer that crashed and
+        claims again gets the same items back.
+        """
+        for name, value in (("graph_name", graph_name), ("node_id", node_id),
+                            ("claimant", claimant)):  # fmt: skip
+            _check_text(name, value)
+        check_limit("limit", limit)
+        return await self._claim_parked(graph_name, node_id, claimant, limit)
+
+    async def drop_parked(self, park_id: str) -> bool:
+        """Drop parked item ``park_id`` (P4): whether it was still parked (claimed or dropped
+        ones stay as they are)."""
+        _check_text("park_id", park_id)
+        return await self._drop_parked(park_id)
 
     async def question_counts(self) -> dict[QuestionStatus, int]:
         """How many questions there are in each status (one query: for dashboards' headers)."""
@@ -713,6 +760,27 @@ class RunStore(abc.ABC):
         """:meth:`question_counts`."""
 
     @abc.abstractmethod
+    async def _list_parked(
+        self,
+        *,
+        graph_name: str | None,
+        node_id: str | None,
+        status: ParkedStatus | None,
+        claimed_by: str | None,
+    ) -> list[ParkedRow]:
+        """:meth:`list_parked`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _claim_parked(
+        self, graph_name: str, node_id: str, claimant: str, limit: int
+    ) -> list[ParkedRow]:
+        """:meth:`claim_parked`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _drop_parked(self, park_id: str) -> bool:
+        """:meth:`drop_parked`, called with a checked id."""
+
+    @abc.abstractmethod
     async def _list_questions(
         self,
         *,
@@ -830,3 +898,10 @@ class RunStore(abc.ABC):
 @contextlib.asynccontextmanager
 async def _polling_changes() -> AsyncIterator[ChangeFeed]:
     yield PollingFeed(0.05)
+
+
+def _check_text(name: str, value: object) -> None:
+    """Refuse an id or name that is not a non-empty string any store can keep, naming it."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+    check_name(name, value)

@@ -224,6 +224,51 @@ class ItemRow(NamedTuple):
     retry_due: float | None
 
 
+class CheckpointRow(NamedTuple):
+    """The latest checkpoint of one node visit (or map item) of a run (P1), in column order.
+
+    ``item`` is -1 for a node's own; ``value_json`` is the checkpoint as encoded.
+    """
+
+    node_id: str
+    visit: int
+    item: int
+    attempt: int
+    value_json: str
+    saved_at: float
+
+
+class ParkedStatus(enum.StrEnum):
+    """Lifecycle of a parked item (P3, P4): parked, then claimed by one map or dropped."""
+
+    PARKED = "parked"
+    CLAIMED = "claimed"
+    DROPPED = "dropped"
+
+
+class ParkedRow(NamedTuple):
+    """A straggler parked by ``late="park"`` (P3), in column order.
+
+    ``node_id`` is the map (or the aggregate's input node) it belongs to and
+    ``item`` its item index there (-1 for a node); ``value_json`` is what it
+    runs on and ``checkpoint_json`` its last checkpoint (None if it saved
+    none). ``claimed_by`` names the map visit that took it (P4).
+    """
+
+    park_id: str
+    graph_name: str
+    node_id: str
+    run_id: str
+    visit: int
+    item: int
+    value_json: str
+    checkpoint_json: str | None
+    parked_at: float
+    status: str = "parked"
+    claimed_by: str | None = None
+    claimed_at: float | None = None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FrozenInput:
     """A first-k decision: the payload an aggregate activation fired with (E4)."""
@@ -257,6 +302,10 @@ class Harvest:
     frozen: Sequence[FrozenInput] = ()
     #: Rows of map items, upserted: the latest row of an item wins (M6).
     items: Sequence[ItemRow] = ()
+    #: Checkpoints saved since the last write, upserted: the latest per visit wins (P1).
+    checkpoints: Sequence[CheckpointRow] = ()
+    #: Stragglers parked by this harvest (P3), inserted.
+    parked: Sequence[ParkedRow] = ()
     events: Sequence[EventRow] = ()
     nodes_done_delta: int = 0
     finished_at: float | None = None
@@ -278,6 +327,8 @@ class StoredRun:
     nodes: dict[str, NodeRow] = field(default_factory=dict)
     #: Every map item row of the run, ordered by node id, visit and item.
     items: list[ItemRow] = field(default_factory=list)
+    #: The latest checkpoint of each node visit (or item) that saved one (P1).
+    checkpoints: list[CheckpointRow] = field(default_factory=list)
 
 
 # --- queues and workers (scale-out: the store is the coordinator) -----------------

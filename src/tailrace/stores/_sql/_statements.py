@@ -72,6 +72,36 @@ UPSERT_ITEM = (
     "seq = excluded.seq, attempts = excluded.attempts, value_json = excluded.value_json, "
     "error = excluded.error, retry_due = excluded.retry_due"
 )
+CHECKPOINT_FIELDS = ("node_id", "visit", "item", "attempt", "value_json", "saved_at")
+CHECKPOINT_COLUMNS = ", ".join(CHECKPOINT_FIELDS)
+UPSERT_CHECKPOINT = (
+    f"INSERT INTO checkpoints (run_id, {CHECKPOINT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (run_id, node_id, visit, item) DO UPDATE SET attempt = excluded.attempt, "
+    "value_json = excluded.value_json, saved_at = excluded.saved_at"
+)
+SELECT_CHECKPOINTS = (
+    f"SELECT {CHECKPOINT_COLUMNS} FROM checkpoints WHERE run_id = ? ORDER BY node_id, visit, item"
+)
+PARKED_FIELDS = (
+    "park_id", "graph_name", "node_id", "run_id", "visit", "item", "value_json",
+    "checkpoint_json", "parked_at", "status", "claimed_by", "claimed_at",
+)  # fmt: skip
+PARKED_COLUMNS = ", ".join(PARKED_FIELDS)
+INSERT_PARKED = (
+    f"INSERT INTO parked_items ({PARKED_COLUMNS}) VALUES ({', '.join('?' * len(PARKED_FIELDS))})"
+)
+SELECT_PARKED = f"SELECT {PARKED_COLUMNS} FROM parked_items"
+#: P4: claim every parked item of a node (oldest first) for one map visit; a row
+#: another claimer took meanwhile no longer matches ``status = 'parked'``, and
+#: Postgres skips rows another claimer holds locked (``/*SKIP LOCKED*/``).
+#: Values: claimed_by, claimed_at, graph_name, node_id, limit.
+CLAIM_PARKED = (
+    "UPDATE parked_items SET status = 'claimed', claimed_by = ?, claimed_at = ? "
+    "WHERE status = 'parked' AND park_id IN (SELECT park_id FROM parked_items "
+    "WHERE graph_name = ? AND node_id = ? AND status = 'parked' "
+    "ORDER BY parked_at, park_id LIMIT ? /*SKIP LOCKED*/)"
+)
+DROP_PARKED = "UPDATE parked_items SET status = 'dropped' WHERE park_id = ? AND status = 'parked'"
 SELECT_ITEMS = (
     f"SELECT {ITEM_COLUMNS} FROM map_items WHERE run_id = ? ORDER BY node_id, visit, item"
 )
@@ -227,6 +257,26 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
                 PRIMARY KEY (graph_name, fingerprint)) /*WITHOUT ROWID*/""",
         ),
     ),
+    (
+        8,
+        (
+            # The latest checkpoint of each node visit (or map item) that saved one (P1).
+            """CREATE TABLE checkpoints (
+                run_id TEXT NOT NULL, node_id TEXT NOT NULL, visit INTEGER NOT NULL,
+                item INTEGER NOT NULL, attempt INTEGER NOT NULL, value_json TEXT NOT NULL,
+                saved_at DOUBLE PRECISION NOT NULL,
+                PRIMARY KEY (run_id, node_id, visit, item)) /*WITHOUT ROWID*/""",
+            # Stragglers parked by late="park" (P3), claimed once by a map (P4).
+            """CREATE TABLE parked_items (
+                park_id TEXT PRIMARY KEY, graph_name TEXT NOT NULL, node_id TEXT NOT NULL,
+                run_id TEXT NOT NULL, visit INTEGER NOT NULL, item INTEGER NOT NULL,
+                value_json TEXT NOT NULL, checkpoint_json TEXT,
+                parked_at DOUBLE PRECISION NOT NULL, status TEXT NOT NULL CHECK (status IN
+                    ('parked', 'claimed', 'dropped')),
+                claimed_by TEXT, claimed_at DOUBLE PRECISION)""",
+            "CREATE INDEX parked_by_node ON parked_items (graph_name, node_id, status, parked_at)",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 #: Keep a graph version's structure the first time a run of it is stored.
@@ -308,6 +358,8 @@ def harvest_rows(run_id: str, harvest: Harvest) -> Iterator[tuple[str, tuple[obj
         yield INSERT_EVENT, values, f"run {run_id!r}: event seq {e.seq}"
     for q in harvest.questions:
         yield INSERT_QUESTION, question_params(q), f"run {run_id!r}: question {q.question_id!r}"
+    for parked in harvest.parked:
+        yield INSERT_PARKED, tuple(parked), f"run {run_id!r}: parked item {parked.park_id!r}"
 
 
 def append_only_rows(run_id: str, harvest: Harvest) -> list[tuple[str, list[tuple[object, ...]]]]:
@@ -325,7 +377,14 @@ def append_only_rows(run_id: str, harvest: Harvest) -> list[tuple[str, list[tupl
         )
     if harvest.questions:
         groups.append((INSERT_QUESTION, [question_params(q) for q in harvest.questions]))
+    if harvest.parked:
+        groups.append((INSERT_PARKED, [tuple(r) for r in harvest.parked]))
     return groups
+
+
+def checkpoint_params(run_id: str, harvest: Harvest) -> list[tuple[object, ...]]:
+    """Values for :data:`UPSERT_CHECKPOINT`, one tuple per checkpoint row of ``harvest``."""
+    return [(run_id, *row) for row in harvest.checkpoints]
 
 
 def item_params(run_id: str, harvest: Harvest) -> list[tuple[object, ...]]:

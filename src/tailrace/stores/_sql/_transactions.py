@@ -24,11 +24,13 @@ from typing import Any, Protocol, TypeVar
 
 from ..._errors import RunNotFound
 from .._records import (
+    CheckpointRow,
     EventRow,
     FrozenInput,
     Harvest,
     ItemRow,
     NodeRow,
+    ParkedRow,
     QuestionRow,
     QuestionStatus,
     ResultRow,
@@ -52,13 +54,17 @@ from ._queues import CANCEL_QUEUED, REQUEST_CANCEL
 from ._statements import (
     ANSWER_QUESTION,
     APPLY_QUESTION,
+    CLAIM_PARKED,
+    DROP_PARKED,
     EVENT_COLUMNS,
     MOVE_RUN,
     QUESTION_STATE,
     RUN_COLUMNS,
+    SELECT_CHECKPOINTS,
     SELECT_FOR_MOVE,
     SELECT_FRONTIERS,
     SELECT_ITEMS,
+    SELECT_PARKED,
     SELECT_QUESTION,
     SELECT_SHAPE,
     SUPERSEDE_QUESTION,
@@ -108,6 +114,9 @@ class Tx(Protocol):
 
     async def change_returning(self, sql: str, params: Params) -> Row | None:
         """Run an ``UPDATE ... RETURNING``: the row it changed, or None."""
+
+    async def change_all(self, sql: str, params: Params) -> int:
+        """Run an ``UPDATE`` of any number of rows: how many it changed."""
 
     async def write_harvest(self, run_id: str, harvest: Harvest, now: float) -> None:
         """Write ``harvest``'s rows and update the run (a duplicate row: ``StoreError``)."""
@@ -184,7 +193,8 @@ async def load_run(tx: Tx, run_id: str) -> StoredRun:
     rows = await tx.all(SELECT_NODES, (run_id,))
     nodes = {r[0]: NodeRow(node_id=r[0], status=r[1], visits=r[2], data_json=r[3]) for r in rows}
     items = [ItemRow(*r) for r in await tx.all(SELECT_ITEMS, (run_id,))]
-    return StoredRun(run=record, nodes=nodes, items=items)
+    checkpoints = [CheckpointRow(*r) for r in await tx.all(SELECT_CHECKPOINTS, (run_id,))]
+    return StoredRun(run=record, nodes=nodes, items=items, checkpoints=checkpoints)
 
 
 async def get_run(tx: Tx, run_id: str) -> RunRecord:
@@ -334,3 +344,41 @@ async def answer(
         raise not_open(question_id, (await question_state(tx, question_id))[0])
     await tx.signal("answer")
     return question_from_row(row)
+
+
+# --- parked items (P3, P4) ----------------------------------------------------------------
+
+
+async def list_parked(
+    tx: Tx,
+    graph_name: str | None,
+    node_id: str | None,
+    status: str | None,
+    claimed_by: str | None,
+) -> list[ParkedRow]:
+    """Parked items matching every filter given, oldest first."""
+    where, params = [], []
+    for column, value in (
+        ("graph_name", graph_name), ("node_id", node_id), ("status", status),
+        ("claimed_by", claimed_by),
+    ):  # fmt: skip
+        if value is not None:
+            where.append(f"{column} = ?")
+            params.append(value)
+    sql = SELECT_PARKED + (" WHERE " + " AND ".join(where) if where else "")
+    rows = await tx.all(sql + " ORDER BY parked_at, park_id", params)
+    return [ParkedRow(*r) for r in rows]
+
+
+async def claim_parked(
+    tx: Tx, graph_name: str, node_id: str, claimant: str, limit: int, now: float
+) -> list[ParkedRow]:
+    """Claim up to ``limit`` parked items of ``node_id`` for ``claimant`` (P4); every item it
+    holds, oldest first. Claiming again returns the same items: it is idempotent."""
+    await tx.change_all(CLAIM_PARKED, (claimant, now, graph_name, node_id, limit))
+    return await list_parked(tx, None, None, None, claimant)
+
+
+async def drop_parked(tx: Tx, park_id: str) -> bool:
+    """Drop parked item ``park_id`` if it is still parked: whether it was."""
+    return await tx.change(DROP_PARKED, (park_id,))

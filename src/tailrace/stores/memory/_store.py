@@ -37,12 +37,15 @@ from .._queue_rules import (
 )
 from .._records import (
     ArtifactVersion,
+    CheckpointRow,
     EventRow,
     FrozenInput,
     Harvest,
     ItemRow,
     NewRun,
     NodeRow,
+    ParkedRow,
+    ParkedStatus,
     QuestionRow,
     QuestionStatus,
     Queue,
@@ -99,6 +102,8 @@ class MemoryStore(RunStore):
         self._result_rows: dict[str, dict[tuple[str, int], ResultRow]] = {}
         self._frozen: dict[str, dict[tuple[str, int], FrozenInput]] = {}
         self._items: dict[str, dict[tuple[str, int, int], ItemRow]] = {}
+        self._checkpoints: dict[str, dict[tuple[str, int, int], CheckpointRow]] = {}
+        self._parked: dict[str, ParkedRow] = {}
         self._event_rows: dict[str, dict[int, EventRow]] = {}
         self._questions: dict[str, QuestionRow] = {}
         #: (graph name, fingerprint) -> the graph version's structure JSON (V1).
@@ -163,6 +168,7 @@ class MemoryStore(RunStore):
         self._result_rows[run.run_id] = {}
         self._frozen[run.run_id] = {}
         self._items[run.run_id] = {}
+        self._checkpoints[run.run_id] = {}
         self._event_rows[run.run_id] = {}
 
     async def _commit(self, run_id: str, token: int, harvest: Harvest) -> bool:
@@ -185,6 +191,11 @@ class MemoryStore(RunStore):
             self._frozen[run_id].update(((f.node_id, f.activation), f) for f in harvest.frozen)
             if harvest.items:
                 self._items[run_id].update(((r.node_id, r.visit, r.item), r) for r in harvest.items)
+            self._parked.update((r.park_id, r) for r in harvest.parked)
+            if harvest.checkpoints:
+                self._checkpoints[run_id].update(
+                    ((r.node_id, r.visit, r.item), r) for r in harvest.checkpoints
+                )
             self._event_rows[run_id].update((e.seq, e) for e in harvest.events)
             self._runs[run_id] = dataclasses.replace(
                 record,
@@ -263,7 +274,56 @@ class MemoryStore(RunStore):
             record = self._run(run_id)
             check_readable(run_id, record.format_version)
             items = [row for _, row in sorted(self._items[run_id].items())]
-            return StoredRun(run=record, nodes=dict(self._nodes[run_id]), items=items)
+            checkpoints = [row for _, row in sorted(self._checkpoints[run_id].items())]
+            return StoredRun(
+                run=record, nodes=dict(self._nodes[run_id]), items=items, checkpoints=checkpoints
+            )
+
+    # -- parked items (P3, P4) ------------------------------------------------------
+
+    async def _list_parked(
+        self,
+        *,
+        graph_name: str | None,
+        node_id: str | None,
+        status: ParkedStatus | None,
+        claimed_by: str | None,
+    ) -> list[ParkedRow]:
+        with self._lock:
+            wanted = (("graph_name", graph_name), ("node_id", node_id), ("status", status),
+                      ("claimed_by", claimed_by))  # fmt: skip
+            rows = [
+                r
+                for r in self._parked.values()
+                if all(v is None or getattr(r, k) == v for k, v in wanted)
+            ]
+        return sorted(rows, key=lambda r: (r.parked_at, r.park_id))
+
+    async def _claim_parked(
+        self, graph_name: str, node_id: str, claimant: str, limit: int
+    ) -> list[ParkedRow]:
+        with self._lock:
+            free = sorted(
+                (r for r in self._parked.values()
+                 if (r.graph_name, r.node_id, r.status) == (graph_name, node_id, "parked")),
+                key=lambda r: (r.parked_at, r.park_id),
+            )[:limit]  # fmt: skip
+            now = self._clock()
+            for r in free:
+                self._parked[r.park_id] = r._replace(
+                    status="claimed", claimed_by=claimant, claimed_at=now
+                )
+        return await self._list_parked(
+            graph_name=None, node_id=None, status=None, claimed_by=claimant
+        )
+
+    async def _drop_parked(self, park_id: str) -> bool:
+        with self._lock:
+            row = self._parked.get(park_id)
+            if row is None or row.status != "parked":
+                return False
+            self._parked[park_id] = row._replace(status="dropped")
+            return True
 
     async def _get_run(self, run_id: str) -> RunRecord:
         with self._lock:

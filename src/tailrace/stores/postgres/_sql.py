@@ -17,8 +17,10 @@ from .._sql._statements import (
     INSERT_ARTIFACT,
     INSERT_RUN,
     UPDATE_RUN,
+    UPSERT_CHECKPOINT,
     UPSERT_ITEM,
     UPSERT_NODE,
+    checkpoint_params,
     harvest_rows,
     item_params,
     node_params,
@@ -29,8 +31,8 @@ from ._connections import XID, Attempt, Conn, Work
 
 
 def pg(statement: str) -> str:
-    """The shared SQL with psycopg's placeholders."""
-    return statement.replace("?", "%s")
+    """The shared SQL with psycopg's placeholders (and its row locks where the SQL marks them)."""
+    return statement.replace("?", "%s").replace("/*SKIP LOCKED*/", "FOR UPDATE SKIP LOCKED")
 
 
 def returning_xid(statement: str) -> str:
@@ -71,6 +73,8 @@ async def write_harvest(conn: Conn, run_id: str, harvest: Harvest, now: float) -
             await cur.executemany(pg(UPSERT_NODE), node_params(run_id, harvest))
         if harvest.items:
             await cur.executemany(pg(UPSERT_ITEM), item_params(run_id, harvest))
+        if harvest.checkpoints:
+            await cur.executemany(pg(UPSERT_CHECKPOINT), checkpoint_params(run_id, harvest))
         rows = harvest_rows(run_id, harvest)
         for statement, group in itertools.groupby(rows, key=lambda row: row[0]):
             await cur.executemany(pg(statement), [values for _, values, _ in group])
@@ -145,6 +149,10 @@ class PostgresTx:
             return False
         self.attempt.xid = row[0]
         return True
+
+    async def change_all(self, sql: str, params: Params) -> int:
+        cur = await self.conn.execute(_spelled(sql), params)
+        return int(cur.rowcount)
 
     async def change_returning(self, sql: str, params: Params) -> Row | None:
         cur = await self.conn.execute(_returning_too(sql), params)

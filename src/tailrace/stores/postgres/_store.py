@@ -53,6 +53,8 @@ from .._records import (
     FrozenInput,
     Harvest,
     NewRun,
+    ParkedRow,
+    ParkedStatus,
     QuestionRow,
     QuestionStatus,
     Queue,
@@ -405,6 +407,28 @@ class PostgresStore(RunStore):
         params += (None if limit is None else max(limit, 0), offset)
         rows = await self._db.read("listing questions", fetch_all(pg(query), params))
         return [question_from_row(r) for r in rows]
+
+    async def _list_parked(
+        self,
+        *,
+        graph_name: str | None,
+        node_id: str | None,
+        status: ParkedStatus | None,
+        claimed_by: str | None,
+    ) -> list[ParkedRow]:
+        read = self._body(bodies.list_parked, graph_name, node_id, status, claimed_by)
+        return await self._db.read("listing parked items", read)
+
+    async def _claim_parked(
+        self, graph_name: str, node_id: str, claimant: str, limit: int
+    ) -> list[ParkedRow]:
+        # Idempotent (a claimant gets back what it holds), so a lost COMMIT is re-run.
+        claim = self._body(bodies.claim_parked, graph_name, node_id, claimant, limit, self._clock())
+        return await self._db.write(f"claiming parked items of {node_id!r}", claim)
+
+    async def _drop_parked(self, park_id: str) -> bool:
+        drop = self._body(bodies.drop_parked, park_id)
+        return await self._db.write(f"parked item {park_id!r}", drop)
 
     async def _question_counts(self) -> dict[QuestionStatus, int]:
         rows = await self._db.read("counting questions", fetch_all(pg(QUESTION_COUNTS), ()))

@@ -38,6 +38,8 @@ from .._records import (
     FrozenInput,
     Harvest,
     NewRun,
+    ParkedRow,
+    ParkedStatus,
     QuestionRow,
     QuestionStatus,
     Queue,
@@ -414,6 +416,26 @@ class SQLiteStore(RunStore):
             "listing questions",
             lambda conn: [question_from_row(r) for r in conn.execute(query, params)],
         )
+
+    async def _list_parked(
+        self,
+        *,
+        graph_name: str | None,
+        node_id: str | None,
+        status: ParkedStatus | None,
+        claimed_by: str | None,
+    ) -> list[ParkedRow]:
+        read = _body(bodies.list_parked, graph_name, node_id, status, claimed_by)
+        return await self._read("listing parked items", read)
+
+    async def _claim_parked(
+        self, graph_name: str, node_id: str, claimant: str, limit: int
+    ) -> list[ParkedRow]:
+        claim = _body(bodies.claim_parked, graph_name, node_id, claimant, limit, self._clock())
+        return await self._write(f"claiming parked items of {node_id!r}", claim)
+
+    async def _drop_parked(self, park_id: str) -> bool:
+        return await self._write(f"parked item {park_id!r}", _body(bodies.drop_parked, park_id))
 
     async def _question_counts(self) -> dict[QuestionStatus, int]:
         return await self._read(

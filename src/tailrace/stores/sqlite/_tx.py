@@ -17,6 +17,7 @@ from .._sql._statements import (
     INSERT_EVENT,
     INSERT_RESULT,
     UPDATE_RUN,
+    UPSERT_CHECKPOINT,
     UPSERT_ITEM,
     UPSERT_NODE,
     append_only_rows,
@@ -50,6 +51,9 @@ class SQLiteTx:
     async def change(self, sql: str, params: Params) -> bool:
         return bool(self.conn.execute(sql, params).rowcount == 1)
 
+    async def change_all(self, sql: str, params: Params) -> int:
+        return int(self.conn.execute(sql, params).rowcount)
+
     async def change_returning(self, sql: str, params: Params) -> Row | None:
         rows: list[Any] = self.conn.execute(sql, params).fetchall()
         return rows[0] if rows else None
@@ -59,6 +63,8 @@ class SQLiteTx:
         insert_run_rows(conn, UPSERT_NODE, run_id, harvest.nodes)
         if harvest.items:
             insert_run_rows(conn, UPSERT_ITEM, run_id, harvest.items)
+        if harvest.checkpoints:
+            insert_run_rows(conn, UPSERT_CHECKPOINT, run_id, harvest.checkpoints)
         try:
             insert_run_rows(conn, INSERT_RESULT, run_id, harvest.results)
             insert_run_rows(conn, INSERT_EVENT, run_id, harvest.events)

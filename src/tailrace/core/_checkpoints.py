@@ -1,0 +1,107 @@
+"""Checkpoints inside a node (P1, P2): what running attempts save, and what a later attempt resumes from.
+
+The run loop holds one :class:`Checkpoints` per run. A handler calls
+``current_node().checkpoint(value)``; the value is encoded at once (a value
+the codec refuses raises there, naming node and attempt), kept as the
+attempt's latest, and handed to the next write, where it replaces the
+stored one: a checkpoint costs one row per commit, however often it is
+saved (P1). An attempt that starts again after a crash or an adoption (the
+stored checkpoint), after a retry with ``RetryPolicy(resume=True)`` (the
+latest one), or unparked (its parked checkpoint) sees it as
+``current_node().resumed_from`` (P2).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .._codec import Codec
+from .._context import Checkpoint
+from .._errors import EncodeError
+from ..stores import CheckpointRow, ParkedRow
+
+if TYPE_CHECKING:
+    import asyncio
+
+#: A checkpoint's key: node id, visit, and the item of a map's item (-1 for a node).
+Key = tuple[str, int, int]
+
+
+def key_of(node_id: str, visit: int, item: int | None) -> Key:
+    return (node_id, visit, -1 if item is None else item)
+
+
+def parked_checkpoint(row: ParkedRow, value: Any) -> Checkpoint:
+    """The checkpoint a parked item resumes from (P2, P4): where it was saved, its value."""
+    return Checkpoint(
+        value=value, run_id=row.run_id, node_id=row.node_id, visit=row.visit,
+        item=None if row.item < 0 else row.item, saved_at=row.parked_at,
+    )  # fmt: skip
+
+
+class Checkpoints:
+    """The checkpoints of one run: committed ones read back, and those saved since (P1, P2).
+
+    ``committed`` is what the store held when the run was restored; ``wake``
+    asks the run loop for a write. ``save`` may be called from a worker
+    thread (a sync handler): the wake-up then goes through ``loop``.
+    """
+
+    __slots__ = ("_loop", "_thread", "codec", "committed", "latest", "pending", "run_id", "wake")
+
+    def __init__(
+        self,
+        run_id: str,
+        codec: Codec,
+        committed: dict[Key, Checkpoint],
+        wake: Callable[[], None],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.run_id = run_id
+        self.codec = codec
+        self.committed = committed
+        self.wake = wake
+        self._loop = loop
+        self._thread = threading.get_ident()
+        #: Saved in this process, the newest per key.
+        self.latest: dict[Key, Checkpoint] = {}
+        #: Saved since the last write: the rows it will upsert.
+        self.pending: dict[Key, CheckpointRow] = {}
+
+    def save(self, node_id: str, visit: int, item: int | None, attempt: int, value: Any) -> None:
+        """Encode ``value`` now and make it the attempt's latest checkpoint (P1)."""
+        where = f"node {node_id!r} (visit {visit}" + (f", item {item}" if item is not None else "")
+        try:
+            text = self.codec.encode(value)
+            value = self.codec.decode(text)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise EncodeError(
+                f"run {self.run_id!r}: checkpoint of {where}, attempt {attempt}) cannot be "
+                f"encoded: {exc}"
+            ) from exc
+        now = time.time()
+        key = key_of(node_id, visit, item)
+        self.latest[key] = Checkpoint(
+            value=value, run_id=self.run_id, node_id=node_id, visit=visit, item=item, saved_at=now
+        )
+        self.pending[key] = CheckpointRow(node_id, visit, key[2], attempt, text, now)
+        if threading.get_ident() == self._thread:
+            self.wake()
+        else:
+            self._loop.call_soon_threadsafe(self.wake)
+
+    def resumed(self, node_id: str, visit: int, item: int | None) -> Checkpoint | None:
+        """The checkpoint an attempt of ``(node, visit, item)`` continues from, if any (P2)."""
+        if not self.latest and not self.committed:
+            return None
+        key = key_of(node_id, visit, item)
+        return self.latest.get(key) or self.committed.get(key)
+
+    def take_pending(self) -> list[CheckpointRow]:
+        """The rows saved since the last call (the next write's), one per key."""
+        rows = list(self.pending.values())
+        self.pending.clear()
+        return rows
