@@ -39,6 +39,7 @@ from ._fleet import (
 )
 from ._fleet import register as register_fleet
 from ._load import is_file_spec, load_graph, load_graphs
+from ._parked import register as register_parked
 from ._render import question_table, table_of, text
 from ._session import (
     CommandError,
@@ -329,11 +330,12 @@ def show(
 ) -> None:
     """Show a run's nodes, a timeline of every node attempt, and where a failed node raised."""
 
-    async def gather(store: RunStore) -> tuple[Any, Any]:
+    async def gather(store: RunStore) -> tuple[Any, Any, Any]:
         stored = await store.load_run(run_id)
-        return stored, await store.events(run_id)
+        parked = await store.list_parked(graph_name=stored.run.graph_name, status=None)
+        return stored, await store.events(run_id), [p for p in parked if p.run_id == run_id]
 
-    stored, events = with_store(db, gather, read_only=True)
+    stored, events, parked = with_store(db, gather, read_only=True)
     record = stored.run
     error = f" error: {record.error}" if record.error else ""
     console.print(
@@ -355,6 +357,23 @@ def show(
     maps = map_table(events)
     if maps is not None:
         console.print(maps)
+    if parked:  # the stragglers this run parked (P3) and what became of them
+        console.print(
+            table_of(
+                ("parked", "item", "checkpoint", "status", "claimed by"),
+                (
+                    (
+                        p.node_id,
+                        "-" if p.item < 0 else str(p.item),
+                        "yes" if p.checkpoint_json is not None else "no",
+                        p.status,
+                        p.claimed_by or "",
+                    )
+                    for p in parked
+                ),
+                title="parked items",
+            )
+        )
     console.print(timeline(events, width=max(console.width - 30, 20)))
     _print_tracebacks(events, whole=whole_traceback)
 
@@ -494,3 +513,4 @@ def answer(
 
 register_fleet(app)  # submit, worker (and serve, its other name), cancel, queues
 register_versions(app)  # check, migrate, fork
+register_parked(app)  # parked, parked drop
