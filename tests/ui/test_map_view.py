@@ -142,3 +142,21 @@ async def test_one_span_per_item_attempt_under_the_run_span(tmp_path: Path) -> N
         for s in spans
         if s.name.startswith("tailrace.node")
     )
+
+
+def test_the_run_page_shows_parked_items_and_a_checkpoint_mark(tmp_path: Path) -> None:
+    from tests.durable.test_checkpoints import rollouts
+
+    path = tmp_path / "parked.db"
+
+    async def park() -> None:
+        async with SQLiteStore(path) as store:
+            await tr.Engine(store=store).run(rollouts([]), 1, run_id="parked-view")
+
+    asyncio.run(park())
+    with dashboard(scenarios.sqlite_factory(path)) as client:
+        page = client.get(run_url("parked-view")).text
+    assert 'id="run-parked"' in page
+    parked = page[page.index('id="run-parked"') :]
+    assert parked.count('<td class="mono">roll</td>') == 2
+    assert 'class="checkpoint-mark"' in page  # the winners' last checkpoints, on their bars

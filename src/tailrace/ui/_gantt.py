@@ -9,7 +9,7 @@ forbids them). Pure: no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .._attempts import Attempt, Outcome
@@ -49,6 +49,8 @@ class Bar:
     late: bool
     straggler_x: float | None
     title: str
+    #: Where the attempt's last committed checkpoint was saved (P1), if it was in it.
+    checkpoint_x: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,9 +76,13 @@ class Gantt:
     counts: dict[str, int]
 
 
-def gantt(attempts: Sequence[Attempt]) -> Gantt:
+def gantt(
+    attempts: Sequence[Attempt],
+    checkpoints: Mapping[tuple[str, int | None, int | None], float] | None = None,
+) -> Gantt:
     """Lay ``attempts`` out: a row per node visit in order of first start (its hedge just under it),
-    x scaled to the run's span."""
+    x scaled to the run's span. ``checkpoints`` maps (node, visit, item) to when its last
+    committed checkpoint was saved: the attempt running then gets a checkpoint mark."""
     if not attempts:
         return Gantt(width=LABEL_W + TRACK_W + RIGHT_PAD, height=AXIS_H, rows=(), bars=(), ticks=(),
                      span=0.0, counts={})  # fmt: skip
@@ -87,12 +93,15 @@ def gantt(attempts: Sequence[Attempt]) -> Gantt:
     y_of = {(r.full_label.removesuffix(" hedge"), r.hedge): r.y for r in rows}
     bars: list[Bar] = []
     counts: dict[str, int] = {}
+    saved = checkpoints or {}
     for a in attempts:
         straggler = None if a.straggler_at is None else LABEL_W + (a.straggler_at - t0) * scale
+        at = saved.get((a.node_id, a.visit, a.item))
+        mark = None if at is None or not a.start <= at <= a.end else LABEL_W + (at - t0) * scale
         bars.append(
             Bar(x=LABEL_W + (a.start - t0) * scale, y=y_of[(a.label, a.hedge)] + (ROW_H - BAR_H) / 2,
                 w=max((a.end - a.start) * scale, 2.0), outcome=a.outcome.value, hedge=a.hedge,
-                late=a.late, straggler_x=straggler, title=_title(a, t0))
+                late=a.late, straggler_x=straggler, title=_title(a, t0), checkpoint_x=mark)
         )  # fmt: skip
         counts[a.outcome.value] = counts.get(a.outcome.value, 0) + 1
         counts["straggler"] = counts.get("straggler", 0) + (a.straggler_at is not None)

@@ -43,6 +43,7 @@ def render_parts(pages: Pages, view: RunView, state: UiState, auth: Auth) -> dic
         "run-graph": pages.part("_run.html", "graph_card", view),
         "run-gantt": pages.part("_run.html", "gantt", view.gantt),
         "run-maps": pages.part("_run.html", "maps", view),
+        "run-parked": pages.part("_run.html", "parked", view),
         "run-late": pages.part("_run.html", "late", view),
         "run-nodes": pages.part("_run.html", "nodes", view),
     }

@@ -20,6 +20,7 @@ from ..stores import (
     TERMINAL_STATUSES,
     EventRow,
     NodeRow,
+    ParkedRow,
     QuestionRow,
     QuestionStatus,
     RunRecord,
@@ -415,6 +416,8 @@ class RunView:
     gantt: Gantt
     #: Each map visit's items by outcome, its winners and slowest items (M2-M5).
     maps: tuple[MapSummary, ...]
+    #: The stragglers this run parked (P3), and what became of them.
+    parked: tuple[ParkedRow, ...]
     late: tuple[LateRow, ...]
     events: tuple[EventLine, ...]
     events_total: int
@@ -477,7 +480,18 @@ async def run_view(
         drawing=drawing,
         graph_note=note,
         # A suspended run still waits now; a finished one ended at its last event.
-        gantt=gantt(fold_items(attempts, keep=GANTT_ITEM_ROWS)),
+        gantt=gantt(
+            fold_items(attempts, keep=GANTT_ITEM_ROWS),
+            {
+                (c.node_id, c.visit, None if c.item < 0 else c.item): c.saved_at
+                for c in stored.checkpoints
+            },
+        ),
+        parked=tuple(
+            p
+            for p in await store.list_parked(graph_name=record.graph_name, status=None)
+            if p.run_id == record.run_id
+        ),
         maps=tuple(map_summaries(events, attempts)),
         late=late_inputs(events),
         events=tuple(event_lines(events[-EVENT_LIMIT:], record.created_at)),
