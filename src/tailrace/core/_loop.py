@@ -632,7 +632,13 @@ class RunLoop:
 
     async def _run_direct(self, node: Node, payload: Any, attempt: Attempt) -> None:
         """An attempt of an async handler with no retry, timeout or executor (the short path)."""
-        set_current(self._where(node, attempt, attempt.tries, self._resumed(node, attempt)))
+        cps = self.checkpoints
+        item = None if attempt.item < 0 else attempt.item
+        # Written out: this is every plain node's path; a run without checkpoints skips the lookup.
+        resumed = None
+        if (cps.latest or cps.committed) and not attempt.hedge:
+            resumed = cps.resumed(node.id, attempt.visit, item)
+        set_current((self.run_id, node.id, attempt.visit, attempt.tries, item, cps, resumed))
         try:
             attempt.value = await node.handler(payload)
         except BaseException as exc:
