@@ -20,6 +20,7 @@ from ._errors import LeaseLost as LeaseLost
 from ._errors import NotResumable as NotResumable
 from ._errors import QuestionError as QuestionError
 from ._errors import QuestionNotFound as QuestionNotFound
+from ._errors import QueueNotEmpty as QueueNotEmpty
 from ._errors import RouteError as RouteError
 from ._errors import RunError as RunError
 from ._errors import RunExists as RunExists
@@ -89,6 +90,7 @@ __all__ = [
     "QuestionRow",
     "QuestionStatus",
     "Queue",
+    "QueueNotEmpty",
     "RetryPolicy",
     "RouteError",
     "RunError",

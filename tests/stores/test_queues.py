@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tailrace._errors import RunExists, RunNotFound
+from tailrace._errors import QueueNotEmpty, RunExists, RunNotFound
 from tailrace.stores import (
     ChangeFeed,
     Harvest,
@@ -198,6 +198,111 @@ async def test_a_suspended_run_blocks_its_partition(store: RunStore) -> None:
     await store.commit("a1", token, Harvest(state_json="{}", status=RunStatus.SUSPENDED))
     await store.release_lease("a1", "w", token)
     assert await store.claim_runs("q", "w", TTL, limit=9) == []
+
+
+async def test_a_lone_partition_waits_behind_at_most_one_run_of_a_busy_one(
+    backend: Backend,
+) -> None:
+    """A port of DBOS Transact's partition fairness test (W2).
+
+    DBOS enqueues a long backlog on one partition, then one run on another,
+    and requires the lone run to start before half the backlog is done. Here
+    the bar is the clause's: it waits behind at most one run of each other
+    partition, whether the queue serves one run at a time or ten.
+    """
+    store = backend.store
+    for slots in (1, 10):
+        queue = f"fair{slots}"
+        await store.declare_queue(Queue(queue, concurrency=slots, partition_concurrency=slots))
+        busy = [f"{queue}-busy{n:03}" for n in range(120)]
+        for n, run_id in enumerate(busy):
+            await submit(store, run_id, queue, at=float(n), partition="busy")
+        await submit(store, f"{queue}-lone", queue, at=200.0, partition="lone")
+        started: list[str] = []
+        while f"{queue}-lone" not in started:
+            claimed = await store.claim_runs(queue, "w", TTL, limit=slots)
+            assert claimed, "the queue stalled"
+            started.extend(claimed)
+            backend.clock.advance(1.0)
+            await finish(store, claimed[0], "w")  # one run ends per step
+        ahead = started.index(f"{queue}-lone")
+        # With ten slots the first claim starts ten at once: one busy run goes
+        # first (it was submitted first), the lone run takes the second slot.
+        assert ahead <= 1, f"{slots} slot(s): the lone run waited behind {ahead} busy runs"
+
+
+async def test_partitions_take_turns_among_three(store: RunStore) -> None:
+    await store.declare_queue(Queue("q", concurrency=1, partition_concurrency=5))
+    for n in range(4):
+        await submit(store, f"a{n}", at=float(n), partition="A")
+        await submit(store, f"b{n}", at=float(n) + 0.5, partition="B")
+    await submit(store, "c0", at=10.0, partition="C")
+    order = []
+    for _ in range(9):
+        (run_id,) = await store.claim_runs("q", "w", TTL, limit=1)
+        order.append(run_id)
+        await finish(store, run_id, "w")
+    assert order.index("c0") <= 2  # behind at most one of A and one of B
+    assert [r for r in order if r[0] == "a"] == ["a0", "a1", "a2", "a3"]  # submit order per key
+    assert [r for r in order if r[0] == "b"] == ["b0", "b1", "b2", "b3"]
+
+
+async def test_partition_concurrency_and_rate_limit(backend: Backend) -> None:
+    store = backend.store
+    await store.declare_queue(Queue("q", partition_concurrency=2, partition_limit=3, period=10.0))
+    for n in range(5):
+        await submit(store, f"a{n}", at=float(n), partition="A")
+    await submit(store, "b0", at=9.0, partition="B")
+    assert await store.claim_runs("q", "w", TTL, limit=9) == ["a0", "b0", "a1"]
+    assert await store.claim_runs("q", "w", TTL, limit=9) == []  # two of A run
+    await finish(store, "a0", "w")
+    assert await store.claim_runs("q", "w", TTL, limit=9) == ["a2"]
+    await finish(store, "a1", "w")
+    await finish(store, "a2", "w")
+    assert await store.claim_runs("q", "w", TTL, limit=9) == []  # A started 3 within 10 s
+    backend.clock.advance(10.5)
+    assert await store.claim_runs("q", "w", TTL, limit=9) == ["a3", "a4"]
+
+
+async def test_a_paused_queue_hands_out_nothing_until_resumed(backend: Backend) -> None:
+    store = backend.store
+    await store.declare_queue(Queue("q", concurrency=5))
+    await store.pause_queue("q")
+    await store.pause_queue("q")  # idempotent
+    await submit_many(store, ["r1", "r2"])  # submits are still stored
+    await store.declare_queue(Queue("q", concurrency=3))  # a declaration keeps the pause
+    assert await store.claim_runs("q", "w", TTL, limit=5) == []
+    stats = {s.name: s for s in await store.queue_stats(backend.clock.now)}
+    assert (stats["q"].paused, stats["q"].queued, stats["q"].queue) == (
+        True, 2, Queue("q", concurrency=3),
+    )  # fmt: skip
+    assert await store.resume_queue("q") is True
+    assert await store.resume_queue("q") is False
+    assert await store.claim_runs("q", "w", TTL, limit=5) == ["r1", "r2"]
+    assert not {s.name: s for s in await store.queue_stats(backend.clock.now)}["q"].paused
+    await store.pause_queue("never-declared")  # declared with the defaults, paused
+    assert Queue("never-declared") in await store.queues()
+
+
+async def test_a_queue_is_deleted_only_when_empty(store: RunStore) -> None:
+    await store.declare_queue(Queue("q", concurrency=2))
+    await store.pause_queue("q")
+    await submit_many(store, ["r1"])
+    with pytest.raises(QueueNotEmpty, match="'q' still holds 1 live run") as refused:
+        await store.delete_queue("q")
+    assert (refused.value.queue, refused.value.live) == ("q", 1)
+    assert await store.queues() == [Queue("q", concurrency=2)]  # nothing changed
+    await store.resume_queue("q")
+    assert await store.claim_runs("q", "w", TTL, limit=1) == ["r1"]
+    with pytest.raises(QueueNotEmpty):
+        await store.delete_queue("q")  # running is live
+    await finish(store, "r1", "w")
+    assert await store.delete_queue("q") is True
+    assert await store.delete_queue("q") is False
+    assert await store.queues() == []
+    assert (await store.get_run("r1")).queue_name == "q"  # finished runs keep their queue
+    with pytest.raises(ValueError, match="queue"):
+        await store.delete_queue("bad\x00name")
 
 
 async def test_claims_refuse_bad_names_before_touching_the_store(store: RunStore) -> None:

@@ -205,3 +205,20 @@ def test_langgraph_graphs_given_names_are_served(
 def test_serve_is_the_worker(db: Path, worker_process: list[subprocess.Popen[str]]) -> None:
     help_text = invoke("serve", "--help").stdout
     assert "--queue" in help_text and "--langgraph" in help_text and "--concurrency" in help_text
+
+
+def test_queues_pause_resume_and_delete(db: Path) -> None:
+    submitted = invoke("submit", f"{GRAPHS}:chain", "-i", "1", "-q", "q", "--db", db)
+    assert submitted.exit_code == 0, submitted.output
+    run_id = submitted.stdout.strip().splitlines()[-1]
+    paused = invoke("queues", "pause", "q", "--db", db)
+    assert paused.exit_code == 0 and "queue q paused" in paused.stdout, paused.output
+    assert "paused;none" in flat(invoke("queues", "--db", db).stdout)
+    refused = invoke("queues", "delete", "q", "--db", db)
+    assert refused.exit_code != 0
+    assert "'q' still holds 1 live run" in refused.output
+    assert "queue q resumed" in invoke("queues", "resume", "q", "--db", db).stdout
+    assert "was not paused" in invoke("queues", "resume", "q", "--db", db).stdout
+    assert invoke("cancel", run_id, "--db", db).exit_code == 0
+    assert "queue q deleted" in invoke("queues", "delete", "q", "--db", db).stdout
+    assert "nothing to delete" in invoke("queues", "delete", "q", "--db", db).stdout

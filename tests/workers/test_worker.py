@@ -222,6 +222,49 @@ async def test_queue_limits_hold_across_workers_and_within_one(db: fixtures.Data
     assert a.stats.claimed + b.stats.claimed == 7
 
 
+async def test_partition_concurrency_holds_across_workers(db: fixtures.Database) -> None:
+    engine = await engine_on(db)
+    await engine.store.declare_queue(Queue("q", partition_concurrency=2))
+    ids = [await engine.submit(graphs.held, n, queue="q", partition="A") for n in range(5)]
+    lone = await engine.submit(graphs.chain, 1, queue="q", partition="B")
+    a = await worker_on(db, queues=["q"], concurrency=4, poll_interval=0.05)
+    b = await worker_on(db, queues=["q"], concurrency=4, poll_interval=0.05)
+    async with working(a), working(b):
+        await engine.wait(lone, timeout=fixtures.HANG_GUARD)  # B is not held up by A (W2)
+        await until(lambda: len(graphs.SEEN["starts"]) >= 2, "two held runs of A")
+        rounds = a.stats.rounds + b.stats.rounds
+        await until(lambda: a.stats.rounds + b.stats.rounds >= rounds + 6, "more rounds")
+        assert len(graphs.SEEN["starts"]) == 2  # the third of A waits for a slot of A
+        graphs.HOLD["release"].set()
+        for run_id in ids:
+            await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
+    assert max(graphs.SEEN["peak"]) == 2
+    assert sorted(graphs.SEEN["starts"]) == sorted(ids)  # each started once
+
+
+async def test_a_paused_queue_lets_runs_in_flight_finish_and_starts_none(
+    db: fixtures.Database,
+) -> None:
+    engine = await engine_on(db)
+    first = await engine.submit(graphs.held, 1, queue="q")
+    worker = await worker_on(db, queues=["q"], poll_interval=0.05)
+    async with working(worker):
+        await until(lambda: bool(graphs.SEEN["starts"]), "the held run")
+        await engine.store.pause_queue("q")
+        later = [await engine.submit(graphs.chain, n, queue="q") for n in range(2)]
+        graphs.HOLD["release"].set()
+        assert (await engine.wait(first, timeout=fixtures.HANG_GUARD)).status == "completed"
+        rounds = worker.stats.rounds
+        await until(lambda: worker.stats.rounds >= rounds + 6, "rounds while paused")
+        store = await db.store()
+        assert [(await store.get_run(r)).status for r in later] == [RunStatus.QUEUED] * 2
+        assert worker.stats.claimed == 1
+        assert await engine.store.resume_queue("q")
+        for run_id in later:
+            assert (await engine.wait(run_id, timeout=fixtures.HANG_GUARD)).status == "completed"
+    assert worker.stats.claimed == 3
+
+
 async def test_an_lpt_queue_starts_the_longest_estimate_first(db: fixtures.Database) -> None:
     engine = await engine_on(db)
     await (await db.store()).declare_queue(Queue("lpt", order="lpt"))

@@ -76,7 +76,15 @@ def register(app: typer.Typer) -> None:
         "gates, adopt runs whose owner died, and claim queued runs).",
     )(worker)
     app.command("cancel")(cancel)
-    app.command("queues")(queues)
+    group = typer.Typer(
+        name="queues", invoke_without_command=True,
+        help="List queues (with no command), or pause, resume or delete one.",
+    )  # fmt: skip
+    group.callback()(queues)
+    group.command("pause")(pause)
+    group.command("resume")(resume_queue)
+    group.command("delete")(delete_queue)
+    app.add_typer(group)
 
 
 # --- submit -------------------------------------------------------------------------------
@@ -92,7 +100,10 @@ def submit(
     run_id: Annotated[str | None, typer.Option(help="Name the run (default: random).")] = None,
     priority: Annotated[int, typer.Option(help="Higher first, in a priority queue.")] = 0,
     partition: Annotated[
-        str | None, typer.Option(help="Runs with one key start one at a time, in order.")
+        str | None,
+        typer.Option(
+            help="Runs with one key start in submit order, within the queue's partition limits."
+        ),
     ] = None,
     dedup_key: Annotated[
         str | None, typer.Option(help="Return the live run with this key instead.")
@@ -304,6 +315,7 @@ def cancel(
 
 
 def queues(
+    ctx: typer.Context,
     db: DbOption = None,
     window: Annotated[
         float, typer.Option(min=1.0, help="Seconds the start rate and workers are counted over.")
@@ -312,8 +324,11 @@ def queues(
     """List queues: limits, runs queued, running and suspended, start rate, workers seen.
 
     The start rate is in runs per second over the last --window seconds, and the
-    oldest wait in seconds.
+    oldest wait in seconds. A paused queue says so in its limits.
+    tailrace queues pause|resume|delete NAME changes one.
     """
+    if ctx.invoked_subcommand is not None:
+        return
     now = time.time()
     stats = with_store(db, lambda store: store.queue_stats(now, window=window), read_only=True)
     headers = (
@@ -323,10 +338,41 @@ def queues(
     console.print(table_of(headers, (_queue_row(s, now) for s in stats)))
 
 
+QueueName = Annotated[str, typer.Argument(help="The queue's name.")]
+
+
+def pause(name: QueueName, db: DbOption = None) -> None:
+    """Pause a queue: workers claim none of its queued runs until it is resumed.
+
+    Submits are still stored and runs already started go on; a worker's own
+    declaration of the queue keeps the pause.
+    """
+    with_store(db, lambda store: store.pause_queue(name))
+    console.print(text(f"queue {name} paused"), soft_wrap=True)
+
+
+def resume_queue(name: QueueName, db: DbOption = None) -> None:
+    """Resume a paused queue: workers claim its runs again at once."""
+    lifted = with_store(db, lambda store: store.resume_queue(name))
+    shown = "resumed" if lifted else "was not paused"
+    console.print(text(f"queue {name} {shown}"), soft_wrap=True)
+
+
+def delete_queue(name: QueueName, db: DbOption = None) -> None:
+    """Delete a queue's declaration (its limits and pause), refused while it holds live runs.
+
+    Finished runs keep the queue's name; a queue nobody declared has nothing to delete.
+    """
+    deleted = with_store(db, lambda store: store.delete_queue(name))
+    shown = "deleted" if deleted else "was not declared; nothing to delete"
+    console.print(text(f"queue {name} {shown}"), soft_wrap=True)
+
+
 def _queue_row(stats: QueueStats, now: float) -> Sequence[str]:
+    limits = _limits(stats.queue)
     return (
         stats.name,
-        _limits(stats.queue),
+        f"paused; {limits}" if stats.paused else limits,
         stats.queue.order if stats.queue is not None else "fifo",
         str(stats.queued),
         str(stats.running),
@@ -347,4 +393,8 @@ def _limits(queue: Queue | None) -> str:
         parts.append(f"per worker {queue.worker_concurrency}")
     if queue.limit is not None:
         parts.append(f"{queue.limit} per {queue.period:g}s")
+    if queue.partition_concurrency != 1:
+        parts.append(f"per partition {queue.partition_concurrency}")
+    if queue.partition_limit is not None:
+        parts.append(f"{queue.partition_limit} per partition per {queue.period:g}s")
     return ", ".join(parts) or "none"

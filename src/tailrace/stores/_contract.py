@@ -421,11 +421,13 @@ class RunStore(abc.ABC):
 
         Atomically: the queue's ``concurrency`` is never exceeded (counting
         its runs ``running``, and ``suspended`` ones whose lease is live),
-        nor its rate ``limit`` (runs with ``started_at`` within ``period``),
-        runs with a partition key start one at a time in submit order, and
-        each claimed run becomes ``running``, gets ``started_at``, and is
-        leased to ``owner`` with a new fencing token (D6). A run is claimed
-        by one caller only, across processes and hosts.
+        nor its rate ``limit`` (runs with ``started_at`` within ``period``);
+        runs with a partition key start in submit order within their key,
+        within ``partition_concurrency`` and ``partition_limit``, and
+        partitions take turns (the order of :class:`Queue`, W2); a paused
+        queue hands out nothing; each claimed run becomes ``running``, gets
+        ``started_at``, and is leased to ``owner`` with a new fencing token
+        (D6). A run is claimed by one caller only, across processes and hosts.
         """
         check_claim(queue, owner, ttl, limit)
         keys = None if graphs is None else graph_keys(graphs)
@@ -499,6 +501,31 @@ class RunStore(abc.ABC):
     async def queues(self) -> list[Queue]:
         """Every declared queue, by name."""
         return await self._queues()
+
+    async def pause_queue(self, name: str) -> None:
+        """Pause queue ``name``: claims hand out none of its queued runs until :meth:`resume_queue` (W2).
+
+        Submits are still stored, and runs already started go on (answers
+        resume them). A queue never declared is declared with the defaults;
+        a later :meth:`declare_queue` keeps the pause. Idempotent.
+        """
+        check_name("queue", name)
+        await self._pause_queue(name)
+
+    async def resume_queue(self, name: str) -> bool:
+        """Lift the pause of queue ``name``; True if it was paused (workers are woken)."""
+        check_name("queue", name)
+        return await self._resume_queue(name)
+
+    async def delete_queue(self, name: str) -> bool:
+        """Drop the declaration of queue ``name`` (its limits, its pause); True if it had one.
+
+        Refused with :class:`~tailrace.QueueNotEmpty` (nothing changed) while
+        the queue holds a live run (queued, running or suspended). Finished
+        runs keep their queue's name.
+        """
+        check_name("queue", name)
+        return await self._delete_queue(name)
 
     async def queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
         """Declared queues and queues that have runs, by name, with their counts at ``now``.
@@ -720,6 +747,18 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     async def _queues(self) -> list[Queue]:
         """:meth:`queues`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _pause_queue(self, name: str) -> None:
+        """:meth:`pause_queue`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _resume_queue(self, name: str) -> bool:
+        """:meth:`resume_queue`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _delete_queue(self, name: str) -> bool:
+        """:meth:`delete_queue`, called with checked arguments."""
 
     @abc.abstractmethod
     async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:

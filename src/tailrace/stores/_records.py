@@ -293,12 +293,22 @@ class Queue:
             order; ``"priority"`` is the same, for queues that mean to use
             priorities) or ``"lpt"`` (longest estimated run first, then submit
             order; see ``Engine.submit``'s ``estimate``).
+        partition_concurrency: most runs of one partition key running (or
+            suspended) at once across all workers; the default 1 starts a
+            partition's runs one at a time, each once the previous one finished.
+        partition_limit: most runs of one partition key started per
+            ``period`` seconds across all workers (None: no such limit).
 
-    Runs submitted with a ``partition`` key start one at a time per key, in
-    submit order: the next one starts once the previous one finished.
+    Runs submitted with a ``partition`` key start in submit order within their
+    key, and partitions are served fairly (W2): among runs of equal priority a
+    claim takes each partition's first queued run before any partition's
+    second, and among those of one turn the partition served longest ago (or
+    never) first; runs with no key take turns as one partition of their own.
+    A partition with one queued run so waits behind at most one run of each
+    other partition.
 
     >>> Queue("emails", concurrency=10, limit=100, period=60.0)
-    Queue(name='emails', concurrency=10, worker_concurrency=None, limit=100, period=60.0, order='fifo')
+    Queue(name='emails', concurrency=10, worker_concurrency=None, limit=100, period=60.0, order='fifo', partition_concurrency=1, partition_limit=None)
     """
 
     name: str
@@ -308,6 +318,8 @@ class Queue:
     limit: int | None = None
     period: float = 1.0
     order: str = "fifo"
+    partition_concurrency: int = 1
+    partition_limit: int | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -321,8 +333,9 @@ class Queue:
                 f"queue name must be a non-empty string of at most {MAX_NAME_CHARS} "
                 f"characters (no NUL), got {shown}"
             )
-        for what in ("concurrency", "worker_concurrency", "limit"):
+        for what in ("concurrency", "worker_concurrency", "limit", "partition_limit"):
             check_limit(f"queue {self.name!r}: {what}", getattr(self, what), optional=True)
+        check_limit(f"queue {self.name!r}: partition_concurrency", self.partition_concurrency)
         if (
             self.concurrency is not None
             and self.worker_concurrency is not None
@@ -379,7 +392,8 @@ class QueueStats:
     ``queued``/``running``/``suspended`` count its runs in each status;
     ``started`` those claimed within the last ``window`` seconds; ``workers``
     the live workers that serve it; ``oldest_queued_at`` the submit time of
-    the longest-waiting queued run (None when none waits).
+    the longest-waiting queued run (None when none waits); ``paused`` whether
+    it is paused (``pause_queue``: it hands out no queued run until resumed).
     """
 
     name: str
@@ -391,6 +405,7 @@ class QueueStats:
     window: float
     workers: int
     oldest_queued_at: float | None = None
+    paused: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

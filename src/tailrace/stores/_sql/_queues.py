@@ -1,10 +1,10 @@
 """Queue SQL shared by the SQLite and Postgres stores, in the common dialect.
 
-The statements mirror ``_queue_rules``: ``CLAIM_CANDIDATES`` is
-``partition_blocked`` and ``claim_key`` as a query, ``ACTIVE_IN_QUEUE`` is
-``holds_slot``. Postgres appends ``FOR UPDATE OF r SKIP LOCKED`` to the
-candidate queries, so concurrent claimers skip each other's rows instead of
-waiting for them.
+The statements mirror ``_queue_rules``: ``claim_candidates`` is
+``claim_order`` as a query, ``ACTIVE_IN_QUEUE`` is ``holds_slot``. Postgres
+appends ``FOR UPDATE OF r SKIP LOCKED`` to the candidate queries, so
+concurrent claimers skip each other's rows instead of waiting for them (the
+ranking of candidates sits in a subquery, which the lock does not touch).
 """
 
 from __future__ import annotations
@@ -21,18 +21,39 @@ from .._records import (
 )
 from ._statements import RUN_COLUMNS
 
-QUEUE_COLUMNS = "name, concurrency, worker_concurrency, rate_limit, rate_period, ordering"
+QUEUE_COLUMNS = (
+    "name, concurrency, worker_concurrency, rate_limit, rate_period, ordering, "
+    "partition_concurrency, partition_rate_limit"
+)
 WORKER_COLUMNS = "worker_id, queues_json, concurrency, started_at, seen_at, running"
 
 UPSERT_QUEUE = (
-    f"INSERT INTO queues ({QUEUE_COLUMNS}, declared_at) VALUES (?, ?, ?, ?, ?, ?, ?) "
+    f"INSERT INTO queues ({QUEUE_COLUMNS}, declared_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
     "ON CONFLICT (name) DO UPDATE SET concurrency = excluded.concurrency, "
     "worker_concurrency = excluded.worker_concurrency, rate_limit = excluded.rate_limit, "
     "rate_period = excluded.rate_period, ordering = excluded.ordering, "
-    "declared_at = excluded.declared_at"
+    "partition_concurrency = excluded.partition_concurrency, "
+    "partition_rate_limit = excluded.partition_rate_limit, declared_at = excluded.declared_at"
 )
-SELECT_QUEUE = f"SELECT {QUEUE_COLUMNS} FROM queues WHERE name = ?"
-SELECT_QUEUES = f"SELECT {QUEUE_COLUMNS} FROM queues ORDER BY name"
+#: A declaration keeps the queue's pause: ``paused_at`` is set and cleared on its own.
+SELECT_QUEUE = f"SELECT {QUEUE_COLUMNS}, paused_at FROM queues WHERE name = ?"
+SELECT_QUEUES = f"SELECT {QUEUE_COLUMNS}, paused_at FROM queues ORDER BY name"
+#: Values: name, declared_at, paused_at. Pauses a queue (declaring it with the defaults
+#: if it never was); a later declaration keeps the pause.
+PAUSE_QUEUE = (
+    "INSERT INTO queues (name, rate_period, ordering, partition_concurrency, declared_at, "
+    "paused_at) VALUES (?, 1.0, 'fifo', 1, ?, ?) "
+    "ON CONFLICT (name) DO UPDATE SET paused_at = COALESCE(queues.paused_at, excluded.paused_at)"
+)
+#: Values: name.
+UNPAUSE_QUEUE = "UPDATE queues SET paused_at = NULL WHERE name = ? AND paused_at IS NOT NULL"
+#: Values: queue. Its live runs (a queue is deleted only without any).
+LIVE_IN_QUEUE = (
+    "SELECT COUNT(*) FROM runs WHERE queue_name = ? "
+    "AND status IN ('queued', 'running', 'suspended')"
+)
+#: Values: name.
+DELETE_QUEUE = "DELETE FROM queues WHERE name = ?"
 
 UPSERT_WORKER = (
     f"INSERT INTO workers ({WORKER_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) "
@@ -51,30 +72,53 @@ ACTIVE_IN_QUEUE = (
 #: Values: queue, since. Runs claimed after ``since`` (the rate limit's window).
 STARTED_SINCE = "SELECT COUNT(*) FROM runs WHERE queue_name = ? AND started_at > ?"
 
-#: A run's priority orders its queue whatever the queue's order (higher first);
-#: the order decides among runs of equal priority (see ``claim_key``).
-_ORDER = {
-    "fifo": "r.priority DESC, r.queued_at, r.run_id",
-    "priority": "r.priority DESC, r.queued_at, r.run_id",
-    "lpt": "r.priority DESC, COALESCE(r.estimate, 0) DESC, r.queued_at, r.run_id",
+#: Among runs of one priority and turn, how a queue orders them (see ``claim_key``).
+_TIE = {
+    "fifo": "r.queued_at, r.run_id",
+    "priority": "r.queued_at, r.run_id",
+    "lpt": "COALESCE(r.estimate, 0) DESC, r.queued_at, r.run_id",
+}
+#: How runs with no partition key take their turns: the queue's own order.
+_UNKEYED_TURN = {
+    "fifo": "CASE WHEN q.partition_key IS NULL THEN -q.priority ELSE 0 END, ",
+    "lpt": "CASE WHEN q.partition_key IS NULL THEN -q.priority ELSE 0 END, "
+    "CASE WHEN q.partition_key IS NULL THEN -COALESCE(q.estimate, 0) ELSE 0 END, ",
 }
 
 
 def claim_candidates(queue: Queue, graphs: int | None = None, skip: int = 0) -> str:
-    """Values: queue name, ``graphs`` graph keys if given, ``skip`` graph keys, the limit.
-    Queued runs of the queue that may start now, in its order (of those graphs only, when
-    given, and none of the skipped ones).
+    """Values: those :func:`candidate_params` lists. Queued runs of the queue that may
+    start now, in claim order (of those graphs only, when given, and none of the
+    skipped ones): ``claim_order`` as a query (W2).
 
-    A run with a partition key qualifies only when no run of its partition is
-    running or suspended and none was submitted before it and still waits.
+    The subquery ``c`` gives each queued run its turn within its partition and
+    when its partition last started a run; the outer query keeps a keyed run
+    only while its turn fits its partition's concurrency and rate limit.
     """
-    return (
-        "SELECT r.run_id FROM runs r WHERE r.queue_name = ? AND r.status = 'queued' "
-        "AND (r.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM runs o "
+    turn = _UNKEYED_TURN.get(queue.order, _UNKEYED_TURN["fifo"])
+    ranked = (
+        "SELECT q.run_id, ROW_NUMBER() OVER (PARTITION BY q.partition_key "
+        f"ORDER BY {turn}q.queued_at, q.run_id) AS turn, "
+        "CASE WHEN q.partition_key IS NULL THEN NULL ELSE (SELECT MAX(s.started_at) FROM runs s "
+        "WHERE s.queue_name = q.queue_name AND s.partition_key = q.partition_key "
+        "AND s.started_at IS NOT NULL) END AS served "
+        "FROM runs q WHERE q.queue_name = ? AND q.status = 'queued'"
+    )
+    fits = (
+        "(r.partition_key IS NULL OR (c.turn + (SELECT COUNT(*) FROM runs o "
         "WHERE o.queue_name = r.queue_name AND o.partition_key = r.partition_key "
-        "AND o.run_id <> r.run_id AND (o.status IN ('running', 'suspended') "
-        "OR (o.status = 'queued' AND (o.queued_at < r.queued_at "
-        "OR (o.queued_at = r.queued_at AND o.run_id < r.run_id)))))) "
+        "AND o.status IN ('running', 'suspended')) <= ?"
+        + (
+            ""
+            if queue.partition_limit is None
+            else " AND c.turn + (SELECT COUNT(*) FROM runs o WHERE o.queue_name = r.queue_name "
+            "AND o.partition_key = r.partition_key AND o.started_at > ?) <= ?"
+        )
+        + ")) "
+    )
+    return (
+        f"SELECT r.run_id FROM runs r JOIN ({ranked}) c ON c.run_id = r.run_id "
+        f"WHERE r.status = 'queued' AND {fits}"
         + (
             ""
             if graphs is None
@@ -85,8 +129,23 @@ def claim_candidates(queue: Queue, graphs: int | None = None, skip: int = 0) -> 
             if not skip
             else f"AND (r.graph_name || '/' || r.fingerprint) NOT IN ({', '.join('?' * skip)}) "
         )
-        + f"ORDER BY {_ORDER[queue.order]} LIMIT ?"
+        + "ORDER BY r.priority DESC, c.turn, (c.served IS NOT NULL), c.served, "
+        + f"{_TIE[queue.order]} LIMIT ?"
     )
+
+
+def candidate_params(
+    queue: Queue,
+    now: float,
+    graphs: Sequence[str] | None,
+    skip: Sequence[str],
+    limit: int,
+) -> tuple[object, ...]:
+    """The values of :func:`claim_candidates`' query for a claim of ``limit`` runs at ``now``."""
+    rate: tuple[object, ...] = ()
+    if queue.partition_limit is not None:
+        rate = (now - queue.period, queue.partition_limit)
+    return (queue.name, queue.partition_concurrency, *rate, *(graphs or ()), *skip, limit)
 
 
 #: Values: owner, lease_expires, now, now, run_id. Exactly one row changes when

@@ -181,6 +181,19 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             "('release', 0), ('cancel', 0)",
         ),
     ),
+    (
+        6,
+        (
+            # Partitions: a concurrency and a rate limit per partition key, and
+            # a pause of the whole queue (a declaration leaves it as it is).
+            "ALTER TABLE queues ADD COLUMN partition_concurrency INTEGER NOT NULL DEFAULT 1",
+            "ALTER TABLE queues ADD COLUMN partition_rate_limit INTEGER",
+            "ALTER TABLE queues ADD COLUMN paused_at DOUBLE PRECISION",
+            # When a partition last started a run (fair turns), and its rate window.
+            "CREATE INDEX runs_by_partition_start ON runs (queue_name, partition_key, started_at) "
+            "WHERE partition_key IS NOT NULL AND started_at IS NOT NULL",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 CREATE_MIGRATIONS_TABLE = (

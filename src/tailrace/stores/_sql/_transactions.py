@@ -23,6 +23,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
 from ..._errors import RunNotFound
+from .._queue_rules import queue_not_empty
 from .._records import (
     EventRow,
     FrozenInput,
@@ -46,7 +47,14 @@ from .._rules import (
     parse_status,
     question_not_found,
 )
-from ._queues import CANCEL_QUEUED, REQUEST_CANCEL
+from ._queues import (
+    CANCEL_QUEUED,
+    DELETE_QUEUE,
+    LIVE_IN_QUEUE,
+    PAUSE_QUEUE,
+    REQUEST_CANCEL,
+    UNPAUSE_QUEUE,
+)
 from ._statements import (
     ANSWER_QUESTION,
     APPLY_QUESTION,
@@ -210,6 +218,31 @@ async def request_cancel(tx: Tx, run_id: str, now: float) -> RunStatus:
     (status,) = await run_row(tx, SELECT_STATUS, run_id)
     await tx.signal("cancel")
     return parse_status(run_id, status)
+
+
+# --- queues (W2) ------------------------------------------------------------------------
+
+
+async def pause_queue(tx: Tx, name: str, now: float) -> None:
+    """Pause queue ``name`` (declaring it with the defaults if it never was)."""
+    await tx.change(PAUSE_QUEUE, (name, now, now))
+
+
+async def resume_queue(tx: Tx, name: str) -> bool:
+    """Lift the pause of queue ``name``; True if it was paused (workers are woken)."""
+    lifted = await tx.change(UNPAUSE_QUEUE, (name,))
+    if lifted:
+        await tx.signal("submit")
+    return lifted
+
+
+async def delete_queue(tx: Tx, name: str) -> bool:
+    """Drop the declaration of queue ``name`` if it holds no live run; True if there was one."""
+    row = await tx.one(LIVE_IN_QUEUE, (name,))
+    live = int(row[0]) if row is not None else 0
+    if live:
+        raise queue_not_empty(name, live)
+    return await tx.change(DELETE_QUEUE, (name,))
 
 
 # --- leases (D6) -------------------------------------------------------------------------

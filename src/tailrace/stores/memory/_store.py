@@ -26,16 +26,17 @@ from .._artifacts import ArtifactLedger
 from .._changes import ChangeHub
 from .._contract import ChangeFeed, RunStore
 from .._queue_rules import (
-    claim_key,
+    claim_order,
     dedup_holder,
     free_slots,
     holds_slot,
-    partition_blocked,
+    queue_not_empty,
     run_count_order,
     run_graph_key,
     stats_of,
 )
 from .._records import (
+    LIVE_STATUSES,
     ArtifactVersion,
     EventRow,
     FrozenInput,
@@ -100,6 +101,7 @@ class MemoryStore(RunStore):
         self._questions: dict[str, QuestionRow] = {}
         self._artifacts = ArtifactLedger(clock)
         self._queue_specs: dict[str, Queue] = {}
+        self._paused: set[str] = set()
         self._worker_rows: dict[str, WorkerRow] = {}
         self._hub = ChangeHub()
 
@@ -520,30 +522,21 @@ class MemoryStore(RunStore):
                     r.started_at is not None and r.started_at > now - spec.period for r in mine
                 ),
             )
+            if queue in self._paused or free <= 0:
+                return []
             wanted, skipped = (None if graphs is None else set(graphs)), set(skip)
-            queued = sorted(
-                (
-                    r
-                    for r in mine
-                    if r.status is RunStatus.QUEUED
-                    and (wanted is None or run_graph_key(r) in wanted)
-                    and run_graph_key(r) not in skipped
-                ),
-                key=lambda r: claim_key(spec, r),
-            )
             claimed: list[str] = []
-            for run in queued:
-                if len(claimed) >= free:
-                    break
-                if partition_blocked(run, mine):
+            for run in claim_order(spec, mine, now):
+                key = run_graph_key(run)
+                if (wanted is not None and key not in wanted) or key in skipped:
                     continue
-                started = dataclasses.replace(
+                self._runs[run.run_id] = dataclasses.replace(
                     run, status=RunStatus.RUNNING, lease_owner=owner, lease_expires=now + ttl,
                     lease_token=run.lease_token + 1, started_at=now, updated_at=now,
                 )  # fmt: skip
-                self._runs[run.run_id] = started
-                mine = [started if r.run_id == run.run_id else r for r in mine]
                 claimed.append(run.run_id)
+                if len(claimed) >= free:
+                    break
             return claimed
 
     async def _claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
@@ -632,12 +625,36 @@ class MemoryStore(RunStore):
         with self._lock:
             return [self._queue_specs[name] for name in sorted(self._queue_specs)]
 
+    async def _pause_queue(self, name: str) -> None:
+        with self._lock:
+            self._queue_specs.setdefault(name, Queue(name))
+            self._paused.add(name)
+
+    async def _resume_queue(self, name: str) -> bool:
+        with self._lock:
+            if name not in self._paused:
+                return False
+            self._paused.discard(name)
+        self._hub.deliver(frozenset({"submit"}))
+        return True
+
+    async def _delete_queue(self, name: str) -> bool:
+        with self._lock:
+            live = sum(
+                r.queue_name == name and r.status in LIVE_STATUSES for r in self._runs.values()
+            )
+            if live:
+                raise queue_not_empty(name, live)
+            self._paused.discard(name)
+            return self._queue_specs.pop(name, None) is not None
+
     async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
         with self._lock:
             runs = [r for r in self._runs.values() if r.queue_name is not None]
             declared, workers = dict(self._queue_specs), list(self._worker_rows.values())
+            paused = set(self._paused)
         names = {r.queue_name for r in runs if r.queue_name is not None}
-        return stats_of(names, declared, runs, workers, now, window)
+        return stats_of(names, declared, runs, workers, now, window, paused)
 
     async def _worker_seen(self, worker: WorkerRow) -> None:
         with self._lock:

@@ -40,6 +40,7 @@ from .._changes import ChangeHub, Stop
 from .._contract import ChangeFeed, RunStore
 from .._queue_rules import (
     free_slots,
+    paused_names,
     queue_params,
     queue_rows,
     stats_from_counts,
@@ -85,6 +86,7 @@ from .._sql._queues import (
     STARTED_SINCE,
     UPSERT_QUEUE,
     UPSERT_WORKER,
+    candidate_params,
     claim_candidates,
     list_runs_query,
     run_counts_from_rows,
@@ -121,6 +123,7 @@ from ._queues import (
     FALLBACK_POLL,
     INSERT_QUEUED,
     SKIP_LOCKED,
+    claimable,
     count_rows,
     declared,
     lock_queue,
@@ -529,9 +532,9 @@ class PostgresStore(RunStore):
         async def claim(conn: Conn, attempt: Attempt) -> list[str]:
             claimed.clear()
             attempt.xid = await transaction_id(conn)
-            spec = await declared(conn, queue)
+            spec = await claimable(conn, queue)
             if spec is None:
-                return []  # its row cannot be used: nothing is claimed from it (said once)
+                return []  # paused, or its row cannot be used (said once): nothing is claimed
             active = started = 0
             if spec.concurrency is not None or spec.limit is not None:
                 await lock_queue(conn, self._db.schema, queue)
@@ -544,7 +547,7 @@ class PostgresStore(RunStore):
             if free <= 0:
                 return []
             query = claim_candidates(spec, None if graphs is None else len(graphs), len(skip))
-            params = (queue, *(graphs or ()), *skip, free)
+            params = candidate_params(spec, now, graphs, skip, free)
             cur = await conn.execute(pg(query) + SKIP_LOCKED, params)
             ids = [r[0] for r in await cur.fetchall()]
             # Stamped after the look: a run of a partition then never starts
@@ -683,6 +686,25 @@ class PostgresStore(RunStore):
         rows = await self._db.read("listing queues", fetch_all(pg(SELECT_QUEUES), ()))
         return queue_rows(rows)
 
+    async def _pause_queue(self, name: str) -> None:
+        async def pause(conn: Conn, attempt: Attempt) -> None:
+            tx = PostgresTx(conn, attempt, self._channel)
+            await bodies.pause_queue(tx, name, self._clock())
+
+        await self._db.write(f"queue {name!r}", pause)  # a re-run changes nothing
+
+    async def _resume_queue(self, name: str) -> bool:
+        async def resume(conn: Conn, attempt: Attempt) -> bool:
+            return await bodies.resume_queue(PostgresTx(conn, attempt, self._channel), name)
+
+        return await self._db.write(f"queue {name!r}", resume)
+
+    async def _delete_queue(self, name: str) -> bool:
+        async def delete(conn: Conn, attempt: Attempt) -> bool:
+            return await bodies.delete_queue(PostgresTx(conn, attempt, self._channel), name)
+
+        return await self._db.write(f"queue {name!r}", delete)
+
     async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
 
         async def read(conn: Conn, attempt: Attempt) -> list[QueueStats]:
@@ -695,7 +717,7 @@ class PostgresStore(RunStore):
                 workers = await (await conn.execute(pg(SELECT_WORKERS))).fetchall()
             return stats_from_counts(
                 counts, queue_rows(queues), worker_rows(workers),
-                now, window,
+                now, window, paused_names(queues),
             )  # fmt: skip
 
         return await self._db.read("queue statistics", read)

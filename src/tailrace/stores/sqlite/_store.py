@@ -26,6 +26,7 @@ from .._artifacts import stale_version
 from .._changes import ChangeHub
 from .._contract import ChangeFeed, RunStore
 from .._queue_rules import (
+    paused_names,
     queue_params,
     queue_rows,
     stats_from_counts,
@@ -549,13 +550,31 @@ class SQLiteStore(RunStore):
             "listing queues", lambda conn: queue_rows(conn.execute(SELECT_QUEUES))
         )
 
+    async def _pause_queue(self, name: str) -> None:
+        await self._write(
+            f"queue {name!r}",
+            lambda conn: run_now(bodies.pause_queue(SQLiteTx(conn), name, self._clock())),
+        )
+
+    async def _resume_queue(self, name: str) -> bool:
+        return await self._write(
+            f"queue {name!r}", lambda conn: run_now(bodies.resume_queue(SQLiteTx(conn), name))
+        )
+
+    async def _delete_queue(self, name: str) -> bool:
+        return await self._write(
+            f"queue {name!r}", lambda conn: run_now(bodies.delete_queue(SQLiteTx(conn), name))
+        )
+
     async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
 
         def read(conn: sqlite3.Connection) -> list[QueueStats]:
             counts = conn.execute(QUEUE_COUNTS, (now - window, now)).fetchall()
-            declared_queues = queue_rows(conn.execute(SELECT_QUEUES))
+            rows = conn.execute(SELECT_QUEUES).fetchall()
             workers = worker_rows(conn.execute(SELECT_WORKERS))
-            return stats_from_counts(counts, declared_queues, workers, now, window)
+            return stats_from_counts(
+                counts, queue_rows(rows), workers, now, window, paused_names(rows)
+            )
 
         return await self._read("queue statistics", read)
 
