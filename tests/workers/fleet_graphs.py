@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from typing import Any
 
 import tailrace as tr
@@ -142,3 +143,15 @@ async def crawl(x: int) -> int:
 
 
 slow.add_edge("warm", "crawl")
+
+# -- a run that kills every worker that drives it (processes: dead letters) ------------------------
+
+poison = tr.Graph("fleet_poison")
+
+
+@poison.task()
+async def kill_worker(x: int) -> int:
+    """Kills the process driving it, each time it runs."""
+    _log()
+    os.kill(os.getpid(), signal.SIGKILL)
+    return x

@@ -214,3 +214,38 @@ async def test_sigterm_drains_releases_the_lease_and_another_worker_finishes(
         fleet_of.start(env={"TAILRACE_TEST_CRAWL": "0"})
         result = await submitter.wait(run_id, timeout=fixtures.HANG_GUARD)
     assert (result.status, result.output) == ("completed", 6)
+
+
+async def test_a_run_that_kills_its_workers_becomes_a_dead_letter(fleet_of: Fleet) -> None:
+    """W3: a run taken over more than ``max_recoveries`` times is failed with the reason."""
+    async with engine(fleet_of) as submitter:
+        run_id = await submitter.submit(graphs.poison, 1)
+        # --max-recoveries 2: the first claim and two adoptions each kill their worker.
+        for n in range(3):
+            proc = fleet_of.start("--lease-ttl", 2, "--max-recoveries", 2)
+            code = await asyncio.to_thread(proc.wait, fixtures.HANG_GUARD)
+            assert code == -signal.SIGKILL, fleet_of.log(n)
+        last = fleet_of.start("--lease-ttl", 2, "--max-recoveries", 2)
+        assert submitter.store is not None
+        store = submitter.store
+
+        async def failed() -> bool:
+            return (await store.get_run(run_id)).status is RunStatus.FAILED
+
+        await until(failed, "the poison run to be failed")
+        record = await store.get_run(run_id)
+        other = await submitter.submit(graphs.chain, 3)  # the fleet goes on
+        result = await submitter.wait(other, timeout=fixtures.HANG_GUARD)
+        assert last.poll() is None, fleet_of.log(3)
+        events = [e.type for e in await store.events(run_id)]
+    assert record.error is not None
+    assert "dead letter: taken over 2 times (max_recoveries 2)" in record.error
+    assert result.status == "completed"
+    assert fleet_of.starts()[(run_id, "kill_worker", 1)] == 3  # never a fourth time
+    assert events[-1] == "run_failed"  # (run_started never became durable before a kill)
+    shown = await asyncio.to_thread(
+        subprocess.run,
+        [*fleet.tailrace_command(), "show", run_id, "--db", fleet_of.url],
+        capture_output=True, text=True, env={**os.environ, "COLUMNS": "300"}, check=True,
+    )  # fmt: skip
+    assert "dead letter" in shown.stdout

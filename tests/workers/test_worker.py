@@ -360,3 +360,11 @@ async def test_a_stopped_worker_lets_go_of_its_runs_and_another_adopts_them(
     assert second.stats.adopted == 1
     types = [e.type for e in await (await db.store()).events(run_id)]
     assert types.count("run_started") == 1 and "run_resumed" in types
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+async def test_a_bad_max_recoveries_is_refused_naming_it(bad: object) -> None:
+    from tailrace.stores import MemoryStore
+
+    with pytest.raises(ValueError, match="max_recoveries"):
+        Worker(MemoryStore(), max_recoveries=bad)  # type: ignore[arg-type]

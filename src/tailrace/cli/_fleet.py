@@ -23,7 +23,7 @@ from rich.table import Column
 
 from ..core import Engine
 from ..stores import TERMINAL_STATUSES, Queue, QueueStats, RunRecord, RunStore
-from ..workers import RunFailed, Worker, WorkerStats
+from ..workers import MAX_RECOVERIES, RunFailed, Worker, WorkerStats
 from ._load import is_file_spec, load_graph, load_graphs, load_object, load_pollers
 from ._render import json_text, table_of, text
 from ._session import (
@@ -187,6 +187,13 @@ def worker(
         float, typer.Option(min=0.001, help="Longest wait between two looks at the store.")
     ] = 1.0,
     executor: ExecutorOption = None,
+    max_recoveries: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="A run taken over this many times (its workers died) is failed, not adopted again.",
+        ),
+    ] = MAX_RECOVERIES,
 ) -> None:
     """Worker: claim queued runs and drive them; resume answered runs, poll machine gates, adopt runs whose owner died.
 
@@ -219,7 +226,7 @@ def worker(
             daemon = Worker(
                 store, queues=queues, concurrency=concurrency, graphs=loaded, pollers=pollers,
                 targets=drivers, lease_ttl=lease_ttl, grace=grace, poll_interval=max_interval,
-                executors=made,
+                executors=made, max_recoveries=max_recoveries,
             )  # fmt: skip
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()

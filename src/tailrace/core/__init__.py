@@ -10,6 +10,7 @@ from ._engine import Engine as Engine
 from ._engine import run as run
 from ._lease import acquire_lease as acquire_lease
 from ._lease import make_owner as make_owner
+from ._lease import mark_failed as mark_failed
 from ._lease import owner_is_dead as owner_is_dead
 from ._outcome import NodeReport as NodeReport
 from ._outcome import RunResult as RunResult
@@ -29,6 +30,7 @@ __all__ = [
     "cancel_undriven",
     "find_graph",
     "make_owner",
+    "mark_failed",
     "owner_is_dead",
     "run",
 ]

@@ -173,6 +173,9 @@ class RunRecord:
     started_at: float | None = None
     #: When someone asked to cancel it while it ran (its driver stops at its next harvest).
     cancel_requested_at: float | None = None
+    #: How many times it was taken over, running, from an owner that held its lease
+    #: (the owner died or its lease expired; a released lease does not count) (W3).
+    recoveries: int = 0
 
 
 class NodeRow(NamedTuple):

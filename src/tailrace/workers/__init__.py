@@ -17,7 +17,8 @@ wake-ups are ``LISTEN/NOTIFY`` or a ``data_version`` check. See
 from .._errors import DuplicateRun as DuplicateRun
 from .._errors import RunFailed as RunFailed
 from ..stores import Queue as Queue
+from ._worker import MAX_RECOVERIES as MAX_RECOVERIES
 from ._worker import Worker as Worker
 from ._worker import WorkerStats as WorkerStats
 
-__all__ = ["DuplicateRun", "Queue", "RunFailed", "Worker", "WorkerStats"]
+__all__ = ["MAX_RECOVERIES", "DuplicateRun", "Queue", "RunFailed", "Worker", "WorkerStats"]

@@ -42,6 +42,7 @@ from ..core import Engine, RunResult, cancel_undriven, owner_is_dead
 from ..executors import Executor
 from ..gates import Outcome, Poller, Resumable, ResumeWorker
 from ..gates._daemon import Beside, Daemon, Loop
+from ..gates._orphans import MAX_RECOVERIES as MAX_RECOVERIES
 from ..gates._orphans import Orphan, OrphanScan
 from ..gates._polling import GatePolling
 from ..gates._worker import UNRESUMABLE, describe
@@ -67,7 +68,7 @@ class WorkerStats:
     ``claimed`` queued runs it claimed; ``applied`` answers it applied;
     ``adopted`` runs it took over from a dead owner; ``completed``,
     ``suspended``, ``failed`` and ``cancelled`` how the runs it drove ended;
-    ``busy`` claims or adoptions another owner won; ``polled`` machine-gate
+    ``busy`` claims or adoptions another owner won (``failed`` counts dead letters too); ``polled`` machine-gate
     polls, ``poll_timeouts`` those cut by the time limit, ``expired`` gate
     deadlines that fired (Q5); ``errors`` failed rounds, jobs and polls
     (logged); ``outcomes`` every answer's outcome by name.
@@ -126,6 +127,10 @@ class Worker:
             (``executor="ray"``: ``{"ray": RayExecutor(address)}``); a run
             naming one this worker lacks goes back to its queue for a worker
             that has it. Whoever made them closes them.
+        max_recoveries: a run already taken over this many times (each time
+            the worker driving it died or lost its lease) is not adopted
+            again but marked ``failed``, the reason stored (W3; None: adopt
+            for ever).
     """
 
     def __init__(
@@ -143,6 +148,7 @@ class Worker:
         poll_interval: float = 1.0,
         heartbeat: float = 1.0,
         executors: Mapping[str, Executor] | None = None,
+        max_recoveries: int | None = MAX_RECOVERIES,
     ) -> None:
         check_limit("Worker: concurrency", concurrency)
         for what, value in (("grace", grace), ("poll_interval", poll_interval)):
@@ -183,7 +189,7 @@ class Worker:
             stats=self.stats, wake=lambda: None,  # answers reach the worker through the store
         )  # fmt: skip
         #: Takes over runs whose owner died (D6, W3).
-        self.orphans = OrphanScan(store, self.resumer, self.stats)
+        self.orphans = OrphanScan(store, self.resumer, self.stats, max_recoveries=max_recoveries)
         self._jobs: dict[asyncio.Task[None], _Job] = {}
         self._here: set[str] = set()
         #: Graphs (name, fingerprint) of runs this worker found it cannot drive.

@@ -34,6 +34,7 @@ RUN_FIELDS = (
     "error", "created_at", "updated_at", "finished_at", "nodes_done", "lease_owner",
     "lease_expires", "lease_token", "format_version", "queue_name", "priority", "partition_key",
     "dedup_key", "cost", "estimate", "queued_at", "started_at", "cancel_requested_at",
+    "recoveries",
 )  # fmt: skip
 RUN_COLUMNS = ", ".join(RUN_FIELDS)
 EVENT_FIELDS = ("seq", "type", "node_id", "visit", "attempt", "ts", "data_json")
@@ -194,6 +195,14 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             "WHERE partition_key IS NOT NULL AND started_at IS NOT NULL",
         ),
     ),
+    (
+        7,
+        (
+            # Dead letters (W3): how many times a running run was taken over
+            # from an owner that held it (it died, or its lease expired).
+            "ALTER TABLE runs ADD COLUMN recoveries INTEGER NOT NULL DEFAULT 0",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 CREATE_MIGRATIONS_TABLE = (
@@ -229,7 +238,7 @@ def queued_run_params(run: NewRun, submission: Submission) -> tuple[object, ...]
     head = (RunStatus.QUEUED.value if i == 4 else v for i, v in enumerate(new_run_params(run)))
     return (
         *head, q.queue, q.priority, q.partition, q.dedup_key, q.cost, q.estimate, run.created_at,
-        None, None,
+        None, None, 0,
     )  # fmt: skip
 
 

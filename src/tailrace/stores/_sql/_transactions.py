@@ -41,6 +41,7 @@ from .._rules import (
     check_holder,
     check_readable,
     grant_lease,
+    is_recovery,
     not_applicable,
     not_open,
     parse_question_status,
@@ -76,6 +77,10 @@ SELECT_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?"
 RUN_EXISTS = "SELECT 1 FROM runs WHERE run_id = ?"
 SELECT_FOR_COMMIT = "SELECT status, format_version, lease_token FROM runs WHERE run_id = ?"
 SELECT_LEASE = "SELECT lease_owner, lease_expires, lease_token FROM runs WHERE run_id = ?"
+SELECT_LEASE_STATUS = (
+    "SELECT lease_owner, lease_expires, lease_token, status FROM runs WHERE run_id = ?"
+)
+COUNT_RECOVERY = "UPDATE runs SET recoveries = recoveries + 1 WHERE run_id = ?"
 SELECT_STATUS = "SELECT status FROM runs WHERE run_id = ?"
 UPDATE_LEASE = (
     "UPDATE runs SET lease_owner = ?, lease_expires = ?, lease_token = ? WHERE run_id = ?"
@@ -257,13 +262,15 @@ async def take_lease(
     clock: Callable[[], float],
 ) -> tuple[int, bool]:
     """Lease run ``run_id`` to ``owner``: ``(token, whether it is a new grant)``, not a renewal of one's own."""
-    holder, expires, lease_token = await run_row(tx, SELECT_LEASE, run_id, lock=True)
+    holder, expires, lease_token, status = await run_row(tx, SELECT_LEASE_STATUS, run_id, lock=True)
     now = clock()
     token = grant_lease(
         run_id, owner, now=now, holder=holder, expires=expires, lease_token=lease_token,
         steal_from=steal_from,
     )  # fmt: skip
     await tx.change(UPDATE_LEASE, (owner, now + ttl, token, run_id))
+    if is_recovery(status, holder, owner, new_grant=token != lease_token):
+        await tx.change(COUNT_RECOVERY, (run_id,))
     return token, token != lease_token
 
 

@@ -68,6 +68,7 @@ from .._rules import (
     due_order,
     duplicate_in_harvest,
     grant_lease,
+    is_recovery,
     not_applicable,
     not_open,
     printable_text,
@@ -320,9 +321,12 @@ class MemoryStore(RunStore):
                 lease_token=record.lease_token,
                 steal_from=steal_from,
             )
+            new = token != record.lease_token
+            recovered = is_recovery(record.status, record.lease_owner, owner, new_grant=new)
             self._runs[run_id] = dataclasses.replace(
-                record, lease_owner=owner, lease_expires=now + ttl, lease_token=token
-            )
+                record, lease_owner=owner, lease_expires=now + ttl, lease_token=token,
+                recoveries=record.recoveries + recovered,
+            )  # fmt: skip
             return token
 
     async def _heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
