@@ -51,6 +51,7 @@ from .graph import RetryPolicy as RetryPolicy
 from .stores import QuestionRow as QuestionRow
 from .stores import QuestionStatus as QuestionStatus
 from .stores import Queue as Queue
+from .workers import Schedule as Schedule
 from .workers import Worker as Worker
 from .workers import WorkerStats as WorkerStats
 
@@ -98,6 +99,7 @@ __all__ = [
     "RunFailed",
     "RunNotFound",
     "RunResult",
+    "Schedule",
     "StaleVersion",
     "StallError",
     "StoreError",

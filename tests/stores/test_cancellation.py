@@ -13,6 +13,7 @@ granted before ``CancelledError`` reaches the caller.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import random
 import sqlite3
 import threading
@@ -23,7 +24,16 @@ from typing import TYPE_CHECKING, TypeVar
 
 import pytest
 
-from tailrace.stores import Harvest, NewRun, Queue, ResultRow, RunStatus, SQLiteStore, Submission
+from tailrace.stores import (
+    Harvest,
+    NewRun,
+    Queue,
+    ResultRow,
+    RunStatus,
+    ScheduleRow,
+    SQLiteStore,
+    Submission,
+)
 
 if TYPE_CHECKING:
     from tests.fixtures import Backend
@@ -144,6 +154,32 @@ async def test_cancelled_pauses_and_resumes_leave_a_usable_queue(backend: Backen
     assert await store.resume_queue("q") is True
     assert await store.delete_queue("q") is True
     assert await store.queues() == []
+
+
+async def test_a_cancelled_tick_is_submitted_whole_or_not_at_all(backend: Backend) -> None:
+    """``fire_schedule`` cancelled at random moments (W4): the schedule's last tick moved
+    exactly when its run was stored, and the schedule goes on."""
+    store, rng = backend.store, random.Random(3)
+    row = ScheduleRow(
+        name="s", cron="* * * * *", graph_name="g", graph_ref=None, fingerprint="fp",
+        input_json="null", queue="q", declared_at=0.0,
+    )  # fmt: skip
+    await store.declare_schedule(row)
+    cancelled = 0
+    for n in range(1, ROUNDS + 1):
+        tick = 60.0 * n
+        if await cancel_at_random(rng, store.fire_schedule("s", tick)) is None:
+            cancelled += 1
+            await store.pause_queue("barrier")  # a write after it: what landed is in
+            (now,) = await store.schedules()
+            stored = {r.run_id for r in await store.list_runs(queue="q", limit=100)}
+            assert (now.last_tick == tick) == any(r.endswith(_stamp(tick)) for r in stored)
+    assert cancelled > 0
+    assert await store.fire_schedule("s", 60.0 * (ROUNDS + 1)) is not None  # still usable
+
+
+def _stamp(tick: float) -> str:
+    return datetime.datetime.fromtimestamp(tick, datetime.UTC).strftime("%H:%MZ")
 
 
 # --- SQLite: the writer thread's protocol, step by step ---------------------------------------

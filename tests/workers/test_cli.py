@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from tailrace.cli._app import app
-from tailrace.stores import Queue, SQLiteStore
+from tailrace.stores import Queue, ScheduleRow, SQLiteStore
 from tests import fixtures
 
 GRAPHS = Path(__file__).with_name("fleet_graphs.py")
@@ -222,3 +222,29 @@ def test_queues_pause_resume_and_delete(db: Path) -> None:
     assert invoke("cancel", run_id, "--db", db).exit_code == 0
     assert "queue q deleted" in invoke("queues", "delete", "q", "--db", db).stdout
     assert "nothing to delete" in invoke("queues", "delete", "q", "--db", db).stdout
+
+
+def test_a_schedule_named_on_the_command_line_is_declared(
+    db: Path, tmp_path: Path, worker_process: list[subprocess.Popen[str]]
+) -> None:
+    spec = tmp_path / "schedules.py"
+    spec.write_text(
+        "import tailrace as tr\n"
+        "report = tr.Graph('report')\n"
+        "@report.task()\n"
+        "async def count(x: int) -> int:\n"
+        "    return x\n"
+        "nightly = tr.Schedule(report, '0 3 * * *', 7, name='nightly', queue='q')\n"
+    )
+    proc = start_worker(worker_process, db, "--schedule", f"{spec}:nightly")
+    assert proc.poll() is None
+
+    async def declared() -> list[ScheduleRow]:
+        async with SQLiteStore(db) as store:
+            rows: list[ScheduleRow] = await fixtures.until(store.schedules, "the schedule")
+            return rows
+
+    (row,) = asyncio.run(declared())
+    assert (row.name, row.cron, row.queue, row.input_json) == ("nightly", "0 3 * * *", "q", "7")
+    bad = invoke("worker", "--db", db, "--schedule", f"{GRAPHS}:chain")
+    assert bad.exit_code == 2 and "is a Graph, not a tailrace.Schedule" in bad.output

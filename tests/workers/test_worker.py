@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -17,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from tailrace import Engine
+from tailrace import Engine, Schedule
+from tailrace._codec import DEFAULT_CODEC
 from tailrace.core._queued import estimates_of
 from tailrace.stores import NewRun, QuestionStatus, Queue, RunStatus
 from tailrace.workers import DuplicateRun, RunFailed, Worker
+from tailrace.workers._schedules import ScheduleTicker
 from tests import fixtures
 
 graphs = fixtures.load_module("fleet_graphs", Path(__file__).with_name("fleet_graphs.py"))
@@ -263,6 +266,52 @@ async def test_a_paused_queue_lets_runs_in_flight_finish_and_starts_none(
         for run_id in later:
             assert (await engine.wait(run_id, timeout=fixtures.HANG_GUARD)).status == "completed"
     assert worker.stats.claimed == 3
+
+
+async def test_a_delayed_run_starts_no_sooner_than_asked(db: fixtures.Database) -> None:
+    engine = await engine_on(db)
+    with pytest.raises(ValueError, match="timezone-aware"):
+        await engine.submit(graphs.chain, 1, not_before=datetime.datetime(2030, 1, 1))
+    with pytest.raises(ValueError, match="not_before"):
+        await engine.submit(graphs.chain, 1, not_before=float("nan"))
+    soon = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=0.5)
+    delayed = await engine.submit(graphs.chain, 1, not_before=soon)
+    at_once = await engine.submit(graphs.chain, 2)
+    async with working(await worker_on(db, poll_interval=0.05)):
+        for run_id in (at_once, delayed):
+            await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
+    store = await db.store()
+    record = await store.get_run(delayed)
+    assert record.not_before == soon.timestamp()
+    assert record.started_at is not None and record.started_at >= soon.timestamp()
+
+
+async def test_schedules_submit_each_tick_once_across_workers_and_one_catch_up(
+    db: fixtures.Database,
+) -> None:
+    """W4 through the public API: three workers' tickers race for every tick; after ticks
+    were missed (no worker ran), only the latest is submitted."""
+    store = await db.store()
+    nightly = Schedule(graphs.chain, "*/5 * * * *", 4, name="every5", queue="q")
+    start = datetime.datetime(2026, 12, 2, 10, 7, tzinfo=datetime.UTC).timestamp()
+    await store.declare_schedule(nightly.row(DEFAULT_CODEC, start))
+    tickers = [ScheduleTicker(await db.store(), refresh=0.0) for _ in range(3)]
+    for now in (start, start + 60, start + 200, start + 500):  # 10:07, :08, :10:20, :15:20
+        await asyncio.gather(*(t.tick(now) for t in tickers))
+    assert sum(t.fired for t in tickers) == 2  # 10:10 and 10:15, once each
+    # No worker for an hour: eleven ticks missed, one catch-up run (the latest).
+    await asyncio.gather(*(t.tick(start + 500 + 3600) for t in tickers))
+    ids = sorted(r.run_id for r in await store.list_runs(queue="q", limit=10))
+    assert ids == ["every5@2026-12-02T10:10Z", "every5@2026-12-02T10:15Z",
+                   "every5@2026-12-02T11:15Z"]  # fmt: skip
+    later = ScheduleTicker(store, refresh=600.0)  # the next look: the next tick, 11:20
+    assert await later.tick(start + 500 + 3600) == pytest.approx(4 * 60 + 40)
+    async with working(await worker_on(db, queues=["q"], schedules=[nightly])):
+        results = [await Engine(store=store).wait(r, timeout=fixtures.HANG_GUARD) for r in ids]
+    assert {r.output for r in results} == {(4 + 1) * 2}
+    (row,) = await store.schedules()
+    eleven_fifteen = datetime.datetime(2026, 12, 2, 11, 15, tzinfo=datetime.UTC)
+    assert row.last_tick == eleven_fifteen.timestamp()  # the worker's declaration kept it
 
 
 async def test_an_lpt_queue_starts_the_longest_estimate_first(db: fixtures.Database) -> None:

@@ -23,7 +23,7 @@ from rich.table import Column
 
 from ..core import Engine
 from ..stores import TERMINAL_STATUSES, Queue, QueueStats, RunRecord, RunStore
-from ..workers import MAX_RECOVERIES, RunFailed, Worker, WorkerStats
+from ..workers import MAX_RECOVERIES, RunFailed, Schedule, Worker, WorkerStats
 from ._load import is_file_spec, load_graph, load_graphs, load_object, load_pollers
 from ._render import json_text, table_of, text
 from ._session import (
@@ -194,6 +194,13 @@ def worker(
             help="A run taken over this many times (its workers died) is failed, not adopted again.",
         ),
     ] = MAX_RECOVERIES,
+    schedule: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="MODULE_OR_FILE:ATTR naming a tailrace.Schedule to declare (repeatable); every "
+            "worker submits the store's schedules, one worker per tick.",
+        ),
+    ] = None,
 ) -> None:
     """Worker: claim queued runs and drive them; resume answered runs, poll machine gates, adopt runs whose owner died.
 
@@ -209,6 +216,7 @@ def worker(
     sources = [load_langgraph(spec) for spec in langgraph or []]
     location = shown_location(db_location(db))
     made = executors_from(executor)
+    schedules = [_load_schedule(spec) for spec in schedule or []]
 
     async def work(store: RunStore) -> WorkerStats | list[str]:
         return await closing_executors(made, serve_queues(store))
@@ -226,7 +234,7 @@ def worker(
             daemon = Worker(
                 store, queues=queues, concurrency=concurrency, graphs=loaded, pollers=pollers,
                 targets=drivers, lease_ttl=lease_ttl, grace=grace, poll_interval=max_interval,
-                executors=made, max_recoveries=max_recoveries,
+                executors=made, max_recoveries=max_recoveries, schedules=schedules,
             )  # fmt: skip
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
@@ -259,6 +267,17 @@ def _load_queue(spec: str) -> Queue | str:
     if not isinstance(found, Queue):
         raise typer.BadParameter(
             f"{spec!r} is a {type(found).__name__}, not a tailrace.Queue", param_hint="'--queue'"
+        )
+    return found
+
+
+def _load_schedule(spec: str) -> Schedule:
+    """``--schedule MODULE_OR_FILE:ATTR`` naming a :class:`~tailrace.Schedule`."""
+    found, _ = load_object(spec, hint="--schedule", form="MODULE_OR_FILE:SCHEDULE")
+    if not isinstance(found, Schedule):
+        raise typer.BadParameter(
+            f"{spec!r} is a {type(found).__name__}, not a tailrace.Schedule",
+            param_hint="'--schedule'",
         )
     return found
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -481,6 +482,7 @@ class Engine:
         cost: float | None = None,
         estimate: float | None = None,
         graph_ref: str | None = None,
+        not_before: float | datetime.datetime | None = None,
     ) -> str:
         """Store a run of ``graph`` on ``input`` as ``queued`` in ``queue``; return its id at once.
 
@@ -505,11 +507,14 @@ class Engine:
                 the estimator fitted on this graph's completed queued runs
                 (``seconds ~ b + m * cost``).
             graph_ref: ``module:attribute`` of the graph (default: guessed).
+            not_before: the earliest time a worker may start it (W4): seconds
+                since the epoch, or a timezone-aware ``datetime``; until then
+                it waits ``queued`` and takes no turn of its partition.
         """
         return await submit_run(
             self, graph, input, queue=queue, run_id=run_id, priority=priority,
             partition=partition, dedup_key=dedup_key, on_duplicate=on_duplicate, cost=cost,
-            estimate=estimate, graph_ref=graph_ref,
+            estimate=estimate, graph_ref=graph_ref, not_before=not_before,
         )  # fmt: skip
 
     async def wait(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import logging
 import math
 import time
@@ -131,6 +132,25 @@ def _checked_number(name: str, value: Any) -> float | None:
     return float(value)
 
 
+def checked_time(name: str, value: float | datetime.datetime | None) -> float | None:
+    """``value`` (None, seconds since the epoch, or an aware ``datetime``) as epoch seconds;
+    else a ValueError naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, datetime.datetime):
+        if value.tzinfo is None:
+            raise ValueError(
+                f"submit: {name} must be a timezone-aware datetime (its zone decides the "
+                f"instant), got naive {value.isoformat()}"
+            )
+        return value.timestamp()
+    if not _finite(value):
+        raise ValueError(
+            f"submit: {name} must be seconds since the epoch or a datetime, got {value!r}"
+        )
+    return float(value)
+
+
 _ESTIMATES: weakref.WeakKeyDictionary[RunStore, RunEstimates] = weakref.WeakKeyDictionary()
 
 
@@ -156,6 +176,7 @@ async def submit_run(
     cost: float | None,
     estimate: float | None,
     graph_ref: str | None,
+    not_before: float | datetime.datetime | None = None,
 ) -> str:
     """``Engine.submit``: store the run ``queued`` and return its id (or the dedup holder's)."""
     store = engine.store
@@ -175,6 +196,7 @@ async def submit_run(
     # estimates once its run completes, a bad estimate would sort an lpt queue.
     cost = _checked_number("cost", cost)
     estimate = _checked_number("estimate", estimate)
+    delay = checked_time("not_before", not_before)
     topo = graph.compile()
     engine.register(graph)
     run_id = uuid.uuid4().hex if run_id is None else checked_run_id(run_id)
@@ -190,7 +212,7 @@ async def submit_run(
     )  # fmt: skip
     submission = Submission(
         queue=queue, priority=priority, partition=partition, dedup_key=dedup_key, cost=cost,
-        estimate=estimate,
+        estimate=estimate, not_before=delay,
     )  # fmt: skip
     stored = await store.submit_run(new, submission)
     if stored != run_id and on_duplicate == "raise":

@@ -40,6 +40,7 @@ from ._records import ResultRow as ResultRow
 from ._records import RunCount as RunCount
 from ._records import RunRecord as RunRecord
 from ._records import RunStatus as RunStatus
+from ._records import ScheduleRow as ScheduleRow
 from ._records import StoredRun as StoredRun
 from ._records import Submission as Submission
 from ._records import WorkerRow as WorkerRow
@@ -74,6 +75,7 @@ __all__ = [
     "RunStatus",
     "RunStore",
     "SQLiteStore",
+    "ScheduleRow",
     "StoredRun",
     "Submission",
     "WorkerRow",

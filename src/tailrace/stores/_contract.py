@@ -23,7 +23,7 @@ import contextlib
 from collections.abc import AsyncIterator, Collection
 
 from ._artifacts import check_expected
-from ._queue_rules import check_claim, check_worker, graph_keys
+from ._queue_rules import check_claim, check_worker, first_schedule, graph_keys
 from ._records import (
     CHANGE_KINDS,
     ArtifactVersion,
@@ -39,6 +39,7 @@ from ._records import (
     RunCount,
     RunRecord,
     RunStatus,
+    ScheduleRow,
     StoredRun,
     Submission,
     WorkerRow,
@@ -527,6 +528,35 @@ class RunStore(abc.ABC):
         check_name("queue", name)
         return await self._delete_queue(name)
 
+    async def declare_schedule(self, row: ScheduleRow) -> None:
+        """Store schedule ``row`` (replacing what an earlier declaration runs and when) (W4).
+
+        Ticks before the first declaration are not due; a later declaration
+        keeps the ticks already submitted. A bad cron expression or name is a
+        ``ValueError`` naming it, and nothing is stored.
+        """
+        await self._declare_schedule(first_schedule(row))
+
+    async def schedules(self) -> list[ScheduleRow]:
+        """Every declared schedule, by name."""
+        return await self._schedules()
+
+    async def fire_schedule(self, name: str, tick: float) -> str | None:
+        """Submit schedule ``name``'s run for ``tick`` unless that tick (or a later one) was (W4).
+
+        Atomically: the schedule's ``last_tick`` moves to ``tick`` only if it
+        was earlier, and the run (id ``{name}@{tick as YYYY-MM-DDTHH:MMZ}``,
+        queued in the schedule's queue) is stored with it; across every
+        worker, one caller gets the run's id, the others None.
+        """
+        check_name("schedule", name)
+        return await self._fire_schedule(name, float(tick))
+
+    async def delete_schedule(self, name: str) -> bool:
+        """Drop schedule ``name``; True if it was declared. Runs it submitted stay."""
+        check_name("schedule", name)
+        return await self._delete_schedule(name)
+
     async def queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
         """Declared queues and queues that have runs, by name, with their counts at ``now``.
 
@@ -759,6 +789,22 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     async def _delete_queue(self, name: str) -> bool:
         """:meth:`delete_queue`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _declare_schedule(self, row: ScheduleRow) -> None:
+        """:meth:`declare_schedule`, with ``row`` checked and its first tick set."""
+
+    @abc.abstractmethod
+    async def _schedules(self) -> list[ScheduleRow]:
+        """:meth:`schedules`."""
+
+    @abc.abstractmethod
+    async def _fire_schedule(self, name: str, tick: float) -> str | None:
+        """:meth:`fire_schedule`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _delete_schedule(self, name: str) -> bool:
+        """:meth:`delete_schedule`, called with checked arguments."""
 
     @abc.abstractmethod
     async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:

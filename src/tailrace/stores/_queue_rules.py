@@ -7,6 +7,8 @@ contract suite. ``free_slots`` is where every claim's number comes from.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 import logging
 from collections import Counter
@@ -14,13 +16,17 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from .._errors import QueueNotEmpty
+from ..tail import Cron
 from ._records import (
     LIVE_STATUSES,
+    NewRun,
     Queue,
     QueueStats,
     RunCount,
     RunRecord,
     RunStatus,
+    ScheduleRow,
+    Submission,
     WorkerRow,
 )
 from ._rules import check_name, check_ttl
@@ -72,7 +78,9 @@ def claim_order(queue: Queue, runs: Iterable[RunRecord], now: float) -> list[Run
 
     ``runs`` are the queue's runs (any status). Within a partition key, runs
     start in submit order, at most ``partition_concurrency`` running or
-    suspended at once and ``partition_limit`` started per ``period``. Across
+    suspended at once and ``partition_limit`` started per ``period``; a run
+    delayed past ``now`` (``not_before``) is not handed out and takes no
+    turn. Across
     keys, a run's *turn* is its place among its partition's queued runs (runs
     with no key take turns as one partition, in the queue's order): a claim
     takes by priority, then turn, then the partition served longest ago
@@ -82,7 +90,7 @@ def claim_order(queue: Queue, runs: Iterable[RunRecord], now: float) -> list[Run
     runs = [r for r in runs if r.queue_name == queue.name]
     groups: dict[str | None, list[RunRecord]] = {}
     for run in runs:
-        if run.status is RunStatus.QUEUED:
+        if run.status is RunStatus.QUEUED and (run.not_before is None or run.not_before <= now):
             groups.setdefault(run.partition_key, []).append(run)
     turn: dict[str, int] = {}
     for key, members in groups.items():
@@ -128,6 +136,49 @@ def queue_not_empty(name: str, live: int) -> QueueNotEmpty:
         "or suspended); cancel or finish them first. Nothing was deleted.",
         queue=name, live=live,
     )  # fmt: skip
+
+
+def first_schedule(row: ScheduleRow) -> ScheduleRow:
+    """``row`` checked (names, cron: ``ValueError`` naming the culprit), as first stored: its
+    ``last_tick`` the latest tick before its declaration, so earlier ticks are not due (W4)."""
+    check_name("schedule", row.name)
+    check_name("queue", row.queue)
+    for what in ("graph_name", "fingerprint"):
+        check_name(what, getattr(row, what))
+    if row.graph_ref is not None:
+        check_name("graph_ref", row.graph_ref)
+    cron = Cron(row.cron)
+    return dataclasses.replace(row, last_tick=cron.latest_at(row.declared_at))
+
+
+def schedule_params(row: ScheduleRow) -> tuple[object, ...]:
+    """Values of the ``schedules`` row of ``row`` (``SCHEDULE_COLUMNS``)."""
+    r = row
+    return (
+        r.name, r.cron, r.graph_name, r.graph_ref, r.fingerprint, r.input_json, r.queue,
+        r.declared_at, r.last_tick,
+    )  # fmt: skip
+
+
+def schedule_from_row(row: Sequence[Any]) -> ScheduleRow:
+    """Decode a ``schedules`` row selected with ``SCHEDULE_COLUMNS``."""
+    name, cron, graph_name, graph_ref, fingerprint, input_json, queue, declared, last = row
+    return ScheduleRow(
+        name=name, cron=cron, graph_name=graph_name, graph_ref=graph_ref,
+        fingerprint=fingerprint, input_json=input_json, queue=queue,
+        declared_at=float(declared), last_tick=None if last is None else float(last),
+    )  # fmt: skip
+
+
+def scheduled_run(row: ScheduleRow, tick: float, now: float) -> tuple[NewRun, Submission]:
+    """The run schedule ``row`` submits for ``tick``; its id names both, so a tick is one run."""
+    stamp = datetime.datetime.fromtimestamp(tick, datetime.UTC)
+    run = NewRun(
+        run_id=f"{row.name}@{stamp.strftime('%Y-%m-%dT%H:%MZ')}", graph_name=row.graph_name,
+        graph_ref=row.graph_ref, fingerprint=row.fingerprint, input_json=row.input_json,
+        created_at=now,
+    )  # fmt: skip
+    return run, Submission(queue=row.queue)
 
 
 def check_claim(queue: str, owner: str, ttl: float, limit: int) -> None:

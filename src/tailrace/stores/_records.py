@@ -176,6 +176,8 @@ class RunRecord:
     #: How many times it was taken over, running, from an owner that held its lease
     #: (the owner died or its lease expired; a released lease does not count) (W3).
     recoveries: int = 0
+    #: The earliest time a worker may claim it (None: at once) (W4).
+    not_before: float | None = None
 
 
 class NodeRow(NamedTuple):
@@ -367,7 +369,10 @@ class Submission:
     submit order; ``dedup_key`` makes a second submit with that key, while a
     run holding it is live (queued, running or suspended), return that run;
     ``cost`` is what the duration estimator was given and ``estimate`` the
-    seconds it predicted (an ``lpt`` queue hands out the largest first).
+    seconds it predicted (an ``lpt`` queue hands out the largest first);
+    ``not_before`` the earliest time (seconds since the epoch) it may be
+    claimed: until then it is not handed out and takes no turn of its
+    partition (W4).
     """
 
     queue: str
@@ -376,6 +381,7 @@ class Submission:
     dedup_key: str | None = None
     cost: float | None = None
     estimate: float | None = None
+    not_before: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -426,6 +432,28 @@ class WorkerRow:
     started_at: float
     seen_at: float
     running: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduleRow:
+    """A schedule as stored (``declare_schedule``): a run submitted once per cron tick (W4).
+
+    ``name`` identifies it; ``cron`` is its expression (UTC, see
+    :class:`~tailrace.tail.Cron`); the run is of the graph ``graph_name``
+    (``graph_ref``, ``fingerprint``) on ``input_json``, submitted to
+    ``queue``; ``last_tick`` is the latest tick submitted (or, before the
+    first, the latest tick before the declaration: earlier ones are not due).
+    """
+
+    name: str
+    cron: str
+    graph_name: str
+    graph_ref: str | None
+    fingerprint: str
+    input_json: str
+    queue: str = "default"
+    declared_at: float = 0.0
+    last_tick: float | None = None
 
 
 #: What a change feed reports: a run was submitted, a question answered, a

@@ -57,6 +57,7 @@ from ..stores import (
     WorkerRow,
 )
 from ..stores._records import check_limit
+from ._schedules import Schedule, ScheduleTicker
 
 logger = logging.getLogger("tailrace.workers")
 
@@ -131,6 +132,9 @@ class Worker:
             the worker driving it died or lost its lease) is not adopted
             again but marked ``failed``, the reason stored (W3; None: adopt
             for ever).
+        schedules: :class:`Schedule` s this worker declares on the store as it
+            starts (their graphs registered here). Every worker submits the
+            store's schedules as their ticks come, one worker per tick (W4).
     """
 
     def __init__(
@@ -149,6 +153,7 @@ class Worker:
         heartbeat: float = 1.0,
         executors: Mapping[str, Executor] | None = None,
         max_recoveries: int | None = MAX_RECOVERIES,
+        schedules: Sequence[Schedule] = (),
     ) -> None:
         check_limit("Worker: concurrency", concurrency)
         for what, value in (("grace", grace), ("poll_interval", poll_interval)):
@@ -166,7 +171,10 @@ class Worker:
         self.engine = engine or Engine(store=store, lease_ttl=lease_ttl, executors=executors)
         if self.engine.store is not store:
             raise ValueError("the worker's engine must use the worker's store")
-        self.engine.register(*graphs)
+        self.engine.register(*graphs, *(s.graph for s in schedules))
+        self.schedules = list(schedules)
+        #: Submits the store's schedules' ticks (W4).
+        self.ticker = ScheduleTicker(store)
         self.store = store
         self.queues = [q if isinstance(q, Queue) else Queue(q) for q in queues]
         self._declare = [q for q in queues if isinstance(q, Queue)]
@@ -215,6 +223,8 @@ class Worker:
         await self.store.open()
         for queue in self._declare:
             await self.store.declare_queue(queue)
+        for schedule in self.schedules:
+            await schedule.declare(self.store, self.engine.codec or DEFAULT_CODEC)
         await self._refresh_queues()
         try:
             async with self.store.changes() as feed, asyncio.TaskGroup() as jobs:
@@ -231,6 +241,7 @@ class Worker:
                     "worker:wake-ups": functools.partial(self._forward, feed),
                     "worker:gates": self.gates.loop("worker gate tick").run,
                     "worker:heartbeat": heartbeat.run,
+                    "worker:schedules": self.ticker.run,
                 }
                 await Daemon(work, beside, drain=self._drain).run(stop)
         finally:

@@ -55,6 +55,25 @@ LIVE_IN_QUEUE = (
 #: Values: name.
 DELETE_QUEUE = "DELETE FROM queues WHERE name = ?"
 
+SCHEDULE_COLUMNS = (
+    "name, cron, graph_name, graph_ref, fingerprint, input_json, queue, declared_at, last_tick"
+)
+#: A declaration replaces what to run and when, and keeps the ticks already submitted.
+UPSERT_SCHEDULE = (
+    f"INSERT INTO schedules ({SCHEDULE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (name) DO UPDATE SET cron = excluded.cron, graph_name = excluded.graph_name, "
+    "graph_ref = excluded.graph_ref, fingerprint = excluded.fingerprint, "
+    "input_json = excluded.input_json, queue = excluded.queue, "
+    "declared_at = excluded.declared_at"
+)
+SELECT_SCHEDULES = f"SELECT {SCHEDULE_COLUMNS} FROM schedules ORDER BY name"
+SELECT_SCHEDULE = f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE name = ?"
+#: Values: tick, name, tick. The compare-and-set that makes one caller submit a tick.
+ADVANCE_SCHEDULE = (
+    "UPDATE schedules SET last_tick = ? WHERE name = ? AND (last_tick IS NULL OR last_tick < ?)"
+)
+DELETE_SCHEDULE = "DELETE FROM schedules WHERE name = ?"
+
 UPSERT_WORKER = (
     f"INSERT INTO workers ({WORKER_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) "
     "ON CONFLICT (worker_id) DO UPDATE SET queues_json = excluded.queues_json, "
@@ -102,7 +121,8 @@ def claim_candidates(queue: Queue, graphs: int | None = None, skip: int = 0) -> 
         "CASE WHEN q.partition_key IS NULL THEN NULL ELSE (SELECT MAX(s.started_at) FROM runs s "
         "WHERE s.queue_name = q.queue_name AND s.partition_key = q.partition_key "
         "AND s.started_at IS NOT NULL) END AS served "
-        "FROM runs q WHERE q.queue_name = ? AND q.status = 'queued'"
+        "FROM runs q WHERE q.queue_name = ? AND q.status = 'queued' "
+        "AND (q.not_before IS NULL OR q.not_before <= ?)"
     )
     fits = (
         "(r.partition_key IS NULL OR (c.turn + (SELECT COUNT(*) FROM runs o "
@@ -145,7 +165,7 @@ def candidate_params(
     rate: tuple[object, ...] = ()
     if queue.partition_limit is not None:
         rate = (now - queue.period, queue.partition_limit)
-    return (queue.name, queue.partition_concurrency, *rate, *(graphs or ()), *skip, limit)
+    return (queue.name, now, queue.partition_concurrency, *rate, *(graphs or ()), *skip, limit)
 
 
 #: Values: owner, lease_expires, now, now, run_id. Exactly one row changes when

@@ -34,7 +34,7 @@ RUN_FIELDS = (
     "error", "created_at", "updated_at", "finished_at", "nodes_done", "lease_owner",
     "lease_expires", "lease_token", "format_version", "queue_name", "priority", "partition_key",
     "dedup_key", "cost", "estimate", "queued_at", "started_at", "cancel_requested_at",
-    "recoveries",
+    "recoveries", "not_before",
 )  # fmt: skip
 RUN_COLUMNS = ", ".join(RUN_FIELDS)
 EVENT_FIELDS = ("seq", "type", "node_id", "visit", "attempt", "ts", "data_json")
@@ -203,6 +203,20 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             "ALTER TABLE runs ADD COLUMN recoveries INTEGER NOT NULL DEFAULT 0",
         ),
     ),
+    (
+        8,
+        (
+            # Delayed runs and schedules (W4): a queued run is claimed only from
+            # ``not_before``; a schedule's ``last_tick`` is the compare-and-set
+            # that makes one worker of the fleet submit each tick.
+            "ALTER TABLE runs ADD COLUMN not_before DOUBLE PRECISION",
+            """CREATE TABLE schedules (
+                name TEXT PRIMARY KEY, cron TEXT NOT NULL, graph_name TEXT NOT NULL,
+                graph_ref TEXT, fingerprint TEXT NOT NULL, input_json TEXT NOT NULL,
+                queue TEXT NOT NULL, declared_at DOUBLE PRECISION NOT NULL,
+                last_tick DOUBLE PRECISION)""",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 CREATE_MIGRATIONS_TABLE = (
@@ -238,7 +252,7 @@ def queued_run_params(run: NewRun, submission: Submission) -> tuple[object, ...]
     head = (RunStatus.QUEUED.value if i == 4 else v for i, v in enumerate(new_run_params(run)))
     return (
         *head, q.queue, q.priority, q.partition, q.dedup_key, q.cost, q.estimate, run.created_at,
-        None, None, 0,
+        None, None, 0, q.not_before,
     )  # fmt: skip
 
 

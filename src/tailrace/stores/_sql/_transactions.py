@@ -23,7 +23,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
 from ..._errors import RunNotFound
-from .._queue_rules import queue_not_empty
+from .._queue_rules import queue_not_empty, schedule_from_row, schedule_params, scheduled_run
 from .._records import (
     EventRow,
     FrozenInput,
@@ -34,6 +34,7 @@ from .._records import (
     ResultRow,
     RunRecord,
     RunStatus,
+    ScheduleRow,
     StoredRun,
 )
 from .._rules import (
@@ -49,23 +50,28 @@ from .._rules import (
     question_not_found,
 )
 from ._queues import (
+    ADVANCE_SCHEDULE,
     CANCEL_QUEUED,
     DELETE_QUEUE,
     LIVE_IN_QUEUE,
     PAUSE_QUEUE,
     REQUEST_CANCEL,
+    SELECT_SCHEDULE,
     UNPAUSE_QUEUE,
+    UPSERT_SCHEDULE,
 )
 from ._statements import (
     ANSWER_QUESTION,
     APPLY_QUESTION,
     EVENT_COLUMNS,
+    INSERT_QUEUED_RUN,
     QUESTION_STATE,
     RUN_COLUMNS,
     SELECT_QUESTION,
     SUPERSEDE_QUESTION,
     event_from_row,
     question_from_row,
+    queued_run_params,
     record_from_row,
 )
 
@@ -80,6 +86,8 @@ SELECT_LEASE = "SELECT lease_owner, lease_expires, lease_token FROM runs WHERE r
 SELECT_LEASE_STATUS = (
     "SELECT lease_owner, lease_expires, lease_token, status FROM runs WHERE run_id = ?"
 )
+#: A tick's run, unless it exists already.
+INSERT_SCHEDULED_RUN = f"{INSERT_QUEUED_RUN} ON CONFLICT DO NOTHING"
 COUNT_RECOVERY = "UPDATE runs SET recoveries = recoveries + 1 WHERE run_id = ?"
 SELECT_STATUS = "SELECT status FROM runs WHERE run_id = ?"
 UPDATE_LEASE = (
@@ -248,6 +256,26 @@ async def delete_queue(tx: Tx, name: str) -> bool:
     if live:
         raise queue_not_empty(name, live)
     return await tx.change(DELETE_QUEUE, (name,))
+
+
+async def declare_schedule(tx: Tx, row: ScheduleRow) -> None:
+    """Store schedule ``row`` (checked, first tick set), keeping the ticks already submitted."""
+    await tx.change(UPSERT_SCHEDULE, schedule_params(row))
+
+
+async def fire_schedule(tx: Tx, name: str, tick: float, now: float) -> str | None:
+    """Submit schedule ``name``'s run for ``tick`` unless someone did; its run id, or None."""
+    row = await tx.one(SELECT_SCHEDULE, (name,))
+    if row is None:
+        return None
+    schedule = schedule_from_row(row)
+    if not await tx.change(ADVANCE_SCHEDULE, (tick, name, tick)):
+        return None  # another worker submitted this tick (or a later one)
+    run, submission = scheduled_run(schedule, tick, now)
+    if not await tx.change(INSERT_SCHEDULED_RUN, queued_run_params(run, submission)):
+        return None  # the tick's run exists already (its schedule was declared again)
+    await tx.signal("submit")
+    return run.run_id
 
 
 # --- leases (D6) -------------------------------------------------------------------------

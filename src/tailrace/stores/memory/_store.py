@@ -33,6 +33,7 @@ from .._queue_rules import (
     queue_not_empty,
     run_count_order,
     run_graph_key,
+    scheduled_run,
     stats_of,
 )
 from .._records import (
@@ -51,6 +52,7 @@ from .._records import (
     RunCount,
     RunRecord,
     RunStatus,
+    ScheduleRow,
     StoredRun,
     Submission,
     WorkerRow,
@@ -103,6 +105,7 @@ class MemoryStore(RunStore):
         self._artifacts = ArtifactLedger(clock)
         self._queue_specs: dict[str, Queue] = {}
         self._paused: set[str] = set()
+        self._schedule_rows: dict[str, ScheduleRow] = {}
         self._worker_rows: dict[str, WorkerRow] = {}
         self._hub = ChangeHub()
 
@@ -152,6 +155,7 @@ class MemoryStore(RunStore):
             cost=None if q is None else q.cost,
             estimate=None if q is None else q.estimate,
             queued_at=None if q is None else run.created_at,
+            not_before=None if q is None else q.not_before,
         )
         self._nodes[run.run_id] = {}
         self._result_rows[run.run_id] = {}
@@ -628,6 +632,33 @@ class MemoryStore(RunStore):
     async def _queues(self) -> list[Queue]:
         with self._lock:
             return [self._queue_specs[name] for name in sorted(self._queue_specs)]
+
+    async def _declare_schedule(self, row: ScheduleRow) -> None:
+        with self._lock:
+            old = self._schedule_rows.get(row.name)
+            kept = row.last_tick if old is None else old.last_tick
+            self._schedule_rows[row.name] = dataclasses.replace(row, last_tick=kept)
+
+    async def _schedules(self) -> list[ScheduleRow]:
+        with self._lock:
+            return [self._schedule_rows[name] for name in sorted(self._schedule_rows)]
+
+    async def _fire_schedule(self, name: str, tick: float) -> str | None:
+        with self._lock:
+            row = self._schedule_rows.get(name)
+            if row is None or (row.last_tick is not None and row.last_tick >= tick):
+                return None
+            self._schedule_rows[name] = dataclasses.replace(row, last_tick=tick)
+            run, submission = scheduled_run(row, tick, self._clock())
+            if run.run_id in self._runs:
+                return None
+            self._insert_run(run, submission)
+        self._hub.deliver(frozenset({"submit"}))
+        return run.run_id
+
+    async def _delete_schedule(self, name: str) -> bool:
+        with self._lock:
+            return self._schedule_rows.pop(name, None) is not None
 
     async def _pause_queue(self, name: str) -> None:
         with self._lock:

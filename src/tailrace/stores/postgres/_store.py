@@ -43,6 +43,7 @@ from .._queue_rules import (
     paused_names,
     queue_params,
     queue_rows,
+    schedule_from_row,
     stats_from_counts,
     worker_params,
     worker_rows,
@@ -62,6 +63,7 @@ from .._records import (
     RunCount,
     RunRecord,
     RunStatus,
+    ScheduleRow,
     StoredRun,
     Submission,
     WorkerRow,
@@ -74,6 +76,7 @@ from .._sql._queues import (
     CANCEL_REQUESTS,
     CLAIM_RUN,
     DEDUP_HOLDER,
+    DELETE_SCHEDULE,
     DELETE_WORKER,
     LEASE_FOR_ANSWER,
     LEASED_BY,
@@ -82,6 +85,7 @@ from .._sql._queues import (
     RUN_COUNTS,
     RUN_DURATIONS,
     SELECT_QUEUES,
+    SELECT_SCHEDULES,
     SELECT_WORKERS,
     STARTED_SINCE,
     UPSERT_QUEUE,
@@ -685,6 +689,37 @@ class PostgresStore(RunStore):
     async def _queues(self) -> list[Queue]:
         rows = await self._db.read("listing queues", fetch_all(pg(SELECT_QUEUES), ()))
         return queue_rows(rows)
+
+    async def _declare_schedule(self, row: ScheduleRow) -> None:
+        async def declare(conn: Conn, attempt: Attempt) -> None:
+            await bodies.declare_schedule(PostgresTx(conn, attempt, self._channel), row)
+
+        await self._db.write(f"schedule {row.name!r}", declare)
+
+    async def _schedules(self) -> list[ScheduleRow]:
+        rows = await self._db.read("listing schedules", fetch_all(pg(SELECT_SCHEDULES), ()))
+        return [schedule_from_row(r) for r in rows]
+
+    async def _fire_schedule(self, name: str, tick: float) -> str | None:
+        fired: list[str | None] = [None]
+
+        async def fire(conn: Conn, attempt: Attempt) -> str | None:
+            attempt.xid = await transaction_id(conn)
+            tx = PostgresTx(conn, attempt, self._channel)
+            fired[0] = await bodies.fire_schedule(tx, name, tick, self._clock())
+            return fired[0]
+
+        async def landed(conn: Conn) -> str | None:
+            return fired[0]  # its COMMIT landed: the run it stored is the tick's
+
+        return await self._db.write(f"schedule {name!r}", fire, landed=landed)
+
+    async def _delete_schedule(self, name: str) -> bool:
+        async def delete(conn: Conn, attempt: Attempt) -> bool:
+            cur = await conn.execute(pg(DELETE_SCHEDULE), (name,))
+            return cur.rowcount == 1
+
+        return await self._db.write(f"schedule {name!r}", delete)
 
     async def _pause_queue(self, name: str) -> None:
         async def pause(conn: Conn, attempt: Attempt) -> None:

@@ -29,6 +29,7 @@ from .._queue_rules import (
     paused_names,
     queue_params,
     queue_rows,
+    schedule_from_row,
     stats_from_counts,
     worker_params,
     worker_rows,
@@ -47,6 +48,7 @@ from .._records import (
     RunCount,
     RunRecord,
     RunStatus,
+    ScheduleRow,
     StoredRun,
     Submission,
     WorkerRow,
@@ -60,6 +62,7 @@ from .._sql._queues import (
     ANY_QUEUED,
     CANCEL_REQUESTS,
     DEDUP_HOLDER,
+    DELETE_SCHEDULE,
     DELETE_WORKER,
     LEASED_BY,
     QUEUE_COUNTS,
@@ -67,6 +70,7 @@ from .._sql._queues import (
     RUN_COUNTS,
     RUN_DURATIONS,
     SELECT_QUEUES,
+    SELECT_SCHEDULES,
     SELECT_WORKERS,
     UPSERT_QUEUE,
     UPSERT_WORKER,
@@ -548,6 +552,30 @@ class SQLiteStore(RunStore):
     async def _queues(self) -> list[Queue]:
         return await self._read(
             "listing queues", lambda conn: queue_rows(conn.execute(SELECT_QUEUES))
+        )
+
+    async def _declare_schedule(self, row: ScheduleRow) -> None:
+        await self._write(
+            f"schedule {row.name!r}",
+            lambda conn: run_now(bodies.declare_schedule(SQLiteTx(conn), row)),
+        )
+
+    async def _schedules(self) -> list[ScheduleRow]:
+        return await self._read(
+            "listing schedules",
+            lambda conn: [schedule_from_row(r) for r in conn.execute(SELECT_SCHEDULES)],
+        )
+
+    async def _fire_schedule(self, name: str, tick: float) -> str | None:
+        return await self._write(
+            f"schedule {name!r}",
+            lambda conn: run_now(bodies.fire_schedule(SQLiteTx(conn), name, tick, self._clock())),
+        )
+
+    async def _delete_schedule(self, name: str) -> bool:
+        return await self._write(
+            f"schedule {name!r}",
+            lambda conn: conn.execute(DELETE_SCHEDULE, (name,)).rowcount == 1,
         )
 
     async def _pause_queue(self, name: str) -> None:
