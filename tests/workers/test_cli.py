@@ -248,3 +248,13 @@ def test_a_schedule_named_on_the_command_line_is_declared(
     assert (row.name, row.cron, row.queue, row.input_json) == ("nightly", "0 3 * * *", "q", "7")
     bad = invoke("worker", "--db", db, "--schedule", f"{GRAPHS}:chain")
     assert bad.exit_code == 2 and "is a Graph, not a tailrace.Schedule" in bad.output
+
+
+def test_resume_continues_a_cancelled_run_only_with_cancelled(db: Path) -> None:
+    submitted = invoke("submit", f"{GRAPHS}:chain", "-i", "1", "-q", "q", "--db", db)
+    run_id = submitted.stdout.strip().splitlines()[-1]
+    assert invoke("cancel", run_id, "--db", db).exit_code == 0
+    plain = invoke("resume", run_id, "--db", db, "--graphs", GRAPHS)
+    assert plain.exit_code != 0 and "is cancelled; nothing to resume" in plain.output
+    asked = invoke("resume", run_id, "--db", db, "--graphs", GRAPHS, "--cancelled")
+    assert asked.exit_code != 0 and "cancelled before it started" in asked.output

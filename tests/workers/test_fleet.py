@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tailrace import Engine
+from tailrace.core import stretches_of
 from tailrace.stores import QuestionStatus, RunStatus, open_store
 from tests import fixtures
 
@@ -117,6 +118,15 @@ class Fleet:
                 proc.wait()
 
 
+async def show(workers: Fleet, run_id: str) -> subprocess.CompletedProcess[str]:
+    """``tailrace show RUN_ID`` on the fleet's store, in a process of its own."""
+    return await asyncio.to_thread(
+        subprocess.run,
+        [*fleet.tailrace_command(), "show", run_id, "--db", workers.url],
+        capture_output=True, text=True, env={**os.environ, "COLUMNS": "300"}, check=True,
+    )  # fmt: skip
+
+
 @pytest.fixture(params=fixtures.SHARED_STORES)
 def fleet_of(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Fleet]:
     schema = fixtures.new_schema("fleet") if request.param == "postgres" else None
@@ -194,8 +204,16 @@ async def test_a_dead_workers_run_is_adopted_at_once_not_after_its_lease(
         fleet_of.start("--lease-ttl", 3600, env={"TAILRACE_TEST_CRAWL": "0"})
         # The lease would last an hour: only the dead-owner path can finish it in time.
         result = await submitter.wait(run_id, timeout=fixtures.HANG_GUARD)
+        drivers = stretches_of(await submitter.store.events(run_id))
     assert (result.status, result.output) == ("completed", 2)
     assert fleet_of.starts()[(run_id, "warm", 1)] == 1  # committed before the kill: not re-run
+    # W6: the dead worker's stretch, then its adopter's, each named by its owner (pid inside).
+    assert [d.how for d in drivers] == ["started", "resumed"]
+    assert drivers[0].owner is not None and f":{doomed.pid}:" in drivers[0].owner
+    assert drivers[1].owner is not None and f":{fleet_of.workers[1].pid}:" in drivers[1].owner
+    shown = await show(fleet_of, run_id)
+    assert "driven by (2 stretches, taken over 1 time)" in shown.stdout
+    assert drivers[0].owner in shown.stdout and drivers[1].owner in shown.stdout
 
 
 async def test_sigterm_drains_releases_the_lease_and_another_worker_finishes(
@@ -243,9 +261,5 @@ async def test_a_run_that_kills_its_workers_becomes_a_dead_letter(fleet_of: Flee
     assert result.status == "completed"
     assert fleet_of.starts()[(run_id, "kill_worker", 1)] == 3  # never a fourth time
     assert events[-1] == "run_failed"  # (run_started never became durable before a kill)
-    shown = await asyncio.to_thread(
-        subprocess.run,
-        [*fleet.tailrace_command(), "show", run_id, "--db", fleet_of.url],
-        capture_output=True, text=True, env={**os.environ, "COLUMNS": "300"}, check=True,
-    )  # fmt: skip
+    shown = await show(fleet_of, run_id)
     assert "dead letter" in shown.stdout

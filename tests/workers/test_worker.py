@@ -20,6 +20,8 @@ import pytest
 
 from tailrace import Engine, Schedule
 from tailrace._codec import DEFAULT_CODEC
+from tailrace._errors import NotResumable
+from tailrace.core import stretches_of
 from tailrace.core._queued import estimates_of
 from tailrace.stores import NewRun, QuestionStatus, Queue, RunStatus
 from tailrace.workers import DuplicateRun, RunFailed, Worker
@@ -314,6 +316,72 @@ async def test_schedules_submit_each_tick_once_across_workers_and_one_catch_up(
     assert row.last_tick == eleven_fifteen.timestamp()  # the worker's declaration kept it
 
 
+async def _status_is(store: object, run_id: str, status: RunStatus) -> bool:
+    return (await store.get_run(run_id)).status is status  # type: ignore[attr-defined]
+
+
+async def test_a_cancelled_run_continues_where_it_stopped_only_when_asked(
+    db: fixtures.Database,
+) -> None:
+    """W5: ``resume`` refuses a cancelled run; ``resume(cancelled=True)`` re-runs what the
+    cancellation stopped and reuses what it committed. W6: the run records both drivers."""
+    engine = await engine_on(db)
+    store = await db.store()
+    run_id = await engine.submit(graphs.held, 5)
+    never = await engine.submit(graphs.held, 6, queue="unserved")
+    await engine.cancel(never)
+    worker = await worker_on(db, poll_interval=0.05)
+    async with working(worker):
+        await until(lambda: bool(graphs.SEEN["starts"]), "hold to start")
+        await engine.cancel(run_id)
+        await until(lambda: _status_is(store, run_id, RunStatus.CANCELLED), "the cancel")
+    with pytest.raises(NotResumable, match="is cancelled"):
+        await engine.resume(run_id, graphs.held)
+    with pytest.raises(NotResumable, match="cancelled before it started"):
+        await engine.resume(never, graphs.held, cancelled=True)
+    graphs.HOLD["release"].set()
+    result = await engine.resume(run_id, graphs.held, cancelled=True)
+    assert (result.status, result.output) == ("completed", 105)
+    events = await store.events(run_id)
+    started = [e.node_id for e in events if e.type == "node_started"]
+    assert started.count("first") == 1 and started.count("hold") == 2  # first reused
+    assert graphs.SEEN["cancelled"] == [run_id]
+    record = await store.get_run(run_id)
+    assert (record.cancel_requested_at, record.error) == (None, None)
+    drivers = stretches_of(events)
+    assert [(d.owner, d.how) for d in drivers] == [
+        (worker.owner, "started"), (engine.owner, "resumed"),
+    ]  # fmt: skip
+    assert sum(d.events for d in drivers) == len(events)
+
+
+async def test_a_reopened_run_whose_driver_died_is_adopted_and_finished(
+    db: fixtures.Database,
+) -> None:
+    """W5 fault: the reopening and the re-queued nodes are one commit, so a driver that
+    dies right after it leaves a run any worker adopts and finishes (D3)."""
+    engine = await engine_on(db)
+    store = await db.store()
+    run_id = await engine.submit(graphs.held, 1)
+    async with working(await worker_on(db, poll_interval=0.05)):
+        await until(lambda: bool(graphs.SEEN["starts"]), "hold to start")
+        await engine.cancel(run_id)
+        await until(lambda: _status_is(store, run_id, RunStatus.CANCELLED), "the cancel")
+    events = await store.events(run_id)
+    from tailrace.core._queued import stopped_by_cancel
+
+    assert stopped_by_cancel(events) == ["hold"]
+    # A "dead" resumer: it reopened the run with a lease of 0.2 s, then vanished.
+    assert await store.reopen_cancelled(run_id, "ghost:1:0:dead", 0.2, nodes=["hold"])
+    assert not await store.reopen_cancelled(run_id, "other", 30.0)  # once only
+    graphs.HOLD["release"].set()
+    async with working(await worker_on(db, poll_interval=0.05)) as adopter:
+        result = await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
+    assert (result.status, result.output) == ("completed", 101)
+    assert adopter.stats.adopted == 1
+    assert (await store.get_run(run_id)).recoveries == 1  # taken from the ghost
+
+
 async def test_an_lpt_queue_starts_the_longest_estimate_first(db: fixtures.Database) -> None:
     engine = await engine_on(db)
     await (await db.store()).declare_queue(Queue("lpt", order="lpt"))
@@ -417,3 +485,25 @@ async def test_a_bad_max_recoveries_is_refused_naming_it(bad: object) -> None:
 
     with pytest.raises(ValueError, match="max_recoveries"):
         Worker(MemoryStore(), max_recoveries=bad)  # type: ignore[arg-type]
+
+
+def test_stretches_read_from_events_of_any_age() -> None:
+    from tailrace.stores import EventRow
+
+    def ev(seq: int, type: str, ts: float, data: str = "{}") -> EventRow:
+        return EventRow(seq=seq, type=type, node_id=None, visit=None, attempt=None, ts=ts,
+                        data_json=data)  # fmt: skip
+
+    events = [
+        ev(1, "node_started", 1.0),  # before any opener: a stretch of its own
+        ev(2, "run_started", 2.0, '{"graph": "g"}'),  # written before owners were recorded
+        ev(3, "node_completed", 3.5),
+        ev(4, "run_resumed", 9.0, '{"owner": "h:2:0:x"}'),
+        ev(5, "run_completed", 9.5, "not json"),
+    ]
+    got = [(s.owner, s.how, s.started_at, s.ended_at, s.events) for s in stretches_of(events)]
+    assert got == [
+        (None, "started", 1.0, 1.0, 1), (None, "started", 2.0, 3.5, 2),
+        ("h:2:0:x", "resumed", 9.0, 9.5, 2),
+    ]  # fmt: skip
+    assert stretches_of([]) == []

@@ -18,6 +18,8 @@ from ._queued import cancel_undriven as cancel_undriven
 from ._restore import find_graph as find_graph
 from ._state import LateInput as LateInput
 from ._state import NodeStatus as NodeStatus
+from ._stretches import Stretch as Stretch
+from ._stretches import stretches_of as stretches_of
 
 __all__ = [
     "AdmissionPolicy",
@@ -26,6 +28,7 @@ __all__ = [
     "NodeReport",
     "NodeStatus",
     "RunResult",
+    "Stretch",
     "acquire_lease",
     "cancel_undriven",
     "find_graph",
@@ -33,4 +36,5 @@ __all__ = [
     "mark_failed",
     "owner_is_dead",
     "run",
+    "stretches_of",
 ]

@@ -31,7 +31,7 @@ from ._admission import AdmissionPolicy, SlotQueue, resolve_policy
 from ._lease import Lease, make_owner, mark_failed
 from ._loop import RunLoop
 from ._outcome import RunResult
-from ._queued import cancel_run, submit_run, wait_for
+from ._queued import cancel_run, reopen_cancelled, submit_run, wait_for
 from ._restore import find_graph, restore_run
 from ._state import LateInput, RunState
 from ._writer import RunWriter
@@ -158,14 +158,14 @@ class Engine:
             await self.store.open()
         if self.store is None:
             loop = self._loop_for(run_id, state, None)
-            loop.emit(EventType.RUN_STARTED, graph=graph.name)
+            loop.emit(EventType.RUN_STARTED, graph=graph.name, owner=self.owner)
             return await loop.drive()
         writer = await RunWriter.create(
             self.store, self._codec, run_id, graph, topo, input, graph_ref or guess_reference(graph)
         )
         async with writer.leased(self._lease(run_id)):
             loop = self._loop_for(run_id, state, writer)
-            loop.emit(EventType.RUN_STARTED, graph=graph.name)
+            loop.emit(EventType.RUN_STARTED, graph=graph.name, owner=self.owner)
             result = await loop.drive()
         return await self._with_questions(result)
 
@@ -177,6 +177,7 @@ class Engine:
         force: bool = False,
         patch: Any = None,
         durability: str | None = None,
+        cancelled: bool = False,
     ) -> RunResult:
         """Resume the durable run ``run_id`` where it stopped (D3, Q3).
 
@@ -193,10 +194,20 @@ class Engine:
         write. The run keeps the durability it was started with (stored with
         its state) unless ``durability`` says otherwise; a run that committed
         nothing yet takes the engine's.
+
+        A cancelled run is refused (:class:`NotResumable`) unless
+        ``cancelled`` is true (W5): it then continues where it stopped, the
+        nodes its cancellation stopped running again and everything it
+        committed reused; a run cancelled before it started is refused still
+        (submit it again).
         """
         if durability is not None:
             durability = _checked_durability(durability)
         with self._driving(run_id):
+            if cancelled:
+                await reopen_cancelled(
+                    self._require_store("resume"), run_id, self.owner, self.lease_ttl
+                )
             if durability is not None:
                 self._durability_of[run_id] = durability
             result = await self._resume(run_id, graph, force, patch)
@@ -258,7 +269,10 @@ class Engine:
             unparked = state.unpark(patch)
             if stored.run.status is RunStatus.SUSPENDED and not applied and not state.ready:
                 return await self._with_questions(loop.result(RunStatus.SUSPENDED))
-            loop.emit(EventType.RUN_RESUMED, graph=graph.name, applied=applied, unparked=unparked)
+            loop.emit(
+                EventType.RUN_RESUMED, graph=graph.name, applied=applied, unparked=unparked,
+                owner=self.owner,
+            )  # fmt: skip
             if applied or unparked:
                 await loop.checkpoint()  # the apply is durable before any handler runs
             result = await loop.drive()
@@ -599,7 +613,7 @@ class Engine:
                     )
                     if stored.run.cancel_requested_at is not None:
                         loop.request_cancel()  # asked between the claim and this start
-                    loop.emit(EventType.RUN_STARTED, graph=graph.name)
+                    loop.emit(EventType.RUN_STARTED, graph=graph.name, owner=self.owner)
                     result = await loop.drive()
                 result = await self._with_questions(result)
                 return await self._settle(result, graph, False)

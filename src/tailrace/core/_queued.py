@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import json
 import logging
 import math
 import time
@@ -38,7 +39,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from .._codec import DEFAULT_CODEC
-from .._errors import DuplicateRun, EncodeError, LeaseHeld, RunFailed, TailraceError
+from .._errors import DuplicateRun, EncodeError, LeaseHeld, NotResumable, RunFailed, TailraceError
 from .._events import EventType
 from .._values import checked_run_id
 from ..graph import Graph, guess_reference
@@ -223,6 +224,46 @@ async def submit_run(
             run_id=stored, queue=queue, dedup_key=dedup_key,
         )  # fmt: skip
     return stored
+
+
+async def reopen_cancelled(store: RunStore, run_id: str, owner: str, ttl: float) -> None:
+    """Make the cancelled run ``run_id`` running again for ``owner`` to resume (W5).
+
+    The nodes to run again are those the cancellation stopped: the
+    ``node_cancelled`` events of the run's final write, just before its
+    ``run_cancelled`` (a straggler cancelled as late, E5, stays cancelled).
+    A run that is not cancelled is left to the resume's own checks.
+    """
+    record = await store.get_run(run_id)
+    if record.status is not RunStatus.CANCELLED:
+        return
+    events = await store.events(run_id)
+    if not any(e.type != EventType.RUN_CANCELLED.value for e in events):
+        raise NotResumable(
+            f"run {run_id!r} was cancelled before it started; nothing to continue (submit it again)"
+        )
+    await store.reopen_cancelled(run_id, owner, ttl, nodes=stopped_by_cancel(events))
+
+
+def stopped_by_cancel(events: list[EventRow]) -> list[str]:
+    """The nodes the run's cancellation stopped, from its events (see :func:`reopen_cancelled`)."""
+    nodes: list[str] = []
+    last = max(
+        (n for n, e in enumerate(events) if e.type == EventType.RUN_CANCELLED.value), default=None
+    )
+    if last is None:
+        return nodes
+    for event in reversed(events[:last]):
+        if event.type != EventType.NODE_CANCELLED.value:
+            break
+        try:
+            data = json.loads(event.data_json)
+        except ValueError:
+            data = {}
+        late = isinstance(data, dict) and data.get("reason") == "late"
+        if event.node_id is not None and not late and event.node_id not in nodes:
+            nodes.append(event.node_id)
+    return sorted(nodes)
 
 
 # -- waiting --------------------------------------------------------------------

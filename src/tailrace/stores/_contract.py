@@ -484,6 +484,25 @@ class RunStore(abc.ABC):
         check_name("run_id", run_id)
         return await self._request_cancel(run_id)
 
+    async def reopen_cancelled(
+        self, run_id: str, owner: str, ttl: float, *, nodes: Collection[str] = ()
+    ) -> bool:
+        """Make the cancelled run ``run_id`` running again, leased to ``owner`` (W5); True if it was cancelled.
+
+        Atomically: the run becomes ``running`` (no ``finished_at``, no cancel
+        request), leased to ``owner`` for ``ttl`` seconds with a new fencing
+        token, and each of ``nodes`` recorded ``cancelled`` becomes
+        ``queued``, so whoever restores the run next runs them again (D3).
+        False (nothing changed) when the run is not cancelled;
+        :class:`~tailrace.RunNotFound` if absent.
+        """
+        check_name("run_id", run_id)
+        check_name("owner", owner)
+        check_ttl(ttl)
+        for node in nodes:
+            check_name("node_id", node)
+        return await self._reopen_cancelled(run_id, owner, ttl, tuple(nodes))
+
     async def cancel_requests(self, owner: str) -> list[str]:
         """Ids of ``running`` runs leased to ``owner`` with a cancel request."""
         check_name("owner", owner)
@@ -761,6 +780,12 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     async def _request_cancel(self, run_id: str) -> RunStatus:
         """:meth:`request_cancel`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _reopen_cancelled(
+        self, run_id: str, owner: str, ttl: float, nodes: tuple[str, ...]
+    ) -> bool:
+        """:meth:`reopen_cancelled`, called with checked arguments."""
 
     @abc.abstractmethod
     async def _cancel_requests(self, owner: str) -> list[str]:

@@ -55,6 +55,19 @@ LIVE_IN_QUEUE = (
 #: Values: name.
 DELETE_QUEUE = "DELETE FROM queues WHERE name = ?"
 
+#: Values: owner, lease_expires, now, run_id. A cancelled run running again, leased to
+#: its reopener (W5); exactly one row changes when it was still cancelled.
+REOPEN_CANCELLED = (
+    "UPDATE runs SET status = 'running', finished_at = NULL, cancel_requested_at = NULL, "
+    "lease_owner = ?, lease_expires = ?, lease_token = lease_token + 1, updated_at = ? "
+    "WHERE run_id = ? AND status = 'cancelled'"
+)
+#: Values: run_id, node_id. A node the cancellation stopped, queued to run again.
+REQUEUE_CANCELLED_NODE = (
+    "UPDATE node_states SET status = 'queued' WHERE run_id = ? AND node_id = ? "
+    "AND status = 'cancelled'"
+)
+
 SCHEDULE_COLUMNS = (
     "name, cron, graph_name, graph_ref, fingerprint, input_json, queue, declared_at, last_tick"
 )

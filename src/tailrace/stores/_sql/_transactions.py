@@ -55,7 +55,9 @@ from ._queues import (
     DELETE_QUEUE,
     LIVE_IN_QUEUE,
     PAUSE_QUEUE,
+    REOPEN_CANCELLED,
     REQUEST_CANCEL,
+    REQUEUE_CANCELLED_NODE,
     SELECT_SCHEDULE,
     UNPAUSE_QUEUE,
     UPSERT_SCHEDULE,
@@ -276,6 +278,18 @@ async def fire_schedule(tx: Tx, name: str, tick: float, now: float) -> str | Non
         return None  # the tick's run exists already (its schedule was declared again)
     await tx.signal("submit")
     return run.run_id
+
+
+async def reopen_cancelled(
+    tx: Tx, run_id: str, owner: str, ttl: float, nodes: Sequence[str], now: float
+) -> bool:
+    """Run ``run_id`` cancelled -> running, leased to ``owner``, ``nodes`` queued again (W5)."""
+    await run_row(tx, SELECT_STATUS, run_id, lock=True)  # RunNotFound if absent
+    if not await tx.change(REOPEN_CANCELLED, (owner, now + ttl, now, run_id)):
+        return False
+    for node_id in nodes:
+        await tx.change(REQUEUE_CANCELLED_NODE, (run_id, node_id))
+    return True
 
 
 # --- leases (D6) -------------------------------------------------------------------------

@@ -605,6 +605,26 @@ class MemoryStore(RunStore):
         self._hub.deliver(frozenset({"cancel"}))
         return run.status
 
+    async def _reopen_cancelled(
+        self, run_id: str, owner: str, ttl: float, nodes: tuple[str, ...]
+    ) -> bool:
+        with self._lock:
+            run = self._run(run_id)
+            if run.status is not RunStatus.CANCELLED:
+                return False
+            now = self._clock()
+            self._runs[run_id] = dataclasses.replace(
+                run, status=RunStatus.RUNNING, finished_at=None, cancel_requested_at=None,
+                lease_owner=owner, lease_expires=now + ttl, lease_token=run.lease_token + 1,
+                updated_at=now,
+            )  # fmt: skip
+            rows = self._nodes[run_id]
+            for node_id in nodes:
+                row = rows.get(node_id)
+                if row is not None and row.status == "cancelled":
+                    rows[node_id] = row._replace(status="queued")
+            return True
+
     async def _cancel_requests(self, owner: str) -> list[str]:
         with self._lock:
             return sorted(

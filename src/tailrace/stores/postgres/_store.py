@@ -665,6 +665,17 @@ class PostgresStore(RunStore):
 
         return await self._db.write(f"run {run_id!r}", cancel)  # a re-run changes nothing
 
+    async def _reopen_cancelled(
+        self, run_id: str, owner: str, ttl: float, nodes: tuple[str, ...]
+    ) -> bool:
+        async def reopen(conn: Conn, attempt: Attempt) -> bool:
+            tx = PostgresTx(conn, attempt, self._channel)
+            return await bodies.reopen_cancelled(tx, run_id, owner, ttl, nodes, self._clock())
+
+        # A re-run after a lost COMMIT finds the run running: False, and the caller's
+        # resume then finds its own lease.
+        return await self._db.write(f"run {run_id!r}", reopen)
+
     async def _cancel_requests(self, owner: str) -> list[str]:
         rows = await self._db.read(
             "listing cancel requests", fetch_all(pg(CANCEL_REQUESTS), (owner,))

@@ -529,6 +529,15 @@ class SQLiteStore(RunStore):
 
         return await self._write(f"run {run_id!r}", apply)
 
+    async def _reopen_cancelled(
+        self, run_id: str, owner: str, ttl: float, nodes: tuple[str, ...]
+    ) -> bool:
+        def apply(conn: sqlite3.Connection) -> bool:
+            body = bodies.reopen_cancelled(SQLiteTx(conn), run_id, owner, ttl, nodes, self._clock())
+            return run_now(body)
+
+        return await self._write(f"run {run_id!r}", apply)
+
     async def _cancel_requests(self, owner: str) -> list[str]:
         return await self._read(
             "listing cancel requests",
