@@ -316,10 +316,6 @@ async def test_schedules_submit_each_tick_once_across_workers_and_one_catch_up(
     assert row.last_tick == eleven_fifteen.timestamp()  # the worker's declaration kept it
 
 
-async def _status_is(store: object, run_id: str, status: RunStatus) -> bool:
-    return (await store.get_run(run_id)).status is status  # type: ignore[attr-defined]
-
-
 async def test_a_cancelled_run_continues_where_it_stopped_only_when_asked(
     db: fixtures.Database,
 ) -> None:
@@ -334,7 +330,7 @@ async def test_a_cancelled_run_continues_where_it_stopped_only_when_asked(
     async with working(worker):
         await until(lambda: bool(graphs.SEEN["starts"]), "hold to start")
         await engine.cancel(run_id)
-        await until(lambda: _status_is(store, run_id, RunStatus.CANCELLED), "the cancel")
+        await until(lambda: _status_is(db, run_id, RunStatus.CANCELLED), "the cancel")
     with pytest.raises(NotResumable, match="is cancelled"):
         await engine.resume(run_id, graphs.held)
     with pytest.raises(NotResumable, match="cancelled before it started"):
@@ -366,7 +362,7 @@ async def test_a_reopened_run_whose_driver_died_is_adopted_and_finished(
     async with working(await worker_on(db, poll_interval=0.05)):
         await until(lambda: bool(graphs.SEEN["starts"]), "hold to start")
         await engine.cancel(run_id)
-        await until(lambda: _status_is(store, run_id, RunStatus.CANCELLED), "the cancel")
+        await until(lambda: _status_is(db, run_id, RunStatus.CANCELLED), "the cancel")
     events = await store.events(run_id)
     from tailrace.core._queued import stopped_by_cancel
 
