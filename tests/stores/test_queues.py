@@ -18,6 +18,7 @@ import pytest
 from tailrace._errors import QueueNotEmpty, RunExists, RunNotFound
 from tailrace.stores import (
     ChangeFeed,
+    GraphRow,
     Harvest,
     NewRun,
     QuestionRow,
@@ -430,6 +431,21 @@ async def test_declared_queues_workers_and_stats(backend: Backend) -> None:
     assert stats["other"].queue is None
     await store.forget_worker("w0")
     assert await store.workers() == [seen]
+
+
+async def test_registered_graphs_are_listed_by_name_newest_first(store: RunStore) -> None:
+    for fingerprint, ref, at in (("fp1", "m:g", 1.0), ("fp2", "m:g", 5.0), ("fp1", "n:g", 9.0)):
+        await store.register_graph(
+            GraphRow(name="g", fingerprint=fingerprint, graph_ref=ref, registered_at=at)
+        )
+    await store.register_graph(GraphRow(name="h", fingerprint="x", graph_ref=None, registered_at=2))
+    assert await store.graphs_named("g") == [
+        GraphRow(name="g", fingerprint="fp1", graph_ref="n:g", registered_at=9.0),
+        GraphRow(name="g", fingerprint="fp2", graph_ref="m:g", registered_at=5.0),
+    ]  # fmt: skip
+    assert await store.graphs_named("nobody") == []
+    with pytest.raises(ValueError, match="graph_name"):
+        await store.graphs_named("a\x00b")
 
 
 async def test_run_durations_feed_the_estimator(backend: Backend) -> None:

@@ -258,3 +258,22 @@ def test_resume_continues_a_cancelled_run_only_with_cancelled(db: Path) -> None:
     assert plain.exit_code != 0 and "is cancelled; nothing to resume" in plain.output
     asked = invoke("resume", run_id, "--db", db, "--graphs", GRAPHS, "--cancelled")
     assert asked.exit_code != 0 and "cancelled before it started" in asked.output
+
+
+def test_submit_by_a_registered_graph_name(
+    db: Path, worker_process: list[subprocess.Popen[str]]
+) -> None:
+    unknown = invoke("submit", "fleet_chain", "--db", db)
+    assert unknown.exit_code != 0 and "no worker registered a graph named" in unknown.output
+    start_worker(worker_process, db, "--queue", "q", "--graphs", GRAPHS)
+
+    async def registered() -> object:
+        async with SQLiteStore(db) as store:
+            return await fixtures.until(lambda: store.graphs_named("fleet_chain"), "registered")
+
+    asyncio.run(registered())
+    result = invoke("submit", "fleet_chain", "-i", "20", "-q", "q", "--db", db, "--wait")
+    assert result.exit_code == 0, result.output
+    assert "completed" in result.stdout
+    # The output, or, with no graph that says which node it is, every node's result.
+    assert result.stdout.strip().endswith("42") or '"doubled": 42' in result.stdout

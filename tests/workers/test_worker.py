@@ -20,7 +20,7 @@ import pytest
 
 from tailrace import Engine, Schedule
 from tailrace._codec import DEFAULT_CODEC
-from tailrace._errors import NotResumable
+from tailrace._errors import GraphError, NotResumable
 from tailrace.core import stretches_of
 from tailrace.core._queued import estimates_of
 from tailrace.stores import NewRun, QuestionStatus, Queue, RunStatus
@@ -376,6 +376,22 @@ async def test_a_reopened_run_whose_driver_died_is_adopted_and_finished(
     assert (result.status, result.output) == ("completed", 101)
     assert adopter.stats.adopted == 1
     assert (await store.get_run(run_id)).recoveries == 1  # taken from the ghost
+
+
+async def test_a_run_is_submitted_by_a_registered_graph_name_alone(
+    db: fixtures.Database,
+) -> None:
+    submitter = Engine(store=await db.store())  # no graph code at all
+    with pytest.raises(GraphError, match="no worker registered a graph named 'fleet_chain'"):
+        await submitter.submit("fleet_chain", 3)
+    async with working(await worker_on(db, graphs=[graphs.chain])):
+        await until(lambda: submitter.store.graphs_named("fleet_chain"), "the registration")
+        run_id = await submitter.submit("fleet_chain", 3)
+        result = await submitter.wait(run_id, timeout=fixtures.HANG_GUARD)
+    record = await submitter.store.get_run(run_id)
+    assert (result.status, record.graph_name) == ("completed", "fleet_chain")
+    assert record.fingerprint == graphs.chain.compile().fingerprint
+    assert (await submitter.store.events(run_id))[-1].type == "run_completed"
 
 
 async def test_an_lpt_queue_starts_the_longest_estimate_first(db: fixtures.Database) -> None:

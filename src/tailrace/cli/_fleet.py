@@ -22,6 +22,7 @@ import typer
 from rich.table import Column
 
 from ..core import Engine
+from ..graph import Graph
 from ..stores import TERMINAL_STATUSES, Queue, QueueStats, RunRecord, RunStore
 from ..workers import MAX_RECOVERIES, RunFailed, Schedule, Worker, WorkerStats
 from ._load import is_file_spec, load_graph, load_graphs, load_object, load_pollers
@@ -92,7 +93,11 @@ def register(app: typer.Typer) -> None:
 
 def submit(
     graph: Annotated[
-        str, typer.Argument(help="MODULE_OR_FILE:GRAPH, e.g. examples/research.py:graph")
+        str,
+        typer.Argument(
+            help="MODULE_OR_FILE:GRAPH, e.g. examples/research.py:graph, or the NAME of a "
+            "graph a worker registered (tailrace worker --graphs ...)."
+        ),
     ],
     input: Annotated[str, typer.Option("--input", "-i", help="Run input as JSON.")] = "null",
     queue: Annotated[str, typer.Option("--queue", "-q", help="The queue.")] = "default",
@@ -110,13 +115,24 @@ def submit(
     ] = None,
     cost: Annotated[float | None, typer.Option(help="The estimator's cost (lpt queues).")] = None,
     wait: Annotated[bool, flag("--wait", "Wait for the result and print it.")] = False,
+    delay: Annotated[
+        float | None, typer.Option(min=0.0, help="Seconds from now before a worker may start it.")
+    ] = None,
 ) -> None:
     """Submit a run to a queue and print its id; a worker serving the queue runs it.
 
     A run whose dedup key is held by a live run of the queue is not stored: the
-    live run's id is printed.
+    live run's id is printed. GRAPH is a graph to load, or the name of one a
+    worker registered in the store (its newest version), for a submitter with
+    no graph code.
     """
-    loaded, ref = load_graph(graph)
+    not_before = None if delay is None else time.time() + delay
+    loaded: Graph | str
+    ref: str | None
+    if ":" not in graph and not is_file_spec(graph):
+        loaded, ref = graph, None
+    else:
+        loaded, ref = load_graph(graph)
     run_id = run_id or uuid.uuid4().hex  # known before it is stored: a dedup hit shows
     try:
         payload = json.loads(input)
@@ -128,11 +144,14 @@ def submit(
         stored = await engine.submit(
             loaded, payload, queue=queue, run_id=run_id, priority=priority,
             partition=partition, dedup_key=dedup_key, cost=cost, graph_ref=ref,
+            not_before=not_before,
         )  # fmt: skip
         if not wait:
             return stored, None
         try:
-            return stored, await engine.wait(stored, graph=loaded)
+            return stored, await engine.wait(
+                stored, graph=None if isinstance(loaded, str) else loaded
+            )
         except RunFailed as exc:
             raise CommandError(str(exc)) from exc
 
@@ -145,7 +164,11 @@ def submit(
     console.print(text(stored), soft_wrap=True)
     if result is not None:
         console.print(text(f"run {stored} {result.status} in {result.duration:.3f}s"))
-        console.print(json_text(result.output), soft_wrap=True)
+        if isinstance(loaded, str) and result.output is None:
+            # No graph code here to tell which node is the output: every node's result.
+            console.print(json_text(result.results), soft_wrap=True)
+        else:
+            console.print(json_text(result.output), soft_wrap=True)
 
 
 # --- worker / serve ---------------------------------------------------------------------------

@@ -484,7 +484,7 @@ class Engine:
 
     async def submit(
         self,
-        graph: Graph,
+        graph: Graph | str,
         input: Any = None,
         *,
         queue: str = "default",
@@ -504,8 +504,10 @@ class Engine:
         ``docs/scale-out.md``); :meth:`wait` returns its result.
 
         Args:
-            graph: the graph to run; workers find it by ``graph_ref`` or
-                because they were given it (``Worker(graphs=...)``).
+            graph: the graph to run, or its name: the newest version a worker
+                registered in the store (``Worker(graphs=...)`` registers
+                them), so the submitter needs no graph code; workers find it
+                by ``graph_ref`` or because they were given it.
             input: the run's input (encoded now: a bad one fails here).
             queue: the queue's name.
             run_id: names the run (default: a fresh uuid).

@@ -39,7 +39,15 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from .._codec import DEFAULT_CODEC
-from .._errors import DuplicateRun, EncodeError, LeaseHeld, NotResumable, RunFailed, TailraceError
+from .._errors import (
+    DuplicateRun,
+    EncodeError,
+    GraphError,
+    LeaseHeld,
+    NotResumable,
+    RunFailed,
+    TailraceError,
+)
 from .._events import EventType
 from .._values import checked_run_id
 from ..graph import Graph, guess_reference
@@ -165,7 +173,7 @@ def estimates_of(store: RunStore) -> RunEstimates:
 
 async def submit_run(
     engine: Engine,
-    graph: Graph,
+    graph: Graph | str,
     input: Any,
     *,
     queue: str,
@@ -198,18 +206,17 @@ async def submit_run(
     cost = _checked_number("cost", cost)
     estimate = _checked_number("estimate", estimate)
     delay = checked_time("not_before", not_before)
-    topo = graph.compile()
-    engine.register(graph)
+    name, fingerprint, graph_ref = await _what_to_run(engine, store, graph, graph_ref)
     run_id = uuid.uuid4().hex if run_id is None else checked_run_id(run_id)
     try:
         input_json = (engine.codec or DEFAULT_CODEC).encode(input)
     except (TypeError, ValueError) as exc:
         raise EncodeError(f"run {run_id!r}: input is not encodable: {exc}") from exc
     if estimate is None:
-        estimate = await estimates_of(store).estimate(topo.fingerprint, cost)
+        estimate = await estimates_of(store).estimate(fingerprint, cost)
     new = NewRun(
-        run_id=run_id, graph_name=graph.name, graph_ref=graph_ref or guess_reference(graph),
-        fingerprint=topo.fingerprint, input_json=input_json, created_at=time.time(),
+        run_id=run_id, graph_name=name, graph_ref=graph_ref, fingerprint=fingerprint,
+        input_json=input_json, created_at=time.time(),
     )  # fmt: skip
     submission = Submission(
         queue=queue, priority=priority, partition=partition, dedup_key=dedup_key, cost=cost,
@@ -224,6 +231,31 @@ async def submit_run(
             run_id=stored, queue=queue, dedup_key=dedup_key,
         )  # fmt: skip
     return stored
+
+
+async def _what_to_run(
+    engine: Engine, store: RunStore, graph: Graph | str, graph_ref: str | None
+) -> tuple[str, str, str | None]:
+    """The name, fingerprint and reference a submitted run of ``graph`` is stored with.
+
+    A :class:`Graph` is compiled (G1) and registered with the engine; a name
+    is looked up among the graphs workers registered in the store (the
+    newest registration of that name), so a submitter needs no graph code.
+    """
+    if isinstance(graph, Graph):
+        topo = graph.compile()
+        engine.register(graph)
+        return graph.name, topo.fingerprint, graph_ref or guess_reference(graph)
+    if not isinstance(graph, str) or not graph:
+        raise ValueError(f"submit: graph must be a Graph or a graph's name, got {graph!r}")
+    registered = await store.graphs_named(graph)
+    if not registered:
+        raise GraphError(
+            f"submit: no worker registered a graph named {graph!r} in this store; start a "
+            "worker that has it (tailrace worker --graphs FILE_OR_MODULE), or pass the Graph"
+        )
+    newest = registered[0]
+    return newest.name, newest.fingerprint, graph_ref or newest.graph_ref
 
 
 async def reopen_cancelled(store: RunStore, run_id: str, owner: str, ttl: float) -> None:

@@ -29,6 +29,7 @@ from ._records import TERMINAL_STATUSES as TERMINAL_STATUSES
 from ._records import ArtifactVersion as ArtifactVersion
 from ._records import EventRow as EventRow
 from ._records import FrozenInput as FrozenInput
+from ._records import GraphRow as GraphRow
 from ._records import Harvest as Harvest
 from ._records import NewRun as NewRun
 from ._records import NodeRow as NodeRow
@@ -60,6 +61,7 @@ __all__ = [
     "ChangeFeed",
     "EventRow",
     "FrozenInput",
+    "GraphRow",
     "Harvest",
     "MemoryStore",
     "NewRun",

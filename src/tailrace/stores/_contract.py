@@ -29,6 +29,7 @@ from ._records import (
     ArtifactVersion,
     EventRow,
     FrozenInput,
+    GraphRow,
     Harvest,
     NewRun,
     QuestionRow,
@@ -547,6 +548,17 @@ class RunStore(abc.ABC):
         check_name("queue", name)
         return await self._delete_queue(name)
 
+    async def register_graph(self, row: GraphRow) -> None:
+        """Record that a worker can drive the graph ``row`` names (replacing an earlier
+        registration of that name and fingerprint)."""
+        check_names(graph_name=row.name, fingerprint=row.fingerprint, graph_ref=row.graph_ref)
+        await self._register_graph(row)
+
+    async def graphs_named(self, name: str) -> list[GraphRow]:
+        """The registrations of graph ``name``, newest first (one per fingerprint)."""
+        check_name("graph_name", name)
+        return await self._graphs_named(name)
+
     async def declare_schedule(self, row: ScheduleRow) -> None:
         """Store schedule ``row`` (replacing what an earlier declaration runs and when) (W4).
 
@@ -814,6 +826,14 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     async def _delete_queue(self, name: str) -> bool:
         """:meth:`delete_queue`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _register_graph(self, row: GraphRow) -> None:
+        """:meth:`register_graph`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _graphs_named(self, name: str) -> list[GraphRow]:
+        """:meth:`graphs_named`, called with checked arguments."""
 
     @abc.abstractmethod
     async def _declare_schedule(self, row: ScheduleRow) -> None:

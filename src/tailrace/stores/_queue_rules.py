@@ -19,6 +19,7 @@ from .._errors import QueueNotEmpty
 from ..tail import Cron
 from ._records import (
     LIVE_STATUSES,
+    GraphRow,
     NewRun,
     Queue,
     QueueStats,
@@ -149,6 +150,15 @@ def first_schedule(row: ScheduleRow) -> ScheduleRow:
         check_name("graph_ref", row.graph_ref)
     cron = Cron(row.cron)
     return dataclasses.replace(row, last_tick=cron.latest_at(row.declared_at))
+
+
+def graph_from_row(row: Sequence[Any]) -> GraphRow:
+    """Decode a ``graphs`` row selected with ``GRAPH_COLUMNS``."""
+    name, fingerprint, graph_ref, registered_at = row
+    return GraphRow(
+        name=name, fingerprint=fingerprint, graph_ref=graph_ref,
+        registered_at=float(registered_at),
+    )  # fmt: skip
 
 
 def schedule_params(row: ScheduleRow) -> tuple[object, ...]:

@@ -456,6 +456,18 @@ class ScheduleRow:
     last_tick: float | None = None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GraphRow:
+    """A graph a worker can drive, as it registered it (``register_graph``): what a run
+    submitted by the graph's name alone is stored with (``name``, ``fingerprint``,
+    ``graph_ref``); ``registered_at`` is its latest registration."""
+
+    name: str
+    fingerprint: str
+    graph_ref: str | None
+    registered_at: float
+
+
 #: What a change feed reports: a run was submitted, a question answered, a
 #: lease released (a run finished, suspended, or let go), a cancel requested.
 CHANGE_KINDS = frozenset({"submit", "answer", "release", "cancel"})

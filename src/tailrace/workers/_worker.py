@@ -46,9 +46,10 @@ from ..gates._orphans import MAX_RECOVERIES as MAX_RECOVERIES
 from ..gates._orphans import Orphan, OrphanScan
 from ..gates._polling import GatePolling
 from ..gates._worker import UNRESUMABLE, describe
-from ..graph import Graph
+from ..graph import Graph, guess_reference
 from ..stores import (
     CHANGE_KINDS,
+    GraphRow,
     QuestionRow,
     Queue,
     RunRecord,
@@ -114,7 +115,9 @@ class Worker:
             after an answer, or adopted).
         graphs: graphs the runs may be of, besides those importable by their
             stored reference (graph files named in the store are never
-            executed: trust model).
+            executed: trust model). They are registered in the store as the
+            worker starts, so a run of one can be submitted by its name alone
+            (``engine.submit("name", ...)``, ``tailrace submit NAME``).
         engine: the engine that drives runs (default: ``Engine(store=store,
             lease_ttl=lease_ttl)``); its owner name is the worker's.
         pollers: machine gates' pollers by name (as in :class:`~tailrace.gates.Server`).
@@ -172,6 +175,8 @@ class Worker:
         if self.engine.store is not store:
             raise ValueError("the worker's engine must use the worker's store")
         self.engine.register(*graphs, *(s.graph for s in schedules))
+        #: Registered in the store as the worker starts: runs of them can be submitted by name.
+        self.graphs = [*graphs, *(s.graph for s in schedules)]
         self.schedules = list(schedules)
         #: Submits the store's schedules' ticks (W4).
         self.ticker = ScheduleTicker(store)
@@ -225,6 +230,13 @@ class Worker:
             await self.store.declare_queue(queue)
         for schedule in self.schedules:
             await schedule.declare(self.store, self.engine.codec or DEFAULT_CODEC)
+        for graph in self.graphs:
+            await self.store.register_graph(
+                GraphRow(
+                    name=graph.name, fingerprint=graph.compile().fingerprint,
+                    graph_ref=guess_reference(graph), registered_at=time.time(),
+                )
+            )  # fmt: skip
         await self._refresh_queues()
         try:
             async with self.store.changes() as feed, asyncio.TaskGroup() as jobs:

@@ -68,6 +68,18 @@ REQUEUE_CANCELLED_NODE = (
     "AND status = 'cancelled'"
 )
 
+GRAPH_COLUMNS = "name, fingerprint, graph_ref, registered_at"
+#: A later registration of the same shape refreshes its reference and time.
+UPSERT_GRAPH = (
+    f"INSERT INTO graphs ({GRAPH_COLUMNS}) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT (name, fingerprint) DO UPDATE SET graph_ref = excluded.graph_ref, "
+    "registered_at = excluded.registered_at"
+)
+#: Values: name. Newest registration first.
+SELECT_GRAPHS_NAMED = (
+    f"SELECT {GRAPH_COLUMNS} FROM graphs WHERE name = ? ORDER BY registered_at DESC, fingerprint"
+)
+
 SCHEDULE_COLUMNS = (
     "name, cron, graph_name, graph_ref, fingerprint, input_json, queue, declared_at, last_tick"
 )

@@ -217,6 +217,15 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
                 last_tick DOUBLE PRECISION)""",
         ),
     ),
+    (
+        9,
+        (
+            # The graphs workers can drive, so a run can be submitted by name alone.
+            """CREATE TABLE graphs (
+                name TEXT NOT NULL, fingerprint TEXT NOT NULL, graph_ref TEXT,
+                registered_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (name, fingerprint))""",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 CREATE_MIGRATIONS_TABLE = (

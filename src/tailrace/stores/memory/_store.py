@@ -41,6 +41,7 @@ from .._records import (
     ArtifactVersion,
     EventRow,
     FrozenInput,
+    GraphRow,
     Harvest,
     NewRun,
     NodeRow,
@@ -106,6 +107,7 @@ class MemoryStore(RunStore):
         self._queue_specs: dict[str, Queue] = {}
         self._paused: set[str] = set()
         self._schedule_rows: dict[str, ScheduleRow] = {}
+        self._graph_rows: dict[tuple[str, str], GraphRow] = {}
         self._worker_rows: dict[str, WorkerRow] = {}
         self._hub = ChangeHub()
 
@@ -652,6 +654,15 @@ class MemoryStore(RunStore):
     async def _queues(self) -> list[Queue]:
         with self._lock:
             return [self._queue_specs[name] for name in sorted(self._queue_specs)]
+
+    async def _register_graph(self, row: GraphRow) -> None:
+        with self._lock:
+            self._graph_rows[(row.name, row.fingerprint)] = row
+
+    async def _graphs_named(self, name: str) -> list[GraphRow]:
+        with self._lock:
+            rows = [r for (n, _), r in self._graph_rows.items() if n == name]
+        return sorted(rows, key=lambda r: (-r.registered_at, r.fingerprint))
 
     async def _declare_schedule(self, row: ScheduleRow) -> None:
         with self._lock:

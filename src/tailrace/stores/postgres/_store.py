@@ -40,6 +40,7 @@ from .._changes import ChangeHub, Stop
 from .._contract import ChangeFeed, RunStore
 from .._queue_rules import (
     free_slots,
+    graph_from_row,
     paused_names,
     queue_params,
     queue_rows,
@@ -53,6 +54,7 @@ from .._records import (
     ArtifactVersion,
     EventRow,
     FrozenInput,
+    GraphRow,
     Harvest,
     NewRun,
     QuestionRow,
@@ -84,10 +86,12 @@ from .._sql._queues import (
     RETURN_CLAIM,
     RUN_COUNTS,
     RUN_DURATIONS,
+    SELECT_GRAPHS_NAMED,
     SELECT_QUEUES,
     SELECT_SCHEDULES,
     SELECT_WORKERS,
     STARTED_SINCE,
+    UPSERT_GRAPH,
     UPSERT_QUEUE,
     UPSERT_WORKER,
     candidate_params,
@@ -700,6 +704,18 @@ class PostgresStore(RunStore):
     async def _queues(self) -> list[Queue]:
         rows = await self._db.read("listing queues", fetch_all(pg(SELECT_QUEUES), ()))
         return queue_rows(rows)
+
+    async def _register_graph(self, row: GraphRow) -> None:
+        params = (row.name, row.fingerprint, row.graph_ref, row.registered_at)
+
+        async def upsert(conn: Conn, attempt: Attempt) -> None:
+            await conn.execute(pg(UPSERT_GRAPH), params)
+
+        await self._db.write(f"graph {row.name!r}", upsert)
+
+    async def _graphs_named(self, name: str) -> list[GraphRow]:
+        rows = await self._db.read(f"graph {name!r}", fetch_all(pg(SELECT_GRAPHS_NAMED), (name,)))
+        return [graph_from_row(r) for r in rows]
 
     async def _declare_schedule(self, row: ScheduleRow) -> None:
         async def declare(conn: Conn, attempt: Attempt) -> None:

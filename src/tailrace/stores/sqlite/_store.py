@@ -26,6 +26,7 @@ from .._artifacts import stale_version
 from .._changes import ChangeHub
 from .._contract import ChangeFeed, RunStore
 from .._queue_rules import (
+    graph_from_row,
     paused_names,
     queue_params,
     queue_rows,
@@ -38,6 +39,7 @@ from .._records import (
     ArtifactVersion,
     EventRow,
     FrozenInput,
+    GraphRow,
     Harvest,
     NewRun,
     QuestionRow,
@@ -69,9 +71,11 @@ from .._sql._queues import (
     RETURN_CLAIM,
     RUN_COUNTS,
     RUN_DURATIONS,
+    SELECT_GRAPHS_NAMED,
     SELECT_QUEUES,
     SELECT_SCHEDULES,
     SELECT_WORKERS,
+    UPSERT_GRAPH,
     UPSERT_QUEUE,
     UPSERT_WORKER,
     list_runs_query,
@@ -561,6 +565,16 @@ class SQLiteStore(RunStore):
     async def _queues(self) -> list[Queue]:
         return await self._read(
             "listing queues", lambda conn: queue_rows(conn.execute(SELECT_QUEUES))
+        )
+
+    async def _register_graph(self, row: GraphRow) -> None:
+        params = (row.name, row.fingerprint, row.graph_ref, row.registered_at)
+        await self._write(f"graph {row.name!r}", lambda conn: conn.execute(UPSERT_GRAPH, params))
+
+    async def _graphs_named(self, name: str) -> list[GraphRow]:
+        return await self._read(
+            f"graph {name!r}",
+            lambda conn: [graph_from_row(r) for r in conn.execute(SELECT_GRAPHS_NAMED, (name,))],
         )
 
     async def _declare_schedule(self, row: ScheduleRow) -> None:
