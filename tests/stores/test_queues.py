@@ -21,6 +21,7 @@ from tailrace.stores import (
     GraphRow,
     Harvest,
     NewRun,
+    Pulse,
     QuestionRow,
     QuestionStatus,
     Queue,
@@ -446,6 +447,36 @@ async def test_registered_graphs_are_listed_by_name_newest_first(store: RunStore
     assert await store.graphs_named("nobody") == []
     with pytest.raises(ValueError, match="graph_name"):
         await store.graphs_named("a\x00b")
+
+
+async def test_a_pulse_reports_the_worker_and_what_is_worth_a_look(backend: Backend) -> None:
+    """The idle heartbeat: one call, the report written, each thing probed (W3)."""
+    store, now = backend.store, backend.clock.now
+
+    def worker(worker_id: str, seen: float, queues: tuple[str, ...] = ("q",)) -> WorkerRow:
+        return WorkerRow(worker_id=worker_id, queues=queues, concurrency=4, started_at=seen,
+                         seen_at=seen, dead_after=30.0)  # fmt: skip
+
+    me = worker("box:1:0:a", now)
+    assert await store.pulse(me) == Pulse()  # nothing to do, nobody else
+    assert await store.workers() == [me]
+    await store.worker_seen(worker("box:2:0:b", now - 10))  # same host, alive
+    await store.worker_seen(worker("far:3:0:c", now - 31))  # another host, silent too long
+    await store.worker_seen(worker("far:4:0:d", now - 40))
+    await submit(store, "r1", "q", at=1.0)
+    await submit(store, "r2", "q", at=2.0)
+    assert await store.claim_runs("q", "box:1:0:a", TTL, limit=1) == ["r1"]
+    await store.request_cancel("r1")
+    pulse = await store.pulse(me)
+    assert pulse.kinds == {"submit", "cancel"}
+    assert (pulse.expired, pulse.here, pulse.gates) == (
+        ("far:4:0:d", "far:3:0:c"),
+        ("box:2:0:b",),
+        False,
+    )
+    assert (await store.pulse(worker("box:1:0:a", now, queues=("other",)))).kinds == {"cancel"}
+    backend.clock.advance(TTL + 1)  # r1's lease expires: an orphan
+    assert "release" in (await store.pulse(worker("box:1:0:a", backend.clock.now))).kinds
 
 
 async def test_run_durations_feed_the_estimator(backend: Backend) -> None:

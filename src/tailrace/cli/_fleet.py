@@ -24,7 +24,7 @@ from rich.table import Column
 from ..core import Engine
 from ..graph import Graph
 from ..stores import TERMINAL_STATUSES, Queue, QueueStats, RunRecord, RunStore
-from ..workers import MAX_RECOVERIES, RunFailed, Schedule, Worker, WorkerStats
+from ..workers import HEARTBEAT, MAX_RECOVERIES, RunFailed, Schedule, Worker, WorkerStats
 from ._load import is_file_spec, load_graph, load_graphs, load_object, load_pollers
 from ._render import json_text, table_of, text
 from ._session import (
@@ -207,8 +207,19 @@ def worker(
         float, typer.Option(min=0, help="Seconds runs in flight get to finish on SIGTERM.")
     ] = 30.0,
     max_interval: Annotated[
-        float, typer.Option(min=0.001, help="Longest wait between two looks at the store.")
-    ] = 1.0,
+        float | None,
+        typer.Option(
+            min=0.001, help="Longest wait between two looks at the store (default: --heartbeat)."
+        ),
+    ] = None,
+    heartbeat: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            help="Seconds between two heartbeats (one cheap transaction each); give every "
+            "worker of a fleet the same.",
+        ),
+    ] = HEARTBEAT,
     executor: ExecutorOption = None,
     max_recoveries: Annotated[
         int,
@@ -257,6 +268,7 @@ def worker(
             daemon = Worker(
                 store, queues=queues, concurrency=concurrency, graphs=loaded, pollers=pollers,
                 targets=drivers, lease_ttl=lease_ttl, grace=grace, poll_interval=max_interval,
+                heartbeat=heartbeat,
                 executors=made, max_recoveries=max_recoveries, schedules=schedules,
             )  # fmt: skip
             stop = asyncio.Event()

@@ -33,6 +33,7 @@ from ._records import GraphRow as GraphRow
 from ._records import Harvest as Harvest
 from ._records import NewRun as NewRun
 from ._records import NodeRow as NodeRow
+from ._records import Pulse as Pulse
 from ._records import QuestionRow as QuestionRow
 from ._records import QuestionStatus as QuestionStatus
 from ._records import Queue as Queue
@@ -67,6 +68,7 @@ __all__ = [
     "NewRun",
     "NodeRow",
     "PostgresStore",
+    "Pulse",
     "QuestionRow",
     "QuestionStatus",
     "Queue",

@@ -32,6 +32,7 @@ from ._records import (
     GraphRow,
     Harvest,
     NewRun,
+    Pulse,
     QuestionRow,
     QuestionStatus,
     Queue,
@@ -602,6 +603,21 @@ class RunStore(abc.ABC):
         check_worker(worker)
         await self._worker_seen(worker)
 
+    async def pulse(self, worker: WorkerRow) -> Pulse:
+        """One heartbeat of ``worker``: record its report and look at what is worth a look (W3).
+
+        In one transaction, with one indexed probe for each thing, so an idle
+        worker costs one commit and a few rows read per heartbeat however
+        large the fleet: the report (as :meth:`worker_seen`), then whether a
+        run waits in one of its queues, an answer is due, a running run's
+        lease expired, a run it drives was asked to cancel, an open question
+        has a poller or a deadline, which workers' heartbeats stopped
+        (``seen_at + dead_after`` passed; a few, oldest first) and which
+        other workers report from its host. See :class:`Pulse`.
+        """
+        check_worker(worker)
+        return await self._pulse(worker)
+
     async def workers(self) -> list[WorkerRow]:
         """Every worker that reported itself and was not forgotten, by id."""
         return await self._workers()
@@ -858,6 +874,10 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     async def _worker_seen(self, worker: WorkerRow) -> None:
         """:meth:`worker_seen`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _pulse(self, worker: WorkerRow) -> Pulse:
+        """:meth:`pulse`, called with checked arguments."""
 
     @abc.abstractmethod
     async def _workers(self) -> list[WorkerRow]:

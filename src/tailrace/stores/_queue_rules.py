@@ -320,24 +320,38 @@ def worker_params(worker: WorkerRow) -> tuple[object, ...]:
     """Values of the ``workers`` row of ``worker``."""
     w = worker
     queues = json.dumps(list(w.queues))
-    return (w.worker_id, queues, w.concurrency, w.started_at, w.seen_at, w.running)
+    return (w.worker_id, queues, w.concurrency, w.started_at, w.seen_at, w.running, w.dead_after)
+
+
+#: Stopped workers one heartbeat reports at most.
+EXPIRED_LIMIT = 8
+
+
+def host_range(worker_id: str) -> tuple[str, str]:
+    """The id range of the workers on ``worker_id``'s host (ids are ``host:pid:...``)."""
+    host = worker_id.split(":", 1)[0]
+    return f"{host}:", f"{host};"  # ";" follows ":" in every collation of ASCII
 
 
 def worker_from_row(row: Sequence[Any]) -> WorkerRow:
     """Decode a ``workers`` row selected with ``WORKER_COLUMNS``."""
-    worker_id, queues, concurrency, started_at, seen_at, running = row
+    worker_id, queues, concurrency, started_at, seen_at, running, dead_after = row
     names = json.loads(queues)
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise ValueError(f"queues_json is not a list of names: {queues!r}")
     for what, value in (("concurrency", concurrency), ("running", running)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{what} is not a count: {value!r}")
-    for what, value in (("started_at", started_at), ("seen_at", seen_at)):
+    for what, value in (
+        ("started_at", started_at),
+        ("seen_at", seen_at),
+        ("dead_after", dead_after),
+    ):
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise ValueError(f"{what} is not a time: {value!r}")
     return WorkerRow(
         worker_id=worker_id, queues=tuple(names), concurrency=concurrency,
-        started_at=started_at, seen_at=seen_at, running=running,
+        started_at=started_at, seen_at=seen_at, running=running, dead_after=float(dead_after),
     )  # fmt: skip
 
 

@@ -423,7 +423,8 @@ class WorkerRow:
 
     ``worker_id`` is its lease owner name (``host:pid:start:nonce``);
     ``queues`` the queues it claims from; ``running`` how many runs it drove
-    at ``seen_at``.
+    at ``seen_at``; ``dead_after`` the seconds after ``seen_at`` from which
+    other workers count it gone (its heartbeat stopped).
     """
 
     worker_id: str
@@ -432,6 +433,25 @@ class WorkerRow:
     started_at: float
     seen_at: float
     running: int = 0
+    dead_after: float = 60.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pulse:
+    """What one worker heartbeat (``RunStore.pulse``) found, in one transaction.
+
+    ``kinds`` are the change kinds worth a look (``submit``: a queued run in
+    one of the worker's queues; ``answer``: an answer due; ``release``: a
+    running run whose lease expired; ``cancel``: a cancel request for a run
+    the worker drives); ``gates`` whether an open question has a poller or
+    a deadline; ``expired`` workers whose heartbeat stopped (oldest first, a
+    few); ``here`` the other workers on the worker's host.
+    """
+
+    kinds: frozenset[str] = frozenset()
+    gates: bool = False
+    expired: tuple[str, ...] = ()
+    here: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -469,5 +489,6 @@ class GraphRow:
 
 
 #: What a change feed reports: a run was submitted, a question answered, a
-#: lease released (a run finished, suspended, or let go), a cancel requested.
-CHANGE_KINDS = frozenset({"submit", "answer", "release", "cancel"})
+#: lease released (a run finished, suspended, or let go), a cancel requested, a
+#: queue or schedule declared, paused, resumed or deleted (``config``).
+CHANGE_KINDS = frozenset({"submit", "answer", "release", "cancel", "config"})

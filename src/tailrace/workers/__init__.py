@@ -19,11 +19,13 @@ from .._errors import DuplicateRun as DuplicateRun
 from .._errors import RunFailed as RunFailed
 from ..stores import Queue as Queue
 from ._schedules import Schedule as Schedule
+from ._worker import HEARTBEAT as HEARTBEAT
 from ._worker import MAX_RECOVERIES as MAX_RECOVERIES
 from ._worker import Worker as Worker
 from ._worker import WorkerStats as WorkerStats
 
 __all__ = [
+    "HEARTBEAT",
     "MAX_RECOVERIES",
     "DuplicateRun",
     "Queue",

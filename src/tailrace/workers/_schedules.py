@@ -18,7 +18,6 @@ skipped. Ticks before a schedule was first declared are never due.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import math
@@ -27,14 +26,16 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from .._codec import DEFAULT_CODEC, Codec
+from ..gates._daemon import nap
 from ..graph import Graph, guess_reference
 from ..stores import RunStore, ScheduleRow
 from ..tail import Cron
 
 logger = logging.getLogger("tailrace.workers")
 
-#: Seconds between two readings of the store's schedules (new declarations are seen then).
-REFRESH = 30.0
+#: Seconds between two readings of the store's schedules with no news of a declaration
+#: (a declaration wakes every worker's ticker through the change feed: ``config``).
+REFRESH = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +112,12 @@ class ScheduleTicker:
         #: Schedules whose stored cron does not parse (said once each).
         self._broken: set[str] = set()
         self._read_at = -math.inf
+        self._wake = asyncio.Event()
+
+    def changed(self) -> None:
+        """A schedule was declared or deleted somewhere: read them again at once."""
+        self._read_at = -math.inf
+        self._wake.set()
 
     async def tick(self, now: float) -> float:
         """Submit every tick due at ``now`` (the latest one per schedule); seconds until the next look."""
@@ -149,11 +156,11 @@ class ScheduleTicker:
         """Tick until ``closing`` is set; a failed round is logged and tried again shortly."""
         delay = 1.0
         while not closing.is_set():
+            self._wake.clear()  # before the tick: a change during it wakes the nap
             try:
                 wait = await self.tick(time.time())
                 delay = 1.0
             except Exception:
                 logger.exception("schedule tick failed; trying again in %.3g s", delay)
                 wait, delay = delay, min(delay * 2, self.refresh)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(closing.wait(), timeout=wait)
+            await nap(closing, self._wake, wait)

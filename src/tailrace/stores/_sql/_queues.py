@@ -25,7 +25,7 @@ QUEUE_COLUMNS = (
     "name, concurrency, worker_concurrency, rate_limit, rate_period, ordering, "
     "partition_concurrency, partition_rate_limit"
 )
-WORKER_COLUMNS = "worker_id, queues_json, concurrency, started_at, seen_at, running"
+WORKER_COLUMNS = "worker_id, queues_json, concurrency, started_at, seen_at, running, dead_after"
 
 UPSERT_QUEUE = (
     f"INSERT INTO queues ({QUEUE_COLUMNS}, declared_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
@@ -100,10 +100,33 @@ ADVANCE_SCHEDULE = (
 DELETE_SCHEDULE = "DELETE FROM schedules WHERE name = ?"
 
 UPSERT_WORKER = (
-    f"INSERT INTO workers ({WORKER_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) "
+    f"INSERT INTO workers ({WORKER_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?) "
     "ON CONFLICT (worker_id) DO UPDATE SET queues_json = excluded.queues_json, "
     "concurrency = excluded.concurrency, started_at = excluded.started_at, "
-    "seen_at = excluded.seen_at, running = excluded.running"
+    "seen_at = excluded.seen_at, running = excluded.running, dead_after = excluded.dead_after"
+)
+#: Values: now, limit. Workers whose heartbeat stopped, oldest first (``workers_by_expiry``).
+EXPIRED_WORKERS = (
+    "SELECT worker_id FROM workers WHERE seen_at + dead_after < ? "
+    "ORDER BY seen_at + dead_after LIMIT ?"
+)
+#: Values: lowest, highest id. The workers of one host (ids ``host:...``), by the primary key.
+WORKERS_BETWEEN = "SELECT worker_id FROM workers WHERE worker_id >= ? AND worker_id < ?"
+#: Values: now, now. One row per heartbeat: what is worth a look (see ``Pulse``); each
+#: probe is an indexed look at one row at most.
+PULSE_PROBES = (
+    "SELECT (SELECT 1 FROM questions q JOIN runs r ON r.run_id = q.run_id "
+    "WHERE (q.status = 'answered' OR (q.status = 'expired' AND q.applied_at IS NULL)) "
+    "AND (q.retry_at IS NULL OR q.retry_at <= ?) AND r.status = 'suspended' LIMIT 1), "
+    "(SELECT 1 FROM runs WHERE status = 'running' AND (lease_owner IS NULL "
+    "OR lease_expires IS NULL OR lease_expires < ?) LIMIT 1), "
+    "(SELECT 1 FROM questions WHERE status = 'open' "
+    "AND (poller IS NOT NULL OR deadline IS NOT NULL) LIMIT 1)"
+)
+#: Values: owner.
+ANY_CANCEL_REQUEST = (
+    "SELECT 1 FROM runs WHERE lease_owner = ? AND status = 'running' "
+    "AND cancel_requested_at IS NOT NULL LIMIT 1"
 )
 SELECT_WORKERS = f"SELECT {WORKER_COLUMNS} FROM workers ORDER BY worker_id"
 DELETE_WORKER = "DELETE FROM workers WHERE worker_id = ?"

@@ -226,6 +226,17 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
                 registered_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (name, fingerprint))""",
         ),
     ),
+    (
+        10,
+        (
+            # Idle cost: a heartbeat finds stopped workers with one indexed query
+            # (their last report plus the silence after which they count gone), and
+            # queue and schedule changes are notified rather than polled.
+            "ALTER TABLE workers ADD COLUMN dead_after DOUBLE PRECISION NOT NULL DEFAULT 60",
+            "CREATE INDEX workers_by_expiry ON workers ((seen_at + dead_after))",
+            "INSERT INTO signals (kind, n) VALUES ('config', 0)",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 CREATE_MIGRATIONS_TABLE = (

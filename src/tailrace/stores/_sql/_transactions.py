@@ -23,12 +23,21 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
 from ..._errors import RunNotFound
-from .._queue_rules import queue_not_empty, schedule_from_row, schedule_params, scheduled_run
+from .._queue_rules import (
+    EXPIRED_LIMIT,
+    host_range,
+    queue_not_empty,
+    schedule_from_row,
+    schedule_params,
+    scheduled_run,
+    worker_params,
+)
 from .._records import (
     EventRow,
     FrozenInput,
     Harvest,
     NodeRow,
+    Pulse,
     QuestionRow,
     QuestionStatus,
     ResultRow,
@@ -36,6 +45,7 @@ from .._records import (
     RunStatus,
     ScheduleRow,
     StoredRun,
+    WorkerRow,
 )
 from .._rules import (
     check_commit,
@@ -51,16 +61,22 @@ from .._rules import (
 )
 from ._queues import (
     ADVANCE_SCHEDULE,
+    ANY_CANCEL_REQUEST,
+    ANY_QUEUED,
     CANCEL_QUEUED,
     DELETE_QUEUE,
+    EXPIRED_WORKERS,
     LIVE_IN_QUEUE,
     PAUSE_QUEUE,
+    PULSE_PROBES,
     REOPEN_CANCELLED,
     REQUEST_CANCEL,
     REQUEUE_CANCELLED_NODE,
     SELECT_SCHEDULE,
     UNPAUSE_QUEUE,
     UPSERT_SCHEDULE,
+    UPSERT_WORKER,
+    WORKERS_BETWEEN,
 )
 from ._statements import (
     ANSWER_QUESTION,
@@ -235,12 +251,41 @@ async def request_cancel(tx: Tx, run_id: str, now: float) -> RunStatus:
     return parse_status(run_id, status)
 
 
+# --- the heartbeat (idle cost) ----------------------------------------------------------
+
+
+async def pulse(tx: Tx, worker: WorkerRow, now: float) -> Pulse:
+    """Report ``worker`` and look at what is worth a look, one indexed probe each (``Pulse``)."""
+    await tx.change(UPSERT_WORKER, worker_params(worker))
+    kinds: set[str] = set()
+    for name in worker.queues:
+        if await tx.one(ANY_QUEUED, (name,)) is not None:
+            kinds.add("submit")
+            break
+    probes = await tx.one(PULSE_PROBES, (now, now))
+    answer, orphan, gates = probes if probes is not None else (None, None, None)
+    if answer is not None:
+        kinds.add("answer")
+    if orphan is not None:
+        kinds.add("release")
+    if await tx.one(ANY_CANCEL_REQUEST, (worker.worker_id,)) is not None:
+        kinds.add("cancel")
+    expired = [str(r[0]) for r in await tx.all(EXPIRED_WORKERS, (now, EXPIRED_LIMIT))]
+    low, high = host_range(worker.worker_id)
+    here = [str(r[0]) for r in await tx.all(WORKERS_BETWEEN, (low, high))]
+    return Pulse(
+        kinds=frozenset(kinds), gates=gates is not None, expired=tuple(expired),
+        here=tuple(w for w in here if w != worker.worker_id),
+    )  # fmt: skip
+
+
 # --- queues (W2) ------------------------------------------------------------------------
 
 
 async def pause_queue(tx: Tx, name: str, now: float) -> None:
     """Pause queue ``name`` (declaring it with the defaults if it never was)."""
     await tx.change(PAUSE_QUEUE, (name, now, now))
+    await tx.signal("config")
 
 
 async def resume_queue(tx: Tx, name: str) -> bool:
@@ -248,6 +293,7 @@ async def resume_queue(tx: Tx, name: str) -> bool:
     lifted = await tx.change(UNPAUSE_QUEUE, (name,))
     if lifted:
         await tx.signal("submit")
+        await tx.signal("config")
     return lifted
 
 
@@ -257,12 +303,16 @@ async def delete_queue(tx: Tx, name: str) -> bool:
     live = int(row[0]) if row is not None else 0
     if live:
         raise queue_not_empty(name, live)
-    return await tx.change(DELETE_QUEUE, (name,))
+    deleted = await tx.change(DELETE_QUEUE, (name,))
+    if deleted:
+        await tx.signal("config")
+    return deleted
 
 
 async def declare_schedule(tx: Tx, row: ScheduleRow) -> None:
     """Store schedule ``row`` (checked, first tick set), keeping the ticks already submitted."""
     await tx.change(UPSERT_SCHEDULE, schedule_params(row))
+    await tx.signal("config")
 
 
 async def fire_schedule(tx: Tx, name: str, tick: float, now: float) -> str | None:

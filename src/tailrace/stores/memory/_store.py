@@ -26,10 +26,12 @@ from .._artifacts import ArtifactLedger
 from .._changes import ChangeHub
 from .._contract import ChangeFeed, RunStore
 from .._queue_rules import (
+    EXPIRED_LIMIT,
     claim_order,
     dedup_holder,
     free_slots,
     holds_slot,
+    host_range,
     queue_not_empty,
     run_count_order,
     run_graph_key,
@@ -45,6 +47,7 @@ from .._records import (
     Harvest,
     NewRun,
     NodeRow,
+    Pulse,
     QuestionRow,
     QuestionStatus,
     Queue,
@@ -649,7 +652,7 @@ class MemoryStore(RunStore):
     async def _declare_queue(self, queue: Queue) -> None:
         with self._lock:
             self._queue_specs[queue.name] = queue
-        self._hub.deliver(frozenset({"submit"}))  # new limits may let more runs start
+        self._hub.deliver(frozenset({"submit", "config"}))  # new limits may let more runs start
 
     async def _queues(self) -> list[Queue]:
         with self._lock:
@@ -669,6 +672,7 @@ class MemoryStore(RunStore):
             old = self._schedule_rows.get(row.name)
             kept = row.last_tick if old is None else old.last_tick
             self._schedule_rows[row.name] = dataclasses.replace(row, last_tick=kept)
+        self._hub.deliver(frozenset({"config"}))
 
     async def _schedules(self) -> list[ScheduleRow]:
         with self._lock:
@@ -695,13 +699,14 @@ class MemoryStore(RunStore):
         with self._lock:
             self._queue_specs.setdefault(name, Queue(name))
             self._paused.add(name)
+        self._hub.deliver(frozenset({"config"}))
 
     async def _resume_queue(self, name: str) -> bool:
         with self._lock:
             if name not in self._paused:
                 return False
             self._paused.discard(name)
-        self._hub.deliver(frozenset({"submit"}))
+        self._hub.deliver(frozenset({"submit", "config"}))
         return True
 
     async def _delete_queue(self, name: str) -> bool:
@@ -712,7 +717,10 @@ class MemoryStore(RunStore):
             if live:
                 raise queue_not_empty(name, live)
             self._paused.discard(name)
-            return self._queue_specs.pop(name, None) is not None
+            deleted = self._queue_specs.pop(name, None) is not None
+        if deleted:
+            self._hub.deliver(frozenset({"config"}))
+        return deleted
 
     async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
         with self._lock:
@@ -725,6 +733,50 @@ class MemoryStore(RunStore):
     async def _worker_seen(self, worker: WorkerRow) -> None:
         with self._lock:
             self._worker_rows[worker.worker_id] = worker
+
+    async def _pulse(self, worker: WorkerRow) -> Pulse:
+        with self._lock:
+            now = self._clock()
+            self._worker_rows[worker.worker_id] = worker
+            runs = list(self._runs.values())
+            kinds: set[str] = set()
+            mine = set(worker.queues)
+            if any(r.status is RunStatus.QUEUED and r.queue_name in mine for r in runs):
+                kinds.add("submit")
+            if any(
+                can_apply(q.status, q.applied_at) and due(q.retry_at, now)
+                and self._runs.get(q.run_id) is not None
+                and self._runs[q.run_id].status is RunStatus.SUSPENDED
+                for q in self._questions.values()
+            ):  # fmt: skip
+                kinds.add("answer")
+            if any(
+                r.status is RunStatus.RUNNING
+                and (r.lease_owner is None or r.lease_expires is None or r.lease_expires < now)
+                for r in runs
+            ):
+                kinds.add("release")
+            if any(
+                r.lease_owner == worker.worker_id and r.status is RunStatus.RUNNING
+                and r.cancel_requested_at is not None
+                for r in runs
+            ):  # fmt: skip
+                kinds.add("cancel")
+            gates = any(
+                q.status is QuestionStatus.OPEN and (q.poller is not None or q.deadline is not None)
+                for q in self._questions.values()
+            )
+            gone = sorted(
+                (w.seen_at + w.dead_after, w.worker_id)
+                for w in self._worker_rows.values()
+                if w.seen_at + w.dead_after < now
+            )
+            low, high = host_range(worker.worker_id)
+            here = sorted(w for w in self._worker_rows if low <= w < high and w != worker.worker_id)
+        return Pulse(
+            kinds=frozenset(kinds), gates=gates,
+            expired=tuple(w for _, w in gone[:EXPIRED_LIMIT]), here=tuple(here),
+        )  # fmt: skip
 
     async def _workers(self) -> list[WorkerRow]:
         with self._lock:

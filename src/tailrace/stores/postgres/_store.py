@@ -57,6 +57,7 @@ from .._records import (
     GraphRow,
     Harvest,
     NewRun,
+    Pulse,
     QuestionRow,
     QuestionStatus,
     Queue,
@@ -698,6 +699,7 @@ class PostgresStore(RunStore):
         async def upsert(conn: Conn, attempt: Attempt) -> None:
             await conn.execute(pg(UPSERT_QUEUE), queue_params(queue, self._clock()))
             await notify(conn, channel, "submit")  # new limits may let more runs start
+            await notify(conn, channel, "config")
 
         await self._db.write(f"queue {queue.name!r}", upsert)
 
@@ -790,6 +792,13 @@ class PostgresStore(RunStore):
             await conn.execute(pg(UPSERT_WORKER), worker_params(worker))
 
         await self._db.write(f"worker {worker.worker_id!r}", upsert)
+
+    async def _pulse(self, worker: WorkerRow) -> Pulse:
+        async def beat(conn: Conn, attempt: Attempt) -> Pulse:
+            tx = PostgresTx(conn, attempt, self._channel)
+            return await bodies.pulse(tx, worker, self._clock())
+
+        return await self._db.write(f"worker {worker.worker_id!r}", beat)  # a re-run: the same
 
     async def _workers(self) -> list[WorkerRow]:
         rows = await self._db.read("listing workers", fetch_all(pg(SELECT_WORKERS), ()))

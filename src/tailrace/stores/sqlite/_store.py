@@ -42,6 +42,7 @@ from .._records import (
     GraphRow,
     Harvest,
     NewRun,
+    Pulse,
     QuestionRow,
     QuestionStatus,
     Queue,
@@ -559,6 +560,7 @@ class SQLiteStore(RunStore):
         def apply(conn: sqlite3.Connection) -> None:
             conn.execute(UPSERT_QUEUE, queue_params(queue, self._clock()))
             bump(conn, "submit")  # new limits may let more runs start
+            bump(conn, "config")
 
         await self._write(f"queue {queue.name!r}", apply)
 
@@ -633,6 +635,12 @@ class SQLiteStore(RunStore):
         await self._write(
             f"worker {worker.worker_id!r}",
             lambda conn: conn.execute(UPSERT_WORKER, worker_params(worker)),
+        )
+
+    async def _pulse(self, worker: WorkerRow) -> Pulse:
+        return await self._write(
+            f"worker {worker.worker_id!r}",
+            lambda conn: run_now(bodies.pulse(SQLiteTx(conn), worker, self._clock())),
         )
 
     async def _workers(self) -> list[WorkerRow]:
