@@ -320,17 +320,29 @@ def worker_params(worker: WorkerRow) -> tuple[object, ...]:
     """Values of the ``workers`` row of ``worker``."""
     w = worker
     queues = json.dumps(list(w.queues))
-    return (w.worker_id, queues, w.concurrency, w.started_at, w.seen_at, w.running, w.dead_after)
+    return (
+        w.worker_id, queues, w.concurrency, w.started_at, w.seen_at, w.running, w.dead_after,
+        host_of(w.worker_id),
+    )  # fmt: skip
 
 
 #: Stopped workers one heartbeat reports at most.
 EXPIRED_LIMIT = 8
 
 
-def host_range(worker_id: str) -> tuple[str, str]:
-    """The id range of the workers on ``worker_id``'s host (ids are ``host:pid:...``)."""
-    host = worker_id.split(":", 1)[0]
-    return f"{host}:", f"{host};"  # ";" follows ":" in every collation of ASCII
+#: The part of a silence, as a share of ``dead_after``, after which a worker on the
+#: same host is looked at (is its process gone?): two heartbeats at least.
+LATE_SHARE = 0.2
+
+
+def host_of(worker_id: str) -> str:
+    """The host part of a worker id (``host:pid:start:nonce``)."""
+    return worker_id.split(":", 1)[0]
+
+
+def late_since(worker: WorkerRow) -> float:
+    """Before when ``worker``'s neighbours on its host last reported, to be looked at."""
+    return worker.seen_at - LATE_SHARE * worker.dead_after
 
 
 def worker_from_row(row: Sequence[Any]) -> WorkerRow:

@@ -100,18 +100,20 @@ ADVANCE_SCHEDULE = (
 DELETE_SCHEDULE = "DELETE FROM schedules WHERE name = ?"
 
 UPSERT_WORKER = (
-    f"INSERT INTO workers ({WORKER_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?) "
+    f"INSERT INTO workers ({WORKER_COLUMNS}, host) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
     "ON CONFLICT (worker_id) DO UPDATE SET queues_json = excluded.queues_json, "
     "concurrency = excluded.concurrency, started_at = excluded.started_at, "
-    "seen_at = excluded.seen_at, running = excluded.running, dead_after = excluded.dead_after"
+    "seen_at = excluded.seen_at, running = excluded.running, dead_after = excluded.dead_after, "
+    "host = excluded.host"
 )
 #: Values: now, limit. Workers whose heartbeat stopped, oldest first (``workers_by_expiry``).
 EXPIRED_WORKERS = (
     "SELECT worker_id FROM workers WHERE seen_at + dead_after < ? "
     "ORDER BY seen_at + dead_after LIMIT ?"
 )
-#: Values: lowest, highest id. The workers of one host (ids ``host:...``), by the primary key.
-WORKERS_BETWEEN = "SELECT worker_id FROM workers WHERE worker_id >= ? AND worker_id < ?"
+#: Values: host, late. The workers of one host that have not reported since ``late``
+#: (``workers_by_host``): a worker whose process is gone stops reporting.
+LATE_ON_HOST = "SELECT worker_id FROM workers WHERE host = ? AND seen_at < ?"
 #: Values: now, now. One row per heartbeat: what is worth a look (see ``Pulse``); each
 #: probe is an indexed look at one row at most.
 PULSE_PROBES = (

@@ -25,7 +25,8 @@ from typing import Any, Protocol, TypeVar
 from ..._errors import RunNotFound
 from .._queue_rules import (
     EXPIRED_LIMIT,
-    host_range,
+    host_of,
+    late_since,
     queue_not_empty,
     schedule_from_row,
     schedule_params,
@@ -66,6 +67,7 @@ from ._queues import (
     CANCEL_QUEUED,
     DELETE_QUEUE,
     EXPIRED_WORKERS,
+    LATE_ON_HOST,
     LIVE_IN_QUEUE,
     PAUSE_QUEUE,
     PULSE_PROBES,
@@ -76,7 +78,6 @@ from ._queues import (
     UNPAUSE_QUEUE,
     UPSERT_SCHEDULE,
     UPSERT_WORKER,
-    WORKERS_BETWEEN,
 )
 from ._statements import (
     ANSWER_QUESTION,
@@ -271,8 +272,8 @@ async def pulse(tx: Tx, worker: WorkerRow, now: float) -> Pulse:
     if await tx.one(ANY_CANCEL_REQUEST, (worker.worker_id,)) is not None:
         kinds.add("cancel")
     expired = [str(r[0]) for r in await tx.all(EXPIRED_WORKERS, (now, EXPIRED_LIMIT))]
-    low, high = host_range(worker.worker_id)
-    here = [str(r[0]) for r in await tx.all(WORKERS_BETWEEN, (low, high))]
+    late = (host_of(worker.worker_id), late_since(worker))
+    here = [str(r[0]) for r in await tx.all(LATE_ON_HOST, late)]
     return Pulse(
         kinds=frozenset(kinds), gates=gates is not None, expired=tuple(expired),
         here=tuple(w for w in here if w != worker.worker_id),

@@ -31,7 +31,8 @@ from .._queue_rules import (
     dedup_holder,
     free_slots,
     holds_slot,
-    host_range,
+    host_of,
+    late_since,
     queue_not_empty,
     run_count_order,
     run_graph_key,
@@ -771,8 +772,12 @@ class MemoryStore(RunStore):
                 for w in self._worker_rows.values()
                 if w.seen_at + w.dead_after < now
             )
-            low, high = host_range(worker.worker_id)
-            here = sorted(w for w in self._worker_rows if low <= w < high and w != worker.worker_id)
+            host, late = host_of(worker.worker_id), late_since(worker)
+            here = sorted(
+                w.worker_id
+                for w in self._worker_rows.values()
+                if host_of(w.worker_id) == host and w.seen_at < late
+            )
         return Pulse(
             kinds=frozenset(kinds), gates=gates,
             expired=tuple(w for _, w in gone[:EXPIRED_LIMIT]), here=tuple(here),
