@@ -1065,6 +1065,13 @@ def _counters(dsn: str) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
+def _drop_schema(dsn: str, schema: str) -> None:
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
 def _ensure_database(dsn: str, dbname: str) -> str:
     import psycopg
 
@@ -1099,10 +1106,7 @@ async def _idle_fleet(dsn: str, workers: int, window: float, warmup: float) -> t
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await store.close()
-        import psycopg
-
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        _drop_schema(dsn, schema)
     return (c1 - c0 - 1) / elapsed, (r1 - r0) / elapsed
 
 
@@ -1162,14 +1166,11 @@ async def _fairness(dsn: str, slots: int) -> int:
         return started.index("r120") if "r120" in started else -1
     finally:
         await store.close()
-        import psycopg
-
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        _drop_schema(dsn, schema)
 
 
 def run_fairness(args: argparse.Namespace) -> None:
-    dsn = _ensure_database(args.dsn, IDLE_DB)
+    dsn = _ensure_database(args.dsn, args.database)
     print("partition fairness: busy runs started before a lone partition's one run (120 busy)")
     for slots in (1, 10):
         print(f"  {slots:>2} slot(s): {asyncio.run(_fairness(dsn, slots))}")
@@ -1206,14 +1207,11 @@ async def _claims(dsn: str, claimers: int, total: int) -> tuple[float, float]:
         return claimed / elapsed, (c1 - c0) / max(claimed, 1)
     finally:
         await store.close()
-        import psycopg
-
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        _drop_schema(dsn, schema)
 
 
 def run_claims(args: argparse.Namespace) -> None:
-    dsn = _ensure_database(args.dsn, IDLE_DB)
+    dsn = _ensure_database(args.dsn, args.database)
     print(f"claims/s of one queue on one Postgres ({args.claim_runs} runs, one run per claim):")
     print(f"{'claimers':>9} {'claims/s':>9} {'commits/claim':>14}")
     for n in (int(x) for x in args.claimers.split(",")):
@@ -1254,14 +1252,11 @@ async def _per_run(dsn: str, runs: int) -> tuple[float, float]:
         stop.set()
         await task
         await store.close()
-        import psycopg
-
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        _drop_schema(dsn, schema)
 
 
 def run_per_run(args: argparse.Namespace) -> None:
-    dsn = _ensure_database(args.dsn, IDLE_DB)
+    dsn = _ensure_database(args.dsn, args.database)
     commits, rows = asyncio.run(_per_run(dsn, args.chain_runs))
     print(f"a 5-node chain, submit -> wait, {args.chain_runs} runs on 1 worker (x8), "
           f"waits included: {commits:.1f} commits/run, {rows:.0f} rows read/run")  # fmt: skip
