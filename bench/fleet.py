@@ -4,6 +4,10 @@ Run as::
 
     python bench/fleet.py torture [--store sqlite|postgres|both] [--runs 400] [--kills 60]
     python bench/fleet.py bench [--store sqlite|postgres|both] [--workers 1,2,4,8] [--dbos]
+    python bench/fleet.py idle [--fleet 10,100,1000]     # idle commits/s and rows read/s
+    python bench/fleet.py fairness                       # a lone partition behind a busy one
+    python bench/fleet.py claims [--claimers 1,2,...,64] # claims/s as claimers grow
+    python bench/fleet.py per-run                        # commits per 5-node run
 
 (Postgres from ``--dsn`` or ``TAILRACE_TEST_POSTGRES_DSN``; each session gets a
 schema of its own.) ``tests/workers/test_fleet.py`` imports this file by path
@@ -1034,9 +1038,242 @@ def run_torture(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+# --- idle cost, fairness, claim scaling, statements per run (one Postgres) ---------------------
+
+IDLE_DB = "tailrace_h25_bench"
+
+
+def _db_dsn(dsn: str, dbname: str) -> str:
+    """``dsn`` pointing at database ``dbname`` (its counters are the measurement's alone)."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(dsn)
+    return urllib.parse.urlunsplit(parts._replace(path="/" + dbname))
+
+
+def _counters(dsn: str) -> tuple[int, int]:
+    """``(xact_commit, tup_returned + tup_fetched)`` of the DSN's database, fresh."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT xact_commit, tup_returned + tup_fetched FROM pg_stat_database "
+            "WHERE datname = current_database()"
+        ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+def _drop_schema(dsn: str, schema: str) -> None:
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def _ensure_database(dsn: str, dbname: str) -> str:
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        if (
+            conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (dbname,)).fetchone()
+            is None
+        ):
+            conn.execute(f'CREATE DATABASE "{dbname}"')
+    return _db_dsn(dsn, dbname)
+
+
+async def _idle_fleet(dsn: str, workers: int, window: float, warmup: float) -> tuple[float, float]:
+    """Commits/s and rows read/s of ``workers`` idle workers (real ``Worker`` objects as tasks)."""
+    from tailrace.stores import PostgresStore
+    from tailrace.workers import Worker
+
+    schema = f"idle_{uuid.uuid4().hex[:8]}"
+    store = PostgresStore(dsn, schema=schema, max_size=16)
+    await store.open()
+    stop = asyncio.Event()
+    fleet = [Worker(store, queues=["idle"], concurrency=1) for _ in range(workers)]
+    tasks = [asyncio.create_task(w.run(stop)) for w in fleet]
+    try:
+        await asyncio.sleep(warmup)
+        c0, r0 = await asyncio.to_thread(_counters, dsn)
+        t0 = time.monotonic()
+        await asyncio.sleep(window)
+        c1, r1 = await asyncio.to_thread(_counters, dsn)
+        elapsed = time.monotonic() - t0
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await store.close()
+        _drop_schema(dsn, schema)
+    return (c1 - c0 - 1) / elapsed, (r1 - r0) / elapsed
+
+
+def _background(dsn: str, window: float) -> tuple[float, float]:
+    """The database's own commits/s and rows/s with no worker (autovacuum, the measuring)."""
+    c0, r0 = _counters(dsn)
+    time.sleep(window)
+    c1, r1 = _counters(dsn)
+    return (c1 - c0) / window, (r1 - r0) / window
+
+
+def run_idle(args: argparse.Namespace) -> None:
+    dsn = _ensure_database(args.dsn, args.database)
+    base_c, base_r = _background(dsn, args.window)
+    print(
+        f"idle workers on one Postgres ({args.window:g} s windows after {args.warmup:g} s; "
+        f"the database's background, {base_c:.2f} commits/s and {base_r:.0f} rows/s, "
+        "subtracted):"
+    )
+    print(
+        f"{'workers':>8} {'commits/s':>10} {'per worker':>11} {'rows read/s':>12} {'per worker':>11}"
+    )
+    for n in (int(x) for x in args.fleet.split(",")):
+        commits, rows = asyncio.run(_idle_fleet(dsn, n, args.window, args.warmup))
+        commits, rows = max(commits - base_c, 0.0), max(rows - base_r, 0.0)
+        print(f"{n:>8} {commits:>10.1f} {commits / n:>11.3f} {rows:>12.0f} {rows / n:>11.1f}")
+
+
+async def _fairness(dsn: str, slots: int) -> int:
+    """How many busy runs started before the lone partition's run (120 busy, 1 lone)."""
+    from tailrace.stores import Harvest, NewRun, PostgresStore, Queue, RunStatus, Submission
+
+    schema = f"fair_{uuid.uuid4().hex[:8]}"
+    store = PostgresStore(dsn, schema=schema)
+    await store.open()
+    try:
+        try:
+            await store.declare_queue(Queue("q", concurrency=slots, partition_concurrency=slots))
+        except TypeError:  # a tailrace without partition limits: one slot per partition
+            await store.declare_queue(Queue("q", concurrency=slots))
+        for n in range(121):
+            run = NewRun(run_id=f"r{n:03}", graph_name="g", graph_ref=None, fingerprint="fp",
+                         input_json="null", created_at=float(n))  # fmt: skip
+            await store.submit_run(
+                run, Submission(queue="q", partition="lone" if n == 120 else "busy")
+            )
+        started: list[str] = []
+        while "r120" not in started:
+            claimed = await store.claim_runs("q", "w", 30.0, limit=slots)
+            if not claimed:
+                break
+            started.extend(claimed)
+            token = (await store.get_run(claimed[0])).lease_token
+            done = Harvest(state_json="{}", status=RunStatus.COMPLETED, finished_at=time.time())
+            await store.commit(claimed[0], token, done)
+            await store.release_lease(claimed[0], "w", token)
+        return started.index("r120") if "r120" in started else -1
+    finally:
+        await store.close()
+        _drop_schema(dsn, schema)
+
+
+def run_fairness(args: argparse.Namespace) -> None:
+    dsn = _ensure_database(args.dsn, args.database)
+    print("partition fairness: busy runs started before a lone partition's one run (120 busy)")
+    for slots in (1, 10):
+        print(f"  {slots:>2} slot(s): {asyncio.run(_fairness(dsn, slots))}")
+
+
+async def _claims(dsn: str, claimers: int, total: int) -> tuple[float, float]:
+    """Claims/s of ``claimers`` concurrent claimers draining ``total`` queued runs, and
+    commits per claim."""
+    from tailrace.stores import NewRun, PostgresStore, Submission
+
+    schema = f"claim_{uuid.uuid4().hex[:8]}"
+    store = PostgresStore(dsn, schema=schema, max_size=max(claimers, 2))
+    await store.open()
+    try:
+        for n in range(total):
+            run = NewRun(run_id=f"r{n:05}", graph_name="g", graph_ref=None, fingerprint="fp",
+                         input_json="null", created_at=float(n))  # fmt: skip
+            await store.submit_run(run, Submission(queue="q"))
+        claimed = 0
+
+        async def claimer(k: int) -> None:
+            nonlocal claimed
+            while True:
+                got = await store.claim_runs("q", f"w{k}", 30.0, limit=1)
+                if not got:
+                    return
+                claimed += len(got)
+
+        c0, _ = await asyncio.to_thread(_counters, dsn)
+        t0 = time.monotonic()
+        await asyncio.gather(*(claimer(k) for k in range(claimers)))
+        elapsed = time.monotonic() - t0
+        c1, _ = await asyncio.to_thread(_counters, dsn)
+        return claimed / elapsed, (c1 - c0) / max(claimed, 1)
+    finally:
+        await store.close()
+        _drop_schema(dsn, schema)
+
+
+def run_claims(args: argparse.Namespace) -> None:
+    dsn = _ensure_database(args.dsn, args.database)
+    print(f"claims/s of one queue on one Postgres ({args.claim_runs} runs, one run per claim):")
+    print(f"{'claimers':>9} {'claims/s':>9} {'commits/claim':>14}")
+    for n in (int(x) for x in args.claimers.split(",")):
+        rate, per = asyncio.run(_claims(dsn, n, args.claim_runs))
+        print(f"{n:>9} {rate:>9.0f} {per:>14.2f}")
+
+
+async def _per_run(dsn: str, runs: int) -> tuple[float, float]:
+    """Commits and rows read per run of a 5-node chain, submit to completion, 1 worker."""
+    import tailrace as tr
+    from tailrace.stores import PostgresStore
+    from tailrace.workers import Worker
+
+    graph = tr.Graph("five")
+    for name in ("a", "b", "c", "d", "e"):
+
+        async def step(x: int) -> int:
+            return x + 1
+
+        graph.add_node(name, step)
+    graph.chain("a", "b", "c", "d", "e")
+    schema = f"run5_{uuid.uuid4().hex[:8]}"
+    store = PostgresStore(dsn, schema=schema)
+    await store.open()
+    engine = tr.Engine(store=store)
+    stop = asyncio.Event()
+    worker = Worker(store, queues=["q"], graphs=[graph], concurrency=8)
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await asyncio.sleep(1.0)
+        c0, r0 = await asyncio.to_thread(_counters, dsn)
+        ids = [await engine.submit(graph, 0, queue="q") for _ in range(runs)]
+        for run_id in ids:
+            await engine.wait(run_id, timeout=120)
+        c1, r1 = await asyncio.to_thread(_counters, dsn)
+        return (c1 - c0) / runs, (r1 - r0) / runs
+    finally:
+        stop.set()
+        await task
+        await store.close()
+        _drop_schema(dsn, schema)
+
+
+def run_per_run(args: argparse.Namespace) -> None:
+    dsn = _ensure_database(args.dsn, args.database)
+    commits, rows = asyncio.run(_per_run(dsn, args.chain_runs))
+    print(f"a 5-node chain, submit -> wait, {args.chain_runs} runs on 1 worker (x8), "
+          f"waits included: {commits:.1f} commits/run, {rows:.0f} rows read/run")  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["torture", "bench"])
+    parser.add_argument(
+        "what", choices=["torture", "bench", "idle", "fairness", "claims", "per-run"]
+    )
+    parser.add_argument("--fleet", default="10,100,1000", help="idle: worker counts")
+    parser.add_argument("--window", type=float, default=30.0, help="idle: seconds measured")
+    parser.add_argument("--warmup", type=float, default=20.0, help="idle: seconds before")
+    parser.add_argument("--database", default=IDLE_DB, help="idle: a database of its own")
+    parser.add_argument("--claimers", default="1,2,4,8,16,32,64")
+    parser.add_argument("--claim-runs", type=int, default=2000)
+    parser.add_argument("--chain-runs", type=int, default=200)
     parser.add_argument("--store", default="both", choices=["sqlite", "postgres", "both"])
     parser.add_argument("--dsn", default=os.environ.get("TAILRACE_TEST_POSTGRES_DSN"))
     parser.add_argument("--seed", type=int, default=20261201)
@@ -1051,7 +1288,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.what == "torture":
         return run_torture(args)
-    run_bench(args)
+    measures = {"idle": run_idle, "fairness": run_fairness, "claims": run_claims}
+    measures["per-run"] = run_per_run
+    measures.get(args.what, run_bench)(args)
     return 0
 
 

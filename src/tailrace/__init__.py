@@ -22,6 +22,7 @@ from ._errors import MapError as MapError
 from ._errors import NotResumable as NotResumable
 from ._errors import QuestionError as QuestionError
 from ._errors import QuestionNotFound as QuestionNotFound
+from ._errors import QueueNotEmpty as QueueNotEmpty
 from ._errors import RouteError as RouteError
 from ._errors import RunError as RunError
 from ._errors import RunExists as RunExists
@@ -56,6 +57,7 @@ from .graph import RetryPolicy as RetryPolicy
 from .stores import QuestionRow as QuestionRow
 from .stores import QuestionStatus as QuestionStatus
 from .stores import Queue as Queue
+from .workers import Schedule as Schedule
 from .workers import Worker as Worker
 from .workers import WorkerStats as WorkerStats
 
@@ -100,6 +102,7 @@ __all__ = [
     "QuestionRow",
     "QuestionStatus",
     "Queue",
+    "QueueNotEmpty",
     "RetryPolicy",
     "RouteError",
     "RunError",
@@ -108,6 +111,7 @@ __all__ = [
     "RunMove",
     "RunNotFound",
     "RunResult",
+    "Schedule",
     "StaleVersion",
     "StallError",
     "StoreError",

@@ -19,6 +19,7 @@ callers are expected to handle get their own class::
     │   ├── GraphMismatch                the graph changed shape since the run began
     │   ├── NotResumable                 the run is finished, or cannot be resumed
     │   └── ExecutorLost                 the worker running an attempt died (retryable)
+    ├── QueueNotEmpty (ValueError)       a queue deleted while it holds live runs
     ├── StoreError                       the database failed (driver error chained)
     │   ├── UnsupportedFormat            a stored format version we cannot read (D4)
     │   ├── CorruptRecord                a stored row that does not decode
@@ -150,6 +151,18 @@ class ExecutorLost(RunError):
     is chained as ``__cause__``. It fails that try like a handler error, so
     the node's ``RetryPolicy`` applies (give such nodes one) and the run goes on.
     """
+
+
+class QueueNotEmpty(TailraceError, ValueError):
+    """``delete_queue`` found live runs (queued, running or suspended) in the queue; nothing changed.
+
+    ``message`` says so; ``queue`` names the queue and ``live`` counts its live runs.
+    """
+
+    def __init__(self, message: str, *, queue: str, live: int) -> None:
+        super().__init__(message)
+        self.queue = queue
+        self.live = live
 
 
 class StoreError(TailraceError):

@@ -13,16 +13,27 @@ granted before ``CancelledError`` reaches the caller.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import random
 import sqlite3
 import threading
+from collections import Counter
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import pytest
 
-from tailrace.stores import Harvest, NewRun, ResultRow, SQLiteStore
+from tailrace.stores import (
+    Harvest,
+    NewRun,
+    Queue,
+    ResultRow,
+    RunStatus,
+    ScheduleRow,
+    SQLiteStore,
+    Submission,
+)
 
 if TYPE_CHECKING:
     from tests.fixtures import Backend
@@ -103,6 +114,72 @@ async def test_cancelled_commits_are_all_or_nothing(backend: Backend) -> None:
     assert record.nodes_done == len(results)  # each harvest landed whole or not at all
     assert finished <= record.nodes_done <= ROUNDS
     assert record.state_json == '{"after":true}'
+
+
+async def test_cancelled_claims_keep_partition_limits_and_lose_no_run(backend: Backend) -> None:
+    """Claims cancelled at random moments on a partitioned queue (W2): a partition never
+    has more live runs than its limit, and a run whose claim was cancelled is either
+    still queued or free to adopt at once (no lease held by the claimer that gave up)."""
+    store, rng = backend.store, random.Random(11)
+    await store.declare_queue(Queue("q", partition_concurrency=2))
+    for n in range(ROUNDS):
+        await store.submit_run(new_run(f"r{n:02}"), Submission(queue="q", partition=f"p{n % 4}"))
+    handed: list[str] = []
+    for _ in range(ROUNDS):
+        got = await cancel_at_random(rng, store.claim_runs("q", "w", TTL, limit=3))
+        for run_id in got or []:
+            handed.append(run_id)
+            token = (await store.get_run(run_id)).lease_token
+            done = Harvest(state_json="{}", status=RunStatus.COMPLETED, finished_at=2.0)
+            await store.commit(run_id, token, done)
+            await store.release_lease(run_id, "w", token)
+        runs = await store.list_runs(queue="q", limit=100)
+        live = Counter(r.partition_key for r in runs if r.status is RunStatus.RUNNING)
+        assert max(live.values(), default=0) <= 2
+    assert len(handed) == len(set(handed))  # no run handed out twice
+    runs = await store.list_runs(queue="q", limit=100)
+    stranded = {r.run_id for r in runs if r.status is RunStatus.RUNNING}
+    assert all(r.lease_owner is None for r in runs if r.run_id in stranded)
+    assert stranded <= set(await store.expired_leases(backend.clock(), limit=100))
+
+
+async def test_cancelled_pauses_and_resumes_leave_a_usable_queue(backend: Backend) -> None:
+    store, rng = backend.store, random.Random(5)
+    for n in range(ROUNDS):
+        call = store.pause_queue("q") if n % 2 == 0 else store.resume_queue("q")
+        await cancel_at_random(rng, call)
+    await store.pause_queue("q")
+    stats = {s.name: s for s in await store.queue_stats(backend.clock())}
+    assert stats["q"].paused
+    assert await store.resume_queue("q") is True
+    assert await store.delete_queue("q") is True
+    assert await store.queues() == []
+
+
+async def test_a_cancelled_tick_is_submitted_whole_or_not_at_all(backend: Backend) -> None:
+    """``fire_schedule`` cancelled at random moments (W4): the schedule's last tick moved
+    exactly when its run was stored, and the schedule goes on."""
+    store, rng = backend.store, random.Random(3)
+    row = ScheduleRow(
+        name="s", cron="* * * * *", graph_name="g", graph_ref=None, fingerprint="fp",
+        input_json="null", queue="q", declared_at=0.0,
+    )  # fmt: skip
+    await store.declare_schedule(row)
+    cancelled = 0
+    for n in range(1, ROUNDS + 1):
+        tick = 60.0 * n
+        if await cancel_at_random(rng, store.fire_schedule("s", tick)) is None:
+            cancelled += 1
+            await store.pause_queue("barrier")  # a write after it: what landed is in
+            (now,) = await store.schedules()
+            stored = {r.run_id for r in await store.list_runs(queue="q", limit=100)}
+            assert (now.last_tick == tick) == any(r.endswith(_stamp(tick)) for r in stored)
+    assert cancelled > 0
+    assert await store.fire_schedule("s", 60.0 * (ROUNDS + 1)) is not None  # still usable
+
+
+def _stamp(tick: float) -> str:
+    return datetime.datetime.fromtimestamp(tick, datetime.UTC).strftime("%H:%MZ")
 
 
 # --- SQLite: the writer thread's protocol, step by step ---------------------------------------

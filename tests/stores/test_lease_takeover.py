@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tailrace._errors import LeaseHeld, LeaseLost, RunNotFound
-from tailrace.stores import Harvest, NewRun, RunStore
+from tailrace.stores import Harvest, NewRun, RunStatus, RunStore
 
 if TYPE_CHECKING:
     from tests.fixtures import Backend
@@ -107,6 +107,26 @@ async def test_lease_held_says_who_until_when_and_what_to_do(backend: Backend) -
     message = str(exc)
     assert "'r1'" in message and "host:123:456:abcd" in message
     assert "another 26.0 s" in message and "Wait" in message and "taken over at once" in message
+
+
+async def test_a_takeover_from_a_holder_counts_as_a_recovery(backend: Backend) -> None:
+    """W3: the store counts each time a running run is taken over from an owner that held it."""
+    store = backend.store
+    token = await run_leased_by(store, "A")
+    assert (await store.get_run("r1")).recoveries == 0  # the first grant is no recovery
+    assert await store.acquire_lease("r1", "A", TTL) == token  # a renewal neither
+    backend.clock.advance(TTL + 1)
+    token = await store.acquire_lease("r1", "B", TTL)  # A's lease expired: B recovers it
+    assert (await store.get_run("r1")).recoveries == 1
+    token = await store.acquire_lease("r1", "C", TTL, steal_from="B")  # B proved dead
+    assert (await store.get_run("r1")).recoveries == 2
+    await store.release_lease("r1", "C", token)  # a drain lets go: the next grant is no recovery
+    token = await store.acquire_lease("r1", "D", TTL)
+    assert (await store.get_run("r1")).recoveries == 2
+    await store.commit("r1", token, Harvest(state_json="{}", status=RunStatus.SUSPENDED))
+    backend.clock.advance(TTL + 1)
+    await store.acquire_lease("r1", "E", TTL)  # resuming a suspended run is no recovery
+    assert (await store.get_run("r1")).recoveries == 2
 
 
 async def test_stealing_an_unknown_run_raises_run_not_found(store: RunStore) -> None:

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tailrace._errors import RunExists, RunNotFound
+from tailrace._errors import QueueNotEmpty, RunExists, RunNotFound
 from tailrace.stores import (
     ChangeFeed,
+    GraphRow,
     Harvest,
     NewRun,
+    Pulse,
     QuestionRow,
     QuestionStatus,
     Queue,
@@ -200,6 +202,111 @@ async def test_a_suspended_run_blocks_its_partition(store: RunStore) -> None:
     assert await store.claim_runs("q", "w", TTL, limit=9) == []
 
 
+async def test_a_lone_partition_waits_behind_at_most_one_run_of_a_busy_one(
+    backend: Backend,
+) -> None:
+    """A port of DBOS Transact's partition fairness test (W2).
+
+    DBOS enqueues a long backlog on one partition, then one run on another,
+    and requires the lone run to start before half the backlog is done. Here
+    the bar is the clause's: it waits behind at most one run of each other
+    partition, whether the queue serves one run at a time or ten.
+    """
+    store = backend.store
+    for slots in (1, 10):
+        queue = f"fair{slots}"
+        await store.declare_queue(Queue(queue, concurrency=slots, partition_concurrency=slots))
+        busy = [f"{queue}-busy{n:03}" for n in range(120)]
+        for n, run_id in enumerate(busy):
+            await submit(store, run_id, queue, at=float(n), partition="busy")
+        await submit(store, f"{queue}-lone", queue, at=200.0, partition="lone")
+        started: list[str] = []
+        while f"{queue}-lone" not in started:
+            claimed = await store.claim_runs(queue, "w", TTL, limit=slots)
+            assert claimed, "the queue stalled"
+            started.extend(claimed)
+            backend.clock.advance(1.0)
+            await finish(store, claimed[0], "w")  # one run ends per step
+        ahead = started.index(f"{queue}-lone")
+        # With ten slots the first claim starts ten at once: one busy run goes
+        # first (it was submitted first), the lone run takes the second slot.
+        assert ahead <= 1, f"{slots} slot(s): the lone run waited behind {ahead} busy runs"
+
+
+async def test_partitions_take_turns_among_three(store: RunStore) -> None:
+    await store.declare_queue(Queue("q", concurrency=1, partition_concurrency=5))
+    for n in range(4):
+        await submit(store, f"a{n}", at=float(n), partition="A")
+        await submit(store, f"b{n}", at=float(n) + 0.5, partition="B")
+    await submit(store, "c0", at=10.0, partition="C")
+    order = []
+    for _ in range(9):
+        (run_id,) = await store.claim_runs("q", "w", TTL, limit=1)
+        order.append(run_id)
+        await finish(store, run_id, "w")
+    assert order.index("c0") <= 2  # behind at most one of A and one of B
+    assert [r for r in order if r[0] == "a"] == ["a0", "a1", "a2", "a3"]  # submit order per key
+    assert [r for r in order if r[0] == "b"] == ["b0", "b1", "b2", "b3"]
+
+
+async def test_partition_concurrency_and_rate_limit(backend: Backend) -> None:
+    store = backend.store
+    await store.declare_queue(Queue("q", partition_concurrency=2, partition_limit=3, period=10.0))
+    for n in range(5):
+        await submit(store, f"a{n}", at=float(n), partition="A")
+    await submit(store, "b0", at=9.0, partition="B")
+    assert await store.claim_runs("q", "w", TTL, limit=9) == ["a0", "b0", "a1"]
+    assert await store.claim_runs("q", "w", TTL, limit=9) == []  # two of A run
+    await finish(store, "a0", "w")
+    assert await store.claim_runs("q", "w", TTL, limit=9) == ["a2"]
+    await finish(store, "a1", "w")
+    await finish(store, "a2", "w")
+    assert await store.claim_runs("q", "w", TTL, limit=9) == []  # A started 3 within 10 s
+    backend.clock.advance(10.5)
+    assert await store.claim_runs("q", "w", TTL, limit=9) == ["a3", "a4"]
+
+
+async def test_a_paused_queue_hands_out_nothing_until_resumed(backend: Backend) -> None:
+    store = backend.store
+    await store.declare_queue(Queue("q", concurrency=5))
+    await store.pause_queue("q")
+    await store.pause_queue("q")  # idempotent
+    await submit_many(store, ["r1", "r2"])  # submits are still stored
+    await store.declare_queue(Queue("q", concurrency=3))  # a declaration keeps the pause
+    assert await store.claim_runs("q", "w", TTL, limit=5) == []
+    stats = {s.name: s for s in await store.queue_stats(backend.clock.now)}
+    assert (stats["q"].paused, stats["q"].queued, stats["q"].queue) == (
+        True, 2, Queue("q", concurrency=3),
+    )  # fmt: skip
+    assert await store.resume_queue("q") is True
+    assert await store.resume_queue("q") is False
+    assert await store.claim_runs("q", "w", TTL, limit=5) == ["r1", "r2"]
+    assert not {s.name: s for s in await store.queue_stats(backend.clock.now)}["q"].paused
+    await store.pause_queue("never-declared")  # declared with the defaults, paused
+    assert Queue("never-declared") in await store.queues()
+
+
+async def test_a_queue_is_deleted_only_when_empty(store: RunStore) -> None:
+    await store.declare_queue(Queue("q", concurrency=2))
+    await store.pause_queue("q")
+    await submit_many(store, ["r1"])
+    with pytest.raises(QueueNotEmpty, match="'q' still holds 1 live run") as refused:
+        await store.delete_queue("q")
+    assert (refused.value.queue, refused.value.live) == ("q", 1)
+    assert await store.queues() == [Queue("q", concurrency=2)]  # nothing changed
+    await store.resume_queue("q")
+    assert await store.claim_runs("q", "w", TTL, limit=1) == ["r1"]
+    with pytest.raises(QueueNotEmpty):
+        await store.delete_queue("q")  # running is live
+    await finish(store, "r1", "w")
+    assert await store.delete_queue("q") is True
+    assert await store.delete_queue("q") is False
+    assert await store.queues() == []
+    assert (await store.get_run("r1")).queue_name == "q"  # finished runs keep their queue
+    with pytest.raises(ValueError, match="queue"):
+        await store.delete_queue("bad\x00name")
+
+
 async def test_claims_refuse_bad_names_before_touching_the_store(store: RunStore) -> None:
     with pytest.raises(ValueError, match="queue"):
         await store.claim_runs("q\x00", "w", TTL, limit=1)
@@ -325,6 +432,51 @@ async def test_declared_queues_workers_and_stats(backend: Backend) -> None:
     assert stats["other"].queue is None
     await store.forget_worker("w0")
     assert await store.workers() == [seen]
+
+
+async def test_registered_graphs_are_listed_by_name_newest_first(store: RunStore) -> None:
+    for fingerprint, ref, at in (("fp1", "m:g", 1.0), ("fp2", "m:g", 5.0), ("fp1", "n:g", 9.0)):
+        await store.register_graph(
+            GraphRow(name="g", fingerprint=fingerprint, graph_ref=ref, registered_at=at)
+        )
+    await store.register_graph(GraphRow(name="h", fingerprint="x", graph_ref=None, registered_at=2))
+    assert await store.graphs_named("g") == [
+        GraphRow(name="g", fingerprint="fp1", graph_ref="n:g", registered_at=9.0),
+        GraphRow(name="g", fingerprint="fp2", graph_ref="m:g", registered_at=5.0),
+    ]  # fmt: skip
+    assert await store.graphs_named("nobody") == []
+    with pytest.raises(ValueError, match="graph_name"):
+        await store.graphs_named("a\x00b")
+
+
+async def test_a_pulse_reports_the_worker_and_what_is_worth_a_look(backend: Backend) -> None:
+    """The idle heartbeat: one call, the report written, each thing probed (W3)."""
+    store, now = backend.store, backend.clock.now
+
+    def worker(worker_id: str, seen: float, queues: tuple[str, ...] = ("q",)) -> WorkerRow:
+        return WorkerRow(worker_id=worker_id, queues=queues, concurrency=4, started_at=seen,
+                         seen_at=seen, dead_after=30.0)  # fmt: skip
+
+    me = worker("box:1:0:a", now)
+    assert await store.pulse(me) == Pulse()  # nothing to do, nobody else
+    assert await store.workers() == [me]
+    await store.worker_seen(worker("box:2:0:b", now - 10))  # same host, alive
+    await store.worker_seen(worker("far:3:0:c", now - 31))  # another host, silent too long
+    await store.worker_seen(worker("far:4:0:d", now - 40))
+    await submit(store, "r1", "q", at=1.0)
+    await submit(store, "r2", "q", at=2.0)
+    assert await store.claim_runs("q", "box:1:0:a", TTL, limit=1) == ["r1"]
+    await store.request_cancel("r1")
+    pulse = await store.pulse(me)
+    assert pulse.kinds == {"submit", "cancel"}
+    assert (pulse.expired, pulse.here, pulse.gates) == (
+        ("far:4:0:d", "far:3:0:c"),
+        ("box:2:0:b",),
+        False,
+    )
+    assert (await store.pulse(worker("box:1:0:a", now, queues=("other",)))).kinds == {"cancel"}
+    backend.clock.advance(TTL + 1)  # r1's lease expires: an orphan
+    assert "release" in (await store.pulse(worker("box:1:0:a", backend.clock.now))).kinds
 
 
 async def test_run_durations_feed_the_estimator(backend: Backend) -> None:

@@ -322,3 +322,31 @@ def test_evolution_lists_named_artifacts_and_draws_held_out_reward(sqlite_db: Fa
     assert "&lt;b&gt;tighter&lt;/b&gt;" in page and "set system" in page
     assert lookup.status_code == 303 and lookup.headers["location"] == "/evolution/prompt"
     assert "holds no version of this artifact" in empty
+
+
+def test_a_run_page_shows_who_drove_each_stretch_as_text(sqlite_db: Factory) -> None:
+    """W6 on the dashboard: each stretch's owner, how it began, and the takeovers (W3);
+    an owner name from the store is text, never markup."""
+    from tailrace.stores import EventRow, Harvest
+
+    async def make() -> None:
+        async with sqlite_db(False) as store:
+            await store.create_run(
+                NewRun(run_id="driven", graph_name="g", graph_ref=None, fingerprint="fp",
+                       input_json="null", created_at=1.0)
+            )  # fmt: skip
+            token = await store.acquire_lease("driven", "<b>first</b>", 30.0)
+            opened = [
+                EventRow(seq=1, type="run_started", node_id=None, visit=None, attempt=None,
+                         ts=2.0, data_json='{"owner": "<b>first</b>"}'),
+                EventRow(seq=2, type="run_resumed", node_id=None, visit=None, attempt=None,
+                         ts=5.0, data_json='{"owner": "host:7:1:ab"}'),
+            ]  # fmt: skip
+            await store.commit("driven", token, Harvest(state_json="{}", events=opened))
+
+    asyncio.run(make())
+    with dashboard(sqlite_db) as client:
+        page = client.get(run_url("driven")).text
+    assert "Driven by <span" in page and "2 stretches" in page
+    assert "&lt;b&gt;first&lt;/b&gt;" in page and "<b>first</b>" not in page
+    assert '<td class="mono">host:7:1:ab</td><td>resumed</td>' in page

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from typing import Any
 
 import tailrace as tr
@@ -157,3 +158,14 @@ for _name in RACE_STEPS:
 
     race.add_node(_name, _race_step)
 race.chain(*RACE_STEPS)
+# -- a run that kills every worker that drives it (processes: dead letters) ------------------------
+
+poison = tr.Graph("fleet_poison")
+
+
+@poison.task()
+async def kill_worker(x: int) -> int:
+    """Kills the process driving it, each time it runs."""
+    _log()
+    os.kill(os.getpid(), signal.SIGKILL)
+    return x

@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from tailrace.cli._app import app
-from tailrace.stores import Queue, SQLiteStore
+from tailrace.stores import Queue, ScheduleRow, SQLiteStore
 from tests import fixtures
 
 GRAPHS = Path(__file__).with_name("fleet_graphs.py")
@@ -205,3 +205,75 @@ def test_langgraph_graphs_given_names_are_served(
 def test_serve_is_the_worker(db: Path, worker_process: list[subprocess.Popen[str]]) -> None:
     help_text = invoke("serve", "--help").stdout
     assert "--queue" in help_text and "--langgraph" in help_text and "--concurrency" in help_text
+
+
+def test_queues_pause_resume_and_delete(db: Path) -> None:
+    submitted = invoke("submit", f"{GRAPHS}:chain", "-i", "1", "-q", "q", "--db", db)
+    assert submitted.exit_code == 0, submitted.output
+    run_id = submitted.stdout.strip().splitlines()[-1]
+    paused = invoke("queues", "pause", "q", "--db", db)
+    assert paused.exit_code == 0 and "queue q paused" in paused.stdout, paused.output
+    assert "paused;none" in flat(invoke("queues", "--db", db).stdout)
+    refused = invoke("queues", "delete", "q", "--db", db)
+    assert refused.exit_code != 0
+    assert "'q' still holds 1 live run" in refused.output
+    assert "queue q resumed" in invoke("queues", "resume", "q", "--db", db).stdout
+    assert "was not paused" in invoke("queues", "resume", "q", "--db", db).stdout
+    assert invoke("cancel", run_id, "--db", db).exit_code == 0
+    assert "queue q deleted" in invoke("queues", "delete", "q", "--db", db).stdout
+    assert "nothing to delete" in invoke("queues", "delete", "q", "--db", db).stdout
+
+
+def test_a_schedule_named_on_the_command_line_is_declared(
+    db: Path, tmp_path: Path, worker_process: list[subprocess.Popen[str]]
+) -> None:
+    spec = tmp_path / "schedules.py"
+    spec.write_text(
+        "import tailrace as tr\n"
+        "report = tr.Graph('report')\n"
+        "@report.task()\n"
+        "async def count(x: int) -> int:\n"
+        "    return x\n"
+        "nightly = tr.Schedule(report, '0 3 * * *', 7, name='nightly', queue='q')\n"
+    )
+    proc = start_worker(worker_process, db, "--schedule", f"{spec}:nightly")
+    assert proc.poll() is None
+
+    async def declared() -> list[ScheduleRow]:
+        async with SQLiteStore(db) as store:
+            rows: list[ScheduleRow] = await fixtures.until(store.schedules, "the schedule")
+            return rows
+
+    (row,) = asyncio.run(declared())
+    assert (row.name, row.cron, row.queue, row.input_json) == ("nightly", "0 3 * * *", "q", "7")
+    bad = invoke("worker", "--db", db, "--schedule", f"{GRAPHS}:chain")
+    assert bad.exit_code == 2 and "is a Graph, not a tailrace.Schedule" in bad.output
+
+
+def test_resume_continues_a_cancelled_run_only_with_cancelled(db: Path) -> None:
+    submitted = invoke("submit", f"{GRAPHS}:chain", "-i", "1", "-q", "q", "--db", db)
+    run_id = submitted.stdout.strip().splitlines()[-1]
+    assert invoke("cancel", run_id, "--db", db).exit_code == 0
+    plain = invoke("resume", run_id, "--db", db, "--graphs", GRAPHS)
+    assert plain.exit_code != 0 and "is cancelled; nothing to resume" in plain.output
+    asked = invoke("resume", run_id, "--db", db, "--graphs", GRAPHS, "--cancelled")
+    assert asked.exit_code != 0 and "cancelled before it started" in asked.output
+
+
+def test_submit_by_a_registered_graph_name(
+    db: Path, worker_process: list[subprocess.Popen[str]]
+) -> None:
+    unknown = invoke("submit", "fleet_chain", "--db", db)
+    assert unknown.exit_code != 0 and "no worker registered a graph named" in unknown.output
+    start_worker(worker_process, db, "--queue", "q", "--graphs", GRAPHS)
+
+    async def registered() -> object:
+        async with SQLiteStore(db) as store:
+            return await fixtures.until(lambda: store.graphs_named("fleet_chain"), "registered")
+
+    asyncio.run(registered())
+    result = invoke("submit", "fleet_chain", "-i", "20", "-q", "q", "--db", db, "--wait")
+    assert result.exit_code == 0, result.output
+    assert "completed" in result.stdout
+    # The output, or, with no graph that says which node it is, every node's result.
+    assert result.stdout.strip().endswith("42") or '"doubled": 42' in result.stdout

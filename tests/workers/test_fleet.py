@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tailrace import Engine
+from tailrace.core import stretches_of
 from tailrace.stores import QuestionStatus, RunStatus, open_store
 from tests import fixtures
 
@@ -117,6 +118,15 @@ class Fleet:
                 proc.wait()
 
 
+async def show(workers: Fleet, run_id: str) -> subprocess.CompletedProcess[str]:
+    """``tailrace show RUN_ID`` on the fleet's store, in a process of its own."""
+    return await asyncio.to_thread(
+        subprocess.run,
+        [*fleet.tailrace_command(), "show", run_id, "--db", workers.url],
+        capture_output=True, text=True, env={**os.environ, "COLUMNS": "300"}, check=True,
+    )  # fmt: skip
+
+
 @pytest.fixture(params=fixtures.SHARED_STORES)
 def fleet_of(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Fleet]:
     schema = fixtures.new_schema("fleet") if request.param == "postgres" else None
@@ -194,8 +204,16 @@ async def test_a_dead_workers_run_is_adopted_at_once_not_after_its_lease(
         fleet_of.start("--lease-ttl", 3600, env={"TAILRACE_TEST_CRAWL": "0"})
         # The lease would last an hour: only the dead-owner path can finish it in time.
         result = await submitter.wait(run_id, timeout=fixtures.HANG_GUARD)
+        drivers = stretches_of(await submitter.store.events(run_id))
     assert (result.status, result.output) == ("completed", 2)
     assert fleet_of.starts()[(run_id, "warm", 1)] == 1  # committed before the kill: not re-run
+    # W6: the dead worker's stretch, then its adopter's, each named by its owner (pid inside).
+    assert [d.how for d in drivers] == ["started", "resumed"]
+    assert drivers[0].owner is not None and f":{doomed.pid}:" in drivers[0].owner
+    assert drivers[1].owner is not None and f":{fleet_of.workers[1].pid}:" in drivers[1].owner
+    shown = await show(fleet_of, run_id)
+    assert "driven by (2 stretches, taken over 1 time)" in shown.stdout
+    assert drivers[0].owner in shown.stdout and drivers[1].owner in shown.stdout
 
 
 async def test_sigterm_drains_releases_the_lease_and_another_worker_finishes(
@@ -214,3 +232,34 @@ async def test_sigterm_drains_releases_the_lease_and_another_worker_finishes(
         fleet_of.start(env={"TAILRACE_TEST_CRAWL": "0"})
         result = await submitter.wait(run_id, timeout=fixtures.HANG_GUARD)
     assert (result.status, result.output) == ("completed", 6)
+
+
+async def test_a_run_that_kills_its_workers_becomes_a_dead_letter(fleet_of: Fleet) -> None:
+    """W3: a run taken over more than ``max_recoveries`` times is failed with the reason."""
+    async with engine(fleet_of) as submitter:
+        run_id = await submitter.submit(graphs.poison, 1)
+        # --max-recoveries 2: the first claim and two adoptions each kill their worker.
+        for n in range(3):
+            proc = fleet_of.start("--lease-ttl", 2, "--max-recoveries", 2)
+            code = await asyncio.to_thread(proc.wait, fixtures.HANG_GUARD)
+            assert code == -signal.SIGKILL, fleet_of.log(n)
+        last = fleet_of.start("--lease-ttl", 2, "--max-recoveries", 2)
+        assert submitter.store is not None
+        store = submitter.store
+
+        async def failed() -> bool:
+            return (await store.get_run(run_id)).status is RunStatus.FAILED
+
+        await until(failed, "the poison run to be failed")
+        record = await store.get_run(run_id)
+        other = await submitter.submit(graphs.chain, 3)  # the fleet goes on
+        result = await submitter.wait(other, timeout=fixtures.HANG_GUARD)
+        assert last.poll() is None, fleet_of.log(3)
+        events = [e.type for e in await store.events(run_id)]
+    assert record.error is not None
+    assert "dead letter: taken over 2 times (max_recoveries 2)" in record.error
+    assert result.status == "completed"
+    assert fleet_of.starts()[(run_id, "kill_worker", 1)] == 3  # never a fourth time
+    assert events[-1] == "run_failed"  # (run_started never became durable before a kill)
+    shown = await show(fleet_of, run_id)
+    assert "dead letter" in shown.stdout

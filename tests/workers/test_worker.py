@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -17,10 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from tailrace import Engine
+from tailrace import Engine, Schedule
+from tailrace._codec import DEFAULT_CODEC
+from tailrace._errors import GraphError, NotResumable
+from tailrace.core import stretches_of
 from tailrace.core._queued import estimates_of
 from tailrace.stores import NewRun, QuestionStatus, Queue, RunStatus
 from tailrace.workers import DuplicateRun, RunFailed, Worker
+from tailrace.workers._schedules import ScheduleTicker
 from tests import fixtures
 
 graphs = fixtures.load_module("fleet_graphs", Path(__file__).with_name("fleet_graphs.py"))
@@ -222,6 +227,173 @@ async def test_queue_limits_hold_across_workers_and_within_one(db: fixtures.Data
     assert a.stats.claimed + b.stats.claimed == 7
 
 
+async def test_partition_concurrency_holds_across_workers(db: fixtures.Database) -> None:
+    engine = await engine_on(db)
+    await engine.store.declare_queue(Queue("q", partition_concurrency=2))
+    ids = [await engine.submit(graphs.held, n, queue="q", partition="A") for n in range(5)]
+    lone = await engine.submit(graphs.chain, 1, queue="q", partition="B")
+    a = await worker_on(db, queues=["q"], concurrency=4, poll_interval=0.05)
+    b = await worker_on(db, queues=["q"], concurrency=4, poll_interval=0.05)
+    async with working(a), working(b):
+        await engine.wait(lone, timeout=fixtures.HANG_GUARD)  # B is not held up by A (W2)
+        await until(lambda: len(graphs.SEEN["starts"]) >= 2, "two held runs of A")
+        rounds = a.stats.rounds + b.stats.rounds
+        await until(lambda: a.stats.rounds + b.stats.rounds >= rounds + 6, "more rounds")
+        assert len(graphs.SEEN["starts"]) == 2  # the third of A waits for a slot of A
+        graphs.HOLD["release"].set()
+        for run_id in ids:
+            await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
+    assert max(graphs.SEEN["peak"]) == 2
+    assert sorted(graphs.SEEN["starts"]) == sorted(ids)  # each started once
+
+
+async def test_a_paused_queue_lets_runs_in_flight_finish_and_starts_none(
+    db: fixtures.Database,
+) -> None:
+    engine = await engine_on(db)
+    first = await engine.submit(graphs.held, 1, queue="q")
+    worker = await worker_on(db, queues=["q"], poll_interval=0.05)
+    async with working(worker):
+        await until(lambda: bool(graphs.SEEN["starts"]), "the held run")
+        await engine.store.pause_queue("q")
+        later = [await engine.submit(graphs.chain, n, queue="q") for n in range(2)]
+        graphs.HOLD["release"].set()
+        assert (await engine.wait(first, timeout=fixtures.HANG_GUARD)).status == "completed"
+        rounds = worker.stats.rounds
+        await until(lambda: worker.stats.rounds >= rounds + 6, "rounds while paused")
+        store = await db.store()
+        assert [(await store.get_run(r)).status for r in later] == [RunStatus.QUEUED] * 2
+        assert worker.stats.claimed == 1
+        assert await engine.store.resume_queue("q")
+        for run_id in later:
+            assert (await engine.wait(run_id, timeout=fixtures.HANG_GUARD)).status == "completed"
+    assert worker.stats.claimed == 3
+
+
+async def test_a_delayed_run_starts_no_sooner_than_asked(db: fixtures.Database) -> None:
+    engine = await engine_on(db)
+    with pytest.raises(ValueError, match="timezone-aware"):
+        await engine.submit(graphs.chain, 1, not_before=datetime.datetime(2030, 1, 1))
+    with pytest.raises(ValueError, match="not_before"):
+        await engine.submit(graphs.chain, 1, not_before=float("nan"))
+    soon = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=0.5)
+    delayed = await engine.submit(graphs.chain, 1, not_before=soon)
+    at_once = await engine.submit(graphs.chain, 2)
+    async with working(await worker_on(db, poll_interval=0.05)):
+        for run_id in (at_once, delayed):
+            await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
+    store = await db.store()
+    record = await store.get_run(delayed)
+    assert record.not_before == soon.timestamp()
+    assert record.started_at is not None and record.started_at >= soon.timestamp()
+
+
+async def test_schedules_submit_each_tick_once_across_workers_and_one_catch_up(
+    db: fixtures.Database,
+) -> None:
+    """W4 through the public API: three workers' tickers race for every tick; after ticks
+    were missed (no worker ran), only the latest is submitted."""
+    store = await db.store()
+    nightly = Schedule(graphs.chain, "*/5 * * * *", 4, name="every5", queue="q")
+    start = datetime.datetime(2026, 12, 2, 10, 7, tzinfo=datetime.UTC).timestamp()
+    await store.declare_schedule(nightly.row(DEFAULT_CODEC, start))
+    tickers = [ScheduleTicker(await db.store(), refresh=0.0) for _ in range(3)]
+    for now in (start, start + 60, start + 200, start + 500):  # 10:07, :08, :10:20, :15:20
+        await asyncio.gather(*(t.tick(now) for t in tickers))
+    assert sum(t.fired for t in tickers) == 2  # 10:10 and 10:15, once each
+    # No worker for an hour: eleven ticks missed, one catch-up run (the latest).
+    await asyncio.gather(*(t.tick(start + 500 + 3600) for t in tickers))
+    ids = sorted(r.run_id for r in await store.list_runs(queue="q", limit=10))
+    assert ids == ["every5@2026-12-02T10:10Z", "every5@2026-12-02T10:15Z",
+                   "every5@2026-12-02T11:15Z"]  # fmt: skip
+    later = ScheduleTicker(store, refresh=600.0)  # the next look: the next tick, 11:20
+    assert await later.tick(start + 500 + 3600) == pytest.approx(4 * 60 + 40)
+    async with working(await worker_on(db, queues=["q"], schedules=[nightly])):
+        results = [await Engine(store=store).wait(r, timeout=fixtures.HANG_GUARD) for r in ids]
+    assert {r.output for r in results} == {(4 + 1) * 2}
+    (row,) = await store.schedules()
+    eleven_fifteen = datetime.datetime(2026, 12, 2, 11, 15, tzinfo=datetime.UTC)
+    assert row.last_tick == eleven_fifteen.timestamp()  # the worker's declaration kept it
+
+
+async def test_a_cancelled_run_continues_where_it_stopped_only_when_asked(
+    db: fixtures.Database,
+) -> None:
+    """W5: ``resume`` refuses a cancelled run; ``resume(cancelled=True)`` re-runs what the
+    cancellation stopped and reuses what it committed. W6: the run records both drivers."""
+    engine = await engine_on(db)
+    store = await db.store()
+    run_id = await engine.submit(graphs.held, 5)
+    never = await engine.submit(graphs.held, 6, queue="unserved")
+    await engine.cancel(never)
+    worker = await worker_on(db, poll_interval=0.05)
+    async with working(worker):
+        await until(lambda: bool(graphs.SEEN["starts"]), "hold to start")
+        await engine.cancel(run_id)
+        await until(lambda: _status_is(db, run_id, RunStatus.CANCELLED), "the cancel")
+    with pytest.raises(NotResumable, match="is cancelled"):
+        await engine.resume(run_id, graphs.held)
+    with pytest.raises(NotResumable, match="cancelled before it started"):
+        await engine.resume(never, graphs.held, cancelled=True)
+    graphs.HOLD["release"].set()
+    result = await engine.resume(run_id, graphs.held, cancelled=True)
+    assert (result.status, result.output) == ("completed", 105)
+    events = await store.events(run_id)
+    started = [e.node_id for e in events if e.type == "node_started"]
+    assert started.count("first") == 1 and started.count("hold") == 2  # first reused
+    assert graphs.SEEN["cancelled"] == [run_id]
+    record = await store.get_run(run_id)
+    assert (record.cancel_requested_at, record.error) == (None, None)
+    drivers = stretches_of(events)
+    assert [(d.owner, d.how) for d in drivers] == [
+        (worker.owner, "started"), (engine.owner, "resumed"),
+    ]  # fmt: skip
+    assert sum(d.events for d in drivers) == len(events)
+
+
+async def test_a_reopened_run_whose_driver_died_is_adopted_and_finished(
+    db: fixtures.Database,
+) -> None:
+    """W5 fault: the reopening and the re-queued nodes are one commit, so a driver that
+    dies right after it leaves a run any worker adopts and finishes (D3)."""
+    engine = await engine_on(db)
+    store = await db.store()
+    run_id = await engine.submit(graphs.held, 1)
+    async with working(await worker_on(db, poll_interval=0.05)):
+        await until(lambda: bool(graphs.SEEN["starts"]), "hold to start")
+        await engine.cancel(run_id)
+        await until(lambda: _status_is(db, run_id, RunStatus.CANCELLED), "the cancel")
+    events = await store.events(run_id)
+    from tailrace.core._queued import stopped_by_cancel
+
+    assert stopped_by_cancel(events) == ["hold"]
+    # A "dead" resumer: it reopened the run with a lease of 0.2 s, then vanished.
+    assert await store.reopen_cancelled(run_id, "ghost:1:0:dead", 0.2, nodes=["hold"])
+    assert not await store.reopen_cancelled(run_id, "other", 30.0)  # once only
+    graphs.HOLD["release"].set()
+    async with working(await worker_on(db, poll_interval=0.05)) as adopter:
+        result = await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
+    assert (result.status, result.output) == ("completed", 101)
+    assert adopter.stats.adopted == 1
+    assert (await store.get_run(run_id)).recoveries == 1  # taken from the ghost
+
+
+async def test_a_run_is_submitted_by_a_registered_graph_name_alone(
+    db: fixtures.Database,
+) -> None:
+    submitter = Engine(store=await db.store())  # no graph code at all
+    with pytest.raises(GraphError, match="no worker registered a graph named 'fleet_chain'"):
+        await submitter.submit("fleet_chain", 3)
+    async with working(await worker_on(db, graphs=[graphs.chain])):
+        await until(lambda: submitter.store.graphs_named("fleet_chain"), "the registration")
+        run_id = await submitter.submit("fleet_chain", 3)
+        result = await submitter.wait(run_id, timeout=fixtures.HANG_GUARD)
+    record = await submitter.store.get_run(run_id)
+    assert (result.status, record.graph_name) == ("completed", "fleet_chain")
+    assert record.fingerprint == graphs.chain.compile().fingerprint
+    assert (await submitter.store.events(run_id))[-1].type == "run_completed"
+
+
 async def test_an_lpt_queue_starts_the_longest_estimate_first(db: fixtures.Database) -> None:
     engine = await engine_on(db)
     await (await db.store()).declare_queue(Queue("lpt", order="lpt"))
@@ -317,3 +489,33 @@ async def test_a_stopped_worker_lets_go_of_its_runs_and_another_adopts_them(
     assert second.stats.adopted == 1
     types = [e.type for e in await (await db.store()).events(run_id)]
     assert types.count("run_started") == 1 and "run_resumed" in types
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+async def test_a_bad_max_recoveries_is_refused_naming_it(bad: object) -> None:
+    from tailrace.stores import MemoryStore
+
+    with pytest.raises(ValueError, match="max_recoveries"):
+        Worker(MemoryStore(), max_recoveries=bad)  # type: ignore[arg-type]
+
+
+def test_stretches_read_from_events_of_any_age() -> None:
+    from tailrace.stores import EventRow
+
+    def ev(seq: int, type: str, ts: float, data: str = "{}") -> EventRow:
+        return EventRow(seq=seq, type=type, node_id=None, visit=None, attempt=None, ts=ts,
+                        data_json=data)  # fmt: skip
+
+    events = [
+        ev(1, "node_started", 1.0),  # before any opener: a stretch of its own
+        ev(2, "run_started", 2.0, '{"graph": "g"}'),  # written before owners were recorded
+        ev(3, "node_completed", 3.5),
+        ev(4, "run_resumed", 9.0, '{"owner": "h:2:0:x"}'),
+        ev(5, "run_completed", 9.5, "not json"),
+    ]
+    got = [(s.owner, s.how, s.started_at, s.ended_at, s.events) for s in stretches_of(events)]
+    assert got == [
+        (None, "started", 1.0, 1.0, 1), (None, "started", 2.0, 3.5, 2),
+        ("h:2:0:x", "resumed", 9.0, 9.5, 2),
+    ]  # fmt: skip
+    assert stretches_of([]) == []

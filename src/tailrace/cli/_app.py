@@ -25,7 +25,7 @@ from rich.text import Text
 from .._attempts import event_data
 from .._errors import GraphError, LeaseHeld, NotResumable
 from .._events import EventType
-from ..core import Engine, RunResult, owner_is_dead
+from ..core import Engine, RunResult, owner_is_dead, stretches_of
 from ..graph import Graph
 from ..stores import EventRow, QuestionStatus, RunRecord, RunStatus, RunStore
 from ._evolve import evolve_demo
@@ -162,7 +162,12 @@ def run(
 
 
 async def _resume_here(
-    engine: Engine, store: RunStore, run_id: str, graphs: list[Graph], force: bool
+    engine: Engine,
+    store: RunStore,
+    run_id: str,
+    graphs: list[Graph],
+    force: bool,
+    cancelled: bool = False,
 ) -> RunResult:
     """Resume ``run_id`` with a graph named by ``--graphs`` or importable by its reference."""
     record = await store.get_run(run_id)
@@ -179,7 +184,7 @@ async def _resume_here(
                 f"{record.fingerprint}); --graphs named none with that shape or name: {names}"
             )
     try:
-        return await engine.resume(run_id, chosen, force=force)
+        return await engine.resume(run_id, chosen, force=force, cancelled=cancelled)
     except GraphError as exc:
         if "--graphs" in str(exc):
             raise  # the engine already said how
@@ -196,19 +201,28 @@ def resume(
     graphs: GraphsOption = None,
     force: Annotated[bool, flag("--force", "Resume even if the graph changed shape.")] = False,
     lease_ttl: LeaseTtlOption = 30.0,
+    cancelled: Annotated[
+        bool, flag("--cancelled", "Continue a cancelled run where its cancellation stopped it.")
+    ] = False,
 ) -> None:
     """Resume a run where it stopped: running nodes re-run, completed ones are reused.
 
     The run's graph is the one --graphs names with the run's fingerprint,
     else the module its reference names; a graph file recorded in the store
-    is never executed (trust model).
+    is never executed (trust model). A cancelled run continues only with
+    --cancelled.
     """
     loaded = load_graphs(graphs)
     watch = FailureWatch()
     result = with_store(
         db,
         lambda store: _resume_here(
-            Engine(store=store, lease_ttl=lease_ttl, bus=watch.bus), store, run_id, loaded, force
+            Engine(store=store, lease_ttl=lease_ttl, bus=watch.bus),
+            store,
+            run_id,
+            loaded,
+            force,
+            cancelled,
         ),
         watch=watch,
         interrupted=lambda: _interrupted(run_id, db, graphs or []),
@@ -295,6 +309,26 @@ def _tracebacks(events: Sequence[EventRow]) -> list[tuple[EventRow, str]]:
     return found
 
 
+def _print_drivers(events: Sequence[EventRow], recoveries: int) -> None:
+    """Who drove each stretch of the run (W6), and how often it was taken over (W3)."""
+    stretches = stretches_of(events)
+    if not stretches:
+        return
+    plural = "s" if recoveries != 1 else ""
+    taken = f", taken over {recoveries} time{plural}" if recoveries else ""
+    many = "es" if len(stretches) != 1 else ""
+    console.print(text(f"driven by ({len(stretches)} stretch{many}{taken}):"), soft_wrap=True)
+    rows = [
+        (
+            s.owner or "unrecorded", s.how,
+            datetime.datetime.fromtimestamp(s.started_at).strftime("%Y-%m-%d %H:%M:%S"),
+            f"{s.ended_at - s.started_at:.3f}s", str(s.events),
+        )
+        for s in stretches
+    ]  # fmt: skip
+    console.print(table_of(("worker", "how", "from", "for", "events"), rows))
+
+
 def _print_tracebacks(events: Sequence[EventRow], *, whole: bool) -> None:
     """Each failed node's stored traceback, as text: its last frames, or all of it."""
     for event, stored in _tracebacks(events):
@@ -374,6 +408,7 @@ def show(
                 title="parked items",
             )
         )
+    _print_drivers(events, record.recoveries)
     console.print(timeline(events, width=max(console.width - 30, 20)))
     _print_tracebacks(events, whole=whole_traceback)
 

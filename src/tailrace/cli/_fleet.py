@@ -22,8 +22,9 @@ import typer
 from rich.table import Column
 
 from ..core import Engine
+from ..graph import Graph
 from ..stores import TERMINAL_STATUSES, Queue, QueueStats, RunRecord, RunStore
-from ..workers import RunFailed, Worker, WorkerStats
+from ..workers import HEARTBEAT, MAX_RECOVERIES, RunFailed, Schedule, Worker, WorkerStats
 from ._load import is_file_spec, load_graph, load_graphs, load_object, load_pollers
 from ._render import json_text, table_of, text
 from ._session import (
@@ -76,7 +77,15 @@ def register(app: typer.Typer) -> None:
         "gates, adopt runs whose owner died, and claim queued runs).",
     )(worker)
     app.command("cancel")(cancel)
-    app.command("queues")(queues)
+    group = typer.Typer(
+        name="queues", invoke_without_command=True,
+        help="List queues (with no command), or pause, resume or delete one.",
+    )  # fmt: skip
+    group.callback()(queues)
+    group.command("pause")(pause)
+    group.command("resume")(resume_queue)
+    group.command("delete")(delete_queue)
+    app.add_typer(group)
 
 
 # --- submit -------------------------------------------------------------------------------
@@ -84,7 +93,11 @@ def register(app: typer.Typer) -> None:
 
 def submit(
     graph: Annotated[
-        str, typer.Argument(help="MODULE_OR_FILE:GRAPH, e.g. examples/research.py:graph")
+        str,
+        typer.Argument(
+            help="MODULE_OR_FILE:GRAPH, e.g. examples/research.py:graph, or the NAME of a "
+            "graph a worker registered (tailrace worker --graphs ...)."
+        ),
     ],
     input: Annotated[str, typer.Option("--input", "-i", help="Run input as JSON.")] = "null",
     queue: Annotated[str, typer.Option("--queue", "-q", help="The queue.")] = "default",
@@ -92,20 +105,34 @@ def submit(
     run_id: Annotated[str | None, typer.Option(help="Name the run (default: random).")] = None,
     priority: Annotated[int, typer.Option(help="Higher first, in a priority queue.")] = 0,
     partition: Annotated[
-        str | None, typer.Option(help="Runs with one key start one at a time, in order.")
+        str | None,
+        typer.Option(
+            help="Runs with one key start in submit order, within the queue's partition limits."
+        ),
     ] = None,
     dedup_key: Annotated[
         str | None, typer.Option(help="Return the live run with this key instead.")
     ] = None,
     cost: Annotated[float | None, typer.Option(help="The estimator's cost (lpt queues).")] = None,
     wait: Annotated[bool, flag("--wait", "Wait for the result and print it.")] = False,
+    delay: Annotated[
+        float | None, typer.Option(min=0.0, help="Seconds from now before a worker may start it.")
+    ] = None,
 ) -> None:
     """Submit a run to a queue and print its id; a worker serving the queue runs it.
 
     A run whose dedup key is held by a live run of the queue is not stored: the
-    live run's id is printed.
+    live run's id is printed. GRAPH is a graph to load, or the name of one a
+    worker registered in the store (its newest version), for a submitter with
+    no graph code.
     """
-    loaded, ref = load_graph(graph)
+    not_before = None if delay is None else time.time() + delay
+    loaded: Graph | str
+    ref: str | None
+    if ":" not in graph and not is_file_spec(graph):
+        loaded, ref = graph, None
+    else:
+        loaded, ref = load_graph(graph)
     run_id = run_id or uuid.uuid4().hex  # known before it is stored: a dedup hit shows
     try:
         payload = json.loads(input)
@@ -117,11 +144,14 @@ def submit(
         stored = await engine.submit(
             loaded, payload, queue=queue, run_id=run_id, priority=priority,
             partition=partition, dedup_key=dedup_key, cost=cost, graph_ref=ref,
+            not_before=not_before,
         )  # fmt: skip
         if not wait:
             return stored, None
         try:
-            return stored, await engine.wait(stored, graph=loaded)
+            return stored, await engine.wait(
+                stored, graph=None if isinstance(loaded, str) else loaded
+            )
         except RunFailed as exc:
             raise CommandError(str(exc)) from exc
 
@@ -134,7 +164,11 @@ def submit(
     console.print(text(stored), soft_wrap=True)
     if result is not None:
         console.print(text(f"run {stored} {result.status} in {result.duration:.3f}s"))
-        console.print(json_text(result.output), soft_wrap=True)
+        if isinstance(loaded, str) and result.output is None:
+            # No graph code here to tell which node is the output: every node's result.
+            console.print(json_text(result.results), soft_wrap=True)
+        else:
+            console.print(json_text(result.output), soft_wrap=True)
 
 
 # --- worker / serve ---------------------------------------------------------------------------
@@ -173,9 +207,34 @@ def worker(
         float, typer.Option(min=0, help="Seconds runs in flight get to finish on SIGTERM.")
     ] = 30.0,
     max_interval: Annotated[
-        float, typer.Option(min=0.001, help="Longest wait between two looks at the store.")
-    ] = 1.0,
+        float | None,
+        typer.Option(
+            min=0.001, help="Longest wait between two looks at the store (default: --heartbeat)."
+        ),
+    ] = None,
+    heartbeat: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            help="Seconds between two heartbeats (one cheap transaction each); give every "
+            "worker of a fleet the same.",
+        ),
+    ] = HEARTBEAT,
     executor: ExecutorOption = None,
+    max_recoveries: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="A run taken over this many times (its workers died) is failed, not adopted again.",
+        ),
+    ] = MAX_RECOVERIES,
+    schedule: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="MODULE_OR_FILE:ATTR naming a tailrace.Schedule to declare (repeatable); every "
+            "worker submits the store's schedules, one worker per tick.",
+        ),
+    ] = None,
 ) -> None:
     """Worker: claim queued runs and drive them; resume answered runs, poll machine gates, adopt runs whose owner died.
 
@@ -191,6 +250,7 @@ def worker(
     sources = [load_langgraph(spec) for spec in langgraph or []]
     location = shown_location(db_location(db))
     made = executors_from(executor)
+    schedules = [_load_schedule(spec) for spec in schedule or []]
 
     async def work(store: RunStore) -> WorkerStats | list[str]:
         return await closing_executors(made, serve_queues(store))
@@ -208,7 +268,8 @@ def worker(
             daemon = Worker(
                 store, queues=queues, concurrency=concurrency, graphs=loaded, pollers=pollers,
                 targets=drivers, lease_ttl=lease_ttl, grace=grace, poll_interval=max_interval,
-                executors=made,
+                heartbeat=heartbeat,
+                executors=made, max_recoveries=max_recoveries, schedules=schedules,
             )  # fmt: skip
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
@@ -241,6 +302,17 @@ def _load_queue(spec: str) -> Queue | str:
     if not isinstance(found, Queue):
         raise typer.BadParameter(
             f"{spec!r} is a {type(found).__name__}, not a tailrace.Queue", param_hint="'--queue'"
+        )
+    return found
+
+
+def _load_schedule(spec: str) -> Schedule:
+    """``--schedule MODULE_OR_FILE:ATTR`` naming a :class:`~tailrace.Schedule`."""
+    found, _ = load_object(spec, hint="--schedule", form="MODULE_OR_FILE:SCHEDULE")
+    if not isinstance(found, Schedule):
+        raise typer.BadParameter(
+            f"{spec!r} is a {type(found).__name__}, not a tailrace.Schedule",
+            param_hint="'--schedule'",
         )
     return found
 
@@ -304,6 +376,7 @@ def cancel(
 
 
 def queues(
+    ctx: typer.Context,
     db: DbOption = None,
     window: Annotated[
         float, typer.Option(min=1.0, help="Seconds the start rate and workers are counted over.")
@@ -312,8 +385,11 @@ def queues(
     """List queues: limits, runs queued, running and suspended, start rate, workers seen.
 
     The start rate is in runs per second over the last --window seconds, and the
-    oldest wait in seconds.
+    oldest wait in seconds. A paused queue says so in its limits.
+    tailrace queues pause|resume|delete NAME changes one.
     """
+    if ctx.invoked_subcommand is not None:
+        return
     now = time.time()
     stats = with_store(db, lambda store: store.queue_stats(now, window=window), read_only=True)
     headers = (
@@ -323,10 +399,41 @@ def queues(
     console.print(table_of(headers, (_queue_row(s, now) for s in stats)))
 
 
+QueueName = Annotated[str, typer.Argument(help="The queue's name.")]
+
+
+def pause(name: QueueName, db: DbOption = None) -> None:
+    """Pause a queue: workers claim none of its queued runs until it is resumed.
+
+    Submits are still stored and runs already started go on; a worker's own
+    declaration of the queue keeps the pause.
+    """
+    with_store(db, lambda store: store.pause_queue(name))
+    console.print(text(f"queue {name} paused"), soft_wrap=True)
+
+
+def resume_queue(name: QueueName, db: DbOption = None) -> None:
+    """Resume a paused queue: workers claim its runs again at once."""
+    lifted = with_store(db, lambda store: store.resume_queue(name))
+    shown = "resumed" if lifted else "was not paused"
+    console.print(text(f"queue {name} {shown}"), soft_wrap=True)
+
+
+def delete_queue(name: QueueName, db: DbOption = None) -> None:
+    """Delete a queue's declaration (its limits and pause), refused while it holds live runs.
+
+    Finished runs keep the queue's name; a queue nobody declared has nothing to delete.
+    """
+    deleted = with_store(db, lambda store: store.delete_queue(name))
+    shown = "deleted" if deleted else "was not declared; nothing to delete"
+    console.print(text(f"queue {name} {shown}"), soft_wrap=True)
+
+
 def _queue_row(stats: QueueStats, now: float) -> Sequence[str]:
+    limits = _limits(stats.queue)
     return (
         stats.name,
-        _limits(stats.queue),
+        f"paused; {limits}" if stats.paused else limits,
         stats.queue.order if stats.queue is not None else "fifo",
         str(stats.queued),
         str(stats.running),
@@ -347,4 +454,8 @@ def _limits(queue: Queue | None) -> str:
         parts.append(f"per worker {queue.worker_concurrency}")
     if queue.limit is not None:
         parts.append(f"{queue.limit} per {queue.period:g}s")
+    if queue.partition_concurrency != 1:
+        parts.append(f"per partition {queue.partition_concurrency}")
+    if queue.partition_limit is not None:
+        parts.append(f"{queue.partition_limit} per partition per {queue.period:g}s")
     return ", ".join(parts) or "none"

@@ -10,6 +10,7 @@ from ._engine import Engine as Engine
 from ._engine import run as run
 from ._lease import acquire_lease as acquire_lease
 from ._lease import make_owner as make_owner
+from ._lease import mark_failed as mark_failed
 from ._lease import owner_is_dead as owner_is_dead
 from ._outcome import NodeReport as NodeReport
 from ._outcome import RunResult as RunResult
@@ -17,6 +18,8 @@ from ._queued import cancel_undriven as cancel_undriven
 from ._restore import find_graph as find_graph
 from ._state import LateInput as LateInput
 from ._state import NodeStatus as NodeStatus
+from ._stretches import Stretch as Stretch
+from ._stretches import stretches_of as stretches_of
 from ._versions import Compatibility as Compatibility
 from ._versions import MigrationReport as MigrationReport
 from ._versions import MoveOutcome as MoveOutcome
@@ -33,10 +36,13 @@ __all__ = [
     "NodeStatus",
     "RunMove",
     "RunResult",
+    "Stretch",
     "acquire_lease",
     "cancel_undriven",
     "find_graph",
     "make_owner",
+    "mark_failed",
     "owner_is_dead",
     "run",
+    "stretches_of",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -38,7 +39,7 @@ from ._admission import AdmissionPolicy, SlotQueue, resolve_policy
 from ._lease import Lease, make_owner, mark_failed
 from ._loop import RunLoop
 from ._outcome import RunResult
-from ._queued import cancel_run, submit_run, wait_for
+from ._queued import cancel_run, reopen_cancelled, submit_run, wait_for
 from ._restore import find_graph, restore_run
 from ._state import LateInput, RunState
 from ._versions import (
@@ -175,14 +176,19 @@ class Engine:
             await self.store.open()
         if self.store is None:
             loop = self._loop_for(run_id, state, None)
-            loop.emit(EventType.RUN_STARTED, graph=graph.name)
+            loop.emit(EventType.RUN_STARTED, graph=graph.name, owner=self.owner)
             return await loop.drive()
         writer = await RunWriter.create(
             self.store, self._codec, run_id, graph, topo, input, graph_ref or guess_reference(graph)
         )
         async with writer.leased(self._lease(run_id)):
             loop = self._loop_for(run_id, state, writer)
-            loop.emit(EventType.RUN_STARTED, graph=graph.name, structure=graph.structure())
+            loop.emit(
+                EventType.RUN_STARTED,
+                graph=graph.name,
+                structure=graph.structure(),
+                owner=self.owner,
+            )
             result = await loop.drive()
         return await self._with_questions(result)
 
@@ -194,6 +200,7 @@ class Engine:
         force: bool = False,
         patch: Any = None,
         durability: str | None = None,
+        cancelled: bool = False,
     ) -> RunResult:
         """Resume the durable run ``run_id`` where it stopped (D3, Q3).
 
@@ -213,10 +220,20 @@ class Engine:
         write. The run keeps the durability it was started with (stored with
         its state) unless ``durability`` says otherwise; a run that committed
         nothing yet takes the engine's.
+
+        A cancelled run is refused (:class:`NotResumable`) unless
+        ``cancelled`` is true (W5): it then continues where it stopped, the
+        nodes its cancellation stopped running again and everything it
+        committed reused; a run cancelled before it started is refused still
+        (submit it again).
         """
         if durability is not None:
             durability = _checked_durability(durability)
         with self._driving(run_id):
+            if cancelled:
+                await reopen_cancelled(
+                    self._require_store("resume"), run_id, self.owner, self.lease_ttl
+                )
             if durability is not None:
                 self._durability_of[run_id] = durability
             result = await self._resume(run_id, graph, force, patch)
@@ -280,7 +297,10 @@ class Engine:
             unparked = state.unpark(patch)
             if stored.run.status is RunStatus.SUSPENDED and not applied and not state.ready:
                 return await self._with_questions(loop.result(RunStatus.SUSPENDED))
-            loop.emit(EventType.RUN_RESUMED, graph=graph.name, applied=applied, unparked=unparked)
+            loop.emit(
+                EventType.RUN_RESUMED, graph=graph.name, applied=applied, unparked=unparked,
+                owner=self.owner,
+            )  # fmt: skip
             if applied or unparked:
                 await loop.checkpoint()  # the apply is durable before any handler runs
             result = await loop.drive()
@@ -600,7 +620,7 @@ class Engine:
 
     async def submit(
         self,
-        graph: Graph,
+        graph: Graph | str,
         input: Any = None,
         *,
         queue: str = "default",
@@ -612,6 +632,7 @@ class Engine:
         cost: float | None = None,
         estimate: float | None = None,
         graph_ref: str | None = None,
+        not_before: float | datetime.datetime | None = None,
     ) -> str:
         """Store a run of ``graph`` on ``input`` as ``queued`` in ``queue``; return its id at once.
 
@@ -619,8 +640,10 @@ class Engine:
         ``docs/scale-out.md``); :meth:`wait` returns its result.
 
         Args:
-            graph: the graph to run; workers find it by ``graph_ref`` or
-                because they were given it (``Worker(graphs=...)``).
+            graph: the graph to run, or its name: the newest version a worker
+                registered in the store (``Worker(graphs=...)`` registers
+                them), so the submitter needs no graph code; workers find it
+                by ``graph_ref`` or because they were given it.
             input: the run's input (encoded now: a bad one fails here).
             queue: the queue's name.
             run_id: names the run (default: a fresh uuid).
@@ -636,11 +659,14 @@ class Engine:
                 the estimator fitted on this graph's completed queued runs
                 (``seconds ~ b + m * cost``).
             graph_ref: ``module:attribute`` of the graph (default: guessed).
+            not_before: the earliest time a worker may start it (W4): seconds
+                since the epoch, or a timezone-aware ``datetime``; until then
+                it waits ``queued`` and takes no turn of its partition.
         """
         return await submit_run(
             self, graph, input, queue=queue, run_id=run_id, priority=priority,
             partition=partition, dedup_key=dedup_key, on_duplicate=on_duplicate, cost=cost,
-            estimate=estimate, graph_ref=graph_ref,
+            estimate=estimate, graph_ref=graph_ref, not_before=not_before,
         )  # fmt: skip
 
     async def wait(
@@ -725,8 +751,12 @@ class Engine:
                     )
                     if stored.run.cancel_requested_at is not None:
                         loop.request_cancel()  # asked between the claim and this start
-                    loop.emit(EventType.RUN_STARTED, graph=graph.name,
-                              structure=graph.structure())  # fmt: skip
+                    loop.emit(
+                        EventType.RUN_STARTED,
+                        graph=graph.name,
+                        structure=graph.structure(),
+                        owner=self.owner,
+                    )
                     result = await loop.drive()
                 result = await self._with_questions(result)
                 return await self._settle(result, graph, False)

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
+import json
 import logging
 import math
 import time
@@ -37,7 +39,15 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from .._codec import DEFAULT_CODEC
-from .._errors import DuplicateRun, EncodeError, LeaseHeld, RunFailed, TailraceError
+from .._errors import (
+    DuplicateRun,
+    EncodeError,
+    GraphError,
+    LeaseHeld,
+    NotResumable,
+    RunFailed,
+    TailraceError,
+)
 from .._events import EventType
 from .._values import checked_run_id
 from ..graph import Graph, guess_reference, shape_json
@@ -131,6 +141,25 @@ def _checked_number(name: str, value: Any) -> float | None:
     return float(value)
 
 
+def checked_time(name: str, value: float | datetime.datetime | None) -> float | None:
+    """``value`` (None, seconds since the epoch, or an aware ``datetime``) as epoch seconds;
+    else a ValueError naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, datetime.datetime):
+        if value.tzinfo is None:
+            raise ValueError(
+                f"submit: {name} must be a timezone-aware datetime (its zone decides the "
+                f"instant), got naive {value.isoformat()}"
+            )
+        return value.timestamp()
+    if not _finite(value):
+        raise ValueError(
+            f"submit: {name} must be seconds since the epoch or a datetime, got {value!r}"
+        )
+    return float(value)
+
+
 _ESTIMATES: weakref.WeakKeyDictionary[RunStore, RunEstimates] = weakref.WeakKeyDictionary()
 
 
@@ -144,7 +173,7 @@ def estimates_of(store: RunStore) -> RunEstimates:
 
 async def submit_run(
     engine: Engine,
-    graph: Graph,
+    graph: Graph | str,
     input: Any,
     *,
     queue: str,
@@ -156,6 +185,7 @@ async def submit_run(
     cost: float | None,
     estimate: float | None,
     graph_ref: str | None,
+    not_before: float | datetime.datetime | None = None,
 ) -> str:
     """``Engine.submit``: store the run ``queued`` and return its id (or the dedup holder's)."""
     store = engine.store
@@ -175,23 +205,23 @@ async def submit_run(
     # estimates once its run completes, a bad estimate would sort an lpt queue.
     cost = _checked_number("cost", cost)
     estimate = _checked_number("estimate", estimate)
-    topo = graph.compile()
-    engine.register(graph)
+    delay = checked_time("not_before", not_before)
+    name, fingerprint, graph_ref = await _what_to_run(engine, store, graph, graph_ref)
     run_id = uuid.uuid4().hex if run_id is None else checked_run_id(run_id)
     try:
         input_json = (engine.codec or DEFAULT_CODEC).encode(input)
     except (TypeError, ValueError) as exc:
         raise EncodeError(f"run {run_id!r}: input is not encodable: {exc}") from exc
     if estimate is None:
-        estimate = await estimates_of(store).estimate(topo.fingerprint, cost)
+        estimate = await estimates_of(store).estimate(fingerprint, cost)
     new = NewRun(
-        run_id=run_id, graph_name=graph.name, graph_ref=graph_ref or guess_reference(graph),
-        fingerprint=topo.fingerprint, input_json=input_json, created_at=time.time(),
-        shape_json=shape_json(graph),
+        run_id=run_id, graph_name=name, graph_ref=graph_ref, fingerprint=fingerprint,
+        input_json=input_json, created_at=time.time(),
+        shape_json=shape_json(graph) if isinstance(graph, Graph) else None,
     )  # fmt: skip
     submission = Submission(
         queue=queue, priority=priority, partition=partition, dedup_key=dedup_key, cost=cost,
-        estimate=estimate,
+        estimate=estimate, not_before=delay,
     )  # fmt: skip
     stored = await store.submit_run(new, submission)
     if stored != run_id and on_duplicate == "raise":
@@ -202,6 +232,71 @@ async def submit_run(
             run_id=stored, queue=queue, dedup_key=dedup_key,
         )  # fmt: skip
     return stored
+
+
+async def _what_to_run(
+    engine: Engine, store: RunStore, graph: Graph | str, graph_ref: str | None
+) -> tuple[str, str, str | None]:
+    """The name, fingerprint and reference a submitted run of ``graph`` is stored with.
+
+    A :class:`Graph` is compiled (G1) and registered with the engine; a name
+    is looked up among the graphs workers registered in the store (the
+    newest registration of that name), so a submitter needs no graph code.
+    """
+    if isinstance(graph, Graph):
+        topo = graph.compile()
+        engine.register(graph)
+        return graph.name, topo.fingerprint, graph_ref or guess_reference(graph)
+    if not isinstance(graph, str) or not graph:
+        raise ValueError(f"submit: graph must be a Graph or a graph's name, got {graph!r}")
+    registered = await store.graphs_named(graph)
+    if not registered:
+        raise GraphError(
+            f"submit: no worker registered a graph named {graph!r} in this store; start a "
+            "worker that has it (tailrace worker --graphs FILE_OR_MODULE), or pass the Graph"
+        )
+    newest = registered[0]
+    return newest.name, newest.fingerprint, graph_ref or newest.graph_ref
+
+
+async def reopen_cancelled(store: RunStore, run_id: str, owner: str, ttl: float) -> None:
+    """Make the cancelled run ``run_id`` running again for ``owner`` to resume (W5).
+
+    The nodes to run again are those the cancellation stopped: the
+    ``node_cancelled`` events of the run's final write, just before its
+    ``run_cancelled`` (a straggler cancelled as late, E5, stays cancelled).
+    A run that is not cancelled is left to the resume's own checks.
+    """
+    record = await store.get_run(run_id)
+    if record.status is not RunStatus.CANCELLED:
+        return
+    events = await store.events(run_id)
+    if not any(e.type != EventType.RUN_CANCELLED.value for e in events):
+        raise NotResumable(
+            f"run {run_id!r} was cancelled before it started; nothing to continue (submit it again)"
+        )
+    await store.reopen_cancelled(run_id, owner, ttl, nodes=stopped_by_cancel(events))
+
+
+def stopped_by_cancel(events: list[EventRow]) -> list[str]:
+    """The nodes the run's cancellation stopped, from its events (see :func:`reopen_cancelled`)."""
+    nodes: list[str] = []
+    last = max(
+        (n for n, e in enumerate(events) if e.type == EventType.RUN_CANCELLED.value), default=None
+    )
+    if last is None:
+        return nodes
+    for event in reversed(events[:last]):
+        if event.type != EventType.NODE_CANCELLED.value:
+            break
+        try:
+            data = json.loads(event.data_json)
+        except ValueError:
+            data = {}
+        late = isinstance(data, dict) and data.get("reason") == "late"
+        if event.node_id is not None and not late and event.node_id not in nodes:
+            nodes.append(event.node_id)
+    return sorted(nodes)
 
 
 # -- waiting --------------------------------------------------------------------

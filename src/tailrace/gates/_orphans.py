@@ -16,6 +16,12 @@ says once that it leaves each one.
 A row it cannot handle never stops the scan: a run its target marked failed
 (it can never be adopted) is counted once (E9, Q6); any other failure is
 retried with backoff and logged once.
+
+Dead letters (W3): a run already taken over ``max_recoveries`` times (each
+time its owner died holding it, or its lease expired; the store counts them
+in ``RunRecord.recoveries``) is not adopted again: it is marked ``failed``
+with the reason, so a run that kills every worker that drives it stops
+killing them.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .._errors import LeaseHeld, LeaseLost, NotResumable, RunNotFound
+from ..core import mark_failed
 from ..stores import RunRecord, RunStatus, RunStore
 from ._worker import ResumeWorker, describe
 
@@ -34,6 +41,8 @@ logger = logging.getLogger("tailrace.serve")
 
 #: The most orphans one pass asks for, however many are left to others.
 MAX_SCAN = 10_000
+#: Takeovers of one run after which it is a dead letter, unless a daemon is told otherwise.
+MAX_RECOVERIES = 10
 
 
 class AdoptionCounts(Protocol):
@@ -69,9 +78,11 @@ class OrphanScan:
     """One daemon's adoption pass over ``store``.
 
     ``resumer`` routes a run to the target that drives it (and gives the
-    lease time); ``stats`` counts adoptions and failures; a run whose
-    adoption failed for a reason that may pass is tried again after
-    ``retry_base`` seconds, doubling up to ``retry_max``.
+    lease time); ``stats`` counts adoptions and failures (dead letters
+    included); a run whose adoption failed for a reason that may pass is
+    tried again after ``retry_base`` seconds, doubling up to ``retry_max``.
+    A run taken over ``max_recoveries`` times already is failed instead of
+    adopted (None: never).
     """
 
     def __init__(
@@ -82,7 +93,15 @@ class OrphanScan:
         *,
         retry_base: float = 1.0,
         retry_max: float = 300.0,
+        max_recoveries: int | None = MAX_RECOVERIES,
     ) -> None:
+        if max_recoveries is not None and (
+            not isinstance(max_recoveries, int)
+            or isinstance(max_recoveries, bool)
+            or max_recoveries < 0
+        ):
+            raise ValueError(f"max_recoveries must be an int >= 0 or None, got {max_recoveries!r}")
+        self.max_recoveries = max_recoveries
         self.store = store
         self.resumer = resumer
         self.stats = stats
@@ -167,7 +186,22 @@ class OrphanScan:
         if adopt is None:  # no target here drives it (another driver's thread, an unknown graph)
             self._leave(record)
             return None
+        if self.max_recoveries is not None and record.recoveries >= self.max_recoveries:
+            await self._dead_letter(record, self.max_recoveries)
+            return None
         return Orphan(record=record, adopt=adopt)
+
+    async def _dead_letter(self, record: RunRecord, limit: int) -> None:
+        """Fail ``record``'s run instead of adopting it once more (W3), saying why in the store."""
+        reason = (
+            f"dead letter: taken over {record.recoveries} times (max_recoveries {limit}), each "
+            "time after the worker driving it died or lost its lease; not adopted again"
+        )
+        await mark_failed(
+            self.store, record.run_id, self.resumer.owner, self.resumer.lease_ttl, reason
+        )
+        self.stats.failed += 1
+        logger.warning("run %s: %s", record.run_id, reason)
 
     def _leave(self, record: RunRecord) -> None:
         """No target here drives ``record``'s run: skip it from now on, and say so once."""

@@ -182,10 +182,15 @@ class GatePolling:
         """
         return Loop(
             name, self.tick, interval=interval, max_interval=max_interval, stats=self.stats,
-            logger=logger, due=self._until_deadline, on_work=self.wake,
+            logger=logger, due=self.until_deadline, on_work=self.wake,
         )  # fmt: skip
 
-    def _until_deadline(self) -> float | None:
+    def busy(self) -> bool:
+        """Whether polls are in flight or a deadline is known (ticks still have work)."""
+        return bool(self._tasks) or self.next_deadline is not None
+
+    def until_deadline(self) -> float | None:
+        """Seconds until the next known deadline (None: none)."""
         if self.next_deadline is None:
             return None
         return max(self.next_deadline - time.time(), 0.001)

@@ -30,12 +30,14 @@ from ._records import ArtifactVersion as ArtifactVersion
 from ._records import CheckpointRow as CheckpointRow
 from ._records import EventRow as EventRow
 from ._records import FrozenInput as FrozenInput
+from ._records import GraphRow as GraphRow
 from ._records import Harvest as Harvest
 from ._records import ItemRow as ItemRow
 from ._records import NewRun as NewRun
 from ._records import NodeRow as NodeRow
 from ._records import ParkedRow as ParkedRow
 from ._records import ParkedStatus as ParkedStatus
+from ._records import Pulse as Pulse
 from ._records import QuestionRow as QuestionRow
 from ._records import QuestionStatus as QuestionStatus
 from ._records import Queue as Queue
@@ -44,6 +46,7 @@ from ._records import ResultRow as ResultRow
 from ._records import RunCount as RunCount
 from ._records import RunRecord as RunRecord
 from ._records import RunStatus as RunStatus
+from ._records import ScheduleRow as ScheduleRow
 from ._records import StoredRun as StoredRun
 from ._records import Submission as Submission
 from ._records import WorkerRow as WorkerRow
@@ -64,6 +67,7 @@ __all__ = [
     "CheckpointRow",
     "EventRow",
     "FrozenInput",
+    "GraphRow",
     "Harvest",
     "ItemRow",
     "MemoryStore",
@@ -72,6 +76,7 @@ __all__ = [
     "ParkedRow",
     "ParkedStatus",
     "PostgresStore",
+    "Pulse",
     "QuestionRow",
     "QuestionStatus",
     "Queue",
@@ -82,6 +87,7 @@ __all__ = [
     "RunStatus",
     "RunStore",
     "SQLiteStore",
+    "ScheduleRow",
     "StoredRun",
     "Submission",
     "WorkerRow",

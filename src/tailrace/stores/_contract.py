@@ -23,17 +23,19 @@ import contextlib
 from collections.abc import AsyncIterator, Collection
 
 from ._artifacts import check_expected
-from ._queue_rules import check_claim, check_worker, graph_keys
+from ._queue_rules import check_claim, check_worker, first_schedule, graph_keys
 from ._records import (
     CHANGE_KINDS,
     MAX_LIMIT,
     ArtifactVersion,
     EventRow,
     FrozenInput,
+    GraphRow,
     Harvest,
     NewRun,
     ParkedRow,
     ParkedStatus,
+    Pulse,
     QuestionRow,
     QuestionStatus,
     Queue,
@@ -42,6 +44,7 @@ from ._records import (
     RunCount,
     RunRecord,
     RunStatus,
+    ScheduleRow,
     StoredRun,
     Submission,
     WorkerRow,
@@ -530,11 +533,13 @@ class RunStore(abc.ABC):
 
         Atomically: the queue's ``concurrency`` is never exceeded (counting
         its runs ``running``, and ``suspended`` ones whose lease is live),
-        nor its rate ``limit`` (runs with ``started_at`` within ``period``),
-        runs with a partition key start one at a time in submit order, and
-        each claimed run becomes ``running``, gets ``started_at``, and is
-        leased to ``owner`` with a new fencing token (D6). A run is claimed
-        by one caller only, across processes and hosts.
+        nor its rate ``limit`` (runs with ``started_at`` within ``period``);
+        runs with a partition key start in submit order within their key,
+        within ``partition_concurrency`` and ``partition_limit``, and
+        partitions take turns (the order of :class:`Queue`, W2); a paused
+        queue hands out nothing; each claimed run becomes ``running``, gets
+        ``started_at``, and is leased to ``owner`` with a new fencing token
+        (D6). A run is claimed by one caller only, across processes and hosts.
         """
         check_claim(queue, owner, ttl, limit)
         keys = None if graphs is None else graph_keys(graphs)
@@ -590,6 +595,25 @@ class RunStore(abc.ABC):
         check_name("run_id", run_id)
         return await self._request_cancel(run_id)
 
+    async def reopen_cancelled(
+        self, run_id: str, owner: str, ttl: float, *, nodes: Collection[str] = ()
+    ) -> bool:
+        """Make the cancelled run ``run_id`` running again, leased to ``owner`` (W5); True if it was cancelled.
+
+        Atomically: the run becomes ``running`` (no ``finished_at``, no cancel
+        request), leased to ``owner`` for ``ttl`` seconds with a new fencing
+        token, and each of ``nodes`` recorded ``cancelled`` becomes
+        ``queued``, so whoever restores the run next runs them again (D3).
+        False (nothing changed) when the run is not cancelled;
+        :class:`~tailrace.RunNotFound` if absent.
+        """
+        check_name("run_id", run_id)
+        check_name("owner", owner)
+        check_ttl(ttl)
+        for node in nodes:
+            check_name("node_id", node)
+        return await self._reopen_cancelled(run_id, owner, ttl, tuple(nodes))
+
     async def cancel_requests(self, owner: str) -> list[str]:
         """Ids of ``running`` runs leased to ``owner`` with a cancel request."""
         check_name("owner", owner)
@@ -609,6 +633,71 @@ class RunStore(abc.ABC):
         """Every declared queue, by name."""
         return await self._queues()
 
+    async def pause_queue(self, name: str) -> None:
+        """Pause queue ``name``: claims hand out none of its queued runs until :meth:`resume_queue` (W2).
+
+        Submits are still stored, and runs already started go on (answers
+        resume them). A queue never declared is declared with the defaults;
+        a later :meth:`declare_queue` keeps the pause. Idempotent.
+        """
+        check_name("queue", name)
+        await self._pause_queue(name)
+
+    async def resume_queue(self, name: str) -> bool:
+        """Lift the pause of queue ``name``; True if it was paused (workers are woken)."""
+        check_name("queue", name)
+        return await self._resume_queue(name)
+
+    async def delete_queue(self, name: str) -> bool:
+        """Drop the declaration of queue ``name`` (its limits, its pause); True if it had one.
+
+        Refused with :class:`~tailrace.QueueNotEmpty` (nothing changed) while
+        the queue holds a live run (queued, running or suspended). Finished
+        runs keep their queue's name.
+        """
+        check_name("queue", name)
+        return await self._delete_queue(name)
+
+    async def register_graph(self, row: GraphRow) -> None:
+        """Record that a worker can drive the graph ``row`` names (replacing an earlier
+        registration of that name and fingerprint)."""
+        check_names(graph_name=row.name, fingerprint=row.fingerprint, graph_ref=row.graph_ref)
+        await self._register_graph(row)
+
+    async def graphs_named(self, name: str) -> list[GraphRow]:
+        """The registrations of graph ``name``, newest first (one per fingerprint)."""
+        check_name("graph_name", name)
+        return await self._graphs_named(name)
+
+    async def declare_schedule(self, row: ScheduleRow) -> None:
+        """Store schedule ``row`` (replacing what an earlier declaration runs and when) (W4).
+
+        Ticks before the first declaration are not due; a later declaration
+        keeps the ticks already submitted. A bad cron expression or name is a
+        ``ValueError`` naming it, and nothing is stored.
+        """
+        await self._declare_schedule(first_schedule(row))
+
+    async def schedules(self) -> list[ScheduleRow]:
+        """Every declared schedule, by name."""
+        return await self._schedules()
+
+    async def fire_schedule(self, name: str, tick: float) -> str | None:
+        """Submit schedule ``name``'s run for ``tick`` unless that tick (or a later one) was (W4).
+
+        Atomically: the schedule's ``last_tick`` moves to ``tick`` only if it
+        was earlier, and the run (id ``{name}@{tick as YYYY-MM-DDTHH:MMZ}``,
+        queued in the schedule's queue) is stored with it; across every
+        worker, one caller gets the run's id, the others None.
+        """
+        check_name("schedule", name)
+        return await self._fire_schedule(name, float(tick))
+
+    async def delete_schedule(self, name: str) -> bool:
+        """Drop schedule ``name``; True if it was declared. Runs it submitted stay."""
+        check_name("schedule", name)
+        return await self._delete_schedule(name)
+
     async def queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
         """Declared queues and queues that have runs, by name, with their counts at ``now``.
 
@@ -622,6 +711,21 @@ class RunStore(abc.ABC):
         """Record (insert or replace) ``worker``'s report of itself."""
         check_worker(worker)
         await self._worker_seen(worker)
+
+    async def pulse(self, worker: WorkerRow) -> Pulse:
+        """One heartbeat of ``worker``: record its report and look at what is worth a look (W3).
+
+        In one transaction, with one indexed probe for each thing, so an idle
+        worker costs one commit and a few rows read per heartbeat however
+        large the fleet: the report (as :meth:`worker_seen`), then whether a
+        run waits in one of its queues, an answer is due, a running run's
+        lease expired, a run it drives was asked to cancel, an open question
+        has a poller or a deadline, which workers' heartbeats stopped
+        (``seen_at + dead_after`` passed; a few, oldest first) and which
+        other workers report from its host. See :class:`Pulse`.
+        """
+        check_worker(worker)
+        return await self._pulse(worker)
 
     async def workers(self) -> list[WorkerRow]:
         """Every worker that reported itself and was not forgotten, by id."""
@@ -857,6 +961,12 @@ class RunStore(abc.ABC):
         """:meth:`request_cancel`, called with checked arguments."""
 
     @abc.abstractmethod
+    async def _reopen_cancelled(
+        self, run_id: str, owner: str, ttl: float, nodes: tuple[str, ...]
+    ) -> bool:
+        """:meth:`reopen_cancelled`, called with checked arguments."""
+
+    @abc.abstractmethod
     async def _cancel_requests(self, owner: str) -> list[str]:
         """:meth:`cancel_requests`, called with checked arguments."""
 
@@ -873,12 +983,52 @@ class RunStore(abc.ABC):
         """:meth:`queues`, called with checked arguments."""
 
     @abc.abstractmethod
+    async def _pause_queue(self, name: str) -> None:
+        """:meth:`pause_queue`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _resume_queue(self, name: str) -> bool:
+        """:meth:`resume_queue`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _delete_queue(self, name: str) -> bool:
+        """:meth:`delete_queue`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _register_graph(self, row: GraphRow) -> None:
+        """:meth:`register_graph`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _graphs_named(self, name: str) -> list[GraphRow]:
+        """:meth:`graphs_named`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _declare_schedule(self, row: ScheduleRow) -> None:
+        """:meth:`declare_schedule`, with ``row`` checked and its first tick set."""
+
+    @abc.abstractmethod
+    async def _schedules(self) -> list[ScheduleRow]:
+        """:meth:`schedules`."""
+
+    @abc.abstractmethod
+    async def _fire_schedule(self, name: str, tick: float) -> str | None:
+        """:meth:`fire_schedule`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _delete_schedule(self, name: str) -> bool:
+        """:meth:`delete_schedule`, called with checked arguments."""
+
+    @abc.abstractmethod
     async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
         """:meth:`queue_stats`, called with checked arguments."""
 
     @abc.abstractmethod
     async def _worker_seen(self, worker: WorkerRow) -> None:
         """:meth:`worker_seen`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _pulse(self, worker: WorkerRow) -> Pulse:
+        """:meth:`pulse`, called with checked arguments."""
 
     @abc.abstractmethod
     async def _workers(self) -> list[WorkerRow]:

@@ -7,18 +7,27 @@ contract suite. ``free_slots`` is where every claim's number comes from.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
+from .._errors import QueueNotEmpty
+from ..tail import Cron
 from ._records import (
     LIVE_STATUSES,
+    GraphRow,
+    NewRun,
     Queue,
     QueueStats,
     RunCount,
     RunRecord,
     RunStatus,
+    ScheduleRow,
+    Submission,
     WorkerRow,
 )
 from ._rules import check_name, check_ttl
@@ -65,24 +74,121 @@ def free_slots(queue: Queue, *, want: int, active: int, started_recently: int) -
     return max(free, 0)
 
 
-def partition_blocked(run: RunRecord, runs: Iterable[RunRecord]) -> bool:
-    """Whether a queued ``run`` with a partition key must wait: a live run of its partition
-    started or was submitted before it (one at a time, in submit order)."""
-    if run.partition_key is None:
-        return False
-    mine = (run.queued_at or 0.0, run.run_id)
-    for other in runs:
-        if (
-            other.run_id == run.run_id
-            or other.queue_name != run.queue_name
-            or other.partition_key != run.partition_key
-        ):
+def claim_order(queue: Queue, runs: Iterable[RunRecord], now: float) -> list[RunRecord]:
+    """The queued runs of ``queue`` that may start at ``now``, in the order a claim takes them (W2).
+
+    ``runs`` are the queue's runs (any status). Within a partition key, runs
+    start in submit order, at most ``partition_concurrency`` running or
+    suspended at once and ``partition_limit`` started per ``period``; a run
+    delayed past ``now`` (``not_before``) is not handed out and takes no
+    turn. Across
+    keys, a run's *turn* is its place among its partition's queued runs (runs
+    with no key take turns as one partition, in the queue's order): a claim
+    takes by priority, then turn, then the partition served longest ago
+    (never served first), then the queue's order. The SQL stores phrase the
+    same rule as ``_sql._queues.claim_candidates``.
+    """
+    runs = [r for r in runs if r.queue_name == queue.name]
+    groups: dict[str | None, list[RunRecord]] = {}
+    for run in runs:
+        if run.status is RunStatus.QUEUED and (run.not_before is None or run.not_before <= now):
+            groups.setdefault(run.partition_key, []).append(run)
+    turn: dict[str, int] = {}
+    for key, members in groups.items():
+        members.sort(key=(lambda r: claim_key(queue, r)) if key is None else _submit_order)
+        turn.update((r.run_id, n) for n, r in enumerate(members, start=1))
+    served: dict[str, float] = {}
+    live: Counter[str] = Counter()
+    started: Counter[str] = Counter()
+    for run in runs:
+        key = run.partition_key
+        if key is None:
             continue
-        if other.status in (RunStatus.RUNNING, RunStatus.SUSPENDED):
+        if run.started_at is not None:
+            served[key] = max(served.get(key, run.started_at), run.started_at)
+            started[key] += run.started_at > now - queue.period
+        live[key] += run.status in (RunStatus.RUNNING, RunStatus.SUSPENDED)
+
+    def may_start(run: RunRecord) -> bool:
+        key = run.partition_key
+        if key is None:
             return True
-        if other.status is RunStatus.QUEUED and (other.queued_at or 0.0, other.run_id) < mine:
-            return True
-    return False
+        mine = turn[run.run_id]
+        if live[key] + mine > queue.partition_concurrency:
+            return False
+        return queue.partition_limit is None or started[key] + mine <= queue.partition_limit
+
+    def order(run: RunRecord) -> tuple[Any, ...]:
+        last = None if run.partition_key is None else served.get(run.partition_key)
+        return (-run.priority, turn[run.run_id], last is not None, last or 0.0,
+                *claim_key(queue, run)[1:])  # fmt: skip
+
+    return sorted((r for members in groups.values() for r in members if may_start(r)), key=order)
+
+
+def _submit_order(run: RunRecord) -> tuple[float, str]:
+    return (run.queued_at or 0.0, run.run_id)
+
+
+def queue_not_empty(name: str, live: int) -> QueueNotEmpty:
+    """The refusal to delete queue ``name`` while ``live`` runs are live in it."""
+    return QueueNotEmpty(
+        f"queue {name!r} still holds {live} live run{'s' if live != 1 else ''} (queued, running "
+        "or suspended); cancel or finish them first. Nothing was deleted.",
+        queue=name, live=live,
+    )  # fmt: skip
+
+
+def first_schedule(row: ScheduleRow) -> ScheduleRow:
+    """``row`` checked (names, cron: ``ValueError`` naming the culprit), as first stored: its
+    ``last_tick`` the latest tick before its declaration, so earlier ticks are not due (W4)."""
+    check_name("schedule", row.name)
+    check_name("queue", row.queue)
+    for what in ("graph_name", "fingerprint"):
+        check_name(what, getattr(row, what))
+    if row.graph_ref is not None:
+        check_name("graph_ref", row.graph_ref)
+    cron = Cron(row.cron)
+    return dataclasses.replace(row, last_tick=cron.latest_at(row.declared_at))
+
+
+def graph_from_row(row: Sequence[Any]) -> GraphRow:
+    """Decode a ``graphs`` row selected with ``GRAPH_COLUMNS``."""
+    name, fingerprint, graph_ref, registered_at = row
+    return GraphRow(
+        name=name, fingerprint=fingerprint, graph_ref=graph_ref,
+        registered_at=float(registered_at),
+    )  # fmt: skip
+
+
+def schedule_params(row: ScheduleRow) -> tuple[object, ...]:
+    """Values of the ``schedules`` row of ``row`` (``SCHEDULE_COLUMNS``)."""
+    r = row
+    return (
+        r.name, r.cron, r.graph_name, r.graph_ref, r.fingerprint, r.input_json, r.queue,
+        r.declared_at, r.last_tick,
+    )  # fmt: skip
+
+
+def schedule_from_row(row: Sequence[Any]) -> ScheduleRow:
+    """Decode a ``schedules`` row selected with ``SCHEDULE_COLUMNS``."""
+    name, cron, graph_name, graph_ref, fingerprint, input_json, queue, declared, last = row
+    return ScheduleRow(
+        name=name, cron=cron, graph_name=graph_name, graph_ref=graph_ref,
+        fingerprint=fingerprint, input_json=input_json, queue=queue,
+        declared_at=float(declared), last_tick=None if last is None else float(last),
+    )  # fmt: skip
+
+
+def scheduled_run(row: ScheduleRow, tick: float, now: float) -> tuple[NewRun, Submission]:
+    """The run schedule ``row`` submits for ``tick``; its id names both, so a tick is one run."""
+    stamp = datetime.datetime.fromtimestamp(tick, datetime.UTC)
+    run = NewRun(
+        run_id=f"{row.name}@{stamp.strftime('%Y-%m-%dT%H:%MZ')}", graph_name=row.graph_name,
+        graph_ref=row.graph_ref, fingerprint=row.fingerprint, input_json=row.input_json,
+        created_at=now,
+    )  # fmt: skip
+    return run, Submission(queue=row.queue)
 
 
 def check_claim(queue: str, owner: str, ttl: float, limit: int) -> None:
@@ -127,18 +233,28 @@ def dedup_holder(runs: Iterable[RunRecord], queue: str, dedup_key: str | None) -
 def queue_params(queue: Queue, now: float) -> tuple[object, ...]:
     """Values of the ``queues`` row of ``queue`` declared at ``now``."""
     q = queue
-    return (q.name, q.concurrency, q.worker_concurrency, q.limit, float(q.period), q.order, now)
+    return (
+        q.name, q.concurrency, q.worker_concurrency, q.limit, float(q.period), q.order,
+        q.partition_concurrency, q.partition_limit, now,
+    )  # fmt: skip
 
 
 def queue_from_row(row: Sequence[Any]) -> Queue:
     """Decode a ``queues`` row selected with ``QUEUE_COLUMNS``."""
     name, concurrency, worker_concurrency, limit, period, order = row[:6]
+    partition_concurrency, partition_limit = row[6:8]
     if not isinstance(period, int | float) or isinstance(period, bool):
         raise ValueError(f"period is not a number of seconds: {period!r}")
     return Queue(
         name, concurrency=concurrency, worker_concurrency=worker_concurrency, limit=limit,
-        period=float(period), order=order,
+        period=float(period), order=order, partition_concurrency=partition_concurrency,
+        partition_limit=partition_limit,
     )  # fmt: skip
+
+
+def paused_names(rows: Iterable[Sequence[Any]]) -> set[str]:
+    """Names of the paused queues among ``queues`` rows selected with ``QUEUE_COLUMNS, paused_at``."""
+    return {str(row[0]) for row in rows if len(row) > 8 and row[8] is not None}
 
 
 #: Rows already reported as unusable (kind, row), so each is said once.
@@ -181,6 +297,14 @@ def declared_queue(name: str, row: Sequence[Any] | None) -> Queue | None:
     return usable[0] if usable else None
 
 
+def claimable_queue(name: str, row: Sequence[Any] | None) -> Queue | None:
+    """Like :func:`declared_queue`, and None as well while the queue is paused (its row has a
+    ``paused_at``): a claim then hands out nothing (W2)."""
+    if row is not None and len(row) > 8 and row[8] is not None:
+        return None
+    return declared_queue(name, row)
+
+
 def worker_rows(rows: Iterable[Sequence[Any]]) -> list[WorkerRow]:
     """The ``workers`` rows that decode; each other one is reported once and left out."""
     workers = []
@@ -196,24 +320,50 @@ def worker_params(worker: WorkerRow) -> tuple[object, ...]:
     """Values of the ``workers`` row of ``worker``."""
     w = worker
     queues = json.dumps(list(w.queues))
-    return (w.worker_id, queues, w.concurrency, w.started_at, w.seen_at, w.running)
+    return (
+        w.worker_id, queues, w.concurrency, w.started_at, w.seen_at, w.running, w.dead_after,
+        host_of(w.worker_id),
+    )  # fmt: skip
+
+
+#: Stopped workers one heartbeat reports at most.
+EXPIRED_LIMIT = 8
+
+
+#: The part of a silence, as a share of ``dead_after``, after which a worker on the
+#: same host is looked at (is its process gone?): two heartbeats at least.
+LATE_SHARE = 0.2
+
+
+def host_of(worker_id: str) -> str:
+    """The host part of a worker id (``host:pid:start:nonce``)."""
+    return worker_id.split(":", 1)[0]
+
+
+def late_since(worker: WorkerRow) -> float:
+    """Before when ``worker``'s neighbours on its host last reported, to be looked at."""
+    return worker.seen_at - LATE_SHARE * worker.dead_after
 
 
 def worker_from_row(row: Sequence[Any]) -> WorkerRow:
     """Decode a ``workers`` row selected with ``WORKER_COLUMNS``."""
-    worker_id, queues, concurrency, started_at, seen_at, running = row
+    worker_id, queues, concurrency, started_at, seen_at, running, dead_after = row
     names = json.loads(queues)
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise ValueError(f"queues_json is not a list of names: {queues!r}")
     for what, value in (("concurrency", concurrency), ("running", running)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{what} is not a count: {value!r}")
-    for what, value in (("started_at", started_at), ("seen_at", seen_at)):
+    for what, value in (
+        ("started_at", started_at),
+        ("seen_at", seen_at),
+        ("dead_after", dead_after),
+    ):
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise ValueError(f"{what} is not a time: {value!r}")
     return WorkerRow(
         worker_id=worker_id, queues=tuple(names), concurrency=concurrency,
-        started_at=started_at, seen_at=seen_at, running=running,
+        started_at=started_at, seen_at=seen_at, running=running, dead_after=float(dead_after),
     )  # fmt: skip
 
 
@@ -231,6 +381,7 @@ def stats_of(
     workers: Iterable[WorkerRow],
     now: float,
     window: float,
+    paused: Collection[str] = (),
 ) -> list[QueueStats]:
     """Per-queue counts for ``queue_stats`` from plain records (the memory store's way)."""
     runs, workers = list(runs), list(workers)
@@ -251,6 +402,7 @@ def stats_of(
                 window=window,
                 workers=sum(name in w.queues and w.seen_at > now - window for w in workers),
                 oldest_queued_at=min((r.queued_at or 0.0 for r in queued), default=None),
+                paused=name in paused,
             )
         )
     return out
@@ -262,6 +414,7 @@ def stats_from_counts(
     workers: Iterable[WorkerRow],
     now: float,
     window: float,
+    paused: Collection[str] = (),
 ) -> list[QueueStats]:
     """``queue_stats`` from ``QUEUE_COUNTS`` rows (the SQL stores' way): every queue with runs or declared."""
     by_name = {q.name: q for q in declared}
@@ -277,6 +430,7 @@ def stats_from_counts(
                 started=int(started or 0), window=window,
                 workers=sum(name in w.queues for w in live),
                 oldest_queued_at=None if oldest is None else float(oldest),
+                paused=name in paused,
             )
         )  # fmt: skip
     return out

@@ -182,6 +182,11 @@ class RunRecord:
     #: A fork's origin: the run it was forked from and the node it re-ran from (V4).
     forked_from: str | None = None
     forked_at: str | None = None
+    #: How many times it was taken over, running, from an owner that held its lease
+    #: (the owner died or its lease expired; a released lease does not count) (W3).
+    recoveries: int = 0
+    #: The earliest time a worker may claim it (None: at once) (W4).
+    not_before: float | None = None
 
 
 class NodeRow(NamedTuple):
@@ -376,12 +381,22 @@ class Queue:
             order; ``"priority"`` is the same, for queues that mean to use
             priorities) or ``"lpt"`` (longest estimated run first, then submit
             order; see ``Engine.submit``'s ``estimate``).
+        partition_concurrency: most runs of one partition key running (or
+            suspended) at once across all workers; the default 1 starts a
+            partition's runs one at a time, each once the previous one finished.
+        partition_limit: most runs of one partition key started per
+            ``period`` seconds across all workers (None: no such limit).
 
-    Runs submitted with a ``partition`` key start one at a time per key, in
-    submit order: the next one starts once the previous one finished.
+    Runs submitted with a ``partition`` key start in submit order within their
+    key, and partitions are served fairly (W2): among runs of equal priority a
+    claim takes each partition's first queued run before any partition's
+    second, and among those of one turn the partition served longest ago (or
+    never) first; runs with no key take turns as one partition of their own.
+    A partition with one queued run so waits behind at most one run of each
+    other partition.
 
     >>> Queue("emails", concurrency=10, limit=100, period=60.0)
-    Queue(name='emails', concurrency=10, worker_concurrency=None, limit=100, period=60.0, order='fifo')
+    Queue(name='emails', concurrency=10, worker_concurrency=None, limit=100, period=60.0, order='fifo', partition_concurrency=1, partition_limit=None)
     """
 
     name: str
@@ -391,6 +406,8 @@ class Queue:
     limit: int | None = None
     period: float = 1.0
     order: str = "fifo"
+    partition_concurrency: int = 1
+    partition_limit: int | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -404,8 +421,9 @@ class Queue:
                 f"queue name must be a non-empty string of at most {MAX_NAME_CHARS} "
                 f"characters (no NUL), got {shown}"
             )
-        for what in ("concurrency", "worker_concurrency", "limit"):
+        for what in ("concurrency", "worker_concurrency", "limit", "partition_limit"):
             check_limit(f"queue {self.name!r}: {what}", getattr(self, what), optional=True)
+        check_limit(f"queue {self.name!r}: partition_concurrency", self.partition_concurrency)
         if (
             self.concurrency is not None
             and self.worker_concurrency is not None
@@ -434,7 +452,10 @@ class Submission:
     submit order; ``dedup_key`` makes a second submit with that key, while a
     run holding it is live (queued, running or suspended), return that run;
     ``cost`` is what the duration estimator was given and ``estimate`` the
-    seconds it predicted (an ``lpt`` queue hands out the largest first).
+    seconds it predicted (an ``lpt`` queue hands out the largest first);
+    ``not_before`` the earliest time (seconds since the epoch) it may be
+    claimed: until then it is not handed out and takes no turn of its
+    partition (W4).
     """
 
     queue: str
@@ -443,6 +464,7 @@ class Submission:
     dedup_key: str | None = None
     cost: float | None = None
     estimate: float | None = None
+    not_before: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -462,7 +484,8 @@ class QueueStats:
     ``queued``/``running``/``suspended`` count its runs in each status;
     ``started`` those claimed within the last ``window`` seconds; ``workers``
     the live workers that serve it; ``oldest_queued_at`` the submit time of
-    the longest-waiting queued run (None when none waits).
+    the longest-waiting queued run (None when none waits); ``paused`` whether
+    it is paused (``pause_queue``: it hands out no queued run until resumed).
     """
 
     name: str
@@ -474,6 +497,7 @@ class QueueStats:
     window: float
     workers: int
     oldest_queued_at: float | None = None
+    paused: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -482,7 +506,8 @@ class WorkerRow:
 
     ``worker_id`` is its lease owner name (``host:pid:start:nonce``);
     ``queues`` the queues it claims from; ``running`` how many runs it drove
-    at ``seen_at``.
+    at ``seen_at``; ``dead_after`` the seconds after ``seen_at`` from which
+    other workers count it gone (its heartbeat stopped).
     """
 
     worker_id: str
@@ -491,8 +516,62 @@ class WorkerRow:
     started_at: float
     seen_at: float
     running: int = 0
+    dead_after: float = 60.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pulse:
+    """What one worker heartbeat (``RunStore.pulse``) found, in one transaction.
+
+    ``kinds`` are the change kinds worth a look (``submit``: a queued run in
+    one of the worker's queues; ``answer``: an answer due; ``release``: a
+    running run whose lease expired; ``cancel``: a cancel request for a run
+    the worker drives); ``gates`` whether an open question has a poller or
+    a deadline; ``expired`` workers whose heartbeat stopped (oldest first, a
+    few); ``here`` the other workers on the worker's host.
+    """
+
+    kinds: frozenset[str] = frozenset()
+    gates: bool = False
+    expired: tuple[str, ...] = ()
+    here: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduleRow:
+    """A schedule as stored (``declare_schedule``): a run submitted once per cron tick (W4).
+
+    ``name`` identifies it; ``cron`` is its expression (UTC, see
+    :class:`~tailrace.tail.Cron`); the run is of the graph ``graph_name``
+    (``graph_ref``, ``fingerprint``) on ``input_json``, submitted to
+    ``queue``; ``last_tick`` is the latest tick submitted (or, before the
+    first, the latest tick before the declaration: earlier ones are not due).
+    """
+
+    name: str
+    cron: str
+    graph_name: str
+    graph_ref: str | None
+    fingerprint: str
+    input_json: str
+    queue: str = "default"
+    declared_at: float = 0.0
+    last_tick: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GraphRow:
+    """A graph a worker can drive, as it registered it (``register_graph``): what a run
+    submitted by the graph's name alone is stored with (``name``, ``fingerprint``,
+    ``graph_ref``); ``registered_at`` is its latest registration."""
+
+    name: str
+    fingerprint: str
+    graph_ref: str | None
+    registered_at: float
 
 
 #: What a change feed reports: a run was submitted, a question answered, a
-#: lease released (a run finished, suspended, or let go), a cancel requested.
-CHANGE_KINDS = frozenset({"submit", "answer", "release", "cancel"})
+#: lease released (a run finished, suspended, or let go), a cancel requested, a
+#: queue or schedule declared, paused, resumed or deleted (``config``).
+CHANGE_KINDS = frozenset({"submit", "answer", "release", "cancel", "config"})

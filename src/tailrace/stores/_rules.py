@@ -139,6 +139,15 @@ def grant_lease(
     raise lease_held(run_id, holder, expires, now)
 
 
+def is_recovery(status: str, holder: str | None, owner: str, *, new_grant: bool) -> bool:
+    """Whether a lease grant takes a running run over from another owner that still held it (W3).
+
+    A crash leaves the lease held (until it expires, or the owner is proved
+    dead); a drain or a cancelled claim releases it, which is no recovery.
+    """
+    return new_grant and status == "running" and holder is not None and holder != owner
+
+
 def lease_held(run_id: str, holder: str, expires: float, now: float) -> LeaseHeld:
     """The error for run ``run_id`` leased by ``holder`` until ``expires``, seen at ``now``."""
     return LeaseHeld(

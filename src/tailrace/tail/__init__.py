@@ -1,8 +1,10 @@
 """Long-tail primitives: duration estimates (T1), LPT (T2), hedging (T3), the bounded resume queue (T4).
 
 Each is usable on its own; the engine's admission policy builds on them.
+:class:`Cron` parses the cron expressions of schedules (W4).
 """
 
+from ._cron import Cron as Cron
 from ._estimator import DurationEstimator as DurationEstimator
 from ._hedging import HedgePolicy as HedgePolicy
 from ._hooks import TailHooks as TailHooks
@@ -14,6 +16,7 @@ from ._resume_queue import ResumeItem as ResumeItem
 from ._resume_queue import ResumeQueue as ResumeQueue
 
 __all__ = [
+    "Cron",
     "DurationEstimator",
     "HedgePolicy",
     "ResumeItem",

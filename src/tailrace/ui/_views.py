@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .._attempts import MapSummary, attempts_from_events, event_data, fold_items, map_summaries
-from ..core import owner_is_dead
+from ..core import owner_is_dead, stretches_of
 from ..stores import (
     TERMINAL_STATUSES,
     EventRow,
@@ -428,6 +428,30 @@ class RunView:
     queue: str | None
     cancellable: bool
     cancel_requested: str | None
+    #: Who drove each stretch of it (W6), and how often it was taken over (W3).
+    drivers: tuple[DriverRow, ...] = ()
+    recoveries: int = 0
+
+
+class DriverRow(NamedTuple):
+    """One stretch of a run on its page: the owner that drove it, from when, for how long."""
+
+    owner: str
+    how: str
+    at: str
+    duration: str
+    events: int
+
+
+def driver_rows(events: Sequence[EventRow]) -> tuple[DriverRow, ...]:
+    """The run page's rows of who drove the run (W6)."""
+    return tuple(
+        DriverRow(
+            owner=s.owner or "unrecorded", how=s.how, at=clock(s.started_at),
+            duration=seconds(s.ended_at - s.started_at), events=s.events,
+        )
+        for s in stretches_of(events)
+    )  # fmt: skip
 
 
 async def run_view(
@@ -506,6 +530,8 @@ async def run_view(
         cancel_requested=None
         if record.cancel_requested_at is None
         else clock(record.cancel_requested_at),
+        drivers=driver_rows(events),
+        recoveries=record.recoveries,
     )
 
 

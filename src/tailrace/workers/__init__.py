@@ -2,6 +2,7 @@
 
 - :class:`Queue`: a named queue's limits (global and per-worker concurrency,
   rate limit, order, partitions).
+- :class:`Schedule`: a graph run submitted once per cron tick, by one worker.
 - :class:`Worker`: the daemon that claims runs from queues, drives them under
   leases, applies answers, serves machine gates and adopts runs of dead
   workers (``tailrace worker``; ``tailrace serve`` is the same daemon).
@@ -17,7 +18,19 @@ wake-ups are ``LISTEN/NOTIFY`` or a ``data_version`` check. See
 from .._errors import DuplicateRun as DuplicateRun
 from .._errors import RunFailed as RunFailed
 from ..stores import Queue as Queue
+from ._schedules import Schedule as Schedule
+from ._worker import HEARTBEAT as HEARTBEAT
+from ._worker import MAX_RECOVERIES as MAX_RECOVERIES
 from ._worker import Worker as Worker
 from ._worker import WorkerStats as WorkerStats
 
-__all__ = ["DuplicateRun", "Queue", "RunFailed", "Worker", "WorkerStats"]
+__all__ = [
+    "HEARTBEAT",
+    "MAX_RECOVERIES",
+    "DuplicateRun",
+    "Queue",
+    "RunFailed",
+    "Schedule",
+    "Worker",
+    "WorkerStats",
+]

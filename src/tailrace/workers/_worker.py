@@ -42,12 +42,14 @@ from ..core import Engine, RunResult, cancel_undriven, owner_is_dead
 from ..executors import Executor
 from ..gates import Outcome, Poller, Resumable, ResumeWorker
 from ..gates._daemon import Beside, Daemon, Loop
+from ..gates._orphans import MAX_RECOVERIES as MAX_RECOVERIES
 from ..gates._orphans import Orphan, OrphanScan
 from ..gates._polling import GatePolling
 from ..gates._worker import UNRESUMABLE, describe
-from ..graph import Graph
+from ..graph import Graph, guess_reference
 from ..stores import (
     CHANGE_KINDS,
+    GraphRow,
     QuestionRow,
     Queue,
     RunRecord,
@@ -56,8 +58,14 @@ from ..stores import (
     WorkerRow,
 )
 from ..stores._records import check_limit
+from ._schedules import Schedule, ScheduleTicker
 
 logger = logging.getLogger("tailrace.workers")
+
+#: Default seconds between two heartbeats of a worker (see ``Worker``'s ``heartbeat``).
+HEARTBEAT = 6.0
+#: Most seconds between two readings of the queues' limits with no news of a change.
+REFRESH = 600.0
 
 
 @dataclass(slots=True)
@@ -67,7 +75,7 @@ class WorkerStats:
     ``claimed`` queued runs it claimed; ``applied`` answers it applied;
     ``adopted`` runs it took over from a dead owner; ``completed``,
     ``suspended``, ``failed`` and ``cancelled`` how the runs it drove ended;
-    ``busy`` claims or adoptions another owner won; ``polled`` machine-gate
+    ``busy`` claims or adoptions another owner won (``failed`` counts dead letters too); ``polled`` machine-gate
     polls, ``poll_timeouts`` those cut by the time limit, ``expired`` gate
     deadlines that fired (Q5); ``errors`` failed rounds, jobs and polls
     (logged); ``outcomes`` every answer's outcome by name.
@@ -112,20 +120,36 @@ class Worker:
             after an answer, or adopted).
         graphs: graphs the runs may be of, besides those importable by their
             stored reference (graph files named in the store are never
-            executed: trust model).
+            executed: trust model). They are registered in the store as the
+            worker starts, so a run of one can be submitted by its name alone
+            (``engine.submit("name", ...)``, ``tailrace submit NAME``).
         engine: the engine that drives runs (default: ``Engine(store=store,
             lease_ttl=lease_ttl)``); its owner name is the worker's.
         pollers: machine gates' pollers by name (as in :class:`~tailrace.gates.Server`).
         targets: more resume targets, e.g. LangGraph drivers.
         lease_ttl: lease lifetime of the default engine, seconds.
         grace: seconds runs in flight get to finish once the worker stops.
-        poll_interval: seconds between two looks at the store with no wake-up.
-        heartbeat: seconds between two reports of this worker in the store
-            (``tailrace queues`` shows them) and two looks for dead workers.
+        poll_interval: most seconds between two looks at the store with no
+            wake-up (default: ``heartbeat``).
+        heartbeat: seconds between two heartbeats: one transaction that
+            reports this worker (``tailrace queues`` shows it) and looks, one
+            indexed probe each, for queued runs, due answers, expired leases,
+            cancel requests, machine gates and stopped workers
+            (``RunStore.pulse``). Give every worker of a fleet the same one; a
+            worker silent for ``max(60, 10 * heartbeat)`` seconds counts as
+            gone. Changes (submits, answers, releases, declarations) wake
+            workers at once through the store's change feed, not the heartbeat.
         executors: the default engine's executors by the names nodes use
             (``executor="ray"``: ``{"ray": RayExecutor(address)}``); a run
             naming one this worker lacks goes back to its queue for a worker
             that has it. Whoever made them closes them.
+        max_recoveries: a run already taken over this many times (each time
+            the worker driving it died or lost its lease) is not adopted
+            again but marked ``failed``, the reason stored (W3; None: adopt
+            for ever).
+        schedules: :class:`Schedule` s this worker declares on the store as it
+            starts (their graphs registered here). Every worker submits the
+            store's schedules as their ticks come, one worker per tick (W4).
     """
 
     def __init__(
@@ -140,12 +164,14 @@ class Worker:
         targets: Sequence[Resumable] = (),
         lease_ttl: float = 30.0,
         grace: float = 30.0,
-        poll_interval: float = 1.0,
-        heartbeat: float = 1.0,
+        poll_interval: float | None = None,
+        heartbeat: float = HEARTBEAT,
         executors: Mapping[str, Executor] | None = None,
+        max_recoveries: int | None = MAX_RECOVERIES,
+        schedules: Sequence[Schedule] = (),
     ) -> None:
         check_limit("Worker: concurrency", concurrency)
-        for what, value in (("grace", grace), ("poll_interval", poll_interval)):
+        for what, value in (("grace", grace), ("poll_interval", poll_interval or 0.0)):
             if not _seconds(value) or value < 0:
                 raise ValueError(
                     f"Worker: {what} must be a finite number of seconds >= 0, got {value!r}"
@@ -160,7 +186,12 @@ class Worker:
         self.engine = engine or Engine(store=store, lease_ttl=lease_ttl, executors=executors)
         if self.engine.store is not store:
             raise ValueError("the worker's engine must use the worker's store")
-        self.engine.register(*graphs)
+        self.engine.register(*graphs, *(s.graph for s in schedules))
+        #: Registered in the store as the worker starts: runs of them can be submitted by name.
+        self.graphs = [*graphs, *(s.graph for s in schedules)]
+        self.schedules = list(schedules)
+        #: Submits the store's schedules' ticks (W4).
+        self.ticker = ScheduleTicker(store)
         self.store = store
         self.queues = [q if isinstance(q, Queue) else Queue(q) for q in queues]
         self._declare = [q for q in queues if isinstance(q, Queue)]
@@ -171,8 +202,14 @@ class Worker:
             )
         self.concurrency = concurrency
         self.grace = grace
-        self.poll_interval = poll_interval
         self.heartbeat = heartbeat
+        self.poll_interval = heartbeat if poll_interval is None else min(poll_interval, heartbeat)
+        #: Heartbeats between two readings of the queues' limits with no ``config`` news.
+        self._refresh_every = max(1, math.ceil(REFRESH / self.poll_interval))
+        self._beats = 0
+        #: Whether an open question has a poller or a deadline (the heartbeat says).
+        self._gates_on = True
+        self._gate_wake = asyncio.Event()
         self.owner = self.engine.owner
         self.stats = WorkerStats()
         #: Applies answers exactly once (Q3) and says which target drives a run.
@@ -183,7 +220,7 @@ class Worker:
             stats=self.stats, wake=lambda: None,  # answers reach the worker through the store
         )  # fmt: skip
         #: Takes over runs whose owner died (D6, W3).
-        self.orphans = OrphanScan(store, self.resumer, self.stats)
+        self.orphans = OrphanScan(store, self.resumer, self.stats, max_recoveries=max_recoveries)
         self._jobs: dict[asyncio.Task[None], _Job] = {}
         self._here: set[str] = set()
         #: Graphs (name, fingerprint) of runs this worker found it cannot drive.
@@ -209,6 +246,15 @@ class Worker:
         await self.store.open()
         for queue in self._declare:
             await self.store.declare_queue(queue)
+        for schedule in self.schedules:
+            await schedule.declare(self.store, self.engine.codec or DEFAULT_CODEC)
+        for graph in self.graphs:
+            await self.store.register_graph(
+                GraphRow(
+                    name=graph.name, fingerprint=graph.compile().fingerprint,
+                    graph_ref=guess_reference(graph), registered_at=time.time(),
+                )
+            )  # fmt: skip
         await self._refresh_queues()
         try:
             async with self.store.changes() as feed, asyncio.TaskGroup() as jobs:
@@ -218,13 +264,19 @@ class Worker:
                     due=self._until_look,
                 )  # fmt: skip
                 heartbeat = Loop(
-                    "worker heartbeat", self._heartbeat, interval=self.heartbeat,
+                    "worker heartbeat", self._heartbeat, interval=self.poll_interval,
                     stats=self.stats, logger=logger,
+                )  # fmt: skip
+                gates = Loop(
+                    "worker gate tick", self._gate_tick, interval=0.05,
+                    max_interval=self.poll_interval, stats=self.stats, logger=logger,
+                    wake=self._gate_wake, due=self.gates.until_deadline, on_work=self.gates.wake,
                 )  # fmt: skip
                 beside: dict[str, Beside] = {
                     "worker:wake-ups": functools.partial(self._forward, feed),
-                    "worker:gates": self.gates.loop("worker gate tick").run,
+                    "worker:gates": gates.run,
                     "worker:heartbeat": heartbeat.run,
+                    "worker:schedules": self.ticker.run,
                 }
                 await Daemon(work, beside, drain=self._drain).run(stop)
         finally:
@@ -250,8 +302,8 @@ class Worker:
     async def _work_round(self, group: asyncio.TaskGroup) -> int:
         now = time.monotonic()
         kinds, self._kinds = frozenset(self._kinds), set()
-        if now >= self._poll_at:
-            kinds, self._poll_at = CHANGE_KINDS | {"slot"}, now + self.poll_interval
+        if now >= self._poll_at:  # the first round looks at everything; heartbeats after
+            kinds, self._poll_at = CHANGE_KINDS | {"slot"}, float("inf")
         elif now >= self._look_at:
             kinds = kinds | {"slot"}
         self._look_at = float("inf")
@@ -261,6 +313,9 @@ class Worker:
 
     async def _round(self, kinds: frozenset[str], group: asyncio.TaskGroup) -> None:
         """One look at the store, doing only what the wake-up's ``kinds`` can have changed."""
+        if "config" in kinds:
+            await self._refresh_queues()
+            self.ticker.changed()
         if "cancel" in kinds:
             await self._cancel_requested()
         if "answer" in kinds and self._free() > 0:
@@ -457,11 +512,27 @@ class Worker:
     # -- background loops ----------------------------------------------------------------
 
     async def _heartbeat(self) -> int:
-        """Report this worker; adopt at once the runs of workers on this host that died."""
-        await self._report()
-        await self._refresh_queues()
-        await self._bury_dead()
+        """One pulse: report this worker, and look (cheaply) at what may need a round."""
+        pulse = await self.store.pulse(self._row())
+        self._beats += 1
+        kinds = set(pulse.kinds)
+        if self._beats % self._refresh_every == 0:
+            kinds.add("config")  # the fallback for a lost notification of new limits
+        if "release" in kinds or "submit" in kinds:
+            kinds.add("slot")  # a rate window may have opened; orphans may wait
+        if pulse.gates and not self._gates_on:
+            self._gate_wake.set()
+        self._gates_on = pulse.gates
+        await self._bury_dead(pulse.expired, pulse.here)
+        if kinds:
+            self._kick(kinds)
         return 0
+
+    async def _gate_tick(self) -> int:
+        """A machine-gate tick, only while an open question has a poller or a deadline."""
+        if not self._gates_on and not self.gates.busy():
+            return 0
+        return await self.gates.tick()
 
     async def _refresh_queues(self) -> None:
         """Queues named only take their limits from the store's declaration (re-read each heartbeat)."""
@@ -471,30 +542,28 @@ class Worker:
             q if q.name in mine else declared.get(q.name, Queue(q.name)) for q in self.queues
         ]
 
-    async def _report(self) -> None:
-        await self.store.worker_seen(
-            WorkerRow(
-                worker_id=self.owner, queues=tuple(q.name for q in self.queues),
-                concurrency=self.concurrency, started_at=self._started_at, seen_at=time.time(),
-                running=len(self._jobs),
-            )
+    def _row(self) -> WorkerRow:
+        return WorkerRow(
+            worker_id=self.owner, queues=tuple(q.name for q in self.queues),
+            concurrency=self.concurrency, started_at=self._started_at, seen_at=time.time(),
+            running=len(self._jobs), dead_after=max(60.0, 10 * self.heartbeat),
         )  # fmt: skip
 
-    async def _bury_dead(self) -> None:
-        """Forget workers that are gone; their runs become orphans now rather than after their ttl."""
-        now = time.time()
-        for worker in await self.store.workers():
-            if worker.worker_id == self.owner:
-                continue
-            dead = owner_is_dead(worker.worker_id)
-            if not dead and worker.seen_at > now - max(60.0, 10 * self.heartbeat):
-                continue
-            if dead and await self.store.runs_leased_by(worker.worker_id, limit=1):
-                self._dead.add(worker.worker_id)
+    async def _bury_dead(self, expired: Sequence[str], here: Sequence[str]) -> None:
+        """Forget workers that are gone; a dead one's runs are adopted now rather than after their ttl.
+
+        ``here`` are the other workers on this host: one whose process is gone
+        is provably dead (its runs are adopted at once, W3); ``expired`` those
+        whose heartbeat stopped anywhere (their runs are adopted as their
+        leases expire).
+        """
+        for worker_id in sorted({*expired, *(w for w in here if owner_is_dead(w))}):
+            if owner_is_dead(worker_id) and await self.store.runs_leased_by(worker_id, limit=1):
+                self._dead.add(worker_id)
                 self._kick({"dead"})  # the work loop adopts them: the lease steals from the dead
                 continue
-            self._dead.discard(worker.worker_id)
-            await self.store.forget_worker(worker.worker_id)
+            self._dead.discard(worker_id)
+            await self.store.forget_worker(worker_id)
 
     # -- stopping -------------------------------------------------------------------------
 

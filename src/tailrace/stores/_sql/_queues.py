@@ -1,10 +1,10 @@
 """Queue SQL shared by the SQLite and Postgres stores, in the common dialect.
 
-The statements mirror ``_queue_rules``: ``CLAIM_CANDIDATES`` is
-``partition_blocked`` and ``claim_key`` as a query, ``ACTIVE_IN_QUEUE`` is
-``holds_slot``. Postgres appends ``FOR UPDATE OF r SKIP LOCKED`` to the
-candidate queries, so concurrent claimers skip each other's rows instead of
-waiting for them.
+The statements mirror ``_queue_rules``: ``claim_candidates`` is
+``claim_order`` as a query, ``ACTIVE_IN_QUEUE`` is ``holds_slot``. Postgres
+appends ``FOR UPDATE OF r SKIP LOCKED`` to the candidate queries, so
+concurrent claimers skip each other's rows instead of waiting for them (the
+ranking of candidates sits in a subquery, which the lock does not touch).
 """
 
 from __future__ import annotations
@@ -21,24 +21,114 @@ from .._records import (
 )
 from ._statements import RUN_COLUMNS
 
-QUEUE_COLUMNS = "name, concurrency, worker_concurrency, rate_limit, rate_period, ordering"
-WORKER_COLUMNS = "worker_id, queues_json, concurrency, started_at, seen_at, running"
+QUEUE_COLUMNS = (
+    "name, concurrency, worker_concurrency, rate_limit, rate_period, ordering, "
+    "partition_concurrency, partition_rate_limit"
+)
+WORKER_COLUMNS = "worker_id, queues_json, concurrency, started_at, seen_at, running, dead_after"
 
 UPSERT_QUEUE = (
-    f"INSERT INTO queues ({QUEUE_COLUMNS}, declared_at) VALUES (?, ?, ?, ?, ?, ?, ?) "
+    f"INSERT INTO queues ({QUEUE_COLUMNS}, declared_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
     "ON CONFLICT (name) DO UPDATE SET concurrency = excluded.concurrency, "
     "worker_concurrency = excluded.worker_concurrency, rate_limit = excluded.rate_limit, "
     "rate_period = excluded.rate_period, ordering = excluded.ordering, "
+    "partition_concurrency = excluded.partition_concurrency, "
+    "partition_rate_limit = excluded.partition_rate_limit, declared_at = excluded.declared_at"
+)
+#: A declaration keeps the queue's pause: ``paused_at`` is set and cleared on its own.
+SELECT_QUEUE = f"SELECT {QUEUE_COLUMNS}, paused_at FROM queues WHERE name = ?"
+SELECT_QUEUES = f"SELECT {QUEUE_COLUMNS}, paused_at FROM queues ORDER BY name"
+#: Values: name, declared_at, paused_at. Pauses a queue (declaring it with the defaults
+#: if it never was); a later declaration keeps the pause.
+PAUSE_QUEUE = (
+    "INSERT INTO queues (name, rate_period, ordering, partition_concurrency, declared_at, "
+    "paused_at) VALUES (?, 1.0, 'fifo', 1, ?, ?) "
+    "ON CONFLICT (name) DO UPDATE SET paused_at = COALESCE(queues.paused_at, excluded.paused_at)"
+)
+#: Values: name.
+UNPAUSE_QUEUE = "UPDATE queues SET paused_at = NULL WHERE name = ? AND paused_at IS NOT NULL"
+#: Values: queue. Its live runs (a queue is deleted only without any).
+LIVE_IN_QUEUE = (
+    "SELECT COUNT(*) FROM runs WHERE queue_name = ? "
+    "AND status IN ('queued', 'running', 'suspended')"
+)
+#: Values: name.
+DELETE_QUEUE = "DELETE FROM queues WHERE name = ?"
+
+#: Values: owner, lease_expires, now, run_id. A cancelled run running again, leased to
+#: its reopener (W5); exactly one row changes when it was still cancelled.
+REOPEN_CANCELLED = (
+    "UPDATE runs SET status = 'running', finished_at = NULL, cancel_requested_at = NULL, "
+    "lease_owner = ?, lease_expires = ?, lease_token = lease_token + 1, updated_at = ? "
+    "WHERE run_id = ? AND status = 'cancelled'"
+)
+#: Values: run_id, node_id. A node the cancellation stopped, queued to run again.
+REQUEUE_CANCELLED_NODE = (
+    "UPDATE node_states SET status = 'queued' WHERE run_id = ? AND node_id = ? "
+    "AND status = 'cancelled'"
+)
+
+GRAPH_COLUMNS = "name, fingerprint, graph_ref, registered_at"
+#: A later registration of the same shape refreshes its reference and time.
+UPSERT_GRAPH = (
+    f"INSERT INTO graphs ({GRAPH_COLUMNS}) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT (name, fingerprint) DO UPDATE SET graph_ref = excluded.graph_ref, "
+    "registered_at = excluded.registered_at"
+)
+#: Values: name. Newest registration first.
+SELECT_GRAPHS_NAMED = (
+    f"SELECT {GRAPH_COLUMNS} FROM graphs WHERE name = ? ORDER BY registered_at DESC, fingerprint"
+)
+
+SCHEDULE_COLUMNS = (
+    "name, cron, graph_name, graph_ref, fingerprint, input_json, queue, declared_at, last_tick"
+)
+#: A declaration replaces what to run and when, and keeps the ticks already submitted.
+UPSERT_SCHEDULE = (
+    f"INSERT INTO schedules ({SCHEDULE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (name) DO UPDATE SET cron = excluded.cron, graph_name = excluded.graph_name, "
+    "graph_ref = excluded.graph_ref, fingerprint = excluded.fingerprint, "
+    "input_json = excluded.input_json, queue = excluded.queue, "
     "declared_at = excluded.declared_at"
 )
-SELECT_QUEUE = f"SELECT {QUEUE_COLUMNS} FROM queues WHERE name = ?"
-SELECT_QUEUES = f"SELECT {QUEUE_COLUMNS} FROM queues ORDER BY name"
+SELECT_SCHEDULES = f"SELECT {SCHEDULE_COLUMNS} FROM schedules ORDER BY name"
+SELECT_SCHEDULE = f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE name = ?"
+#: Values: tick, name, tick. The compare-and-set that makes one caller submit a tick.
+ADVANCE_SCHEDULE = (
+    "UPDATE schedules SET last_tick = ? WHERE name = ? AND (last_tick IS NULL OR last_tick < ?)"
+)
+DELETE_SCHEDULE = "DELETE FROM schedules WHERE name = ?"
 
 UPSERT_WORKER = (
-    f"INSERT INTO workers ({WORKER_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) "
+    f"INSERT INTO workers ({WORKER_COLUMNS}, host) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
     "ON CONFLICT (worker_id) DO UPDATE SET queues_json = excluded.queues_json, "
     "concurrency = excluded.concurrency, started_at = excluded.started_at, "
-    "seen_at = excluded.seen_at, running = excluded.running"
+    "seen_at = excluded.seen_at, running = excluded.running, dead_after = excluded.dead_after, "
+    "host = excluded.host"
+)
+#: Values: now, limit. Workers whose heartbeat stopped, oldest first (``workers_by_expiry``).
+EXPIRED_WORKERS = (
+    "SELECT worker_id FROM workers WHERE seen_at + dead_after < ? "
+    "ORDER BY seen_at + dead_after LIMIT ?"
+)
+#: Values: host, late. The workers of one host that have not reported since ``late``
+#: (``workers_by_host``): a worker whose process is gone stops reporting.
+LATE_ON_HOST = "SELECT worker_id FROM workers WHERE host = ? AND seen_at < ?"
+#: Values: now, now. One row per heartbeat: what is worth a look (see ``Pulse``); each
+#: probe is an indexed look at one row at most.
+PULSE_PROBES = (
+    "SELECT (SELECT 1 FROM questions q JOIN runs r ON r.run_id = q.run_id "
+    "WHERE (q.status = 'answered' OR (q.status = 'expired' AND q.applied_at IS NULL)) "
+    "AND (q.retry_at IS NULL OR q.retry_at <= ?) AND r.status = 'suspended' LIMIT 1), "
+    "(SELECT 1 FROM runs WHERE status = 'running' AND (lease_owner IS NULL "
+    "OR lease_expires IS NULL OR lease_expires < ?) LIMIT 1), "
+    "(SELECT 1 FROM questions WHERE status = 'open' "
+    "AND (poller IS NOT NULL OR deadline IS NOT NULL) LIMIT 1)"
+)
+#: Values: owner.
+ANY_CANCEL_REQUEST = (
+    "SELECT 1 FROM runs WHERE lease_owner = ? AND status = 'running' "
+    "AND cancel_requested_at IS NOT NULL LIMIT 1"
 )
 SELECT_WORKERS = f"SELECT {WORKER_COLUMNS} FROM workers ORDER BY worker_id"
 DELETE_WORKER = "DELETE FROM workers WHERE worker_id = ?"
@@ -51,30 +141,54 @@ ACTIVE_IN_QUEUE = (
 #: Values: queue, since. Runs claimed after ``since`` (the rate limit's window).
 STARTED_SINCE = "SELECT COUNT(*) FROM runs WHERE queue_name = ? AND started_at > ?"
 
-#: A run's priority orders its queue whatever the queue's order (higher first);
-#: the order decides among runs of equal priority (see ``claim_key``).
-_ORDER = {
-    "fifo": "r.priority DESC, r.queued_at, r.run_id",
-    "priority": "r.priority DESC, r.queued_at, r.run_id",
-    "lpt": "r.priority DESC, COALESCE(r.estimate, 0) DESC, r.queued_at, r.run_id",
+#: Among runs of one priority and turn, how a queue orders them (see ``claim_key``).
+_TIE = {
+    "fifo": "r.queued_at, r.run_id",
+    "priority": "r.queued_at, r.run_id",
+    "lpt": "COALESCE(r.estimate, 0) DESC, r.queued_at, r.run_id",
+}
+#: How runs with no partition key take their turns: the queue's own order.
+_UNKEYED_TURN = {
+    "fifo": "CASE WHEN q.partition_key IS NULL THEN -q.priority ELSE 0 END, ",
+    "lpt": "CASE WHEN q.partition_key IS NULL THEN -q.priority ELSE 0 END, "
+    "CASE WHEN q.partition_key IS NULL THEN -COALESCE(q.estimate, 0) ELSE 0 END, ",
 }
 
 
 def claim_candidates(queue: Queue, graphs: int | None = None, skip: int = 0) -> str:
-    """Values: queue name, ``graphs`` graph keys if given, ``skip`` graph keys, the limit.
-    Queued runs of the queue that may start now, in its order (of those graphs only, when
-    given, and none of the skipped ones).
+    """Values: those :func:`candidate_params` lists. Queued runs of the queue that may
+    start now, in claim order (of those graphs only, when given, and none of the
+    skipped ones): ``claim_order`` as a query (W2).
 
-    A run with a partition key qualifies only when no run of its partition is
-    running or suspended and none was submitted before it and still waits.
+    The subquery ``c`` gives each queued run its turn within its partition and
+    when its partition last started a run; the outer query keeps a keyed run
+    only while its turn fits its partition's concurrency and rate limit.
     """
-    return (
-        "SELECT r.run_id FROM runs r WHERE r.queue_name = ? AND r.status = 'queued' "
-        "AND (r.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM runs o "
+    turn = _UNKEYED_TURN.get(queue.order, _UNKEYED_TURN["fifo"])
+    ranked = (
+        "SELECT q.run_id, ROW_NUMBER() OVER (PARTITION BY q.partition_key "
+        f"ORDER BY {turn}q.queued_at, q.run_id) AS turn, "
+        "CASE WHEN q.partition_key IS NULL THEN NULL ELSE (SELECT MAX(s.started_at) FROM runs s "
+        "WHERE s.queue_name = q.queue_name AND s.partition_key = q.partition_key "
+        "AND s.started_at IS NOT NULL) END AS served "
+        "FROM runs q WHERE q.queue_name = ? AND q.status = 'queued' "
+        "AND (q.not_before IS NULL OR q.not_before <= ?)"
+    )
+    fits = (
+        "(r.partition_key IS NULL OR (c.turn + (SELECT COUNT(*) FROM runs o "
         "WHERE o.queue_name = r.queue_name AND o.partition_key = r.partition_key "
-        "AND o.run_id <> r.run_id AND (o.status IN ('running', 'suspended') "
-        "OR (o.status = 'queued' AND (o.queued_at < r.queued_at "
-        "OR (o.queued_at = r.queued_at AND o.run_id < r.run_id)))))) "
+        "AND o.status IN ('running', 'suspended')) <= ?"
+        + (
+            ""
+            if queue.partition_limit is None
+            else " AND c.turn + (SELECT COUNT(*) FROM runs o WHERE o.queue_name = r.queue_name "
+            "AND o.partition_key = r.partition_key AND o.started_at > ?) <= ?"
+        )
+        + ")) "
+    )
+    return (
+        f"SELECT r.run_id FROM runs r JOIN ({ranked}) c ON c.run_id = r.run_id "
+        f"WHERE r.status = 'queued' AND {fits}"
         + (
             ""
             if graphs is None
@@ -85,8 +199,23 @@ def claim_candidates(queue: Queue, graphs: int | None = None, skip: int = 0) -> 
             if not skip
             else f"AND (r.graph_name || '/' || r.fingerprint) NOT IN ({', '.join('?' * skip)}) "
         )
-        + f"ORDER BY {_ORDER[queue.order]} LIMIT ?"
+        + "ORDER BY r.priority DESC, c.turn, (c.served IS NOT NULL), c.served, "
+        + f"{_TIE[queue.order]} LIMIT ?"
     )
+
+
+def candidate_params(
+    queue: Queue,
+    now: float,
+    graphs: Sequence[str] | None,
+    skip: Sequence[str],
+    limit: int,
+) -> tuple[object, ...]:
+    """The values of :func:`claim_candidates`' query for a claim of ``limit`` runs at ``now``."""
+    rate: tuple[object, ...] = ()
+    if queue.partition_limit is not None:
+        rate = (now - queue.period, queue.partition_limit)
+    return (queue.name, now, queue.partition_concurrency, *rate, *(graphs or ()), *skip, limit)
 
 
 #: Values: owner, lease_expires, now, now, run_id. Exactly one row changes when

@@ -34,7 +34,7 @@ RUN_FIELDS = (
     "error", "created_at", "updated_at", "finished_at", "nodes_done", "lease_owner",
     "lease_expires", "lease_token", "format_version", "queue_name", "priority", "partition_key",
     "dedup_key", "cost", "estimate", "queued_at", "started_at", "cancel_requested_at",
-    "forked_from", "forked_at",
+    "forked_from", "forked_at", "recoveries", "not_before",
 )  # fmt: skip
 RUN_COLUMNS = ", ".join(RUN_FIELDS)
 EVENT_FIELDS = ("seq", "type", "node_id", "visit", "attempt", "ts", "data_json")
@@ -42,8 +42,13 @@ EVENT_COLUMNS = ", ".join(EVENT_FIELDS)
 
 #: The columns a run is created with: those of migration 1 (later columns default).
 _CREATED_FIELDS = RUN_FIELDS[: RUN_FIELDS.index("format_version") + 1]
-#: The columns of a run submitted to a queue: those of migration 5.
-_QUEUED_FIELDS = RUN_FIELDS[: RUN_FIELDS.index("cancel_requested_at") + 1]
+#: The columns of a run submitted to a queue: those of migration 5, its recoveries
+#: (W3) and when it may start (W4); a fork's origin is set apart (``SET_ORIGIN``).
+_QUEUED_FIELDS = (
+    *RUN_FIELDS[: RUN_FIELDS.index("cancel_requested_at") + 1],
+    "recoveries",
+    "not_before",
+)
 INSERT_RUN = (
     f"INSERT INTO runs ({', '.join(_CREATED_FIELDS)}) "
     f"VALUES ({', '.join('?' * len(_CREATED_FIELDS))})"
@@ -277,7 +282,66 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             "CREATE INDEX parked_by_node ON parked_items (graph_name, node_id, status, parked_at)",
         ),
     ),
+    (
+        9,
+        (
+            # Partitions: a concurrency and a rate limit per partition key, and
+            # a pause of the whole queue (a declaration leaves it as it is).
+            "ALTER TABLE queues ADD COLUMN partition_concurrency INTEGER NOT NULL DEFAULT 1",
+            "ALTER TABLE queues ADD COLUMN partition_rate_limit INTEGER",
+            "ALTER TABLE queues ADD COLUMN paused_at DOUBLE PRECISION",
+            # When a partition last started a run (fair turns), and its rate window.
+            "CREATE INDEX runs_by_partition_start ON runs (queue_name, partition_key, started_at) "
+            "WHERE partition_key IS NOT NULL AND started_at IS NOT NULL",
+        ),
+    ),
+    (
+        10,
+        (
+            # Dead letters (W3): how many times a running run was taken over
+            # from an owner that held it (it died, or its lease expired).
+            "ALTER TABLE runs ADD COLUMN recoveries INTEGER NOT NULL DEFAULT 0",
+        ),
+    ),
+    (
+        11,
+        (
+            # Delayed runs and schedules (W4): a queued run is claimed only from
+            # ``not_before``; a schedule's ``last_tick`` is the compare-and-set
+            # that makes one worker of the fleet submit each tick.
+            "ALTER TABLE runs ADD COLUMN not_before DOUBLE PRECISION",
+            """CREATE TABLE schedules (
+                name TEXT PRIMARY KEY, cron TEXT NOT NULL, graph_name TEXT NOT NULL,
+                graph_ref TEXT, fingerprint TEXT NOT NULL, input_json TEXT NOT NULL,
+                queue TEXT NOT NULL, declared_at DOUBLE PRECISION NOT NULL,
+                last_tick DOUBLE PRECISION)""",
+        ),
+    ),
+    (
+        12,
+        (
+            # The graphs workers can drive, so a run can be submitted by name alone.
+            """CREATE TABLE graphs (
+                name TEXT NOT NULL, fingerprint TEXT NOT NULL, graph_ref TEXT,
+                registered_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (name, fingerprint))""",
+        ),
+    ),
+    (
+        13,
+        (
+            # Idle cost: a heartbeat finds stopped workers with one indexed query
+            # (their last report plus the silence after which they count gone), and
+            # queue and schedule changes are notified rather than polled.
+            "ALTER TABLE workers ADD COLUMN dead_after DOUBLE PRECISION NOT NULL DEFAULT 60",
+            "CREATE INDEX workers_by_expiry ON workers ((seen_at + dead_after))",
+            # The workers of one host that are late: a few rows, however many report.
+            "ALTER TABLE workers ADD COLUMN host TEXT",
+            "CREATE INDEX workers_by_host ON workers (host, seen_at)",
+            "INSERT INTO signals (kind, n) VALUES ('config', 0)",
+        ),
+    ),
 )
+
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 #: Keep a graph version's structure the first time a run of it is stored.
 INSERT_SHAPE = (
@@ -341,7 +405,7 @@ def queued_run_params(run: NewRun, submission: Submission) -> tuple[object, ...]
     head = (RunStatus.QUEUED.value if i == 4 else v for i, v in enumerate(new_run_params(run)))
     return (
         *head, q.queue, q.priority, q.partition, q.dedup_key, q.cost, q.estimate, run.created_at,
-        None, None,
+        None, None, 0, q.not_before,
     )  # fmt: skip
 
 

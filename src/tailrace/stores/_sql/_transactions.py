@@ -23,6 +23,16 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
 from ..._errors import RunNotFound
+from .._queue_rules import (
+    EXPIRED_LIMIT,
+    host_of,
+    late_since,
+    queue_not_empty,
+    schedule_from_row,
+    schedule_params,
+    scheduled_run,
+    worker_params,
+)
 from .._records import (
     CheckpointRow,
     EventRow,
@@ -31,12 +41,15 @@ from .._records import (
     ItemRow,
     NodeRow,
     ParkedRow,
+    Pulse,
     QuestionRow,
     QuestionStatus,
     ResultRow,
     RunRecord,
     RunStatus,
+    ScheduleRow,
     StoredRun,
+    WorkerRow,
 )
 from .._rules import (
     check_commit,
@@ -44,19 +57,39 @@ from .._rules import (
     check_move,
     check_readable,
     grant_lease,
+    is_recovery,
     not_applicable,
     not_open,
     parse_question_status,
     parse_status,
     question_not_found,
 )
-from ._queues import CANCEL_QUEUED, REQUEST_CANCEL
+from ._queues import (
+    ADVANCE_SCHEDULE,
+    ANY_CANCEL_REQUEST,
+    ANY_QUEUED,
+    CANCEL_QUEUED,
+    DELETE_QUEUE,
+    EXPIRED_WORKERS,
+    LATE_ON_HOST,
+    LIVE_IN_QUEUE,
+    PAUSE_QUEUE,
+    PULSE_PROBES,
+    REOPEN_CANCELLED,
+    REQUEST_CANCEL,
+    REQUEUE_CANCELLED_NODE,
+    SELECT_SCHEDULE,
+    UNPAUSE_QUEUE,
+    UPSERT_SCHEDULE,
+    UPSERT_WORKER,
+)
 from ._statements import (
     ANSWER_QUESTION,
     APPLY_QUESTION,
     CLAIM_PARKED,
     DROP_PARKED,
     EVENT_COLUMNS,
+    INSERT_QUEUED_RUN,
     MOVE_RUN,
     QUESTION_STATE,
     RUN_COLUMNS,
@@ -70,6 +103,7 @@ from ._statements import (
     SUPERSEDE_QUESTION,
     event_from_row,
     question_from_row,
+    queued_run_params,
     record_from_row,
 )
 
@@ -83,6 +117,12 @@ SELECT_FOR_COMMIT = (
     "SELECT status, format_version, lease_token, cancel_requested_at FROM runs WHERE run_id = ?"
 )
 SELECT_LEASE = "SELECT lease_owner, lease_expires, lease_token FROM runs WHERE run_id = ?"
+SELECT_LEASE_STATUS = (
+    "SELECT lease_owner, lease_expires, lease_token, status FROM runs WHERE run_id = ?"
+)
+#: A tick's run, unless it exists already.
+INSERT_SCHEDULED_RUN = f"{INSERT_QUEUED_RUN} ON CONFLICT DO NOTHING"
+COUNT_RECOVERY = "UPDATE runs SET recoveries = recoveries + 1 WHERE run_id = ?"
 SELECT_STATUS = "SELECT status FROM runs WHERE run_id = ?"
 UPDATE_LEASE = (
     "UPDATE runs SET lease_owner = ?, lease_expires = ?, lease_token = ? WHERE run_id = ?"
@@ -271,6 +311,97 @@ async def graph_shape(tx: Tx, graph_name: str, fingerprint: str) -> str | None:
     return None if row is None else str(row[0])
 
 
+# --- the heartbeat (idle cost) ----------------------------------------------------------
+
+
+async def pulse(tx: Tx, worker: WorkerRow, now: float) -> Pulse:
+    """Report ``worker`` and look at what is worth a look, one indexed probe each (``Pulse``)."""
+    await tx.change(UPSERT_WORKER, worker_params(worker))
+    kinds: set[str] = set()
+    for name in worker.queues:
+        if await tx.one(ANY_QUEUED, (name,)) is not None:
+            kinds.add("submit")
+            break
+    probes = await tx.one(PULSE_PROBES, (now, now))
+    answer, orphan, gates = probes if probes is not None else (None, None, None)
+    if answer is not None:
+        kinds.add("answer")
+    if orphan is not None:
+        kinds.add("release")
+    if await tx.one(ANY_CANCEL_REQUEST, (worker.worker_id,)) is not None:
+        kinds.add("cancel")
+    expired = [str(r[0]) for r in await tx.all(EXPIRED_WORKERS, (now, EXPIRED_LIMIT))]
+    late = (host_of(worker.worker_id), late_since(worker))
+    here = [str(r[0]) for r in await tx.all(LATE_ON_HOST, late)]
+    return Pulse(
+        kinds=frozenset(kinds), gates=gates is not None, expired=tuple(expired),
+        here=tuple(w for w in here if w != worker.worker_id),
+    )  # fmt: skip
+
+
+# --- queues (W2) ------------------------------------------------------------------------
+
+
+async def pause_queue(tx: Tx, name: str, now: float) -> None:
+    """Pause queue ``name`` (declaring it with the defaults if it never was)."""
+    await tx.change(PAUSE_QUEUE, (name, now, now))
+    await tx.signal("config")
+
+
+async def resume_queue(tx: Tx, name: str) -> bool:
+    """Lift the pause of queue ``name``; True if it was paused (workers are woken)."""
+    lifted = await tx.change(UNPAUSE_QUEUE, (name,))
+    if lifted:
+        await tx.signal("submit")
+        await tx.signal("config")
+    return lifted
+
+
+async def delete_queue(tx: Tx, name: str) -> bool:
+    """Drop the declaration of queue ``name`` if it holds no live run; True if there was one."""
+    row = await tx.one(LIVE_IN_QUEUE, (name,))
+    live = int(row[0]) if row is not None else 0
+    if live:
+        raise queue_not_empty(name, live)
+    deleted = await tx.change(DELETE_QUEUE, (name,))
+    if deleted:
+        await tx.signal("config")
+    return deleted
+
+
+async def declare_schedule(tx: Tx, row: ScheduleRow) -> None:
+    """Store schedule ``row`` (checked, first tick set), keeping the ticks already submitted."""
+    await tx.change(UPSERT_SCHEDULE, schedule_params(row))
+    await tx.signal("config")
+
+
+async def fire_schedule(tx: Tx, name: str, tick: float, now: float) -> str | None:
+    """Submit schedule ``name``'s run for ``tick`` unless someone did; its run id, or None."""
+    row = await tx.one(SELECT_SCHEDULE, (name,))
+    if row is None:
+        return None
+    schedule = schedule_from_row(row)
+    if not await tx.change(ADVANCE_SCHEDULE, (tick, name, tick)):
+        return None  # another worker submitted this tick (or a later one)
+    run, submission = scheduled_run(schedule, tick, now)
+    if not await tx.change(INSERT_SCHEDULED_RUN, queued_run_params(run, submission)):
+        return None  # the tick's run exists already (its schedule was declared again)
+    await tx.signal("submit")
+    return run.run_id
+
+
+async def reopen_cancelled(
+    tx: Tx, run_id: str, owner: str, ttl: float, nodes: Sequence[str], now: float
+) -> bool:
+    """Run ``run_id`` cancelled -> running, leased to ``owner``, ``nodes`` queued again (W5)."""
+    await run_row(tx, SELECT_STATUS, run_id, lock=True)  # RunNotFound if absent
+    if not await tx.change(REOPEN_CANCELLED, (owner, now + ttl, now, run_id)):
+        return False
+    for node_id in nodes:
+        await tx.change(REQUEUE_CANCELLED_NODE, (run_id, node_id))
+    return True
+
+
 # --- leases (D6) -------------------------------------------------------------------------
 
 
@@ -283,13 +414,15 @@ async def take_lease(
     clock: Callable[[], float],
 ) -> tuple[int, bool]:
     """Lease run ``run_id`` to ``owner``: ``(token, whether it is a new grant)``, not a renewal of one's own."""
-    holder, expires, lease_token = await run_row(tx, SELECT_LEASE, run_id, lock=True)
+    holder, expires, lease_token, status = await run_row(tx, SELECT_LEASE_STATUS, run_id, lock=True)
     now = clock()
     token = grant_lease(
         run_id, owner, now=now, holder=holder, expires=expires, lease_token=lease_token,
         steal_from=steal_from,
     )  # fmt: skip
     await tx.change(UPDATE_LEASE, (owner, now + ttl, token, run_id))
+    if is_recovery(status, holder, owner, new_grant=token != lease_token):
+        await tx.change(COUNT_RECOVERY, (run_id,))
     return token, token != lease_token
 
 

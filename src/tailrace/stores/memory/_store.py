@@ -26,26 +26,33 @@ from .._artifacts import ArtifactLedger
 from .._changes import ChangeHub
 from .._contract import ChangeFeed, RunStore
 from .._queue_rules import (
-    claim_key,
+    EXPIRED_LIMIT,
+    claim_order,
     dedup_holder,
     free_slots,
     holds_slot,
-    partition_blocked,
+    host_of,
+    late_since,
+    queue_not_empty,
     run_count_order,
     run_graph_key,
+    scheduled_run,
     stats_of,
 )
 from .._records import (
+    LIVE_STATUSES,
     ArtifactVersion,
     CheckpointRow,
     EventRow,
     FrozenInput,
+    GraphRow,
     Harvest,
     ItemRow,
     NewRun,
     NodeRow,
     ParkedRow,
     ParkedStatus,
+    Pulse,
     QuestionRow,
     QuestionStatus,
     Queue,
@@ -54,6 +61,7 @@ from .._records import (
     RunCount,
     RunRecord,
     RunStatus,
+    ScheduleRow,
     StoredRun,
     Submission,
     WorkerRow,
@@ -72,6 +80,7 @@ from .._rules import (
     due_order,
     duplicate_in_harvest,
     grant_lease,
+    is_recovery,
     not_applicable,
     not_open,
     printable_text,
@@ -110,6 +119,9 @@ class MemoryStore(RunStore):
         self._shapes: dict[tuple[str, str], str] = {}
         self._artifacts = ArtifactLedger(clock)
         self._queue_specs: dict[str, Queue] = {}
+        self._paused: set[str] = set()
+        self._schedule_rows: dict[str, ScheduleRow] = {}
+        self._graph_rows: dict[tuple[str, str], GraphRow] = {}
         self._worker_rows: dict[str, WorkerRow] = {}
         self._hub = ChangeHub()
 
@@ -161,6 +173,7 @@ class MemoryStore(RunStore):
             queued_at=None if q is None else run.created_at,
             forked_from=run.forked_from,
             forked_at=run.forked_at,
+            not_before=None if q is None else q.not_before,
         )
         if run.shape_json is not None:
             self._shapes.setdefault((run.graph_name, run.fingerprint), run.shape_json)
@@ -392,9 +405,12 @@ class MemoryStore(RunStore):
                 lease_token=record.lease_token,
                 steal_from=steal_from,
             )
+            new = token != record.lease_token
+            recovered = is_recovery(record.status, record.lease_owner, owner, new_grant=new)
             self._runs[run_id] = dataclasses.replace(
-                record, lease_owner=owner, lease_expires=now + ttl, lease_token=token
-            )
+                record, lease_owner=owner, lease_expires=now + ttl, lease_token=token,
+                recoveries=record.recoveries + recovered,
+            )  # fmt: skip
             return token
 
     async def _move_run(
@@ -628,30 +644,21 @@ class MemoryStore(RunStore):
                     r.started_at is not None and r.started_at > now - spec.period for r in mine
                 ),
             )
+            if queue in self._paused or free <= 0:
+                return []
             wanted, skipped = (None if graphs is None else set(graphs)), set(skip)
-            queued = sorted(
-                (
-                    r
-                    for r in mine
-                    if r.status is RunStatus.QUEUED
-                    and (wanted is None or run_graph_key(r) in wanted)
-                    and run_graph_key(r) not in skipped
-                ),
-                key=lambda r: claim_key(spec, r),
-            )
             claimed: list[str] = []
-            for run in queued:
-                if len(claimed) >= free:
-                    break
-                if partition_blocked(run, mine):
+            for run in claim_order(spec, mine, now):
+                key = run_graph_key(run)
+                if (wanted is not None and key not in wanted) or key in skipped:
                     continue
-                started = dataclasses.replace(
+                self._runs[run.run_id] = dataclasses.replace(
                     run, status=RunStatus.RUNNING, lease_owner=owner, lease_expires=now + ttl,
                     lease_token=run.lease_token + 1, started_at=now, updated_at=now,
                 )  # fmt: skip
-                self._runs[run.run_id] = started
-                mine = [started if r.run_id == run.run_id else r for r in mine]
                 claimed.append(run.run_id)
+                if len(claimed) >= free:
+                    break
             return claimed
 
     async def _claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
@@ -712,6 +719,26 @@ class MemoryStore(RunStore):
         self._hub.deliver(frozenset({"cancel"}))
         return run.status
 
+    async def _reopen_cancelled(
+        self, run_id: str, owner: str, ttl: float, nodes: tuple[str, ...]
+    ) -> bool:
+        with self._lock:
+            run = self._run(run_id)
+            if run.status is not RunStatus.CANCELLED:
+                return False
+            now = self._clock()
+            self._runs[run_id] = dataclasses.replace(
+                run, status=RunStatus.RUNNING, finished_at=None, cancel_requested_at=None,
+                lease_owner=owner, lease_expires=now + ttl, lease_token=run.lease_token + 1,
+                updated_at=now,
+            )  # fmt: skip
+            rows = self._nodes[run_id]
+            for node_id in nodes:
+                row = rows.get(node_id)
+                if row is not None and row.status == "cancelled":
+                    rows[node_id] = row._replace(status="queued")
+            return True
+
     async def _cancel_requests(self, owner: str) -> list[str]:
         with self._lock:
             return sorted(
@@ -734,22 +761,135 @@ class MemoryStore(RunStore):
     async def _declare_queue(self, queue: Queue) -> None:
         with self._lock:
             self._queue_specs[queue.name] = queue
-        self._hub.deliver(frozenset({"submit"}))  # new limits may let more runs start
+        self._hub.deliver(frozenset({"submit", "config"}))  # new limits may let more runs start
 
     async def _queues(self) -> list[Queue]:
         with self._lock:
             return [self._queue_specs[name] for name in sorted(self._queue_specs)]
 
+    async def _register_graph(self, row: GraphRow) -> None:
+        with self._lock:
+            self._graph_rows[(row.name, row.fingerprint)] = row
+
+    async def _graphs_named(self, name: str) -> list[GraphRow]:
+        with self._lock:
+            rows = [r for (n, _), r in self._graph_rows.items() if n == name]
+        return sorted(rows, key=lambda r: (-r.registered_at, r.fingerprint))
+
+    async def _declare_schedule(self, row: ScheduleRow) -> None:
+        with self._lock:
+            old = self._schedule_rows.get(row.name)
+            kept = row.last_tick if old is None else old.last_tick
+            self._schedule_rows[row.name] = dataclasses.replace(row, last_tick=kept)
+        self._hub.deliver(frozenset({"config"}))
+
+    async def _schedules(self) -> list[ScheduleRow]:
+        with self._lock:
+            return [self._schedule_rows[name] for name in sorted(self._schedule_rows)]
+
+    async def _fire_schedule(self, name: str, tick: float) -> str | None:
+        with self._lock:
+            row = self._schedule_rows.get(name)
+            if row is None or (row.last_tick is not None and row.last_tick >= tick):
+                return None
+            self._schedule_rows[name] = dataclasses.replace(row, last_tick=tick)
+            run, submission = scheduled_run(row, tick, self._clock())
+            if run.run_id in self._runs:
+                return None
+            self._insert_run(run, submission)
+        self._hub.deliver(frozenset({"submit"}))
+        return run.run_id
+
+    async def _delete_schedule(self, name: str) -> bool:
+        with self._lock:
+            return self._schedule_rows.pop(name, None) is not None
+
+    async def _pause_queue(self, name: str) -> None:
+        with self._lock:
+            self._queue_specs.setdefault(name, Queue(name))
+            self._paused.add(name)
+        self._hub.deliver(frozenset({"config"}))
+
+    async def _resume_queue(self, name: str) -> bool:
+        with self._lock:
+            if name not in self._paused:
+                return False
+            self._paused.discard(name)
+        self._hub.deliver(frozenset({"submit", "config"}))
+        return True
+
+    async def _delete_queue(self, name: str) -> bool:
+        with self._lock:
+            live = sum(
+                r.queue_name == name and r.status in LIVE_STATUSES for r in self._runs.values()
+            )
+            if live:
+                raise queue_not_empty(name, live)
+            self._paused.discard(name)
+            deleted = self._queue_specs.pop(name, None) is not None
+        if deleted:
+            self._hub.deliver(frozenset({"config"}))
+        return deleted
+
     async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
         with self._lock:
             runs = [r for r in self._runs.values() if r.queue_name is not None]
             declared, workers = dict(self._queue_specs), list(self._worker_rows.values())
+            paused = set(self._paused)
         names = {r.queue_name for r in runs if r.queue_name is not None}
-        return stats_of(names, declared, runs, workers, now, window)
+        return stats_of(names, declared, runs, workers, now, window, paused)
 
     async def _worker_seen(self, worker: WorkerRow) -> None:
         with self._lock:
             self._worker_rows[worker.worker_id] = worker
+
+    async def _pulse(self, worker: WorkerRow) -> Pulse:
+        with self._lock:
+            now = self._clock()
+            self._worker_rows[worker.worker_id] = worker
+            runs = list(self._runs.values())
+            kinds: set[str] = set()
+            mine = set(worker.queues)
+            if any(r.status is RunStatus.QUEUED and r.queue_name in mine for r in runs):
+                kinds.add("submit")
+            if any(
+                can_apply(q.status, q.applied_at) and due(q.retry_at, now)
+                and self._runs.get(q.run_id) is not None
+                and self._runs[q.run_id].status is RunStatus.SUSPENDED
+                for q in self._questions.values()
+            ):  # fmt: skip
+                kinds.add("answer")
+            if any(
+                r.status is RunStatus.RUNNING
+                and (r.lease_owner is None or r.lease_expires is None or r.lease_expires < now)
+                for r in runs
+            ):
+                kinds.add("release")
+            if any(
+                r.lease_owner == worker.worker_id and r.status is RunStatus.RUNNING
+                and r.cancel_requested_at is not None
+                for r in runs
+            ):  # fmt: skip
+                kinds.add("cancel")
+            gates = any(
+                q.status is QuestionStatus.OPEN and (q.poller is not None or q.deadline is not None)
+                for q in self._questions.values()
+            )
+            gone = sorted(
+                (w.seen_at + w.dead_after, w.worker_id)
+                for w in self._worker_rows.values()
+                if w.seen_at + w.dead_after < now
+            )
+            host, late = host_of(worker.worker_id), late_since(worker)
+            here = sorted(
+                w.worker_id
+                for w in self._worker_rows.values()
+                if host_of(w.worker_id) == host and w.seen_at < late
+            )
+        return Pulse(
+            kinds=frozenset(kinds), gates=gates,
+            expired=tuple(w for _, w in gone[:EXPIRED_LIMIT]), here=tuple(here),
+        )  # fmt: skip
 
     async def _workers(self) -> list[WorkerRow]:
         with self._lock:

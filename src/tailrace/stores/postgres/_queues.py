@@ -26,6 +26,7 @@ import hashlib
 import logging
 
 from .._queue_rules import (
+    claimable_queue,
     declared_queue,
 )
 from .._records import (
@@ -62,6 +63,12 @@ async def declared(conn: Conn, name: str) -> Queue | None:
     """The declared limits of queue ``name`` (defaults if never declared; None: unusable)."""
     cur = await conn.execute(pg(SELECT_QUEUE), (name,))
     return declared_queue(name, await cur.fetchone())
+
+
+async def claimable(conn: Conn, name: str) -> Queue | None:
+    """The limits a claim on queue ``name`` keeps; None while it is paused or unusable."""
+    cur = await conn.execute(pg(SELECT_QUEUE), (name,))
+    return claimable_queue(name, await cur.fetchone())
 
 
 async def count_rows(conn: Conn, query: str, params: tuple[object, ...]) -> int:

@@ -40,8 +40,11 @@ from .._changes import ChangeHub, Stop
 from .._contract import ChangeFeed, RunStore
 from .._queue_rules import (
     free_slots,
+    graph_from_row,
+    paused_names,
     queue_params,
     queue_rows,
+    schedule_from_row,
     stats_from_counts,
     worker_params,
     worker_rows,
@@ -51,10 +54,12 @@ from .._records import (
     ArtifactVersion,
     EventRow,
     FrozenInput,
+    GraphRow,
     Harvest,
     NewRun,
     ParkedRow,
     ParkedStatus,
+    Pulse,
     QuestionRow,
     QuestionStatus,
     Queue,
@@ -63,6 +68,7 @@ from .._records import (
     RunCount,
     RunRecord,
     RunStatus,
+    ScheduleRow,
     StoredRun,
     Submission,
     WorkerRow,
@@ -75,6 +81,7 @@ from .._sql._queues import (
     CANCEL_REQUESTS,
     CLAIM_RUN,
     DEDUP_HOLDER,
+    DELETE_SCHEDULE,
     DELETE_WORKER,
     LEASE_FOR_ANSWER,
     LEASED_BY,
@@ -82,11 +89,15 @@ from .._sql._queues import (
     RETURN_CLAIM,
     RUN_COUNTS,
     RUN_DURATIONS,
+    SELECT_GRAPHS_NAMED,
     SELECT_QUEUES,
+    SELECT_SCHEDULES,
     SELECT_WORKERS,
     STARTED_SINCE,
+    UPSERT_GRAPH,
     UPSERT_QUEUE,
     UPSERT_WORKER,
+    candidate_params,
     claim_candidates,
     list_runs_query,
     run_counts_from_rows,
@@ -127,6 +138,7 @@ from ._queues import (
     FALLBACK_POLL,
     INSERT_QUEUED,
     SKIP_LOCKED,
+    claimable,
     count_rows,
     declared,
     lock_queue,
@@ -586,9 +598,9 @@ class PostgresStore(RunStore):
         async def claim(conn: Conn, attempt: Attempt) -> list[str]:
             claimed.clear()
             attempt.xid = await transaction_id(conn)
-            spec = await declared(conn, queue)
+            spec = await claimable(conn, queue)
             if spec is None:
-                return []  # its row cannot be used: nothing is claimed from it (said once)
+                return []  # paused, or its row cannot be used (said once): nothing is claimed
             active = started = 0
             if spec.concurrency is not None or spec.limit is not None:
                 await lock_queue(conn, self._db.schema, queue)
@@ -601,7 +613,7 @@ class PostgresStore(RunStore):
             if free <= 0:
                 return []
             query = claim_candidates(spec, None if graphs is None else len(graphs), len(skip))
-            params = (queue, *(graphs or ()), *skip, free)
+            params = candidate_params(spec, now, graphs, skip, free)
             cur = await conn.execute(pg(query) + SKIP_LOCKED, params)
             ids = [r[0] for r in await cur.fetchall()]
             # Stamped after the look: a run of a partition then never starts
@@ -715,6 +727,17 @@ class PostgresStore(RunStore):
 
         return await self._db.write(f"run {run_id!r}", cancel)  # a re-run changes nothing
 
+    async def _reopen_cancelled(
+        self, run_id: str, owner: str, ttl: float, nodes: tuple[str, ...]
+    ) -> bool:
+        async def reopen(conn: Conn, attempt: Attempt) -> bool:
+            tx = PostgresTx(conn, attempt, self._channel)
+            return await bodies.reopen_cancelled(tx, run_id, owner, ttl, nodes, self._clock())
+
+        # A re-run after a lost COMMIT finds the run running: False, and the caller's
+        # resume then finds its own lease.
+        return await self._db.write(f"run {run_id!r}", reopen)
+
     async def _cancel_requests(self, owner: str) -> list[str]:
         rows = await self._db.read(
             "listing cancel requests", fetch_all(pg(CANCEL_REQUESTS), (owner,))
@@ -733,12 +756,75 @@ class PostgresStore(RunStore):
         async def upsert(conn: Conn, attempt: Attempt) -> None:
             await conn.execute(pg(UPSERT_QUEUE), queue_params(queue, self._clock()))
             await notify(conn, channel, "submit")  # new limits may let more runs start
+            await notify(conn, channel, "config")
 
         await self._db.write(f"queue {queue.name!r}", upsert)
 
     async def _queues(self) -> list[Queue]:
         rows = await self._db.read("listing queues", fetch_all(pg(SELECT_QUEUES), ()))
         return queue_rows(rows)
+
+    async def _register_graph(self, row: GraphRow) -> None:
+        params = (row.name, row.fingerprint, row.graph_ref, row.registered_at)
+
+        async def upsert(conn: Conn, attempt: Attempt) -> None:
+            await conn.execute(pg(UPSERT_GRAPH), params)
+
+        await self._db.write(f"graph {row.name!r}", upsert)
+
+    async def _graphs_named(self, name: str) -> list[GraphRow]:
+        rows = await self._db.read(f"graph {name!r}", fetch_all(pg(SELECT_GRAPHS_NAMED), (name,)))
+        return [graph_from_row(r) for r in rows]
+
+    async def _declare_schedule(self, row: ScheduleRow) -> None:
+        async def declare(conn: Conn, attempt: Attempt) -> None:
+            await bodies.declare_schedule(PostgresTx(conn, attempt, self._channel), row)
+
+        await self._db.write(f"schedule {row.name!r}", declare)
+
+    async def _schedules(self) -> list[ScheduleRow]:
+        rows = await self._db.read("listing schedules", fetch_all(pg(SELECT_SCHEDULES), ()))
+        return [schedule_from_row(r) for r in rows]
+
+    async def _fire_schedule(self, name: str, tick: float) -> str | None:
+        fired: list[str | None] = [None]
+
+        async def fire(conn: Conn, attempt: Attempt) -> str | None:
+            attempt.xid = await transaction_id(conn)
+            tx = PostgresTx(conn, attempt, self._channel)
+            fired[0] = await bodies.fire_schedule(tx, name, tick, self._clock())
+            return fired[0]
+
+        async def landed(conn: Conn) -> str | None:
+            return fired[0]  # its COMMIT landed: the run it stored is the tick's
+
+        return await self._db.write(f"schedule {name!r}", fire, landed=landed)
+
+    async def _delete_schedule(self, name: str) -> bool:
+        async def delete(conn: Conn, attempt: Attempt) -> bool:
+            cur = await conn.execute(pg(DELETE_SCHEDULE), (name,))
+            return cur.rowcount == 1
+
+        return await self._db.write(f"schedule {name!r}", delete)
+
+    async def _pause_queue(self, name: str) -> None:
+        async def pause(conn: Conn, attempt: Attempt) -> None:
+            tx = PostgresTx(conn, attempt, self._channel)
+            await bodies.pause_queue(tx, name, self._clock())
+
+        await self._db.write(f"queue {name!r}", pause)  # a re-run changes nothing
+
+    async def _resume_queue(self, name: str) -> bool:
+        async def resume(conn: Conn, attempt: Attempt) -> bool:
+            return await bodies.resume_queue(PostgresTx(conn, attempt, self._channel), name)
+
+        return await self._db.write(f"queue {name!r}", resume)
+
+    async def _delete_queue(self, name: str) -> bool:
+        async def delete(conn: Conn, attempt: Attempt) -> bool:
+            return await bodies.delete_queue(PostgresTx(conn, attempt, self._channel), name)
+
+        return await self._db.write(f"queue {name!r}", delete)
 
     async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
 
@@ -752,7 +838,7 @@ class PostgresStore(RunStore):
                 workers = await (await conn.execute(pg(SELECT_WORKERS))).fetchall()
             return stats_from_counts(
                 counts, queue_rows(queues), worker_rows(workers),
-                now, window,
+                now, window, paused_names(queues),
             )  # fmt: skip
 
         return await self._db.read("queue statistics", read)
@@ -763,6 +849,13 @@ class PostgresStore(RunStore):
             await conn.execute(pg(UPSERT_WORKER), worker_params(worker))
 
         await self._db.write(f"worker {worker.worker_id!r}", upsert)
+
+    async def _pulse(self, worker: WorkerRow) -> Pulse:
+        async def beat(conn: Conn, attempt: Attempt) -> Pulse:
+            tx = PostgresTx(conn, attempt, self._channel)
+            return await bodies.pulse(tx, worker, self._clock())
+
+        return await self._db.write(f"worker {worker.worker_id!r}", beat)  # a re-run: the same
 
     async def _workers(self) -> list[WorkerRow]:
         rows = await self._db.read("listing workers", fetch_all(pg(SELECT_WORKERS), ()))

@@ -24,6 +24,7 @@ from typing import TypeVar
 
 from .._changes import ChangeHub, Stop
 from .._queue_rules import (
+    claimable_queue,
     declared_queue,
     free_slots,
 )
@@ -39,6 +40,7 @@ from .._sql._queues import (
     SELECT_QUEUE,
     SELECT_SIGNALS,
     STARTED_SINCE,
+    candidate_params,
     claim_candidates,
 )
 
@@ -70,9 +72,9 @@ def claim(
     skip: tuple[str, ...] = (),
 ) -> list[str]:
     """Claim up to ``limit`` runs of ``queue`` within its limits (the writer's transaction)."""
-    spec = declared(conn, queue)
+    spec = claimable_queue(queue, conn.execute(SELECT_QUEUE, (queue,)).fetchone())
     if spec is None:
-        return []  # its row cannot be used: nothing is claimed from it (said once)
+        return []  # paused, or its row cannot be used (said once): nothing is claimed
     active = conn.execute(ACTIVE_IN_QUEUE, (queue, now)).fetchone()[0] if spec.concurrency else 0
     started = (
         conn.execute(STARTED_SINCE, (queue, now - spec.period)).fetchone()[0] if spec.limit else 0
@@ -81,7 +83,8 @@ def claim(
     if free <= 0:
         return []
     query = claim_candidates(spec, None if graphs is None else len(graphs), len(skip))
-    ids = [row[0] for row in conn.execute(query, (queue, *(graphs or ()), *skip, free))]
+    params = candidate_params(spec, now, graphs, skip, free)
+    ids = [row[0] for row in conn.execute(query, params)]
     for run_id in ids:
         conn.execute(CLAIM_RUN, (owner, now + ttl, now, now, run_id))
     return ids

@@ -26,8 +26,11 @@ from .._artifacts import stale_version
 from .._changes import ChangeHub
 from .._contract import ChangeFeed, RunStore
 from .._queue_rules import (
+    graph_from_row,
+    paused_names,
     queue_params,
     queue_rows,
+    schedule_from_row,
     stats_from_counts,
     worker_params,
     worker_rows,
@@ -36,10 +39,12 @@ from .._records import (
     ArtifactVersion,
     EventRow,
     FrozenInput,
+    GraphRow,
     Harvest,
     NewRun,
     ParkedRow,
     ParkedStatus,
+    Pulse,
     QuestionRow,
     QuestionStatus,
     Queue,
@@ -48,6 +53,7 @@ from .._records import (
     RunCount,
     RunRecord,
     RunStatus,
+    ScheduleRow,
     StoredRun,
     Submission,
     WorkerRow,
@@ -61,14 +67,18 @@ from .._sql._queues import (
     ANY_QUEUED,
     CANCEL_REQUESTS,
     DEDUP_HOLDER,
+    DELETE_SCHEDULE,
     DELETE_WORKER,
     LEASED_BY,
     QUEUE_COUNTS,
     RETURN_CLAIM,
     RUN_COUNTS,
     RUN_DURATIONS,
+    SELECT_GRAPHS_NAMED,
     SELECT_QUEUES,
+    SELECT_SCHEDULES,
     SELECT_WORKERS,
+    UPSERT_GRAPH,
     UPSERT_QUEUE,
     UPSERT_WORKER,
     list_runs_query,
@@ -585,6 +595,15 @@ class SQLiteStore(RunStore):
 
         return await self._write(f"run {run_id!r}", apply)
 
+    async def _reopen_cancelled(
+        self, run_id: str, owner: str, ttl: float, nodes: tuple[str, ...]
+    ) -> bool:
+        def apply(conn: sqlite3.Connection) -> bool:
+            body = bodies.reopen_cancelled(SQLiteTx(conn), run_id, owner, ttl, nodes, self._clock())
+            return run_now(body)
+
+        return await self._write(f"run {run_id!r}", apply)
+
     async def _cancel_requests(self, owner: str) -> list[str]:
         return await self._read(
             "listing cancel requests",
@@ -602,6 +621,7 @@ class SQLiteStore(RunStore):
         def apply(conn: sqlite3.Connection) -> None:
             conn.execute(UPSERT_QUEUE, queue_params(queue, self._clock()))
             bump(conn, "submit")  # new limits may let more runs start
+            bump(conn, "config")
 
         await self._write(f"queue {queue.name!r}", apply)
 
@@ -610,13 +630,65 @@ class SQLiteStore(RunStore):
             "listing queues", lambda conn: queue_rows(conn.execute(SELECT_QUEUES))
         )
 
+    async def _register_graph(self, row: GraphRow) -> None:
+        params = (row.name, row.fingerprint, row.graph_ref, row.registered_at)
+        await self._write(f"graph {row.name!r}", lambda conn: conn.execute(UPSERT_GRAPH, params))
+
+    async def _graphs_named(self, name: str) -> list[GraphRow]:
+        return await self._read(
+            f"graph {name!r}",
+            lambda conn: [graph_from_row(r) for r in conn.execute(SELECT_GRAPHS_NAMED, (name,))],
+        )
+
+    async def _declare_schedule(self, row: ScheduleRow) -> None:
+        await self._write(
+            f"schedule {row.name!r}",
+            lambda conn: run_now(bodies.declare_schedule(SQLiteTx(conn), row)),
+        )
+
+    async def _schedules(self) -> list[ScheduleRow]:
+        return await self._read(
+            "listing schedules",
+            lambda conn: [schedule_from_row(r) for r in conn.execute(SELECT_SCHEDULES)],
+        )
+
+    async def _fire_schedule(self, name: str, tick: float) -> str | None:
+        return await self._write(
+            f"schedule {name!r}",
+            lambda conn: run_now(bodies.fire_schedule(SQLiteTx(conn), name, tick, self._clock())),
+        )
+
+    async def _delete_schedule(self, name: str) -> bool:
+        return await self._write(
+            f"schedule {name!r}",
+            lambda conn: conn.execute(DELETE_SCHEDULE, (name,)).rowcount == 1,
+        )
+
+    async def _pause_queue(self, name: str) -> None:
+        await self._write(
+            f"queue {name!r}",
+            lambda conn: run_now(bodies.pause_queue(SQLiteTx(conn), name, self._clock())),
+        )
+
+    async def _resume_queue(self, name: str) -> bool:
+        return await self._write(
+            f"queue {name!r}", lambda conn: run_now(bodies.resume_queue(SQLiteTx(conn), name))
+        )
+
+    async def _delete_queue(self, name: str) -> bool:
+        return await self._write(
+            f"queue {name!r}", lambda conn: run_now(bodies.delete_queue(SQLiteTx(conn), name))
+        )
+
     async def _queue_stats(self, now: float, *, window: float = 60.0) -> list[QueueStats]:
 
         def read(conn: sqlite3.Connection) -> list[QueueStats]:
             counts = conn.execute(QUEUE_COUNTS, (now - window, now)).fetchall()
-            declared_queues = queue_rows(conn.execute(SELECT_QUEUES))
+            rows = conn.execute(SELECT_QUEUES).fetchall()
             workers = worker_rows(conn.execute(SELECT_WORKERS))
-            return stats_from_counts(counts, declared_queues, workers, now, window)
+            return stats_from_counts(
+                counts, queue_rows(rows), workers, now, window, paused_names(rows)
+            )
 
         return await self._read("queue statistics", read)
 
@@ -624,6 +696,12 @@ class SQLiteStore(RunStore):
         await self._write(
             f"worker {worker.worker_id!r}",
             lambda conn: conn.execute(UPSERT_WORKER, worker_params(worker)),
+        )
+
+    async def _pulse(self, worker: WorkerRow) -> Pulse:
+        return await self._write(
+            f"worker {worker.worker_id!r}",
+            lambda conn: run_now(bodies.pulse(SQLiteTx(conn), worker, self._clock())),
         )
 
     async def _workers(self) -> list[WorkerRow]:
