@@ -150,7 +150,9 @@ async def test_a_run_driven_by_a_plain_engine_run_hears_a_cancel_from_another_en
 ) -> None:
     # No worker: engine.run drives it, and another engine (another process, as far
     # as the store can tell) asks; the driver hears it at a lease heartbeat.
-    driver = Engine(store=await db.store(), lease_ttl=0.6)
+    driver = Engine(
+        store=await db.store(), lease_ttl=3.0
+    )  # long enough that a busy machine never lets it lapse
     running = asyncio.create_task(driver.run(graphs.held, 5, run_id="plain"))
     try:
         await until(graphs.HOLD["started"].is_set, "the held handler to start")
