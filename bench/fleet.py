@@ -557,6 +557,9 @@ def _run_fleet(
     options = {
         "concurrency": cfg.worker_concurrency, "lease_ttl": cfg.lease_ttl, "grace": 1.0,
         "max_interval": 0.5,
+        # A torture heartbeat: dead workers are found and their runs adopted within
+        # a second or two, so kills keep landing on workers in the middle of runs.
+        "heartbeat": 1.0,
     }  # fmt: skip
     count = 0
 
