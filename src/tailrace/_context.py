@@ -7,7 +7,15 @@ True
 from __future__ import annotations
 
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class StreamSink(Protocol):
+    """Where ``NodeContext.stream`` hands a chunk: the run's stream buffer (S1)."""
+
+    def publish(self, attempt: Any, chunk: Any) -> None:
+        """Publish ``chunk`` for ``attempt`` (the engine's handle on the running attempt)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -23,11 +31,40 @@ class NodeContext:
     visit: int
     attempt: int
     item: int | None = None
+    _sink: StreamSink | None = field(default=None, repr=False, compare=False)
+    _handle: Any = field(default=None, repr=False, compare=False)
+
+    def stream(self, chunk: Any) -> None:
+        """Publish ``chunk``, a JSON value, as partial output of this attempt (S1-S4).
+
+        Chunks are tagged with run, node, visit, item, attempt and whether the
+        attempt is a hedge or backup, and keep their order within the attempt.
+        The run's codec encodes the chunk here: one it cannot encode raises
+        :class:`~tailrace.EncodeError` naming node and attempt, and nothing is
+        published. When the attempt ends, its stream gets one terminal mark,
+        ``accepted`` or ``discarded`` (S2). Past the run's bound
+        (``Engine(max_stream_chunks=)``) the call raises
+        :class:`~tailrace.StreamLimit`. Readers: ``Engine.stream``.
+
+        A handler the engine does not run in this process (a remote executor)
+        has nowhere to stream to: the call raises ``RuntimeError``.
+        """
+        if self._sink is None:
+            raise RuntimeError(
+                f"node {self.node_id!r} (attempt {self.attempt}): current_node().stream "
+                "works in handlers the engine runs in its own process"
+            )
+        self._sink.publish(self._handle, chunk)
 
 
 #: What the engine stores per attempt: (run id, node id, visit, attempt), plus the
-#: item index for an item of a map node.
-Where = tuple[str, str, int, int] | tuple[str, str, int, int, int]
+#: item index for an item of a map node, plus the stream sink and the attempt's
+#: handle (with the item index or None).
+Where = (
+    tuple[str, str, int, int]
+    | tuple[str, str, int, int, int]
+    | tuple[str, str, int, int, int | None, StreamSink, Any]
+)
 
 # The engine stores a plain tuple per attempt; NodeContext is built on demand,
 # which keeps the per-node cost of the engine low.
@@ -41,10 +78,16 @@ def current_node() -> NodeContext | None:
     raw = _current.get()
     if raw is None:
         return None
+    if len(raw) == 7:
+        return NodeContext(
+            run_id=raw[0], node_id=raw[1], visit=raw[2], attempt=raw[3], item=raw[4],
+            _sink=raw[5], _handle=raw[6],
+        )  # fmt: skip
     item = raw[4] if len(raw) > 4 else None
     return NodeContext(run_id=raw[0], node_id=raw[1], visit=raw[2], attempt=raw[3], item=item)
 
 
 def set_current(raw: Where) -> None:
-    """Set (run id, node id, visit, attempt[, item]) for the current task; the engine does this per attempt."""
+    """Set (run id, node id, visit, attempt[, item][, sink, handle]) for the current task; the
+    engine does this per attempt."""
     _current.set(raw)

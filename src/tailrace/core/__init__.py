@@ -17,6 +17,8 @@ from ._queued import cancel_undriven as cancel_undriven
 from ._restore import find_graph as find_graph
 from ._state import LateInput as LateInput
 from ._state import NodeStatus as NodeStatus
+from ._streams import Chunk as Chunk
+from ._streams import ChunkKind as ChunkKind
 from ._versions import Compatibility as Compatibility
 from ._versions import MigrationReport as MigrationReport
 from ._versions import MoveOutcome as MoveOutcome
@@ -24,6 +26,8 @@ from ._versions import RunMove as RunMove
 
 __all__ = [
     "AdmissionPolicy",
+    "Chunk",
+    "ChunkKind",
     "Compatibility",
     "Engine",
     "LateInput",

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from .._codec import DEFAULT_CODEC, Codec
 from .._context import set_current
 from .._errors import EncodeError, MapError, RunError, StallError
 from .._events import Event, EventType
@@ -31,6 +32,7 @@ from ._hedger import Hedger
 from ._inflight import BULK, Attempt, describe, harvest_order, paused_gc, traceback_text
 from ._outcome import NodeReport, RunResult
 from ._state import ItemStatus, LateInput, MapItems, NodeStatus, RunState, map_plan
+from ._streams import MAX_STREAM_CHUNKS, StreamHub, Streams
 
 if TYPE_CHECKING:
     from ..executors import Executor
@@ -75,6 +77,9 @@ class RunLoop:
         turn: int = 0,
         durability: str = "async",
         executors: list[Executor | None] | None = None,
+        codec: Codec | None = None,
+        stream_hub: StreamHub | None = None,
+        max_stream_chunks: int = MAX_STREAM_CHUNKS,
     ) -> None:
         self.run_id = run_id
         #: Per node: the executor its attempts go to, None inline (executors/).
@@ -140,6 +145,16 @@ class RunLoop:
         self._bounded = engine_slots is not None or run_capacity is not None
         #: Set by :meth:`request_cancel`: the run ends ``cancelled`` at its next wake-up.
         self.cancel_requested = False
+        #: The run's stream chunks and their terminal marks (S1-S4).
+        self.streams = Streams(
+            run_id,
+            self.topo.ids,
+            writer.codec if writer is not None else codec or DEFAULT_CODEC,
+            stream_hub,
+            durable=writer is not None,
+            poke=self.poke,
+            max_chunks=max_stream_chunks,
+        )
 
     # -- events ---------------------------------------------------------------
 
@@ -214,9 +229,17 @@ class RunLoop:
                 self._dispatch_ready()
                 await self._gather()
         except BaseException:
+            self._discard_streams((*self._in_flight, *self._done))
             self._stage_on_the_way_out()
             await self._cancel_in_flight(record=False)
             raise
+
+    def _discard_streams(self, attempts: tuple[Attempt, ...] | list[Attempt]) -> None:
+        """Mark the open streams of ``attempts`` discarded: they end with no committed result (S2)."""
+        streams = self.streams
+        if streams.open:
+            for attempt in attempts:
+                streams.end(attempt, accepted=False)
 
     def _stage_on_the_way_out(self) -> None:
         """Stage what the window gathered, so the writer's way out writes it.
@@ -553,10 +576,10 @@ class RunLoop:
 
     async def _run_direct(self, node: Node, payload: Any, attempt: Attempt) -> None:
         """An attempt of an async handler with no retry, timeout or executor (the short path)."""
-        if attempt.item < 0:
-            set_current((self.run_id, node.id, attempt.visit, attempt.tries))
-        else:
-            set_current((self.run_id, node.id, attempt.visit, attempt.tries, attempt.item))
+        item = None if attempt.item < 0 else attempt.item
+        set_current(
+            (self.run_id, node.id, attempt.visit, attempt.tries, item, self.streams, attempt)
+        )
         try:
             attempt.value = await node.handler(payload)
         except BaseException as exc:
@@ -629,11 +652,9 @@ class RunLoop:
         if due is not None and retry is not None and not attempt.hedge:
             # Resumed while backing off: wait out what is left of that backoff.
             await asyncio.sleep(min(max(0.0, due - time.time()), retry.delay(max(tries - 1, 1))))
+        item = None if items is None else attempt.item
         while True:
-            if items is None:
-                set_current((self.run_id, node.id, attempt.visit, tries))
-            else:
-                set_current((self.run_id, node.id, attempt.visit, tries, attempt.item))
+            set_current((self.run_id, node.id, attempt.visit, tries, item, self.streams, attempt))
             try:
                 if node.timeout is not None:
                     async with asyncio.timeout(node.timeout):
@@ -657,6 +678,7 @@ class RunLoop:
 
     def _retrying(self, attempt: Attempt, tries: int, exc: BaseException, delay: float) -> None:
         """Try ``tries`` failed and another follows after ``delay``: make it durable and live now."""
+        self.streams.end(attempt, accepted=False, tries=tries)  # the next try streams afresh (S2)
         i = attempt.index
         ns = self.state.nodes[i]
         items, j = attempt.items, attempt.item
@@ -744,6 +766,8 @@ class RunLoop:
                 exc = attempt.error
                 if exc is None:
                     exc = self._complete(i, attempt.value, attempt, now)
+                    if exc is None and attempt.stream is not None:
+                        self.streams.end(attempt, accepted=True)  # committed with this harvest (S2)
                 if exc is not None and failure is None:
                     failure = (i, exc)
                     self._failing = attempt
@@ -762,6 +786,8 @@ class RunLoop:
             if self._bounded and self._holds_slot(attempt):
                 self._release_slot()
                 self._release_extra(attempt)
+        if self.streams.open:  # whatever streamed and was not accepted above (S2)
+            self._discard_streams(batch)
         if self._fired_cancel and failure is None:
             self._cancel_dead_inputs()
         self._emit_late()
@@ -894,6 +920,8 @@ class RunLoop:
             self._tail.observe(node, items.values[j], now - attempt.started, attempt.straggled)
         items.texts[j] = text
         decides = self.state.item_succeeded(items, j, value)
+        if attempt.stream is not None:
+            self.streams.end(attempt, accepted=True)  # committed with this harvest (S2)
         if self._record:
             self.event_seq += 1
             self._events.append(
@@ -1126,6 +1154,7 @@ class RunLoop:
         if attempts:
             await asyncio.gather(*(a.task for a in attempts if a.task), return_exceptions=True)
         self._in_flight.clear()
+        self._discard_streams((*attempts, *self._done))
         for attempt in (*attempts, *self._done):
             self._release_extra(attempt)  # clones and backups hold their own
         # Abandoned attempts (hedge losers, cancelled dead inputs) hold no node slot.

@@ -25,6 +25,7 @@ from .._events import EventType
 from ..graph import Graph, Topology, shape_json
 from ..stores import (
     FORMAT_VERSION,
+    ChunkRow,
     EventRow,
     FrozenInput,
     Harvest,
@@ -460,6 +461,8 @@ class RunWriter:
                 )
                 for seq, type, node, visit, attempt, ts, data in events
             ]
+        if loop.streams.seq:  # the run streams: its rows go with this harvest (S3)
+            pending.chunks += loop.streams.take()
         pending.error = error
         if not state.parked and not state.edge_gen:  # the common case: three counters
             pending.state = (state.seq, loop.event_seq, loop.turn, self.durability)
@@ -738,6 +741,7 @@ class _Pending:
 
     __slots__ = (
         "applied",
+        "chunks",
         "error",
         "events",
         "finished_at",
@@ -768,6 +772,7 @@ class _Pending:
         self.questions: list[QuestionRow] = []
         self.applied: list[str] = []
         self.superseded: list[str] = []
+        self.chunks: list[ChunkRow] = []
 
     def harvest(self, ids: tuple[str, ...]) -> Harvest:
         """The merged harvest, as the store takes it (``ids``: node ids by index)."""
@@ -790,5 +795,6 @@ class _Pending:
             finished_at=self.finished_at,
             questions=self.questions,
             applied=self.applied,
+            chunks=self.chunks,
             superseded=self.superseded,
         )
