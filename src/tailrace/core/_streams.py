@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .._codec import Codec
-from .._errors import EncodeError, StreamLimit
+from .._errors import EncodeError, RunNotFound, StreamLimit
 from ..stores import TERMINAL_STATUSES, ChunkRow, RunStore, StreamHead
 
 if TYPE_CHECKING:
@@ -123,16 +123,27 @@ class _Listener:
 
 
 class StreamHub:
-    """In-process listeners of the runs an engine drives: chunks reach them as published (S3)."""
+    """In-process listeners of the runs an engine drives: chunks reach them as published (S3).
+
+    For each run driven here it knows the last row published (a reader behind
+    it reads the store, or waits for the commit); a run with no store keeps
+    its rows here while it runs, since no store holds them.
+    """
 
     def __init__(self) -> None:
         self._listeners: dict[str, list[_Listener]] = {}
         #: Runs driven here now, by how many loops (one, but counted to be safe).
         self._live: collections.Counter[str] = collections.Counter()
+        self._heads: dict[str, int] = {}
+        self._backlog: dict[str, list[Chunk]] = {}
 
     def live(self, run_id: str) -> bool:
         """Whether this process drives ``run_id`` now (its chunks come through the hub)."""
         return self._live[run_id] > 0
+
+    def head(self, run_id: str) -> int:
+        """The ``seq`` of the last row ``run_id`` published here (0: none, or not driven here)."""
+        return self._heads.get(run_id, 0)
 
     @contextlib.contextmanager
     def driving(self, run_id: str) -> Iterator[None]:
@@ -144,20 +155,30 @@ class StreamHub:
             self._live[run_id] -= 1
             if self._live[run_id] <= 0:
                 del self._live[run_id]
+                self._heads.pop(run_id, None)
+                self._backlog.pop(run_id, None)
             for listener in self._listeners.get(run_id, ()):
                 listener.event.set()
 
-    def publish(self, chunk: Chunk) -> None:
-        """Hand ``chunk`` to the listeners of its run (on the event loop's thread)."""
-        listeners = self._listeners.get(chunk.run_id)
+    def publish(self, chunk: Chunk, *, keep: bool) -> None:
+        """Hand ``chunk`` to the listeners of its run (on the event loop's thread); ``keep`` it
+        for later listeners while the run is driven here (a run with no store)."""
+        run_id = chunk.run_id
+        self._heads[run_id] = chunk.seq
+        if keep and self.live(run_id):
+            self._backlog.setdefault(run_id, []).append(chunk)
+        listeners = self._listeners.get(run_id)
         if listeners:
             for listener in listeners:
                 listener.put(chunk)
 
     @contextlib.contextmanager
-    def listen(self, run_id: str) -> Iterator[_Listener]:
-        """A listener of ``run_id``'s chunks published from now on, while the ``with`` lasts."""
+    def listen(self, run_id: str, after: int = 0) -> Iterator[_Listener]:
+        """A listener of ``run_id``'s rows past ``after`` published from now on (and those kept)."""
         listener = _Listener()
+        for chunk in self._backlog.get(run_id, ()):
+            if chunk.seq > after:
+                listener.put(chunk)
         self._listeners.setdefault(run_id, []).append(listener)
         try:
             yield listener
@@ -278,7 +299,7 @@ class Streams:
                 self._poke()  # staged with the next harvest, even if nothing completes
             self._rows.append(row)
         if self._hub is not None:
-            self._hub.publish(chunk_of(self.run_id, row, self._codec))
+            self._hub.publish(chunk_of(self.run_id, row, self._codec), keep=not self._durable)
 
 
 async def read_stream(
@@ -294,7 +315,7 @@ async def read_stream(
     completed, failed or cancelled and every row it committed was read.
     """
     cursor = after
-    with hub.listen(run_id) as local:
+    with hub.listen(run_id, after) as local:
         if store is None:  # an engine without a store: only what its own runs publish
             while hub.live(run_id) or local.chunks:
                 while local.chunks:
@@ -312,11 +333,11 @@ async def read_stream(
                     if chunk.seq == cursor + 1:
                         cursor = chunk.seq
                         yield chunk
-                if local.chunks:  # a gap: rows published before this reader listened
-                    stale = True
                 live = hub.live(run_id)
-                if stale or not live:
-                    rows = await store.chunks(run_id, after=cursor, limit=READ_BATCH)
+                # Published here before this reader listened: in the store, or soon.
+                behind = cursor < hub.head(run_id)
+                if stale or behind or not live:
+                    rows = await _stored_rows(store, hub, run_id, cursor)
                     for row in rows:
                         if row.seq > cursor:
                             cursor = row.seq
@@ -324,9 +345,8 @@ async def read_stream(
                     if rows:
                         continue
                     stale = False
-                    if local.chunks:  # the gap's rows are not committed yet
+                    if live and behind:  # not committed yet: its commit wakes the feed
                         await feed.wait(FALLBACK)
-                        stale = True
                         continue
                 if live:
                     await local.wait(FALLBACK)
@@ -341,3 +361,13 @@ async def read_stream(
                         yield chunk_of(run_id, row, codec)
                     continue
                 await feed.wait(FALLBACK)
+
+
+async def _stored_rows(store: RunStore, hub: StreamHub, run_id: str, after: int) -> list[ChunkRow]:
+    """The stored rows of ``run_id`` after ``after``; none yet for a run starting here."""
+    try:
+        return await store.chunks(run_id, after=after, limit=READ_BATCH)
+    except RunNotFound:
+        if hub.live(run_id):
+            return []  # driven here, not stored yet: its chunks come through the hub
+        raise
