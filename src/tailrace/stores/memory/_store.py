@@ -247,7 +247,8 @@ class MemoryStore(RunStore):
                 yield f"run {run_id!r}: question {q.question_id!r} already committed"
         if harvest.chunks:
             stored = self._chunk_rows[run_id]
-            seqs = {c.seq for c in stored[bisect.bisect_left(stored, (harvest.chunks[0].seq,)) :]}
+            low = min(c.seq for c in harvest.chunks)
+            seqs = {c.seq for c in stored[bisect.bisect_left(stored, (low,)) :]}
             for c in harvest.chunks:
                 if c.seq in seqs:
                     yield f"run {run_id!r}: stream row seq {c.seq} already committed"
