@@ -33,7 +33,7 @@ from ._outcome import RunResult
 from ._queued import cancel_run, submit_run, wait_for
 from ._restore import find_graph, restore_run
 from ._state import LateInput, RunState
-from ._streams import MAX_STREAM_CHUNKS, Chunk, StreamHub, read_stream
+from ._streams import MAX_STREAM_CHUNKS, READ_BATCH, Chunk, StreamHub, chunk_of, read_stream
 from ._versions import (
     Compatibility,
     MigrationReport,
@@ -479,6 +479,22 @@ class Engine:
         if not isinstance(after, int) or isinstance(after, bool) or after < 0:
             raise ValueError(f"after must be a stream cursor (an integer >= 0), got {after!r}")
         return read_stream(self.store, self._codec, self.stream_hub, run_id, after)
+
+    async def stored_chunks(
+        self, run_id: str, *, after: int = 0, limit: int = READ_BATCH
+    ) -> list[Chunk]:
+        """The stream rows of ``run_id`` committed now past cursor ``after``, at most ``limit``.
+
+        One read of the store, without waiting for more (:meth:`stream` follows the run).
+
+        Args:
+            run_id: the run to read.
+            after: the cursor: only rows with a larger ``seq``.
+            limit: at most this many rows.
+        """
+        store = self._require_store("read stored chunks")
+        rows = await store.chunks(checked_run_id(run_id), after=after, limit=limit)
+        return [chunk_of(run_id, row, self._codec) for row in rows]
 
     async def answer(
         self, question_id: str, value: Any, *, by: str | None = None, resume: bool = True

@@ -59,6 +59,9 @@ from ..stores._records import check_limit
 
 logger = logging.getLogger("tailrace.workers")
 
+#: The change a commit carrying stream rows sends: nothing for a worker to do.
+_STREAM = frozenset({"stream"})
+
 
 @dataclass(slots=True)
 class WorkerStats:
@@ -235,7 +238,7 @@ class Worker:
 
     async def _forward(self, feed: Any, closing: asyncio.Event) -> None:
         while not closing.is_set():
-            kinds = await feed.wait(0.5)
+            kinds = await feed.wait(0.5) - _STREAM  # stream rows concern readers only
             if kinds:
                 self._kick(kinds)
 
