@@ -30,7 +30,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from .._codec import Codec
+from .._codec import Codec, JsonCodec
 from .._errors import EncodeError, RunNotFound, StreamLimit
 from ..stores import TERMINAL_STATUSES, ChunkRow, RunStore, StreamHead
 
@@ -45,6 +45,11 @@ READ_BATCH = 1000
 
 #: Seconds a reader waits for a wake-up before it looks at the store anyway.
 FALLBACK = 0.5
+
+#: Values strict JSON reads back as they went in: no decode needed for listeners.
+_SCALARS = frozenset({type(None), bool, int, float, str})
+#: A chunk whose value listeners get by decoding its JSON.
+_DECODE = object()
 
 
 class ChunkKind(enum.StrEnum):
@@ -86,8 +91,11 @@ class Chunk:
         return self.kind is not ChunkKind.CHUNK
 
 
-def chunk_of(run_id: str, row: ChunkRow, codec: Codec) -> Chunk:
-    """The :class:`Chunk` of stored ``row`` of run ``run_id``, its data decoded with ``codec``."""
+def chunk_of(run_id: str, row: ChunkRow, codec: Codec, value: Any = _DECODE) -> Chunk:
+    """The :class:`Chunk` of stored ``row`` of run ``run_id``, its data decoded with ``codec``
+    (unless its ``value`` as it reads back is given)."""
+    if value is _DECODE:
+        value = None if row.data_json is None else codec.decode(row.data_json)
     return Chunk(
         run_id=run_id,
         seq=row.seq,
@@ -98,7 +106,7 @@ def chunk_of(run_id: str, row: ChunkRow, codec: Codec) -> Chunk:
         attempt=row.attempt,
         hedge=bool(row.hedge),
         kind=ChunkKind(row.kind),
-        value=None if row.data_json is None else codec.decode(row.data_json),
+        value=value,
         ts=row.ts,
     )
 
@@ -160,11 +168,18 @@ class StreamHub:
             for listener in self._listeners.get(run_id, ()):
                 listener.event.set()
 
+    def note(self, run_id: str, seq: int) -> None:
+        """``run_id`` published row ``seq`` (its head, for readers behind it)."""
+        self._heads[run_id] = seq
+
+    def wants(self, run_id: str, *, keep: bool) -> bool:
+        """Whether a row of ``run_id`` goes anywhere: a listener, or kept (see :meth:`publish`)."""
+        return keep or run_id in self._listeners
+
     def publish(self, chunk: Chunk, *, keep: bool) -> None:
         """Hand ``chunk`` to the listeners of its run (on the event loop's thread); ``keep`` it
         for later listeners while the run is driven here (a run with no store)."""
         run_id = chunk.run_id
-        self._heads[run_id] = chunk.seq
         if keep and self.live(run_id):
             self._backlog.setdefault(run_id, []).append(chunk)
         listeners = self._listeners.get(run_id)
@@ -222,6 +237,7 @@ class Streams:
         #: Streams with no terminal mark yet (the run loop looks only when some are open).
         self.open = 0
         self._rows: list[ChunkRow] = []
+        self._plain = isinstance(codec, JsonCodec)
         self._loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()
 
@@ -244,16 +260,17 @@ class Streams:
                 f"{self.max_chunks} stream chunks, the run's bound (Engine(max_stream_chunks=))"
             )
         self.count += 1
+        value = chunk if self._plain and type(chunk) in _SCALARS else _DECODE
         if threading.get_ident() == self._thread:
-            self._add(attempt, tries, text)
+            self._add(attempt, tries, text, value)
         else:  # a sync handler on a thread: rows are numbered on the loop, in call order
-            self._loop.call_soon_threadsafe(self._add, attempt, tries, text)
+            self._loop.call_soon_threadsafe(self._add, attempt, tries, text, value)
 
-    def _add(self, attempt: Attempt, tries: int, text: str) -> None:
+    def _add(self, attempt: Attempt, tries: int, text: str, value: Any) -> None:
         if attempt.stream is None:
             attempt.stream = self.seq + 1
             self.open += 1
-        self._row(attempt.stream, attempt, tries, ChunkKind.CHUNK, text)
+        self._row(attempt.stream, attempt, tries, ChunkKind.CHUNK, text, value)
 
     # -- the run loop's side ----------------------------------------------------
 
@@ -265,7 +282,7 @@ class Streams:
         attempt.stream = None
         self.open -= 1
         kind = ChunkKind.ACCEPTED if accepted else ChunkKind.DISCARDED
-        self._row(stream, attempt, attempt.tries if tries is None else tries, kind, None)
+        self._row(stream, attempt, attempt.tries if tries is None else tries, kind, None, None)
 
     def reopen(self, head: StreamHead) -> None:
         """Continue after the stored rows of ``head``; mark the cut attempts' streams discarded."""
@@ -274,7 +291,7 @@ class Streams:
             mark = first._replace(
                 seq=self.seq + 1, kind=ChunkKind.DISCARDED.value, data_json=None, ts=time.time()
             )
-            self._append(mark)
+            self._append(mark, None)
 
     def take(self) -> list[ChunkRow]:
         """The rows buffered since the last call, for the writer's next stage."""
@@ -282,7 +299,13 @@ class Streams:
         return rows
 
     def _row(
-        self, stream: int, attempt: Attempt, tries: int, kind: ChunkKind, text: str | None
+        self,
+        stream: int,
+        attempt: Attempt,
+        tries: int,
+        kind: ChunkKind,
+        text: str | None,
+        value: Any,
     ) -> None:
         item = None if attempt.item < 0 else attempt.item
         node_id = self._ids[attempt.index]
@@ -290,16 +313,21 @@ class Streams:
             self.seq + 1, stream, node_id, attempt.visit, item, tries, int(attempt.hedge),
             kind.value, text, time.time(),
         )  # fmt: skip
-        self._append(row)
+        self._append(row, value)
 
-    def _append(self, row: ChunkRow) -> None:
+    def _append(self, row: ChunkRow, value: Any) -> None:
+        """Buffer ``row`` for the writer and hand it to the hub (``value``: as it reads back)."""
         self.seq = row.seq
-        if self._durable:
+        durable = self._durable
+        if durable:
             if not self._rows:
                 self._poke()  # staged with the next harvest, even if nothing completes
             self._rows.append(row)
-        if self._hub is not None:
-            self._hub.publish(chunk_of(self.run_id, row, self._codec), keep=not self._durable)
+        hub = self._hub
+        if hub is not None:
+            hub.note(self.run_id, row.seq)
+            if hub.wants(self.run_id, keep=not durable):
+                hub.publish(chunk_of(self.run_id, row, self._codec, value), keep=not durable)
 
 
 async def read_stream(
