@@ -618,6 +618,9 @@ class RunLoop:
         attempt.finished = True
         if attempt.task is not None:
             attempt.task.remove_done_callback(self._unreported_cb)
+            # The task's context refers to the attempt (current_node's handle): letting go
+            # of the task here leaves no cycle, so both are freed by reference counting.
+            attempt.task = None
         try:
             del self._in_flight[attempt]
         except KeyError:
