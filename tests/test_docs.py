@@ -286,6 +286,7 @@ CLAUSES = [
     *(f"T{i}" for i in range(1, 5)),
     *(f"M{i}" for i in range(1, 8)),
     *(f"V{i}" for i in range(1, 6)),
+    *(f"S{i}" for i in range(1, 5)),
 ]
 
 

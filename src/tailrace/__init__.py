@@ -31,12 +31,15 @@ from ._errors import RunNotFound as RunNotFound
 from ._errors import StaleVersion as StaleVersion
 from ._errors import StallError as StallError
 from ._errors import StoreError as StoreError
+from ._errors import StreamLimit as StreamLimit
 from ._errors import TailraceError as TailraceError
 from ._errors import UnsupportedFormat as UnsupportedFormat
 from ._events import Event as Event
 from ._events import EventBus as EventBus
 from ._events import EventType as EventType
 from .core import AdmissionPolicy as AdmissionPolicy
+from .core import Chunk as Chunk
+from .core import ChunkKind as ChunkKind
 from .core import Compatibility as Compatibility
 from .core import Engine as Engine
 from .core import LateInput as LateInput
@@ -67,6 +70,8 @@ __all__ = [
     "EXIT",
     "AdmissionPolicy",
     "AlreadyAnswered",
+    "Chunk",
+    "ChunkKind",
     "Codec",
     "Compatibility",
     "CorruptRecord",
@@ -115,6 +120,7 @@ __all__ = [
     "StaleVersion",
     "StallError",
     "StoreError",
+    "StreamLimit",
     "TailraceError",
     "UnsupportedFormat",
     "Worker",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,6 +35,13 @@ class CheckpointSink(Protocol):
         """Record ``value`` as the latest checkpoint of the attempt (encoded now, or refused)."""
 
 
+class StreamSink(Protocol):
+    """Where ``NodeContext.stream`` hands a chunk: the run's stream buffer (S1)."""
+
+    def publish(self, attempt: Any, chunk: Any) -> None:
+        """Publish ``chunk`` for ``attempt`` (the engine's handle on the running attempt)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NodeContext:
     """Run id, node id, visit (1-based) and attempt (1-based) of the running handler.
@@ -52,6 +59,8 @@ class NodeContext:
     item: int | None = None
     resumed_from: Checkpoint | None = None
     _sink: CheckpointSink | None = field(default=None, repr=False, compare=False)
+    _streams: StreamSink | None = field(default=None, repr=False, compare=False)
+    _handle: Any = field(default=None, repr=False, compare=False)
 
     def checkpoint(self, value: Any) -> None:
         """Save ``value`` (JSON) as this attempt's latest checkpoint (P1).
@@ -67,15 +76,34 @@ class NodeContext:
             )
         self._sink.save(self.node_id, self.visit, self.item, self.attempt, value)
 
+    def stream(self, chunk: Any) -> None:
+        """Publish ``chunk``, a JSON value, as partial output of this attempt (S1-S4).
+
+        Chunks are tagged with run, node, visit, item, attempt and whether the
+        attempt is a hedge or backup, and keep their order within the attempt.
+        The run's codec encodes the chunk here: one it cannot encode raises
+        :class:`~tailrace.EncodeError` naming node and attempt, and nothing is
+        published. When the attempt ends, its stream gets one terminal mark,
+        ``accepted`` or ``discarded`` (S2). Past the run's bound
+        (``Engine(max_stream_chunks=)``) the call raises
+        :class:`~tailrace.StreamLimit`. Readers: ``Engine.stream``.
+
+        A handler the engine does not run in this process (a remote executor)
+        has nowhere to stream to: the call raises ``RuntimeError``.
+        """
+        if self._streams is None:
+            raise RuntimeError(
+                f"node {self.node_id!r} (attempt {self.attempt}): current_node().stream "
+                "works in handlers the engine runs in its own process"
+            )
+        self._streams.publish(self._handle, chunk)
+
 
 #: What the engine stores per attempt: (run id, node id, visit, attempt), plus the
-#: item index for an item of a map node, then the attempt's checkpoint sink and the
-#: checkpoint it resumes from.
-Where = (
-    tuple[str, str, int, int]
-    | tuple[str, str, int, int, int]
-    | tuple[str, str, int, int, int | None, CheckpointSink, Checkpoint | None]
-)
+#: item index for an item of a map node, then the attempt's checkpoint sink, the
+#: checkpoint it resumes from, the stream sink and the engine's handle on the attempt.
+_Full = tuple[str, str, int, int, int | None, CheckpointSink, Checkpoint | None, StreamSink, Any]
+Where = tuple[str, str, int, int] | tuple[str, str, int, int, int] | _Full
 
 # The engine stores a plain tuple per attempt; NodeContext is built on demand,
 # which keeps the per-node cost of the engine low.
@@ -89,17 +117,19 @@ def current_node() -> NodeContext | None:
     raw = _current.get()
     if raw is None:
         return None
-    if len(raw) == 7:
-        run_id, node_id, visit, attempt, item, sink, resumed = raw
+    if len(raw) == 9:
+        full = cast("_Full", raw)
+        run_id, node_id, visit, attempt, item, sink, resumed, streams, handle = full
         return NodeContext(
             run_id=run_id, node_id=node_id, visit=visit, attempt=attempt, item=item,
-            resumed_from=resumed, _sink=sink,
+            resumed_from=resumed, _sink=sink, _streams=streams, _handle=handle,
         )  # fmt: skip
     item = raw[4] if len(raw) == 5 else None
     return NodeContext(run_id=raw[0], node_id=raw[1], visit=raw[2], attempt=raw[3], item=item)
 
 
 def set_current(raw: Where) -> None:
-    """Set (run id, node id, visit, attempt[, item[, sink, resumed]]) for the current task; the
+    """Set (run id, node id, visit, attempt[, item[, sink, resumed, streams, handle]]) for the
+    current task; the
     engine does this per attempt."""
     _current.set(raw)

@@ -12,6 +12,7 @@ callers are expected to handle get their own class::
     │   ├── MapError (ValueError)        a map's input, item count or k is wrong, or too
     │   │                                few of its items can still succeed (M1, M3, M4)
     │   ├── EncodeError (ValueError)     a result the codec cannot encode (D5)
+    │   ├── StreamLimit (ValueError)     a run published more stream chunks than its bound
     │   ├── RunNotFound (KeyError)       no run with that id
     │   ├── RunExists                    a run with that id already exists
     │   │   └── DuplicateRun             a submit's dedup key is held by a live run
@@ -76,6 +77,14 @@ class MapError(RunError, ValueError):
 
 class EncodeError(RunError, ValueError):
     """A node's result cannot be encoded by the codec; nothing was committed (D5)."""
+
+
+class StreamLimit(RunError, ValueError):
+    """A run published more stream chunks than its bound (``Engine(max_stream_chunks=)``).
+
+    Raised at the ``current_node().stream`` call that went past it; the
+    message names the run, the node, the attempt and the bound.
+    """
 
 
 class RunNotFound(RunError, KeyError):

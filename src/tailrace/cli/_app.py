@@ -1,6 +1,7 @@
 """``tailrace`` subcommands: run, resume, runs, show, questions, answer (typer + rich).
 
-The fleet commands (submit, worker and serve, cancel, queues) live in ``_fleet``.
+The fleet commands (submit, worker and serve, cancel, queues) live in ``_fleet``,
+``tail`` (a run's streams) in ``_tail``.
 
 Everything printed that came from a user or a store goes through
 ``_render`` (shown literally, never as markup); every failure is one line
@@ -55,6 +56,7 @@ from ._session import (
     print_result,
     with_store,
 )
+from ._tail import register as register_tail
 from ._timeline import map_table, timeline
 from ._ui import ui
 from ._versions import register as register_versions
@@ -549,3 +551,4 @@ def answer(
 register_fleet(app)  # submit, worker (and serve, its other name), cancel, queues
 register_versions(app)  # check, migrate, fork
 register_parked(app)  # parked, parked drop
+register_tail(app)  # tail

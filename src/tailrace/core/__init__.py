@@ -18,6 +18,8 @@ from ._queued import cancel_undriven as cancel_undriven
 from ._restore import find_graph as find_graph
 from ._state import LateInput as LateInput
 from ._state import NodeStatus as NodeStatus
+from ._streams import Chunk as Chunk
+from ._streams import ChunkKind as ChunkKind
 from ._stretches import Stretch as Stretch
 from ._stretches import stretches_of as stretches_of
 from ._versions import Compatibility as Compatibility
@@ -27,6 +29,8 @@ from ._versions import RunMove as RunMove
 
 __all__ = [
     "AdmissionPolicy",
+    "Chunk",
+    "ChunkKind",
     "Compatibility",
     "Engine",
     "LateInput",

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import datetime
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 from .._codec import DEFAULT_CODEC, Codec
@@ -42,6 +42,7 @@ from ._outcome import RunResult
 from ._queued import cancel_run, reopen_cancelled, submit_run, wait_for
 from ._restore import find_graph, restore_run
 from ._state import LateInput, RunState
+from ._streams import MAX_STREAM_CHUNKS, READ_BATCH, Chunk, StreamHub, chunk_of, read_stream
 from ._versions import (
     Compatibility,
     MigrationReport,
@@ -88,6 +89,10 @@ class Engine:
     executor the engine does not have fails its run at the start, before
     anything is written (:class:`GraphError`). The engine never closes them:
     whoever made them does (see :mod:`tailrace.executors`).
+
+    ``max_stream_chunks`` bounds the chunks one run may publish with
+    ``current_node().stream`` (S1); the call past it raises
+    :class:`~tailrace.StreamLimit`. Read a run's streams with :meth:`stream`.
     """
 
     def __init__(
@@ -106,7 +111,12 @@ class Engine:
         durability: str = "async",
         executor: Executor | None = None,
         executors: Mapping[str, Executor] | None = None,
+        max_stream_chunks: int = MAX_STREAM_CHUNKS,
     ) -> None:
+        if not isinstance(max_stream_chunks, int) or max_stream_chunks < 1:
+            raise ValueError(
+                f"max_stream_chunks must be an integer >= 1, got {max_stream_chunks!r}"
+            )
         if run_capacity is not None and run_capacity < 1:
             raise ValueError(f"run_capacity must be >= 1 or None, got {run_capacity}")
         if not 0 < lease_ttl < float("inf"):
@@ -136,6 +146,9 @@ class Engine:
         self._cancel_pending: set[str] = set()
         #: Per-run durability overrides, while the run is driven here.
         self._durability_of: dict[str, str] = {}
+        self.max_stream_chunks = max_stream_chunks
+        #: In-process listeners of the chunks of the runs driven here (S3).
+        self.stream_hub = StreamHub()
 
     # -- public API -----------------------------------------------------------
 
@@ -291,6 +304,8 @@ class Engine:
                 self._durability_of.setdefault(run_id, restored.durability)
             state = restored.state
             loop = self._loop_for(run_id, state, writer, restored.event_seq, restored.turn)
+            # S2: number after the stored rows; streams cut by a crash end discarded.
+            loop.streams.reopen(await store.stream_head(run_id))
             if stored.run.cancel_requested_at is not None:
                 loop.request_cancel()  # asked before this engine took the run over
             applied = await loop.absorb_answers()
@@ -470,6 +485,45 @@ class Engine:
         loop.preempt()
         return True
 
+    def stream(self, run_id: str, *, after: int = 0) -> AsyncIterator[Chunk]:
+        """The stream rows of run ``run_id`` with a cursor past ``after``, in order, until it ends (S3).
+
+        Yields :class:`~tailrace.Chunk`: each chunk a handler published with
+        ``current_node().stream``, tagged by node, visit, item, attempt and
+        hedge, and each attempt's terminal mark (``accepted`` or
+        ``discarded``, S2). Works from any process that opens the store:
+        while this engine drives the run, chunks arrive as they are published
+        (before they are durable); otherwise as they are committed, woken by
+        the store's change feed. The iterator ends once the run is completed,
+        failed or cancelled and every row it committed was yielded (a
+        suspended run is waited on). A reader that stops can go on with
+        ``after=`` the last ``seq`` it saw: no row is missed or repeated.
+
+        Args:
+            run_id: the run to read.
+            after: the cursor: only rows with a larger ``seq`` (0: from the start).
+        """
+        run_id = checked_run_id(run_id)
+        if not isinstance(after, int) or isinstance(after, bool) or after < 0:
+            raise ValueError(f"after must be a stream cursor (an integer >= 0), got {after!r}")
+        return read_stream(self.store, self._codec, self.stream_hub, run_id, after)
+
+    async def stored_chunks(
+        self, run_id: str, *, after: int = 0, limit: int = READ_BATCH
+    ) -> list[Chunk]:
+        """The stream rows of ``run_id`` committed now past cursor ``after``, at most ``limit``.
+
+        One read of the store, without waiting for more (:meth:`stream` follows the run).
+
+        Args:
+            run_id: the run to read.
+            after: the cursor: only rows with a larger ``seq``.
+            limit: at most this many rows.
+        """
+        store = self._require_store("read stored chunks")
+        rows = await store.chunks(checked_run_id(run_id), after=after, limit=limit)
+        return [chunk_of(run_id, row, self._codec) for row in rows]
+
     async def answer(
         self, question_id: str, value: Any, *, by: str | None = None, resume: bool = True
     ) -> RunResult | None:
@@ -517,7 +571,8 @@ class Engine:
             raise LeaseHeld(f"run {run_id!r} is being driven by this engine already")
         self._active.add(run_id)
         try:
-            yield
+            with self.stream_hub.driving(run_id):
+                yield
         finally:
             self._active.discard(run_id)
             self._loops.pop(run_id, None)
@@ -572,6 +627,9 @@ class Engine:
             turn=turn,
             durability=self._durability_of.get(run_id, self.durability),
             executors=self._executors.plan(state.topo),
+            codec=self._codec,
+            stream_hub=self.stream_hub,
+            max_stream_chunks=self.max_stream_chunks,
         )
         if run_id in self._preempt_pending:
             self._preempt_pending.discard(run_id)

@@ -36,6 +36,7 @@ class Attempt:
         "items",
         "started",
         "straggled",
+        "stream",
         "task",
         "timer",
         "tries",
@@ -77,6 +78,8 @@ class Attempt:
         self.error: BaseException | None = None
         #: True once the attempt ended and was handed to the run loop.
         self.finished = False
+        #: The id of this attempt's open stream once it published a chunk (S1), until its mark.
+        self.stream: int | None = None
 
     def abandon(self) -> None:
         """Cancel this attempt on purpose."""

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from .._codec import DEFAULT_CODEC
+from .._codec import DEFAULT_CODEC, Codec
 from .._context import Checkpoint, Where, set_current
 from .._errors import EncodeError, MapError, RunError, StallError
 from .._events import Event, EventType
@@ -33,6 +33,7 @@ from ._hedger import Hedger
 from ._inflight import BULK, Attempt, describe, harvest_order, paused_gc, traceback_text
 from ._outcome import NodeReport, RunResult
 from ._state import ItemStatus, LateInput, MapItems, NodeStatus, RunState, map_plan
+from ._streams import MAX_STREAM_CHUNKS, StreamHub, Streams
 
 if TYPE_CHECKING:
     from ..executors import Executor
@@ -77,6 +78,9 @@ class RunLoop:
         turn: int = 0,
         durability: str = "async",
         executors: list[Executor | None] | None = None,
+        codec: Codec | None = None,
+        stream_hub: StreamHub | None = None,
+        max_stream_chunks: int = MAX_STREAM_CHUNKS,
     ) -> None:
         self.run_id = run_id
         #: Per node: the executor its attempts go to, None inline (executors/).
@@ -147,10 +151,20 @@ class RunLoop:
         #: What attempts save with ``current_node().checkpoint`` and resume from (P1, P2).
         self.checkpoints = Checkpoints(
             run_id,
-            writer.codec if writer is not None else DEFAULT_CODEC,
+            writer.codec if writer is not None else codec or DEFAULT_CODEC,
             state.checkpoints,
             self.poke,
             self.loop,
+        )
+        #: The run's stream chunks and their terminal marks (S1-S4).
+        self.streams = Streams(
+            run_id,
+            self.topo.ids,
+            writer.codec if writer is not None else codec or DEFAULT_CODEC,
+            stream_hub,
+            durable=writer is not None,
+            poke=self.poke,
+            max_chunks=max_stream_chunks,
         )
 
     # -- events ---------------------------------------------------------------
@@ -232,9 +246,17 @@ class RunLoop:
                     await self.take_parked()
                 await self._gather()
         except BaseException:
+            self._discard_streams((*self._in_flight, *self._done))
             self._stage_on_the_way_out()
             await self._cancel_in_flight(record=False)
             raise
+
+    def _discard_streams(self, attempts: tuple[Attempt, ...] | list[Attempt]) -> None:
+        """Mark the open streams of ``attempts`` discarded: they end with no committed result (S2)."""
+        streams = self.streams
+        if streams.open:
+            for attempt in attempts:
+                streams.end(attempt, accepted=False)
 
     def _stage_on_the_way_out(self) -> None:
         """Stage what the window gathered, so the writer's way out writes it.
@@ -638,7 +660,10 @@ class RunLoop:
         resumed = None
         if (cps.latest or cps.committed) and not attempt.hedge:
             resumed = cps.resumed(node.id, attempt.visit, item)
-        set_current((self.run_id, node.id, attempt.visit, attempt.tries, item, cps, resumed))
+        set_current(
+            (self.run_id, node.id, attempt.visit, attempt.tries, item, cps, resumed,
+             self.streams, attempt)
+        )  # fmt: skip
         try:
             attempt.value = await node.handler(payload)
         except BaseException as exc:
@@ -660,10 +685,13 @@ class RunLoop:
         self._finished(attempt)
 
     def _where(self, node: Node, attempt: Attempt, tries: int, resumed: Checkpoint | None) -> Where:
-        """What ``current_node()`` reads in the attempt: where it runs, its checkpoint sink and
-        the checkpoint it resumes from."""
+        """What ``current_node()`` reads in the attempt: where it runs, its checkpoint sink, the
+        checkpoint it resumes from, and the stream sink with its handle on the attempt."""
         item = None if attempt.item < 0 else attempt.item
-        return (self.run_id, node.id, attempt.visit, tries, item, self.checkpoints, resumed)
+        return (
+            self.run_id, node.id, attempt.visit, tries, item, self.checkpoints, resumed,
+            self.streams, attempt,
+        )  # fmt: skip
 
     def _resumed(self, node: Node, attempt: Attempt) -> Checkpoint | None:
         """The checkpoint a new attempt continues from (P2); a hedge starts afresh."""
@@ -690,6 +718,9 @@ class RunLoop:
         attempt.finished = True
         if attempt.task is not None:
             attempt.task.remove_done_callback(self._unreported_cb)
+            # The task's context refers to the attempt (current_node's handle): letting go
+            # of the task here leaves no cycle, so both are freed by reference counting.
+            attempt.task = None
         try:
             del self._in_flight[attempt]
         except KeyError:
@@ -752,6 +783,7 @@ class RunLoop:
 
     def _retrying(self, attempt: Attempt, tries: int, exc: BaseException, delay: float) -> None:
         """Try ``tries`` failed and another follows after ``delay``: make it durable and live now."""
+        self.streams.end(attempt, accepted=False, tries=tries)  # the next try streams afresh (S2)
         i = attempt.index
         ns = self.state.nodes[i]
         items, j = attempt.items, attempt.item
@@ -839,6 +871,8 @@ class RunLoop:
                 exc = attempt.error
                 if exc is None:
                     exc = self._complete(i, attempt.value, attempt, now)
+                    if exc is None and attempt.stream is not None:
+                        self.streams.end(attempt, accepted=True)  # committed with this harvest (S2)
                 if exc is not None and failure is None:
                     failure = (i, exc)
                     self._failing = attempt
@@ -857,6 +891,8 @@ class RunLoop:
             if self._bounded and self._holds_slot(attempt):
                 self._release_slot()
                 self._release_extra(attempt)
+        if self.streams.open:  # whatever streamed and was not accepted above (S2)
+            self._discard_streams(batch)
         if self._fired_cancel and failure is None:
             self._cancel_dead_inputs()
         self._emit_late()
@@ -996,6 +1032,8 @@ class RunLoop:
             self._tail.observe(node, items.values[j], now - attempt.started, attempt.straggled)
         items.texts[j] = text
         decides = self.state.item_succeeded(items, j, value)
+        if attempt.stream is not None:
+            self.streams.end(attempt, accepted=True)  # committed with this harvest (S2)
         if self._record:
             self.event_seq += 1
             self._events.append(
@@ -1234,6 +1272,7 @@ class RunLoop:
         if attempts:
             await asyncio.gather(*(a.task for a in attempts if a.task), return_exceptions=True)
         self._in_flight.clear()
+        self._discard_streams((*attempts, *self._done))
         for attempt in (*attempts, *self._done):
             self._release_extra(attempt)  # clones and backups hold their own
         # Abandoned attempts (hedge losers, cancelled dead inputs) hold no node slot.

@@ -26,6 +26,7 @@ from ..graph import Graph, Topology, shape_json
 from ..stores import (
     FORMAT_VERSION,
     CheckpointRow,
+    ChunkRow,
     EventRow,
     FrozenInput,
     Harvest,
@@ -470,6 +471,8 @@ class RunWriter:
                 )
                 for seq, type, node, visit, attempt, ts, data in events
             ]
+        if loop.streams.seq:  # the run streams: its rows go with this harvest (S3)
+            pending.chunks += loop.streams.take()
         pending.error = error
         if not state.parked and not state.edge_gen:  # the common case: three counters
             pending.state = (state.seq, loop.event_seq, loop.turn, self.durability)
@@ -751,6 +754,7 @@ class _Pending:
     __slots__ = (
         "applied",
         "checkpoints",
+        "chunks",
         "error",
         "events",
         "finished_at",
@@ -785,6 +789,7 @@ class _Pending:
         self.applied: list[str] = []
         self.superseded: list[str] = []
         self.parked: list[ParkedRow] = []
+        self.chunks: list[ChunkRow] = []
 
     def harvest(self, ids: tuple[str, ...]) -> Harvest:
         """The merged harvest, as the store takes it (``ids``: node ids by index)."""
@@ -808,6 +813,7 @@ class _Pending:
             finished_at=self.finished_at,
             questions=self.questions,
             applied=self.applied,
+            chunks=self.chunks,
             superseded=self.superseded,
             parked=self.parked,
         )

@@ -22,12 +22,14 @@ import urllib.parse
 from ._contract import ChangeFeed as ChangeFeed
 from ._contract import RunStore as RunStore
 from ._records import CHANGE_KINDS as CHANGE_KINDS
+from ._records import CHUNK_KINDS as CHUNK_KINDS
 from ._records import FORMAT_VERSION as FORMAT_VERSION
 from ._records import LIVE_STATUSES as LIVE_STATUSES
 from ._records import QUESTION_TRANSITIONS as QUESTION_TRANSITIONS
 from ._records import TERMINAL_STATUSES as TERMINAL_STATUSES
 from ._records import ArtifactVersion as ArtifactVersion
 from ._records import CheckpointRow as CheckpointRow
+from ._records import ChunkRow as ChunkRow
 from ._records import EventRow as EventRow
 from ._records import FrozenInput as FrozenInput
 from ._records import GraphRow as GraphRow
@@ -48,6 +50,7 @@ from ._records import RunRecord as RunRecord
 from ._records import RunStatus as RunStatus
 from ._records import ScheduleRow as ScheduleRow
 from ._records import StoredRun as StoredRun
+from ._records import StreamHead as StreamHead
 from ._records import Submission as Submission
 from ._records import WorkerRow as WorkerRow
 from .memory import MemoryStore as MemoryStore
@@ -58,6 +61,7 @@ if typing.TYPE_CHECKING:
 
 __all__ = [
     "CHANGE_KINDS",
+    "CHUNK_KINDS",
     "FORMAT_VERSION",
     "LIVE_STATUSES",
     "QUESTION_TRANSITIONS",
@@ -65,6 +69,7 @@ __all__ = [
     "ArtifactVersion",
     "ChangeFeed",
     "CheckpointRow",
+    "ChunkRow",
     "EventRow",
     "FrozenInput",
     "GraphRow",
@@ -89,6 +94,7 @@ __all__ = [
     "SQLiteStore",
     "ScheduleRow",
     "StoredRun",
+    "StreamHead",
     "Submission",
     "WorkerRow",
     "open_store",

@@ -28,6 +28,7 @@ from ._records import (
     CHANGE_KINDS,
     MAX_LIMIT,
     ArtifactVersion,
+    ChunkRow,
     EventRow,
     FrozenInput,
     GraphRow,
@@ -46,6 +47,7 @@ from ._records import (
     RunStatus,
     ScheduleRow,
     StoredRun,
+    StreamHead,
     Submission,
     WorkerRow,
     check_limit,
@@ -53,6 +55,7 @@ from ._records import (
 from ._rules import (
     answer_status,
     check_apply_deferral,
+    check_cursor,
     check_harvest,
     check_name,
     check_names,
@@ -221,6 +224,38 @@ class RunStore(abc.ABC):
         """Events of a run with ``seq > after_seq``, in seq order."""
         check_name("run_id", run_id)
         return await self._events(run_id, after_seq=after_seq)
+
+    async def chunks(self, run_id: str, *, after: int = 0, limit: int = 1000) -> list[ChunkRow]:
+        """Stream rows of a run with ``seq > after``, in seq order, at most ``limit`` (S3).
+
+        Stream rows are written by :meth:`commit` (``Harvest.chunks``), in the
+        transaction of the harvest that produced them, and each commit that
+        carries some sends a ``stream`` change (:meth:`changes`). A reader
+        resumes from the last ``seq`` it saw, with no gap and no repeat.
+        :class:`~tailrace.RunNotFound` for an unknown run.
+        """
+        check_name("run_id", run_id)
+        check_cursor(after, limit)
+        return await self._chunks(run_id, after=after, limit=limit)
+
+    async def stream_head(self, run_id: str) -> StreamHead:
+        """The run's last stream row ``seq`` and its streams left with no terminal mark (S2).
+
+        An engine resuming or adopting a run reads it to number new rows after
+        the stored ones and to mark each cut attempt's stream ``discarded``.
+        """
+        check_name("run_id", run_id)
+        return await self._stream_head(run_id)
+
+    async def prune_streams(self, *, finished_before: float) -> int:
+        """Delete the stream rows of runs that ended (completed, failed, cancelled) before a time.
+
+        The retention rule: stream rows are kept until pruned; nothing of a
+        live or suspended run is deleted. Returns how many rows were deleted.
+        """
+        if not isinstance(finished_before, (int, float)) or isinstance(finished_before, bool):
+            raise ValueError(f"finished_before must be a time in seconds, got {finished_before!r}")
+        return await self._prune_streams(float(finished_before))
 
     async def acquire_lease(
         self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
@@ -808,6 +843,18 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     async def _events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
         """:meth:`events`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _chunks(self, run_id: str, *, after: int, limit: int) -> list[ChunkRow]:
+        """:meth:`chunks`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _stream_head(self, run_id: str) -> StreamHead:
+        """:meth:`stream_head`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _prune_streams(self, finished_before: float) -> int:
+        """:meth:`prune_streams`, called with checked arguments."""
 
     @abc.abstractmethod
     async def _move_run(

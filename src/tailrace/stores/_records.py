@@ -295,6 +295,45 @@ class EventRow(NamedTuple):
     data_json: str
 
 
+class ChunkRow(NamedTuple):
+    """A stored stream row (S1-S3): a chunk of an attempt's stream, or its terminal mark.
+
+    ``seq`` is unique and increasing per run (a reader's cursor); ``stream``
+    is the ``seq`` of the attempt's first chunk, shared by every row of that
+    attempt's stream. ``item`` is None outside map items, ``hedge`` 1 for a
+    hedge or backup attempt. ``kind`` is one of :data:`CHUNK_KINDS`;
+    ``data_json`` is the chunk as the codec encoded it (None for a mark).
+    """
+
+    seq: int
+    stream: int
+    node_id: str
+    visit: int
+    item: int | None
+    attempt: int
+    hedge: int
+    kind: str
+    data_json: str | None
+    ts: float
+
+
+#: What a stream row is: a chunk, or the terminal mark of its attempt (S2).
+CHUNK_KINDS = ("chunk", "accepted", "discarded")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamHead:
+    """Where a run's streams stand in the store (``RunStore.stream_head``).
+
+    ``last_seq`` is the largest stream row ``seq`` of the run (0: none);
+    ``open`` holds the first chunk of each stream with no terminal mark yet
+    (an attempt cut by a crash, say), in ``seq`` order.
+    """
+
+    last_seq: int = 0
+    open: tuple[ChunkRow, ...] = ()
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Harvest:
     """Everything one harvest produces, committed atomically (D1)."""
@@ -322,6 +361,8 @@ class Harvest:
     applied: Sequence[str] = ()
     #: Question ids this harvest supersedes (``open``/``answered``/``expired`` -> ``superseded``).
     superseded: Sequence[str] = ()
+    #: Stream rows (chunks and terminal marks), inserted; their ``seq`` must be new (S3).
+    chunks: Sequence[ChunkRow] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -573,5 +614,6 @@ class GraphRow:
 
 #: What a change feed reports: a run was submitted, a question answered, a
 #: lease released (a run finished, suspended, or let go), a cancel requested, a
-#: queue or schedule declared, paused, resumed or deleted (``config``).
-CHANGE_KINDS = frozenset({"submit", "answer", "release", "cancel", "config"})
+#: queue or schedule declared, paused, resumed or deleted (``config``), stream rows
+#: committed (``stream``).
+CHANGE_KINDS = frozenset({"submit", "answer", "release", "cancel", "config", "stream"})

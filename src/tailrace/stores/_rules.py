@@ -404,6 +404,7 @@ def check_harvest(run_id: str, harvest: Harvest) -> None:
             check_name("poller", q.poller, context=where)
         _check_each("question_id", harvest.applied, where)
         _check_each("question_id", harvest.superseded, where)
+        _check_each("node_id", (c.node_id for c in harvest.chunks), where)
     check_new_questions(run_id, harvest)
 
 
@@ -411,6 +412,15 @@ def check_harvest(run_id: str, harvest: Harvest) -> None:
 _NODE_NAMES = operator.itemgetter(0, 1)
 _EVENT_NAMES = operator.itemgetter(1, 2)
 _FIRST = operator.itemgetter(0)
+_CHUNK_NODE = operator.itemgetter(2)
+
+
+def check_cursor(after: object, limit: object) -> None:
+    """Refuse a stream cursor that is not a count >= 0, or a ``limit`` that is not >= 1."""
+    if not isinstance(after, int) or isinstance(after, bool) or after < 0:
+        raise ValueError(f"after must be a stream cursor (an integer >= 0), got {after!r}")
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 100_000:
+        raise ValueError(f"limit must be an integer within 1..100000, got {limit!r}")
 
 
 def _harvest_names(run_id: str, harvest: Harvest) -> list[str]:
@@ -426,6 +436,8 @@ def _harvest_names(run_id: str, harvest: Harvest) -> list[str]:
     if harvest.applied or harvest.superseded:
         names += harvest.applied
         names += harvest.superseded
+    if harvest.chunks:
+        names += map(_CHUNK_NODE, harvest.chunks)
     return names
 
 

@@ -66,6 +66,8 @@ logger = logging.getLogger("tailrace.workers")
 HEARTBEAT = 6.0
 #: Most seconds between two readings of the queues' limits with no news of a change.
 REFRESH = 600.0
+#: The change a commit carrying stream rows sends: nothing for a worker to do.
+_STREAM = frozenset({"stream"})
 
 
 @dataclass(slots=True)
@@ -287,7 +289,7 @@ class Worker:
 
     async def _forward(self, feed: Any, closing: asyncio.Event) -> None:
         while not closing.is_set():
-            kinds = await feed.wait(0.5)
+            kinds = await feed.wait(0.5) - _STREAM  # stream rows concern readers only
             if kinds:
                 self._kick(kinds)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from .._records import (
     ArtifactVersion,
+    ChunkRow,
     EventRow,
     Harvest,
     NewRun,
@@ -111,6 +112,31 @@ SELECT_ITEMS = (
     f"SELECT {ITEM_COLUMNS} FROM map_items WHERE run_id = ? ORDER BY node_id, visit, item"
 )
 INSERT_EVENT = f"INSERT INTO events (run_id, {EVENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+CHUNK_FIELDS = (
+    "seq", "stream", "node_id", "visit", "item", "attempt", "hedge", "kind", "data_json", "ts",
+)  # fmt: skip
+CHUNK_COLUMNS = ", ".join(CHUNK_FIELDS)
+INSERT_CHUNK = (
+    f"INSERT INTO stream_chunks (run_id, {CHUNK_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+#: Values: run_id, after, limit: a run's stream rows past a cursor, in order (S3).
+SELECT_CHUNKS = (
+    f"SELECT {CHUNK_COLUMNS} FROM stream_chunks WHERE run_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+)
+#: Values: run_id. One row: the run's last stream row seq, 0 when it has none.
+LAST_CHUNK_SEQ = "SELECT COALESCE(MAX(seq), 0) FROM stream_chunks WHERE run_id = ?"
+#: Values: run_id. The first chunk of each of the run's streams with no terminal mark (S2).
+SELECT_OPEN_STREAMS = (
+    f"SELECT {CHUNK_COLUMNS} FROM stream_chunks c WHERE c.run_id = ? AND c.seq = c.stream "
+    "AND NOT EXISTS (SELECT 1 FROM stream_chunks m WHERE m.run_id = c.run_id "
+    "AND m.stream = c.stream AND m.kind <> 'chunk') ORDER BY c.seq"
+)
+#: Values: finished_before. The stream rows of runs that ended before a time (retention).
+PRUNE_STREAMS = (
+    "DELETE FROM stream_chunks WHERE run_id IN (SELECT run_id FROM runs "
+    "WHERE status IN ('completed', 'failed', 'cancelled') AND finished_at IS NOT NULL "
+    "AND finished_at < ?)"
+)
 UPDATE_RUN = (
     "UPDATE runs SET state_json = ?, status = ?, error = ?, updated_at = ?, "
     "finished_at = COALESCE(?, finished_at), nodes_done = nodes_done + ? WHERE run_id = ?"
@@ -340,6 +366,22 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             "INSERT INTO signals (kind, n) VALUES ('config', 0)",
         ),
     ),
+    (
+        14,
+        (
+            # Streams (S1-S3): the chunks of each attempt and its terminal mark,
+            # by run and cursor; ``stream`` groups an attempt's rows.
+            """CREATE TABLE stream_chunks (
+                run_id TEXT NOT NULL, seq BIGINT NOT NULL, stream BIGINT NOT NULL,
+                node_id TEXT NOT NULL, visit INTEGER NOT NULL, item INTEGER,
+                attempt INTEGER NOT NULL, hedge INTEGER NOT NULL,
+                kind TEXT NOT NULL CHECK (kind IN ('chunk', 'accepted', 'discarded')),
+                data_json TEXT, ts DOUBLE PRECISION NOT NULL,
+                PRIMARY KEY (run_id, seq)) /*WITHOUT ROWID*/""",
+            "CREATE INDEX stream_chunks_by_stream ON stream_chunks (run_id, stream)",
+            "INSERT INTO signals (kind, n) VALUES ('stream', 0)",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -369,6 +411,11 @@ def record_from_row(row: Sequence[Any]) -> RunRecord:
     fields = dict(zip(RUN_FIELDS, row, strict=True))
     fields["status"] = parse_status(row[0], row[4])
     return RunRecord(**fields)
+
+
+def chunk_from_row(row: Sequence[Any]) -> ChunkRow:
+    """Decode ``row``, a ``stream_chunks`` row selected with :data:`CHUNK_COLUMNS`."""
+    return ChunkRow._make(row)
 
 
 def event_from_row(row: Sequence[Any]) -> EventRow:
@@ -424,6 +471,8 @@ def harvest_rows(run_id: str, harvest: Harvest) -> Iterator[tuple[str, tuple[obj
         yield INSERT_QUESTION, question_params(q), f"run {run_id!r}: question {q.question_id!r}"
     for parked in harvest.parked:
         yield INSERT_PARKED, tuple(parked), f"run {run_id!r}: parked item {parked.park_id!r}"
+    for c in harvest.chunks:
+        yield INSERT_CHUNK, (run_id, *c), f"run {run_id!r}: stream row seq {c.seq}"
 
 
 def append_only_rows(run_id: str, harvest: Harvest) -> list[tuple[str, list[tuple[object, ...]]]]:

@@ -35,6 +35,7 @@ from .._queue_rules import (
 )
 from .._records import (
     CheckpointRow,
+    ChunkRow,
     EventRow,
     FrozenInput,
     Harvest,
@@ -49,6 +50,7 @@ from .._records import (
     RunStatus,
     ScheduleRow,
     StoredRun,
+    StreamHead,
     WorkerRow,
 )
 from .._rules import (
@@ -90,17 +92,22 @@ from ._statements import (
     DROP_PARKED,
     EVENT_COLUMNS,
     INSERT_QUEUED_RUN,
+    LAST_CHUNK_SEQ,
     MOVE_RUN,
+    PRUNE_STREAMS,
     QUESTION_STATE,
     RUN_COLUMNS,
     SELECT_CHECKPOINTS,
+    SELECT_CHUNKS,
     SELECT_FOR_MOVE,
     SELECT_FRONTIERS,
     SELECT_ITEMS,
+    SELECT_OPEN_STREAMS,
     SELECT_PARKED,
     SELECT_QUESTION,
     SELECT_SHAPE,
     SUPERSEDE_QUESTION,
+    chunk_from_row,
     event_from_row,
     question_from_row,
     queued_run_params,
@@ -204,6 +211,8 @@ async def commit_harvest(tx: Tx, run_id: str, token: int, harvest: Harvest, now:
         lease_token=lease_token, token=token, new=harvest.status,
     )  # fmt: skip
     await tx.write_harvest(run_id, harvest, now)
+    if harvest.chunks:  # readers in other processes wake on it (S3)
+        await tx.signal("stream")
     if harvest.applied or harvest.superseded:  # most harvests change no question
         await apply_question_changes(tx, run_id, harvest, now)
     return cancel_requested_at is not None
@@ -265,6 +274,33 @@ async def frozen_inputs(tx: Tx, run_id: str) -> list[FrozenInput]:
 async def events(tx: Tx, run_id: str, after_seq: int) -> list[EventRow]:
     rows = await rows_of_run(tx, run_id, SELECT_EVENTS, (run_id, after_seq))
     return [event_from_row(r) for r in rows]
+
+
+async def chunks(tx: Tx, run_id: str, after: int, limit: int) -> list[ChunkRow]:
+    rows = await rows_of_run(tx, run_id, SELECT_CHUNKS, (run_id, after, limit))
+    return [chunk_from_row(r) for r in rows]
+
+
+async def stream_head(tx: Tx, run_id: str) -> StreamHead:
+    row = await tx.one(LAST_CHUNK_SEQ, (run_id,))
+    last = int(row[0]) if row is not None else 0
+    if last == 0:
+        await run_row(tx, RUN_EXISTS, run_id)
+        return StreamHead()
+    open_rows = await tx.all(SELECT_OPEN_STREAMS, (run_id,))
+    return StreamHead(last_seq=last, open=tuple(chunk_from_row(r) for r in open_rows))
+
+
+async def prune_streams(tx: Tx, finished_before: float) -> int:
+    row = await tx.one(_COUNT_PRUNED, (finished_before,))
+    count = int(row[0]) if row is not None else 0
+    if count:
+        await tx.change(PRUNE_STREAMS, (finished_before,))
+    return count
+
+
+#: Values: finished_before. How many stream rows :data:`PRUNE_STREAMS` deletes.
+_COUNT_PRUNED = "SELECT COUNT(*) " + PRUNE_STREAMS.removeprefix("DELETE ")
 
 
 async def request_cancel(tx: Tx, run_id: str, now: float) -> RunStatus:

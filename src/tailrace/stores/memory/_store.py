@@ -14,6 +14,7 @@ It applies the rules every backend shares (``_rules``) under one lock.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import threading
@@ -41,8 +42,10 @@ from .._queue_rules import (
 )
 from .._records import (
     LIVE_STATUSES,
+    TERMINAL_STATUSES,
     ArtifactVersion,
     CheckpointRow,
+    ChunkRow,
     EventRow,
     FrozenInput,
     GraphRow,
@@ -63,6 +66,7 @@ from .._records import (
     RunStatus,
     ScheduleRow,
     StoredRun,
+    StreamHead,
     Submission,
     WorkerRow,
 )
@@ -114,6 +118,8 @@ class MemoryStore(RunStore):
         self._checkpoints: dict[str, dict[tuple[str, int, int], CheckpointRow]] = {}
         self._parked: dict[str, ParkedRow] = {}
         self._event_rows: dict[str, dict[int, EventRow]] = {}
+        #: run id -> its stream rows in seq order (S3).
+        self._chunk_rows: dict[str, list[ChunkRow]] = {}
         self._questions: dict[str, QuestionRow] = {}
         #: (graph name, fingerprint) -> the graph version's structure JSON (V1).
         self._shapes: dict[tuple[str, str], str] = {}
@@ -183,6 +189,7 @@ class MemoryStore(RunStore):
         self._items[run.run_id] = {}
         self._checkpoints[run.run_id] = {}
         self._event_rows[run.run_id] = {}
+        self._chunk_rows[run.run_id] = []
 
     async def _commit(self, run_id: str, token: int, harvest: Harvest) -> bool:
         with self._lock:
@@ -210,6 +217,13 @@ class MemoryStore(RunStore):
                     ((r.node_id, r.visit, r.item), r) for r in harvest.checkpoints
                 )
             self._event_rows[run_id].update((e.seq, e) for e in harvest.events)
+            if harvest.chunks:
+                chunks = self._chunk_rows[run_id]
+                for c in harvest.chunks:
+                    if chunks and c.seq < chunks[-1].seq:
+                        bisect.insort(chunks, c)
+                    else:
+                        chunks.append(c)
             self._runs[run_id] = dataclasses.replace(
                 record,
                 state_json=harvest.state_json,
@@ -221,7 +235,10 @@ class MemoryStore(RunStore):
                 else record.finished_at,
                 nodes_done=record.nodes_done + harvest.nodes_done_delta,
             )
-            return record.cancel_requested_at is not None
+            cancel = record.cancel_requested_at is not None
+        if harvest.chunks:
+            self._hub.deliver(frozenset({"stream"}))
+        return cancel
 
     def _check_no_rewrite(self, run_id: str, harvest: Harvest) -> None:
         """Nothing already committed is rewritten: refuse the harvest before applying any of it."""
@@ -252,6 +269,13 @@ class MemoryStore(RunStore):
         for q in harvest.questions:
             if q.question_id in self._questions:
                 yield f"run {run_id!r}: question {q.question_id!r} already committed"
+        if harvest.chunks:
+            stored = self._chunk_rows[run_id]
+            low = min(c.seq for c in harvest.chunks)
+            seqs = {c.seq for c in stored[bisect.bisect_left(stored, (low,)) :]}
+            for c in harvest.chunks:
+                if c.seq in seqs:
+                    yield f"run {run_id!r}: stream row seq {c.seq} already committed"
 
     def _question_changes(
         self, run_id: str, harvest: Harvest, now: float
@@ -389,6 +413,35 @@ class MemoryStore(RunStore):
             self._run(run_id)
             rows = [e for seq, e in self._event_rows[run_id].items() if seq > after_seq]
         return sorted(rows, key=lambda e: e.seq)
+
+    async def _chunks(self, run_id: str, *, after: int, limit: int) -> list[ChunkRow]:
+        with self._lock:
+            self._run(run_id)
+            rows = self._chunk_rows[run_id]
+            start = bisect.bisect_right(rows, (after, float("inf")))
+            return rows[start : start + limit]
+
+    async def _stream_head(self, run_id: str) -> StreamHead:
+        with self._lock:
+            self._run(run_id)
+            rows = list(self._chunk_rows[run_id])
+        if not rows:
+            return StreamHead()
+        ended = {r.stream for r in rows if r.kind != "chunk"}
+        heads = tuple(r for r in rows if r.seq == r.stream and r.stream not in ended)
+        return StreamHead(last_seq=rows[-1].seq, open=heads)
+
+    async def _prune_streams(self, finished_before: float) -> int:
+        with self._lock:
+            pruned = 0
+            for run_id, record in self._runs.items():
+                finished = record.finished_at
+                if finished is None or record.status not in TERMINAL_STATUSES:
+                    continue
+                if finished < finished_before and self._chunk_rows.get(run_id):
+                    pruned += len(self._chunk_rows[run_id])
+                    self._chunk_rows[run_id] = []
+            return pruned
 
     async def _acquire_lease(
         self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None

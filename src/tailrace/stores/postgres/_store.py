@@ -52,6 +52,7 @@ from .._queue_rules import (
 from .._records import (
     CHANGE_KINDS,
     ArtifactVersion,
+    ChunkRow,
     EventRow,
     FrozenInput,
     GraphRow,
@@ -70,6 +71,7 @@ from .._records import (
     RunStatus,
     ScheduleRow,
     StoredRun,
+    StreamHead,
     Submission,
     WorkerRow,
 )
@@ -315,6 +317,17 @@ class PostgresStore(RunStore):
     async def _events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
         read = self._body(bodies.events, run_id, after_seq)
         return await self._db.read(f"run {run_id!r}", read)
+
+    async def _chunks(self, run_id: str, *, after: int, limit: int) -> list[ChunkRow]:
+        read = self._body(bodies.chunks, run_id, after, limit)
+        return await self._db.read(f"run {run_id!r}", read)
+
+    async def _stream_head(self, run_id: str) -> StreamHead:
+        return await self._db.read(f"run {run_id!r}", self._body(bodies.stream_head, run_id))
+
+    async def _prune_streams(self, finished_before: float) -> int:
+        prune = self._body(bodies.prune_streams, finished_before)
+        return await self._db.write("pruning streams", prune)
 
     def _body(self, body: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> Work[T]:
         """Work running the shared ``body(tx, *args, **kwargs)`` on a pooled connection."""

@@ -37,6 +37,7 @@ from .._queue_rules import (
 )
 from .._records import (
     ArtifactVersion,
+    ChunkRow,
     EventRow,
     FrozenInput,
     GraphRow,
@@ -55,6 +56,7 @@ from .._records import (
     RunStatus,
     ScheduleRow,
     StoredRun,
+    StreamHead,
     Submission,
     WorkerRow,
 )
@@ -364,6 +366,15 @@ class SQLiteStore(RunStore):
 
     async def _events(self, run_id: str, *, after_seq: int = 0) -> list[EventRow]:
         return await self._read(f"run {run_id!r}", _body(bodies.events, run_id, after_seq))
+
+    async def _chunks(self, run_id: str, *, after: int, limit: int) -> list[ChunkRow]:
+        return await self._read(f"run {run_id!r}", _body(bodies.chunks, run_id, after, limit))
+
+    async def _stream_head(self, run_id: str) -> StreamHead:
+        return await self._read(f"run {run_id!r}", _body(bodies.stream_head, run_id))
+
+    async def _prune_streams(self, finished_before: float) -> int:
+        return await self._write("pruning streams", _body(bodies.prune_streams, finished_before))
 
     async def _acquire_lease(
         self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None

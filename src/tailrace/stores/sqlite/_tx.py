@@ -14,6 +14,7 @@ from typing import Any
 from ..._errors import StoreError
 from .._records import Harvest
 from .._sql._statements import (
+    INSERT_CHUNK,
     INSERT_EVENT,
     INSERT_RESULT,
     UPDATE_RUN,
@@ -68,6 +69,8 @@ class SQLiteTx:
         try:
             insert_run_rows(conn, INSERT_RESULT, run_id, harvest.results)
             insert_run_rows(conn, INSERT_EVENT, run_id, harvest.events)
+            if harvest.chunks:
+                insert_run_rows(conn, INSERT_CHUNK, run_id, harvest.chunks)
             for sql, rows in append_only_rows(run_id, harvest):
                 insert_rows(conn, sql, rows)
         except sqlite3.IntegrityError as exc:  # nothing committed is rewritten (D1)
