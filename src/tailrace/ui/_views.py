@@ -28,6 +28,7 @@ from ..stores import (
     StoredRun,
 )
 from ._catalog import GraphCatalog
+from ._chunks import Streams, read_streams
 from ._curve import Curve, VersionRow, reward_curve, version_rows
 from ._format import clock, decode, event_text, pretty, preview, seconds
 from ._gantt import Gantt, gantt
@@ -425,6 +426,8 @@ class RunView:
     queue: str | None
     cancellable: bool
     cancel_requested: str | None
+    #: Each attempt's stream, its mark, the text so far (S1-S3).
+    streams: Streams
 
 
 async def run_view(
@@ -492,6 +495,7 @@ async def run_view(
         cancel_requested=None
         if record.cancel_requested_at is None
         else clock(record.cancel_requested_at),
+        streams=await read_streams(store, record.run_id),
     )
 
 
