@@ -38,8 +38,8 @@ class CheckpointSink(Protocol):
 class StreamSink(Protocol):
     """Where ``NodeContext.stream`` hands a chunk: the run's stream buffer (S1)."""
 
-    def publish(self, attempt: Any, chunk: Any) -> None:
-        """Publish ``chunk`` for ``attempt`` (the engine's handle on the running attempt)."""
+    def publish(self, attempt: Any, tries: int, chunk: Any) -> None:
+        """Publish ``chunk`` for try ``tries`` of ``attempt`` (the engine's handle on it)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,7 +96,7 @@ class NodeContext:
                 f"node {self.node_id!r} (attempt {self.attempt}): current_node().stream "
                 "works in handlers the engine runs in its own process"
             )
-        self._streams.publish(self._handle, chunk)
+        self._streams.publish(self._handle, self.attempt, chunk)
 
 
 #: What the engine stores per attempt: (run id, node id, visit, attempt), plus the

@@ -10,6 +10,7 @@ refused at the call).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -393,6 +394,48 @@ async def test_s3_a_sync_handler_on_a_thread_streams_in_order(store: RunStore) -
     chunks = await read_all(engine, "threaded")
     check_well_formed(chunks)
     assert values(chunks) == list(range(50)) and mark(chunks) is ChunkKind.ACCEPTED
+
+
+@pytest.mark.parametrize("second", ["returns", "streams on"])
+async def test_s2_a_thread_streaming_after_its_try_timed_out_adds_nothing(
+    store: RunStore, second: str
+) -> None:
+    import threading
+
+    late_sent = threading.Event()
+
+    def slow(x: int) -> str:
+        ctx = current_node()
+        assert ctx is not None
+        ctx.stream(f"try {ctx.attempt} begins")
+        if ctx.attempt == 1:
+            time.sleep(1.2)  # the try times out meanwhile; the thread runs on
+            ctx.stream("too late")
+            late_sent.set()
+        elif second == "streams on":  # try 2 is still streaming when try 1 sends
+            late_sent.wait(GUARD)  # well within try 2's own timeout
+            time.sleep(0.02)
+            ctx.stream("try 2 ends")
+        return f"try {ctx.attempt}"
+
+    g = tr.Graph("timed_out")
+    g.add_node("slow", slow, timeout=1.0, retry=RetryPolicy(attempts=2))
+
+    @g.task()
+    async def sibling(x: int) -> str:  # keeps the run going until the late chunk was sent
+        await asyncio.to_thread(late_sent.wait, GUARD)
+        await asyncio.sleep(0.05)  # the late chunk's hand-over to the loop has run
+        return "sibling"
+
+    engine = tr.Engine(store=store)
+    assert (await engine.run(g, 0, run_id="timed-out")).results["slow"] == "try 2"
+    chunks = await read_all(engine, "timed-out")
+    check_well_formed(chunks)
+    tail = ["try 2 ends"] if second == "streams on" else []
+    assert [(s[0].attempt, values(s), mark(s)) for s in by_stream(chunks).values()] == [
+        (1, ["try 1 begins"], ChunkKind.DISCARDED),
+        (2, ["try 2 begins", *tail], ChunkKind.ACCEPTED),
+    ]
 
 
 # --- S4: chunks are data --------------------------------------------------------------------

@@ -348,3 +348,49 @@ def test_the_cancel_button_clicked_while_updates_flow_asks_then_cancels_the_run(
     expect(page.locator("body")).not_to_contain_text("running now")
     expect(page.locator("body")).not_to_contain_text("waiting for an answer from")
     page.screenshot(path=shots / "cancelled.png", full_page=True)
+
+
+def test_a_runs_streams_appear_live_with_the_loser_greyed_and_text_literal(
+    site: Site, open_page: Any, shots: Path
+) -> None:
+    """S1-S4 in the browser: each attempt's card fills as chunks are committed, a failed try is
+    greyed as discarded, the winner marked once its result is, hostile chunk text inert."""
+    hostile = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'
+    second_try = threading.Event()
+    release = threading.Event()
+
+    async def talk(x: str) -> str:
+        ctx = tr.current_node()
+        assert ctx is not None
+        ctx.stream(f"try {ctx.attempt}: {hostile}")
+        if ctx.attempt == 1:
+            raise RuntimeError("the first try fails")
+        second_try.set()
+        await asyncio.to_thread(release.wait, scenarios.GUARD)
+        ctx.stream(" done")
+        return "ok"
+
+    g = tr.Graph("streams_live")
+    g.add_node("talk", talk, retry=tr.graph.RetryPolicy(attempts=2))
+
+    async def drive() -> tr.RunResult:
+        async with scenarios.opened(site.factory) as store:
+            return await tr.Engine(store=store).run(g, "go", run_id="streams-live")
+
+    run = Background(drive)
+    assert second_try.wait(scenarios.GUARD)
+    page = open_page()
+    page.goto(f"{site.url}/runs/streams-live")
+    cards = page.locator("#run-streams .stream-card")
+    expect(cards).to_have_count(2, timeout=WAIT_MS)
+    expect(cards.nth(0)).to_have_class(re.compile("stream-discarded"))
+    expect(cards.nth(0).locator("pre.stream-text")).to_have_text(f"try 1: {hostile}")
+    expect(cards.nth(1)).to_have_class(re.compile("stream-streaming"))
+    page.screenshot(path=shots / "streams-live.png", full_page=True)
+    release.set()
+    expect(cards.nth(1)).to_have_class(re.compile("stream-accepted"), timeout=WAIT_MS)
+    expect(cards.nth(1).locator("pre.stream-text")).to_have_text(f"try 2: {hostile} done")
+    expect(cards.nth(1)).to_contain_text("accepted: winner")
+    assert run.join().status == "completed"
+    assert page.evaluate("window.__pwned") is None  # no injected script or handler ran
+    page.screenshot(path=shots / "streams-done.png", full_page=True)

@@ -243,10 +243,10 @@ class Streams:
 
     # -- the handler's side (NodeContext.stream) --------------------------------
 
-    def publish(self, attempt: Attempt, chunk: Any) -> None:
-        """Encode ``chunk`` now and publish it for ``attempt`` (S1, S4); any thread."""
+    def publish(self, attempt: Attempt, tries: int, chunk: Any) -> None:
+        """Encode ``chunk`` now and publish it for try ``tries`` of ``attempt`` (S1, S4); any
+        thread (the try is the handler's own: a thread may outlive its try)."""
         node_id = self._ids[attempt.index]
-        tries = attempt.tries
         try:
             text = self._codec.encode(chunk)
         except (TypeError, ValueError, RecursionError) as exc:
@@ -267,6 +267,10 @@ class Streams:
             self._loop.call_soon_threadsafe(self._add, attempt, tries, text, value)
 
     def _add(self, attempt: Attempt, tries: int, text: str, value: Any) -> None:
+        if tries != attempt.tries or (attempt.finished and attempt.stream is None):
+            # A thread the engine cannot stop streams on after its try ended (timed out,
+            # cancelled, retried): that try's stream has its mark, so the chunk is dropped.
+            return
         if attempt.stream is None:
             attempt.stream = self.seq + 1
             self.open += 1

@@ -1,8 +1,9 @@
 """The run page's live updates: server-sent events polled from the store.
 
-The stream reads the run's events after the last one it has every
-``poll_interval`` (~200 ms), so it sees what any process commits, this one or
-another on the same database. When something changed it sends one ``update``:
+The stream reads the run's events after the last one it has, and whether
+stream rows came after the last one shown, every ``poll_interval`` (~200 ms),
+so it sees what any process commits, this one or another on the same
+database. When something changed it sends one ``update``:
 the page's parts that changed, re-rendered by the same macros as the page
 (escaped), and the new event-log rows to append; the page's script swaps them
 in without a reload. A finished run gets a last update and ``end``.
@@ -46,6 +47,7 @@ def render_parts(pages: Pages, view: RunView, state: UiState, auth: Auth) -> dic
         "run-parked": pages.part("_run.html", "parked", view),
         "run-late": pages.part("_run.html", "late", view),
         "run-nodes": pages.part("_run.html", "nodes", view),
+        "run-streams": pages.part("_run.html", "streams", view),
     }
 
 
@@ -69,7 +71,9 @@ async def run_updates(
         finished = record.status in TERMINAL_STATUSES
         due = view.live and time.monotonic() - sent_at >= LIVE_REFRESH
         noted = _note(state, run_id) is not note
-        if last > sent_seq or due or finished or noted:
+        # Chunks are committed without events: new stream rows are a change of their own.
+        streamed = bool(await reader.chunks(run_id, after=view.streams.last_seq, limit=1))
+        if last > sent_seq or due or finished or noted or streamed:
             note = _note(state, run_id)
             view = await run_view(reader, state.catalog, run_id, now=time.time(), events=events)
             parts = render_parts(pages, view, state, auth)

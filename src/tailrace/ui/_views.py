@@ -29,6 +29,7 @@ from ..stores import (
     StoredRun,
 )
 from ._catalog import GraphCatalog
+from ._chunks import Streams, read_streams
 from ._curve import Curve, VersionRow, reward_curve, version_rows
 from ._format import clock, decode, event_text, pretty, preview, seconds
 from ._gantt import Gantt, gantt
@@ -431,6 +432,8 @@ class RunView:
     #: Who drove each stretch of it (W6), and how often it was taken over (W3).
     drivers: tuple[DriverRow, ...] = ()
     recoveries: int = 0
+    #: Each attempt's stream, its mark, the text so far (S1-S3).
+    streams: Streams
 
 
 class DriverRow(NamedTuple):
@@ -532,6 +535,7 @@ async def run_view(
         else clock(record.cancel_requested_at),
         drivers=driver_rows(events),
         recoveries=record.recoveries,
+        streams=await read_streams(store, record.run_id),
     )
 
 
