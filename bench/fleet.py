@@ -587,17 +587,24 @@ def _run_fleet(
                 # kills cut runs however loaded the machine is (not only start-ups).
                 holding = {i: _holding(target, workers[i]) for i in ready}
                 busy = [i for i in ready if holding[i] > 0]
-                for victim in rng.sample(busy if len(busy) >= 2 else ready, 2):
-                    workers[victim].kill()
-                    stats.kills += 1
-                    stats.mid_run_kills += holding[victim] > 0
-                side.snapshot()  # right after the kills: nothing committed may start again
-                for victim in sorted(
-                    {v for v in range(len(workers)) if workers[v].proc.poll() is not None}
-                ):
-                    workers[victim] = spawn()
-                    stats.restarts += 1
-                next_kill = now + rng.uniform(*cfg.kill_gap)
+                if busy:
+                    # Busy workers first (in random order), then others to make two.
+                    idle = [i for i in ready if i not in busy]
+                    rng.shuffle(busy)
+                    rng.shuffle(idle)
+                    for victim in (busy + idle)[:2]:
+                        workers[victim].kill()
+                        stats.kills += 1
+                        stats.mid_run_kills += holding[victim] > 0
+                    side.snapshot()  # right after the kills: nothing committed may start again
+                    for victim in sorted(
+                        {v for v in range(len(workers)) if workers[v].proc.poll() is not None}
+                    ):
+                        workers[victim] = spawn()
+                        stats.restarts += 1
+                    next_kill = now + rng.uniform(*cfg.kill_gap)
+                else:  # nobody holds a run this instant: try again in a moment
+                    next_kill = now + 0.05
             elif now >= next_snapshot:
                 side.snapshot()
                 next_snapshot = now + 0.5
