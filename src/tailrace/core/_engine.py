@@ -14,18 +14,20 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 from .._codec import DEFAULT_CODEC, Codec
-from .._errors import EncodeError, GraphMismatch, LeaseHeld, NotResumable
+from .._errors import EncodeError, GraphError, GraphMismatch, LeaseHeld, NotResumable, TailraceError
 from .._events import EventBus, EventType
 from .._values import checked_run_id
 from ..executors import Executor
 from ..executors._base import ExecutorTable
 from ..graph import Graph, Topology, guess_reference
 from ..stores import (
+    TERMINAL_STATUSES,
     MemoryStore,
     ParkedRow,
     ParkedStatus,
@@ -36,10 +38,16 @@ from ..stores import (
 )
 from ..tail import TailHooks
 from ._admission import AdmissionPolicy, SlotQueue, resolve_policy
+from ._children import (
+    Children,
+    ChildRunner,
+    checked_deadline,
+    tree_questions,
+)
 from ._lease import Lease, make_owner, mark_failed
 from ._loop import RunLoop
 from ._outcome import RunResult
-from ._queued import cancel_run, reopen_cancelled, submit_run, wait_for
+from ._queued import cancel_run, reopen_cancelled, stored_result, submit_run, wait_for
 from ._restore import find_graph, restore_run
 from ._state import LateInput, RunState
 from ._streams import MAX_STREAM_CHUNKS, READ_BATCH, Chunk, StreamHub, chunk_of, read_stream
@@ -54,6 +62,8 @@ from ._versions import (
     stored_shape,
 )
 from ._writer import RunWriter
+
+logger = logging.getLogger("tailrace.children")
 
 
 class Engine:
@@ -160,6 +170,7 @@ class Engine:
         run_id: str | None = None,
         graph_ref: str | None = None,
         durability: str | None = None,
+        deadline: float | datetime.datetime | datetime.timedelta | None = None,
     ) -> RunResult:
         """Run ``graph`` on ``input`` and return its :class:`RunResult`.
 
@@ -167,20 +178,47 @@ class Engine:
         (``module:attribute``) tells another process where to find the graph
         to resume it; ``durability`` overrides the engine's for this run
         (``"async"`` or ``"sync"``). A handler's exception is re-raised
-        unwrapped (E9).
+        unwrapped (E9). ``deadline`` (seconds since the epoch, an aware
+        ``datetime`` or a ``timedelta`` from now) cancels the run, with its
+        child runs, if it has not finished by then; it is stored with the run
+        and holds across resumes (R6).
         """
-        topo = graph.compile()
-        self._executors.plan(topo)  # an unknown executor name fails here, before any write
-        self._graphs.setdefault((graph.name, topo.fingerprint), graph)
         run_id = uuid.uuid4().hex if run_id is None else checked_run_id(run_id)
+        when = checked_deadline(deadline)
         if durability is not None:
             self._durability_of[run_id] = _checked_durability(durability)
+        return await self._start(graph, input, run_id, graph_ref, None, when)
+
+    async def _start(
+        self,
+        graph: Graph,
+        input: Any,
+        run_id: str,
+        graph_ref: str | None,
+        parent: str | None,
+        deadline: float | None,
+    ) -> RunResult:
+        """Run a new run (a child of ``parent`` when given) to its end or suspension."""
+        topo = graph.compile()
+        self._executors.plan(topo)  # an unknown executor name fails here, before any write
+        if self.store is None and any(n.queue is not None for n in topo.nodes):
+            raise GraphError(
+                f"graph {graph.name!r}: child runs on a queue (queue=) need an engine with a store"
+            )
+        self._graphs.setdefault((graph.name, topo.fingerprint), graph)
         with self._driving(run_id):
-            result = await self._run(graph, topo, input, run_id, graph_ref)
+            result = await self._run(graph, topo, input, run_id, graph_ref, parent, deadline)
             return await self._settle(result, graph, False)
 
     async def _run(
-        self, graph: Graph, topo: Topology, input: Any, run_id: str, graph_ref: str | None
+        self,
+        graph: Graph,
+        topo: Topology,
+        input: Any,
+        run_id: str,
+        graph_ref: str | None,
+        parent: str | None = None,
+        deadline: float | None = None,
     ) -> RunResult:
         state = RunState(topo)
         state.activate_entries(input)
@@ -188,14 +226,15 @@ class Engine:
             self.store = MemoryStore()  # gates and parked items need a ledger; keep one here
             await self.store.open()
         if self.store is None:
-            loop = self._loop_for(run_id, state, None)
+            loop = self._loop_for(run_id, state, None, deadline=deadline, parent=parent)
             loop.emit(EventType.RUN_STARTED, graph=graph.name, owner=self.owner)
             return await loop.drive()
         writer = await RunWriter.create(
-            self.store, self._codec, run_id, graph, topo, input, graph_ref or guess_reference(graph)
-        )
+            self.store, self._codec, run_id, graph, topo, input,
+            graph_ref or guess_reference(graph), parent=parent, deadline=deadline,
+        )  # fmt: skip
         async with writer.leased(self._lease(run_id)):
-            loop = self._loop_for(run_id, state, writer)
+            loop = self._loop_for(run_id, state, writer, deadline=deadline, parent=parent)
             loop.emit(
                 EventType.RUN_STARTED,
                 graph=graph.name,
@@ -259,6 +298,8 @@ class Engine:
         lease held, the answer landed before this engine released it, so it is
         visible now.
         """
+        if self.store is not None:
+            await self._children_moved(result)
         seen: set[str] = set()
         while result.status is RunStatus.SUSPENDED and self.store is not None:
             pending = {
@@ -303,7 +344,9 @@ class Engine:
             if restored.durability is not None:
                 self._durability_of.setdefault(run_id, restored.durability)
             state = restored.state
-            loop = self._loop_for(run_id, state, writer, restored.event_seq, restored.turn)
+            loop = self._loop_for(
+                run_id, state, writer, restored.event_seq, restored.turn, record=stored.run
+            )
             # S2: number after the stored rows; streams cut by a crash end discarded.
             loop.streams.reopen(await store.stream_head(run_id))
             if stored.run.cancel_requested_at is not None:
@@ -596,11 +639,78 @@ class Engine:
         ]
 
     async def _with_questions(self, result: RunResult) -> RunResult:
-        """Attach the run's open questions to a suspended result."""
+        """Attach the open questions of a suspended run and of its child runs (R5)."""
         if result.status is not RunStatus.SUSPENDED or self.store is None:
             return result
-        rows = await self.store.list_questions(run_id=result.run_id, status=QuestionStatus.OPEN)
+        rows = await tree_questions(self.store, result.run_id)
         return dataclasses.replace(result, questions=tuple(rows))
+
+    # -- child runs (the work is done in _children) -------------------------------
+
+    async def _children_moved(self, result: RunResult) -> None:
+        """After a run let go: wake a parent whose child ended, or a suspended parent whose
+        awaited child ended meanwhile (R4, R5)."""
+        store = self.store
+        assert store is not None
+        if result.status is RunStatus.SUSPENDED and result.waiting_on:
+            for child_id in result.waiting_on:
+                if (await store.get_run(child_id)).status in TERMINAL_STATUSES:
+                    await self._wake(result.run_id)
+                    return
+        elif result.status in TERMINAL_STATUSES and result.parent_run_id is not None:
+            await self._wake(result.parent_run_id)
+
+    async def _wake(self, run_id: str) -> None:
+        """A suspended run one of whose children ended: queued again when it is on a
+        queue (a worker takes it), else resumed here if this engine has its graph."""
+        store = self.store
+        assert store is not None
+        record = await store.get_run(run_id)
+        if record.status is not RunStatus.SUSPENDED or self.is_driving(run_id):
+            return
+        if record.queue_name is not None:
+            await store.wake_suspended(run_id)
+            return
+        try:
+            await self.resume(run_id)
+        except (LeaseHeld, NotResumable):
+            pass  # another engine has it, or it moved on
+        except TailraceError as exc:  # its graph is not at hand here: `tailrace resume` it
+            logger.warning(
+                "run %s: its child ended, but it cannot be resumed here: %s", run_id, exc
+            )
+
+    def _child_runner(self) -> ChildRunner:
+        return ChildRunner(
+            store=self.store,
+            start=self._start_child,
+            submit=self._submit_child,
+            resume=self._resume_child,
+            cancel=self.cancel,
+            result=self._child_result,
+        )
+
+    async def _start_child(
+        self, graph: Graph, input: Any, run_id: str, parent: str, deadline: float | None
+    ) -> RunResult:
+        return await self._start(graph, input, run_id, None, parent, deadline)
+
+    async def _submit_child(
+        self, graph: Graph, input: Any, run_id: str, queue: str, parent: str, deadline: float | None
+    ) -> str:
+        return await submit_run(
+            self, graph, input, queue=queue, run_id=run_id, priority=0, partition=None,
+            dedup_key=None, on_duplicate="return", cost=None, estimate=None, graph_ref=None,
+            parent=parent, deadline=deadline,
+        )  # fmt: skip
+
+    async def _resume_child(self, run_id: str, graph: Graph) -> RunResult:
+        self.register(graph)
+        return await self.resume(run_id, graph)
+
+    async def _child_result(self, record: RunRecord, graph: Graph) -> RunResult:
+        self.register(graph)
+        return await stored_result(self, record, graph)
 
     def _decode_event(self, text: str) -> dict[str, Any]:
         data = self._codec.decode(text)
@@ -613,7 +723,13 @@ class Engine:
         writer: RunWriter | None,
         event_seq: int = 0,
         turn: int = 0,
+        *,
+        record: RunRecord | None = None,
+        deadline: float | None = None,
+        parent: str | None = None,
     ) -> RunLoop:
+        if record is not None:  # a stored run: its deadline and parent are stored with it
+            deadline, parent = record.deadline, record.parent_run_id
         loop = self._loops[run_id] = RunLoop(
             run_id=run_id,
             state=state,
@@ -630,7 +746,15 @@ class Engine:
             codec=self._codec,
             stream_hub=self.stream_hub,
             max_stream_chunks=self.max_stream_chunks,
+            deadline=deadline,
+            parent_run_id=parent,
         )
+        if any(n.child for n in state.topo.nodes):
+            loop.children = Children(
+                self._child_runner(), run_id,
+                queued=record is not None and record.queue_name is not None,
+                deadline=deadline, poke=loop.poke,
+            )  # fmt: skip
         if run_id in self._preempt_pending:
             self._preempt_pending.discard(run_id)
             loop.preempt()
@@ -691,6 +815,7 @@ class Engine:
         estimate: float | None = None,
         graph_ref: str | None = None,
         not_before: float | datetime.datetime | None = None,
+        deadline: float | datetime.datetime | datetime.timedelta | None = None,
     ) -> str:
         """Store a run of ``graph`` on ``input`` as ``queued`` in ``queue``; return its id at once.
 
@@ -720,11 +845,15 @@ class Engine:
             not_before: the earliest time a worker may start it (W4): seconds
                 since the epoch, or a timezone-aware ``datetime``; until then
                 it waits ``queued`` and takes no turn of its partition.
+            deadline: cancel the run, with its child runs, if it has not
+                finished by then (R6): seconds since the epoch, an aware
+                ``datetime``, or a ``timedelta`` from now; stored with the run.
         """
         return await submit_run(
             self, graph, input, queue=queue, run_id=run_id, priority=priority,
             partition=partition, dedup_key=dedup_key, on_duplicate=on_duplicate, cost=cost,
             estimate=estimate, graph_ref=graph_ref, not_before=not_before,
+            deadline=checked_deadline(deadline),
         )  # fmt: skip
 
     async def wait(
@@ -805,8 +934,9 @@ class Engine:
                     restored = await restore_run(store, self._codec, topo, stored, [])
                     writer.refer(restored.big)
                     loop = self._loop_for(
-                        run_id, restored.state, writer, restored.event_seq, restored.turn
-                    )
+                        run_id, restored.state, writer, restored.event_seq, restored.turn,
+                        record=stored.run,
+                    )  # fmt: skip
                     if stored.run.cancel_requested_at is not None:
                         loop.request_cancel()  # asked between the claim and this start
                     loop.emit(

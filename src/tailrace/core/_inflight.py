@@ -34,6 +34,7 @@ class Attempt:
         "index",
         "item",
         "items",
+        "released",
         "started",
         "straggled",
         "stream",
@@ -42,6 +43,7 @@ class Attempt:
         "tries",
         "value",
         "visit",
+        "waiting",
     )
 
     def __init__(
@@ -78,6 +80,10 @@ class Attempt:
         self.error: BaseException | None = None
         #: True once the attempt ended and was handed to the run loop.
         self.finished = False
+        #: A child run's attempt gives its admission slot back as it starts (R4).
+        self.released = False
+        #: Whether it only waits for a child run to end (``_children``'s values).
+        self.waiting = 0
         #: The id of this attempt's open stream once it published a chunk (S1), until its mark.
         self.stream: int | None = None
 

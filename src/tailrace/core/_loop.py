@@ -29,6 +29,7 @@ from ..stores import ParkedRow, RunStatus
 from ..tail import TailHooks
 from ._admission import AdmissionPolicy, SlotQueue, Ticket
 from ._checkpoints import Checkpoints, parked_checkpoint
+from ._children import Children
 from ._hedger import Hedger
 from ._inflight import BULK, Attempt, describe, harvest_order, paused_gc, traceback_text
 from ._outcome import NodeReport, RunResult
@@ -81,8 +82,18 @@ class RunLoop:
         codec: Codec | None = None,
         stream_hub: StreamHub | None = None,
         max_stream_chunks: int = MAX_STREAM_CHUNKS,
+        deadline: float | None = None,
+        parent_run_id: str | None = None,
     ) -> None:
         self.run_id = run_id
+        #: When the run is cancelled if it has not finished (R6), and the run it is a child of.
+        self.deadline = deadline
+        self.parent_run_id = parent_run_id
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        #: Why the run is cancelled: "deadline" when its deadline passed (R6).
+        self.cancel_reason: str | None = None
+        #: The child runs of its nodes whose handler is a graph (R1-R5); set by the engine.
+        self.children: Children | None = None
         #: Per node: the executor its attempts go to, None inline (executors/).
         self._executors = executors
         #: "sync": successors start only once their upstream's completion is durable.
@@ -125,6 +136,8 @@ class RunLoop:
             a and n.retry is None and n.timeout is None
             for a, n in zip(self._async, self.topo.nodes, strict=True)
         )
+        #: Per node: whether its handler is a graph run as a child run (R1).
+        self._child = tuple(n.child for n in self.topo.nodes)
         self._durations = [0.0] * len(self.topo.ids)
         self._late_seen = len(state.late)
         #: Aggregates with ``late="cancel"`` that fired in the current harvest.
@@ -202,6 +215,8 @@ class RunLoop:
     async def drive(self) -> RunResult:
         """Run until nothing is ready or in flight; return the result or raise (E9, E10)."""
         try:
+            if self.deadline is not None:
+                self._arm_deadline()
             if self.cancel_requested:  # asked before anything was dispatched
                 return await self._cancel()
             self._dispatch_ready()
@@ -211,6 +226,13 @@ class RunLoop:
             while True:
                 while self._in_flight or self._done or self._queued():
                     if not self._done and not self._poked:
+                        children = self.children
+                        if (
+                            children is not None
+                            and not self._queued()
+                            and children.waiting_only(self._in_flight)
+                        ):
+                            return await self._suspend_on_children(children)
                         self._wake = self.loop.create_future()
                         await self._wake
                         self._wake = None
@@ -250,6 +272,47 @@ class RunLoop:
             self._stage_on_the_way_out()
             await self._cancel_in_flight(record=False)
             raise
+        finally:
+            if self._deadline_timer is not None:
+                self._deadline_timer.cancel()
+            if self.children is not None:
+                await self.children.close()
+
+    def _arm_deadline(self) -> None:
+        """Cancel the run at its deadline (R6); at once when it passed already."""
+        assert self.deadline is not None
+        left = self.deadline - time.time()
+        if left <= 0:
+            self._deadline_passed()
+        else:
+            self._deadline_timer = self.loop.call_later(left, self._deadline_passed)
+
+    def _deadline_passed(self) -> None:
+        self.cancel_reason = "deadline"
+        self.request_cancel()
+
+    async def _suspend_on_children(self, children: Children) -> RunResult:
+        """Every attempt in flight only waits on a child run: suspend, holding nothing (R4).
+
+        The attempts stop without cancelling their children and stay
+        ``running`` in the stored state, so the run's next driver starts them
+        again and they re-attach to their children where they are (R2).
+        """
+        awaited = children.awaited()
+        children.suspending = True
+        try:
+            await self._cancel_in_flight(record=False)
+        finally:
+            children.suspending = False
+        questions = self.state.waiting_questions()
+        if questions:
+            self.turn += 1
+        self.emit(
+            EventType.RUN_SUSPENDED, reason="children", children=list(awaited),
+            questions=sorted(questions), turn=self.turn,
+        )  # fmt: skip
+        await self._commit(RunStatus.SUSPENDED)
+        return dataclasses.replace(self.result(RunStatus.SUSPENDED), waiting_on=awaited)
 
     def _discard_streams(self, attempts: tuple[Attempt, ...] | list[Attempt]) -> None:
         """Mark the open streams of ``attempts`` discarded: they end with no committed result (S2)."""
@@ -529,8 +592,9 @@ class RunLoop:
         self._done.append(attempt)
 
     def _holds_slot(self, attempt: Attempt) -> bool:
-        """Whether ``attempt`` holds an admission slot: a map's own outcome holds none."""
-        return attempt.item >= 0 or not self._map[attempt.index]
+        """Whether ``attempt`` holds an admission slot: a map's own outcome holds none, nor a
+        child run's attempt once it started."""
+        return (attempt.item >= 0 or not self._map[attempt.index]) and not attempt.released
 
     def start_item(
         self,
@@ -617,6 +681,14 @@ class RunLoop:
         node = self.topo.nodes[i]
         if self._direct[i]:
             coro = self._run_direct(node, payload, attempt)
+        elif self._child[i]:
+            coro = self._run_child(node, payload, attempt)
+            if self.children is not None:
+                item = None if attempt.item < 0 else attempt.item
+                data = {
+                    **(data or {}),
+                    "child": self.children.child_id(node.id, attempt.visit, item),
+                }
         else:
             coro = self._run_attempt(node, self._async[i], payload, attempt)
         task = self.loop.create_task(coro, name=node.id)
@@ -666,6 +738,21 @@ class RunLoop:
         )  # fmt: skip
         try:
             attempt.value = await node.handler(payload)
+        except BaseException as exc:
+            if self._ended(attempt, exc):
+                raise
+            return
+        self._finished(attempt)
+
+    async def _run_child(self, node: Node, payload: Any, attempt: Attempt) -> None:
+        """An attempt of a node whose handler is a graph: its child run (R1); it holds no slot."""
+        if self._bounded and self._holds_slot(attempt):
+            attempt.released = True
+            self._release_slot()  # the child's own nodes take slots (no nested deadlock)
+        try:
+            if self.children is None:
+                raise RunError(f"node {node.id!r}: child runs need an engine to run them")
+            attempt.value = await self.children.run(node, payload, attempt)
         except BaseException as exc:
             if self._ended(attempt, exc):
                 raise
@@ -929,7 +1016,7 @@ class RunLoop:
         running = [a for a in self._in_flight if a.index == s and not a.abandoned]
         for attempt in running:
             attempt.abandon()  # its end is no failure; its slot is freed here
-        for _ in {a.item for a in running}:  # one slot per node, or per item of a map
+        for _ in {a.item for a in running if not a.released}:  # one slot per node, or item
             self._release_slot()
         if s in self.state.ready:
             self.state.ready.remove(s)
@@ -1132,7 +1219,8 @@ class RunLoop:
             if attempts:
                 for attempt in attempts:
                     attempt.abandon()  # its end is no failure
-                self._release_slot()  # the item's; a hedge's extra slot is freed at its harvest
+                if not all(a.released for a in attempts):
+                    self._release_slot()  # the item's; a hedge's is freed at its harvest
             if self.hedger is not None:
                 self.hedger.live.pop((i, j), None)
             row = self._parked_row(i, items.visit, j, items.values[j]) if park else None
@@ -1262,6 +1350,8 @@ class RunLoop:
         """Cancel and await what is in flight and queued; with ``record``, mark those nodes
         cancelled (all but ``keep``, the node whose failure ends the run)."""
         self._close_tail()  # first: no hedge may start while we wind down
+        if record and self.children is not None:
+            self.children.ending = True  # the run ends: its children are not needed (R3)
         tickets, self._tickets = self._tickets, {}
         for ticket in tickets.values():
             ticket.cancel()
@@ -1276,7 +1366,7 @@ class RunLoop:
         for attempt in (*attempts, *self._done):
             self._release_extra(attempt)  # clones and backups hold their own
         # Abandoned attempts (hedge losers, cancelled dead inputs) hold no node slot.
-        holding = {(a.index, a.item) for a in attempts if not a.abandoned} | {
+        holding = {(a.index, a.item) for a in attempts if not a.abandoned and not a.released} | {
             (a.index, a.item) for a in self._done if not a.abandoned and self._holds_slot(a)
         }
         for _ in holding:  # one slot per node visit or item, however many attempts raced
@@ -1310,8 +1400,12 @@ class RunLoop:
     async def _cancel(self) -> RunResult:
         await self._cancel_in_flight(record=True)
         self._supersede_waiting()
-        self.emit(EventType.RUN_CANCELLED)
-        await self._commit(RunStatus.CANCELLED)
+        if self.cancel_reason == "deadline":  # R6: said in the event and the run's error
+            self.emit(EventType.RUN_CANCELLED, reason="deadline", deadline=self.deadline)
+            await self._commit(RunStatus.CANCELLED, f"deadline passed ({self.deadline:.3f})")
+        else:
+            self.emit(EventType.RUN_CANCELLED)
+            await self._commit(RunStatus.CANCELLED)
         return self.result(RunStatus.CANCELLED)
 
     async def _finish(self) -> RunResult:
@@ -1356,6 +1450,7 @@ class RunLoop:
             hedges=0 if self.hedger is None else self.hedger.hedges,
             duration=time.monotonic() - self.started_at,
             output=self._output(),
+            parent_run_id=self.parent_run_id,
         )
 
     def _output(self) -> Any:

@@ -49,3 +49,7 @@ class RunResult:
     duration: float = 0.0
     output: Any = None
     preempted: bool = False
+    #: The run whose node ran this one as a child run (R1), or None.
+    parent_run_id: str | None = None
+    #: The child runs a run suspended on is waiting for (R4).
+    waiting_on: tuple[str, ...] = ()

@@ -28,6 +28,7 @@ cancelled right here under its lease: open questions superseded, a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -63,6 +64,7 @@ from ..stores import (
     Submission,
 )
 from ..tail import DurationEstimator
+from ._children import cancel_children, tree_questions
 from ._lease import acquire_lease, owner_is_dead, release_quietly, run_to_end
 from ._outcome import NodeReport, RunResult
 from ._restore import find_graph, restore_run
@@ -186,6 +188,8 @@ async def submit_run(
     estimate: float | None,
     graph_ref: str | None,
     not_before: float | datetime.datetime | None = None,
+    parent: str | None = None,
+    deadline: float | None = None,
 ) -> str:
     """``Engine.submit``: store the run ``queued`` and return its id (or the dedup holder's)."""
     store = engine.store
@@ -218,6 +222,7 @@ async def submit_run(
         run_id=run_id, graph_name=name, graph_ref=graph_ref, fingerprint=fingerprint,
         input_json=input_json, created_at=time.time(),
         shape_json=shape_json(graph) if isinstance(graph, Graph) else None,
+        parent_run_id=parent, deadline=deadline,
     )  # fmt: skip
     submission = Submission(
         queue=queue, priority=priority, partition=partition, dedup_key=dedup_key, cost=cost,
@@ -310,8 +315,9 @@ FALLBACK = 1.0
 async def settled(store: RunStore, record: RunRecord, now: float) -> bool:
     """Whether ``record`` is where ``wait`` returns: finished, or suspended with nothing to resume it.
 
-    A suspended run someone holds (it is being resumed), or one with an answer
-    not applied yet (a worker is about to resume it), is not settled.
+    A suspended run someone holds (it is being resumed), one with an answer
+    not applied yet (a worker is about to resume it), or one with a child run
+    that is not settled (it is queued again when the child ends), is not settled.
     """
     if record.status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED):
         return True
@@ -319,11 +325,19 @@ async def settled(store: RunStore, record: RunRecord, now: float) -> bool:
         return False
     if record.lease_expires is not None and record.lease_expires >= now:
         return False
-    return not any(
+    if any(
         q.status is QuestionStatus.ANSWERED
         or (q.status is QuestionStatus.EXPIRED and q.applied_at is None)
         for q in await store.list_questions(run_id=record.run_id)
-    )
+    ):
+        return False
+    # A run waiting on child runs is settled only when each live child is (R4, R5).
+    for child in await store.list_runs(parent=record.run_id):
+        if child.status in (RunStatus.QUEUED, RunStatus.RUNNING):
+            return False
+        if child.status is RunStatus.SUSPENDED and not await settled(store, child, now):
+            return False
+    return True
 
 
 async def wait_for(
@@ -366,10 +380,9 @@ async def stored_result(engine: Engine, record: RunRecord, graph: Graph | None) 
     else:
         result = await _from_rows(engine, stored)
     if record.status is RunStatus.SUSPENDED:
-        questions = await engine.store.list_questions(
-            run_id=record.run_id, status=QuestionStatus.OPEN
-        )
+        questions = await tree_questions(engine.store, record.run_id)  # its children's too (R5)
         result = _replace(result, questions=tuple(questions))
+    result = _replace(result, parent_run_id=record.parent_run_id)
     if record.status is RunStatus.FAILED:
         raise RunFailed(
             f"run {record.run_id!r} failed: {record.error}",
@@ -452,16 +465,20 @@ async def cancel_run(engine: Engine, run_id: str) -> str:
     if store is None:
         raise ValueError("cancel needs an engine with a store: Engine(store=...)")
     status = await store.request_cancel(run_id)
+    now: str | None = None
     if status is RunStatus.RUNNING and engine.request_cancel(run_id):
-        return status.value  # ours: it ends at its next harvest
-    if status in (RunStatus.RUNNING, RunStatus.SUSPENDED):
-        record = await store.get_run(run_id)
-        if not _driven(record, time.time()):
-            try:
-                return (await cancel_undriven(engine, run_id)).value
-            except LeaseHeld:
-                pass  # someone took it meanwhile: it sees the request
-    return (await store.get_run(run_id)).status.value
+        now = status.value  # ours: it ends at its next harvest
+    else:
+        if status in (RunStatus.RUNNING, RunStatus.SUSPENDED):
+            record = await store.get_run(run_id)
+            if not _driven(record, time.time()):
+                with contextlib.suppress(LeaseHeld):  # someone took it: it sees the request
+                    now = (await cancel_undriven(engine, run_id)).value
+        if now is None:
+            now = (await store.get_run(run_id)).status.value
+    # R3: its child runs too, wherever they are (queued, running or suspended).
+    await cancel_children(store, run_id, engine.cancel)
+    return now
 
 
 def _driven(record: RunRecord, now: float) -> bool:

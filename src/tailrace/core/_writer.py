@@ -131,11 +131,15 @@ class RunWriter:
         input: Any,
         graph_ref: str | None,
         origin: tuple[str, str] | None = None,
+        *,
+        parent: str | None = None,
+        deadline: float | None = None,
     ) -> RunWriter:
         """Store a new run (its input encoded, D5) and return its writer.
 
         ``origin`` is a fork's (source run id, node it re-runs from), stored
-        with the run (V4).
+        with the run (V4); ``parent`` the run it is a child run of (R1);
+        ``deadline`` when it is cancelled if unfinished (R6).
         """
         try:
             input_json = codec.encode(input)
@@ -152,6 +156,8 @@ class RunWriter:
             shape_json=shape_json(graph),
             forked_from=None if origin is None else origin[0],
             forked_at=None if origin is None else origin[1],
+            parent_run_id=parent,
+            deadline=deadline,
         )
         await store.create_run(new)
         writer = cls(store, codec, run_id, topo, await store.get_run(run_id))

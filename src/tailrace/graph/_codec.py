@@ -43,7 +43,7 @@ def graph_from_dict(
     _refuse_unknown(doc, _GRAPH_FIELDS, "graph document")
     graph = cls(_field(doc, "name", str, "graph document"))
     where = f"graph {graph.name!r}"
-    resolver = _Resolver(handlers, allow_files)
+    resolver = _Resolver(handlers, allow_files, cls)
     for index, raw in enumerate(_field(doc, "nodes", list, where)):
         _add_node(graph, raw, f"{where}: nodes[{index}]", resolver)
     for index, raw in enumerate(_field(doc, "edges", list, where)):
@@ -90,7 +90,11 @@ def _add_edge(graph: Graph, raw: Any, where: str) -> None:
 class _Resolver:
     """Finds the callables a document names: the caller's mapping first, then by reference."""
 
-    def __init__(self, handlers: Mapping[str, Handler] | None, allow_files: bool) -> None:
+    def __init__(
+        self, handlers: Mapping[str, Handler] | None, allow_files: bool, graphs: type[Graph]
+    ) -> None:
+        #: A handler that is one of these is a child run's graph (R1).
+        self.graphs = graphs
         if handlers is not None and not isinstance(handlers, Mapping):
             raise GraphError(f"handlers must be a mapping, got {_show(handlers)}")
         self.handlers = dict(handlers or {})
@@ -99,8 +103,14 @@ class _Resolver:
     def handler(self, ref: str, node_id: str, where: str) -> Handler:
         """The node's handler: mapped by node id, else by reference, else imported."""
         if node_id in self.handlers:
-            return _callable(self.handlers[node_id], where, f"handlers[{node_id!r}]")
-        return self._by_reference(ref, where)
+            found = self.handlers[node_id]
+        elif ref in self.handlers:
+            found = self.handlers[ref]
+        else:
+            found = _resolve(ref, self.allow_files, where)
+        if isinstance(found, self.graphs):
+            return found  # a child run's graph (R1)
+        return _callable(found, where, repr(ref))
 
     def function(self, raw: Mapping[str, Any], where: str) -> Handler:
         """A function named ``{"ref": "module:attr"}`` (a cost, a map's ``required``; by reference only)."""

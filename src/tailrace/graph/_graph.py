@@ -78,6 +78,7 @@ class Graph:
         errors: str = "fail",
         max_items: int | None = None,
         resume_parked: bool = False,
+        queue: str | None = None,
     ) -> Node:
         """Add a node and return it.
 
@@ -126,7 +127,8 @@ class Graph:
             raise GraphError(f"node {name!r}: unknown kind {kind!r}") from None
         if name in self.nodes:
             raise GraphError(f"duplicate node id {name!r}")
-        if not callable(handler):
+        child = isinstance(handler, Graph)
+        if not child and not callable(handler):
             raise GraphError(f"node {name!r}: handler {handler!r} is not callable")
         options: dict[str, Any] = {
             "required": required,
@@ -147,9 +149,14 @@ class Graph:
             "errors": errors,
             "max_items": max_items,
             "resume_parked": resume_parked,
+            "queue": queue,
         }
         _check_option_types(name, **options)
         _check_kind_options(name, node_kind, options)
+        if child:
+            _check_child_options(self, name, node_kind, handler, options)  # type: ignore[arg-type]
+        elif queue is not None:
+            raise GraphError(f"node {name!r}: queue= applies to nodes whose handler is a Graph")
         if any_of and node_kind is NodeKind.AGGREGATE:
             raise GraphError(f"node {name!r}: an aggregate cannot be any_of")
         if (poller is not None or deadline is not None) and node_kind is not NodeKind.GATE:
@@ -157,7 +164,7 @@ class Graph:
         # Copies, so later changes to the caller's mappings do not leak into the graph.
         options["resources"] = None if resources is None else dict(resources)
         options["runtime_env"] = None if runtime_env is None else _json_copy(runtime_env)
-        node = Node(id=name, handler=handler, kind=node_kind, **options)
+        node = Node(id=name, handler=handler, kind=node_kind, child=child, **options)
         self.nodes[name] = node
         self._compiled = None
         return node
@@ -240,7 +247,18 @@ class Graph:
     def compile(self) -> Any:
         """Validate (G1) and return the cached :class:`~tailrace.graph._topology.Topology`."""
         if self._compiled is None:
-            self._compiled = Topology.build(self)
+            if any(g is self for g in _COMPILING):
+                raise GraphError(
+                    f"graph {self.name!r} runs itself as a child run (a cycle of graphs)"
+                )
+            _COMPILING.append(self)
+            try:
+                for node in self.nodes.values():
+                    if node.child:
+                        node.handler.compile()  # type: ignore[attr-defined]  # G1 of the child
+                self._compiled = Topology.build(self)
+            finally:
+                _COMPILING.pop()
         return self._compiled
 
     def validate(self) -> None:
@@ -275,10 +293,18 @@ class Graph:
         >>> g.structure()
         {'nodes': [['a', 'task'], ['b', 'task']], 'edges': [['a', 'b', None]]}
         """
-        return {
+        structure: dict[str, Any] = {
             "nodes": [[node.id, node.kind.value] for node in self.nodes.values()],
             "edges": [[edge.source, edge.target, edge.route] for edge in self.edges],
         }
+        children = {
+            node.id: {"graph": node.handler.name, "queue": node.queue}  # type: ignore[attr-defined]
+            for node in self.nodes.values()
+            if node.child
+        }
+        if children:  # nodes that run a child run: which graph, on which queue (R1)
+            structure["children"] = children
+        return structure
 
     def to_json(self) -> str:
         """:meth:`to_dict` as canonical JSON text."""
@@ -326,6 +352,39 @@ def _check_kind_options(name: str, kind: NodeKind, options: dict[str, Any]) -> N
             raise GraphError(f"node {name!r}: {option}= applies to maps only")
     if kind is NodeKind.MAP and options["any_of"]:
         raise GraphError(f"map {name!r}: a map takes one input list; it cannot be any_of")
+
+
+#: Graphs being compiled now (innermost last): a graph that reaches itself through
+#: its child graphs is refused rather than recursed into.
+_COMPILING: list[Graph] = []
+
+#: Options a node that runs a child run refuses: the child's own nodes carry them.
+_CHILD_REFUSED = (
+    ("retry", None), ("timeout", None), ("hedge", False), ("executor", None),
+    ("resources", None), ("runtime_env", None), ("resume_parked", False),
+)  # fmt: skip
+
+
+def _check_child_options(
+    graph: Graph, name: str, kind: NodeKind, child: Graph, options: dict[str, Any]
+) -> None:
+    """A node whose handler is a graph (R1): a task or a map, with none of the per-attempt options."""
+    if child is graph:
+        raise GraphError(f"node {name!r}: graph {graph.name!r} cannot run itself as a child run")
+    if kind not in (NodeKind.TASK, NodeKind.MAP):
+        raise GraphError(
+            f"node {name!r}: a {kind.value} cannot run a child run; only tasks and maps take a Graph"
+        )
+    for option, default in _CHILD_REFUSED:
+        if options[option] != default:
+            raise GraphError(
+                f"node {name!r}: {option}= does not apply to a child run "
+                f"(give the nodes of graph {child.name!r} their own)"
+            )
+    if options["late"] == "park":
+        raise GraphError(
+            f"map {name!r}: late='park' does not apply to child runs; use 'cancel' or 'record'"
+        )
 
 
 def iter_in_order(graph: Graph) -> Iterable[Node]:

@@ -25,7 +25,7 @@ from ._checks import (
     _present,
     _refuse_unknown,
 )
-from ._references import callable_reference
+from ._references import callable_reference, graph_reference
 
 #: Route of the edge a switch takes when no other route matches (E8).
 EXIT = "exit"
@@ -138,7 +138,8 @@ class Node:
     """One node of a graph. Build nodes with :meth:`Graph.add_node` or its decorators."""
 
     id: str
-    handler: Handler
+    # Left out of the hash: a child run's graph (R1) is a mutable, unhashable handler.
+    handler: Handler = field(hash=False)
     kind: NodeKind = NodeKind.TASK
     required: Required | None = None
     max_visits: int | None = None
@@ -159,6 +160,10 @@ class Node:
     errors: str = "fail"
     max_items: int | None = None
     resume_parked: bool = False
+    #: The queue a child run is submitted to (None: run in this process) (R4).
+    queue: str | None = None
+    #: Whether ``handler`` is a :class:`~tailrace.Graph` run as a child run (R1).
+    child: bool = False
 
     def quorum(self, count: int) -> int:
         """A map's k for ``count`` items (M3): ``required`` (or its value for the count), else all.
@@ -179,7 +184,11 @@ class Node:
         data: dict[str, Any] = {
             "id": self.id,
             "kind": self.kind.value,
-            "handler": callable_reference(self.handler, self.id),
+            "handler": (
+                graph_reference(self.handler, self.id)
+                if self.child
+                else callable_reference(self.handler, self.id)
+            ),
         }
         optional: dict[str, Any] = {
             "required": (
@@ -208,6 +217,7 @@ class Node:
             "errors": None if self.errors == "fail" else self.errors,
             "max_items": self.max_items,
             "resume_parked": self.resume_parked or None,
+            "queue": self.queue,
         }
         data.update({k: v for k, v in optional.items() if v is not None})
         return data
@@ -250,6 +260,7 @@ NODE_OPTIONS = frozenset(
         "errors",
         "max_items",
         "resume_parked",
+        "queue",
     }
 )
 
@@ -284,6 +295,7 @@ _OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "errors": (lambda v: v in ITEM_ERRORS, " or ".join(map(repr, ITEM_ERRORS))),
     "max_items": (_optional(lambda v: _is_int(v) and v >= 1), "an integer >= 1"),
     "resume_parked": (lambda v: isinstance(v, bool), "True or False"),
+    "queue": (_optional(lambda v: isinstance(v, str) and 0 < len(v) <= 200), "a queue name"),
 }
 
 

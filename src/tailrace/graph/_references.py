@@ -36,6 +36,17 @@ def callable_reference(fn: Callable[..., Any], node_id: str = "?") -> str:
     return f"{module}:{qualname}"
 
 
+def graph_reference(graph: Any, node_id: str = "?") -> str:
+    """``module:attribute`` of a child graph (a node's handler that is a Graph), for JSON forms."""
+    ref = guess_reference(graph)
+    if ref is None:
+        raise GraphError(
+            f"node {node_id!r}: child graph {graph.name!r} has no importable name; define it "
+            "at module level beside its handlers, or pass it to from_dict(handlers=...)"
+        )
+    return ref
+
+
 def is_file_reference(ref: str) -> bool:
     """Whether ``ref`` names a Python file (``path/to/file.py:attr``) rather than a module."""
     module_name = ref.rpartition(":")[0]

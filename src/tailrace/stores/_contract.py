@@ -155,6 +155,7 @@ class RunStore(abc.ABC):
         check_names(
             run_id=run.run_id, graph_name=run.graph_name, graph_ref=run.graph_ref,
             fingerprint=run.fingerprint, forked_from=run.forked_from, forked_at=run.forked_at,
+            parent_run_id=run.parent_run_id,
         )  # fmt: skip
         await self._create_run(run)
 
@@ -191,6 +192,7 @@ class RunStore(abc.ABC):
         queue: str | None = None,
         graph: str | None = None,
         offset: int = 0,
+        parent: str | None = None,
     ) -> list[RunRecord]:
         """Runs newest first (``created_at``, then ``run_id``): a page of them, for listings.
 
@@ -200,11 +202,31 @@ class RunStore(abc.ABC):
             queue: only runs submitted to this queue.
             graph: only runs of this graph name.
             offset: skip this many of the matching runs first.
+            parent: only the child runs of this run (R1).
         """
-        check_names(queue=queue, graph=graph)
+        check_names(queue=queue, graph=graph, parent=parent)
         return await self._list_runs(
-            status=status, limit=limit, queue=queue, graph=graph, offset=offset
+            status=status, limit=limit, queue=queue, graph=graph, offset=offset, parent=parent
         )
+
+    async def wake_suspended(self, run_id: str) -> bool:
+        """Queue ``run_id`` again if it is suspended on a queue and nobody holds it; True if it was.
+
+        A run that suspended waiting on its child runs is queued again when
+        one of them ends (R4): a child's final commit does this in its own
+        transaction, and the parent calls it after it suspended, for a child
+        that ended meanwhile. Workers are woken (a ``submit`` change).
+        """
+        check_name("run_id", run_id)
+        return await self._wake_suspended(run_id)
+
+    async def overdue_runs(self, now: float, *, limit: int = 100) -> list[str]:
+        """Queued and suspended runs whose ``deadline`` is at or before ``now`` (R6), soonest first.
+
+        Nobody drives them, so a worker's sweep cancels them; a running run's
+        own driver cancels it at its deadline.
+        """
+        return await self._overdue_runs(now, limit=limit)
 
     async def run_counts(self) -> list[RunCount]:
         """How many runs there are per graph name, queue and status (one query: for dashboards)."""
@@ -825,8 +847,17 @@ class RunStore(abc.ABC):
         queue: str | None = None,
         graph: str | None = None,
         offset: int = 0,
+        parent: str | None = None,
     ) -> list[RunRecord]:
         """:meth:`list_runs`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _wake_suspended(self, run_id: str) -> bool:
+        """:meth:`wake_suspended`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _overdue_runs(self, now: float, *, limit: int) -> list[str]:
+        """:meth:`overdue_runs`, called with checked arguments."""
 
     @abc.abstractmethod
     async def _run_counts(self) -> list[RunCount]:

@@ -42,7 +42,10 @@ RUN_TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
             RunStatus.CANCELLED,
         }
     ),
-    RunStatus.SUSPENDED: frozenset({RunStatus.RUNNING, RunStatus.FAILED, RunStatus.CANCELLED}),
+    # A suspended run that waits on child runs is queued again when one ends (R4).
+    RunStatus.SUSPENDED: frozenset(
+        {RunStatus.RUNNING, RunStatus.QUEUED, RunStatus.FAILED, RunStatus.CANCELLED}
+    ),
     RunStatus.COMPLETED: frozenset(),
     RunStatus.FAILED: frozenset(),
     RunStatus.CANCELLED: frozenset(),
@@ -144,6 +147,10 @@ class NewRun:
     #: A fork's origin: the run it was forked from and the node it re-runs from (V4).
     forked_from: str | None = None
     forked_at: str | None = None
+    #: The run whose node runs this one as a child run (R1), and the time the run
+    #: is cancelled at if it has not finished (R6), seconds since the epoch.
+    parent_run_id: str | None = None
+    deadline: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -187,6 +194,10 @@ class RunRecord:
     recoveries: int = 0
     #: The earliest time a worker may claim it (None: at once) (W4).
     not_before: float | None = None
+    #: The run whose node runs this one as a child run (R1).
+    parent_run_id: str | None = None
+    #: When the run is cancelled if it has not finished (R6).
+    deadline: float | None = None
 
 
 class NodeRow(NamedTuple):

@@ -287,15 +287,19 @@ QUEUE_COUNTS = (
 
 
 def list_runs_query(
-    status: str | None, queue: str | None, graph: str | None
+    status: str | None, queue: str | None, graph: str | None, parent: str | None = None
 ) -> tuple[str, tuple[object, ...]]:
-    """``list_runs``'s query, newest first, filtered by ``status``, ``queue`` and ``graph``.
+    """``list_runs``'s query, newest first, filtered by ``status``, ``queue``, ``graph`` and ``parent``.
 
     It ends in ``LIMIT ? OFFSET ?``, whose values the caller appends.
     """
     where: list[str] = []
     params: list[object] = []
-    for column, value in (("status", status), ("queue_name", queue), ("graph_name", graph)):
+    filters = (
+        ("status", status), ("queue_name", queue), ("graph_name", graph),
+        ("parent_run_id", parent),
+    )  # fmt: skip
+    for column, value in filters:
         if value is not None:
             where.append(f"{column} = ?")
             params.append(value)

@@ -35,7 +35,7 @@ RUN_FIELDS = (
     "error", "created_at", "updated_at", "finished_at", "nodes_done", "lease_owner",
     "lease_expires", "lease_token", "format_version", "queue_name", "priority", "partition_key",
     "dedup_key", "cost", "estimate", "queued_at", "started_at", "cancel_requested_at",
-    "forked_from", "forked_at", "recoveries", "not_before",
+    "forked_from", "forked_at", "recoveries", "not_before", "parent_run_id", "deadline",
 )  # fmt: skip
 RUN_COLUMNS = ", ".join(RUN_FIELDS)
 EVENT_FIELDS = ("seq", "type", "node_id", "visit", "attempt", "ts", "data_json")
@@ -382,6 +382,17 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             "INSERT INTO signals (kind, n) VALUES ('stream', 0)",
         ),
     ),
+    (
+        15,
+        (
+            # Child runs (R1-R4): a child names its parent; a parent's children are
+            # found by one indexed query. Run deadlines (R6), found by a sweep.
+            "ALTER TABLE runs ADD COLUMN parent_run_id TEXT",
+            "ALTER TABLE runs ADD COLUMN deadline DOUBLE PRECISION",
+            "CREATE INDEX runs_by_parent ON runs (parent_run_id) WHERE parent_run_id IS NOT NULL",
+            "CREATE INDEX runs_by_deadline ON runs (deadline) WHERE deadline IS NOT NULL",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -394,8 +405,24 @@ SELECT_FRONTIERS = (
     "SELECT n.run_id, n.node_id FROM node_states n JOIN runs r ON r.run_id = n.run_id "
     "WHERE r.graph_name = ? AND r.status IN ('running', 'suspended') ORDER BY n.run_id"
 )
-#: A fork's origin, written in the transaction that creates it.
-SET_ORIGIN = "UPDATE runs SET forked_from = ?, forked_at = ? WHERE run_id = ?"
+#: A fork's origin, a child's parent and a run's deadline, written in the
+#: transaction that creates the run.
+SET_ORIGIN = (
+    "UPDATE runs SET forked_from = ?, forked_at = ?, parent_run_id = ?, deadline = ? "
+    "WHERE run_id = ?"
+)
+#: Values: now, run_id, now. A suspended run that waits on child runs goes back to
+#: its queue when one of them ends (R4): only a queued run nobody holds.
+WAKE_SUSPENDED = (
+    "UPDATE runs SET status = 'queued', lease_owner = NULL, lease_expires = NULL, "
+    "updated_at = ? WHERE run_id = ? AND status = 'suspended' AND queue_name IS NOT NULL "
+    "AND (lease_owner IS NULL OR lease_expires IS NULL OR lease_expires < ?)"
+)
+#: Values: now, limit. Runs past their deadline that nobody drives (R6).
+OVERDUE_RUNS = (
+    "SELECT run_id FROM runs WHERE deadline IS NOT NULL AND deadline <= ? "
+    "AND status IN ('queued', 'suspended') ORDER BY deadline, run_id LIMIT ?"
+)
 SELECT_SHAPE = "SELECT shape_json FROM graph_shapes WHERE graph_name = ? AND fingerprint = ?"
 #: Move a run onto another version of its graph (V2), fenced by its lease (D6).
 SELECT_FOR_MOVE = "SELECT status, fingerprint, lease_owner, lease_token FROM runs WHERE run_id = ?"
@@ -433,10 +460,12 @@ def new_run_params(run: NewRun) -> tuple[object, ...]:
 
 
 def origin_params(run: NewRun) -> tuple[object, ...] | None:
-    """Values for :data:`SET_ORIGIN` from ``run``, or None when it is no fork."""
-    if run.forked_from is None and run.forked_at is None:
+    """Values for :data:`SET_ORIGIN` from ``run``, or None when it is no fork, no child
+    and has no deadline."""
+    values = (run.forked_from, run.forked_at, run.parent_run_id, run.deadline)
+    if values == (None, None, None, None):
         return None
-    return (run.forked_from, run.forked_at, run.run_id)
+    return (*values, run.run_id)
 
 
 def shape_params(run: NewRun) -> tuple[object, ...] | None:

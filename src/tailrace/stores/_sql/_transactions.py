@@ -34,6 +34,7 @@ from .._queue_rules import (
     worker_params,
 )
 from .._records import (
+    TERMINAL_STATUSES,
     CheckpointRow,
     ChunkRow,
     EventRow,
@@ -94,6 +95,7 @@ from ._statements import (
     INSERT_QUEUED_RUN,
     LAST_CHUNK_SEQ,
     MOVE_RUN,
+    OVERDUE_RUNS,
     PRUNE_STREAMS,
     QUESTION_STATE,
     RUN_COLUMNS,
@@ -107,6 +109,7 @@ from ._statements import (
     SELECT_QUESTION,
     SELECT_SHAPE,
     SUPERSEDE_QUESTION,
+    WAKE_SUSPENDED,
     chunk_from_row,
     event_from_row,
     question_from_row,
@@ -121,7 +124,8 @@ Params = Sequence[object]
 SELECT_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?"
 RUN_EXISTS = "SELECT 1 FROM runs WHERE run_id = ?"
 SELECT_FOR_COMMIT = (
-    "SELECT status, format_version, lease_token, cancel_requested_at FROM runs WHERE run_id = ?"
+    "SELECT status, format_version, lease_token, cancel_requested_at, parent_run_id "
+    "FROM runs WHERE run_id = ?"
 )
 SELECT_LEASE = "SELECT lease_owner, lease_expires, lease_token FROM runs WHERE run_id = ?"
 SELECT_LEASE_STATUS = (
@@ -205,12 +209,14 @@ async def commit_harvest(tx: Tx, run_id: str, token: int, harvest: Harvest, now:
     row = await tx.lock(SELECT_FOR_COMMIT, (run_id,))
     if row is None:
         raise run_not_found(run_id)
-    status, format_version, lease_token, cancel_requested_at = row
+    status, format_version, lease_token, cancel_requested_at, parent = row
     check_commit(
         run_id, current=parse_status(run_id, status), format_version=format_version,
         lease_token=lease_token, token=token, new=harvest.status,
     )  # fmt: skip
     await tx.write_harvest(run_id, harvest, now)
+    if parent is not None and harvest.status in TERMINAL_STATUSES:
+        await wake_suspended(tx, parent, now)  # the parent waits on its children (R4)
     if harvest.chunks:  # readers in other processes wake on it (S3)
         await tx.signal("stream")
     if harvest.applied or harvest.superseded:  # most harvests change no question
@@ -546,6 +552,19 @@ async def claim_parked(
     holds, oldest first. Claiming again returns the same items: it is idempotent."""
     await tx.change_all(CLAIM_PARKED, (claimant, now, graph_name, node_id, limit))
     return await list_parked(tx, None, None, None, claimant)
+
+
+async def wake_suspended(tx: Tx, run_id: str, now: float) -> bool:
+    """Queue ``run_id`` again if it is suspended, on a queue and nobody holds it (R4); wake workers."""
+    if not await tx.change(WAKE_SUSPENDED, (now, run_id, now)):
+        return False
+    await tx.signal("submit")
+    return True
+
+
+async def overdue_runs(tx: Tx, now: float, limit: int) -> list[str]:
+    """Queued and suspended runs past their deadline (R6), soonest deadline first."""
+    return [r[0] for r in await tx.all(OVERDUE_RUNS, (now, limit))]
 
 
 async def drop_parked(tx: Tx, park_id: str) -> bool:

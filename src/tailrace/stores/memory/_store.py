@@ -180,6 +180,8 @@ class MemoryStore(RunStore):
             forked_from=run.forked_from,
             forked_at=run.forked_at,
             not_before=None if q is None else q.not_before,
+            parent_run_id=run.parent_run_id,
+            deadline=run.deadline,
         )
         if run.shape_json is not None:
             self._shapes.setdefault((run.graph_name, run.fingerprint), run.shape_json)
@@ -236,9 +238,51 @@ class MemoryStore(RunStore):
                 nodes_done=record.nodes_done + harvest.nodes_done_delta,
             )
             cancel = record.cancel_requested_at is not None
+            parent = record.parent_run_id
+            woke = (
+                parent is not None
+                and harvest.status in TERMINAL_STATUSES
+                and self._wake_locked(parent, now)
+            )
         if harvest.chunks:
             self._hub.deliver(frozenset({"stream"}))
+        if woke:
+            self._hub.deliver(frozenset({"submit"}))
         return cancel
+
+    def _wake_locked(self, run_id: str, now: float) -> bool:
+        """Queue suspended ``run_id`` again (R4), as ``WAKE_SUSPENDED``; the caller holds the lock."""
+        run = self._runs.get(run_id)
+        if (
+            run is None
+            or run.status is not RunStatus.SUSPENDED
+            or run.queue_name is None
+            or (run.lease_owner is not None and (run.lease_expires or 0.0) >= now)
+        ):
+            return False
+        self._runs[run_id] = dataclasses.replace(
+            run, status=RunStatus.QUEUED, lease_owner=None, lease_expires=None, updated_at=now
+        )
+        return True
+
+    async def _wake_suspended(self, run_id: str) -> bool:
+        with self._lock:
+            woke = self._wake_locked(run_id, self._clock())
+        if woke:
+            self._hub.deliver(frozenset({"submit"}))
+        return woke
+
+    async def _overdue_runs(self, now: float, *, limit: int) -> list[str]:
+        with self._lock:
+            due = [
+                r
+                for r in self._runs.values()
+                if r.deadline is not None
+                and r.deadline <= now
+                and r.status in (RunStatus.QUEUED, RunStatus.SUSPENDED)
+            ]
+        due.sort(key=lambda r: (r.deadline or 0.0, r.run_id))
+        return [r.run_id for r in due[: max(limit, 0)]]
 
     def _check_no_rewrite(self, run_id: str, harvest: Harvest) -> None:
         """Nothing already committed is rewritten: refuse the harvest before applying any of it."""
@@ -374,6 +418,7 @@ class MemoryStore(RunStore):
         queue: str | None = None,
         graph: str | None = None,
         offset: int = 0,
+        parent: str | None = None,
     ) -> list[RunRecord]:
         with self._lock:
             runs = [
@@ -382,6 +427,7 @@ class MemoryStore(RunStore):
                 if status in (None, r.status)
                 and queue in (None, r.queue_name)
                 and graph in (None, r.graph_name)
+                and parent in (None, r.parent_run_id)
             ]
         runs.sort(key=lambda r: (r.created_at, r.run_id), reverse=True)
         runs = runs[max(offset, 0) :]

@@ -296,11 +296,21 @@ class PostgresStore(RunStore):
         queue: str | None = None,
         graph: str | None = None,
         offset: int = 0,
+        parent: str | None = None,
     ) -> list[RunRecord]:
-        query, params = list_runs_query(None if status is None else status.value, queue, graph)
+        value = None if status is None else status.value
+        query, params = list_runs_query(value, queue, graph, parent)
         params += (None if limit is None else max(limit, 0), max(offset, 0))
         rows = await self._db.read("listing runs", fetch_all(pg(query), params))
         return [record_from_row(r) for r in rows]
+
+    async def _wake_suspended(self, run_id: str) -> bool:
+        wake = self._body(bodies.wake_suspended, run_id, self._clock())
+        return await self._db.write(f"run {run_id!r}", wake)
+
+    async def _overdue_runs(self, now: float, *, limit: int) -> list[str]:
+        read = self._body(bodies.overdue_runs, now, limit)
+        return await self._db.read("finding overdue runs", read)
 
     async def _run_counts(self) -> list[RunCount]:
         rows = await self._db.read("counting runs", fetch_all(pg(RUN_COUNTS), ()))

@@ -346,12 +346,21 @@ class SQLiteStore(RunStore):
         queue: str | None = None,
         graph: str | None = None,
         offset: int = 0,
+        parent: str | None = None,
     ) -> list[RunRecord]:
-        sql, params = list_runs_query(None if status is None else status.value, queue, graph)
+        value = None if status is None else status.value
+        sql, params = list_runs_query(value, queue, graph, parent)
         params += (-1 if limit is None else max(limit, 0), max(offset, 0))
         return await self._read(
             "listing runs", lambda conn: [record_from_row(r) for r in conn.execute(sql, params)]
         )
+
+    async def _wake_suspended(self, run_id: str) -> bool:
+        wake = _body(bodies.wake_suspended, run_id, self._clock())
+        return await self._write(f"run {run_id!r}", wake)
+
+    async def _overdue_runs(self, now: float, *, limit: int) -> list[str]:
+        return await self._read("finding overdue runs", _body(bodies.overdue_runs, now, limit))
 
     async def _run_counts(self) -> list[RunCount]:
         return await self._read(

@@ -1,0 +1,340 @@
+"""Child runs (R1-R6): a node whose handler is a :class:`~tailrace.Graph` runs it as a run of its own.
+
+A child run's id is deterministic, ``{parent}/{node}/{visit}`` (plus
+``/{item}`` for a map's item), so the attempt that runs it is idempotent: it
+starts the child when no run has that id, and otherwise re-attaches to it
+where it is (R2). Without ``queue=`` the child runs in this process, driven
+by the same engine; with ``queue=`` it is submitted to that queue and any
+worker drives it (R4).
+
+While a child runs, the node's attempt holds no admission slot (its child's
+nodes take their own). An attempt that only waits for its child to end says
+so (:attr:`Attempt.waiting`); a run whose attempts all wait so suspends when
+it is on a queue, holding no worker slot, and the child's final commit queues
+it again (the store's ``wake_suspended``). A run not on a queue waits here,
+woken by the store's change feed, unless its children wait on people: then
+it suspends too, and the engine that ends the child resumes it.
+
+A cancellation of the attempt on purpose (the run cancelled or failing, a
+first-k loser) cancels the child; one that only stops this process driving
+the run (a suspension, a lost lease, a shutdown) leaves it running, to be
+re-attached to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .._errors import LeaseHeld, RunExists, RunFailed, RunNotFound
+from ..stores import TERMINAL_STATUSES, QuestionRow, QuestionStatus, RunRecord, RunStatus, RunStore
+from ._lease import owner_is_dead
+from ._outcome import RunResult
+
+if TYPE_CHECKING:
+    from ..graph import Graph, Node
+    from ._inflight import Attempt
+
+logger = logging.getLogger("tailrace.children")
+
+#: Seconds between two looks at the children with no wake-up from the store.
+FALLBACK = 1.0
+
+#: :attr:`Attempt.waiting` values: not waiting, waiting on a live child, on a
+#: child that is itself suspended (waiting on people).
+NOT_WAITING, ON_CHILD, ON_SUSPENDED_CHILD = 0, 1, 2
+
+
+def child_run_id(parent: str, node_id: str, visit: int, item: int | None) -> str:
+    """The child run's id: ``{parent}/{node}/{visit}``, plus ``/{item}`` in a map (R1).
+
+    >>> child_run_id("r1", "review", 1, None), child_run_id("r1", "review", 1, 3)
+    ('r1/review/1', 'r1/review/1/3')
+    """
+    base = f"{parent}/{node_id}/{visit}"
+    return base if item is None else f"{base}/{item}"
+
+
+def checked_deadline(value: float | datetime.datetime | datetime.timedelta | None) -> float | None:
+    """A run deadline as seconds since the epoch (R6): a number (seconds since the
+    epoch), an aware ``datetime``, or a ``timedelta`` from now."""
+    if value is None:
+        return None
+    if isinstance(value, datetime.timedelta):
+        return time.time() + value.total_seconds()
+    if isinstance(value, datetime.datetime):
+        if value.tzinfo is None:
+            raise ValueError(f"deadline must be timezone-aware, got naive {value!r}")
+        return value.timestamp()
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise ValueError(
+        f"deadline must be seconds since the epoch, an aware datetime or a timedelta, got {value!r}"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ChildRunner:
+    """What the engine lends child runs: how to start, submit, resume, cancel and read one."""
+
+    store: RunStore | None
+    #: start(graph, input, run_id, parent, deadline): run it here to its end or suspension.
+    start: Callable[[Graph, Any, str, str, float | None], Awaitable[RunResult]]
+    #: submit(graph, input, run_id, queue, parent, deadline): store it queued.
+    submit: Callable[[Graph, Any, str, str, str, float | None], Awaitable[str]]
+    #: resume(run_id, graph): drive a child that exists here (LeaseHeld if held).
+    resume: Callable[[str, Graph], Awaitable[RunResult]]
+    #: cancel(run_id): cancel a child (and its own children).
+    cancel: Callable[[str], Awaitable[str]]
+    #: result(record, graph): a finished child's RunResult; RunFailed if it failed.
+    result: Callable[[RunRecord, Graph], Awaitable[RunResult]]
+
+
+class Children:
+    """The child runs of one run while it is driven: started, re-attached, awaited (R1-R5).
+
+    ``queued`` says the run is on a queue, so it suspends while it only waits
+    on children (R4); ``deadline`` is the run's, which its children inherit.
+    """
+
+    def __init__(
+        self,
+        runner: ChildRunner,
+        run_id: str,
+        *,
+        queued: bool,
+        deadline: float | None,
+        poke: Callable[[], None],
+    ) -> None:
+        self.runner = runner
+        self.run_id = run_id
+        self.queued = queued
+        self.deadline = deadline
+        self._poke = poke
+        #: Set while the run suspends: its attempts stop, their children run on.
+        self.suspending = False
+        #: Set while the run ends cancelled or failed: its attempts cancel their children.
+        self.ending = False
+        #: The children known from the store, by id: one read when the first attempt starts.
+        self._known: dict[str, RunRecord] | None = None
+        self._known_read: asyncio.Lock | None = None
+        #: Children awaited now: id -> (future of its final record, the waiting attempt).
+        self._awaited: dict[str, tuple[asyncio.Future[RunRecord], Attempt]] = {}
+        self._watcher: asyncio.Task[None] | None = None
+
+    # -- one attempt ------------------------------------------------------------------
+
+    def child_id(self, node_id: str, visit: int, item: int | None) -> str:
+        """The id of the child run of ``node_id``'s visit (and item) in this run (R1)."""
+        return child_run_id(self.run_id, node_id, visit, item)
+
+    async def run(self, node: Node, payload: Any, attempt: Attempt) -> Any:
+        """The attempt of child node ``node`` on ``payload``: its child's output (R1, R3)."""
+        item = None if attempt.item < 0 else attempt.item
+        child_id = child_run_id(self.run_id, node.id, attempt.visit, item)
+        graph: Graph = node.handler  # type: ignore[assignment]
+        try:
+            if node.queue is None:
+                result = await self._inline(graph, payload, child_id, attempt)
+            else:
+                result = await self._queued(graph, payload, child_id, node.queue, attempt)
+        except asyncio.CancelledError:
+            if attempt.abandoned or self.ending:  # on purpose: the child is not needed (R3)
+                await asyncio.shield(self._cancel(child_id))
+            raise
+        return result.output
+
+    async def _inline(
+        self, graph: Graph, payload: Any, child_id: str, attempt: Attempt
+    ) -> RunResult:
+        record = await self._record(child_id)
+        result: RunResult | None
+        if record is None:
+            result = await self.runner.start(graph, payload, child_id, self.run_id, self.deadline)
+        elif record.status in TERMINAL_STATUSES:
+            return await self._ended(record, graph)
+        else:
+            result = await self._attach(child_id, graph)
+        if result is None:
+            return await self._wait(child_id, graph, attempt)
+        if result.status is RunStatus.SUSPENDED:
+            return await self._wait(child_id, graph, attempt)  # it waits on people (R5)
+        return await self._ended(result, graph)
+
+    async def _queued(
+        self, graph: Graph, payload: Any, child_id: str, queue: str, attempt: Attempt
+    ) -> RunResult:
+        record = await self._record(child_id)
+        if record is None:
+            with contextlib.suppress(RunExists):  # another attempt of this visit raced us
+                await self.runner.submit(
+                    graph, payload, child_id, queue, self.run_id, self.deadline
+                )
+        elif record.status in TERMINAL_STATUSES:
+            return await self._ended(record, graph)
+        return await self._wait(child_id, graph, attempt)
+
+    async def _attach(self, child_id: str, graph: Graph) -> RunResult | None:
+        """Drive the existing child here (R2); None when another live engine holds it."""
+        try:
+            return await self.runner.resume(child_id, graph)
+        except LeaseHeld:
+            return None
+
+    async def _ended(self, ended: RunRecord | RunResult, graph: Graph) -> RunResult:
+        """The finished child's result; its failure or cancellation fails the node (R3)."""
+        if isinstance(ended, RunRecord):
+            if ended.status is RunStatus.CANCELLED:
+                raise _cancelled(ended.run_id, ended.error)
+            return await self.runner.result(ended, graph)  # RunFailed for a failed child
+        if ended.status is RunStatus.CANCELLED:
+            raise _cancelled(ended.run_id, None)
+        return ended
+
+    async def _wait(self, child_id: str, graph: Graph, attempt: Attempt) -> RunResult:
+        """Wait for the child to end, holding nothing but this task (R4)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[RunRecord] = loop.create_future()
+        self._awaited[child_id] = (future, attempt)
+        attempt.waiting = ON_CHILD
+        self._poke()  # the run may now wait on children only: it may suspend
+        if self._watcher is None or self._watcher.done():
+            self._watcher = loop.create_task(self._watch(), name=f"children of {self.run_id}")
+        try:
+            record = await future
+        finally:
+            attempt.waiting = NOT_WAITING
+            if self._awaited.get(child_id, (None, None))[0] is future:
+                del self._awaited[child_id]
+        if record.status is RunStatus.RUNNING:  # its driver is gone: take it over here
+            result = await self._attach(child_id, graph)
+            if result is None or result.status is RunStatus.SUSPENDED:
+                return await self._wait(child_id, graph, attempt)
+            return await self._ended(result, graph)
+        return await self._ended(record, graph)
+
+    async def _watch(self) -> None:
+        """Resolve the awaited children as they end: one query of the run's children per wake-up."""
+        store = self.runner.store
+        assert store is not None
+        try:
+            async with store.changes() as feed:
+                while self._awaited:
+                    now = time.time()
+                    rows = {r.run_id: r for r in await store.list_runs(parent=self.run_id)}
+                    for child_id, (future, attempt) in list(self._awaited.items()):
+                        record = rows.get(child_id)
+                        if record is None or future.done():
+                            continue
+                        if record.status in TERMINAL_STATUSES or _orphaned(record, now):
+                            future.set_result(record)
+                        elif record.status is RunStatus.SUSPENDED and record.lease_owner is None:
+                            if attempt.waiting != ON_SUSPENDED_CHILD:
+                                attempt.waiting = ON_SUSPENDED_CHILD
+                                self._poke()
+                        elif attempt.waiting == ON_SUSPENDED_CHILD:
+                            attempt.waiting = ON_CHILD  # it was resumed
+                    await feed.wait(FALLBACK)
+        except Exception as exc:  # a store that fails: the attempts waiting fail with it
+            for future, _ in self._awaited.values():
+                if not future.done():
+                    future.set_exception(exc)
+
+    async def _record(self, child_id: str) -> RunRecord | None:
+        """The stored child ``child_id``, or None; the run's children are read once."""
+        store = self.runner.store
+        if store is None:
+            return None
+        if self._known is None:
+            if self._known_read is None:
+                self._known_read = asyncio.Lock()
+            async with self._known_read:
+                if self._known is None:
+                    rows = await store.list_runs(parent=self.run_id)
+                    self._known = {r.run_id: r for r in rows}
+        return self._known.get(child_id)  # as of this drive's start: a later change wakes _wait
+
+    async def _cancel(self, child_id: str) -> None:
+        if self.runner.store is None:
+            return  # an in-memory child ends with its attempt
+        try:
+            await self.runner.cancel(child_id)
+        except RunNotFound:
+            pass  # never started
+        except Exception as exc:  # the store failed: the deadline sweep or a later cancel retries
+            logger.warning("child run %s: cancel failed: %s", child_id, exc)
+
+    # -- the run ----------------------------------------------------------------------
+
+    def waiting_only(self, in_flight: dict[Attempt, None]) -> bool:
+        """Whether every attempt in flight waits on a child, and the run may suspend for it (R4)."""
+        if not in_flight:
+            return False
+        suspended_only = True
+        for attempt in in_flight:
+            if attempt.waiting == NOT_WAITING:
+                return False
+            if attempt.waiting != ON_SUSPENDED_CHILD:
+                suspended_only = False
+        return self.queued or suspended_only
+
+    def awaited(self) -> tuple[str, ...]:
+        """The ids of the children awaited now, sorted."""
+        return tuple(sorted(self._awaited))
+
+    async def close(self) -> None:
+        """Stop watching (the run ends or suspends)."""
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None and not watcher.done():
+            watcher.cancel()
+            with contextlib.suppress(BaseException):
+                await watcher
+
+
+def _orphaned(record: RunRecord, now: float) -> bool:
+    """A running inline child whose driver is gone (its lease expired or its process died)."""
+    if record.status is not RunStatus.RUNNING or record.queue_name is not None:
+        return False
+    expired = record.lease_expires is None or record.lease_expires < now
+    return expired or owner_is_dead(record.lease_owner)
+
+
+def _cancelled(child_id: str, error: str | None) -> RunFailed:
+    reason = f": {error}" if error else ""
+    return RunFailed(
+        f"child run {child_id!r} was cancelled{reason}",
+        run_id=child_id, error=error or "cancelled", result=None,
+    )  # fmt: skip
+
+
+async def tree_questions(store: RunStore, run_id: str) -> list[QuestionRow]:
+    """The open questions of ``run_id`` and of its live child runs, at any depth (R5)."""
+    questions = await store.list_questions(run_id=run_id, status=QuestionStatus.OPEN)
+    todo = [run_id]
+    while todo:
+        parent = todo.pop()
+        for child in await store.list_runs(parent=parent):
+            if child.status in TERMINAL_STATUSES:
+                continue
+            questions += await store.list_questions(run_id=child.run_id, status=QuestionStatus.OPEN)
+            todo.append(child.run_id)
+    return questions
+
+
+async def cancel_children(
+    store: RunStore, run_id: str, cancel: Callable[[str], Awaitable[Any]]
+) -> None:
+    """Cancel every live child run of ``run_id`` with ``cancel`` (which cascades further) (R3)."""
+    for child in await store.list_runs(parent=run_id):
+        if child.status not in TERMINAL_STATUSES:
+            try:
+                await cancel(child.run_id)
+            except RunNotFound:
+                continue
