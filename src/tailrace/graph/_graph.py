@@ -118,6 +118,14 @@ class Graph:
         them as parked items (P3); a map with ``resume_parked`` takes the parked
         items of its graph name and node first, and runs them from their last
         checkpoint (P4).
+
+        A ``handler`` that is a :class:`Graph` runs as a child run (R1): a task
+        runs one, a map one per item (first-k over the children, late ones
+        cancelled); its output is the node's result. ``queue`` submits the
+        child runs to that queue for any worker to drive (R4); without it they
+        run in this process. A child node takes none of the per-attempt
+        options (``retry``, ``timeout``, ``hedge``, ``executor``, ...): the
+        child graph's own nodes carry them.
         """
         if not isinstance(name, str) or not name:
             raise GraphError(f"node name must be a non-empty string, got {name!r}")
