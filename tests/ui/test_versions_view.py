@@ -1,6 +1,6 @@
 """A run's graph version on its page, the versions it can move to, and "fork from here" (V1, V4).
 
-Real runs on real SQLite files, the app under TestClient with its lifespan
+Real runs on real SQLite files (and Postgres when configured), the app under TestClient with its lifespan
 running: the page shows the run's version and, for each other version the
 dashboard was handed, whether the run can move to it and why not; the fork
 POST is token-guarded, refuses what it cannot fork before writing anything,
@@ -120,8 +120,9 @@ def fork_id_of(response: Any) -> str:
 
 
 def test_the_page_shows_the_version_and_whether_each_other_version_can_take_the_run(
-    sqlite_db: Factory,
+    any_db: Factory,
 ) -> None:
+    sqlite_db = any_db  # SQLite, and Postgres when a server is configured
     run_id = suspended_deploy(sqlite_db)
     v1, v2, v3 = deploy(1), deploy(2), deploy(3)
     with dashboard(sqlite_db, graphs=[v1, v2, v3]) as client:
@@ -182,7 +183,8 @@ def test_a_read_only_dashboard_offers_no_fork_and_refuses_one(sqlite_db: Factory
     assert [r.run_id for r in all_runs(sqlite_db)] == [run_id]
 
 
-def test_a_fork_with_the_token_reuses_upstream_results_and_completes(sqlite_db: Factory) -> None:
+def test_a_fork_with_the_token_reuses_upstream_results_and_completes(any_db: Factory) -> None:
+    sqlite_db = any_db  # SQLite, and Postgres when a server is configured
     chain = Chain()
     run_id = completed_chain(sqlite_db, chain)
     with dashboard(sqlite_db, graphs=[chain.graph]) as client:

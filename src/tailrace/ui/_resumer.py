@@ -1,4 +1,4 @@
-"""Resumes started from the page, run in the background and owned by the app's lifespan.
+"""Resumes and forks started from the page, run in the background and owned by the app's lifespan.
 
 Answering a question records the answer at once (first answer wins, Q2) and
 returns; the run is then resumed here, by this process's engine, when the
@@ -8,6 +8,9 @@ the driver of the run's LangGraph thread (``--langgraph``: any
 run lease (D6) make this safe next to ``tailrace serve`` and other engines:
 whoever holds the run applies the answer, the others step aside. What
 happened is kept as a note the run page shows.
+
+A fork started from a run's page ("fork from here") is driven here the same
+way, under the fork's own id, which the page chose before it started.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class ThreadDriver(Protocol):
 
 
 class Resumer:
-    """Starts one background resume per run and cancels them all on exit (structured).
+    """Starts one background resume (or fork) per run and cancels them all on exit (structured).
 
     Args:
         engine: the engine that resumes runs; it holds the graphs named with
@@ -65,7 +68,8 @@ class Resumer:
             them handles is resumed by it, never by the engine.
 
     Use as ``async with Resumer(engine) as resumer:``; leaving the block cancels
-    resumes still running (their leases are released; the runs stay resumable).
+    resumes and forks still running (their leases are released; the runs stay
+    resumable).
     """
 
     def __init__(self, engine: Engine, drivers: Sequence[ThreadDriver] = ()) -> None:
@@ -116,7 +120,7 @@ class Resumer:
         return run_id in self._tasks
 
     async def wait(self, run_id: str) -> None:
-        """Wait until the resume of ``run_id`` started here ends (tests, shutdown)."""
+        """Wait until the resume (or fork) of ``run_id`` started here ends (tests, shutdown)."""
         task = self._tasks.get(run_id)
         if task is not None:
             with contextlib.suppress(asyncio.CancelledError):
