@@ -17,7 +17,7 @@ from tailrace.ui import UiConfig
 from tailrace.ui._links import run_url
 from tests.ui.support import TOKEN, in_thread, scenarios, served
 from tests.ui.test_browser import CHROMIUM, WAIT_MS, browser, open_page, pytestmark, shots
-from tests.ui.test_versions_view import Chain
+from tests.ui.test_versions_view import Chain, deploy
 
 __all__ = ["browser", "open_page", "pytestmark", "shots"]  # fixtures and marks, shared
 
@@ -34,11 +34,20 @@ def test_fork_from_here_in_a_browser_lands_on_the_fork_and_follows_it(
     async def setup() -> None:
         async with scenarios.opened(factory) as store:
             await tr.Engine(store=store).run(chain.graph, "in", run_id="source")
+            await tr.Engine(store=store).run(deploy(1), "v1", run_id="gated")
 
     in_thread(setup)
-    config = UiConfig(store=factory, token=TOKEN, location="runs.db", graphs=[chain.graph])
+    graphs = [chain.graph, deploy(1), deploy(2), deploy(3)]
+    config = UiConfig(store=factory, token=TOKEN, location="runs.db", graphs=graphs)
     with served(config) as url:
         page = open_page(f"{url}/login?next=/questions")
+        page.goto(url + run_url("gated"))
+        versions = page.locator("#other-versions")
+        expect(versions.locator("tr.version-ok")).to_contain_text("compatible")
+        expect(versions.locator("tr.version-no")).to_contain_text(
+            "review: its kind changed from gate to task"
+        )
+        page.locator("#run-versions").screenshot(path=str(shots / "run-versions.png"))
         page.goto(url + run_url("source"))
         expect(page.locator("#run-version")).to_have_text(chain.graph.fingerprint()[:8])
         row = page.locator("#fork-nodes tr", has_text="b")

@@ -351,3 +351,21 @@ def test_a_fork_whose_store_write_fails_is_reported_on_its_page(sqlite_db: Facto
 
 async def _start(state: Any, run_id: str, fork_id: str, graph: tr.Graph) -> Any:
     return state.resumer.fork(run_id, at="b", fork_id=fork_id, graph=graph)
+
+
+def test_a_fork_that_fails_before_its_first_row_says_so_on_its_page(sqlite_db: Factory) -> None:
+    gated = suspended_deploy(sqlite_db)
+    with dashboard(sqlite_db, graphs=[deploy(1)]) as client:
+        state = client.app.state.ui  # type: ignore[attr-defined]
+
+        async def start() -> Any:  # past the page's checks: ship never ran, so no payload
+            return state.resumer.fork(gated, at="ship", fork_id="f-ship", graph=deploy(1))
+
+        client.portal.call(start)
+        wait_for(client, "f-ship")
+        page = client.get(run_url("f-ship"))
+        other = client.get(run_url("never-started"))
+    assert page.status_code == 404 and "The fork was not created" in page.text
+    assert "node &#39;ship&#39; never ran" in page.text
+    assert other.status_code == 404 and "No such run" in other.text
+    assert [r.run_id for r in all_runs(sqlite_db)] == [gated]
