@@ -26,6 +26,7 @@ from ._versions import Compatibility as Compatibility
 from ._versions import MigrationReport as MigrationReport
 from ._versions import MoveOutcome as MoveOutcome
 from ._versions import RunMove as RunMove
+from ._versions import check_stored as check_stored
 
 __all__ = [
     "AdmissionPolicy",
@@ -43,6 +44,7 @@ __all__ = [
     "Stretch",
     "acquire_lease",
     "cancel_undriven",
+    "check_stored",
     "find_graph",
     "make_owner",
     "mark_failed",

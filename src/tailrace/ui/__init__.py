@@ -10,9 +10,11 @@ JavaScript for live updates over server-sent events, no build step:
 - questions: open, answered, expired and stuck; answer from the page (first
   answer wins) and the run resumes in the dashboard's process;
 - queues: depth, running, start rate and workers; cancel a run from its page;
+- versions: a run's graph version, whether it can move to each other version
+  the dashboard holds, and "fork from here" on each node that ran;
 - evolution: an artifact's versions and held-out reward per version.
 
-Reading needs nothing; every change (answer, resume, cancel) is a POST
+Reading needs nothing; every change (answer, resume, cancel, fork) is a POST
 carrying the token; the dashboard binds 127.0.0.1 unless told otherwise. See
 ``docs/ui.md``.
 """

@@ -142,6 +142,7 @@ def create_app(config: UiConfig) -> Starlette:
         Route("/stream/runs/{run_id:path}", r.stream, name="stream"),
         Route("/resume/runs/{run_id:path}", r.resume, methods=["POST"], name="resume"),
         Route("/cancel/runs/{run_id:path}", r.cancel, methods=["POST"], name="cancel"),
+        Route("/fork/runs/{run_id:path}", r.fork, methods=["POST"], name="fork"),
         Route("/queues", r.queues, name="queues"),
         Route("/questions", r.questions, name="questions"),
         Route("/questions/{question_id:path}", r.question, name="question"),

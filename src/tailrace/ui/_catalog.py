@@ -46,6 +46,10 @@ class GraphCatalog:
         """The graph handed in for ``record``'s run (its name and fingerprint), if any."""
         return self._by_key.get((record.graph_name, record.fingerprint))
 
+    def versions_of(self, name: str) -> tuple[Graph, ...]:
+        """Every version of graph ``name`` handed in, in the order they were named."""
+        return tuple(g for (known, _), g in self._by_key.items() if known == name)
+
     async def find(self, record: RunRecord) -> Found:
         """The graph ``record`` ran, if this dashboard may and can load it."""
         graph = self.registered(record)

@@ -13,6 +13,7 @@ __all__ = [
     "answer_url",
     "artifact_url",
     "cancel_url",
+    "fork_url",
     "inbox_url",
     "login_url",
     "question_url",
@@ -60,6 +61,11 @@ def resume_url(run_id: str) -> str:
 def cancel_url(run_id: str) -> str:
     """Where a cancel of ``run_id`` is POSTed."""
     return "/cancel/runs/" + _quoted(run_id)
+
+
+def fork_url(run_id: str) -> str:
+    """Where a fork of ``run_id`` is POSTed (the node it starts from is the form's ``at``)."""
+    return "/fork/runs/" + _quoted(run_id)
 
 
 def inbox_url(tab: str | None = None, page: int = 1) -> str:

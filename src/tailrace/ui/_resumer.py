@@ -1,4 +1,4 @@
-"""Resumes started from the page, run in the background and owned by the app's lifespan.
+"""Resumes and forks started from the page, run in the background and owned by the app's lifespan.
 
 Answering a question records the answer at once (first answer wins, Q2) and
 returns; the run is then resumed here, by this process's engine, when the
@@ -8,6 +8,9 @@ the driver of the run's LangGraph thread (``--langgraph``: any
 run lease (D6) make this safe next to ``tailrace serve`` and other engines:
 whoever holds the run applies the answer, the others step aside. What
 happened is kept as a note the run page shows.
+
+A fork started from a run's page ("fork from here") is driven here the same
+way, under the fork's own id, which the page chose before it started.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Protocol
 
 from .._errors import GraphError, LeaseHeld, NotResumable
 from ..core import Engine
+from ..graph import Graph
 from ..stores import QuestionStatus, RunRecord, RunStatus
 
 logger = logging.getLogger("tailrace.ui")
@@ -35,7 +39,7 @@ class ResumeNote:
     """The latest word on a resume this dashboard started: ``state`` and a sentence."""
 
     run_id: str
-    state: str  # resuming, completed, suspended, failed, elsewhere, unloadable, deferred
+    state: str  # resuming, forking, completed, suspended, failed, elsewhere, unloadable, deferred
     message: str
     at: float
 
@@ -55,7 +59,7 @@ class ThreadDriver(Protocol):
 
 
 class Resumer:
-    """Starts one background resume per run and cancels them all on exit (structured).
+    """Starts one background resume (or fork) per run and cancels them all on exit (structured).
 
     Args:
         engine: the engine that resumes runs; it holds the graphs named with
@@ -64,13 +68,16 @@ class Resumer:
             them handles is resumed by it, never by the engine.
 
     Use as ``async with Resumer(engine) as resumer:``; leaving the block cancels
-    resumes still running (their leases are released; the runs stay resumable).
+    resumes and forks still running (their leases are released; the runs stay
+    resumable).
     """
 
     def __init__(self, engine: Engine, drivers: Sequence[ThreadDriver] = ()) -> None:
         self.engine = engine
         self.drivers = tuple(drivers)
         self.notes: dict[str, ResumeNote] = {}
+        #: Forks started here: fork id -> (source run id, node it starts from).
+        self.forks: dict[str, tuple[str, str]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     async def __aenter__(self) -> Resumer:
@@ -93,8 +100,27 @@ class Resumer:
             )
         return self.notes[run_id]
 
+    def fork(self, run_id: str, *, at: str, fork_id: str, graph: Graph) -> ResumeNote:
+        """Fork ``run_id`` at node ``at`` as run ``fork_id`` on ``graph``, in the background (V4).
+
+        The fork is driven here to its end (or its first gate), like a resume;
+        its note is kept under ``fork_id``, so the fork's page shows it before
+        the fork's first row is written, and after.
+        """
+        if fork_id not in self._tasks:
+            self.forks[fork_id] = (run_id, at)
+            self._note(fork_id, "forking", f"forking run {run_id!r} at node {at!r}")
+            self._tasks[fork_id] = asyncio.get_running_loop().create_task(
+                self._fork(run_id, at, fork_id, graph), name=f"tailrace-ui-fork-{fork_id}"
+            )
+        return self.notes[fork_id]
+
+    def running(self, run_id: str) -> bool:
+        """Whether a resume or fork of ``run_id`` started here is still running."""
+        return run_id in self._tasks
+
     async def wait(self, run_id: str) -> None:
-        """Wait until the resume of ``run_id`` started here ends (tests, shutdown)."""
+        """Wait until the resume (or fork) of ``run_id`` started here ends (tests, shutdown)."""
         task = self._tasks.get(run_id)
         if task is not None:
             with contextlib.suppress(asyncio.CancelledError):
@@ -142,6 +168,21 @@ class Resumer:
             logger.info("resume of run %r from the dashboard failed", run_id, exc_info=exc)
         else:
             self._note(run_id, result.status, f"resumed here: the run is {result.status}")
+
+    async def _fork(self, run_id: str, at: str, fork_id: str, graph: Graph) -> None:
+        origin = f"forked here from run {run_id!r} at node {at!r}"
+        try:
+            result = await self.engine.fork(run_id, at=at, graph=graph, fork_id=fork_id)
+        except Exception as exc:  # plan (a changed graph, no payload), the store, a handler (E9)
+            self._note(fork_id, "failed", f"the fork of run {run_id!r} at node {at!r} failed: "
+                       f"{type(exc).__name__}: {exc}")  # fmt: skip
+            logger.info(
+                "fork %r of run %r from the dashboard failed", fork_id, run_id, exc_info=exc
+            )
+        else:
+            self._note(fork_id, result.status, f"{origin}: the run is {result.status}")
+        finally:
+            self._tasks.pop(fork_id, None)
 
     async def _resume_thread(self, driver: ThreadDriver, run_id: str) -> None:
         try:

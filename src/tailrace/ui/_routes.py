@@ -1,7 +1,7 @@
 """The dashboard's endpoints: pages that read, POSTs that change state, the live stream.
 
 Reading needs nothing on loopback and the login cookie beyond it (the app's
-read guard); every state change (answer, resume, cancel) is a POST that must
+read guard); every state change (answer, resume, cancel, fork) is a POST that must
 carry the token (``_security``) and is refused in read-only mode.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.parse
+import uuid
 from typing import Any
 
 from starlette.datastructures import FormData
@@ -17,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response, StreamingResponse
 
-from .._errors import AlreadyAnswered, EncodeError
+from .._errors import AlreadyAnswered, EncodeError, RunNotFound
 from ..stores import TERMINAL_STATUSES, QuestionStatus
 from ._config import UiState
 from ._fleet import fleet_view
@@ -25,6 +26,7 @@ from ._links import artifact_url, run_url, stream_url
 from ._pages import Auth, Pages
 from ._security import TOKEN_COOKIE, TOKEN_FIELD, TOKEN_HEADER, local_path, token_matches
 from ._stream import run_updates
+from ._versions import forkable, versions_view
 from ._views import (
     RUN_FILTERS,
     Tab,
@@ -169,11 +171,25 @@ async def runs(request: Request) -> Response:
 
 
 async def run(request: Request) -> Response:
-    """A run: its graph, every attempt, late inputs, questions and event log; live."""
+    """A run: its graph, every attempt, late inputs, questions and event log; live.
+
+    A fork this dashboard is creating has a page before its first row is
+    written: what its note says, until the run is there.
+    """
     run_id = path_id(request, "run_id")
     state = ui_state(request)
-    view = await run_view(state.reader, state.catalog, run_id, now=time.time())
     note = state.resumer.notes.get(run_id) if state.resumer else None
+    try:
+        stored = await state.reader.load_run(run_id)
+    except RunNotFound:
+        if note is None or state.resumer is None or run_id not in state.resumer.forks:
+            raise
+        creating = note.state == "forking"
+        return await page(request, "forking.html", section="runs", status_code=202 if creating else 404,
+                          run_id=run_id, note=note, creating=creating)  # fmt: skip
+    view = await run_view(state.reader, state.catalog, run_id, now=time.time(), stored=stored)
+    found = await state.catalog.find(stored.run)
+    versions = await versions_view(state.reader, state.catalog, stored, found)
     finished = view.status in {s.value for s in TERMINAL_STATUSES}
     data = {"run_id": run_id, "stream": None if finished else stream_url(run_id, view.last_seq)}
     answered = request.query_params.get("answered")
@@ -182,7 +198,7 @@ async def run(request: Request) -> Response:
     if cancelled:  # the status pill says what the store says; the flash only what was asked
         flash = "You asked to cancel this run."
     return await page(request, "run.html", section="runs", v=view, note=note, flash=flash,
-                      page_data=data)  # fmt: skip
+                      versions=versions, page_data=data)  # fmt: skip
 
 
 async def stream(request: Request) -> Response:
@@ -323,3 +339,45 @@ async def cancel(request: Request) -> Response:
     await state.engine.cancel(run_id)
     target = f"{run_url(run_id)}?cancelled=1"
     return with_cookie(RedirectResponse(target, status_code=303), state.config.token)
+
+
+async def fork(request: Request) -> Response:
+    """Fork a run at the node the form names (``at``), in the background; go to the fork's page.
+
+    The fork runs the run's own version (the dashboard must hold it:
+    ``--graphs`` or an importable module) from the payload the node's latest
+    visit ran with (V4). A run, node or graph the fork cannot start from is
+    refused before anything is written, naming it.
+    """
+    run_id = path_id(request, "run_id")
+    form = await request.form()
+    refusal = await refused(request, form)
+    if refusal is not None:
+        return refusal
+    state = ui_state(request)
+    assert state.resumer is not None  # not read-only
+    at = form.get("at")
+    if not isinstance(at, str) or not at:
+        raise HTTPException(400, "a fork needs the node it starts from: the form's at field")
+    if not _keyable(at):
+        raise HTTPException(400, f"node {at!r} is not a valid id")
+    stored = await state.reader.load_run(run_id)  # 404 for an unknown run
+    found = await state.catalog.find(stored.run)
+
+    async def cannot(status: int, why: str) -> Response:
+        return await page(request, "error.html", section="runs", status_code=status,
+                          heading="Cannot fork", back=run_url(run_id),
+                          message=f"Nothing was written: {why}")  # fmt: skip
+
+    if found.graph is None:
+        return await cannot(409, f"this dashboard does not hold the graph of run {run_id!r} "
+                            f"({stored.run.graph_name!r} version {stored.run.fingerprint}): {found.reason}")  # fmt: skip
+    graph = found.graph
+    if at not in graph.compile().index:
+        return await cannot(404, f"graph {graph.name!r} has no node {at!r}")
+    if at not in forkable(graph, stored):
+        return await cannot(409, f"node {at!r} never ran in run {run_id!r}, so there is no payload "
+                            "to fork it with; `tailrace fork --input` gives one")  # fmt: skip
+    fork_id = uuid.uuid4().hex
+    state.resumer.fork(run_id, at=at, fork_id=fork_id, graph=graph)
+    return with_cookie(RedirectResponse(run_url(fork_id), status_code=303), state.config.token)

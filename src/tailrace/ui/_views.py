@@ -434,6 +434,9 @@ class RunView:
     recoveries: int = 0
     #: Each attempt's stream, its mark, the text so far (S1-S3).
     streams: Streams
+    #: A fork's origin: the run and node it was forked from (V4).
+    forked_from: str | None = None
+    forked_at: str | None = None
 
 
 class DriverRow(NamedTuple):
@@ -536,6 +539,8 @@ async def run_view(
         drivers=driver_rows(events),
         recoveries=record.recoveries,
         streams=await read_streams(store, record.run_id),
+        forked_from=record.forked_from,
+        forked_at=record.forked_at,
     )
 
 
