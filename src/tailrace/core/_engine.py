@@ -376,6 +376,8 @@ class Engine:
         """
         for graph in graphs:
             self._graphs.setdefault((graph.name, graph.compile().fingerprint), graph)
+            # The graphs its nodes run as child runs (R1): whoever drives a run drives its children.
+            self.register(*graph.child_graphs())
 
     # -- versions and forks (the work is done in _versions) ----------------------
 

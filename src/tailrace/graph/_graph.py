@@ -245,6 +245,14 @@ class Graph:
         """Decorator: add a gate; its handler returns the question's prompt (``name``/``options`` as in :meth:`task`)."""
         return self._decorator(NodeKind.GATE, {"name": name, **options})
 
+    def child_graphs(self) -> list[Graph]:
+        """The graphs this graph's nodes run as child runs (R1), in node order, each once."""
+        found: list[Graph] = []
+        for node in self.nodes.values():
+            if node.child and not any(g is node.handler for g in found):
+                found.append(node.handler)  # type: ignore[arg-type]  # a child node's handler
+        return found
+
     def chain(self, *names: str) -> None:
         """Add edges ``names[0] -> names[1] -> ...``."""
         for source, target in itertools.pairwise(names):

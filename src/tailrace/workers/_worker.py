@@ -62,6 +62,11 @@ from ._schedules import Schedule, ScheduleTicker
 
 logger = logging.getLogger("tailrace.workers")
 
+#: Every this many heartbeats a worker looks for runs past their deadline (R6).
+DEADLINE_EVERY = 5
+#: The most overdue runs one look cancels.
+OVERDUE_BATCH = 50
+
 #: Default seconds between two heartbeats of a worker (see ``Worker``'s ``heartbeat``).
 HEARTBEAT = 6.0
 #: Most seconds between two readings of the queues' limits with no news of a change.
@@ -250,7 +255,7 @@ class Worker:
             await self.store.declare_queue(queue)
         for schedule in self.schedules:
             await schedule.declare(self.store, self.engine.codec or DEFAULT_CODEC)
-        for graph in self.graphs:
+        for graph in _with_children(self.graphs):
             await self.store.register_graph(
                 GraphRow(
                     name=graph.name, fingerprint=graph.compile().fingerprint,
@@ -437,6 +442,14 @@ class Worker:
             return await self.engine.start_claimed(run_id)
         except (GraphError, GraphMismatch) as exc:
             record = await self.store.get_run(run_id)
+            if record.parent_run_id is not None and not await self._drivable_elsewhere(record):
+                # A child run no worker has the graph of: fail it (its parent's node fails
+                # with the reason) rather than leave the parent waiting forever (R3).
+                await self.engine.fail_run(
+                    run_id, f"no worker has graph {record.graph_name!r} of this child run: "
+                    f"{describe(exc)}",
+                )  # fmt: skip
+                raise
             if await self.store.return_claim(run_id, self.owner):
                 self._cannot_drive(record, exc)
                 return None
@@ -445,6 +458,11 @@ class Worker:
         except UNRESUMABLE as exc:
             await self.engine.fail_run(run_id, f"cannot be started: {describe(exc)}")
             raise
+
+    async def _drivable_elsewhere(self, record: RunRecord) -> bool:
+        """Whether a worker registered ``record``'s graph version in the store (it may drive it)."""
+        rows = await self.store.graphs_named(record.graph_name)
+        return any(row.fingerprint == record.fingerprint for row in rows)
 
     def _cannot_drive(self, record: RunRecord, exc: Exception) -> None:
         """Claim no more runs of ``record``'s graph; say so once per graph."""
@@ -526,9 +544,21 @@ class Worker:
             self._gate_wake.set()
         self._gates_on = pulse.gates
         await self._bury_dead(pulse.expired, pulse.here)
+        if self._beats % DEADLINE_EVERY == 1:
+            await self._cancel_overdue()
         if kinds:
             self._kick(kinds)
         return 0
+
+    async def _cancel_overdue(self) -> None:
+        """Cancel queued and suspended runs past their deadline, with their children (R6).
+
+        Nobody drives them, so no run loop's own timer does it. One indexed
+        query, which finds nothing on most beats.
+        """
+        for run_id in await self.store.overdue_runs(time.time(), limit=OVERDUE_BATCH):
+            status = await self.engine.cancel(run_id)
+            logger.info("run %s: past its deadline, cancelled (now %s)", run_id, status)
 
     async def _gate_tick(self) -> int:
         """A machine-gate tick, only while an open question has a poller or a deadline."""
@@ -579,6 +609,19 @@ class Worker:
         for task in pending:
             task.cancel()  # each run's lease is released on its way out (RunWriter.leased)
         await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _with_children(graphs: Sequence[Graph]) -> list[Graph]:
+    """``graphs`` and the graphs their nodes run as child runs, at any depth, each once."""
+    found: list[Graph] = []
+    todo = list(graphs)
+    while todo:
+        graph = todo.pop(0)
+        if any(g is graph for g in found):
+            continue
+        found.append(graph)
+        todo.extend(graph.child_graphs())
+    return found
 
 
 def _seconds(value: object) -> bool:
