@@ -249,8 +249,9 @@ class Graph:
         """The graphs this graph's nodes run as child runs (R1), in node order, each once."""
         found: list[Graph] = []
         for node in self.nodes.values():
-            if node.child and not any(g is node.handler for g in found):
-                found.append(node.handler)  # type: ignore[arg-type]  # a child node's handler
+            child: Any = node.handler
+            if node.child and not any(g is child for g in found):
+                found.append(child)
         return found
 
     def chain(self, *names: str) -> None:
