@@ -359,8 +359,10 @@ class Engine:
                 EventType.RUN_RESUMED, graph=graph.name, applied=applied, unparked=unparked,
                 owner=self.owner,
             )  # fmt: skip
-            if applied or unparked:
-                await loop.checkpoint()  # the apply is durable before any handler runs
+            if applied or unparked or stored.run.status is RunStatus.SUSPENDED:
+                # The apply is durable before any handler runs; a suspended run is
+                # running again before its children's results move it on (R4).
+                await loop.checkpoint()
             result = await loop.drive()
         return await self._with_questions(result)
 
