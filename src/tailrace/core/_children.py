@@ -279,8 +279,8 @@ class Children:
             return False
         suspended_only = True
         for attempt in in_flight:
-            if attempt.waiting == NOT_WAITING:
-                return False
+            if attempt.waiting == NOT_WAITING or attempt.abandoned:
+                return False  # it runs, or it is cancelling its child: the run is busy
             if attempt.waiting != ON_SUSPENDED_CHILD:
                 suspended_only = False
         return self.queued or suspended_only

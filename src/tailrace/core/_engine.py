@@ -292,29 +292,37 @@ class Engine:
             return await self._settle(result, graph, force)
 
     async def _settle(self, result: RunResult, graph: Graph | None, force: bool) -> RunResult:
-        """After letting go of a suspended run, apply answers that lost the race for its lease (Q3).
+        """After letting go of a suspended run, apply answers that lost the race for its lease (Q3),
+        and take up children that ended meanwhile (R4); a finished child wakes its parent.
 
         An answerer records its answer before it tries the lease; if it found the
         lease held, the answer landed before this engine released it, so it is
-        visible now.
+        visible now. A child that ended while its parent was suspending found
+        the parent's lease held, so the parent looks for it now: one on a queue
+        is queued again (a worker takes it), another is resumed here.
         """
-        if self.store is not None:
-            await self._children_moved(result)
+        store = self.store
         seen: set[str] = set()
-        while result.status is RunStatus.SUSPENDED and self.store is not None:
+        while result.status is RunStatus.SUSPENDED and store is not None:
             pending = {
                 q.question_id
-                for q in await self.store.list_questions(run_id=result.run_id)
+                for q in await store.list_questions(run_id=result.run_id)
                 if q.status is QuestionStatus.ANSWERED
                 or (q.status is QuestionStatus.EXPIRED and q.applied_at is None)
             }
-            if not pending - seen:
+            ended = await self._awaited_ended(result)
+            if ended and (await store.get_run(result.run_id)).queue_name is not None:
+                await store.wake_suspended(result.run_id)
+                return result
+            if not pending - seen and not ended:
                 return result
             seen |= pending
             try:
                 result = await self._resume(result.run_id, graph, force, None)
             except LeaseHeld:
                 return result  # its holder re-checks in turn
+        if store is not None and result.status in TERMINAL_STATUSES and result.parent_run_id:
+            await self._wake(result.parent_run_id)
         return result
 
     async def _resume(self, run_id: str, graph: Graph | None, force: bool, patch: Any) -> RunResult:
@@ -651,18 +659,13 @@ class Engine:
 
     # -- child runs (the work is done in _children) -------------------------------
 
-    async def _children_moved(self, result: RunResult) -> None:
-        """After a run let go: wake a parent whose child ended, or a suspended parent whose
-        awaited child ended meanwhile (R4, R5)."""
-        store = self.store
-        assert store is not None
-        if result.status is RunStatus.SUSPENDED and result.waiting_on:
-            for child_id in result.waiting_on:
-                if (await store.get_run(child_id)).status in TERMINAL_STATUSES:
-                    await self._wake(result.run_id)
-                    return
-        elif result.status in TERMINAL_STATUSES and result.parent_run_id is not None:
-            await self._wake(result.parent_run_id)
+    async def _awaited_ended(self, result: RunResult) -> bool:
+        """Whether a child run that suspended ``result`` waits for has ended (R4)."""
+        assert self.store is not None
+        for child_id in result.waiting_on:
+            if (await self.store.get_run(child_id)).status in TERMINAL_STATUSES:
+                return True
+        return False
 
     async def _wake(self, run_id: str) -> None:
         """A suspended run one of whose children ended: queued again when it is on a

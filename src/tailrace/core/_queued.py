@@ -53,6 +53,7 @@ from .._events import EventType
 from .._values import checked_run_id
 from ..graph import Graph, guess_reference, shape_json
 from ..stores import (
+    TERMINAL_STATUSES,
     EventRow,
     Harvest,
     NewRun,
@@ -331,13 +332,28 @@ async def settled(store: RunStore, record: RunRecord, now: float) -> bool:
         for q in await store.list_questions(run_id=record.run_id)
     ):
         return False
-    # A run waiting on child runs is settled only when each live child is (R4, R5).
-    for child in await store.list_runs(parent=record.run_id):
+    # A run waiting on child runs is settled only when each live child is, and none it
+    # suspended for has ended (it is about to be queued again or resumed) (R4, R5).
+    children = await store.list_runs(parent=record.run_id)
+    if not children:
+        return True
+    for child in children:
         if child.status in (RunStatus.QUEUED, RunStatus.RUNNING):
             return False
         if child.status is RunStatus.SUSPENDED and not await settled(store, child, now):
             return False
-    return True
+    awaited = await awaited_children(store, record.run_id)
+    return not any(c.status in TERMINAL_STATUSES and c.run_id in awaited for c in children)
+
+
+async def awaited_children(store: RunStore, run_id: str) -> set[str]:
+    """The child runs ``run_id``'s latest suspension waits for (its ``run_suspended`` event)."""
+    for event in reversed(await store.events(run_id)):
+        if event.type == EventType.RUN_SUSPENDED.value:
+            data = DEFAULT_CODEC.decode(event.data_json)
+            children = data.get("children") if isinstance(data, dict) else None
+            return {str(c) for c in children} if isinstance(children, list) else set()
+    return set()
 
 
 async def wait_for(

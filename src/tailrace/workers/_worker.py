@@ -442,11 +442,11 @@ class Worker:
             return await self.engine.start_claimed(run_id)
         except (GraphError, GraphMismatch) as exc:
             record = await self.store.get_run(run_id)
-            if record.parent_run_id is not None and not await self._drivable_elsewhere(record):
-                # A child run no worker has the graph of: fail it (its parent's node fails
-                # with the reason) rather than leave the parent waiting forever (R3).
+            if record.parent_run_id is not None:
+                # A child run is not handed back: its parent's node fails with the reason
+                # rather than wait on a queue nobody can serve (R3).
                 await self.engine.fail_run(
-                    run_id, f"no worker has graph {record.graph_name!r} of this child run: "
+                    run_id, f"worker {self.owner} cannot drive graph {record.graph_name!r} of this child run: "
                     f"{describe(exc)}",
                 )  # fmt: skip
                 raise
@@ -458,11 +458,6 @@ class Worker:
         except UNRESUMABLE as exc:
             await self.engine.fail_run(run_id, f"cannot be started: {describe(exc)}")
             raise
-
-    async def _drivable_elsewhere(self, record: RunRecord) -> bool:
-        """Whether a worker registered ``record``'s graph version in the store (it may drive it)."""
-        rows = await self.store.graphs_named(record.graph_name)
-        return any(row.fingerprint == record.fingerprint for row in rows)
 
     def _cannot_drive(self, record: RunRecord, exc: Exception) -> None:
         """Claim no more runs of ``record``'s graph; say so once per graph."""

@@ -1,0 +1,337 @@
+"""Child runs on queues across a fleet (R2-R6): parents that wait holding nothing.
+
+In-process tests run real :class:`tailrace.Worker` s on a real SQLite file or
+Postgres schema; the fault tests SIGKILL real processes: the one driving a
+parent, and a worker driving a child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import datetime
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tailrace as tr
+from tailrace.stores import QuestionStatus, RunStatus, RunStore, open_store
+from tests import fixtures
+
+GRAPHS = Path(__file__).with_name("child_graphs.py")
+graphs = fixtures.load_module("child_graphs", GRAPHS)
+ROOT = Path(__file__).resolve().parents[2]
+GUARD = fixtures.HANG_GUARD
+until = fixtures.until
+
+
+@pytest.fixture(params=fixtures.SHARED_STORES)
+async def shared(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """The URL of a fresh SQLite file or Postgres schema that several processes can open."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "children.db")
+        return
+    async with fixtures.postgres_schema("children") as schema:
+        dsn = fixtures.POSTGRES_DSN or ""
+        yield f"{dsn}{'&' if '?' in dsn else '?'}schema={schema}"
+
+
+@contextlib.asynccontextmanager
+async def workers(
+    store: RunStore, count: int, *, queues: tuple[str, ...] = ("parents", "kids"), **options: Any
+) -> AsyncIterator[list[tr.Worker]]:
+    """``count`` workers in this process, each with one slot unless told otherwise."""
+    options.setdefault("concurrency", 1)
+    options.setdefault("graphs", [graphs.family, graphs.family_k, graphs.mixed])
+    options.setdefault("heartbeat", 0.2)
+    fleet = [tr.Worker(store, queues=list(queues), **options) for _ in range(count)]
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(w.run(stop)) for w in fleet]
+    try:
+        yield fleet
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), GUARD)
+
+
+def side_starts(side: Path) -> collections.Counter[str]:
+    """How often each child run's work started, from the side file."""
+    counts: collections.Counter[str] = collections.Counter()
+    if side.exists():
+        for line in side.read_text().splitlines():
+            counts[line.split()[0]] += 1
+    return counts
+
+
+async def test_parents_waiting_on_children_never_deadlock_a_fleet_of_single_slots(
+    shared: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R4: two workers with one slot each drive 12 parents x 5 children; waiting parents
+    suspend (no slot held) and are claimed again when a child ends."""
+    side = tmp_path / "side.log"
+    monkeypatch.setenv(graphs.SIDE_ENV, str(side))
+    async with open_store(shared) as store, workers(store, 2):
+        engine = tr.Engine(store=store)
+        ids = [
+            await engine.submit(graphs.family, {"count": 5, "sleep": 0.01}, queue="parents")
+            for _ in range(12)
+        ]
+        results = [await engine.wait(run_id, timeout=GUARD) for run_id in ids]
+        assert [r.output for r in results] == [100] * 12  # 0+10+20+30+40 each
+        suspended = [
+            e
+            for run_id in ids
+            for e in await store.events(run_id)
+            if e.type == "run_suspended" and '"children"' in e.data_json
+        ]
+        children = [c for run_id in ids for c in await store.list_runs(parent=run_id)]
+    assert suspended, "a parent waiting only on children suspends"
+    assert len(children) == 60 and {c.status for c in children} == {RunStatus.COMPLETED}
+    assert {c.queue_name for c in children} == {"kids"}
+    starts = side_starts(side)
+    assert len(starts) == 60 and set(starts.values()) == {1}  # no child started twice (R2)
+
+
+async def test_first_k_over_children_on_a_queue_cancels_the_late_ones(
+    shared: str, tmp_path: Path
+) -> None:
+    sleeps = [0.01] * 7 + [30.0] * 3
+    async with open_store(shared) as store, workers(store, 2, concurrency=6):
+        engine = tr.Engine(store=store)
+        run_id = await engine.submit(
+            graphs.family_k, {"count": 10, "sleeps": sleeps}, queue="parents"
+        )
+        result = await engine.wait(run_id, timeout=GUARD)
+        assert result.status is RunStatus.COMPLETED
+        assert result.results["each"] == [0, 10, 20, 30, 40, 50, 60]
+        await until(
+            lambda: _statuses(store, run_id, {RunStatus.COMPLETED: 7, RunStatus.CANCELLED: 3}),
+            "the late children to be cancelled",
+        )
+
+
+async def _statuses(store: RunStore, run_id: str, want: dict[RunStatus, int]) -> bool:
+    seen = collections.Counter(c.status for c in await store.list_runs(parent=run_id))
+    return dict(seen) == want
+
+
+async def test_a_failing_child_on_a_queue_fails_its_parent_naming_the_child(shared: str) -> None:
+    async with open_store(shared) as store, workers(store, 2, concurrency=4):
+        engine = tr.Engine(store=store)
+        run_id = await engine.submit(graphs.family, {"count": 3, "fail": [1]}, queue="parents")
+        with pytest.raises(tr.RunFailed) as failed:
+            await engine.wait(run_id, timeout=GUARD)
+    assert f"{run_id}/each/1/1" in str(failed.value)  # R3: RunFailed names the child
+    assert "kid 1 broke" in str(failed.value)
+
+
+async def test_cancelling_a_parent_cancels_children_queued_running_and_suspended(
+    shared: str, tmp_path: Path
+) -> None:
+    """R3: one child waits on a person (suspended), one runs, others wait in the queue."""
+    async with open_store(shared) as store:
+        engine = tr.Engine(store=store)
+        run_id = await engine.submit(graphs.mixed, {"count": 4, "sleep": 60.0}, queue="parents")
+        async with workers(store, 1, concurrency=3):  # parent + 2 children at a time
+            await until(lambda: _has_children(store, run_id, 5), "the children to be submitted")
+            await until(
+                lambda: _child_statuses(store, run_id, RunStatus.SUSPENDED, RunStatus.RUNNING),
+                "a child suspended on its gate and one running",
+            )
+            before = {c.run_id: c.status for c in await store.list_runs(parent=run_id)}
+            assert RunStatus.QUEUED in before.values()
+            await engine.cancel(run_id)
+            await until(lambda: _all_cancelled(store, run_id), "parent and children cancelled")
+        questions = await store.list_questions(status=QuestionStatus.OPEN)
+    assert questions == []  # the suspended child's question was superseded
+
+
+async def _has_children(store: RunStore, run_id: str, n: int) -> bool:
+    return len(await store.list_runs(parent=run_id)) >= n
+
+
+async def _child_statuses(store: RunStore, run_id: str, *wanted: RunStatus) -> bool:
+    statuses = {c.status for c in await store.list_runs(parent=run_id)}
+    return all(s in statuses for s in wanted)
+
+
+async def _all_cancelled(store: RunStore, run_id: str) -> bool:
+    runs = [await store.get_run(run_id), *await store.list_runs(parent=run_id)]
+    return all(r.status is RunStatus.CANCELLED for r in runs)
+
+
+async def test_a_childs_question_is_listed_for_its_parent_and_answering_finishes_both(
+    shared: str,
+) -> None:
+    """R5 across the fleet: answering the child resumes it, then its parent is queued again."""
+    async with open_store(shared) as store, workers(store, 2, concurrency=4):
+        engine = tr.Engine(store=store)
+        run_id = await engine.submit(graphs.mixed, {"count": 2}, queue="parents")
+        parked = await engine.wait(run_id, timeout=GUARD)
+        assert parked.status is RunStatus.SUSPENDED
+        assert [q.run_id for q in parked.questions] == [f"{run_id}/ask/1"]
+        await engine.answer(parked.questions[0].question_id, "yes", resume=False)
+        result = await engine.wait(run_id, timeout=GUARD)
+    assert result.status is RunStatus.COMPLETED
+    assert result.results["ask"] == "done yes"
+
+
+async def test_a_child_graph_no_worker_has_fails_its_parent_and_never_hangs(shared: str) -> None:
+    secret = tr.Graph("secret_kid")  # defined here: no worker has it, no reference imports it
+    secret.add_node("work", lambda job: job)
+    parent = tr.Graph("has_secret")
+    parent.add_node("sub", secret, queue="kids")
+    async with open_store(shared) as store:
+        engine = tr.Engine(store=store)
+        run_id = await engine.submit(parent, 1, queue="parents")
+        parents = [tr.Worker(store, queues=["parents"], graphs=[parent], heartbeat=0.2)]
+        kids = [tr.Worker(store, queues=["kids"], graphs=[graphs.family], heartbeat=0.2)]
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(w.run(stop)) for w in (*parents, *kids)]
+        try:
+            # The parents' worker could drive the child: it is not on the child's queue.
+            with pytest.raises(tr.RunFailed) as failed:
+                await engine.wait(run_id, timeout=GUARD)
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+        child = await store.get_run(f"{run_id}/sub/1")
+    assert child.status is RunStatus.FAILED
+    assert child.error is not None and "cannot drive graph 'secret_kid'" in child.error
+    assert "secret_kid" in str(failed.value)
+
+
+async def test_a_deadline_cancels_a_suspended_parent_and_its_queued_children(shared: str) -> None:
+    """R6: nobody drives a suspended parent; a worker's sweep cancels it at its deadline."""
+    async with open_store(shared) as store:
+        engine = tr.Engine(store=store)
+        run_id = await engine.submit(
+            graphs.family, {"count": 3, "sleep": 60.0}, queue="parents",
+            deadline=datetime.timedelta(seconds=1.5),
+        )  # fmt: skip
+        async with workers(store, 1, queues=("parents",)):  # nobody serves "kids"
+            await until(lambda: _has_children(store, run_id, 3), "the children to be queued")
+            await until(lambda: _all_cancelled(store, run_id), "the deadline to cancel them")
+        record = await store.get_run(run_id)
+    assert record.deadline is not None
+
+
+# --- processes killed for real ---------------------------------------------------------------
+
+
+def _env(side: Path, **extra: str) -> dict[str, str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TAILRACE_")}
+    environ.update({graphs.SIDE_ENV: str(side), "PYTHONPATH": str(ROOT / "src"), **extra})
+    return environ
+
+
+class Procs:
+    """Processes a test started, stopped by their own pid at the end."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        with (self.tmp_path / f"proc-{len(self.procs)}.log").open("wb") as log:
+            proc = subprocess.Popen(args, stdout=log, stderr=log, env=env, cwd=ROOT)
+        self.procs.append(proc)
+        return proc
+
+    def worker(self, url: str, side: Path, *queues: str, **env: str) -> subprocess.Popen[bytes]:
+        cli = [sys.executable, "-c", "from tailrace.cli import main; main()"]
+        args = [*cli, "worker", "--db", url, "--graphs", str(GRAPHS)]
+        for queue in queues:
+            args += ["--queue", queue]
+        return self.start([*args, "--concurrency", "8"], _env(side, **env))
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    running = Procs(tmp_path)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+PARENT_SCRIPT = """
+import asyncio, sys
+sys.path.insert(0, {root!r})
+import tailrace as tr
+from tailrace.stores import open_store
+from tests import fixtures
+graphs = fixtures.load_module("child_graphs", {graphs!r})
+
+async def main():
+    async with open_store({url!r}) as store:
+        waiting = tr.Graph("waits_here")  # not on a queue: it waits in this process
+        waiting.add_node("plan", graphs.jobs)
+        waiting.add_node("each", graphs.kid, "map", queue="kids")
+        waiting.add_edge("plan", "each")
+        await tr.Engine(store=store, lease_ttl=2.0).run(
+            waiting, {{"count": 4, "sleep": 1.5}}, run_id="killed-parent")
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+async def test_sigkill_of_the_parents_process_leaves_its_children_running_and_it_reattaches(
+    shared: str, tmp_path: Path, procs: Procs
+) -> None:
+    side = tmp_path / "side.log"
+    script = PARENT_SCRIPT.format(root=str(ROOT), graphs=str(GRAPHS), url=shared)
+    parent = procs.start([sys.executable, "-c", script], _env(side))
+    procs.worker(shared, side, "kids")
+    async with open_store(shared) as store:
+        await until(lambda: _has_children(store, "killed-parent", 4), "the children to start")
+        await until(lambda: len(side_starts(side)) == 4, "every child's work to start")
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        # The children run on; a fresh engine adopts the parent, re-attaching to them (R2).
+        waiting = tr.Graph("waits_here")
+        waiting.add_node("plan", graphs.jobs)
+        waiting.add_node("each", graphs.kid, "map", queue="kids")
+        waiting.add_edge("plan", "each")
+        result = await asyncio.wait_for(
+            tr.Engine(store=store).resume("killed-parent", waiting), GUARD
+        )
+        children = await store.list_runs(parent="killed-parent")
+    assert result.output == [0, 10, 20, 30]
+    assert len(children) == 4 and {c.status for c in children} == {RunStatus.COMPLETED}
+    assert set(side_starts(side).values()) == {1}  # no child ran twice, none was resubmitted
+
+
+@pytest.mark.slow
+async def test_sigkill_of_a_worker_driving_a_child_hands_it_to_another(
+    shared: str, tmp_path: Path, procs: Procs
+) -> None:
+    side = tmp_path / "side.log"
+    async with open_store(shared) as store:
+        engine = tr.Engine(store=store)
+        run_id = await engine.submit(graphs.family, {"count": 3, "sleep": 0.5}, queue="parents")
+        doomed = procs.worker(shared, side, "kids", TAILRACE_TEST_KID_SLEEP="3600")
+        procs.worker(shared, side, "parents")
+        await until(lambda: len(side_starts(side)) == 3, "the doomed worker to run every child")
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()  # reaped: provably dead, its children are adopted at once
+        procs.worker(shared, side, "kids")
+        result = await engine.wait(run_id, timeout=GUARD)
+    assert result.output == 30
+    starts = side_starts(side)
+    assert set(starts.values()) == {2}  # each child's work: the killed try and the adopter's
+    assert len(starts) == 3
