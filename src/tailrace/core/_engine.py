@@ -913,6 +913,19 @@ class Engine:
         loop.request_cancel()
         return True
 
+    async def _until_let_go(self, run_id: str) -> None:
+        """Wait while this engine is still letting go of ``run_id`` (R4).
+
+        A parent that suspended on its children may be queued again, and
+        claimed by this very worker, before its previous drive here returned:
+        that drive is in its last step, so waiting a moment beats refusing the
+        claim (which would leave the run leased until its lease expired).
+        """
+        waited = 0.0
+        while run_id in self._active and waited < self.lease_ttl:
+            await asyncio.sleep(0.002)
+            waited += 0.002
+
     async def start_claimed(self, run_id: str, graph: Graph | None = None) -> RunResult:
         """Drive a run this engine's owner claimed from a queue (``RUN_STARTED``), or resume it.
 
@@ -925,6 +938,7 @@ class Engine:
             graph: its graph (default: registered, or imported by reference).
         """
         store = self._require_store("start a claimed run")
+        await self._until_let_go(run_id)
         with self._driving(run_id):
             stored = await store.load_run(run_id)
             if not stored.nodes and stored.run.status is RunStatus.RUNNING:
