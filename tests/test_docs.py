@@ -287,6 +287,7 @@ CLAUSES = [
     *(f"M{i}" for i in range(1, 8)),
     *(f"V{i}" for i in range(1, 6)),
     *(f"S{i}" for i in range(1, 5)),
+    *(f"R{i}" for i in range(1, 7)),
 ]
 
 
