@@ -81,10 +81,10 @@ def approve(job: dict[str, Any]) -> str:
 asker.add_node("then", lambda answer: f"done {answer}")
 asker.chain("approve", "then")
 
-#: A parent with one child on a queue that waits on a person, and one that sleeps.
+#: A parent with a child that waits on a person (queue ``asks``) and a map of kids.
 mixed = tr.Graph("mixed")
 mixed.add_node("plan", jobs)
-mixed.add_node("ask", asker, queue="kids")
+mixed.add_node("ask", asker, queue="asks")
 mixed.add_node("each", kid, "map", queue="kids")
 mixed.add_edge("plan", "each")
 mixed.add_node("first", lambda js: js[0])

@@ -45,12 +45,17 @@ async def shared(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
 
 @contextlib.asynccontextmanager
 async def workers(
-    store: RunStore, count: int, *, queues: tuple[str, ...] = ("parents", "kids"), **options: Any
+    store: RunStore,
+    count: int,
+    *,
+    queues: tuple[str, ...] = ("parents", "kids", "asks"),
+    **options: Any,
 ) -> AsyncIterator[list[tr.Worker]]:
     """``count`` workers in this process, each with one slot unless told otherwise."""
     options.setdefault("concurrency", 1)
     options.setdefault("graphs", [graphs.family, graphs.family_k, graphs.mixed])
     options.setdefault("heartbeat", 0.2)
+    options.setdefault("grace", 1.0)
     fleet = [tr.Worker(store, queues=list(queues), **options) for _ in range(count)]
     stop = asyncio.Event()
     tasks = [asyncio.create_task(w.run(stop)) for w in fleet]
@@ -58,7 +63,14 @@ async def workers(
         yield fleet
     finally:
         stop.set()
-        await asyncio.wait_for(asyncio.gather(*tasks), GUARD)
+        done, pending = await asyncio.wait(tasks, timeout=GUARD)
+        if pending:  # say what a worker still held, then stop it
+            held = [(j.run_id, j.kind) for w in fleet for j in w._jobs.values()]
+            for task in pending:
+                task.cancel()
+            pytest.fail(f"workers did not stop within {GUARD} s; jobs: {held}")
+        for task in done:
+            task.result()
 
 
 def side_starts(side: Path) -> collections.Counter[str]:
@@ -139,7 +151,10 @@ async def test_cancelling_a_parent_cancels_children_queued_running_and_suspended
     async with open_store(shared) as store:
         engine = tr.Engine(store=store)
         run_id = await engine.submit(graphs.mixed, {"count": 4, "sleep": 60.0}, queue="parents")
-        async with workers(store, 1, concurrency=3):  # parent + 2 children at a time
+        async with (
+            workers(store, 1, queues=("parents", "asks"), concurrency=4),
+            workers(store, 1, queues=("kids",), concurrency=2),  # two kids run, two wait
+        ):
             await until(lambda: _has_children(store, run_id, 5), "the children to be submitted")
             await until(
                 lambda: _child_statuses(store, run_id, RunStatus.SUSPENDED, RunStatus.RUNNING),
