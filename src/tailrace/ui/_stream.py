@@ -42,6 +42,7 @@ def render_parts(pages: Pages, view: RunView, state: UiState, auth: Auth) -> dic
         "run-actions": pages.part("_run.html", "actions", view, auth),
         "run-questions": pages.part("_run.html", "questions", view, auth),
         "run-graph": pages.part("_run.html", "graph_card", view),
+        "run-children": pages.part("_run.html", "children", view),
         "run-gantt": pages.part("_run.html", "gantt", view.gantt),
         "run-maps": pages.part("_run.html", "maps", view),
         "run-parked": pages.part("_run.html", "parked", view),
