@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import html
+import json
 import re
+import threading
 
 import pytest
 
@@ -252,3 +254,36 @@ def test_hostile_run_ids_are_text_on_every_page_that_shows_a_child(sqlite_db: Fa
     titles = re.findall(r'<td class="mono id"><a href="[^"]*" title="([^"]*)"', pages[0])
     assert [html.unescape(t) for t in titles][3] == f"{hostile}/sub/1"
     assert f'href="{run_url(hostile)}"' in section(pages[1], "parent-run")
+
+
+def test_a_suspended_parents_page_updates_live_when_its_child_changes(
+    sqlite_db: Factory,
+) -> None:
+    suspend_on_a_queued_child(sqlite_db, "boss")
+    got_it = threading.Event()
+
+    def cancel(run_id: str) -> None:
+        async def go() -> None:
+            async with scenarios.opened(sqlite_db) as store:
+                await tr.Engine(store=store).cancel(run_id)
+
+        asyncio.run(go())
+
+    def change_the_child() -> None:
+        cancel("boss/delegate/1")  # the parent itself writes no event for this
+        if not got_it.wait(scenarios.GUARD):  # no update came: end the stream, fail the test
+            cancel("boss")
+
+    with dashboard(sqlite_db, poll_interval=0.02) as client:
+        with client.stream("GET", "/stream/runs/boss") as stream:
+            lines = (line for line in stream.iter_lines() if line.startswith("data: "))
+            first = json.loads(next(lines).removeprefix("data: "))
+            changer = threading.Thread(target=change_the_child)
+            changer.start()
+            second = json.loads(next(lines).removeprefix("data: "))
+            got_it.set()
+        changer.join()
+    assert "s-queued" in first["parts"]["run-children"]
+    assert second["status"] != "cancelled"  # the parent goes on: the update is the child's
+    assert "s-cancelled" in second["parts"]["run-children"]
+    assert "boss/delegate/1" in second["parts"]["run-children"]
