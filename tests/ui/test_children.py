@@ -104,15 +104,16 @@ def section(page: str, element_id: str) -> str:
 
 
 def child_rows(page: str) -> list[list[str]]:
-    """The children table's rows as cell texts (ids unescaped)."""
+    """The children table's rows as cell texts, the whole child id (its link's title) first."""
     table = section(page, "child-runs")
-    return [
-        [
-            html.unescape(re.sub(r"<[^>]+>", "", cell)).strip()
-            for cell in re.findall(r"<td[^>]*>(.*?)</td>", tr_)
-        ]
-        for tr_ in re.findall(r'<tr class="child-row">(.*?)</tr>', table)
-    ]
+    rows = []
+    for row in re.findall(r'<tr class="child-row">(.*?)</tr>', table):
+        cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
+        title = re.search(r'title="([^"]*)"', cells[0])
+        assert title is not None, row
+        texts = [html.unescape(re.sub(r"<[^>]+>", "", cell)).strip() for cell in cells[1:]]
+        rows.append([html.unescape(title.group(1)), *texts])
+    return rows
 
 
 def test_a_parent_lists_its_children_by_node_and_item_and_shows_the_tree(
@@ -127,12 +128,18 @@ def test_a_parent_lists_its_children_by_node_and_item_and_shows_the_tree(
         ["p1/each/1/2", "each", "1", "2", "leaf", "", "completed"],
         ["p1/sub/1", "sub", "1", "", "middle", "", "completed"],
     ]
+    assert 'title="p1/each/1/2">…/each/1/2</a>' in section(
+        page, "child-runs"
+    )  # shown after the parent's id
     for child in ("p1/each/1/0", "p1/sub/1", "p1/sub/1/deeper/1"):
         assert f'href="{run_url(child)}"' in page
     tree = section(page, "run-tree")
     # The grandchild sits in a list nested inside its parent's item.
     nested = re.search(
-        r"<li><a[^>]*>p1/sub/1</a>.*?<ul class=\"run-tree\">.*?p1/sub/1/deeper/1</a>", tree, re.S
+        r'title="p1/sub/1">…/sub/1</a>.*?<ul class="run-tree">.*?'
+        r'title="p1/sub/1/deeper/1">…/deeper/1</a>',
+        tree,
+        re.S,
     )
     assert nested is not None, tree
     assert "and " not in tree  # nothing left out

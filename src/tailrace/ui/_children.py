@@ -32,6 +32,8 @@ class ChildRow:
     """A child run as its parent's page lists it: where it sits, what it runs, how it is."""
 
     run_id: str
+    #: The id as the parent's page shows it: what follows the parent's id (``…/each/1/2``).
+    label: str
     graph: str
     queue: str | None
     status: str
@@ -176,7 +178,7 @@ def child_rows(
         place = child_place(parent_id, r.run_id, known)
         rows.append(
             ChildRow(
-                run_id=r.run_id, graph=r.graph_name, queue=r.queue_name, status=status_of(r),
+                run_id=r.run_id, label=_relative(parent_id, r.run_id), graph=r.graph_name, queue=r.queue_name, status=status_of(r),
                 node=None if place is None else place.node_id,
                 visit=None if place is None else place.visit,
                 item=None if place is None else place.item,
@@ -184,3 +186,10 @@ def child_rows(
         )  # fmt: skip
     rows.sort(key=lambda c: (c.node is None, c.node or "", c.visit or 0, c.item or 0, c.run_id))
     return rows
+
+
+def _relative(parent_id: str, child_id: str) -> str:
+    """``child_id`` without its parent's id in front (which the page already shows)."""
+    if child_id.startswith(parent_id + "/"):
+        return "…" + child_id[len(parent_id) :]
+    return child_id
