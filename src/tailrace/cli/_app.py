@@ -24,11 +24,13 @@ from rich.table import Column
 from rich.text import Text
 
 from .._attempts import event_data
-from .._errors import GraphError, LeaseHeld, NotResumable
+from .._errors import GraphError, LeaseHeld, NotResumable, RunNotFound
 from .._events import EventType
+from .._lineage import child_place
 from ..core import Engine, RunResult, owner_is_dead, stretches_of
 from ..graph import Graph
 from ..stores import EventRow, QuestionStatus, RunRecord, RunStatus, RunStore
+from ._children import children_table, more_children
 from ._evolve import evolve_demo
 from ._fleet import (
     LANGGRAPH_PREFIX,
@@ -253,16 +255,22 @@ def list_runs(
     limit: Annotated[int, typer.Option(help="At most this many runs.")] = 50,
     queue: QueueFilter = None,
     graph: Annotated[str | None, typer.Option(help="Only runs of this graph name.")] = None,
+    parent: Annotated[
+        str | None, typer.Option("--parent", help="Only the child runs of this run.")
+    ] = None,
 ) -> None:
     """List runs, newest first: status, start, duration and nodes done.
 
     A running run that no live process holds shows as "running (orphaned)":
     resume it, or let serve adopt it. With --graph, each run's graph version
-    and, for a fork, the run and node it came from.
+    and, for a fork, the run and node it came from. A child run (a node whose
+    handler is a graph) names its parent run; --parent lists one run's children.
     """
     records = with_store(
         db,
-        lambda store: store.list_runs(status=status, limit=limit, queue=queue, graph=graph),
+        lambda store: store.list_runs(
+            status=status, limit=limit, queue=queue, graph=graph, parent=parent
+        ),
         read_only=True,
     )
     now = time.time()
@@ -271,12 +279,21 @@ def list_runs(
     )  # fmt: skip
     if graph is not None:  # one graph: its versions, and where its forks came from
         headers = (*headers[:2], "version", *headers[2:], "forked from")
-    rows = (_run_row(r, now, versions=graph is not None) for r in records)
+    children = any(r.parent_run_id is not None for r in records)
+    if children:
+        headers = (*headers, Column("parent", no_wrap=True))
+    rows = (_run_row(r, now, versions=graph is not None, parents=children) for r in records)
     console.print(table_of(headers, rows))
 
 
-def _run_row(r: RunRecord, now: float, *, versions: bool) -> tuple[str, ...]:
-    """A row of ``tailrace runs``; with ``versions``, the run's version and a fork's origin too."""
+def _run_row(r: RunRecord, now: float, *, versions: bool, parents: bool) -> tuple[str, ...]:
+    """A row of ``tailrace runs``: with ``versions``, the run's version and a fork's origin;
+    with ``parents``, the run a child run belongs to."""
+    row = _run_cells(r, now, versions=versions)
+    return (*row, r.parent_run_id or "") if parents else row
+
+
+def _run_cells(r: RunRecord, now: float, *, versions: bool) -> tuple[str, ...]:
     row = (
         r.run_id,
         r.graph_name,
@@ -366,12 +383,20 @@ def show(
 ) -> None:
     """Show a run's nodes, a timeline of every node attempt, and where a failed node raised."""
 
-    async def gather(store: RunStore) -> tuple[Any, Any, Any]:
+    async def gather(store: RunStore) -> tuple[Any, Any, Any, list[RunRecord], list[str]]:
         stored = await store.load_run(run_id)
         parked = await store.list_parked(graph_name=stored.run.graph_name, status=None)
-        return stored, await store.events(run_id), [p for p in parked if p.run_id == run_id]
+        mine = [p for p in parked if p.run_id == run_id]
+        children = await store.list_runs(parent=run_id)
+        return (
+            stored,
+            await store.events(run_id),
+            mine,
+            children,
+            await _parent_nodes(store, stored.run),
+        )
 
-    stored, events, parked = with_store(db, gather, read_only=True)
+    stored, events, parked, children, parent_nodes = with_store(db, gather, read_only=True)
     record = stored.run
     error = f" error: {record.error}" if record.error else ""
     console.print(
@@ -388,8 +413,20 @@ def show(
     if record.forked_from is not None:
         origin = f"forked from run {record.forked_from} at node {record.forked_at}"
         console.print(text(origin), soft_wrap=True)
+    if record.parent_run_id is not None:  # a child run (R1): the run whose node runs it
+        place = child_place(record.parent_run_id, record.run_id, parent_nodes)
+        at = "" if place is None else f" at node {place.node_id} visit {place.visit}"
+        item = "" if place is None or place.item is None else f" item {place.item}"
+        console.print(text(f"child run of run {record.parent_run_id}{at}{item}"), soft_wrap=True)
     rows = ((node_id, row.status, str(row.visits)) for node_id, row in stored.nodes.items())
     console.print(table_of(("node", "status", "visits"), rows))
+    if children:
+        now = time.time()
+        table = children_table(run_id, children, stored.nodes, lambda c: run_status(c, now))
+        console.print(table)
+        more = more_children(run_id, len(children), db_argument(db))
+        if more is not None:
+            console.print(more, soft_wrap=True)
     maps = map_table(events)
     if maps is not None:
         console.print(maps)
@@ -413,6 +450,16 @@ def show(
     _print_drivers(events, record.recoveries)
     console.print(timeline(events, width=max(console.width - 30, 20)))
     _print_tracebacks(events, whole=whole_traceback)
+
+
+async def _parent_nodes(store: RunStore, record: RunRecord) -> list[str]:
+    """The node ids of a child run's parent (to read where the child sits); none for others."""
+    if record.parent_run_id is None:
+        return []
+    try:
+        return list((await store.load_run(record.parent_run_id)).nodes)
+    except RunNotFound:
+        return []  # a parent deleted since: the child's id is read without its node ids
 
 
 def _clock(ts: float) -> str:

@@ -3,10 +3,11 @@
 Server-rendered pages (Starlette, Jinja2 with autoescape), a little plain
 JavaScript for live updates over server-sent events, no build step:
 
-- runs: filter by status, graph and queue, counts, newest first, paginated;
+- runs: filter by status, graph, queue and parent run, counts, newest first, paginated;
 - a run: its graph as SVG with each node's status, a Gantt of every attempt
   (retries, stragglers, hedges, attempts cut by a crash), late inputs, the
-  event log, updated live while it runs;
+  event log, updated live while it runs; its parent, its child runs and the
+  tree of its descendants;
 - questions: open, answered, expired and stuck; answer from the page (first
   answer wins) and the run resumes in the dashboard's process;
 - queues: depth, running, start rate and workers; cancel a run from its page;

@@ -18,14 +18,16 @@ edges, no code). The shape comes from one of three places:
 
 :func:`layout` places nodes left to right in layers (longest path over the
 edges that are not back edges of a depth-first walk in definition order, E2)
-and orders each layer by the mean position of its predecessors. Pure: no I/O.
+and orders each layer by the mean position of its predecessors. A node whose
+handler is a graph (a child run, R1) carries the child graph's name and queue
+(``Graph.structure``'s ``children``), drawn framed. Pure: no I/O.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .._attempts import event_data
 from ..graph import Graph
@@ -57,12 +59,26 @@ class ShapeEdge:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ChildGraph:
+    """What a node that runs a child run runs (R1): the child graph's name, and its queue."""
+
+    graph: str
+    queue: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Shape:
-    """Nodes in definition order and edges; ``complete`` when it is the whole graph."""
+    """Nodes in definition order and edges; ``complete`` when it is the whole graph.
+
+    ``children`` names, for each node whose handler is a graph, the graph it
+    runs as a child run and the queue it submits it to (``Graph.structure``'s
+    ``children``).
+    """
 
     nodes: tuple[ShapeNode, ...]
     edges: tuple[ShapeEdge, ...]
     complete: bool
+    children: Mapping[str, ChildGraph] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +95,8 @@ class PlacedNode:
     y: float
     w: float
     h: float
+    #: The graph this node runs as a child run, and where, if it does (R1).
+    child: ChildGraph | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,7 +127,8 @@ def shape_of_graph(graph: Graph) -> Shape:
     """The whole shape of ``graph``: every node (definition order) and edge."""
     nodes = tuple(ShapeNode(id=n.id, kind=n.kind.value) for n in graph.nodes.values())
     edges = tuple(ShapeEdge(source=e.source, target=e.target, route=e.route) for e in graph.edges)
-    return Shape(nodes=nodes, edges=edges, complete=True)
+    children = _children(graph.structure().get("children"), {n.id for n in nodes})
+    return Shape(nodes=nodes, edges=edges, complete=True, children=children)
 
 
 def shape_from_store(rows: Mapping[str, NodeRow], events: Sequence[EventRow]) -> Shape:
@@ -123,7 +142,10 @@ def shape_from_store(rows: Mapping[str, NodeRow], events: Sequence[EventRow]) ->
     if stored is not None:
         known = {n.id for n in stored.nodes}
         named = [n for n in _shape_from_records(rows, events).nodes if n.id not in known]
-        return Shape(nodes=stored.nodes + tuple(named), edges=stored.edges, complete=True)
+        return Shape(
+            nodes=stored.nodes + tuple(named), edges=stored.edges, complete=True,
+            children=stored.children,
+        )  # fmt: skip
     return _shape_from_records(rows, events)
 
 
@@ -148,7 +170,22 @@ def stored_structure(events: Sequence[EventRow]) -> Shape | None:
     lines = [ShapeEdge(source=e[0], target=e[1], route=e[2]) for e in edges if _stored_edge(e, ids)]
     if len(lines) != len(edges):
         return None
-    return Shape(nodes=tuple(shaped), edges=tuple(lines), complete=True)
+    children = _children(raw.get("children"), ids)
+    return Shape(nodes=tuple(shaped), edges=tuple(lines), complete=True, children=children)
+
+
+def _children(raw: object, ids: set[str]) -> dict[str, ChildGraph]:
+    """The child graphs a structure names, by node; entries that do not read are left out."""
+    if not isinstance(raw, dict):
+        return {}
+    found = {}
+    for node_id, entry in raw.items():
+        if node_id not in ids or not isinstance(entry, dict):
+            continue
+        graph, queue = entry.get("graph"), entry.get("queue")
+        if isinstance(graph, str) and (queue is None or isinstance(queue, str)):
+            found[node_id] = ChildGraph(graph=graph, queue=queue)
+    return found
 
 
 def _pair_of_text(raw: object) -> bool:
@@ -250,7 +287,7 @@ def layout(shape: Shape, rows: Mapping[str, NodeRow]) -> Drawing:
     back = _back_edges(ids, edges)
     layers = _layers(ids, [e for e in edges if (e.source, e.target) not in back])
     columns = _columns(ids, layers, edges, back)
-    metas = {i: node_meta(kinds[i], rows.get(i)) for i in ids}
+    metas = {i: node_meta(kinds[i], rows.get(i), shape.children.get(i)) for i in ids}
     widths = [max(_box_width(i, metas[i]) for i in column) for column in columns]
     tallest = max((len(c) for c in columns), default=0)
     box: dict[str, tuple[float, float, float]] = {}
@@ -267,7 +304,7 @@ def layout(shape: Shape, rows: Mapping[str, NodeRow]) -> Drawing:
                     id=node_id, label=shorten(node_id, LABEL_CHARS), kind=kinds[node_id],
                     status=row.status if row is not None else "not-reached",
                     visits=row.visits if row is not None else 0, meta=metas[node_id],
-                    x=x, y=y, w=width, h=NODE_H,
+                    x=x, y=y, w=width, h=NODE_H, child=shape.children.get(node_id),
                 )
             )  # fmt: skip
         x += width + H_GAP
@@ -282,13 +319,17 @@ def layout(shape: Shape, rows: Mapping[str, NodeRow]) -> Drawing:
     )
 
 
-def node_meta(kind: str, row: NodeRow | None) -> str:
-    """The line under a node's name: its status, its kind unless a task, its visits if several."""
+def node_meta(kind: str, row: NodeRow | None, child: ChildGraph | None = None) -> str:
+    """The line under a node's name: its status, its kind unless a task, its visits if
+    several, and the graph it runs as a child run (``⤷ graph@queue``)."""
     parts = [row.status if row is not None else "not reached"]
     if kind not in ("task", "?"):
         parts.append(kind)
     if row is not None and row.visits > 1:
         parts.append(f"{row.visits} visits")
+    if child is not None:
+        where = "" if child.queue is None else f"@{shorten(child.queue, 16)}"
+        parts.append(f"⤷ {shorten(child.graph, 18)}{where}")
     return " · ".join(parts)
 
 

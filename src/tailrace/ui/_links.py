@@ -35,11 +35,15 @@ def _query(**params: object) -> str:
 
 
 def runs_url(
-    status: str | None = None, graph: str | None = None, page: int = 1, queue: str | None = None
+    status: str | None = None,
+    graph: str | None = None,
+    page: int = 1,
+    queue: str | None = None,
+    parent: str | None = None,
 ) -> str:
-    """The runs list, filtered by ``status``, ``graph`` and ``queue``, at ``page``."""
+    """The runs list, filtered by ``status``, ``graph``, ``queue`` and ``parent`` run, at ``page``."""
     return "/runs" + _query(
-        status=status, graph=graph, queue=queue, page=page if page > 1 else None
+        status=status, graph=graph, queue=queue, parent=parent, page=page if page > 1 else None
     )
 
 

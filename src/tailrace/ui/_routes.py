@@ -153,7 +153,7 @@ def _text_field(form: FormData, name: str) -> str | None:
 
 
 async def runs(request: Request) -> Response:
-    """The runs list: filter by status and graph, newest first, paginated."""
+    """The runs list: filter by status, graph, queue and parent run, newest first, paginated."""
     status = request.query_params.get("status") or None
     if status is not None and status not in RUN_FILTERS:
         raise HTTPException(400, f"unknown status {status!r}; one of {', '.join(RUN_FILTERS)}")
@@ -165,7 +165,7 @@ async def runs(request: Request) -> Response:
     view = await runs_page(
         state.reader, status=status, graph=query_name(request, "graph"),
         queue=query_name(request, "queue"), page=number,
-        page_size=state.config.page_size, now=time.time(),
+        page_size=state.config.page_size, now=time.time(), parent=query_name(request, "parent"),
     )  # fmt: skip
     return await page(request, "runs.html", section="runs", view=view)
 

@@ -1,10 +1,11 @@
 """The run page's live updates: server-sent events polled from the store.
 
-The stream reads the run's events after the last one it has, and whether
-stream rows came after the last one shown, every ``poll_interval`` (~200 ms),
-so it sees what any process commits, this one or another on the same
-database. When something changed it sends one ``update``:
-the page's parts that changed, re-rendered by the same macros as the page
+The stream reads the run's events after the last one it has, whether
+stream rows came after the last one shown, and whether its child runs
+changed, every ``poll_interval`` (~200 ms), so it sees what any process
+commits, this one or another on the same database. When something changed
+it sends one ``update``: the page's parts that changed, re-rendered by the
+same macros as the page
 (escaped), and the new event-log rows to append; the page's script swaps them
 in without a reload. A finished run gets a last update and ``end``.
 """
@@ -17,7 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..stores import TERMINAL_STATUSES, EventRow
+from ..stores import TERMINAL_STATUSES, EventRow, RunStore
 from ._config import UiState
 from ._pages import Auth, Pages
 from ._views import RunView, event_lines, run_view
@@ -42,6 +43,7 @@ def render_parts(pages: Pages, view: RunView, state: UiState, auth: Auth) -> dic
         "run-actions": pages.part("_run.html", "actions", view, auth),
         "run-questions": pages.part("_run.html", "questions", view, auth),
         "run-graph": pages.part("_run.html", "graph_card", view),
+        "run-children": pages.part("_run.html", "children", view),
         "run-gantt": pages.part("_run.html", "gantt", view.gantt),
         "run-maps": pages.part("_run.html", "maps", view),
         "run-parked": pages.part("_run.html", "parked", view),
@@ -64,6 +66,7 @@ async def run_updates(
     shown = {"run-actions": pages.part("_run.html", "actions", view, auth)}
     sent_seq, sent_at = after, time.monotonic()
     note = _note(state, run_id)
+    children = await _children_seen(reader, run_id)
     while True:
         record = await reader.get_run(run_id)  # before the events: a final status has them all
         events.extend(await reader.events(run_id, after_seq=events[-1].seq if events else 0))
@@ -73,7 +76,9 @@ async def run_updates(
         noted = _note(state, run_id) is not note
         # Chunks are committed without events: new stream rows are a change of their own.
         streamed = bool(await reader.chunks(run_id, after=view.streams.last_seq, limit=1))
-        if last > sent_seq or due or finished or noted or streamed:
+        # A child run changes without an event of its parent (one that waits suspended on it).
+        seen, children = children, await _children_seen(reader, run_id)
+        if last > sent_seq or due or finished or noted or streamed or children != seen:
             note = _note(state, run_id)
             view = await run_view(reader, state.catalog, run_id, now=time.time(), events=events)
             parts = render_parts(pages, view, state, auth)
@@ -92,6 +97,12 @@ async def run_updates(
             yield ": keep-alive\n\n"
             sent_at = time.monotonic()
         await asyncio.sleep(state.config.poll_interval)
+
+
+async def _children_seen(reader: RunStore, run_id: str) -> tuple[tuple[str, str, float], ...]:
+    """What the page's child runs part shows changes with: each child's status and update time."""
+    rows = await reader.list_runs(parent=run_id)
+    return tuple((r.run_id, r.status.value, r.updated_at) for r in rows)
 
 
 def _note(state: UiState, run_id: str) -> object:

@@ -23,12 +23,14 @@ from ..stores import (
     ParkedRow,
     QuestionRow,
     QuestionStatus,
+    RunCount,
     RunRecord,
     RunStatus,
     RunStore,
     StoredRun,
 )
 from ._catalog import GraphCatalog
+from ._children import Lineage, lineage_of
 from ._chunks import Streams, read_streams
 from ._curve import Curve, VersionRow, reward_curve, version_rows
 from ._format import clock, decode, event_text, pretty, preview, seconds
@@ -118,6 +120,8 @@ class RunRow:
     questions: int
     #: How long it waited in its queue before a worker claimed it, if it did.
     waited: str | None = None
+    #: The run whose node runs this one, for a child run (R1).
+    parent: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,6 +139,13 @@ class RunsPage:
     queue: str | None
     page: int
     pages: int
+    #: Only the child runs of this run, when the list is filtered so (R1).
+    parent: str | None = None
+
+    @property
+    def has_parents(self) -> bool:
+        """Whether a row of this page is a child run (the list then shows a parent column)."""
+        return any(r.parent is not None for r in self.rows)
 
 
 async def runs_page(
@@ -146,8 +157,10 @@ async def runs_page(
     page: int,
     page_size: int,
     now: float,
+    parent: str | None = None,
 ) -> RunsPage:
-    """Runs filtered by ``status`` (one of :data:`RUN_FILTERS`), ``graph`` and ``queue``, paginated.
+    """Runs filtered by ``status`` (one of :data:`RUN_FILTERS`), ``graph``, ``queue`` and
+    ``parent``, paginated.
 
     Args:
         store: where the runs are.
@@ -157,33 +170,19 @@ async def runs_page(
         page: which page, from 1; past the last, the last.
         page_size: runs per page.
         now: wall clock deciding which leases are live.
+        parent: only the child runs of this run (R1); None for all runs.
     """
-    # Counted and paged by the store: a page reads one page of runs, whatever the total.
-    # Only the running runs are read whole, to tell live ones from orphans (D6).
     everything = await store.run_counts()
-    tallies = [
-        c for c in everything if graph in (None, c.graph_name) and queue in (None, c.queue_name)
-    ]
-    running = await store.list_runs(status=RunStatus.RUNNING, graph=graph, queue=queue)
-    shown_running = [(r, shown_status(r, now)) for r in running]
-    counts = Counter[str]()
-    for c in tallies:
-        if c.status is not RunStatus.RUNNING:
-            counts[c.status.value] += c.count
-    counts.update(s for _, s in shown_running)
-    total = sum(c.count for c in tallies)
-    matching = total if status is None else counts.get(status, 0)
-    pages = max(1, -(-matching // page_size))
-    page = min(max(page, 1), pages)
-    first = (page - 1) * page_size
-    if status in (RunStatus.RUNNING.value, ORPHANED):
-        window = [(r, s) for r, s in shown_running if s == status][first : first + page_size]
+    if parent is not None:
+        counts, total, window, page, pages = await _children_window(
+            store, parent, status=status, graph=graph, queue=queue,
+            page=page, page_size=page_size, now=now,
+        )  # fmt: skip
     else:
-        stored = None if status is None else RunStatus(status)
-        records = await store.list_runs(
-            status=stored, graph=graph, queue=queue, limit=page_size, offset=first
-        )
-        window = [(r, shown_status(r, now)) for r in records]
+        counts, total, window, page, pages = await _runs_window(
+            store, everything, status=status, graph=graph, queue=queue,
+            page=page, page_size=page_size, now=now,
+        )  # fmt: skip
     open_by_run = {  # the page's runs only: a store with 10,000 open questions reads none else
         r.run_id: len(await store.list_questions(run_id=r.run_id, status=QuestionStatus.OPEN))
         for r, _ in window
@@ -197,6 +196,7 @@ async def runs_page(
             **run_times(r, s, now)._asdict(),
             nodes_done=r.nodes_done,
             questions=open_by_run.get(r.run_id, 0),
+            parent=r.parent_run_id,
         )
         for r, s in window
     )
@@ -204,7 +204,7 @@ async def runs_page(
         rows=rows,
         counts={f: counts.get(f, 0) for f in RUN_FILTERS},
         total=total,
-        matching=matching,
+        matching=total if status is None else counts.get(status, 0),
         graphs=tuple(sorted({c.graph_name for c in everything})),
         queues=tuple(sorted({c.queue_name for c in everything if c.queue_name is not None})),
         status=status,
@@ -212,7 +212,65 @@ async def runs_page(
         queue=queue,
         page=page,
         pages=pages,
+        parent=parent,
     )
+
+
+_Window = tuple[Counter[str], int, list[tuple[RunRecord, str]], int, int]
+
+
+def _paged(matching: int, page: int, page_size: int) -> tuple[int, int, int]:
+    """The page shown (past the last: the last), the number of pages, the first row's index."""
+    pages = max(1, -(-matching // page_size))
+    page = min(max(page, 1), pages)
+    return page, pages, (page - 1) * page_size
+
+
+async def _children_window(
+    store: RunStore, parent: str, *, status: str | None, graph: str | None,
+    queue: str | None, page: int, page_size: int, now: float,
+) -> _Window:  # fmt: skip
+    """The counts and page of one run's children: read whole (a run has as many as its maps' items)."""
+    children = [
+        (r, shown_status(r, now))
+        for r in await store.list_runs(parent=parent)
+        if graph in (None, r.graph_name) and queue in (None, r.queue_name)
+    ]
+    counts = Counter(s for _, s in children)
+    chosen = [(r, s) for r, s in children if status in (None, s)]
+    page, pages, first = _paged(len(chosen), page, page_size)
+    return counts, len(children), chosen[first : first + page_size], page, pages
+
+
+async def _runs_window(
+    store: RunStore, everything: Sequence[RunCount], *, status: str | None, graph: str | None,
+    queue: str | None, page: int, page_size: int, now: float,
+) -> _Window:  # fmt: skip
+    """The counts and page of all runs, counted and paged by the store."""
+    # A page reads one page of runs, whatever the total. Only the running runs are
+    # read whole, to tell live ones from orphans (D6).
+    tallies = [
+        c for c in everything if graph in (None, c.graph_name) and queue in (None, c.queue_name)
+    ]
+    running = await store.list_runs(status=RunStatus.RUNNING, graph=graph, queue=queue)
+    shown_running = [(r, shown_status(r, now)) for r in running]
+    counts = Counter[str]()
+    for c in tallies:
+        if c.status is not RunStatus.RUNNING:
+            counts[c.status.value] += c.count
+    counts.update(s for _, s in shown_running)
+    total = sum(c.count for c in tallies)
+    matching = total if status is None else counts.get(status, 0)
+    page, pages, first = _paged(matching, page, page_size)
+    if status in (RunStatus.RUNNING.value, ORPHANED):
+        window = [(r, s) for r, s in shown_running if s == status][first : first + page_size]
+    else:
+        stored = None if status is None else RunStatus(status)
+        records = await store.list_runs(
+            status=stored, graph=graph, queue=queue, limit=page_size, offset=first
+        )
+        window = [(r, shown_status(r, now)) for r in records]
+    return counts, total, window, page, pages
 
 
 # -- questions ----------------------------------------------------------------------------
@@ -437,6 +495,8 @@ class RunView:
     #: A fork's origin: the run and node it was forked from (V4).
     forked_from: str | None = None
     forked_at: str | None = None
+    #: Its parent and ancestors, its children and the tree of its descendants (R1).
+    lineage: Lineage
 
 
 class DriverRow(NamedTuple):
@@ -541,6 +601,7 @@ async def run_view(
         streams=await read_streams(store, record.run_id),
         forked_from=record.forked_from,
         forked_at=record.forked_at,
+        lineage=await lineage_of(store, record, rows, lambda r: shown_status(r, now)),
     )
 
 
