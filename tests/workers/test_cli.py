@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import textwrap
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -277,3 +278,19 @@ def test_submit_by_a_registered_graph_name(
     assert "completed" in result.stdout
     # The output, or, with no graph that says which node it is, every node's result.
     assert result.stdout.strip().endswith("42") or '"doubled": 42' in result.stdout
+
+
+def test_submit_stores_a_deadline_from_now(db: Path) -> None:
+    before = time.time()
+    out = invoke("submit", f"{GRAPHS}:chain", "-i", "1", "--db", db, "--deadline", 600)
+    assert out.exit_code == 0, out.output
+    run_id = out.stdout.strip().splitlines()[-1]
+
+    async def read() -> float | None:
+        async with SQLiteStore(str(db)) as store:
+            return (await store.get_run(run_id)).deadline
+
+    deadline = asyncio.run(read())
+    assert deadline is not None and before + 600 <= deadline <= before + 660
+    refused = invoke("submit", f"{GRAPHS}:chain", "--db", db, "--deadline", -1)
+    assert refused.exit_code != 0

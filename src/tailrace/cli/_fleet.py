@@ -118,6 +118,14 @@ def submit(
     delay: Annotated[
         float | None, typer.Option(min=0.0, help="Seconds from now before a worker may start it.")
     ] = None,
+    deadline: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="Seconds from now after which the run, if unfinished, is cancelled with its "
+            "child runs.",
+        ),
+    ] = None,
 ) -> None:
     """Submit a run to a queue and print its id; a worker serving the queue runs it.
 
@@ -145,6 +153,7 @@ def submit(
             loaded, payload, queue=queue, run_id=run_id, priority=priority,
             partition=partition, dedup_key=dedup_key, cost=cost, graph_ref=ref,
             not_before=not_before,
+            deadline=None if deadline is None else time.time() + deadline,
         )  # fmt: skip
         if not wait:
             return stored, None
