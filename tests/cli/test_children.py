@@ -214,3 +214,28 @@ def test_show_lists_the_first_children_and_says_how_to_list_them_all(
     assert f"... and 2 more child runs: tailrace runs --parent p1 --limit 4 --db {db}" in (
         " ".join(shown.stdout.split())
     )
+
+
+def test_questions_of_a_run_include_its_childrens(tmp_path: Path) -> None:
+    """R5: ``tailrace questions --run PARENT`` lists the questions its child runs ask."""
+    asks = tr.Graph("asks_cli")
+
+    @asks.gate()
+    async def approve(x: int) -> str:
+        return f"approve {x}?"
+
+    parent = tr.Graph("parent_cli")
+    parent.add_node("sub", asks)
+    db = tmp_path / "q.db"
+
+    async def make() -> None:
+        async with SQLiteStore(str(db)) as store:
+            result = await tr.Engine(store=store).run(parent, 5, run_id="par")
+            assert result.status is RunStatus.SUSPENDED
+
+    asyncio.run(make())
+    listed = invoke("questions", "--db", db, "--run", "par", "--open")
+    clean(listed)
+    assert listed.exit_code == 0, listed.output
+    assert "par/sub/1" in listed.stdout and "approve" in listed.stdout
+    assert invoke("questions", "--db", db, "--run", "par/sub/1").stdout.count("approve") >= 1

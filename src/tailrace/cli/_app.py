@@ -27,9 +27,9 @@ from .._attempts import event_data
 from .._errors import GraphError, LeaseHeld, NotResumable, RunNotFound
 from .._events import EventType
 from .._lineage import child_place
-from ..core import Engine, RunResult, owner_is_dead, stretches_of
+from ..core import Engine, RunResult, owner_is_dead, stretches_of, tree_questions
 from ..graph import Graph
-from ..stores import EventRow, QuestionStatus, RunRecord, RunStatus, RunStore
+from ..stores import EventRow, QuestionRow, QuestionStatus, RunRecord, RunStatus, RunStore
 from ._children import children_table, more_children
 from ._evolve import evolve_demo
 from ._fleet import (
@@ -472,13 +472,20 @@ def questions(
     open_only: Annotated[
         bool, flag("--open/--all", "Only open questions (stuck answers are not open).")
     ] = False,
-    run_id: Annotated[str | None, typer.Option("--run", help="Only this run's questions.")] = None,
+    run_id: Annotated[
+        str | None,
+        typer.Option("--run", help="Only this run's questions, and those of its child runs."),
+    ] = None,
 ) -> None:
     """List questions: open ones wait for an answer (tailrace answer)."""
     status = QuestionStatus.OPEN if open_only else None
-    rows = with_store(
-        db, lambda store: store.list_questions(status=status, run_id=run_id), read_only=True
-    )
+
+    async def read(store: RunStore) -> list[QuestionRow]:
+        if run_id is None:
+            return await store.list_questions(status=status)
+        return await tree_questions(store, run_id, status)  # a child's are its parent's too
+
+    rows = with_store(db, read, read_only=True)
     console.print(question_table(rows))
 
 

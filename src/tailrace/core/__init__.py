@@ -6,6 +6,7 @@ here. The public names are re-exported by :mod:`tailrace`.
 """
 
 from ._admission import AdmissionPolicy as AdmissionPolicy
+from ._children import tree_questions as tree_questions
 from ._engine import Engine as Engine
 from ._engine import run as run
 from ._lease import acquire_lease as acquire_lease
@@ -51,4 +52,5 @@ __all__ = [
     "owner_is_dead",
     "run",
     "stretches_of",
+    "tree_questions",
 ]

@@ -314,16 +314,19 @@ def _cancelled(child_id: str, error: str | None) -> RunFailed:
     )  # fmt: skip
 
 
-async def tree_questions(store: RunStore, run_id: str) -> list[QuestionRow]:
-    """The open questions of ``run_id`` and of its live child runs, at any depth (R5)."""
-    questions = await store.list_questions(run_id=run_id, status=QuestionStatus.OPEN)
+async def tree_questions(
+    store: RunStore, run_id: str, status: QuestionStatus | None = QuestionStatus.OPEN
+) -> list[QuestionRow]:
+    """The questions (open ones by default) of ``run_id`` and of its child runs, at any depth
+    (R5); with the default, only live children are looked at (a finished one has none open)."""
+    questions = await store.list_questions(run_id=run_id, status=status)
     todo = [run_id]
     while todo:
         parent = todo.pop()
         for child in await store.list_runs(parent=parent):
-            if child.status in TERMINAL_STATUSES:
+            if status is QuestionStatus.OPEN and child.status in TERMINAL_STATUSES:
                 continue
-            questions += await store.list_questions(run_id=child.run_id, status=QuestionStatus.OPEN)
+            questions += await store.list_questions(run_id=child.run_id, status=status)
             todo.append(child.run_id)
     return questions
 
