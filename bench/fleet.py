@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -1097,8 +1098,15 @@ def _ensure_database(dsn: str, dbname: str) -> str:
     return _db_dsn(dsn, dbname)
 
 
-async def _idle_fleet(dsn: str, workers: int, window: float, warmup: float) -> tuple[float, float]:
-    """Commits/s and rows read/s of ``workers`` idle workers (real ``Worker`` objects as tasks)."""
+#: The start of the statements that scan the ``workers`` table (stopped, late workers).
+WORKER_SCANS = "SELECT worker_id FROM workers WHERE"
+
+
+async def _idle_fleet(
+    dsn: str, workers: int, window: float, warmup: float
+) -> tuple[float, float, float, float]:
+    """Commits/s, rows read/s, statements/s and ``workers``-table scans/s of ``workers`` idle
+    workers (real ``Worker`` objects as tasks)."""
     from tailrace.stores import PostgresStore
     from tailrace.workers import Worker
 
@@ -1112,7 +1120,8 @@ async def _idle_fleet(dsn: str, workers: int, window: float, warmup: float) -> t
         await asyncio.sleep(warmup)
         c0, r0 = await asyncio.to_thread(_counters, dsn)
         t0 = time.monotonic()
-        await asyncio.sleep(window)
+        with Statements() as sent:
+            await asyncio.sleep(window)
         c1, r1 = await asyncio.to_thread(_counters, dsn)
         elapsed = time.monotonic() - t0
     finally:
@@ -1120,7 +1129,8 @@ async def _idle_fleet(dsn: str, workers: int, window: float, warmup: float) -> t
         await asyncio.gather(*tasks, return_exceptions=True)
         await store.close()
         _drop_schema(dsn, schema)
-    return (c1 - c0 - 1) / elapsed, (r1 - r0) / elapsed
+    scans = sent.starting(WORKER_SCANS)
+    return (c1 - c0 - 1) / elapsed, (r1 - r0) / elapsed, sent.count / elapsed, scans / elapsed
 
 
 def _background(dsn: str, window: float) -> tuple[float, float]:
@@ -1139,13 +1149,13 @@ def run_idle(args: argparse.Namespace) -> None:
         f"the database's background, {base_c:.2f} commits/s and {base_r:.0f} rows/s, "
         "subtracted):"
     )
-    print(
-        f"{'workers':>8} {'commits/s':>10} {'per worker':>11} {'rows read/s':>12} {'per worker':>11}"
-    )
+    print(f"{'workers':>8} {'commits/s':>10} {'per worker':>11} {'rows read/s':>12} "
+          f"{'per worker':>11} {'statements/s':>13} {'worker scans/s':>15}")  # fmt: skip
     for n in (int(x) for x in args.fleet.split(",")):
-        commits, rows = asyncio.run(_idle_fleet(dsn, n, args.window, args.warmup))
+        commits, rows, sent, scans = asyncio.run(_idle_fleet(dsn, n, args.window, args.warmup))
         commits, rows = max(commits - base_c, 0.0), max(rows - base_r, 0.0)
-        print(f"{n:>8} {commits:>10.1f} {commits / n:>11.3f} {rows:>12.0f} {rows / n:>11.1f}")
+        print(f"{n:>8} {commits:>10.1f} {commits / n:>11.3f} {rows:>12.0f} {rows / n:>11.1f} "
+              f"{sent:>13.1f} {scans:>15.2f}")  # fmt: skip
 
 
 async def _fairness(dsn: str, slots: int) -> int:
@@ -1198,7 +1208,13 @@ class Statements:
 
     def __init__(self) -> None:
         self.count = 0
+        #: Statements by the start of their text (whitespace folded).
+        self.texts: collections.Counter[str] = collections.Counter()
         self._saved: list[tuple[Any, str, Any]] = []
+
+    def starting(self, prefix: str) -> int:
+        """How many statements sent began with ``prefix``."""
+        return sum(n for text, n in self.texts.items() if text.startswith(prefix))
 
     def __enter__(self) -> Statements:
         import psycopg
@@ -1209,11 +1225,12 @@ class Statements:
             original = getattr(cls, name)
 
             async def wrapper(cursor: Any, query: Any, params: Any = None, **kw: Any) -> Any:
+                n = 1
                 if many:
                     params = list(params or ())
-                    counter.count += len(params)
-                else:
-                    counter.count += 1
+                    n = len(params)
+                counter.count += n
+                counter.texts[" ".join(str(query).split())[:80]] += n
                 return await original(cursor, query, params, **kw)
 
             self._saved.append((cls, name, original))
