@@ -42,9 +42,6 @@ pytestmark = pytest.mark.slow  # a PostgreSQL server and three worker processes
 
 GRAPHS = Path(__file__).with_name("netns_graphs.py")
 graphs = fixtures.load_module("netns_graphs", GRAPHS)
-fleet = fixtures.load_module(
-    "tailrace_bench_fleet", Path(__file__).resolve().parents[2] / "bench" / "fleet.py"
-)
 until = fixtures.until
 PG_BIN = Path(os.environ.get("TAILRACE_PG_BINDIR", "/usr/lib/postgresql/15/bin"))
 SUBNET = "10.213"  # inside the namespaces only: no clash with the machine's own addresses
@@ -358,3 +355,21 @@ async def test_a_cut_hosts_runs_are_adopted_and_it_lets_go_when_its_link_returns
         assert [by_visit[(run_id, node, 1)] for node in ("hop", "crawl", "land")] == [1, 1, 1]
         assert outputs[run_id]["pid"] in adopters, outputs[run_id]  # host 1 had no slot free
     assert len(by_visit) == 3 * len(doomed + spared)
+
+
+def test_the_skip_says_why_the_machine_cannot_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert _why_not() == "network namespaces need root (ip netns add)"
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "ip" else f"/bin/{name}")
+    assert _why_not() == "no `ip` command (iproute2)"
+    monkeypatch.setattr(shutil, "which", lambda name: f"/bin/{name}")
+    monkeypatch.setattr(subprocess, "run", _refused)
+    monkeypatch.setattr(pwd, "getpwnam", lambda name: None)
+    monkeypatch.setattr(Path, "exists", lambda self: True)
+    reason = _why_not()
+    assert reason == "the kernel refused a network namespace: mount --make-shared failed"
+
+
+def _refused(args: object, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.CompletedProcess(args, 1, "", "mount --make-shared failed\n")
