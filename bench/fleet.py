@@ -7,7 +7,7 @@ Run as::
     python bench/fleet.py idle [--fleet 10,100,1000]     # idle commits/s and rows read/s
     python bench/fleet.py fairness                       # a lone partition behind a busy one
     python bench/fleet.py claims [--claimers 1,2,...,64] # claims/s as claimers grow
-    python bench/fleet.py per-run                        # commits per 5-node run
+    python bench/fleet.py per-run                        # a 5-node run's commits, statements, CPU
 
 (Postgres from ``--dsn`` or ``TAILRACE_TEST_POSTGRES_DSN``; each session gets a
 schema of its own.) ``tests/workers/test_fleet.py`` imports this file by path
@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -1050,7 +1051,10 @@ def run_torture(args: argparse.Namespace) -> int:
 
 # --- idle cost, fairness, claim scaling, statements per run (one Postgres) ---------------------
 
-IDLE_DB = "tailrace_h25_bench"
+IDLE_DB = "tailrace_fleet_bench"
+#: Seconds to wait before reading ``pg_stat_database``: a backend publishes its counters
+#: at most every second while busy, and within 10 s of going idle (PGSTAT_IDLE_INTERVAL).
+STATS_LAG = 11.0
 
 
 def _db_dsn(dsn: str, dbname: str) -> str:
@@ -1094,8 +1098,15 @@ def _ensure_database(dsn: str, dbname: str) -> str:
     return _db_dsn(dsn, dbname)
 
 
-async def _idle_fleet(dsn: str, workers: int, window: float, warmup: float) -> tuple[float, float]:
-    """Commits/s and rows read/s of ``workers`` idle workers (real ``Worker`` objects as tasks)."""
+#: The start of the statements that scan the ``workers`` table (stopped, late workers).
+WORKER_SCANS = "SELECT worker_id FROM workers WHERE"
+
+
+async def _idle_fleet(
+    dsn: str, workers: int, window: float, warmup: float
+) -> tuple[float, float, float, float]:
+    """Commits/s, rows read/s, statements/s and ``workers``-table scans/s of ``workers`` idle
+    workers (real ``Worker`` objects as tasks)."""
     from tailrace.stores import PostgresStore
     from tailrace.workers import Worker
 
@@ -1109,7 +1120,8 @@ async def _idle_fleet(dsn: str, workers: int, window: float, warmup: float) -> t
         await asyncio.sleep(warmup)
         c0, r0 = await asyncio.to_thread(_counters, dsn)
         t0 = time.monotonic()
-        await asyncio.sleep(window)
+        with Statements() as sent:
+            await asyncio.sleep(window)
         c1, r1 = await asyncio.to_thread(_counters, dsn)
         elapsed = time.monotonic() - t0
     finally:
@@ -1117,7 +1129,8 @@ async def _idle_fleet(dsn: str, workers: int, window: float, warmup: float) -> t
         await asyncio.gather(*tasks, return_exceptions=True)
         await store.close()
         _drop_schema(dsn, schema)
-    return (c1 - c0 - 1) / elapsed, (r1 - r0) / elapsed
+    scans = sent.starting(WORKER_SCANS)
+    return (c1 - c0 - 1) / elapsed, (r1 - r0) / elapsed, sent.count / elapsed, scans / elapsed
 
 
 def _background(dsn: str, window: float) -> tuple[float, float]:
@@ -1136,13 +1149,13 @@ def run_idle(args: argparse.Namespace) -> None:
         f"the database's background, {base_c:.2f} commits/s and {base_r:.0f} rows/s, "
         "subtracted):"
     )
-    print(
-        f"{'workers':>8} {'commits/s':>10} {'per worker':>11} {'rows read/s':>12} {'per worker':>11}"
-    )
+    print(f"{'workers':>8} {'commits/s':>10} {'per worker':>11} {'rows read/s':>12} "
+          f"{'per worker':>11} {'statements/s':>13} {'worker scans/s':>15}")  # fmt: skip
     for n in (int(x) for x in args.fleet.split(",")):
-        commits, rows = asyncio.run(_idle_fleet(dsn, n, args.window, args.warmup))
+        commits, rows, sent, scans = asyncio.run(_idle_fleet(dsn, n, args.window, args.warmup))
         commits, rows = max(commits - base_c, 0.0), max(rows - base_r, 0.0)
-        print(f"{n:>8} {commits:>10.1f} {commits / n:>11.3f} {rows:>12.0f} {rows / n:>11.1f}")
+        print(f"{n:>8} {commits:>10.1f} {commits / n:>11.3f} {rows:>12.0f} {rows / n:>11.1f} "
+              f"{sent:>13.1f} {scans:>15.2f}")  # fmt: skip
 
 
 async def _fairness(dsn: str, slots: int) -> int:
@@ -1186,13 +1199,109 @@ def run_fairness(args: argparse.Namespace) -> None:
         print(f"  {slots:>2} slot(s): {asyncio.run(_fairness(dsn, slots))}")
 
 
-async def _claims(dsn: str, claimers: int, total: int) -> tuple[float, float]:
-    """Claims/s of ``claimers`` concurrent claimers draining ``total`` queued runs, and
-    commits per claim."""
-    from tailrace.stores import NewRun, PostgresStore, Submission
+class Statements:
+    """Statements this process sends to Postgres, counted at psycopg's cursors while entered.
 
-    schema = f"claim_{uuid.uuid4().hex[:8]}"
-    store = PostgresStore(dsn, schema=schema, max_size=max(claimers, 2))
+    ``executemany`` counts one statement per parameter set (what the server
+    executes; pipelined, they share round trips, not executions).
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        #: Statements by the start of their text (whitespace folded).
+        self.texts: collections.Counter[str] = collections.Counter()
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def starting(self, prefix: str) -> int:
+        """How many statements sent began with ``prefix``."""
+        return sum(n for text, n in self.texts.items() if text.startswith(prefix))
+
+    def __enter__(self) -> Statements:
+        import psycopg
+
+        counter = self
+
+        def counted(cls: Any, name: str, many: bool) -> None:
+            original = getattr(cls, name)
+
+            async def wrapper(cursor: Any, query: Any, params: Any = None, **kw: Any) -> Any:
+                n = 1
+                if many:
+                    params = list(params or ())
+                    n = len(params)
+                counter.count += n
+                counter.texts[" ".join(str(query).split())[:80]] += n
+                return await original(cursor, query, params, **kw)
+
+            self._saved.append((cls, name, original))
+            setattr(cls, name, wrapper)
+
+        counted(psycopg.AsyncCursor, "execute", False)
+        counted(psycopg.AsyncCursor, "executemany", True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for cls, name, original in reversed(self._saved):
+            setattr(cls, name, original)
+        self._saved.clear()
+
+
+def _backend_ticks(dsn: str) -> dict[int, int] | None:
+    """CPU clock ticks (user + system, ``/proc/PID/stat``) of each server process connected
+    to the DSN's database; None when ``/proc`` does not show them (another host)."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        pids = [
+            int(r[0])
+            for r in conn.execute(
+                "SELECT pid FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ).fetchall()
+        ]
+    ticks: dict[int, int] = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks[pid] = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return ticks or None
+
+
+def _server_seconds(before: dict[int, int] | None, after: dict[int, int] | None) -> float | None:
+    """Server CPU seconds between two readings (a backend new since ``before`` counts whole)."""
+    if before is None or after is None:
+        return None
+    ticks = sum(t - before.get(pid, 0) for pid, t in after.items())
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _bench_store(kind: str, dsn: str | None, workdir: Path, name: str, **options: Any) -> Any:
+    """A fresh store for one measurement: a schema of its own, or a SQLite file of its own."""
+    from tailrace.stores import PostgresStore, SQLiteStore
+
+    if kind == "sqlite":
+        return SQLiteStore(workdir / f"{name}.db")
+    assert dsn is not None, "Postgres needs --dsn or TAILRACE_TEST_POSTGRES_DSN"
+    return PostgresStore(dsn, schema=f"{name}_{uuid.uuid4().hex[:8]}", **options)
+
+
+async def _dispose(store: Any, dsn: str | None) -> None:
+    await store.close()
+    schema = getattr(store, "schema", None)
+    if dsn is not None and schema is not None:
+        _drop_schema(dsn, schema)
+
+
+async def _claims(
+    kind: str, dsn: str | None, workdir: Path, claimers: int, total: int
+) -> tuple[float, float | None]:
+    """Claims/s of ``claimers`` concurrent claimers draining ``total`` queued runs, and
+    (Postgres) commits per claim."""
+    from tailrace.stores import NewRun, Submission
+
+    store = _bench_store(kind, dsn, workdir, f"claim{claimers}", max_size=max(claimers, 2))
     await store.open()
     try:
         for n in range(total):
@@ -1209,30 +1318,48 @@ async def _claims(dsn: str, claimers: int, total: int) -> tuple[float, float]:
                     return
                 claimed += len(got)
 
-        c0, _ = await asyncio.to_thread(_counters, dsn)
+        if kind == "postgres":
+            await asyncio.sleep(STATS_LAG)  # the submits' commits are published
+        c0 = (await asyncio.to_thread(_counters, dsn))[0] if kind == "postgres" else 0
         t0 = time.monotonic()
         await asyncio.gather(*(claimer(k) for k in range(claimers)))
         elapsed = time.monotonic() - t0
+        if kind != "postgres":
+            return claimed / elapsed, None
+        await asyncio.sleep(STATS_LAG)
         c1, _ = await asyncio.to_thread(_counters, dsn)
         return claimed / elapsed, (c1 - c0) / max(claimed, 1)
     finally:
-        await store.close()
-        _drop_schema(dsn, schema)
+        await _dispose(store, dsn)
 
 
 def run_claims(args: argparse.Namespace) -> None:
-    dsn = _ensure_database(args.dsn, args.database)
-    print(f"claims/s of one queue on one Postgres ({args.claim_runs} runs, one run per claim):")
-    print(f"{'claimers':>9} {'claims/s':>9} {'commits/claim':>14}")
-    for n in (int(x) for x in args.claimers.split(",")):
-        rate, per = asyncio.run(_claims(dsn, n, args.claim_runs))
-        print(f"{n:>9} {rate:>9.0f} {per:>14.2f}")
+    dsn = _ensure_database(args.dsn, args.database) if "postgres" in stores_of(args) else None
+    print(f"claims/s of one queue ({args.claim_runs} runs, one run per claim):")
+    print(f"{'store':>9} {'claimers':>9} {'claims/s':>9} {'commits/claim':>14}")
+    with tempfile.TemporaryDirectory(prefix="tailrace-claims-") as tmp:
+        for kind in stores_of(args):
+            for n in (int(x) for x in args.claimers.split(",")):
+                rate, per = asyncio.run(_claims(kind, dsn, Path(tmp), n, args.claim_runs))
+                shown = "-" if per is None else f"{per:.2f}"
+                print(f"{kind:>9} {n:>9} {rate:>9.0f} {shown:>14}")
 
 
-async def _per_run(dsn: str, runs: int) -> tuple[float, float]:
-    """Commits and rows read per run of a 5-node chain, submit to completion, 1 worker."""
+@dataclass
+class PerRun:
+    """What one run of a 5-node chain costs, submit to completion (per run, averaged)."""
+
+    runs_per_s: float
+    process_cpu_ms: float  # this process: submitter, worker, engine (and SQLite itself)
+    commits: float | None = None  # Postgres: xact_commit of the database
+    rows_read: float | None = None  # Postgres: tup_returned + tup_fetched
+    statements: float | None = None  # Postgres: statements this process sent
+    server_cpu_ms: float | None = None  # Postgres: CPU of the backends serving the database
+
+
+async def _per_run(kind: str, dsn: str | None, workdir: Path, runs: int) -> PerRun:
+    """The cost of a run of a 5-node chain, submit to completion, on 1 worker (x8)."""
     import tailrace as tr
-    from tailrace.stores import PostgresStore
     from tailrace.workers import Worker
 
     graph = tr.Graph("five")
@@ -1243,33 +1370,58 @@ async def _per_run(dsn: str, runs: int) -> tuple[float, float]:
 
         graph.add_node(name, step)
     graph.chain("a", "b", "c", "d", "e")
-    schema = f"run5_{uuid.uuid4().hex[:8]}"
-    store = PostgresStore(dsn, schema=schema)
+    store = _bench_store(kind, dsn, workdir, "run5")
     await store.open()
     engine = tr.Engine(store=store)
     stop = asyncio.Event()
     worker = Worker(store, queues=["q"], graphs=[graph], concurrency=8)
     task = asyncio.create_task(worker.run(stop))
+    pg = kind == "postgres"
     try:
-        await asyncio.sleep(1.0)
-        c0, r0 = await asyncio.to_thread(_counters, dsn)
-        ids = [await engine.submit(graph, 0, queue="q") for _ in range(runs)]
-        for run_id in ids:
-            await engine.wait(run_id, timeout=120)
-        c1, r1 = await asyncio.to_thread(_counters, dsn)
-        return (c1 - c0) / runs, (r1 - r0) / runs
+        # The worker's start-up (declarations, registration) is published before the
+        # first reading; its idle heartbeats in the windows cost a commit per 6 s.
+        await asyncio.sleep(STATS_LAG if pg else 1.0)
+        c0, r0 = await asyncio.to_thread(_counters, dsn) if pg else (0, 0)
+        ticks0 = await asyncio.to_thread(_backend_ticks, dsn) if pg else None
+        cpu0, t0 = time.process_time(), time.monotonic()
+        with Statements() as statements:
+            ids = [await engine.submit(graph, 0, queue="q") for _ in range(runs)]
+            for run_id in ids:
+                await engine.wait(run_id, timeout=120)
+        cpu1, t1 = time.process_time(), time.monotonic()
+        out = PerRun(runs_per_s=runs / (t1 - t0), process_cpu_ms=1000 * (cpu1 - cpu0) / runs)
+        if pg:
+            ticks1 = await asyncio.to_thread(_backend_ticks, dsn)
+            await asyncio.sleep(STATS_LAG)
+            c1, r1 = await asyncio.to_thread(_counters, dsn)
+            server = _server_seconds(ticks0, ticks1)
+            out.commits, out.rows_read = (c1 - c0) / runs, (r1 - r0) / runs
+            out.statements = statements.count / runs
+            out.server_cpu_ms = None if server is None else 1000 * server / runs
+        return out
     finally:
         stop.set()
         await task
-        await store.close()
-        _drop_schema(dsn, schema)
+        await _dispose(store, dsn)
 
 
 def run_per_run(args: argparse.Namespace) -> None:
-    dsn = _ensure_database(args.dsn, args.database)
-    commits, rows = asyncio.run(_per_run(dsn, args.chain_runs))
-    print(f"a 5-node chain, submit -> wait, {args.chain_runs} runs on 1 worker (x8), "
-          f"waits included: {commits:.1f} commits/run, {rows:.0f} rows read/run")  # fmt: skip
+    dsn = _ensure_database(args.dsn, args.database) if "postgres" in stores_of(args) else None
+    print(f"a 5-node chain, submit -> wait, {args.chain_runs} runs on 1 worker (x8), per run "
+          "(waits included; server CPU: the backends serving the database, not its "
+          "background processes):")  # fmt: skip
+
+    def cell(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    print(f"{'store':>9} {'runs/s':>7} {'commits':>8} {'statements':>11} {'rows read':>10} "
+          f"{'server CPU ms':>14} {'process CPU ms':>15}")  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="tailrace-per-run-") as tmp:
+        for kind in stores_of(args):
+            r = asyncio.run(_per_run(kind, dsn, Path(tmp), args.chain_runs))
+            print(f"{kind:>9} {r.runs_per_s:>7.0f} {cell(r.commits, '.1f'):>8} "
+                  f"{cell(r.statements, '.1f'):>11} {cell(r.rows_read, '.0f'):>10} "
+                  f"{cell(r.server_cpu_ms, '.2f'):>14} {r.process_cpu_ms:>15.2f}")  # fmt: skip
 
 
 def main() -> int:

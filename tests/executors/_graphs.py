@@ -316,3 +316,40 @@ def mapped() -> tr.Graph:
     g.add_node("each", where_am_i, "map", required=4)
     g.chain("items", "each")
     return g
+
+
+def across_nodes(directory: str) -> tr.Graph:
+    """first -> work -> after; work marks the Ray node it runs on, then waits for ``go``.
+
+    Each try of ``work`` writes ``work.<try>`` holding its Ray node's id, and
+    returns that id once ``directory/go`` exists (the test removes the node of
+    the first try before it makes ``go``): retried on :class:`ExecutorLost`.
+    """
+    g = tr.Graph("across-nodes")
+
+    def first(x: Any) -> int:
+        log_execution(directory, "first")
+        return int(x)
+
+    def work(x: int) -> dict[str, Any]:
+        import ray  # the extra: only ever imported where this runs on Ray
+
+        node = tr.current_node()
+        assert node is not None
+        log_execution(directory, "work")
+        here = ray.get_runtime_context().get_node_id()
+        mark(directory, f"work.{node.attempt}", here)
+        deadline = time.monotonic() + DEADLINE
+        while not marked(directory, "go") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return {"x": x, "node": here, "try": node.attempt}
+
+    def after(r: dict[str, Any]) -> dict[str, Any]:
+        log_execution(directory, "after")
+        return r
+
+    g.add_node("first", first)
+    g.add_node("work", work, retry=tr.RetryPolicy(attempts=3, retry_on=(ExecutorLost,)))
+    g.add_node("after", after)
+    g.chain("first", "work", "after")
+    return g

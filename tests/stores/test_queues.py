@@ -460,6 +460,7 @@ async def test_a_pulse_reports_the_worker_and_what_is_worth_a_look(backend: Back
     me = worker("box:1:0:a", now)
     assert await store.pulse(me) == Pulse()  # nothing to do, nobody else
     assert await store.workers() == [me]
+    backend.clock.advance(3.0)  # that pulse took both scans: the next are due 3 s (0.1 x 30) on
     await store.worker_seen(worker("box:2:0:b", now - 10))  # same host, alive
     await store.worker_seen(worker("far:3:0:c", now - 31))  # another host, silent too long
     await store.worker_seen(worker("far:4:0:d", now - 40))
@@ -477,6 +478,35 @@ async def test_a_pulse_reports_the_worker_and_what_is_worth_a_look(backend: Back
     assert (await store.pulse(worker("box:1:0:a", now, queues=("other",)))).kinds == {"cancel"}
     backend.clock.advance(TTL + 1)  # r1's lease expires: an orphan
     assert "release" in (await store.pulse(worker("box:1:0:a", backend.clock.now))).kinds
+
+
+async def test_pulses_take_turns_at_the_scans_for_stopped_and_late_workers(
+    backend: Backend,
+) -> None:
+    """One pulse of the fleet per tenth of ``dead_after`` scans for stopped workers, and one
+    per host for late ones: a heartbeat reads O(1) rows however many workers beat (W3)."""
+    store = backend.store
+
+    def worker(worker_id: str, seen: float) -> WorkerRow:
+        return WorkerRow(worker_id=worker_id, queues=("q",), concurrency=1, started_at=seen,
+                         seen_at=seen, dead_after=30.0)  # fmt: skip
+
+    now = backend.clock.now
+    await store.worker_seen(worker("box:2:0:b", now - 10))  # late on box
+    await store.worker_seen(worker("far:3:0:c", now - 31))  # stopped
+    first = await store.pulse(worker("box:1:0:a", now))
+    assert (first.expired, first.here) == (("far:3:0:c",), ("box:2:0:b",))
+    # The same moment: the fleet's scan and box's were taken; another host's is due.
+    assert (await store.pulse(worker("box:4:0:d", now))).expired == ()
+    assert (await store.pulse(worker("box:4:0:d", now))).here == ()
+    elsewhere = await store.pulse(worker("far:5:0:e", now))
+    assert (elsewhere.expired, elsewhere.here) == ((), ("far:3:0:c",))
+    backend.clock.advance(2.9)
+    assert await store.pulse(worker("box:4:0:d", backend.clock.now)) == Pulse()
+    backend.clock.advance(0.2)  # 3.1 s on: both of box's scopes are due again, once
+    again = await store.pulse(worker("box:4:0:d", backend.clock.now))
+    assert (again.expired, again.here) == (("far:3:0:c",), ("box:2:0:b",))
+    assert await store.pulse(worker("box:1:0:a", backend.clock.now)) == Pulse()
 
 
 async def test_run_durations_feed_the_estimator(backend: Backend) -> None:

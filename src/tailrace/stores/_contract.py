@@ -779,7 +779,13 @@ class RunStore(abc.ABC):
         lease expired, a run it drives was asked to cancel, an open question
         has a poller or a deadline, which workers' heartbeats stopped
         (``seen_at + dead_after`` passed; a few, oldest first) and which
-        other workers report from its host. See :class:`Pulse`.
+        other workers of its host are late. Those last two scans are taken in
+        turns: each scope (the fleet; the worker's host) is scanned by one
+        pulse per tenth of the worker's ``dead_after``, whichever comes first
+        once it is due (a compare-and-set), and the other pulses report
+        nothing for it. Their ranges walk entries that grow with the fleet
+        until vacuum; taken in turns, they cost O(1) rows per heartbeat. See
+        :class:`Pulse`.
         """
         check_worker(worker)
         return await self._pulse(worker)

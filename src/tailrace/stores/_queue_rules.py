@@ -335,6 +335,24 @@ EXPIRED_LIMIT = 8
 LATE_SHARE = 0.2
 
 
+#: The part of ``dead_after`` between two scans of one scope (the fleet's stopped workers,
+#: one host's late ones): one heartbeat of the fleet scans, however many beat (a
+#: heartbeat at most every tenth of ``dead_after``, the worker's own rule).
+SCAN_SHARE = 0.1
+#: The scope of the scan for workers whose heartbeat stopped, anywhere.
+FLEET_SCOPE = "fleet"
+
+
+def host_scope(worker_id: str) -> str:
+    """The scope of the scan for late workers on ``worker_id``'s host."""
+    return f"host:{host_of(worker_id)}"
+
+
+def next_scan(worker: WorkerRow, now: float) -> float:
+    """When the scopes a pulse of ``worker`` scans at ``now`` are next due."""
+    return now + SCAN_SHARE * worker.dead_after
+
+
 def host_of(worker_id: str) -> str:
     """The host part of a worker id (``host:pid:start:nonce``)."""
     return worker_id.split(":", 1)[0]

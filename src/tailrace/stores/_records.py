@@ -580,7 +580,8 @@ class Pulse:
     running run whose lease expired; ``cancel``: a cancel request for a run
     the worker drives); ``gates`` whether an open question has a poller or
     a deadline; ``expired`` workers whose heartbeat stopped (oldest first, a
-    few); ``here`` the other workers on the worker's host.
+    few); ``here`` the late workers on the worker's host (both only from the
+    pulse whose turn the scan was, see ``RunStore.pulse``).
     """
 
     kinds: frozenset[str] = frozenset()

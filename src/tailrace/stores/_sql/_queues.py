@@ -114,6 +114,14 @@ EXPIRED_WORKERS = (
 #: Values: host, late. The workers of one host that have not reported since ``late``
 #: (``workers_by_host``): a worker whose process is gone stops reporting.
 LATE_ON_HOST = "SELECT worker_id FROM workers WHERE host = ? AND seen_at < ?"
+#: Values: scope, scope. When a pulse's two scans are next due (``worker_scans``).
+SCAN_TURNS = "SELECT scope, due_at FROM worker_scans WHERE scope IN (?, ?)"
+#: Values: scope, due_at. A scope's first scan: the pulse that inserts it takes it.
+FIRST_SCAN_TURN = (
+    "INSERT INTO worker_scans (scope, due_at) VALUES (?, ?) ON CONFLICT (scope) DO NOTHING"
+)
+#: Values: due_at, scope, now. The compare-and-set that gives one pulse a due scan.
+TAKE_SCAN_TURN = "UPDATE worker_scans SET due_at = ? WHERE scope = ? AND due_at <= ?"
 #: Values: now, now. One row per heartbeat: what is worth a look (see ``Pulse``); each
 #: probe is an indexed look at one row at most.
 PULSE_PROBES = (

@@ -393,6 +393,16 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             "CREATE INDEX runs_by_deadline ON runs (deadline) WHERE deadline IS NOT NULL",
         ),
     ),
+    (
+        16,
+        (
+            # Idle cost: the scans for stopped workers (the fleet's) and late ones (a
+            # host's) are taken in turns, one heartbeat per scope and interval, so a
+            # heartbeat reads O(1) rows however large the fleet (``worker_scans``).
+            """CREATE TABLE worker_scans (
+                scope TEXT PRIMARY KEY, due_at DOUBLE PRECISION NOT NULL)""",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

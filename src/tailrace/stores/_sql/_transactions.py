@@ -25,8 +25,11 @@ from typing import Any, Protocol, TypeVar
 from ..._errors import RunNotFound
 from .._queue_rules import (
     EXPIRED_LIMIT,
+    FLEET_SCOPE,
     host_of,
+    host_scope,
     late_since,
+    next_scan,
     queue_not_empty,
     schedule_from_row,
     schedule_params,
@@ -74,6 +77,7 @@ from ._queues import (
     CANCEL_QUEUED,
     DELETE_QUEUE,
     EXPIRED_WORKERS,
+    FIRST_SCAN_TURN,
     LATE_ON_HOST,
     LIVE_IN_QUEUE,
     PAUSE_QUEUE,
@@ -81,7 +85,9 @@ from ._queues import (
     REOPEN_CANCELLED,
     REQUEST_CANCEL,
     REQUEUE_CANCELLED_NODE,
+    SCAN_TURNS,
     SELECT_SCHEDULE,
+    TAKE_SCAN_TURN,
     UNPAUSE_QUEUE,
     UPSERT_SCHEDULE,
     UPSERT_WORKER,
@@ -372,13 +378,37 @@ async def pulse(tx: Tx, worker: WorkerRow, now: float) -> Pulse:
         kinds.add("release")
     if await tx.one(ANY_CANCEL_REQUEST, (worker.worker_id,)) is not None:
         kinds.add("cancel")
-    expired = [str(r[0]) for r in await tx.all(EXPIRED_WORKERS, (now, EXPIRED_LIMIT))]
-    late = (host_of(worker.worker_id), late_since(worker))
-    here = [str(r[0]) for r in await tx.all(LATE_ON_HOST, late)]
+    turns = await scan_turns(tx, worker, now)
+    expired: list[str] = []
+    if FLEET_SCOPE in turns:
+        expired = [str(r[0]) for r in await tx.all(EXPIRED_WORKERS, (now, EXPIRED_LIMIT))]
+    here: list[str] = []
+    if host_scope(worker.worker_id) in turns:
+        late = (host_of(worker.worker_id), late_since(worker))
+        here = [str(r[0]) for r in await tx.all(LATE_ON_HOST, late)]
     return Pulse(
         kinds=frozenset(kinds), gates=gates is not None, expired=tuple(expired),
         here=tuple(w for w in here if w != worker.worker_id),
     )  # fmt: skip
+
+
+async def scan_turns(tx: Tx, worker: WorkerRow, now: float) -> set[str]:
+    """The scopes (``FLEET_SCOPE``, the worker's host) this pulse scans: those due, each
+    won by one pulse of the fleet (a compare-and-set on its ``worker_scans`` row)."""
+    scopes = (FLEET_SCOPE, host_scope(worker.worker_id))
+    due = {str(r[0]): float(r[1]) for r in await tx.all(SCAN_TURNS, scopes)}
+    then = next_scan(worker, now)
+    turns = set()
+    for scope in scopes:
+        if scope not in due:
+            won = await tx.change(FIRST_SCAN_TURN, (scope, then))
+        elif due[scope] <= now:
+            won = await tx.change(TAKE_SCAN_TURN, (then, scope, now))
+        else:
+            won = False
+        if won:
+            turns.add(scope)
+    return turns
 
 
 # --- queues (W2) ------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import math
 import threading
 import time
 from collections import Counter
@@ -28,12 +29,15 @@ from .._changes import ChangeHub
 from .._contract import ChangeFeed, RunStore
 from .._queue_rules import (
     EXPIRED_LIMIT,
+    FLEET_SCOPE,
     claim_order,
     dedup_holder,
     free_slots,
     holds_slot,
     host_of,
+    host_scope,
     late_since,
+    next_scan,
     queue_not_empty,
     run_count_order,
     run_graph_key,
@@ -129,6 +133,8 @@ class MemoryStore(RunStore):
         self._schedule_rows: dict[str, ScheduleRow] = {}
         self._graph_rows: dict[tuple[str, str], GraphRow] = {}
         self._worker_rows: dict[str, WorkerRow] = {}
+        #: When each scan scope of the pulses is next due (``worker_scans``).
+        self._scans: dict[str, float] = {}
         self._hub = ChangeHub()
 
     async def open(self) -> None:
@@ -974,21 +980,32 @@ class MemoryStore(RunStore):
                 q.status is QuestionStatus.OPEN and (q.poller is not None or q.deadline is not None)
                 for q in self._questions.values()
             )
+            turns = self._scan_turns(worker, now)
             gone = sorted(
                 (w.seen_at + w.dead_after, w.worker_id)
                 for w in self._worker_rows.values()
-                if w.seen_at + w.dead_after < now
+                if w.seen_at + w.dead_after < now and FLEET_SCOPE in turns
             )
             host, late = host_of(worker.worker_id), late_since(worker)
             here = sorted(
                 w.worker_id
                 for w in self._worker_rows.values()
                 if host_of(w.worker_id) == host and w.seen_at < late
-            )
+                and host_scope(worker.worker_id) in turns
+            )  # fmt: skip
         return Pulse(
             kinds=frozenset(kinds), gates=gates,
             expired=tuple(w for _, w in gone[:EXPIRED_LIMIT]), here=tuple(here),
         )  # fmt: skip
+
+    def _scan_turns(self, worker: WorkerRow, now: float) -> set[str]:
+        """The due scopes a pulse of ``worker`` takes (as ``worker_scans`` does); lock held."""
+        turns = set()
+        for scope in (FLEET_SCOPE, host_scope(worker.worker_id)):
+            if self._scans.get(scope, -math.inf) <= now:
+                self._scans[scope] = next_scan(worker, now)
+                turns.add(scope)
+        return turns
 
     async def _workers(self) -> list[WorkerRow]:
         with self._lock:
