@@ -13,6 +13,12 @@ exactly once by a :class:`~tailrace.gates.ResumeWorker` (Q3, Q4)::
 LangGraph is imported only when a driver is built, so ``import tailrace``
 never needs it (``pip install 'tailrace[langgraph]'``).
 
+Streams (S1-S3): a node's custom stream writes (``get_stream_writer()``)
+are stream chunks of the thread's run, tagged with the node's task (visit
+and attempt as in the thread's events) and ended ``accepted`` or
+``discarded``; ``Engine.stream(thread_id)`` reads them from any process
+(:mod:`._langgraph_streams`).
+
 Machine gates (Q5): an interrupt whose value is a dict naming a ``"poller"``
 and/or a ``"deadline"`` in seconds (build it with :func:`machine_gate`) is
 recorded with that poller and an absolute deadline, so a
