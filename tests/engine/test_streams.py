@@ -530,3 +530,40 @@ def test_streaming_outside_the_engine_is_a_clear_error() -> None:
     ctx = tr.NodeContext(run_id="r", node_id="n", visit=1, attempt=1)
     with pytest.raises(RuntimeError, match="'n'"):
         ctx.stream("x")
+
+
+async def test_s3_stream_rows_are_committed_at_once_not_at_the_group_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks reach another store handle while the node runs and nothing else is harvested,
+    even with a group window far longer than the test: rows waiting for a stage go as soon as
+    the store is free (at once, or when the write in flight ends)."""
+    from tailrace.core import _writer
+
+    monkeypatch.setattr(_writer, "GROUP_WINDOW", 3600.0)
+    db = tmp_path / "runs.db"
+    seen_all = asyncio.Event()
+
+    async def talk(x: int) -> str:
+        for t in range(50):
+            stream().stream(t)
+            await asyncio.sleep(0.001)
+        await seen_all.wait()
+        return "done"
+
+    g = tr.Graph("hurry")
+    g.add_node("talk", talk)
+    async with SQLiteStore(db) as writer_store, SQLiteStore(db) as reader_store:
+        task = asyncio.ensure_future(tr.Engine(store=writer_store).run(g, 0, run_id="hurry"))
+        await fixtures.until(lambda: _exists(reader_store, "hurry"), "the run stored")
+
+        async def fifty_stored() -> bool:
+            return len(await reader_store.chunks("hurry", after=0, limit=100)) == 50
+
+        await fixtures.until(fifty_stored, "every chunk committed while the node waits")
+        assert not task.done()
+        seen_all.set()
+        await task
+        whole = await read_all(tr.Engine(store=reader_store), "hurry")
+    check_well_formed(whole)
+    assert values(whole) == list(range(50))

@@ -166,3 +166,42 @@ def team_graph(checkpointer: Any, path: Path, *, name: str = "team") -> Any:
     builder.add_edge("merge", END)
     builder.add_edge("escalate", END)
     return builder.compile(checkpointer=checkpointer, name=name)
+
+
+# --- nodes streaming custom writes ----------------------------------------------
+
+
+class StreamState(TypedDict, total=False):
+    topic: str
+    said: list[str]
+
+
+def streaming_graph(checkpointer: Any, hold: Path | None = None, *, name: str = "streamer") -> Any:
+    """prep -> talk: ``talk`` streams ``{"turn": i}`` for i in 0..4 with LangGraph's stream writer.
+
+    While the file ``hold`` exists, ``talk`` waits after its fifth chunk (a test
+    kills the process there); once it is gone, ``talk`` returns.
+    """
+    import asyncio
+
+    from langgraph.config import get_stream_writer
+
+    def prep(state: StreamState) -> StreamState:
+        return {"said": []}
+
+    async def talk(state: StreamState) -> StreamState:
+        write = get_stream_writer()
+        for i in range(5):
+            write({"turn": i})
+            await asyncio.sleep(0.01)
+        while hold is not None and await asyncio.to_thread(hold.exists):  # noqa: ASYNC110
+            await asyncio.sleep(0.05)  # (another process removes the file: no event to wait on)
+        return {"said": [f"{state['topic']} {i}" for i in range(5)]}
+
+    builder = StateGraph(StreamState)
+    builder.add_node("prep", prep)
+    builder.add_node("talk", talk)
+    builder.add_edge(START, "prep")
+    builder.add_edge("prep", "talk")
+    builder.add_edge("talk", END)
+    return builder.compile(checkpointer=checkpointer, name=name)

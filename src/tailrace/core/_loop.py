@@ -374,7 +374,7 @@ class RunLoop:
         if writer is None:
             if not self._events:
                 return False
-        elif defer and writer.defer(self.poke):
+        elif defer and writer.defer(self.poke, hurry=self.streams.waiting):
             return False
         events, self._events = self._events, []
         if writer is not None and writer.stage(self, events, status, error):

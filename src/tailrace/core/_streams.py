@@ -297,6 +297,11 @@ class Streams:
             )
             self._append(mark, None)
 
+    @property
+    def waiting(self) -> bool:
+        """Whether rows are buffered for the next stage (readers elsewhere wait for its commit)."""
+        return bool(self._rows)
+
     def take(self) -> list[ChunkRow]:
         """The rows buffered since the last call, for the writer's next stage."""
         rows, self._rows = self._rows, []

@@ -99,6 +99,8 @@ class RunWriter:
         self._window: asyncio.TimerHandle | None = None
         #: Set when the window ended: the next harvest is staged.
         self._window_ended = False
+        #: The write in flight that wakes the loop when it ends (stream rows wait for it).
+        self._hurry_on: asyncio.Future[None] | None = None
         #: The lease the writes are fenced by (see :meth:`leased`).
         self.lease: Lease | None = None
         #: The first write that failed; nothing after it is written (D2).
@@ -293,16 +295,29 @@ class RunWriter:
         if self.stage(loop, events, status, error):
             await self.flush()
 
-    def defer(self, wake: Callable[[], None]) -> bool:
+    def defer(self, wake: Callable[[], None], *, hurry: bool = False) -> bool:
         """Whether a running harvest may wait for the group window instead of being staged now.
 
         The first harvest after a stage opens the window; when it ends (after
         :data:`GROUP_WINDOW`) ``wake`` (the run loop's poke) brings the loop
         back to stage everything gathered meanwhile in one go, at a harvest
         boundary like any stage.
+
+        ``hurry``: stream rows wait for this stage (readers in other processes
+        see them once committed). They go at once when no write is in flight;
+        otherwise they gather until the write in flight ends, and ``wake``
+        brings the loop back then (or at the window's end, if sooner): a
+        commit starts as soon as the store is free, never later.
         """
         if self._window_ended:
             return False
+        if hurry:
+            writer = self._writer
+            if writer is None or writer.done():
+                return False
+            if self._hurry_on is not writer:  # one wake-up per write in flight
+                self._hurry_on = writer
+                writer.add_done_callback(lambda _write: wake())
         if self._window is None:
             self._window = asyncio.get_running_loop().call_later(
                 GROUP_WINDOW, self._end_window, wake

@@ -57,6 +57,8 @@ class _Counters:
     visits: dict[str, int] = field(default_factory=dict)
     tasks: dict[str, str] = field(default_factory=dict)  # node -> its last task id
     attempts: dict[str, int] = field(default_factory=dict)  # node -> attempts of that visit
+    #: node -> (visit, attempt) of a stream a dead driver left open: its re-run is one more.
+    cuts: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, state: Mapping[str, Any]) -> _Counters:
@@ -84,6 +86,9 @@ class _Counters:
             self.attempts[node] = 1
             if task is not None:
                 self.tasks[node] = task
+        cut = self.cuts.get(node)
+        if cut is not None and cut[0] == self.visits[node] and self.attempts[node] <= cut[1]:
+            self.attempts[node] = cut[1] + 1  # the cut attempt's re-run
         return self.visits[node], self.attempts[node]
 
     def current(self, node: str) -> tuple[int | None, int | None]:
@@ -106,6 +111,41 @@ class StepLog:
 
     def __init__(self) -> None:
         self._seen: dict[str, list[_Seen]] = {}
+        self._cuts: dict[str, dict[str, tuple[int, int]]] = {}
+
+    def cut(self, thread_id: str, node: str, visit: int, attempt: int) -> None:
+        """A dead driver left ``node``'s stream of ``visit`` and ``attempt`` open: a re-run of
+        that visit is a later attempt (in the events and the streams alike)."""
+        cuts = self._cuts.setdefault(thread_id, {})
+        if cuts.get(node, (0, 0)) < (visit, attempt):
+            cuts[node] = (visit, attempt)
+
+    def tags(
+        self,
+        thread_id: str,
+        state: Mapping[str, Any],
+        task: str | None,
+        *,
+        node: str | None = None,
+    ) -> tuple[int | None, int | None]:
+        """The visit and attempt the events give LangGraph task ``task`` of this step (seen
+        starting already); with no task, those ``node`` is at. (None, None): not known."""
+        counters = self._counters(thread_id, state)
+        found: tuple[int | None, int | None] = (None, None)
+        for seen in list(self._seen.get(thread_id, ())):
+            if seen.kind is EventType.NODE_STARTED and seen.node is not None:
+                tags = counters.start(seen.node, seen.task)
+                if task is not None and seen.task == task:
+                    found = tags
+        if task is None and node is not None:
+            visit, attempt = counters.current(node)
+            return visit or 1, attempt or 1
+        return found
+
+    def _counters(self, thread_id: str, state: Mapping[str, Any]) -> _Counters:
+        counters = _Counters.of(state)
+        counters.cuts = dict(self._cuts.get(thread_id, {}))
+        return counters
 
     def run_started(self, thread_id: str, graph_name: str, structure: Mapping[str, Any]) -> None:
         """The thread's first step begins: ``structure`` is its graph's nodes and edges."""
@@ -170,7 +210,7 @@ class StepLog:
             last_seq: the highest ``seq`` the store holds for the thread.
             error: the failed step's error, when the commit records one.
         """
-        counters = _Counters.of(state)
+        counters = self._counters(record.run_id, state)
         counters.seq = max(counters.seq, last_seq)
         now = time.time()
         seen = list(self._seen.get(record.run_id, ()))
@@ -191,6 +231,7 @@ class StepLog:
     def committed(self, thread_id: str) -> None:
         """The rows of ``thread_id`` are stored: forget them."""
         self._seen.pop(thread_id, None)
+        self._cuts.pop(thread_id, None)
 
     def _row(self, counters: _Counters, seen: _Seen) -> EventRow:
         visit: int | None = None

@@ -13,6 +13,12 @@ exactly once by a :class:`~tailrace.gates.ResumeWorker` (Q3, Q4)::
 LangGraph is imported only when a driver is built, so ``import tailrace``
 never needs it (``pip install 'tailrace[langgraph]'``).
 
+Streams (S1-S3): a node's custom stream writes (``get_stream_writer()``)
+are stream chunks of the thread's run, tagged with the node's task (visit
+and attempt as in the thread's events) and ended ``accepted`` or
+``discarded``; ``Engine.stream(thread_id)`` reads them from any process
+(:mod:`._langgraph_streams`).
+
 Machine gates (Q5): an interrupt whose value is a dict naming a ``"poller"``
 and/or a ``"deadline"`` in seconds (build it with :func:`machine_gate`) is
 recorded with that poller and an absolute deadline, so a
@@ -91,6 +97,7 @@ from ..stores import (
 from . import _langgraph_support as lg
 from ._langgraph_events import StepLog, structure_of
 from ._langgraph_leases import Lease, ThreadLeases
+from ._langgraph_streams import ThreadStream, writer_config
 from ._langgraph_support import Pending, as_gate_timeout, machine_gate
 from ._langgraph_worker import SettlingWorker
 
@@ -596,8 +603,18 @@ class LangGraphDriver:
         return lg.pending_interrupts(await self._snapshot(thread_id))
 
     async def _drive(self, thread_id: str, graph_input: Any, lease: Lease, *, strict: bool) -> None:
-        """Run one graph invocation of ``thread_id`` on ``graph_input`` while renewing ``lease``."""
+        """Run one graph invocation of ``thread_id`` on ``graph_input`` while renewing ``lease``.
+
+        The nodes' custom stream writes go to the thread's streams meanwhile
+        (:mod:`._langgraph_streams`), committed under ``lease``.
+        """
         config = self._config(thread_id, strict=strict)
+        record = await self.store.get_run(thread_id)
+        head = await self.store.stream_head(thread_id)
+        streams = ThreadStream(self.store, record, lease.token, head, self._log)
+        forwarding = writer_config(streams.write)
+        if forwarding is not None:
+            config["configurable"] = {**config["configurable"], **forwarding}
         # One owned task, cancelled and awaited here (a TaskGroup would wrap the
         # graph's own exception in an ExceptionGroup).
         renewal = asyncio.create_task(self._leases.keep_alive(thread_id, lease))
@@ -605,19 +622,26 @@ class LangGraphDriver:
             if self.use_async:
                 async for chunk in self.graph.astream(graph_input, config, stream_mode="tasks"):
                     self._log.task_chunk(thread_id, chunk)
+                    streams.task_event(chunk)
             else:
-                await asyncio.to_thread(self._stream_in_thread, thread_id, graph_input, config)
+                await asyncio.to_thread(
+                    self._stream_in_thread, thread_id, graph_input, config, streams
+                )
         except BaseException as exc:
             self._log.step_failed(thread_id, exc)
             raise
         finally:
             renewal.cancel()
             await asyncio.wait([renewal])
+            await streams.close()  # before the step's bookkeeping, which numbers nothing of it
 
-    def _stream_in_thread(self, thread_id: str, graph_input: Any, config: dict[str, Any]) -> None:
+    def _stream_in_thread(
+        self, thread_id: str, graph_input: Any, config: dict[str, Any], streams: ThreadStream
+    ) -> None:
         """One graph invocation on LangGraph's sync API, its task chunks logged as they come."""
         for chunk in self.graph.stream(graph_input, config, stream_mode="tasks"):
             self._log.task_chunk(thread_id, chunk)
+            streams.task_event(chunk)
 
 
 @contextlib.asynccontextmanager

@@ -118,6 +118,7 @@ from ._errors import mapped_errors
 from ._files import prepare_for_writing, read_only_connection, read_only_uri
 from ._queues import DataVersionWatch, bump, claim, lease_answers, release_all
 from ._threads import (
+    Checkpointer,
     Readers,
     Undo,
     Writer,
@@ -206,6 +207,7 @@ class SQLiteStore(RunStore):
         self._read_only = read_only
         self._read_uri: str | None = None  # the read-only URI, once open
         self._writer: Writer | None = None
+        self._checkpointer: Checkpointer | None = None
         self._readers: Readers | None = None
         self._hub = ChangeHub(lambda hub: DataVersionWatch(self._connect).start(hub))
 
@@ -234,6 +236,7 @@ class SQLiteStore(RunStore):
             conn = self._connect()
             try:
                 prepare_for_writing(conn, where)
+                conn.execute("PRAGMA wal_autocheckpoint = 0")  # the Checkpointer's thread does it
             except BaseException:
                 conn.close()
                 raise
@@ -247,7 +250,13 @@ class SQLiteStore(RunStore):
             self._read_uri = await asyncio.to_thread(read_only_uri, self._path, self._busy_timeout)
         else:
             conn = await _open_in_thread(self._open_writer_connection)
-            self._writer = Writer(conn, max_batch=self._max_batch, name="tailrace-sqlite-writer")
+            self._checkpointer = Checkpointer(self._connect)
+            self._writer = Writer(
+                conn,
+                max_batch=self._max_batch,
+                name="tailrace-sqlite-writer",
+                on_commit=self._checkpointer.written,
+            )
         self._readers = Readers(self._connect, self._reader_count)
 
     async def close(self) -> None:
@@ -258,12 +267,14 @@ class SQLiteStore(RunStore):
         is left behind.
         """
         await self._hub.close()
-        writer, readers = self._writer, self._readers
-        self._writer = self._readers = None
+        writer, readers, checkpointer = self._writer, self._readers, self._checkpointer
+        self._writer = self._readers = self._checkpointer = None
 
         def stop() -> None:
             if writer is not None:
                 writer.stop()
+            if checkpointer is not None:
+                checkpointer.stop()
             if readers is not None:
                 readers.close()
 

@@ -39,6 +39,9 @@ from ._errors import mapped, mapped_errors, store_error
 T = TypeVar("T")
 logger = logging.getLogger("tailrace.stores")
 
+#: Seconds between two WAL checkpoints while writes go on (see :class:`Checkpointer`).
+CHECKPOINT_INTERVAL = 0.5
+
 # --- the writer thread ---------------------------------------------------------
 
 
@@ -99,9 +102,18 @@ def _broken(exc: Exception, context: str) -> StoreError:
 class Writer:
     """Owns the write connection on one thread and commits queued writes in groups."""
 
-    def __init__(self, conn: sqlite3.Connection, *, max_batch: int, name: str) -> None:
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        *,
+        max_batch: int,
+        name: str,
+        on_commit: Callable[[], None] | None = None,
+    ) -> None:
         self._conn = conn
         self._max_batch = max_batch
+        #: Called on the writer thread after each COMMIT (the checkpointer's nudge).
+        self._on_commit = on_commit
         self._queue: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._stopping = False
@@ -240,6 +252,9 @@ class Writer:
             except sqlite3.Error as exc:
                 self._rollback_quietly()
                 outcomes = _all_failed(outcomes, live, f"commit failed: {exc}")
+            else:
+                if self._on_commit is not None:
+                    self._on_commit()
         for w, ok, value in outcomes:
             _deliver(w, ok, value)
 
@@ -270,6 +285,60 @@ class Writer:
         if self._conn.in_transaction:  # if ROLLBACK fails too, the next BEGIN reports it
             with contextlib.suppress(sqlite3.Error):
                 self._conn.execute("ROLLBACK")
+
+
+class Checkpointer:
+    """Copies the WAL back into the database file, on its own thread and connection.
+
+    The write connection runs no checkpoint at COMMIT (``wal_autocheckpoint =
+    0``): a checkpoint syncs the database file, which on a busy disk can take
+    hundreds of milliseconds, and every commit queued behind it (with every
+    reader in another process waiting for one) would wait as long. Here a
+    PASSIVE checkpoint runs at most every ``interval`` seconds while commits
+    go on; the writer keeps appending to the WAL meanwhile. The last
+    connection to close checkpoints what is left, as SQLite always does.
+    """
+
+    def __init__(
+        self, connect: Callable[[], sqlite3.Connection], interval: float = CHECKPOINT_INTERVAL
+    ) -> None:
+        self._connect = connect
+        self._interval = interval
+        self._written = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(
+            target=self._main, name="tailrace-sqlite-checkpoint", daemon=True
+        )
+        self._thread.start()
+
+    def written(self) -> None:
+        """A commit added to the WAL (any thread): a checkpoint is due."""
+        self._written.set()
+
+    def stop(self) -> None:
+        """End the thread (blocking); a checkpoint under way completes first."""
+        self._stopping.set()
+        self._written.set()
+        self._thread.join()
+
+    def _main(self) -> None:
+        conn: sqlite3.Connection | None = None
+        try:
+            conn = self._connect()
+            while True:
+                self._written.wait()
+                if self._stopping.is_set():
+                    return
+                self._written.clear()
+                with contextlib.suppress(sqlite3.OperationalError):  # busy: the next commit retries
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                if self._stopping.wait(self._interval):
+                    return
+        except Exception:  # the file is gone or broken: the writer reports that itself
+            logger.exception("SQLite checkpointer stopped")
+        finally:
+            if conn is not None:
+                conn.close()
 
 
 def _all_failed(outcomes: list[_Outcome], live: list[_Write], reason: str) -> list[_Outcome]:
