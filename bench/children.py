@@ -258,6 +258,14 @@ class Worker:
     def ready(self) -> bool:
         return "serving " in self.log.read_text(errors="replace")
 
+    def cpu(self) -> float:
+        """CPU seconds (user + system) the process used so far; 0 once it exited."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM and wait (the worker drains); SIGKILL if it does not."""
         if self.proc.poll() is None:
@@ -283,6 +291,53 @@ def wait_ready(workers: Sequence[Worker]) -> None:
 # -- 2. queued child latencies --------------------------------------------------------------------
 
 
+ENDED = ("completed", "failed", "cancelled")
+
+#: Seconds a running parent with every child ended may go without a commit before it counts
+#: as a claim nobody drives (its driver would have seen the children end within ms, or
+#: within the engine's 1 s fallback look at worst).
+STUCK_AFTER = 2.0
+
+
+@dataclass
+class Rescues:
+    """Parents the bench had to unstick (each a miss of the engine, counted, never hidden).
+
+    ``lost``: suspended, held by nobody, every child ended, so nothing will queue
+    it again (a lost wake-up): queued again with ``wake_suspended``. ``claims``:
+    running, every child ended, no commit for :data:`STUCK_AFTER` s (claimed by a
+    worker that did not drive it): its lease released, so a worker adopts it.
+    """
+
+    lost: list[str] = field(default_factory=list)
+    claims: list[str] = field(default_factory=list)
+    _looks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return len(self.lost) + len(self.claims)
+
+    async def look(self, store: Any, record: Any) -> None:
+        """Unstick ``record`` (a parent, not finished) if it is stuck, as above."""
+        run_id = record.run_id
+        status = record.status.value
+        if status not in ("suspended", "running"):
+            return
+        children = await store.list_runs(parent=run_id)
+        if not children or any(c.status.value not in ENDED for c in children):
+            self._looks.pop(run_id, None)
+            return
+        if status == "suspended" and record.lease_owner is None:
+            self._looks[run_id] = self._looks.get(run_id, 0) + 1
+            if self._looks[run_id] >= 2:  # two looks apart: no commit was on its way
+                self._looks.pop(run_id)
+                self.lost.append(run_id)
+                await store.wake_suspended(run_id)
+        elif record.lease_owner is not None and time.time() - record.updated_at > STUCK_AFTER:
+            self.claims.append(run_id)
+            await store.release_lease(run_id, record.lease_owner, record.lease_token)
+
+
 @dataclass
 class Latencies:
     plain: list[float] = field(default_factory=list)
@@ -290,37 +345,22 @@ class Latencies:
     resumed: list[float] = field(default_factory=list)
     #: How the parent's resumption was seen: "run_resumed" or "node_started" (no suspension).
     via: dict[str, int] = field(default_factory=dict)
-    #: Parents that lost their wake-up (see :func:`finished`).
-    lost: list[str] = field(default_factory=list)
+    #: Parents the bench had to unstick.
+    rescues: Rescues = field(default_factory=Rescues)
 
 
-async def finished(store: Any, run_id: str, lost: list[str], within: float = 60.0) -> Any:
+async def finished(store: Any, run_id: str, rescues: Rescues, within: float = 60.0) -> Any:
     """The run's record once it completed (``Engine.wait`` may return a parent suspended
-    with every child ended: the tree is what is measured here).
-
-    A parent seen twice suspended, held by nobody, with every child ended lost its
-    wake-up (nothing will queue it again): it is appended to ``lost`` and queued again.
-    """
+    with every child ended: the tree is what is measured here); unstuck if it is stuck."""
     deadline = time.monotonic() + within
-    seen = 0
     while True:
         record = await store.get_run(run_id)
         if record.status.value == "completed":
             return record
         if record.status.value in ("failed", "cancelled") or time.monotonic() > deadline:
             raise RuntimeError(f"run {run_id} is {record.status.value}: {record.error}")
-        if record.status.value == "suspended" and record.lease_owner is None:
-            children = await store.list_runs(parent=run_id)
-            if children and all(c.status.value in ENDED for c in children):
-                seen += 1
-                if seen >= 2:
-                    lost.append(run_id)
-                    await store.wake_suspended(run_id)
-                    seen = 0
+        await rescues.look(store, record)
         await asyncio.sleep(0.005)
-
-
-ENDED = ("completed", "failed", "cancelled")
 
 
 async def latencies(store: Any, graph_file: Path, module: Any, samples: int) -> Latencies:
@@ -331,14 +371,14 @@ async def latencies(store: Any, graph_file: Path, module: Any, samples: int) -> 
         run_id = await engine.submit(
             module.plain, 0.0, queue="lat", graph_ref=f"{graph_file}:plain"
         )
-        record = await finished(store, run_id, out.lost)
+        record = await finished(store, run_id, out.rescues)
         out.plain.append(record.started_at - record.queued_at)
         await asyncio.sleep(0.05)
         parent = await engine.submit(
             module.lat_parent, [0.005, 0.020, 0.040], queue="lat",
             graph_ref=f"{graph_file}:lat_parent", run_id=f"lat-{uuid.uuid4().hex[:8]}-{n}",
         )  # fmt: skip
-        await finished(store, parent, out.lost)
+        await finished(store, parent, out.rescues)
         children = await store.list_runs(parent=parent)
         assert len(children) == 3, children
         out.child.extend(c.started_at - c.queued_at for c in children)
@@ -367,9 +407,11 @@ class Throughput:
     children: int = 0
     cancelled: int = 0
     never_started: int = 0
-    #: Parents found suspended, nobody holding them, every child ended: a lost wake-up
-    #: (the bench queues them again, ``wake_suspended``, so the session can finish).
-    lost_wakeups: int = 0
+    rescues: Rescues = field(default_factory=Rescues)
+    #: Runs of each parent: its first start and every resumption (run_started/run_resumed).
+    drives: float = 0.0
+    #: The workers' CPU seconds per wall second over the session.
+    cpu: float = 0.0
     stuck: str = ""
 
 
@@ -386,10 +428,10 @@ PARENT_STATUS = (
     "SELECT status, COUNT(*) FROM runs WHERE run_id LIKE ? AND parent_run_id IS NULL "
     "GROUP BY status"
 )
-#: Parents suspended with no lease and no live child: nothing will ever queue them again.
-LOST_WAKEUPS = (
+#: Parents not finished with no live child: stuck, or about to go on (see :class:`Rescues`).
+MAYBE_STUCK = (
     "SELECT p.run_id FROM runs p WHERE p.run_id LIKE ? AND p.parent_run_id IS NULL "
-    "AND p.status = 'suspended' AND p.lease_owner IS NULL AND NOT EXISTS (SELECT 1 FROM runs c "
+    "AND p.status IN ('suspended', 'running') AND NOT EXISTS (SELECT 1 FROM runs c "
     "WHERE c.parent_run_id = p.run_id AND c.status NOT IN ('completed', 'failed', 'cancelled'))"
 )
 
@@ -406,8 +448,10 @@ async def throughput(
     heavy: bool,
     seed: int,
     timeout: float,  # noqa: ASYNC109 (seconds before a session counts as deadlocked)
+    cpu: Callable[[], float],
 ) -> Throughput:
     engine = tr.Engine(store=store)
+    cpu0 = cpu()
     graph, name = (module.tp_map, "tp_map") if heavy else (module.tp_parent, "tp_parent")
     tag = uuid.uuid4().hex[:6]
     pattern = f"tp-{tag}-%"
@@ -420,9 +464,8 @@ async def throughput(
                 run_id=f"tp-{tag}-{p}", graph_ref=f"{graph_file}:{name}",
             )
         )  # fmt: skip
-    lost: set[str] = set()
+    rescues = Rescues()
     statuses: dict[str, int] = {}
-    suspect: dict[str, int] = {}
     while time.monotonic() - t0 < timeout:
         await asyncio.sleep(0.1)
         statuses = dict(target.rows(PARENT_STATUS, (pattern,)))
@@ -430,21 +473,23 @@ async def throughput(
             break
         if statuses.get("failed") or statuses.get("cancelled"):
             raise RuntimeError(f"parents ended {statuses}")
-        for run_id in [r[0] for r in target.rows(LOST_WAKEUPS, (pattern,))]:
-            suspect[run_id] = suspect.get(run_id, 0) + 1
-            if suspect[run_id] >= 2:  # seen twice, 100 ms apart: no commit is on its way
-                lost.add(run_id)
-                suspect.pop(run_id)
-                await store.wake_suspended(run_id)
+        for (run_id,) in target.rows(MAYBE_STUCK, (pattern,)):
+            await rescues.look(store, await store.get_run(run_id))
     seconds = time.monotonic() - t0
+    used = (cpu() - cpu0) / seconds
     if statuses.get("completed", 0) != parents:
         statuses.pop("completed", None)
         stuck = ", ".join(f"{v} {k}" for k, v in sorted(statuses.items()))
-        return Throughput(parents, workers, None, seconds, lost_wakeups=len(lost), stuck=stuck)
+        return Throughput(parents, workers, None, seconds, rescues=rescues, stuck=stuck, cpu=used)
     first = min([(await store.events(run_id))[0].ts for run_id in ids])
     last = max([(await store.get_run(run_id)).finished_at for run_id in ids])
     result = Throughput(parents, workers, parents / (last - first), last - first)
-    result.lost_wakeups = len(lost)
+    result.rescues, result.cpu = rescues, used
+    drives = 0
+    for run_id in ids:
+        events = await store.events(run_id)
+        drives += sum(e.type in ("run_started", "run_resumed") for e in events)
+    result.drives = drives / parents
     for run_id in ids:
         for child in await store.list_runs(parent=run_id):
             result.children += 1
@@ -482,6 +527,10 @@ def fleet_session(target: Target, opts: argparse.Namespace) -> FleetResults:
 
     asyncio.run(prepare())
     fleet = [Worker(target, graph_file, f"w{i}", concurrency=8) for i in range(4)]
+
+    def cpu() -> float:
+        return sum(w.cpu() for w in fleet if w.proc.poll() is None)
+
     try:
         wait_ready(fleet)
 
@@ -489,7 +538,7 @@ def fleet_session(target: Target, opts: argparse.Namespace) -> FleetResults:
             async with open_target(target) as store:
                 lat = await latencies(store, graph_file, module, opts.samples)
                 runs = {"parents": opts.parents, "workers": 4, "children": opts.children,
-                        "seed": opts.seed, "timeout": opts.timeout}  # fmt: skip
+                        "seed": opts.seed, "timeout": opts.timeout, "cpu": cpu}  # fmt: skip
                 plain = await throughput(target, store, graph_file, module, heavy=False, **runs)
                 heavy = await throughput(target, store, graph_file, module, heavy=True, **runs)
                 return lat, plain, heavy
@@ -502,7 +551,7 @@ def fleet_session(target: Target, opts: argparse.Namespace) -> FleetResults:
             async with open_target(target) as store:
                 runs = {"parents": max(1, opts.parents // 4), "workers": 1,
                         "children": opts.children, "seed": opts.seed + 1,
-                        "timeout": opts.timeout}  # fmt: skip
+                        "timeout": opts.timeout, "cpu": cpu}  # fmt: skip
                 plain = await throughput(target, store, graph_file, module, heavy=False, **runs)
                 heavy = await throughput(target, store, graph_file, module, heavy=True, **runs)
                 return plain, heavy
@@ -577,10 +626,10 @@ def print_fleet(results: Sequence[FleetResults], opts: argparse.Namespace, targe
                              ("last child end -> parent resumed", r.lat.resumed)):  # fmt: skip
             lat.add_row(r.kind, what, len(values), ms(percentile(values, 0.5)),
                         ms(percentile(values, 0.99)), ms(max(values)))  # fmt: skip
-        lost = len(r.lat.lost)
+        res = r.lat.rescues
         lat.add_note(
-            f"{r.kind}: parent resumed seen {via}; {lost} parent(s) lost their wake-up "
-            "(queued again by the bench, which adds its own 5-10 ms to their sample)"
+            f"{r.kind}: parent resumed seen {via}; the bench unstuck {len(res.lost)} lost "
+            f"wake-up(s) and {len(res.claims)} stuck claim(s) (see the last table's notes)"
         )
         plain99, child99 = percentile(r.lat.plain, 0.99), percentile(r.lat.child, 0.99)
         resumed99 = percentile(r.lat.resumed, 0.99)
@@ -595,7 +644,8 @@ def print_fleet(results: Sequence[FleetResults], opts: argparse.Namespace, targe
          Column("parents", right=True), Column("seconds", right=True),
          Column("parents/s", right=True), Column("linear", right=True),
          Column("children", right=True), Column("cancelled", right=True),
-         Column("lost wake-ups", right=True)],
+         Column("drives", right=True), Column("cpu", right=True),
+         Column("lost", right=True), Column("stuck", right=True)],
     )  # fmt: skip
     shapes = (("10 tasks", "plain"), (f"map required={opts.required}", "heavy"))
     for r in results:
@@ -615,10 +665,11 @@ def print_fleet(results: Sequence[FleetResults], opts: argparse.Namespace, targe
                     r.kind, shape, t.workers, t.parents, seconds,
                     "-" if t.rate is None else f"{t.rate:.2f}",
                     fmt_ratio(linear) if t is four and linear is not None else "",
-                    t.children or "-", cancelled, t.lost_wakeups,
+                    t.children or "-", cancelled, f"{t.drives:.1f}", f"{t.cpu:.2f}",
+                    len(t.rescues.lost), len(t.rescues.claims),
                 )  # fmt: skip
             done = one.rate is not None and four.rate is not None
-            lost = one.lost_wakeups + four.lost_wakeups
+            lost = one.rescues.total + four.rescues.total
             measured = "no" if not done else f"after {lost} rescues" if lost else "yes"
             targets.add_row(f"{shape}: completes on its own, no deadlock ({r.kind})",
                             measured, "PASS" if done and not lost else "FAIL")  # fmt: skip
@@ -630,10 +681,17 @@ def print_fleet(results: Sequence[FleetResults], opts: argparse.Namespace, targe
     tp.add_note(
         "linear: 4 workers' parents/s / (4 x 1 worker's); 1 worker runs a quarter of the parents"
     )
+    tp.add_note("drives: a parent's runs by a worker (first start + resumptions), per parent")
+    tp.add_note("cpu: the workers' CPU seconds per wall second (this machine has 2 cores)")
     tp.add_note(
-        "lost wake-ups: parents left suspended, unheld, every child ended; the bench queues "
-        "them again (wake_suspended) after 2 looks 100 ms apart, so rates include that delay"
+        "lost: parents left suspended, unheld, every child ended (nothing wakes them); the "
+        "bench queues them again (wake_suspended) after 2 looks 100 ms apart"
     )
+    tp.add_note(
+        f"stuck: parents running, every child ended, no commit for {STUCK_AFTER:g} s (a claim "
+        "its worker never drove); the bench releases the lease so a worker adopts it"
+    )
+    tp.add_note("the rates include those delays; either count above 0 fails 'completes'")
     tp.print()
 
 
