@@ -419,6 +419,10 @@ class Throughput:
     drives: float = 0.0
     #: The workers' CPU seconds per wall second over the session.
     cpu: float = 0.0
+    #: Seconds cancelled children ran (started -> ended), summed: worker slots spent on
+    #: late children; and, for each started one, its parent's end -> its own end.
+    wasted: float = 0.0
+    cancel_lag: list[float] = field(default_factory=list)
     stuck: str = ""
 
 
@@ -498,11 +502,15 @@ async def throughput(
         drives += sum(e.type in ("run_started", "run_resumed") for e in events)
     result.drives = drives / parents
     for run_id in ids:
+        ended = (await store.get_run(run_id)).finished_at
         for child in await store.list_runs(parent=run_id):
             result.children += 1
             if child.status.value == "cancelled":
                 result.cancelled += 1
                 result.never_started += child.started_at is None
+                if child.started_at is not None and child.finished_at is not None:
+                    result.wasted += child.finished_at - child.started_at
+                    result.cancel_lag.append(child.finished_at - ended)
     return result
 
 
@@ -668,9 +676,12 @@ def print_fleet(results: Sequence[FleetResults], opts: argparse.Namespace, targe
                 seconds = fmt_seconds(t.seconds)
                 if t.rate is None:
                     seconds = f"> {opts.timeout:g} s ({t.stuck})"
-                cancelled = (
-                    f"{t.cancelled} ({t.never_started} unstarted)" if attr == "heavy" else "-"
-                )
+                cancelled = "-"
+                if attr == "heavy":
+                    cancelled = f"{t.cancelled} ({t.never_started} unstarted)"
+                    if t.cancel_lag:
+                        lag = ms(percentile(t.cancel_lag, 0.99))
+                        cancelled += f", ran {t.wasted:.1f} s, stop p99 {lag} ms"
                 tp.add_row(
                     r.kind, shape, t.workers, t.parents, seconds,
                     "-" if t.rate is None else f"{t.rate:.2f}",
@@ -705,6 +716,10 @@ def print_fleet(results: Sequence[FleetResults], opts: argparse.Namespace, targe
         "its worker never drove); the bench releases the lease so a worker adopts it"
     )
     tp.add_note("the rates include those delays; either count above 0 fails 'completes'")
+    tp.add_note(
+        "cancelled: late children cancelled (never started), the seconds the started ones "
+        "ran in all, and p99 of their parent's end -> their end"
+    )
     tp.print()
 
 
