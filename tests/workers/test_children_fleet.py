@@ -111,6 +111,21 @@ async def test_parents_waiting_on_children_never_deadlock_a_fleet_of_single_slot
     assert len(starts) == 60 and set(starts.values()) == {1}  # no child started twice (R2)
 
 
+async def test_a_suspended_parent_wakes_once_its_map_can_complete_not_per_child(
+    shared: str,
+) -> None:
+    """R4: the children end one after another; the parent waits for all of them in one
+    suspension (a child's completion counts down), so it is driven again once."""
+    sleeps = [0.3, 0.6, 0.9, 1.2]
+    async with open_store(shared) as store, workers(store, 2, concurrency=4):
+        engine = tr.Engine(store=store)
+        run_id = await engine.submit(graphs.family, {"count": 4, "sleeps": sleeps}, queue="parents")
+        result = await engine.wait(run_id, timeout=GUARD)
+        types = [e.type for e in await store.events(run_id)]
+    assert result.output == 60
+    assert types.count("run_suspended") == 1 and types.count("run_resumed") == 1, types
+
+
 async def test_first_k_over_children_on_a_queue_cancels_the_late_ones(
     shared: str, tmp_path: Path
 ) -> None:

@@ -318,13 +318,14 @@ async def tree_questions(
     store: RunStore, run_id: str, status: QuestionStatus | None = QuestionStatus.OPEN
 ) -> list[QuestionRow]:
     """The questions (open ones by default) of ``run_id`` and of its child runs, at any depth
-    (R5); with the default, only live children are looked at (a finished one has none open)."""
+    (R5). For open ones only suspended children are looked at: a child with a question
+    open waits on it, and suspends as soon as nothing else of it runs."""
     questions = await store.list_questions(run_id=run_id, status=status)
     todo = [run_id]
     while todo:
         parent = todo.pop()
         for child in await store.list_runs(parent=parent):
-            if status is QuestionStatus.OPEN and child.status in TERMINAL_STATUSES:
+            if status is QuestionStatus.OPEN and child.status is not RunStatus.SUSPENDED:
                 continue
             questions += await store.list_questions(run_id=child.run_id, status=status)
             todo.append(child.run_id)

@@ -662,22 +662,22 @@ class Engine:
     async def _awaited_ended(self, result: RunResult) -> bool:
         """Whether a child run that suspended ``result`` waits for has ended (R4)."""
         assert self.store is not None
-        for child_id in result.waiting_on:
-            if (await self.store.get_run(child_id)).status in TERMINAL_STATUSES:
-                return True
-        return False
+        if not result.waiting_on:
+            return False
+        awaited = set(result.waiting_on)
+        children = await self.store.list_runs(parent=result.run_id)
+        return any(c.run_id in awaited and c.status in TERMINAL_STATUSES for c in children)
 
     async def _wake(self, run_id: str) -> None:
-        """A suspended run one of whose children ended: queued again when it is on a
-        queue (a worker takes it), else resumed here if this engine has its graph."""
+        """A suspended run one of whose children ended: resumed here if this engine has its
+        graph; one on a queue is left to the store (the child's commit queued it again)."""
         store = self.store
         assert store is not None
         record = await store.get_run(run_id)
         if record.status is not RunStatus.SUSPENDED or self.is_driving(run_id):
             return
         if record.queue_name is not None:
-            await store.wake_suspended(run_id)
-            return
+            return  # the child's final commit queued it (or counted down what it waits for)
         try:
             await self.resume(run_id)
         except (LeaseHeld, NotResumable):

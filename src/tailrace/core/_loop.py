@@ -291,6 +291,29 @@ class RunLoop:
         self.cancel_reason = "deadline"
         self.request_cancel()
 
+    def _completions_needed(self) -> int:
+        """How many of the children awaited must complete before the run can move on (R4).
+
+        A node waiting on one child needs it; a map before its decision needs k
+        minus its successes (of the items still waiting), after it every item
+        still running. The run wakes at the least of these, or at once when a
+        child fails or is cancelled.
+        """
+        waiting: dict[int, list[Attempt]] = {}
+        for attempt in self._in_flight:
+            waiting.setdefault(attempt.index, []).append(attempt)
+        needed = []
+        for attempts in waiting.values():
+            items = attempts[0].items
+            if items is None:
+                needed.append(1)
+            elif items.winners is not None:
+                needed.append(len(attempts))
+            else:
+                k = len(items) if items.k is None else items.k
+                needed.append(min(max(k - items.succeeded, 1), len(attempts)))
+        return min(needed, default=1)
+
     async def _suspend_on_children(self, children: Children) -> RunResult:
         """Every attempt in flight only waits on a child run: suspend, holding nothing (R4).
 
@@ -299,6 +322,8 @@ class RunLoop:
         again and they re-attach to their children where they are (R2).
         """
         awaited = children.awaited()
+        if self._writer is not None:
+            self._writer.wake_after = self._completions_needed()
         children.suspending = True
         try:
             await self._cancel_in_flight(record=False)

@@ -91,6 +91,8 @@ class RunWriter:
         self.superseded: list[str] = []
         #: Stragglers parked since the last write (P3).
         self.parked: list[ParkedRow] = []
+        #: For the next suspension on child runs: the completions it waits for (R4).
+        self.wake_after: int | None = None
         self._queued: list[_Pending] = []
         #: Harvests staged since the last write began (the store's backlog).
         self._staged = 0
@@ -348,6 +350,8 @@ class RunWriter:
         queued = self._queued
         if not queued or queued[-1].status is not run_status:
             queued.append(_Pending(run_status))  # a status change is its own write
+        if run_status is RunStatus.SUSPENDED:
+            queued[-1].wake_after, self.wake_after = self.wake_after, None
         if len(loop.state.dirty) + len(events) < BULK:
             self._add_harvest(queued[-1], loop, events, error)
         else:
@@ -788,11 +792,13 @@ class _Pending:
         "state",
         "status",
         "superseded",
+        "wake_after",
     )
 
     def __init__(self, status: RunStatus) -> None:
         self.status = status
         self.error: str | None = None
+        self.wake_after: int | None = None
         #: The run's state JSON, or its counters (seq, events, turn) and durability
         #: to write it from.
         self.state: str | tuple[int, int, int, str] = ""
@@ -837,4 +843,5 @@ class _Pending:
             chunks=self.chunks,
             superseded=self.superseded,
             parked=self.parked,
+            wake_after=self.wake_after,
         )

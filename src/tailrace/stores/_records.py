@@ -374,6 +374,10 @@ class Harvest:
     superseded: Sequence[str] = ()
     #: Stream rows (chunks and terminal marks), inserted; their ``seq`` must be new (S3).
     chunks: Sequence[ChunkRow] = ()
+    #: A run suspending on its child runs: how many of them must complete before it
+    #: can move on (None: the first end wakes it) (R4). A failed or cancelled child
+    #: wakes it at once.
+    wake_after: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

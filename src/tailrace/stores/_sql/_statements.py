@@ -403,6 +403,14 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
                 scope TEXT PRIMARY KEY, due_at DOUBLE PRECISION NOT NULL)""",
         ),
     ),
+    (
+        17,
+        (
+            # A parent suspended on its children wakes once enough of them completed
+            # to move it on (R4): one wake-up, not one per child.
+            "ALTER TABLE runs ADD COLUMN wake_after INTEGER",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -425,8 +433,16 @@ SET_ORIGIN = (
 #: its queue when one of them ends (R4): only a queued run nobody holds.
 WAKE_SUSPENDED = (
     "UPDATE runs SET status = 'queued', lease_owner = NULL, lease_expires = NULL, "
-    "updated_at = ? WHERE run_id = ? AND status = 'suspended' AND queue_name IS NOT NULL "
+    "wake_after = NULL, updated_at = ? WHERE run_id = ? AND status = 'suspended' AND queue_name IS NOT NULL "
     "AND (lease_owner IS NULL OR lease_expires IS NULL OR lease_expires < ?)"
+)
+#: Values: wake_after, run_id. How many child completions a suspending run waits for.
+SET_WAKE_AFTER = "UPDATE runs SET wake_after = ? WHERE run_id = ?"
+#: Values: run_id. A child completed: one fewer for its suspended parent to wait
+#: for; no row changes when that was the last (the parent is woken instead).
+COUNT_DOWN = (
+    "UPDATE runs SET wake_after = wake_after - 1 "
+    "WHERE run_id = ? AND status = 'suspended' AND wake_after > 1"
 )
 #: Values: now, limit. Runs past their deadline that nobody drives (R6).
 OVERDUE_RUNS = (

@@ -96,6 +96,7 @@ from ._statements import (
     ANSWER_QUESTION,
     APPLY_QUESTION,
     CLAIM_PARKED,
+    COUNT_DOWN,
     DROP_PARKED,
     EVENT_COLUMNS,
     INSERT_QUEUED_RUN,
@@ -114,6 +115,7 @@ from ._statements import (
     SELECT_PARKED,
     SELECT_QUESTION,
     SELECT_SHAPE,
+    SET_WAKE_AFTER,
     SUPERSEDE_QUESTION,
     WAKE_SUSPENDED,
     chunk_from_row,
@@ -221,8 +223,10 @@ async def commit_harvest(tx: Tx, run_id: str, token: int, harvest: Harvest, now:
         lease_token=lease_token, token=token, new=harvest.status,
     )  # fmt: skip
     await tx.write_harvest(run_id, harvest, now)
+    if harvest.status is RunStatus.SUSPENDED:
+        await tx.change(SET_WAKE_AFTER, (harvest.wake_after, run_id))
     if parent is not None and harvest.status in TERMINAL_STATUSES:
-        await wake_suspended(tx, parent, now)  # the parent waits on its children (R4)
+        await child_ended(tx, parent, harvest.status, now)
     if harvest.chunks:  # readers in other processes wake on it (S3)
         await tx.signal("stream")
     if harvest.applied or harvest.superseded:  # most harvests change no question
@@ -582,6 +586,14 @@ async def claim_parked(
     holds, oldest first. Claiming again returns the same items: it is idempotent."""
     await tx.change_all(CLAIM_PARKED, (claimant, now, graph_name, node_id, limit))
     return await list_parked(tx, None, None, None, claimant)
+
+
+async def child_ended(tx: Tx, parent: str, status: RunStatus, now: float) -> None:
+    """A child of ``parent`` ended with ``status`` (R4): a completion counts down what the
+    suspended parent waits for; the last one, a failure or a cancel wakes it."""
+    if status is RunStatus.COMPLETED and await tx.change(COUNT_DOWN, (parent,)):
+        return
+    await wake_suspended(tx, parent, now)
 
 
 async def wake_suspended(tx: Tx, run_id: str, now: float) -> bool:

@@ -124,6 +124,8 @@ class MemoryStore(RunStore):
         self._event_rows: dict[str, dict[int, EventRow]] = {}
         #: run id -> its stream rows in seq order (S3).
         self._chunk_rows: dict[str, list[ChunkRow]] = {}
+        #: run id -> the child completions a suspended run waits for (R4).
+        self._wake_after: dict[str, int | None] = {}
         self._questions: dict[str, QuestionRow] = {}
         #: (graph name, fingerprint) -> the graph version's structure JSON (V1).
         self._shapes: dict[tuple[str, str], str] = {}
@@ -244,10 +246,13 @@ class MemoryStore(RunStore):
                 nodes_done=record.nodes_done + harvest.nodes_done_delta,
             )
             cancel = record.cancel_requested_at is not None
+            if harvest.status is RunStatus.SUSPENDED:
+                self._wake_after[run_id] = harvest.wake_after
             parent = record.parent_run_id
             woke = (
                 parent is not None
                 and harvest.status in TERMINAL_STATUSES
+                and not (harvest.status is RunStatus.COMPLETED and self._count_down(parent))
                 and self._wake_locked(parent, now)
             )
         if harvest.chunks:
@@ -255,6 +260,15 @@ class MemoryStore(RunStore):
         if woke:
             self._hub.deliver(frozenset({"submit"}))
         return cancel
+
+    def _count_down(self, run_id: str) -> bool:
+        """One child of suspended ``run_id`` completed: True if it still waits for more (R4)."""
+        run = self._runs.get(run_id)
+        left = self._wake_after.get(run_id)
+        if run is None or run.status is not RunStatus.SUSPENDED or left is None or left <= 1:
+            return False
+        self._wake_after[run_id] = left - 1
+        return True
 
     def _wake_locked(self, run_id: str, now: float) -> bool:
         """Queue suspended ``run_id`` again (R4), as ``WAKE_SUSPENDED``; the caller holds the lock."""
@@ -269,6 +283,7 @@ class MemoryStore(RunStore):
         self._runs[run_id] = dataclasses.replace(
             run, status=RunStatus.QUEUED, lease_owner=None, lease_expires=None, updated_at=now
         )
+        self._wake_after.pop(run_id, None)
         return True
 
     async def _wake_suspended(self, run_id: str) -> bool:
