@@ -142,6 +142,10 @@ async def test_first_k_over_children_on_a_queue_cancels_the_late_ones(
             lambda: _statuses(store, run_id, {RunStatus.COMPLETED: 7, RunStatus.CANCELLED: 3}),
             "the late children to be cancelled",
         )
+        children = await store.list_runs(parent=run_id)
+    # The seven the map needs go before its extras on a busy fleet.
+    priorities = {int(c.run_id.rsplit("/", 1)[1]): c.priority for c in children}
+    assert priorities == {i: 1 if i < 7 else 0 for i in range(10)}
 
 
 async def _statuses(store: RunStore, run_id: str, want: dict[RunStatus, int]) -> bool:

@@ -87,8 +87,8 @@ class ChildRunner:
     store: RunStore | None
     #: start(graph, input, run_id, parent, deadline): run it here to its end or suspension.
     start: Callable[[Graph, Any, str, str, float | None], Awaitable[RunResult]]
-    #: submit(graph, input, run_id, queue, parent, deadline): store it queued.
-    submit: Callable[[Graph, Any, str, str, str, float | None], Awaitable[str]]
+    #: submit(graph, input, run_id, queue, parent, deadline, priority): store it queued.
+    submit: Callable[[Graph, Any, str, str, str, float | None, int], Awaitable[str]]
     #: resume(run_id, graph): drive a child that exists here (LeaseHeld if held).
     resume: Callable[[str, Graph], Awaitable[RunResult]]
     #: cancel(run_id): cancel a child (and its own children).
@@ -175,8 +175,9 @@ class Children:
         if record is None:
             with contextlib.suppress(RunExists):  # another attempt of this visit raced us
                 await self.runner.submit(
-                    graph, payload, child_id, queue, self.run_id, self.deadline
-                )
+                    graph, payload, child_id, queue, self.run_id, self.deadline,
+                    _priority(attempt),
+                )  # fmt: skip
         elif record.status in TERMINAL_STATUSES:
             return await self._ended(record, graph)
         return await self._wait(child_id, graph, attempt)
@@ -296,6 +297,19 @@ class Children:
             watcher.cancel()
             with contextlib.suppress(BaseException):
                 await watcher
+
+
+def _priority(attempt: Attempt) -> int:
+    """A queued child's priority: the items a first-k map needs go before its extras.
+
+    Of a map with ``required=k`` the first k items get priority 1 and the
+    rest 0, so a fleet runs every parent's needed children before anyone's
+    speculative ones (which then use idle workers only, like hedges, E3).
+    """
+    items = attempt.items
+    if items is None or items.k is None:
+        return 1
+    return 1 if attempt.item < items.k else 0
 
 
 def _orphaned(record: RunRecord, now: float) -> bool:

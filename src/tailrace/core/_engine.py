@@ -703,10 +703,17 @@ class Engine:
         return await self._start(graph, input, run_id, None, parent, deadline)
 
     async def _submit_child(
-        self, graph: Graph, input: Any, run_id: str, queue: str, parent: str, deadline: float | None
+        self,
+        graph: Graph,
+        input: Any,
+        run_id: str,
+        queue: str,
+        parent: str,
+        deadline: float | None,
+        priority: int,
     ) -> str:
         return await submit_run(
-            self, graph, input, queue=queue, run_id=run_id, priority=0, partition=None,
+            self, graph, input, queue=queue, run_id=run_id, priority=priority, partition=None,
             dedup_key=None, on_duplicate="return", cost=None, estimate=None, graph_ref=None,
             parent=parent, deadline=deadline,
         )  # fmt: skip
