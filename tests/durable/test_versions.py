@@ -8,12 +8,14 @@ checked against it, resumed on it, migrated onto it, or forked from it.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
 import tailrace as tr
 from tailrace._errors import GraphMismatch, Incompatibility
-from tailrace.stores import RunStatus
+from tailrace.core import stretches_of
+from tailrace.stores import RunStatus, SQLiteStore
 from tests.durable.test_resume import (
     Backend,
     Probe,
@@ -420,3 +422,18 @@ async def test_v4_fork_reuses_a_map_upstream_with_its_items_and_reruns_one_downs
     again = await eng.fork(source_id, at="sample", input=[5, 6, 7])  # the map runs again
     assert again.results["sample"] == [25, 36, 49] and again.results["best"] == 110
     assert sorted(calls) == ["best", "sample 5", "sample 6", "sample 7"]
+
+
+async def test_v4_a_forks_first_stretch_names_the_engine_that_drove_it(tmp_path: Path) -> None:
+    """W6 for forks: the fork's ``run_started`` records its owner, like any run's."""
+    g = tr.Graph("forked_owner")
+    g.add_node("a", lambda x: x + 1)
+    g.add_node("b", lambda x: x * 2)
+    g.chain("a", "b")
+    async with SQLiteStore(str(tmp_path / "fork.db")) as store:
+        engine = tr.Engine(store=store)
+        await engine.run(g, 1, run_id="src")
+        forked = await engine.fork("src", at="b", fork_id="fork")
+        drivers = stretches_of(await store.events("fork"))
+    assert forked.output == 4
+    assert [d.owner for d in drivers] == [engine.owner]

@@ -467,7 +467,10 @@ class Engine:
                 writer.refer(plan.big)
                 writer.carry(plan.results, plan.frozen, plan.items)
                 loop = self._loop_for(fork_id, plan.state, writer)
-                loop.emit(EventType.RUN_STARTED, graph=graph.name, forked_from=run_id, at=at)
+                loop.emit(
+                    EventType.RUN_STARTED, graph=graph.name, forked_from=run_id, at=at,
+                    owner=self.owner,
+                )  # fmt: skip
                 await loop.checkpoint()  # the reused part is durable before anything runs
                 result = await loop.drive()
             result = await self._with_questions(result)
