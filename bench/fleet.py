@@ -759,17 +759,20 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def bench_latency(
-    target: Target, graph_file: Path, module: Any, samples: int
+    target: Target, graph_file: Path, module: Any, samples: int, workers: int = 1
 ) -> tuple[list[float], list[float]]:
-    """Submit -> first node start and answer -> resumed node start, seconds, with one idle worker."""
+    """Submit -> first node start and answer -> resumed node start, seconds, with ``workers``
+    idle workers (all of them woken by each submit; one claims it)."""
     import tailrace as tr
     from tailrace.stores import QuestionStatus
 
-    worker = WorkerProcess(target, graph_file, "latency", concurrency=4)
+    fleet = [
+        WorkerProcess(target, graph_file, f"latency{i}", concurrency=4) for i in range(workers)
+    ]
     submit_lat: list[float] = []
     answer_lat: list[float] = []
     try:
-        wait_ready([worker])
+        wait_ready(fleet)
 
         async def probe() -> None:
             async with open_target(target) as store:
@@ -794,7 +797,8 @@ def bench_latency(
 
         asyncio.run(probe())
     finally:
-        worker.stop()
+        for worker in fleet:
+            worker.stop()
     return submit_lat, answer_lat
 
 
@@ -923,7 +927,7 @@ def run_bench(args: argparse.Namespace) -> None:
          Column("x 1 worker", right=True), Column("of linear", right=True)],
     )  # fmt: skip
     lat = Table(
-        "fleet: latencies with an idle worker (ms)",
+        "fleet: latencies with idle workers (ms)",
         [Column("store"), Column("what"), Column("p50", right=True), Column("p99", right=True)],
     )
     for kind in stores_of(args):
@@ -944,22 +948,27 @@ def run_bench(args: argparse.Namespace) -> None:
                 rates.add_row(
                     kind, n, f"{rate:.1f}", f"{rate / (base):.2f}", f"{rate / (base * n):.2f}"
                 )
-            target = Target(kind, workdir / "lat", args.dsn)
-            target.workdir.mkdir()
-            _declare(target, cfg)
-            try:
-                submit_lat, answer_lat = bench_latency(
-                    target, graph_file, module, cfg.latency_samples
-                )
-            finally:
-                target.drop()
-            for what, values in (("submit -> start", submit_lat), ("answer -> resume", answer_lat)):
-                lat.add_row(
-                    kind,
-                    what,
-                    f"{1000 * percentile(values, 0.5):.1f}",
-                    f"{1000 * percentile(values, 0.99):.1f}",
-                )
+            for count in sorted({1, max(cfg.workers)}):
+                target = Target(kind, workdir / f"lat{count}", args.dsn)
+                target.workdir.mkdir()
+                _declare(target, cfg)
+                try:
+                    submit_lat, answer_lat = bench_latency(
+                        target, graph_file, module, cfg.latency_samples, workers=count
+                    )
+                finally:
+                    target.drop()
+                where = "" if count == 1 else f" ({count} workers)"
+                for what, values in (
+                    (f"submit -> start{where}", submit_lat),
+                    (f"answer -> resume{where}", answer_lat),
+                ):
+                    lat.add_row(
+                        kind,
+                        what,
+                        f"{1000 * percentile(values, 0.5):.1f}",
+                        f"{1000 * percentile(values, 0.99):.1f}",
+                    )
             if args.dbos:
                 _bench_dbos(args, kind, workdir, cfg, rates, lat)
     print(environment(no_gc=False), end="\n\n")
