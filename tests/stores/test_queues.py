@@ -70,6 +70,38 @@ async def finish(store: RunStore, run_id: str, owner: str = "w1") -> None:
 # --- submitting -------------------------------------------------------------------
 
 
+async def test_many_runs_are_submitted_in_one_write_and_taken_ids_are_skipped(
+    store: RunStore,
+) -> None:
+    """``submit_runs``: a map's child runs go in one transaction and one wake-up (R4)."""
+    await submit(store, "taken", at=1.0)
+    children = [
+        (
+            NewRun(
+                run_id=run_id, graph_name="kid", graph_ref=None, fingerprint="fp",
+                input_json=str(n), created_at=2.0, parent_run_id="p", deadline=99.0,
+            ),
+            Submission(queue="kids", priority=1 - n % 2),
+        )
+        for n, run_id in enumerate(["p/each/1/0", "taken", "p/each/1/2"])
+    ]  # fmt: skip
+    async with store.changes() as feed:
+        stored = await store.submit_runs(children)
+        kinds = await feed.wait(5.0)
+    assert stored == ["p/each/1/0", "p/each/1/2"]
+    assert "submit" in kinds
+    kept = await store.get_run("taken")
+    assert (kept.graph_name, kept.queue_name, kept.parent_run_id) == ("g", "q", None)
+    first = await store.get_run("p/each/1/0")
+    assert (first.status, first.queue_name, first.priority) == (RunStatus.QUEUED, "kids", 1)
+    assert (first.parent_run_id, first.deadline, first.input_json) == ("p", 99.0, "0")
+    assert [r.run_id for r in await store.list_runs(parent="p")] == ["p/each/1/2", "p/each/1/0"]
+    with pytest.raises(ValueError, match="no dedup keys"):
+        await store.submit_runs([(new_run("d"), Submission(queue="q", dedup_key="k"))])
+    with pytest.raises(RunNotFound):
+        await store.get_run("d")  # nothing of a refused batch is stored
+
+
 async def test_a_submitted_run_is_queued_with_its_submission(store: RunStore) -> None:
     run_id = await submit(
         store, "r1", at=3.0, priority=2, partition="p", dedup_key="k", cost=4.0, estimate=9.0

@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._errors import LeaseHeld, RunExists, RunFailed, RunNotFound
+from .._errors import LeaseHeld, RunFailed, RunNotFound
 from ..stores import TERMINAL_STATUSES, QuestionRow, QuestionStatus, RunRecord, RunStatus, RunStore
 from ._lease import owner_is_dead
 from ._outcome import RunResult
@@ -81,14 +81,27 @@ def checked_deadline(value: float | datetime.datetime | datetime.timedelta | Non
 
 
 @dataclass(frozen=True, slots=True)
+class ChildSubmit:
+    """One child run to submit to a queue: many are submitted in one write."""
+
+    graph: Graph
+    input: Any
+    run_id: str
+    queue: str
+    parent: str
+    deadline: float | None
+    priority: int
+
+
+@dataclass(frozen=True, slots=True)
 class ChildRunner:
     """What the engine lends child runs: how to start, submit, resume, cancel and read one."""
 
     store: RunStore | None
     #: start(graph, input, run_id, parent, deadline): run it here to its end or suspension.
     start: Callable[[Graph, Any, str, str, float | None], Awaitable[RunResult]]
-    #: submit(graph, input, run_id, queue, parent, deadline, priority): store it queued.
-    submit: Callable[[Graph, Any, str, str, str, float | None, int], Awaitable[str]]
+    #: submit(children): store them queued in one write; per child the error that kept it out.
+    submit: Callable[[list[ChildSubmit]], Awaitable[list[Exception | None]]]
     #: resume(run_id, graph): drive a child that exists here (LeaseHeld if held).
     resume: Callable[[str, Graph], Awaitable[RunResult]]
     #: cancel(run_id): cancel a child (and its own children).
@@ -128,6 +141,11 @@ class Children:
         #: Children awaited now: id -> (future of its final record, the waiting attempt).
         self._awaited: dict[str, tuple[asyncio.Future[RunRecord], Attempt]] = {}
         self._watcher: asyncio.Task[None] | None = None
+        #: Submits gathered this turn of the event loop, sent in one write; by child id,
+        #: each one's future until it is stored.
+        self._submits: list[tuple[ChildSubmit, asyncio.Future[None]]] = []
+        self._sending: dict[str, asyncio.Future[None]] = {}
+        self._senders: set[asyncio.Task[None]] = set()
 
     # -- one attempt ------------------------------------------------------------------
 
@@ -173,14 +191,43 @@ class Children:
     ) -> RunResult:
         record = await self._record(child_id)
         if record is None:
-            with contextlib.suppress(RunExists):  # another attempt of this visit raced us
-                await self.runner.submit(
-                    graph, payload, child_id, queue, self.run_id, self.deadline,
-                    _priority(attempt),
-                )  # fmt: skip
+            child = ChildSubmit(
+                graph, payload, child_id, queue, self.run_id, self.deadline, _priority(attempt)
+            )
+            await self._submit(child)
         elif record.status in TERMINAL_STATUSES:
             return await self._ended(record, graph)
         return await self._wait(child_id, graph, attempt)
+
+    async def _submit(self, child: ChildSubmit) -> None:
+        """Submit ``child`` with the others submitted in this turn of the loop, in one write."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        if not self._submits:
+            loop.call_soon(self._send_submits)
+        self._submits.append((child, future))
+        self._sending[child.run_id] = future
+        await asyncio.shield(future)  # a cancelled attempt's child is still stored (or not) whole
+
+    def _send_submits(self) -> None:
+        batch, self._submits = self._submits, []
+        task = asyncio.get_running_loop().create_task(self._send(batch))
+        self._senders.add(task)
+        task.add_done_callback(self._senders.discard)
+
+    async def _send(self, batch: list[tuple[ChildSubmit, asyncio.Future[None]]]) -> None:
+        try:
+            errors = await self.runner.submit([child for child, _ in batch])
+        except Exception as exc:  # the write failed: every attempt of the batch fails with it
+            errors = [exc] * len(batch)
+        for (child, future), error in zip(batch, errors, strict=True):
+            self._sending.pop(child.run_id, None)
+            if future.done():
+                continue
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
 
     async def _attach(self, child_id: str, graph: Graph) -> RunResult | None:
         """Drive the existing child here (R2); None when another live engine holds it."""
@@ -265,6 +312,10 @@ class Children:
     async def _cancel(self, child_id: str) -> None:
         if self.runner.store is None:
             return  # an in-memory child ends with its attempt
+        sending = self._sending.get(child_id)
+        if sending is not None:  # stored or refused first, so the cancel finds it
+            with contextlib.suppress(Exception):
+                await sending
         try:
             await self.runner.cancel(child_id)
         except RunNotFound:
@@ -291,7 +342,9 @@ class Children:
         return tuple(sorted(self._awaited))
 
     async def close(self) -> None:
-        """Stop watching (the run ends or suspends)."""
+        """Stop watching (the run ends or suspends); submits under way are finished."""
+        if self._senders:
+            await asyncio.gather(*self._senders, return_exceptions=True)
         watcher, self._watcher = self._watcher, None
         if watcher is not None and not watcher.done():
             watcher.cancel()

@@ -41,13 +41,21 @@ from ._admission import AdmissionPolicy, SlotQueue, resolve_policy
 from ._children import (
     Children,
     ChildRunner,
+    ChildSubmit,
     checked_deadline,
     tree_questions,
 )
 from ._lease import Lease, make_owner, mark_failed
 from ._loop import RunLoop
 from ._outcome import RunResult
-from ._queued import cancel_run, reopen_cancelled, stored_result, submit_run, wait_for
+from ._queued import (
+    cancel_run,
+    reopen_cancelled,
+    stored_result,
+    submit_children,
+    submit_run,
+    wait_for,
+)
 from ._restore import find_graph, restore_run
 from ._state import LateInput, RunState
 from ._streams import MAX_STREAM_CHUNKS, READ_BATCH, Chunk, StreamHub, chunk_of, read_stream
@@ -694,7 +702,7 @@ class Engine:
         return ChildRunner(
             store=self.store,
             start=self._start_child,
-            submit=self._submit_child,
+            submit=self._submit_children,
             resume=self._resume_child,
             cancel=self.cancel,
             result=self._child_result,
@@ -705,21 +713,8 @@ class Engine:
     ) -> RunResult:
         return await self._start(graph, input, run_id, None, parent, deadline)
 
-    async def _submit_child(
-        self,
-        graph: Graph,
-        input: Any,
-        run_id: str,
-        queue: str,
-        parent: str,
-        deadline: float | None,
-        priority: int,
-    ) -> str:
-        return await submit_run(
-            self, graph, input, queue=queue, run_id=run_id, priority=priority, partition=None,
-            dedup_key=None, on_duplicate="return", cost=None, estimate=None, graph_ref=None,
-            parent=parent, deadline=deadline,
-        )  # fmt: skip
+    async def _submit_children(self, children: list[ChildSubmit]) -> list[Exception | None]:
+        return await submit_children(self, children)
 
     async def _resume_child(self, run_id: str, graph: Graph) -> RunResult:
         self.register(graph)

@@ -65,7 +65,7 @@ from ..stores import (
     Submission,
 )
 from ..tail import DurationEstimator
-from ._children import cancel_children, tree_questions
+from ._children import ChildSubmit, cancel_children, tree_questions
 from ._lease import acquire_lease, owner_is_dead, release_quietly, run_to_end
 from ._outcome import NodeReport, RunResult
 from ._restore import find_graph, restore_run
@@ -189,7 +189,6 @@ async def submit_run(
     estimate: float | None,
     graph_ref: str | None,
     not_before: float | datetime.datetime | None = None,
-    parent: str | None = None,
     deadline: float | None = None,
 ) -> str:
     """``Engine.submit``: store the run ``queued`` and return its id (or the dedup holder's)."""
@@ -223,7 +222,7 @@ async def submit_run(
         run_id=run_id, graph_name=name, graph_ref=graph_ref, fingerprint=fingerprint,
         input_json=input_json, created_at=time.time(),
         shape_json=shape_json(graph) if isinstance(graph, Graph) else None,
-        parent_run_id=parent, deadline=deadline,
+        deadline=deadline,
     )  # fmt: skip
     submission = Submission(
         queue=queue, priority=priority, partition=partition, dedup_key=dedup_key, cost=cost,
@@ -238,6 +237,39 @@ async def submit_run(
             run_id=stored, queue=queue, dedup_key=dedup_key,
         )  # fmt: skip
     return stored
+
+
+async def submit_children(engine: Engine, children: list[ChildSubmit]) -> list[Exception | None]:
+    """Store ``children`` ``queued``, in one write; per child, the error that kept it out.
+
+    A child whose input does not encode is refused alone (``EncodeError``);
+    one submitted before is left as it is (R2). A failed write fails them all.
+    """
+    store = engine.store
+    assert store is not None
+    codec = engine.codec or DEFAULT_CODEC
+    errors: list[Exception | None] = []
+    rows: list[tuple[NewRun, Submission]] = []
+    for child in children:
+        try:
+            name, fingerprint, graph_ref = await _what_to_run(engine, store, child.graph, None)
+            input_json = codec.encode(child.input)
+        except (TypeError, ValueError) as exc:
+            errors.append(EncodeError(f"run {child.run_id!r}: input is not encodable: {exc}"))
+            continue
+        errors.append(None)
+        new = NewRun(
+            run_id=child.run_id, graph_name=name, graph_ref=graph_ref, fingerprint=fingerprint,
+            input_json=input_json, created_at=time.time(), shape_json=shape_json(child.graph),
+            parent_run_id=child.parent, deadline=child.deadline,
+        )  # fmt: skip
+        estimate = await estimates_of(store).estimate(fingerprint, None)
+        rows.append(
+            (new, Submission(queue=child.queue, priority=child.priority, estimate=estimate))
+        )
+    if rows:
+        await store.submit_runs(rows)
+    return errors
 
 
 async def _what_to_run(

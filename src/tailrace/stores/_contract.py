@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 
 from ._artifacts import check_expected
 from ._queue_rules import check_claim, check_worker, first_schedule, graph_keys
@@ -564,6 +564,31 @@ class RunStore(abc.ABC):
         )  # fmt: skip
         return await self._submit_run(run, submission)
 
+    async def submit_runs(self, runs: Sequence[tuple[NewRun, Submission]]) -> list[str]:
+        """Store each ``(run, submission)`` as ``queued``, all in one transaction; return the
+        ids it stored.
+
+        For many runs submitted at once (a map's child runs): one write and one
+        wake-up of the workers for all. A run whose id is taken is left as it
+        is and skipped (a run submitted before, e.g. by an earlier attempt of
+        the same node). Dedup keys are not taken here (``ValueError``): use
+        :meth:`submit_run`.
+        """
+        for run, q in runs:
+            check_new_format(run)
+            if q.dedup_key is not None:
+                raise ValueError(
+                    f"run {run.run_id!r}: submit_runs takes no dedup keys; use submit_run"
+                )
+            check_names(
+                run_id=run.run_id, graph_name=run.graph_name, graph_ref=run.graph_ref,
+                fingerprint=run.fingerprint, queue=q.queue, partition=q.partition,
+                parent_run_id=run.parent_run_id,
+            )  # fmt: skip
+        if not runs:
+            return []
+        return await self._submit_runs(runs)
+
     async def claim_runs(
         self,
         queue: str,
@@ -856,6 +881,10 @@ class RunStore(abc.ABC):
         parent: str | None = None,
     ) -> list[RunRecord]:
         """:meth:`list_runs`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _submit_runs(self, runs: Sequence[tuple[NewRun, Submission]]) -> list[str]:
+        """:meth:`submit_runs`, called with checked arguments."""
 
     @abc.abstractmethod
     async def _wake_suspended(self, run_id: str) -> bool:

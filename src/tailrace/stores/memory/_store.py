@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from ..._errors import RunExists, RunNotFound, StoreError
 from .._artifacts import ArtifactLedger
@@ -724,6 +724,16 @@ class MemoryStore(RunStore):
             self._insert_run(run, submission)
         self._hub.deliver(frozenset({"submit"}))
         return run.run_id
+
+    async def _submit_runs(self, runs: Sequence[tuple[NewRun, Submission]]) -> list[str]:
+        with self._lock:
+            stored = []
+            for run, submission in runs:
+                if run.run_id not in self._runs:
+                    self._insert_run(run, submission)
+                    stored.append(run.run_id)
+        self._hub.deliver(frozenset({"submit"}))
+        return stored
 
     async def _return_claim(self, run_id: str, owner: str) -> bool:
         with self._lock:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import psycopg
@@ -390,6 +390,30 @@ class PostgresStore(RunStore):
             )
 
         await self._db.write(f"run {run_id!r}", release, transaction=False)
+
+    async def _submit_runs(self, runs: Sequence[tuple[NewRun, Submission]]) -> list[str]:
+        channel = self._channel
+
+        async def insert(conn: Conn, attempt: Attempt) -> list[str]:
+            stored = []
+            for run, q in runs:
+                cur = await conn.execute(INSERT_QUEUED, queued_run_params(run, q))
+                row = await cur.fetchone()
+                if row is None:
+                    continue  # submitted before: left as it is
+                attempt.xid = row[0]
+                await _keep_shape_and_origin(conn, run)
+                stored.append(run.run_id)
+            await notify(conn, channel, "submit")
+            return stored
+
+        async def landed(conn: Conn) -> list[str]:
+            return [run.run_id for run, _ in runs]  # the lost COMMIT stored what it inserted
+
+        return await self._db.write(
+            f"{len(runs)} runs from {runs[0][0].run_id!r}", insert, landed=landed,
+            texts=lambda: [("input_json", run.input_json) for run, _ in runs],
+        )  # fmt: skip
 
     async def _return_claim(self, run_id: str, owner: str) -> bool:
         channel = self._channel

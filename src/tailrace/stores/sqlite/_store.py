@@ -18,7 +18,7 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Literal, TypeVar
 
 from ..._errors import RunExists, StoreError
@@ -567,6 +567,20 @@ class SQLiteStore(RunStore):
             return run.run_id
 
         return await self._write(f"run {run.run_id!r}", apply)
+
+    async def _submit_runs(self, runs: Sequence[tuple[NewRun, Submission]]) -> list[str]:
+        def apply(conn: sqlite3.Connection) -> list[str]:
+            stored = []
+            for run, q in runs:
+                if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run.run_id,)).fetchone():
+                    continue  # submitted before: left as it is
+                conn.execute(INSERT_QUEUED_RUN, queued_run_params(run, q))
+                _keep_shape_and_origin(conn, run)
+                stored.append(run.run_id)
+            bump(conn, "submit")
+            return stored
+
+        return await self._write(f"{len(runs)} runs from {runs[0][0].run_id!r}", apply)
 
     async def _claim_runs(
         self,
