@@ -137,7 +137,7 @@ class Children:
         self.ending = False
         #: The children known from the store, by id: one read when the first attempt starts.
         self._known: dict[str, RunRecord] | None = None
-        self._known_read: asyncio.Lock | None = None
+        self._known_read: asyncio.Future[list[RunRecord]] | None = None
         #: Children awaited now: id -> (future of its final record, the waiting attempt).
         self._awaited: dict[str, tuple[asyncio.Future[RunRecord], Attempt]] = {}
         self._watcher: asyncio.Task[None] | None = None
@@ -296,17 +296,18 @@ class Children:
                     future.set_exception(exc)
 
     async def _record(self, child_id: str) -> RunRecord | None:
-        """The stored child ``child_id``, or None; the run's children are read once."""
+        """The stored child ``child_id``, or None; the run's children are read once, and every
+        attempt waiting for that read goes on in the same turn of the loop (so their
+        submits share one write)."""
         store = self.runner.store
         if store is None:
             return None
         if self._known is None:
             if self._known_read is None:
-                self._known_read = asyncio.Lock()
-            async with self._known_read:
-                if self._known is None:
-                    rows = await store.list_runs(parent=self.run_id)
-                    self._known = {r.run_id: r for r in rows}
+                self._known_read = asyncio.ensure_future(store.list_runs(parent=self.run_id))
+            rows = await asyncio.shield(self._known_read)
+            if self._known is None:
+                self._known = {r.run_id: r for r in rows}
         return self._known.get(child_id)  # as of this drive's start: a later change wakes _wait
 
     async def _cancel(self, child_id: str) -> None:
@@ -345,6 +346,11 @@ class Children:
         """Stop watching (the run ends or suspends); submits under way are finished."""
         if self._senders:
             await asyncio.gather(*self._senders, return_exceptions=True)
+        reading = self._known_read
+        if reading is not None and not reading.done():
+            reading.cancel()
+            with contextlib.suppress(BaseException):
+                await reading
         watcher, self._watcher = self._watcher, None
         if watcher is not None and not watcher.done():
             watcher.cancel()

@@ -260,7 +260,7 @@ async def submit_children(engine: Engine, children: list[ChildSubmit]) -> list[E
         errors.append(None)
         new = NewRun(
             run_id=child.run_id, graph_name=name, graph_ref=graph_ref, fingerprint=fingerprint,
-            input_json=input_json, created_at=time.time(), shape_json=shape_json(child.graph),
+            input_json=input_json, created_at=0.0, shape_json=shape_json(child.graph),
             parent_run_id=child.parent, deadline=child.deadline,
         )  # fmt: skip
         estimate = await estimates_of(store).estimate(fingerprint, None)
@@ -268,7 +268,8 @@ async def submit_children(engine: Engine, children: list[ChildSubmit]) -> list[E
             (new, Submission(queue=child.queue, priority=child.priority, estimate=estimate))
         )
     if rows:
-        await store.submit_runs(rows)
+        now = time.time()  # queued from the write on, not from the reads before it
+        await store.submit_runs([(dataclasses.replace(new, created_at=now), q) for new, q in rows])
     return errors
 
 
