@@ -165,7 +165,7 @@ class Children:
                 result = await self._queued(graph, payload, child_id, node.queue, attempt)
         except asyncio.CancelledError:
             if attempt.abandoned or self.ending:  # on purpose: the child is not needed (R3)
-                await asyncio.shield(self._cancel(child_id))
+                await _finish(self._cancel(child_id))
             raise
         return result.output
 
@@ -356,6 +356,16 @@ class Children:
             watcher.cancel()
             with contextlib.suppress(BaseException):
                 await watcher
+
+
+async def _finish(work: Awaitable[None]) -> None:
+    """Await ``work`` to its end even if the awaiting task is cancelled again meanwhile
+    (a cancelled parent returns only once its child's cancel is recorded)."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(task)
+    task.result()
 
 
 def _priority(attempt: Attempt) -> int:
