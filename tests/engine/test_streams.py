@@ -567,3 +567,37 @@ async def test_s3_stream_rows_are_committed_at_once_not_at_the_group_window(
         whole = await read_all(tr.Engine(store=reader_store), "hurry")
     check_well_formed(whole)
     assert values(whole) == list(range(50))
+
+
+async def test_s3_an_on_chunk_listener_sees_each_row_inside_the_stream_call() -> None:
+    """``Engine.on_chunk``: the listener is called as the row is published, before the
+    handler's ``stream`` call returns; one that raises is removed and the run goes on."""
+    seen: list[tuple[str, object]] = []
+    inside: list[int] = []
+    g = tr.Graph("listened")
+
+    @g.task()
+    async def talk(n: int) -> int:
+        node = tr.current_node()
+        assert node is not None
+        for i in range(n):
+            node.stream(i)
+            inside.append(len(seen))  # the listener already ran
+        return n
+
+    def broken(chunk: tr.Chunk) -> None:
+        raise RuntimeError("a listener bug")
+
+    engine = tr.Engine()
+    with (
+        engine.on_chunk("l1", lambda c: seen.append((c.kind.value, c.value))),
+        engine.on_chunk("l1", broken),
+    ):
+        result = await engine.run(g, 3, run_id="l1")
+    assert result.output == 3
+    assert seen == [("chunk", 0), ("chunk", 1), ("chunk", 2), ("accepted", None)]
+    assert inside == [1, 2, 3]
+    with engine.on_chunk("l2", lambda c: seen.append(("late", c.value))):
+        pass
+    await engine.run(g, 1, run_id="l2")
+    assert ("late", 0) not in seen  # a listener that left hears nothing more

@@ -16,7 +16,7 @@ import dataclasses
 import datetime
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 from .._codec import DEFAULT_CODEC, Codec
@@ -573,6 +573,24 @@ class Engine:
         if not isinstance(after, int) or isinstance(after, bool) or after < 0:
             raise ValueError(f"after must be a stream cursor (an integer >= 0), got {after!r}")
         return read_stream(self.store, self._codec, self.stream_hub, run_id, after)
+
+    def on_chunk(
+        self, run_id: str, callback: Callable[[Chunk], object]
+    ) -> contextlib.AbstractContextManager[None]:
+        """Call ``callback(chunk)`` for each stream row of ``run_id`` this engine publishes
+        while the ``with`` block runs: at once, inside the handler's ``stream`` call (S3).
+
+        The in-process listener with no delay: it runs on the event loop's
+        thread before the row is durable, so it must be quick and must not
+        block (hand the chunk to a queue for slow work). A callback that raises
+        is logged once and removed; the run goes on. Rows published by
+        another process reach this one through :meth:`stream` only.
+
+        Args:
+            run_id: the run to listen to (driven by this engine now or later).
+            callback: called with each :class:`~tailrace.Chunk` (chunks and marks).
+        """
+        return self.stream_hub.on_chunk(checked_run_id(run_id), callback)
 
     async def stored_chunks(
         self, run_id: str, *, after: int = 0, limit: int = READ_BATCH

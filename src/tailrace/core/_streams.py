@@ -25,6 +25,7 @@ import collections
 import contextlib
 import dataclasses
 import enum
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -36,6 +37,8 @@ from ..stores import TERMINAL_STATUSES, ChunkRow, RunStore, StreamHead
 
 if TYPE_CHECKING:
     from ._inflight import Attempt
+
+logger = logging.getLogger("tailrace.streams")
 
 #: The default bound on stream rows per run (``Engine(max_stream_chunks=)``).
 MAX_STREAM_CHUNKS = 100_000
@@ -140,6 +143,8 @@ class StreamHub:
 
     def __init__(self) -> None:
         self._listeners: dict[str, list[_Listener]] = {}
+        #: Callbacks of the runs driven here, called as each row is published.
+        self._callbacks: dict[str, list[Callable[[Chunk], object]]] = {}
         #: Runs driven here now, by how many loops (one, but counted to be safe).
         self._live: collections.Counter[str] = collections.Counter()
         self._heads: dict[str, int] = {}
@@ -174,7 +179,7 @@ class StreamHub:
 
     def wants(self, run_id: str, *, keep: bool) -> bool:
         """Whether a row of ``run_id`` goes anywhere: a listener, or kept (see :meth:`publish`)."""
-        return keep or run_id in self._listeners
+        return keep or run_id in self._listeners or run_id in self._callbacks
 
     def publish(self, chunk: Chunk, *, keep: bool) -> None:
         """Hand ``chunk`` to the listeners of its run (on the event loop's thread); ``keep`` it
@@ -186,6 +191,29 @@ class StreamHub:
         if listeners:
             for listener in listeners:
                 listener.put(chunk)
+        callbacks = self._callbacks.get(run_id)
+        if callbacks:
+            for callback in list(callbacks):
+                try:
+                    callback(chunk)
+                except Exception:  # a listener's bug never stops the run: said once, then dropped
+                    logger.exception("run %s: a stream listener raised; it is removed", run_id)
+                    callbacks.remove(callback)
+
+    @contextlib.contextmanager
+    def on_chunk(self, run_id: str, callback: Callable[[Chunk], object]) -> Iterator[None]:
+        """Call ``callback(chunk)`` for each row ``run_id`` publishes here while the body runs,
+        at the moment it is published (inside the handler's ``stream`` call, on the loop's
+        thread), before it is durable."""
+        self._callbacks.setdefault(run_id, []).append(callback)
+        try:
+            yield
+        finally:
+            callbacks = self._callbacks.get(run_id, [])
+            if callback in callbacks:
+                callbacks.remove(callback)
+            if not callbacks:
+                self._callbacks.pop(run_id, None)
 
     @contextlib.contextmanager
     def listen(self, run_id: str, after: int = 0) -> Iterator[_Listener]:
