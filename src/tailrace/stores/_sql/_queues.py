@@ -157,10 +157,17 @@ _TIE = {
 }
 #: How runs with no partition key take their turns: the queue's own order.
 _UNKEYED_TURN = {
-    "fifo": "CASE WHEN q.partition_key IS NULL THEN -q.priority ELSE 0 END, ",
-    "lpt": "CASE WHEN q.partition_key IS NULL THEN -q.priority ELSE 0 END, "
-    "CASE WHEN q.partition_key IS NULL THEN -COALESCE(q.estimate, 0) ELSE 0 END, ",
+    "fifo": "-{t}.priority, ",
+    "lpt": "-{t}.priority, -COALESCE({t}.estimate, 0), ",
 }
+
+
+def _graph_filters(alias: str, graphs: int | None, skip: int) -> str:
+    """``AND`` clauses keeping runs of those graphs (when given) and none of the skipped ones."""
+    key = f"({alias}.graph_name || '/' || {alias}.fingerprint)"
+    return ("" if graphs is None else f"AND {key} IN ({', '.join('?' * graphs)}) ") + (
+        "" if not skip else f"AND {key} NOT IN ({', '.join('?' * skip)}) "
+    )
 
 
 def claim_candidates(queue: Queue, graphs: int | None = None, skip: int = 0) -> str:
@@ -168,19 +175,31 @@ def claim_candidates(queue: Queue, graphs: int | None = None, skip: int = 0) -> 
     start now, in claim order (of those graphs only, when given, and none of the
     skipped ones): ``claim_order`` as a query (W2).
 
-    The subquery ``c`` gives each queued run its turn within its partition and
+    The subquery ``c`` gives each queued run its turn and, for a keyed run,
     when its partition last started a run; the outer query keeps a keyed run
     only while its turn fits its partition's concurrency and rate limit.
+    Keyed runs are ranked within their partitions; unkeyed runs take their
+    turns in the queue's own order, so only the first of them (the claim's
+    ``limit``, with room for rows other claimers hold) are ranked: a claim
+    reads the queue's keyed runs and a few unkeyed ones, not its whole backlog.
     """
     turn = _UNKEYED_TURN.get(queue.order, _UNKEYED_TURN["fifo"])
-    ranked = (
+    keyed = (
         "SELECT q.run_id, ROW_NUMBER() OVER (PARTITION BY q.partition_key "
-        f"ORDER BY {turn}q.queued_at, q.run_id) AS turn, "
-        "CASE WHEN q.partition_key IS NULL THEN NULL ELSE (SELECT MAX(s.started_at) FROM runs s "
+        "ORDER BY q.queued_at, q.run_id) AS turn, "
+        "(SELECT MAX(s.started_at) FROM runs s "
         "WHERE s.queue_name = q.queue_name AND s.partition_key = q.partition_key "
-        "AND s.started_at IS NOT NULL) END AS served "
+        "AND s.started_at IS NOT NULL) AS served "
         "FROM runs q WHERE q.queue_name = ? AND q.status = 'queued' "
-        "AND (q.not_before IS NULL OR q.not_before <= ?)"
+        "AND q.partition_key IS NOT NULL AND (q.not_before IS NULL OR q.not_before <= ?)"
+    )
+    unkeyed = (
+        f"SELECT u.run_id, ROW_NUMBER() OVER (ORDER BY {turn.format(t='u')}u.queued_at, "
+        "u.run_id) AS turn, NULL AS served FROM (SELECT q.run_id, q.priority, q.estimate, "
+        "q.queued_at FROM runs q WHERE q.queue_name = ? AND q.status = 'queued' "
+        "AND q.partition_key IS NULL AND (q.not_before IS NULL OR q.not_before <= ?) "
+        + _graph_filters("q", graphs, skip)
+        + f"ORDER BY {turn.format(t='q')}q.queued_at, q.run_id LIMIT ?) u"
     )
     fits = (
         "(r.partition_key IS NULL OR (c.turn + (SELECT COUNT(*) FROM runs o "
@@ -195,21 +214,17 @@ def claim_candidates(queue: Queue, graphs: int | None = None, skip: int = 0) -> 
         + ")) "
     )
     return (
-        f"SELECT r.run_id FROM runs r JOIN ({ranked}) c ON c.run_id = r.run_id "
-        f"WHERE r.status = 'queued' AND {fits}"
-        + (
-            ""
-            if graphs is None
-            else f"AND (r.graph_name || '/' || r.fingerprint) IN ({', '.join('?' * graphs)}) "
-        )
-        + (
-            ""
-            if not skip
-            else f"AND (r.graph_name || '/' || r.fingerprint) NOT IN ({', '.join('?' * skip)}) "
-        )
+        f"SELECT r.run_id FROM runs r JOIN ({keyed} UNION ALL {unkeyed}) c "
+        f"ON c.run_id = r.run_id WHERE r.status = 'queued' AND {fits}"
+        + _graph_filters("r", graphs, skip)
         + "ORDER BY r.priority DESC, c.turn, (c.served IS NOT NULL), c.served, "
         + f"{_TIE[queue.order]} LIMIT ?"
     )
+
+
+#: Unkeyed runs ranked per claim beyond its ``limit``: room for the rows other
+#: claimers hold now (``SKIP LOCKED`` passes over them).
+UNKEYED_ROOM = 64
 
 
 def candidate_params(
@@ -223,7 +238,9 @@ def candidate_params(
     rate: tuple[object, ...] = ()
     if queue.partition_limit is not None:
         rate = (now - queue.period, queue.partition_limit)
-    return (queue.name, now, queue.partition_concurrency, *rate, *(graphs or ()), *skip, limit)
+    filters = (*(graphs or ()), *skip)
+    unkeyed = (queue.name, now, *filters, 4 * limit + UNKEYED_ROOM)
+    return (queue.name, now, *unkeyed, queue.partition_concurrency, *rate, *filters, limit)
 
 
 #: Values: owner, lease_expires, now, now, run_id. Exactly one row changes when
