@@ -193,7 +193,10 @@ async def test_a_dead_workers_run_is_adopted_at_once_not_after_its_lease(
 ) -> None:
     async with engine(fleet_of) as submitter:
         run_id = await submitter.submit(graphs.slow, 1)
-        doomed = fleet_of.start("--lease-ttl", 3600, env={"TAILRACE_TEST_CRAWL": "3600"})
+        # A one-second heartbeat, as the torture's: the dead worker is found in seconds
+        # (its lease would last an hour), however loaded the machine.
+        beat = ("--lease-ttl", 3600, "--heartbeat", 1.0)
+        doomed = fleet_of.start(*beat, env={"TAILRACE_TEST_CRAWL": "3600"})
         await until(lambda: (run_id, "crawl", 1) in fleet_of.starts(), "the run to be crawling")
         assert submitter.store is not None
         # Commits are pipelined: crawl may start before warm's completion is durable.
@@ -201,7 +204,7 @@ async def test_a_dead_workers_run_is_adopted_at_once_not_after_its_lease(
         doomed.send_signal(signal.SIGKILL)
         doomed.wait()  # reaped: its pid is gone, provably dead
         monkeypatch.setenv("TAILRACE_TEST_CRAWL", "0")
-        fleet_of.start("--lease-ttl", 3600, env={"TAILRACE_TEST_CRAWL": "0"})
+        fleet_of.start(*beat, env={"TAILRACE_TEST_CRAWL": "0"})
         # The lease would last an hour: only the dead-owner path can finish it in time.
         result = await submitter.wait(run_id, timeout=fixtures.HANG_GUARD)
         drivers = stretches_of(await submitter.store.events(run_id))

@@ -548,6 +548,13 @@ async def cancel_undriven(engine: Engine, run_id: str) -> RunStatus:
     A run that finished meanwhile is left as it is. :class:`LeaseHeld` if a
     live owner holds it.
     """
+    # One end per run in this engine: a cancel cascading from a parent and the parent's
+    # own attempt may both reach a child at once; the second finds it held (LeaseHeld).
+    with engine._driving(run_id):
+        return await _cancel_undriven(engine, run_id)
+
+
+async def _cancel_undriven(engine: Engine, run_id: str) -> RunStatus:
     store = engine.store
     assert store is not None
     token = await acquire_lease(store, run_id, engine.owner, engine.lease_ttl)
