@@ -398,6 +398,25 @@ class ServeProcess:
                     break
         pytest.fail(f"serve did not start: {self.log.read_text()[-3000:]}")
 
+    def freeze(self, db: Database) -> None:
+        """SIGSTOP it at a moment it holds no write lock on a SQLite file.
+
+        A process stopped inside a write transaction holds SQLite's write lock
+        until it dies (every writer of the file then times out, as SQLite
+        promises); serve writes its heartbeat often, so a stop can land there.
+        """
+        deadline = time.monotonic() + WAIT
+        while True:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+            while _state(self.proc.pid) != "T":  # stopped: nothing of it runs from here
+                time.sleep(0.001)
+            if db.kind != "sqlite" or _can_write(db.target):
+                return
+            os.kill(self.proc.pid, signal.SIGCONT)
+            if time.monotonic() > deadline:
+                pytest.fail("serve held the SQLite write lock at every stop")
+            time.sleep(0.003)
+
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(WAIT)
@@ -405,6 +424,27 @@ class ServeProcess:
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(WAIT)
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from ``/proc`` (``T`` once a SIGSTOP took hold)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def _can_write(path: str) -> bool:
+    """Whether a write transaction on the SQLite file can begin within 50 ms."""
+    import sqlite3
+
+    conn = sqlite3.connect(path, timeout=0.05, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("ROLLBACK")
+        return True
+    except sqlite3.OperationalError:
+        return False
+    finally:
+        conn.close()
 
 
 async def _wait_completed(store: RunStore, run_id: str, serve: ServeProcess) -> None:
@@ -439,7 +479,7 @@ def test_restart_recovery_serve_killed_between_answer_and_apply(
                 serve = ServeProcess(serve_db, log)
                 serve.started()
                 if trial == 0:  # frozen first: the kill certainly comes before the apply
-                    os.kill(serve.proc.pid, signal.SIGSTOP)
+                    serve.freeze(serve_db)
                     moment = 0.0
                 else:
                     # Half the kills early (most land before serve's pickup), half later.
