@@ -7,10 +7,12 @@ carry the token (``_security``) and is refused in read-only mode.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import urllib.parse
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.datastructures import FormData
@@ -100,8 +102,12 @@ async def page(request: Request, name: str, *, section: str, status_code: int = 
     )  # fmt: skip
 
 
-def with_cookie(response: Response, token: str) -> Response:
-    """Remember in this browser that it holds the token (fills forms in; never authorises)."""
+def see_other(target: str, token: str) -> Response:
+    """A 303 to ``target`` that remembers in this browser that it holds the token.
+
+    The cookie fills forms in; it never authorises a change.
+    """
+    response = RedirectResponse(target, status_code=303)
     response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict", path="/")
     return response
 
@@ -122,6 +128,34 @@ async def refused(request: Request, form: FormData) -> Response | None:
     return None
 
 
+#: A state change's handler: given the request, the id in its path, its form and the app's state.
+Change = Callable[[Request, str, FormData, UiState], Awaitable[Response]]
+#: What a route calls.
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def changes_state(name: str) -> Callable[[Change], Endpoint]:
+    """Guard a state change's handler: the id in the path ``name``, then the token, then it.
+
+    A bad id is a 400 first; then :func:`refused` answers a change without
+    the token (or in read-only mode) before the handler reads the store.
+    """
+
+    def guard(handler: Change) -> Endpoint:
+        @functools.wraps(handler)
+        async def endpoint(request: Request) -> Response:
+            key = path_id(request, name)
+            form = await request.form()
+            refusal = await refused(request, form)
+            if refusal is not None:
+                return refusal
+            return await handler(request, key, form, ui_state(request))
+
+        return endpoint
+
+    return guard
+
+
 # -- logging in ----------------------------------------------------------------------------
 
 
@@ -139,7 +173,7 @@ async def login(request: Request) -> Response:
     form = await request.form()
     target = local_path(_text_field(form, "next"))
     if token_matches(config.token, _text_field(form, TOKEN_FIELD)):
-        return with_cookie(RedirectResponse(target, status_code=303), config.token)
+        return see_other(target, config.token)
     return pages.page("login.html", status_code=401, locked=not can_read(request), next=target,
                       problem="That is not the token. Nothing was changed.")  # fmt: skip
 
@@ -281,14 +315,9 @@ def _answer_value(form: FormData) -> Any:
         ) from None
 
 
-async def answer(request: Request) -> Response:
+@changes_state("question_id")
+async def answer(request: Request, question_id: str, form: FormData, state: UiState) -> Response:
     """Answer a question (first answer wins, Q2), then resume its run here in the background."""
-    question_id = path_id(request, "question_id")
-    form = await request.form()
-    refusal = await refused(request, form)
-    if refusal is not None:
-        return refusal
-    state = ui_state(request)
     assert state.engine is not None and state.resumer is not None  # not read-only
     row = await state.reader.get_question(question_id)
     if row.poller is not None:  # docs/gates.md: a machine gate's poller answers it, not a person
@@ -310,38 +339,29 @@ async def answer(request: Request) -> Response:
                           problem=f"Nothing was recorded: {exc}")  # fmt: skip
     state.resumer.start(row.run_id)
     target = f"{run_url(row.run_id)}?answered={urllib.parse.quote(question_id, safe='')}"
-    return with_cookie(RedirectResponse(target, status_code=303), state.config.token)
+    return see_other(target, state.config.token)
 
 
-async def resume(request: Request) -> Response:
+@changes_state("run_id")
+async def resume(request: Request, run_id: str, form: FormData, state: UiState) -> Response:
     """Resume a run here in the background (an orphaned one, or one holding an answer)."""
-    run_id = path_id(request, "run_id")
-    form = await request.form()
-    refusal = await refused(request, form)
-    if refusal is not None:
-        return refusal
-    state = ui_state(request)
     assert state.resumer is not None  # not read-only
     await state.reader.get_run(run_id)  # 404 for an unknown run
     state.resumer.start(run_id)
-    return with_cookie(RedirectResponse(run_url(run_id), status_code=303), state.config.token)
+    return see_other(run_url(run_id), state.config.token)
 
 
-async def cancel(request: Request) -> Response:
+@changes_state("run_id")
+async def cancel(request: Request, run_id: str, form: FormData, state: UiState) -> Response:
     """Cancel a run: a queued or undriven one at once, a running one at its next harvest."""
-    run_id = path_id(request, "run_id")
-    form = await request.form()
-    refusal = await refused(request, form)
-    if refusal is not None:
-        return refusal
-    state = ui_state(request)
     assert state.engine is not None  # not read-only
     await state.engine.cancel(run_id)
     target = f"{run_url(run_id)}?cancelled=1"
-    return with_cookie(RedirectResponse(target, status_code=303), state.config.token)
+    return see_other(target, state.config.token)
 
 
-async def fork(request: Request) -> Response:
+@changes_state("run_id")
+async def fork(request: Request, run_id: str, form: FormData, state: UiState) -> Response:
     """Fork a run at the node the form names (``at``), in the background; go to the fork's page.
 
     The fork runs the run's own version (the dashboard must hold it:
@@ -349,12 +369,6 @@ async def fork(request: Request) -> Response:
     visit ran with (V4). A run, node or graph the fork cannot start from is
     refused before anything is written, naming it.
     """
-    run_id = path_id(request, "run_id")
-    form = await request.form()
-    refusal = await refused(request, form)
-    if refusal is not None:
-        return refusal
-    state = ui_state(request)
     assert state.resumer is not None  # not read-only
     at = form.get("at")
     if not isinstance(at, str) or not at:
@@ -380,4 +394,4 @@ async def fork(request: Request) -> Response:
                             "to fork it with; `tailrace fork --input` gives one")  # fmt: skip
     fork_id = uuid.uuid4().hex
     state.resumer.fork(run_id, at=at, fork_id=fork_id, graph=graph)
-    return with_cookie(RedirectResponse(run_url(fork_id), status_code=303), state.config.token)
+    return see_other(run_url(fork_id), state.config.token)
