@@ -55,7 +55,6 @@ import argparse
 import asyncio
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -76,7 +75,14 @@ from _common import (
     load_average,
     verdict,
 )
-from fleet import START_GUARD, Target, open_target, percentile, tailrace_command
+from fleet import (
+    Target,
+    WorkerProcess,
+    load_graphs,
+    open_target,
+    percentile,
+    wait_ready,
+)
 
 import tailrace as tr
 from tailrace.stores import SQLiteStore
@@ -240,59 +246,6 @@ def write_graphs(workdir: Path, children: int, required: int) -> Path:
     source = GRAPH_SOURCE.replace("@CHILDREN@", str(children)).replace("@REQUIRED@", str(required))
     path.write_text(source)
     return path
-
-
-def load_graphs(graph_file: Path) -> Any:
-    from tailrace.graph import load_file_module
-
-    return load_file_module(str(graph_file))
-
-
-class Worker:
-    """One ``tailrace worker`` process on queues ``lat`` and ``tp``; its output goes to a log."""
-
-    def __init__(self, target: Target, graph_file: Path, name: str, concurrency: int) -> None:
-        self.name = name
-        self.log = target.workdir / f"{name}.log"
-        args = [*tailrace_command(), "worker", "--db", target.url, "--queue", "lat",
-                "--queue", "tp", "--graphs", str(graph_file),
-                "--concurrency", str(concurrency), "--grace", "5"]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TAILRACE_")}
-        env["COLUMNS"] = "300"
-        with self.log.open("a") as out:
-            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
-
-    def ready(self) -> bool:
-        return "serving " in self.log.read_text(errors="replace")
-
-    def cpu(self) -> float:
-        """CPU seconds (user + system) the process used so far; 0 once it exited."""
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM and wait (the worker drains); SIGKILL if it does not."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def wait_ready(workers: Sequence[Worker]) -> None:
-    deadline = time.monotonic() + START_GUARD
-    while not all(w.ready() for w in workers):
-        for w in workers:
-            if w.proc.poll() is not None:
-                raise RuntimeError(f"worker {w.name} exited: {w.log.read_text()[-2000:]}")
-        if time.monotonic() > deadline:
-            raise RuntimeError("workers did not start in time")
-        time.sleep(0.02)
 
 
 # -- 2. queued child latencies --------------------------------------------------------------------
@@ -541,7 +494,10 @@ def fleet_session(target: Target, opts: argparse.Namespace) -> FleetResults:
             await declare(store)
 
     asyncio.run(prepare())
-    fleet = [Worker(target, graph_file, f"w{i}", concurrency=8) for i in range(4)]
+    fleet = [
+        WorkerProcess(target, graph_file, f"w{i}", ("lat", "tp"), concurrency=8, grace=5)
+        for i in range(4)
+    ]
 
     def cpu() -> float:
         return sum(w.cpu() for w in fleet if w.proc.poll() is None)

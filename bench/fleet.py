@@ -61,7 +61,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,11 +254,19 @@ def tailrace_command() -> list[str]:
 class WorkerProcess:
     """One ``tailrace worker`` process; its output goes to a log file."""
 
-    def __init__(self, target: Target, graph_file: Path, name: str, **options: Any) -> None:
+    def __init__(
+        self,
+        target: Target,
+        graph_file: Path,
+        name: str,
+        queues: Sequence[str] = (QUEUE,),
+        **options: Any,
+    ) -> None:
         self.name = name
         self.log = target.workdir / f"{name}.log"
-        args = [*tailrace_command(), "worker", "--db", target.url, "--queue", QUEUE,
-                "--graphs", str(graph_file)]  # fmt: skip
+        args = [*tailrace_command(), "worker", "--db", target.url, "--graphs", str(graph_file)]
+        for queue in queues:
+            args += ["--queue", queue]
         for key, value in options.items():
             args += [f"--{key.replace('_', '-')}", str(value)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TAILRACE_")}
@@ -270,6 +278,14 @@ class WorkerProcess:
     def ready(self) -> bool:
         """Whether it printed its banner (its store is open and it is serving)."""
         return "serving " in self.log.read_text(errors="replace")
+
+    def cpu(self) -> float:
+        """CPU seconds (user + system) the process used so far; 0 once it exited."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def kill(self) -> None:
         """SIGKILL, then reap: a zombie's pid still exists, and would look alive to the fleet."""
@@ -287,7 +303,7 @@ class WorkerProcess:
             return self.proc.wait()
 
 
-def wait_ready(workers: list[WorkerProcess]) -> None:
+def wait_ready(workers: Sequence[WorkerProcess]) -> None:
     deadline = time.monotonic() + START_GUARD
     while not all(w.ready() for w in workers):
         for w in workers:
