@@ -38,7 +38,12 @@ kid = tr.Graph("kid")
 async def work(job: dict[str, Any]) -> int:
     log_start()
     override = os.environ.get(SLEEP_ENV)
-    await asyncio.sleep(float(override) if override else float(job.get("sleep", 0.0)))
+    seconds = float(override) if override else float(job.get("sleep", 0.0))
+    if "stagger" in job:  # a child of fan's node k<i> sleeps (i + 1) x stagger
+        ctx = tr.current_node()
+        assert ctx is not None
+        seconds = float(job["stagger"]) * (int(ctx.run_id.split("/")[-2][1:]) + 1)
+    await asyncio.sleep(seconds)
     if job.get("fail"):
         raise RuntimeError(f"kid {job['n']} broke")
     return int(job["n"]) * 10
@@ -89,3 +94,13 @@ mixed.add_node("each", kid, "map", queue="kids")
 mixed.add_edge("plan", "each")
 mixed.add_node("first", lambda js: js[0])
 mixed.chain("plan", "first", "ask")
+
+#: Four child task nodes on queue ``kids`` into one join: only the last child's end lets
+#: the parent go on, so it sleeps through the first three.
+fan = tr.Graph("fan")
+fan.add_node("plan", lambda spec: spec)
+fan.add_node("join", sum, "aggregate")
+for _i in range(4):
+    fan.add_node(f"k{_i}", kid, queue="kids")
+    fan.add_edge("plan", f"k{_i}")
+    fan.add_edge(f"k{_i}", "join")

@@ -126,6 +126,22 @@ async def test_a_suspended_parent_wakes_once_its_map_can_complete_not_per_child(
     assert types.count("run_suspended") == 1 and types.count("run_resumed") == 1, types
 
 
+async def test_children_feeding_one_join_wake_their_parent_once_at_the_last(
+    shared: str,
+) -> None:
+    """R4: four child task nodes end one after another into an aggregate; no end but the
+    last lets the parent start a node, so it suspends once and is driven again once."""
+    async with open_store(shared) as store, workers(store, 2, concurrency=4, graphs=[graphs.fan]):
+        engine = tr.Engine(store=store)
+        run_id = await engine.submit(graphs.fan, {"n": 1, "stagger": 0.3}, queue="parents")
+        result = await engine.wait(run_id, timeout=GUARD)
+        types = [e.type for e in await store.events(run_id)]
+        children = await store.list_runs(parent=run_id)
+    assert result.output == 40
+    assert len(children) == 4 and {c.status for c in children} == {RunStatus.COMPLETED}
+    assert types.count("run_suspended") == 1 and types.count("run_resumed") == 1, types
+
+
 async def test_first_k_over_children_on_a_queue_cancels_the_late_ones(
     shared: str, tmp_path: Path
 ) -> None:

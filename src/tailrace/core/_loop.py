@@ -292,27 +292,48 @@ class RunLoop:
         self.request_cancel()
 
     def _completions_needed(self) -> int:
-        """How many of the children awaited must complete before the run can move on (R4).
+        """How many of the children awaited must end before the run can move on (R4).
 
-        A node waiting on one child needs it; a map before its decision needs k
-        minus its successes (of the items still waiting), after it every item
-        still running. The run wakes at the least of these, or at once when a
-        child fails or is cancelled.
+        A map before its decision needs k minus its successes (of the items
+        still waiting), after it every item still running. A task node's child
+        lets the run move on when its result starts a node: a task successor
+        at once, an aggregate only once it has its quorum, so children that
+        all feed one join wake their parent once, at the last of them, not at
+        each. A child whose result starts nothing moves the run on only when
+        every child awaited has ended. The run wakes at the least of these, or
+        at once when a child fails or is cancelled. Each figure is a bound from
+        below (an input that comes late, E7, only makes the wake early), so a
+        parent never sleeps past the end that lets it go on.
         """
         waiting: dict[int, list[Attempt]] = {}
         for attempt in self._in_flight:
             waiting.setdefault(attempt.index, []).append(attempt)
-        needed = []
-        for attempts in waiting.values():
+        total = sum(len(attempts) for attempts in waiting.values())
+        needed = [total]
+        for i, attempts in waiting.items():
             items = attempts[0].items
             if items is None:
-                needed.append(1)
+                needed.append(self._task_child_unlocks(i, total))
             elif items.winners is not None:
                 needed.append(len(attempts))
             else:
                 k = len(items) if items.k is None else items.k
                 needed.append(min(max(k - items.succeeded, 1), len(attempts)))
-        return min(needed, default=1)
+        return max(min(needed), 1)
+
+    def _task_child_unlocks(self, i: int, total: int) -> int:
+        """The least number of children's ends after which node ``i``'s result starts a node."""
+        topo, nodes = self.topo, self.state.nodes
+        if nodes[i].pending is not None or topo.nodes[i].kind is not NodeKind.TASK:
+            return 1  # its end starts its next visit (E7), or a route decides
+        least = total
+        for edge in topo.out_edges[i]:
+            t = edge.target
+            if topo.nodes[t].kind is not NodeKind.AGGREGATE:
+                return 1
+            inputs = nodes[t].inputs
+            least = min(least, topo.required[t] - (len(inputs) if inputs else 0))
+        return max(least, 1)
 
     async def _suspend_on_children(self, children: Children) -> RunResult:
         """Every attempt in flight only waits on a child run: suspend, holding nothing (R4).
