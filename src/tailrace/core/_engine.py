@@ -974,7 +974,7 @@ class Engine:
                     )
                 self._executors.plan(topo)
                 writer = RunWriter(store, self._codec, run_id, topo, stored.run)
-                async with writer.leased(self._lease(run_id)):
+                async with writer.leased(self._lease(run_id).held(stored.run)):
                     restored = await restore_run(store, self._codec, topo, stored, [])
                     writer.refer(restored.big)
                     loop = self._loop_for(

@@ -40,7 +40,7 @@ from types import TracebackType
 from .._codec import DEFAULT_CODEC
 from .._errors import LeaseHeld, LeaseLost, StoreError
 from .._events import EventType
-from ..stores import EventRow, Harvest, QuestionStatus, RunStatus, RunStore
+from ..stores import EventRow, Harvest, QuestionStatus, RunRecord, RunStatus, RunStore
 
 logger = logging.getLogger("tailrace.persist")
 
@@ -77,11 +77,30 @@ class Lease:
         self._on_cancel_request = on_cancel_request
         self._heard = False
         self._holder: asyncio.Task[object] | None = None
+        #: The token of a claim's lease this lease continues (see :meth:`held`).
+        self._claimed: int | None = None
         self._stop = asyncio.Event()
         self._beat: asyncio.Task[None] | None = None
 
+    def held(self, record: RunRecord) -> Lease:
+        """Take the lease as ``record`` shows it held, if by this owner for a while yet.
+
+        A queue's claim leases the run to its claimant (and bumps the token),
+        so the claimant's driver has nothing to acquire: entering keeps the
+        token the claim gave instead of writing it again. The commits and
+        beats check that token, so a lease lost meanwhile is found out as
+        ever (D6). A lease near its expiry is acquired again as usual.
+        """
+        remaining = (record.lease_expires or 0.0) - time.time()
+        if record.lease_owner == self.owner and remaining > self.ttl / 2:
+            self._claimed = record.lease_token
+        return self
+
     async def __aenter__(self) -> Lease:
-        self.token = await acquire_lease(self.store, self.run_id, self.owner, self.ttl)
+        if self._claimed is not None:
+            self.token = self._claimed
+        else:
+            self.token = await acquire_lease(self.store, self.run_id, self.owner, self.ttl)
         self._holder = asyncio.current_task()
         assert self._holder is not None
         self._beat = asyncio.create_task(self._heartbeat(), name=f"lease:{self.run_id}")
