@@ -19,8 +19,12 @@ from ._queued import cancel_undriven as cancel_undriven
 from ._restore import find_graph as find_graph
 from ._state import LateInput as LateInput
 from ._state import NodeStatus as NodeStatus
+from ._streams import MAX_STREAM_CHUNKS as MAX_STREAM_CHUNKS
 from ._streams import Chunk as Chunk
 from ._streams import ChunkKind as ChunkKind
+from ._streams import StreamBound as StreamBound
+from ._streams import StreamCursor as StreamCursor
+from ._streams import StreamTags as StreamTags
 from ._stretches import Stretch as Stretch
 from ._stretches import stretches_of as stretches_of
 from ._versions import Compatibility as Compatibility
@@ -30,6 +34,7 @@ from ._versions import RunMove as RunMove
 from ._versions import check_stored as check_stored
 
 __all__ = [
+    "MAX_STREAM_CHUNKS",
     "AdmissionPolicy",
     "Chunk",
     "ChunkKind",
@@ -42,6 +47,9 @@ __all__ = [
     "NodeStatus",
     "RunMove",
     "RunResult",
+    "StreamBound",
+    "StreamCursor",
+    "StreamTags",
     "Stretch",
     "acquire_lease",
     "cancel_undriven",

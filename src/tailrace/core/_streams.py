@@ -16,6 +16,11 @@ nothing here.
 then live ones, from the hub when this process drives the run (before they
 are durable) and from the store's change feed otherwise, until the run ends
 (S3).
+
+:class:`StreamCursor` is how every publisher of stream rows builds them:
+the run engine's :class:`Streams` and the LangGraph driver's thread streams
+alike check each chunk at the call, number and tag its row, and end each
+stream with one terminal mark through it.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVarTuple
 
 from .._codec import Codec, JsonCodec
 from .._errors import EncodeError, RunNotFound, StreamLimit
@@ -53,6 +58,8 @@ FALLBACK = 0.5
 _SCALARS = frozenset({type(None), bool, int, float, str})
 #: A chunk whose value listeners get by decoding its JSON.
 _DECODE = object()
+
+_Ts = TypeVarTuple("_Ts")
 
 
 class ChunkKind(enum.StrEnum):
@@ -232,12 +239,129 @@ class StreamHub:
                 del self._listeners[run_id]
 
 
-class Streams:
-    """One run's stream buffer: numbering, tags, the bound, terminal marks, rows to commit.
+#: What each row of a stream says of the attempt that published it (S1): node, visit, map
+#: item (None for other nodes), attempt, and whether it is a hedge or backup (T3). A plain
+#: tuple: one is built for every chunk.
+StreamTags = tuple[str, int, int | None, int, bool]
 
-    ``codec`` encodes chunks (S4); ``hub`` gets each chunk as it is published;
-    ``durable`` keeps rows for the writer (:meth:`take`); ``poke`` wakes the
-    run loop so buffered rows are staged even while nothing completes.
+
+class StreamBound(enum.Enum):
+    """What a stream cursor's bound (``max_chunks``) counts."""
+
+    #: The chunks this cursor let through; marks, and rows stored before it, are not counted.
+    CHUNKS = "chunks"
+    #: Every row of the run's streams: the stored ones and the terminal marks too.
+    ROWS = "rows"
+
+
+class StreamCursor:
+    """A run's stream cursor and how its rows are built: checked, numbered, tagged, marked.
+
+    A chunk is checked at the publishing call (:meth:`encode`: it encodes with
+    ``codec``, S4, and the run is within its bound); its row is numbered on the
+    event loop's thread (:meth:`on_loop`), in call order, and tagged (S1); each
+    stream, the rows of one attempt, ends with one terminal mark (S2). Errors
+    name the run as ``owner`` (``run 'r1'``) and an attempt by ``attempts``
+    (``{}``: its number or id), and say what ``bound`` counts, then ``hint``
+    (how to raise it). Built on the event loop.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        codec: Codec,
+        *,
+        owner: str = "run",
+        max_chunks: int = MAX_STREAM_CHUNKS,
+        bound: StreamBound = StreamBound.CHUNKS,
+        hint: str = "",
+        attempts: str = "attempt {}",
+    ) -> None:
+        self.run_id = run_id
+        self.codec = codec
+        self.max_chunks = max_chunks
+        self._owner = owner
+        self._bound = bound
+        self._hint = hint
+        self._attempts = attempts
+        #: The last row's seq.
+        self.seq = 0
+        #: Chunks let through by :meth:`encode`.
+        self.count = 0
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
+
+    def encode(self, chunk: Any, node_id: str, attempt: object) -> str:
+        """``chunk`` encoded (S4) for node ``node_id``'s ``attempt`` (its number or id), if the
+        run is within its bound; any thread."""
+        try:
+            text = self.codec.encode(chunk)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise EncodeError(
+                f"{self._owner} {self.run_id!r}: stream chunk of node {node_id!r} "
+                f"({self._attempts.format(attempt)}) cannot be encoded: {exc}"
+            ) from exc
+        used = self.count if self._bound is StreamBound.CHUNKS else self.seq
+        if used >= self.max_chunks:
+            raise StreamLimit(
+                f"{self._owner} {self.run_id!r}: node {node_id!r} "
+                f"({self._attempts.format(attempt)}) published more than {self.max_chunks} "
+                f"stream {self._bound.value}, the {self._owner}'s bound{self._hint}"
+            )
+        self.count += 1
+        return text
+
+    def on_loop(self, call: Callable[[*_Ts], object], *args: *_Ts) -> None:
+        """``call(*args)`` on the event loop's thread, where rows are numbered: now when
+        called there, else soon (from a sync handler's or node's thread), in call order."""
+        if threading.get_ident() == self._thread:
+            call(*args)
+        else:
+            self._loop.call_soon_threadsafe(call, *args)
+
+    def chunk(self, stream: int | None, tags: StreamTags, text: str, ts: float) -> ChunkRow:
+        """The next row: chunk ``text`` of ``stream`` (None: this row opens it) published at
+        ``ts``; its ``stream`` is the seq of the stream's first chunk."""
+        first = self.seq + 1 if stream is None else stream
+        return self._row(first, tags, ChunkKind.CHUNK, text, ts)
+
+    def mark(self, stream: int, tags: StreamTags, *, accepted: bool) -> ChunkRow:
+        """The next row: ``stream``'s terminal mark, ``accepted`` or ``discarded`` (S2)."""
+        kind = ChunkKind.ACCEPTED if accepted else ChunkKind.DISCARDED
+        return self._row(stream, tags, kind, None, time.time())
+
+    def reopen(self, head: StreamHead) -> list[ChunkRow]:
+        """Continue after the stored rows of ``head``: the ``discarded`` marks of the streams it
+        holds open (their attempts were cut), numbered next."""
+        self.seq = max(self.seq, head.last_seq)
+        marks = []
+        for first in head.open:
+            self.seq += 1
+            marks.append(
+                first._replace(
+                    seq=self.seq, kind=ChunkKind.DISCARDED.value, data_json=None, ts=time.time()
+                )
+            )
+        return marks
+
+    def _row(
+        self, stream: int, tags: StreamTags, kind: ChunkKind, text: str | None, ts: float
+    ) -> ChunkRow:
+        self.seq += 1
+        node_id, visit, item, attempt, hedge = tags
+        return ChunkRow(
+            self.seq, stream, node_id, visit, item, attempt, int(hedge), kind.value, text, ts
+        )
+
+
+class Streams:
+    """One run's stream buffer: each attempt's stream and its mark, rows to commit and publish.
+
+    ``codec`` encodes chunks (S4) and ``max_chunks`` bounds how many the run
+    publishes, through its :class:`StreamCursor`; ``hub`` gets each chunk as
+    it is published; ``durable`` keeps rows for the writer (:meth:`take`);
+    ``poke`` wakes the run loop so buffered rows are staged even while
+    nothing completes.
     """
 
     def __init__(
@@ -253,46 +377,31 @@ class Streams:
     ) -> None:
         self.run_id = run_id
         self._ids = node_ids
-        self._codec = codec
         self._hub = hub
         self._durable = durable
         self._poke = poke
-        self.max_chunks = max_chunks
-        #: The run's stream cursor: the last row's seq.
-        self.seq = 0
-        #: Chunks published in this run (marks not counted), against ``max_chunks``.
-        self.count = 0
+        #: Numbers and tags the rows; refuses what does not encode or passes the bound.
+        self.cursor = StreamCursor(
+            run_id, codec, max_chunks=max_chunks, hint=" (Engine(max_stream_chunks=))"
+        )
         #: Streams with no terminal mark yet (the run loop looks only when some are open).
         self.open = 0
         self._rows: list[ChunkRow] = []
         self._plain = isinstance(codec, JsonCodec)
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.get_ident()
+
+    @property
+    def seq(self) -> int:
+        """The run's stream cursor: the last row's seq."""
+        return self.cursor.seq
 
     # -- the handler's side (NodeContext.stream) --------------------------------
 
     def publish(self, attempt: Attempt, tries: int, chunk: Any) -> None:
         """Encode ``chunk`` now and publish it for try ``tries`` of ``attempt`` (S1, S4); any
         thread (the try is the handler's own: a thread may outlive its try)."""
-        node_id = self._ids[attempt.index]
-        try:
-            text = self._codec.encode(chunk)
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise EncodeError(
-                f"run {self.run_id!r}: stream chunk of node {node_id!r} "
-                f"(attempt {tries}) cannot be encoded: {exc}"
-            ) from exc
-        if self.count >= self.max_chunks:
-            raise StreamLimit(
-                f"run {self.run_id!r}: node {node_id!r} (attempt {tries}) published more than "
-                f"{self.max_chunks} stream chunks, the run's bound (Engine(max_stream_chunks=))"
-            )
-        self.count += 1
+        text = self.cursor.encode(chunk, self._ids[attempt.index], tries)
         value = chunk if self._plain and type(chunk) in _SCALARS else _DECODE
-        if threading.get_ident() == self._thread:
-            self._add(attempt, tries, text, value)
-        else:  # a sync handler on a thread: rows are numbered on the loop, in call order
-            self._loop.call_soon_threadsafe(self._add, attempt, tries, text, value)
+        self.cursor.on_loop(self._add, attempt, tries, text, value)
 
     def _add(self, attempt: Attempt, tries: int, text: str, value: Any) -> None:
         if tries != attempt.tries or (attempt.finished and attempt.stream is None):
@@ -300,9 +409,10 @@ class Streams:
             # cancelled, retried): that try's stream has its mark, so the chunk is dropped.
             return
         if attempt.stream is None:
-            attempt.stream = self.seq + 1
             self.open += 1
-        self._row(attempt.stream, attempt, tries, ChunkKind.CHUNK, text, value)
+        row = self.cursor.chunk(attempt.stream, self._tags(attempt, tries), text, time.time())
+        attempt.stream = row.stream
+        self._append(row, value)
 
     # -- the run loop's side ----------------------------------------------------
 
@@ -313,16 +423,12 @@ class Streams:
             return
         attempt.stream = None
         self.open -= 1
-        kind = ChunkKind.ACCEPTED if accepted else ChunkKind.DISCARDED
-        self._row(stream, attempt, attempt.tries if tries is None else tries, kind, None, None)
+        tags = self._tags(attempt, attempt.tries if tries is None else tries)
+        self._append(self.cursor.mark(stream, tags, accepted=accepted), None)
 
     def reopen(self, head: StreamHead) -> None:
         """Continue after the stored rows of ``head``; mark the cut attempts' streams discarded."""
-        self.seq = max(self.seq, head.last_seq)
-        for first in head.open:
-            mark = first._replace(
-                seq=self.seq + 1, kind=ChunkKind.DISCARDED.value, data_json=None, ts=time.time()
-            )
+        for mark in self.cursor.reopen(head):
             self._append(mark, None)
 
     @property
@@ -335,26 +441,12 @@ class Streams:
         rows, self._rows = self._rows, []
         return rows
 
-    def _row(
-        self,
-        stream: int,
-        attempt: Attempt,
-        tries: int,
-        kind: ChunkKind,
-        text: str | None,
-        value: Any,
-    ) -> None:
+    def _tags(self, attempt: Attempt, tries: int) -> StreamTags:
         item = None if attempt.item < 0 else attempt.item
-        node_id = self._ids[attempt.index]
-        row = ChunkRow(
-            self.seq + 1, stream, node_id, attempt.visit, item, tries, int(attempt.hedge),
-            kind.value, text, time.time(),
-        )  # fmt: skip
-        self._append(row, value)
+        return (self._ids[attempt.index], attempt.visit, item, tries, attempt.hedge)
 
     def _append(self, row: ChunkRow, value: Any) -> None:
         """Buffer ``row`` for the writer and hand it to the hub (``value``: as it reads back)."""
-        self.seq = row.seq
         durable = self._durable
         if durable:
             if not self._rows:
@@ -364,7 +456,7 @@ class Streams:
         if hub is not None:
             hub.note(self.run_id, row.seq)
             if hub.wants(self.run_id, keep=not durable):
-                hub.publish(chunk_of(self.run_id, row, self._codec, value), keep=not durable)
+                hub.publish(chunk_of(self.run_id, row, self.cursor.codec, value), keep=not durable)
 
 
 async def read_stream(

@@ -27,14 +27,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._codec import DEFAULT_CODEC
-from .._errors import EncodeError, StreamLimit
-from ..core._streams import MAX_STREAM_CHUNKS, ChunkKind
+from ..core import MAX_STREAM_CHUNKS, StreamBound, StreamCursor, StreamTags
 from ..stores import ChunkRow, Harvest, RunRecord, RunStore, StreamHead
 from ._langgraph_support import state_of
 
@@ -126,18 +124,23 @@ class ThreadStream:
         self._log = log
         self._state = state_of(record)
         self.run_id = record.run_id
-        self.max_chunks = max_chunks
-        self.seq = head.last_seq
+        #: Numbers and tags the rows; refuses what does not encode or passes the bound,
+        #: which counts every row of the thread (the stored ones too).
+        self.cursor = StreamCursor(
+            self.run_id,
+            DEFAULT_CODEC,
+            owner="thread",
+            max_chunks=max_chunks,
+            bound=StreamBound.ROWS,
+            attempts="LangGraph task {}",
+        )
         self._tasks: dict[str, _Task] = {}
         self._rows: list[ChunkRow] = []
         self._flusher: asyncio.Task[None] | None = None
         self._failed = False
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.get_ident()
-        for first in head.open:  # a driver died mid-step: its streams end discarded (S2)
-            self._append(first._replace(seq=self.seq + 1, kind=ChunkKind.DISCARDED.value,
-                                        data_json=None, ts=time.time()))  # fmt: skip
-            log.cut(self.run_id, first.node_id, first.visit, first.attempt)
+        for mark in self.cursor.reopen(head):  # a driver died mid-step: discarded (S2)
+            self._append(mark)
+            log.cut(self.run_id, mark.node_id, mark.visit, mark.attempt)
 
     # -- the writing task's side -------------------------------------------------
 
@@ -147,23 +150,8 @@ class ThreadStream:
         if where is None:
             return  # not from a task of this step's graph: nowhere to put it
         node, task = where
-        try:
-            text = DEFAULT_CODEC.encode(chunk)
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise EncodeError(
-                f"thread {self.run_id!r}: stream chunk of node {node!r} (LangGraph task "
-                f"{task}) cannot be encoded: {exc}"
-            ) from exc
-        if self.seq >= self.max_chunks:
-            raise StreamLimit(
-                f"thread {self.run_id!r}: node {node!r} (LangGraph task {task}) published more "
-                f"than {self.max_chunks} stream rows, the thread's bound"
-            )
-        ts = time.time()
-        if threading.get_ident() == self._thread:
-            self._chunk(node, task, text, ts)
-        else:  # a sync node on a thread: rows are numbered on the loop, in call order
-            self._loop.call_soon_threadsafe(self._chunk, node, task, text, ts)
+        text = self.cursor.encode(chunk, node, task)
+        self.cursor.on_loop(self._chunk, node, task, text, time.time())
 
     def _chunk(self, node: str, task_id: str, text: str, ts: float) -> None:
         task = self._tasks.get(task_id)
@@ -180,10 +168,7 @@ class ThreadStream:
 
     def task_event(self, chunk: Any) -> None:
         """One chunk of LangGraph's ``tasks`` stream (after the step log saw it); any thread."""
-        if threading.get_ident() == self._thread:
-            self._task_event(chunk)
-        else:
-            self._loop.call_soon_threadsafe(self._task_event, chunk)
+        self.cursor.on_loop(self._task_event, chunk)
 
     def _task_event(self, chunk: Any) -> None:
         if not isinstance(chunk, Mapping) or not isinstance(chunk.get("name"), str):
@@ -212,8 +197,7 @@ class ThreadStream:
         task.ended = True
         if task.stream is None:
             return  # it never streamed: no mark
-        kind = ChunkKind.ACCEPTED if accepted else ChunkKind.DISCARDED
-        self._row(task, kind, None, time.time())
+        self._append(self.cursor.mark(task.stream, self._tags(task), accepted=accepted))
 
     async def close(self) -> None:
         """The step ended: discard the streams still open, and wait until every row is committed."""
@@ -233,17 +217,17 @@ class ThreadStream:
     # -- rows ------------------------------------------------------------------------
 
     def _chunk_row(self, task: _Task, text: str, ts: float) -> None:
-        if task.stream is None:
-            task.stream = self.seq + 1
-        self._row(task, ChunkKind.CHUNK, text, ts)
+        row = self.cursor.chunk(task.stream, self._tags(task), text, ts)
+        task.stream = row.stream
+        self._append(row)
 
-    def _row(self, task: _Task, kind: ChunkKind, text: str | None, ts: float) -> None:
-        assert task.stream is not None and task.visit is not None and task.attempt is not None
-        self._append(ChunkRow(self.seq + 1, task.stream, task.node, task.visit, None,
-                              task.attempt, 0, kind.value, text, ts))  # fmt: skip
+    @staticmethod
+    def _tags(task: _Task) -> StreamTags:
+        """A task's tags: no map items or hedges in a LangGraph graph."""
+        assert task.visit is not None and task.attempt is not None
+        return (task.node, task.visit, None, task.attempt, False)
 
     def _append(self, row: ChunkRow) -> None:
-        self.seq = row.seq
         if self._failed:
             return
         self._rows.append(row)
