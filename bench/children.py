@@ -357,6 +357,21 @@ async def latencies(store: Any, graph_file: Path, module: Any, samples: int) -> 
 # -- 3. fleet throughput ----------------------------------------------------------------------------
 
 
+def host_ticks() -> tuple[int, int] | None:
+    """The host's (idle, total) CPU ticks so far, from ``/proc/stat``; None without it."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[3] + fields[4], sum(fields[:8])  # idle + iowait; user .. steal
+
+
+def idle_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 @dataclass
 class Throughput:
     parents: int
@@ -372,6 +387,9 @@ class Throughput:
     drives: float = 0.0
     #: The workers' CPU seconds per wall second over the session.
     cpu: float = 0.0
+    #: The host's idle share of its CPU time over the session (every process: the
+    #: workers, the bench, a local Postgres server): near 0 means the cores were full.
+    idle: float | None = None
     #: Seconds cancelled children ran (started -> ended), summed: worker slots spent on
     #: late children; and, for each started one, its parent's end -> its own end.
     wasted: float = 0.0
@@ -415,7 +433,7 @@ async def throughput(
     cpu: Callable[[], float],
 ) -> Throughput:
     engine = tr.Engine(store=store)
-    cpu0 = cpu()
+    cpu0, host0 = cpu(), host_ticks()
     graph, name = (module.tp_map, "tp_map") if heavy else (module.tp_parent, "tp_parent")
     tag = uuid.uuid4().hex[:6]
     pattern = f"tp-{tag}-%"
@@ -441,14 +459,17 @@ async def throughput(
             await rescues.look(store, await store.get_run(run_id))
     seconds = time.monotonic() - t0
     used = (cpu() - cpu0) / seconds
+    idle = idle_share(host0, host_ticks())
     if statuses.get("completed", 0) != parents:
         statuses.pop("completed", None)
         stuck = ", ".join(f"{v} {k}" for k, v in sorted(statuses.items()))
-        return Throughput(parents, workers, None, seconds, rescues=rescues, stuck=stuck, cpu=used)
+        return Throughput(
+            parents, workers, None, seconds, rescues=rescues, stuck=stuck, cpu=used, idle=idle
+        )
     first = min([(await store.events(run_id))[0].ts for run_id in ids])
     last = max([(await store.get_run(run_id)).finished_at for run_id in ids])
     result = Throughput(parents, workers, parents / (last - first), last - first)
-    result.rescues, result.cpu = rescues, used
+    result.rescues, result.cpu, result.idle = rescues, used, idle
     drives = 0
     for run_id in ids:
         events = await store.events(run_id)
@@ -619,7 +640,7 @@ def print_fleet(results: Sequence[FleetResults], opts: argparse.Namespace, targe
          Column("parents/s", right=True), Column("linear", right=True),
          Column("children", right=True), Column("cancelled", right=True),
          Column("drives", right=True), Column("cpu", right=True),
-         Column("lost", right=True), Column("stuck", right=True)],
+         Column("idle", right=True), Column("lost", right=True), Column("stuck", right=True)],
     )  # fmt: skip
     shapes = (("10 tasks", "plain"), (f"map required={opts.required}", "heavy"))
     for r in results:
@@ -643,6 +664,7 @@ def print_fleet(results: Sequence[FleetResults], opts: argparse.Namespace, targe
                     "-" if t.rate is None else f"{t.rate:.2f}",
                     fmt_ratio(linear) if t is four and linear is not None else "",
                     t.children or "-", cancelled, f"{t.drives:.1f}", f"{t.cpu:.2f}",
+                    "-" if t.idle is None else f"{100 * t.idle:.0f}%",
                     len(t.rescues.lost), len(t.rescues.claims),
                 )  # fmt: skip
             done = one.rate is not None and four.rate is not None
@@ -662,6 +684,10 @@ def print_fleet(results: Sequence[FleetResults], opts: argparse.Namespace, targe
     tp.add_note(
         "cpu: the worker processes' CPU seconds per wall second (2 cores here; a Postgres "
         "server's own CPU is not counted)"
+    )
+    tp.add_note(
+        "idle: the host's idle share of its CPU over the session, every process counted "
+        "(workers, this bench, a local Postgres server): near 0% means the cores were full"
     )
     tp.add_note(
         "lost: parents left suspended, unheld, every child ended (nothing wakes them); the "

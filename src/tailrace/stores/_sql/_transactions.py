@@ -251,14 +251,28 @@ async def apply_question_changes(tx: Tx, run_id: str, harvest: Harvest, now: flo
         await question_cas(tx, SUPERSEDE_QUESTION, (question_id,), question_id)
 
 
+#: What ``load_run`` reads, each with the run id as its one value: the run, its nodes,
+#: its map items and its checkpoints (a store may send them together: Postgres pipelines).
+LOAD_RUN = (SELECT_RUN, SELECT_NODES, SELECT_ITEMS, SELECT_CHECKPOINTS)
+
+
 async def load_run(tx: Tx, run_id: str) -> StoredRun:
     """Run ``run_id`` and its node rows (read in one transaction); ``UnsupportedFormat`` if newer."""
-    record = record_from_row(await run_row(tx, SELECT_RUN, run_id))
+    return stored_run(run_id, [await tx.all(sql, (run_id,)) for sql in LOAD_RUN])
+
+
+def stored_run(run_id: str, rows: Sequence[Sequence[Row]]) -> StoredRun:
+    """The :class:`StoredRun` from the rows of each of :data:`LOAD_RUN`, in its order."""
+    runs, node_rows, item_rows, checkpoint_rows = rows
+    if not runs:
+        raise run_not_found(run_id)
+    record = record_from_row(runs[0])
     check_readable(run_id, record.format_version)
-    rows = await tx.all(SELECT_NODES, (run_id,))
-    nodes = {r[0]: NodeRow(node_id=r[0], status=r[1], visits=r[2], data_json=r[3]) for r in rows}
-    items = [ItemRow(*r) for r in await tx.all(SELECT_ITEMS, (run_id,))]
-    checkpoints = [CheckpointRow(*r) for r in await tx.all(SELECT_CHECKPOINTS, (run_id,))]
+    nodes = {
+        r[0]: NodeRow(node_id=r[0], status=r[1], visits=r[2], data_json=r[3]) for r in node_rows
+    }
+    items = [ItemRow(*r) for r in item_rows]
+    checkpoints = [CheckpointRow(*r) for r in checkpoint_rows]
     return StoredRun(run=record, nodes=nodes, items=items, checkpoints=checkpoints)
 
 

@@ -229,7 +229,7 @@ class PostgresStore(RunStore):
             if row is None:
                 raise RunExists(f"run {run.run_id!r} already exists")
             attempt.xid = row[0]
-            await _keep_shape_and_origin(conn, run)
+            await _keep_shapes_and_origins(conn, [run])
 
         await self._db.write(
             f"run {run.run_id!r}", insert, landed=nothing,
@@ -279,9 +279,11 @@ class PostgresStore(RunStore):
 
     async def _load_run(self, run_id: str) -> StoredRun:
         async def read(conn: Conn, attempt: Attempt) -> StoredRun:
-            async with conn.transaction():  # the run and its nodes as of one moment
+            # The run and its nodes as of one moment, the four reads sent together.
+            async with conn.pipeline(), conn.transaction():
                 await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-                return await bodies.load_run(PostgresTx(conn, attempt, self._channel), run_id)
+                reads = [await conn.execute(pg(sql), (run_id,)) for sql in bodies.LOAD_RUN]
+            return bodies.stored_run(run_id, [await cur.fetchall() for cur in reads])
 
         return await self._db.read(f"run {run_id!r}", read)
 
@@ -395,17 +397,21 @@ class PostgresStore(RunStore):
         channel = self._channel
 
         async def insert(conn: Conn, attempt: Attempt) -> list[str]:
-            stored = []
-            for run, q in runs:
-                cur = await conn.execute(INSERT_QUEUED, queued_run_params(run, q))
-                row = await cur.fetchone()
-                if row is None:
-                    continue  # submitted before: left as it is
-                attempt.xid = row[0]
-                await _keep_shape_and_origin(conn, run)
-                stored.append(run.run_id)
-            await notify(conn, channel, "submit")
-            return stored
+            # Pipelined: every insert goes in one round trip, then the shapes (one per
+            # graph version), origins and the wake-up in one more, not three per run.
+            async with conn.pipeline():
+                cursors = [
+                    await conn.execute(INSERT_QUEUED, queued_run_params(run, q)) for run, q in runs
+                ]
+                stored: list[NewRun] = []
+                for (run, _), cur in zip(runs, cursors, strict=True):
+                    row = await cur.fetchone()
+                    if row is not None:  # else submitted before: left as it is
+                        attempt.xid = row[0]
+                        stored.append(run)
+                await _keep_shapes_and_origins(conn, stored)
+                await notify(conn, channel, "submit")
+            return [run.run_id for run in stored]
 
         async def landed(conn: Conn) -> list[str]:
             return [run.run_id for run, _ in runs]  # the lost COMMIT stored what it inserted
@@ -604,7 +610,7 @@ class PostgresStore(RunStore):
                 row = await cur.fetchone()
                 if row is not None:
                     attempt.xid = row[0]
-                    await _keep_shape_and_origin(conn, run)
+                    await _keep_shapes_and_origins(conn, [run])
                     await notify(conn, channel, "submit")
                     return run.run_id
                 if q.dedup_key is not None:
@@ -924,11 +930,17 @@ class PostgresStore(RunStore):
         return [(float(c), float(s)) for c, s in rows]
 
 
-async def _keep_shape_and_origin(conn: Conn, run: NewRun) -> None:
-    """Keep ``run``'s graph structure, once per graph version (V1), and a fork's origin (V4)."""
-    params = shape_params(run)
-    if params is not None:
+async def _keep_shapes_and_origins(conn: Conn, runs: Sequence[NewRun]) -> None:
+    """Keep the graph structure of ``runs``, once per graph version (V1), and each one's
+    origin: a fork's (V4), a child's parent and a deadline (R1, R6)."""
+    shapes: dict[tuple[str, str], tuple[object, ...]] = {}
+    for run in runs:
+        params = shape_params(run)
+        if params is not None:
+            shapes.setdefault((run.graph_name, run.fingerprint), params)
+    for params in shapes.values():
         await conn.execute(pg(INSERT_SHAPE), params)
-    origin = origin_params(run)
-    if origin is not None:
-        await conn.execute(pg(SET_ORIGIN), origin)
+    for run in runs:
+        origin = origin_params(run)
+        if origin is not None:
+            await conn.execute(pg(SET_ORIGIN), origin)
