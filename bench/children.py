@@ -36,8 +36,13 @@ measured in the same run.
    run id) into a join; then a map of 10 child runs with ``required=7,
    late="cancel"`` (lognormal sleeps, median 30 ms, sigma 1.0). Parents/s is
    parents / (first parent's start .. last parent's end); ``linear`` is 4
-   workers' rate / (4 x 1 worker's). Targets: completes; at least 0.8 of
-   linear.
+   workers' rate / (4 x 1 worker's). The children of the two sessions draw
+   different sleeps (the map's are lognormal: a mean over 160 children is
+   good to about 10%), so the target is taken on the work: ``slept`` is the
+   seconds the completed children slept / (workers x that span), how busy
+   the slots were with what the parents needed, and ``by work`` is 4
+   workers' slept / 1 worker's. Targets: completes; at least 0.8 of linear
+   by work (parents/s shown beside it).
 
 **Stuck parents.** A parent left suspended, held by nobody, with every child
 ended (a lost wake-up), or left running with every child ended and no commit
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import sys
@@ -393,6 +399,8 @@ class Throughput:
     drives: float = 0.0
     #: The workers' CPU seconds per wall second over the session.
     cpu: float = 0.0
+    #: Seconds the completed children slept in all: the work the parents needed done.
+    work: float = 0.0
     #: The host's idle share of its CPU time over the session (every process: the
     #: workers, the bench, a local Postgres server): near 0 means the cores were full.
     idle: float | None = None
@@ -401,6 +409,11 @@ class Throughput:
     wasted: float = 0.0
     cancel_lag: list[float] = field(default_factory=list)
     stuck: str = ""
+
+    @property
+    def busy(self) -> float:
+        """The share of the workers' slot time spent on needed work (see the table's notes)."""
+        return self.work / (self.workers * self.seconds) if self.seconds else 0.0
 
 
 def child_inputs(seed: int, parent: int, children: int, heavy: bool) -> Any:
@@ -485,6 +498,9 @@ async def throughput(
         ended = (await store.get_run(run_id)).finished_at
         for child in await store.list_runs(parent=run_id):
             result.children += 1
+            if child.status.value == "completed":  # its one node returns the seconds it slept
+                (row,) = await store.results(child.run_id, "work")
+                result.work += float(json.loads(row.value_json))
             if child.status.value == "cancelled":
                 result.cancelled += 1
                 result.never_started += child.started_at is None
@@ -644,6 +660,7 @@ def print_fleet(results: Sequence[FleetResults], opts: argparse.Namespace, targe
         [Column("store"), Column("shape"), Column("workers", right=True),
          Column("parents", right=True), Column("seconds", right=True),
          Column("parents/s", right=True), Column("linear", right=True),
+         Column("by work", right=True), Column("slept", right=True),
          Column("children", right=True), Column("cancelled", right=True),
          Column("drives", right=True), Column("cpu", right=True),
          Column("idle", right=True), Column("lost", right=True), Column("stuck", right=True)],
@@ -652,9 +669,10 @@ def print_fleet(results: Sequence[FleetResults], opts: argparse.Namespace, targe
     for r in results:
         for shape, attr in shapes:
             one, four = getattr(r, attr)
-            linear = None
+            linear = by_work = None
             if one.rate and four.rate:
                 linear = four.rate / (4 * one.rate)
+                by_work = four.busy / one.busy
             for t in (one, four):
                 seconds = fmt_seconds(t.seconds)
                 if t.rate is None:
@@ -669,6 +687,8 @@ def print_fleet(results: Sequence[FleetResults], opts: argparse.Namespace, targe
                     r.kind, shape, t.workers, t.parents, seconds,
                     "-" if t.rate is None else f"{t.rate:.2f}",
                     fmt_ratio(linear) if t is four and linear is not None else "",
+                    fmt_ratio(by_work) if t is four and by_work is not None else "",
+                    f"{100 * t.busy:.0f}%",
                     t.children or "-", cancelled, f"{t.drives:.1f}", f"{t.cpu:.2f}",
                     "-" if t.idle is None else f"{100 * t.idle:.0f}%",
                     len(t.rescues.lost), len(t.rescues.claims),
@@ -679,12 +699,18 @@ def print_fleet(results: Sequence[FleetResults], opts: argparse.Namespace, targe
             targets.add_row(f"{shape}: completes on its own, no deadlock ({r.kind})",
                             measured, "PASS" if done and not lost else "FAIL")  # fmt: skip
             targets.add_row(
-                f"{shape}: 4 workers >= 0.8 of linear ({r.kind})",
-                "-" if linear is None else fmt_ratio(linear),
-                "FAIL" if linear is None else verdict(linear >= 0.8),
+                f"{shape}: 4 workers >= 0.8 of linear, by work ({r.kind})",
+                "-" if by_work is None else f"{fmt_ratio(by_work)} ({fmt_ratio(linear)} by parents/s)",
+                "FAIL" if by_work is None else verdict(by_work >= 0.8),
             )  # fmt: skip
     tp.add_note(
         f"linear: 4 workers' parents/s / (4 x 1 worker's, on {opts.baseline_parents} parents)"
+    )
+    tp.add_note(
+        "slept: the seconds the completed children slept / (workers x the session's seconds): "
+        "how busy the slots were with the work the parents needed; by work: 4 workers' slept "
+        "/ 1 worker's. The two sessions' children draw different sleeps (a lognormal tail in "
+        "the map), so parents/s differ in work per parent; by work counts the work done"
     )
     tp.add_note("drives: a parent's runs by a worker (first start + resumptions), per parent")
     tp.add_note(
