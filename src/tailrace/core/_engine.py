@@ -50,6 +50,7 @@ from ._loop import RunLoop
 from ._outcome import RunResult
 from ._queued import (
     cancel_run,
+    cancel_unstarted,
     reopen_cancelled,
     stored_result,
     submit_children,
@@ -949,7 +950,9 @@ class Engine:
             await asyncio.sleep(0.002)
             waited += 0.002
 
-    async def start_claimed(self, run_id: str, graph: Graph | None = None) -> RunResult:
+    async def start_claimed(
+        self, run_id: str, graph: Graph | None = None, *, cancel_first: bool = False
+    ) -> RunResult:
         """Drive a run this engine's owner claimed from a queue (``RUN_STARTED``), or resume it.
 
         The claim leased it to this engine's owner, so the lease (and its
@@ -959,11 +962,18 @@ class Engine:
         Args:
             run_id: the claimed run.
             graph: its graph (default: registered, or imported by reference).
+            cancel_first: a run whose cancel was requested before this call is
+                cancelled without being driven (no ``RUN_STARTED``), and its
+                stored result returned; else it starts and hears the request
+                at once (W5).
         """
         store = self._require_store("start a claimed run")
         await self._until_let_go(run_id)
         with self._driving(run_id):
             stored = await store.load_run(run_id)
+            if cancel_first and stored.run.cancel_requested_at is not None:
+                await cancel_unstarted(self, run_id)
+                return await stored_result(self, await store.get_run(run_id), graph)
             if not stored.nodes and stored.run.status is RunStatus.RUNNING:
                 graph = self._graph_of(stored.run, graph)
                 topo = graph.compile()

@@ -551,10 +551,11 @@ async def cancel_undriven(engine: Engine, run_id: str) -> RunStatus:
     # One end per run in this engine: a cancel cascading from a parent and the parent's
     # own attempt may both reach a child at once; the second finds it held (LeaseHeld).
     with engine._driving(run_id):
-        return await _cancel_undriven(engine, run_id)
+        return await cancel_unstarted(engine, run_id)
 
 
-async def _cancel_undriven(engine: Engine, run_id: str) -> RunStatus:
+async def cancel_unstarted(engine: Engine, run_id: str) -> RunStatus:
+    """:func:`cancel_undriven` for a caller that holds the engine's guard of ``run_id`` already."""
     store = engine.store
     assert store is not None
     token = await acquire_lease(store, run_id, engine.owner, engine.lease_ttl)

@@ -362,7 +362,7 @@ class Worker:
             )
             for run_id in claimed:
                 self.stats.claimed += 1
-                self._start(group, _Job(run_id, "claim", queue.name), self._drive(run_id))
+                self._start(group, _Job(run_id, "claim", queue.name), self._start_or_fail(run_id))
             if queue.limit is not None and len(claimed) < free:
                 # The rate window may be what held runs back: look again when a
                 # start may have left it, not a poll later.
@@ -422,24 +422,16 @@ class Worker:
         if status in ("completed", "suspended", "cancelled"):
             setattr(self.stats, status, getattr(self.stats, status) + 1)
 
-    async def _drive(self, run_id: str) -> RunResult | None:
-        """Drive a claimed run, unless it was asked to be cancelled before it started."""
-        record = await self.store.get_run(run_id)
-        if record.cancel_requested_at is not None:
-            await cancel_undriven(self.engine, run_id)
-            self.stats.cancelled += 1
-            return None
-        return await self._start_or_fail(run_id)
-
     async def _start_or_fail(self, run_id: str) -> RunResult | None:
-        """Start (or resume) a queued run; one whose rows can never be read is failed, once (Q6).
+        """Start (or resume) a claimed run, or cancel it undriven if that was asked before it
+        started; one whose rows can never be read is failed, once (Q6).
 
         A run this worker cannot drive (its graph, or an executor it names, is
         not at hand here: another deploy's) goes back to its queue for a worker
         that can, and this worker claims no more runs of that graph.
         """
         try:
-            return await self.engine.start_claimed(run_id)
+            return await self.engine.start_claimed(run_id, cancel_first=True)
         except (GraphError, GraphMismatch) as exc:
             record = await self.store.get_run(run_id)
             if record.parent_run_id is not None:

@@ -279,8 +279,10 @@ class PostgresStore(RunStore):
 
     async def _load_run(self, run_id: str) -> StoredRun:
         async def read(conn: Conn, attempt: Attempt) -> StoredRun:
-            # The run and its nodes as of one moment, the four reads sent together.
-            async with conn.pipeline(), conn.transaction():
+            # The run and its nodes as of one moment, the four reads sent together. The
+            # transaction opens outside the pipeline (as a harvest's does): a caller
+            # cancelled mid-pipeline then leaves it rolled back, never open on the pool.
+            async with conn.transaction(), conn.pipeline():
                 await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
                 reads = [await conn.execute(pg(sql), (run_id,)) for sql in bodies.LOAD_RUN]
             return bodies.stored_run(run_id, [await cur.fetchall() for cur in reads])
