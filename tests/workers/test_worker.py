@@ -299,7 +299,8 @@ async def test_schedules_submit_each_tick_once_across_workers_and_one_catch_up(
     were missed (no worker ran), only the latest is submitted."""
     store = await db.store()
     nightly = Schedule(graphs.chain, "*/5 * * * *", 4, name="every5", queue="q")
-    start = datetime.datetime(2026, 12, 2, 10, 7, tzinfo=datetime.UTC).timestamp()
+    # Ahead of the real clock, so the worker's own ticker (real time) finds nothing due.
+    start = datetime.datetime(2100, 12, 2, 10, 7, tzinfo=datetime.UTC).timestamp()
     await store.declare_schedule(nightly.row(DEFAULT_CODEC, start))
     tickers = [ScheduleTicker(await db.store(), refresh=0.0) for _ in range(3)]
     for now in (start, start + 60, start + 200, start + 500):  # 10:07, :08, :10:20, :15:20
@@ -308,15 +309,15 @@ async def test_schedules_submit_each_tick_once_across_workers_and_one_catch_up(
     # No worker for an hour: eleven ticks missed, one catch-up run (the latest).
     await asyncio.gather(*(t.tick(start + 500 + 3600) for t in tickers))
     ids = sorted(r.run_id for r in await store.list_runs(queue="q", limit=10))
-    assert ids == ["every5@2026-12-02T10:10Z", "every5@2026-12-02T10:15Z",
-                   "every5@2026-12-02T11:15Z"]  # fmt: skip
+    assert ids == ["every5@2100-12-02T10:10Z", "every5@2100-12-02T10:15Z",
+                   "every5@2100-12-02T11:15Z"]  # fmt: skip
     later = ScheduleTicker(store, refresh=600.0)  # the next look: the next tick, 11:20
     assert await later.tick(start + 500 + 3600) == pytest.approx(4 * 60 + 40)
     async with working(await worker_on(db, queues=["q"], schedules=[nightly])):
         results = [await Engine(store=store).wait(r, timeout=fixtures.HANG_GUARD) for r in ids]
     assert {r.output for r in results} == {(4 + 1) * 2}
     (row,) = await store.schedules()
-    eleven_fifteen = datetime.datetime(2026, 12, 2, 11, 15, tzinfo=datetime.UTC)
+    eleven_fifteen = datetime.datetime(2100, 12, 2, 11, 15, tzinfo=datetime.UTC)
     assert row.last_tick == eleven_fifteen.timestamp()  # the worker's declaration kept it
 
 

@@ -52,7 +52,6 @@ from ..stores import (
     GraphRow,
     QuestionRow,
     Queue,
-    RunRecord,
     RunStatus,
     RunStore,
     WorkerRow,
@@ -232,6 +231,9 @@ class Worker:
         self._here: set[str] = set()
         #: Graphs (name, fingerprint) of runs this worker found it cannot drive.
         self._not_here: set[tuple[str, str]] = set()
+        #: Held by a claim round and by a hand-back, so no round in flight claims a run
+        #: again between its hand-back and its graph joining ``_not_here``.
+        self._claiming = asyncio.Lock()
         self._by_queue: Counter[str] = Counter()
         self._kinds: set[str] = set()
         self._wake = asyncio.Event()
@@ -357,9 +359,11 @@ class Worker:
             free = self._free(queue)
             if free <= 0:
                 continue
-            claimed = await self.store.claim_runs(
-                queue.name, self.owner, self.engine.lease_ttl, limit=free, skip=self._not_here
-            )
+            async with self._claiming:
+                claimed = await self.store.claim_runs(
+                    queue.name, self.owner, self.engine.lease_ttl, limit=free,
+                    skip=tuple(self._not_here),
+                )  # fmt: skip
             for run_id in claimed:
                 self.stats.claimed += 1
                 self._start(group, _Job(run_id, "claim", queue.name), self._start_or_fail(run_id))
@@ -442,25 +446,25 @@ class Worker:
                     f"{describe(exc)}",
                 )  # fmt: skip
                 raise
-            if await self.store.return_claim(run_id, self.owner):
-                self._cannot_drive(record, exc)
+            # This worker claims no more runs of that graph, from the next claim round on.
+            key = (record.graph_name, record.fingerprint)
+            first = key not in self._not_here
+            self._not_here.add(key)
+            async with self._claiming:
+                returned = await self.store.return_claim(run_id, self.owner)
+            if returned:
+                if first:
+                    logger.warning(
+                        "run %s (graph %r) went back to queue %r: this worker cannot drive it "
+                        "(%s); it claims no more runs of that graph",
+                        run_id, record.graph_name, record.queue_name, describe(exc),
+                    )  # fmt: skip
                 return None
             await self.engine.fail_run(run_id, f"cannot be started: {describe(exc)}")
             raise
         except UNRESUMABLE as exc:
             await self.engine.fail_run(run_id, f"cannot be started: {describe(exc)}")
             raise
-
-    def _cannot_drive(self, record: RunRecord, exc: Exception) -> None:
-        """Claim no more runs of ``record``'s graph; say so once per graph."""
-        key = (record.graph_name, record.fingerprint)
-        if key not in self._not_here:
-            self._not_here.add(key)
-            logger.warning(
-                "run %s (graph %r) went back to queue %r: this worker cannot drive it (%s); "
-                "it claims no more runs of that graph",
-                record.run_id, record.graph_name, record.queue_name, describe(exc),
-            )  # fmt: skip
 
     # -- answers, orphans, cancels ----------------------------------------------------------
 
