@@ -49,6 +49,14 @@ SKIP_LOCKED = " FOR UPDATE OF r SKIP LOCKED"
 INSERT_QUEUED = (
     f"{pg(INSERT_QUEUED_RUN)} ON CONFLICT DO NOTHING RETURNING pg_current_xact_id()::text"
 )
+#: Values: owner, lease_expires, now, now, run ids. ``CLAIM_RUN`` for every run a claim
+#: locked, in one statement that also gives the transaction's id (its first write): a
+#: claim that finds nothing writes nothing and commits read-only.
+CLAIM_RUNS = (
+    "UPDATE runs SET status = 'running', lease_owner = %s, lease_expires = %s, "
+    "lease_token = lease_token + 1, started_at = %s, updated_at = %s "
+    f"WHERE run_id = ANY(%s) AND status = 'queued' RETURNING run_id, {XID}"
+)
 
 
 def notify_channel(schema: str) -> str:

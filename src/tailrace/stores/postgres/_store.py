@@ -81,7 +81,6 @@ from .._sql._queues import (
     ANSWER_CANDIDATES,
     ANY_QUEUED,
     CANCEL_REQUESTS,
-    CLAIM_RUN,
     DEDUP_HOLDER,
     DELETE_SCHEDULE,
     DELETE_WORKER,
@@ -137,6 +136,7 @@ from ._connections import (
 )
 from ._errors import harvest_texts
 from ._queues import (
+    CLAIM_RUNS,
     FALLBACK_POLL,
     INSERT_QUEUED,
     SKIP_LOCKED,
@@ -652,7 +652,6 @@ class PostgresStore(RunStore):
 
         async def claim(conn: Conn, attempt: Attempt) -> list[str]:
             claimed.clear()
-            attempt.xid = await transaction_id(conn)
             spec = await claimable(conn, queue)
             if spec is None:
                 return []  # paused, or its row cannot be used (said once): nothing is claimed
@@ -671,13 +670,17 @@ class PostgresStore(RunStore):
             params = candidate_params(spec, now, graphs, skip, free)
             cur = await conn.execute(pg(query) + SKIP_LOCKED, params)
             ids = [r[0] for r in await cur.fetchall()]
+            if not ids:
+                return []
             # Stamped after the look: a run of a partition then never starts
             # "before" the finish of the one it waited for (same clock).
             stamp = max(now, self._clock())
-            for run_id in ids:
-                await conn.execute(pg(CLAIM_RUN), (owner, stamp + ttl, stamp, stamp, run_id))
-            claimed.extend(ids)
-            return ids
+            cur = await conn.execute(CLAIM_RUNS, (owner, stamp + ttl, stamp, stamp, ids))
+            rows = await cur.fetchall()
+            attempt.xid = rows[0][1] if rows else None
+            won = {r[0] for r in rows}
+            claimed.extend(run_id for run_id in ids if run_id in won)  # in claim order
+            return list(claimed)
 
         async def landed(conn: Conn) -> list[str]:
             return list(claimed)
