@@ -600,7 +600,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--timeout", type=float, default=90.0, help="seconds before FAIL")
     opts = parser.parse_args(argv)
     opts.parents = opts.parents or (20 if opts.quick else 100)
-    opts.samples = opts.samples or (8 if opts.quick else 20)
+    # 40 samples: 120 starts of each kind, so a p99 is not simply the slowest one.
+    opts.samples = opts.samples or (8 if opts.quick else 40)
     opts.baseline_parents = opts.baseline_parents or max(1, min(16, opts.parents // 4))
     repeat = Repeat(runs=3 if opts.quick else 5, min_time=0.5 if opts.quick else 1.0, budget=10.0)
     kinds = {"both": ["sqlite", "postgres"], "none": []}.get(opts.store, [opts.store])

@@ -239,3 +239,47 @@ def test_questions_of_a_run_include_its_childrens(tmp_path: Path) -> None:
     assert listed.exit_code == 0, listed.output
     assert "par/sub/1" in listed.stdout and "approve" in listed.stdout
     assert invoke("questions", "--db", db, "--run", "par/sub/1").stdout.count("approve") >= 1
+
+
+def test_questions_of_a_run_include_those_of_a_child_still_running(tmp_path: Path) -> None:
+    """R5: a child that asks while another of its nodes still runs is running, not
+    suspended; its open question is listed for its parent all the same."""
+    release = asyncio.Event()
+    asks = tr.Graph("asks_running_cli")
+
+    @asks.gate()
+    async def approve(x: int) -> str:
+        return f"approve {x}?"
+
+    @asks.task()
+    async def slow(x: int) -> int:
+        await release.wait()
+        return x
+
+    parent = tr.Graph("parent_running_cli")
+    parent.add_node("sub", asks)
+    db = tmp_path / "q.db"
+
+    async def scenario() -> tuple[Result, RunStatus]:
+        async with SQLiteStore(str(db)) as store:
+            engine = tr.Engine(store=store)
+            run = asyncio.create_task(engine.run(parent, 5, run_id="par"))
+
+            async def asked() -> bool:
+                return bool(await store.list_questions(run_id="par/sub/1"))
+
+            await fixtures.until(asked, "the child to ask")
+            child = (await store.get_run("par/sub/1")).status
+            listed = await asyncio.to_thread(
+                invoke, "questions", "--db", db, "--run", "par", "--open"
+            )
+            release.set()
+            result = await asyncio.wait_for(run, fixtures.HANG_GUARD)
+            assert result.status is RunStatus.SUSPENDED  # now the gate alone is left
+            return listed, child
+
+    listed, child = asyncio.run(scenario())
+    assert child is RunStatus.RUNNING
+    clean(listed)
+    assert listed.exit_code == 0, listed.output
+    assert "par/sub/1" in listed.stdout and "approve 5?" in listed.stdout

@@ -397,18 +397,23 @@ def _cancelled(child_id: str, error: str | None) -> RunFailed:
     )  # fmt: skip
 
 
+#: The statuses of a child run that may have a question open.
+_MAY_ASK = frozenset({RunStatus.RUNNING, RunStatus.SUSPENDED})
+
+
 async def tree_questions(
     store: RunStore, run_id: str, status: QuestionStatus | None = QuestionStatus.OPEN
 ) -> list[QuestionRow]:
     """The questions (open ones by default) of ``run_id`` and of its child runs, at any depth
-    (R5). For open ones only suspended children are looked at: a child with a question
-    open waits on it, and suspends as soon as nothing else of it runs."""
+    (R5). For open ones only live children that started are looked at (running or
+    suspended: a child asks while other nodes of it still run); a queued child has asked
+    nothing yet, and an ended one waits on nothing."""
     questions = await store.list_questions(run_id=run_id, status=status)
     todo = [run_id]
     while todo:
         parent = todo.pop()
         for child in await store.list_runs(parent=parent):
-            if status is QuestionStatus.OPEN and child.status is not RunStatus.SUSPENDED:
+            if status is QuestionStatus.OPEN and child.status not in _MAY_ASK:
                 continue
             questions += await store.list_questions(run_id=child.run_id, status=status)
             todo.append(child.run_id)
