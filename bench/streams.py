@@ -26,6 +26,13 @@ chunk carries the clock at its ``stream`` call.
   durable ``"async"``): turns/s and the ratio; and a hot case with no sleeps
   (items that only stream), the worst case, reported as it is.
 
+- ``dbos other process (sqlite|postgres)``, with ``--dbos`` (``pip install
+  dbos``): the peer on the same shape. One DBOS process runs ``attempts``
+  async workflows, each ``DBOS.write_stream_async`` of the same chunks at the
+  same pace (the clock as the value); a ``DBOSClient`` in another process reads
+  every workflow's stream with ``read_stream_async`` (``LISTEN/NOTIFY`` on
+  Postgres; on SQLite it polls, here every 10 ms, DBOS's default being 1 s).
+
 Each reader attaches before the items start streaming. Postgres rows need
 ``--postgres`` or ``TAILRACE_TEST_POSTGRES_DSN``. Nothing here asserts; the
 ``targets`` section reports PASS/MISS against DESIGN.md's budget.
@@ -75,6 +82,130 @@ READER = """
 
     asyncio.run(main())
 """
+
+
+DBOS_WRITER = """
+    import asyncio, os, sys, time
+    from dbos import DBOS, SetWorkflowID
+
+    url, n, turns, pause, prefix, started, go, done = sys.argv[1:9]
+    n, turns, pause = int(n), int(turns), float(pause)
+    DBOS(config={"name": "streams-bench", "system_database_url": url,
+                 "notification_listener_polling_interval_sec": 0.01})
+
+    @DBOS.workflow()
+    async def agent(i: int) -> int:
+        while not os.path.exists(go):
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(pause * i / n)  # spread over one period, as tailrace's items
+        for _ in range(turns):
+            await DBOS.write_stream_async("out", time.time())
+            await asyncio.sleep(pause)
+        await DBOS.close_stream_async("out")
+        return turns
+
+    async def main():
+        DBOS.launch()
+        handles = []
+        for i in range(n):
+            with SetWorkflowID(f"{prefix}-{i}"):
+                handles.append(await DBOS.start_workflow_async(agent, i))
+        open(started, "w").close()
+        for handle in handles:
+            await handle.get_result()
+        open(done, "w").close()
+
+    asyncio.run(main())
+    DBOS.destroy()
+"""
+
+DBOS_READER = """
+    import asyncio, json, sys, time
+    from dbos import DBOSClient
+
+    url, n, prefix, ready, out = sys.argv[1:6]
+    client = DBOSClient(system_database_url=url)
+
+    async def main():
+        lags = []
+
+        async def read(i):
+            async for value in client.read_stream_async(
+                f"{prefix}-{i}", "out", polling_interval_sec=0.01
+            ):
+                lags.append(time.time() - value)
+
+        readers = [asyncio.ensure_future(read(i)) for i in range(int(n))]
+        await asyncio.sleep(0.5)  # every reader's first look done
+        open(ready, "w").close()
+        await asyncio.gather(*readers)
+        json.dump(lags, open(out, "w"))
+
+    asyncio.run(main())
+    client.destroy()
+"""
+
+
+def dbos_other_process(
+    url: str, attempts: int, turns: int, pause: float, workdir: Path
+) -> dict[str, float]:
+    """Chunk -> DBOS ``read_stream`` reader in another process latency, same shape."""
+    tag = uuid.uuid4().hex[:8]
+    writer, reader = workdir / "dbos_writer.py", workdir / "dbos_reader.py"
+    writer.write_text(textwrap.dedent(DBOS_WRITER))
+    reader.write_text(textwrap.dedent(DBOS_READER))
+    started, go, done, ready, out = (
+        workdir / f"dbos-{tag}.{name}" for name in ("started", "go", "done", "ready", "json")
+    )
+    prefix = f"agent-{tag}"
+    log = (workdir / f"dbos-{tag}.log").open("wb")  # DBOS logs at INFO: kept out of the table
+    w = subprocess.Popen(
+        [sys.executable, str(writer), url, str(attempts), str(turns), str(pause), prefix,
+         str(started), str(go), str(done)], stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    r = None
+    try:
+        _wait_file(started, w, log.name)
+        r = subprocess.Popen([sys.executable, str(reader), url, str(attempts), prefix,
+                              str(ready), str(out)], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        _wait_file(ready, r, log.name)
+        began = time.perf_counter()
+        go.touch()
+        _wait_file(done, w, log.name, within=600.0)
+        elapsed = time.perf_counter() - began
+        r.wait(60)
+        w.wait(60)
+    finally:
+        for proc in (w, r):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        log.close()
+    return _summary(json.loads(out.read_text()), elapsed)
+
+
+def _wait_file(path: Path, proc: subprocess.Popen[bytes], log: str, within: float = 60.0) -> None:
+    deadline = time.monotonic() + within
+    while not path.exists():
+        if proc.poll() is not None:
+            tail = Path(log).read_text(errors="replace")[-600:]
+            raise RuntimeError(
+                f"{proc.args[1]} exited ({proc.returncode}) before {path.name}: {tail}"
+            )
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path.name} did not appear within {within:g} s")
+        time.sleep(0.01)
+
+
+def _dbos_database(dsn: str, name: str) -> str:
+    """A database of its own for DBOS (it creates it), on the server ``dsn`` names."""
+    import psycopg.conninfo
+
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    host, user = info.get("host", "localhost"), info.get("user", "postgres")
+    if host.startswith("/"):
+        return f"postgresql://{user}@/{name}?host={host}"
+    return f"postgresql://{user}@{host}:{info.get('port', '5432')}/{name}"
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -256,6 +387,9 @@ async def main(argv: Sequence[str]) -> None:
     parser.add_argument("--per-attempt", type=float, default=100.0, help="chunks/s per attempt")
     parser.add_argument("--seconds", type=float, default=None)
     parser.add_argument("--postgres", default=os.environ.get("TAILRACE_TEST_POSTGRES_DSN"))
+    parser.add_argument("--dbos", action="store_true", help="DBOS read_stream, side by side")
+    parser.add_argument("--dbos-seconds", type=float, default=1.0,
+                        help="seconds of DBOS's run (the same pace; it falls behind it)")  # fmt: skip
     args = parser.parse_args(argv)
     seconds = args.seconds or (1.0 if args.quick else 3.0)
     pause = 1.0 / args.per_attempt
@@ -287,6 +421,9 @@ async def main(argv: Sequence[str]) -> None:
             await _drop_schema(args.postgres, pg_url.rsplit("schema=", 1)[1])
         else:
             print("(no Postgres DSN: its row is skipped)")
+        if args.dbos:
+            dbos_turns = max(1, min(turns, int(args.dbos_seconds * args.per_attempt)))
+            rows += await dbos_rows(args.postgres, attempts, dbos_turns, pause, workdir)
 
         print("\n| reader | chunks | chunks/s | p50 ms | p90 ms | p99 ms | max ms |")
         print("|---|---|---|---|---|---|---|")
@@ -323,6 +460,36 @@ async def main(argv: Sequence[str]) -> None:
     base, streamed = rates["paced"]
     verdict = "PASS" if streamed / base >= 0.9 else "MISS"
     print(f"  run rate with streaming >= 0.9 x without: {streamed / base:.3f}: {verdict}")
+
+
+async def dbos_rows(
+    dsn: str | None, attempts: int, turns: int, pause: float, workdir: Path
+) -> list[tuple[str, dict[str, float]]]:
+    """DBOS's rows (SQLite, and Postgres when ``dsn`` is given); a failure is said, not hidden."""
+    targets = [("sqlite", f"sqlite:///{workdir}/dbos-streams.sqlite", None)]
+    if dsn:
+        name = f"dbos_streams_{uuid.uuid4().hex[:8]}"
+        targets.append(("postgres", _dbos_database(dsn, name), name))
+    rows = []
+    for kind, url, database in targets:
+        try:
+            summary = await asyncio.to_thread(
+                dbos_other_process, url, attempts, turns, pause, workdir
+            )
+            rows.append((f"dbos other process ({kind}, {turns} chunks each)", summary))
+        except Exception as exc:  # report why, keep tailrace's rows
+            print(f"(DBOS on {kind} failed: {str(exc)[-300:]})")
+        finally:
+            if database is not None and dsn:
+                await _drop_database(dsn, database)
+    return rows
+
+
+async def _drop_database(dsn: str, name: str) -> None:
+    import psycopg
+
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 async def _drop_schema(dsn: str, schema: str) -> None:
