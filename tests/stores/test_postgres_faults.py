@@ -36,6 +36,7 @@ from tailrace.stores import (
     QuestionStatus,
     ResultRow,
     RunStatus,
+    Submission,
 )
 from tests.fixtures import POSTGRES_DSN
 
@@ -291,6 +292,27 @@ async def test_a_commit_whose_answer_is_lost_is_applied_exactly_once(
         assert (await store.get_question("q1")).status is QuestionStatus.APPLIED
     landed = [r for r in caplog.records if "had landed" in r.getMessage()]
     assert len(landed) == (1 if after else 0)
+
+
+@pytest.mark.parametrize("after", [True, False], ids=["commit-landed", "commit-lost"])
+async def test_a_claim_whose_commit_answer_is_lost_hands_out_its_runs_once(
+    pg: Pg, cutter: CommitCutter, after: bool
+) -> None:
+    """The claim's transaction id comes from its one UPDATE: a lost COMMIT answer is settled
+    by it, so the claimer gets the runs it leased (not a re-run finding nothing) or, if the
+    COMMIT never landed, leases them in a re-run; either way each run is claimed once."""
+    async with pg.store(dsn=through(pg, cutter), max_size=1) as store:
+        await store.submit_runs([(new_run(r), Submission(queue="q")) for r in ("r1", "r2")])
+        before = {r: (await store.get_run(r)).lease_token for r in ("r1", "r2")}
+        cutter.arm(after=after)
+        claimed = await store.claim_runs("q", "w", TTL, limit=2)
+        assert cutter.cuts == 1
+        assert sorted(claimed) == ["r1", "r2"]
+        for run_id in ("r1", "r2"):
+            record = await store.get_run(run_id)
+            assert (record.status, record.lease_owner) == (RunStatus.RUNNING, "w")
+            assert record.lease_token == before[run_id] + 1  # leased by one claim only
+        assert await store.claim_runs("q", "w2", TTL, limit=2) == []
 
 
 async def test_other_writes_whose_commit_answer_is_lost_are_not_repeated(
