@@ -243,13 +243,14 @@ def candidate_params(
     return (queue.name, now, *unkeyed, queue.partition_concurrency, *rate, *filters, limit)
 
 
-#: Values: owner, lease_expires, now, now, run_id. Exactly one row changes when
-#: the run was still queued.
-CLAIM_RUN = (
+#: Values: owner, lease_expires, now, now (then what picks the runs). A claim's lease.
+CLAIM_SET = (
     "UPDATE runs SET status = 'running', lease_owner = ?, lease_expires = ?, "
     "lease_token = lease_token + 1, started_at = ?, updated_at = ? "
-    "WHERE run_id = ? AND status = 'queued'"
 )
+#: Values: owner, lease_expires, now, now, run_id. Exactly one row changes when
+#: the run was still queued.
+CLAIM_RUN = CLAIM_SET + "WHERE run_id = ? AND status = 'queued'"
 
 #: Values: now, now, limit. Due answers (``DUE_ANSWERS`` order) of suspended runs
 #: nobody holds, with the run's queue; a run may appear once per due question.

@@ -33,6 +33,7 @@ from .._records import (
     Queue,
 )
 from .._sql._queues import (
+    CLAIM_SET,
     SELECT_QUEUE,
 )
 from .._sql._statements import INSERT_QUEUED_RUN
@@ -52,11 +53,7 @@ INSERT_QUEUED = (
 #: Values: owner, lease_expires, now, now, run ids. ``CLAIM_RUN`` for every run a claim
 #: locked, in one statement that also gives the transaction's id (its first write): a
 #: claim that finds nothing writes nothing and commits read-only.
-CLAIM_RUNS = (
-    "UPDATE runs SET status = 'running', lease_owner = %s, lease_expires = %s, "
-    "lease_token = lease_token + 1, started_at = %s, updated_at = %s "
-    f"WHERE run_id = ANY(%s) AND status = 'queued' RETURNING run_id, {XID}"
-)
+CLAIM_RUNS = pg(CLAIM_SET) + f"WHERE run_id = ANY(%s) AND status = 'queued' RETURNING run_id, {XID}"
 
 
 def notify_channel(schema: str) -> str:
