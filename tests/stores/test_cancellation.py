@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 import pytest
 
 from tailrace.stores import (
+    Claim,
     Harvest,
     NewRun,
     Queue,
@@ -141,6 +142,38 @@ async def test_cancelled_claims_keep_partition_limits_and_lose_no_run(backend: B
     stranded = {r.run_id for r in runs if r.status is RunStatus.RUNNING}
     assert all(r.lease_owner is None for r in runs if r.run_id in stranded)
     assert stranded <= set(await store.expired_leases(backend.clock(), limit=100))
+
+
+async def test_cancelled_submit_and_claims_store_whole_and_strand_no_lease(
+    backend: Backend,
+) -> None:
+    """Child submits that claim in the same write (R4), cancelled at random moments: each
+    batch is stored whole or not at all, a run the cancelled call claimed is not left
+    leased to it (adopted at once), and no run is handed out twice."""
+    store, rng = backend.store, random.Random(13)
+    handed: list[str] = []
+    submitted: list[list[str]] = []
+    for n in range(ROUNDS):
+        batch = [f"p/{n:02}/{k}" for k in range(3)]
+        submitted.append(batch)
+        rows = [(new_run(r), Submission(queue="q")) for r in batch]
+        claim = Claim(queue="q", owner="w", ttl=TTL, limit=2)
+        call = store.submit_and_claim(rows, claim)
+        got = await (call if n % 4 == 0 else cancel_at_random(rng, call))  # some end
+        if got is not None:
+            handed.extend(got[1])
+    assert len(handed) == len(set(handed))  # no run handed out twice
+    runs = {r.run_id: r for r in await store.list_runs(queue="q", limit=1000)}
+    for batch in submitted:  # whole or not at all
+        assert all(r in runs for r in batch) or not any(r in runs for r in batch)
+    assert handed and len(runs) > len(handed)
+    for run_id, record in runs.items():
+        if run_id in handed:
+            assert (record.status, record.lease_owner) == (RunStatus.RUNNING, "w")
+        elif record.status is RunStatus.RUNNING:  # claimed by a call that gave up
+            assert record.lease_owner is None
+    again = await store.claim_runs("q", "w2", TTL, limit=1000)
+    assert not set(again) & set(handed)
 
 
 async def test_cancelled_pauses_and_resumes_leave_a_usable_queue(backend: Backend) -> None:

@@ -18,6 +18,7 @@ import pytest
 from tailrace._errors import QueueNotEmpty, RunExists, RunNotFound
 from tailrace.stores import (
     ChangeFeed,
+    Claim,
     GraphRow,
     Harvest,
     NewRun,
@@ -100,6 +101,83 @@ async def test_many_runs_are_submitted_in_one_write_and_taken_ids_are_skipped(
         await store.submit_runs([(new_run("d"), Submission(queue="q", dedup_key="k"))])
     with pytest.raises(RunNotFound):
         await store.get_run("d")  # nothing of a refused batch is stored
+
+
+def kid(run_id: str, *, graph: str = "kid") -> tuple[NewRun, Submission]:
+    return (
+        NewRun(
+            run_id=run_id, graph_name=graph, graph_ref=None, fingerprint="fp",
+            input_json="0", created_at=2.0, parent_run_id="p",
+        ),
+        Submission(queue="q"),
+    )  # fmt: skip
+
+
+async def test_submit_and_claim_leases_what_fits_in_the_same_write(store: RunStore) -> None:
+    """``submit_and_claim``: the submitting worker's free slots take the new runs in
+    queue order (R4); what is left queued wakes the fleet."""
+    claim = Claim(queue="q", owner="w1", ttl=TTL, limit=2)
+    async with store.changes() as feed:
+        stored, claimed = await store.submit_and_claim([kid(f"p/k/1/{n}") for n in range(3)], claim)
+        kinds = await feed.wait(5.0)
+    assert stored == ["p/k/1/0", "p/k/1/1", "p/k/1/2"]
+    assert claimed == ["p/k/1/0", "p/k/1/1"]
+    assert "submit" in kinds  # p/k/1/2 is left to the fleet
+    for run_id in claimed:
+        record = await store.get_run(run_id)
+        assert (record.status, record.lease_owner, record.lease_token) == (
+            RunStatus.RUNNING, "w1", 1,
+        )  # fmt: skip
+        assert record.started_at is not None and record.lease_expires is not None
+    left = await store.get_run("p/k/1/2")
+    assert (left.status, left.lease_owner, left.started_at) == (RunStatus.QUEUED, None, None)
+    assert await store.claim_runs("q", "w2", TTL, limit=5) == ["p/k/1/2"]  # one claimer each
+    again, none = await store.submit_and_claim([kid("p/k/1/0")], claim)
+    assert (again, none) == ([], [])  # submitted before: left as it is, not claimed again
+    assert (await store.get_run("p/k/1/0")).lease_token == 1
+
+
+async def test_submit_and_claim_keeps_the_queue_order_and_limits(store: RunStore) -> None:
+    """Runs queued before go first; a paused queue, a full one, a skipped graph and a zero
+    limit hand out nothing; bad claims are refused before anything is stored."""
+    await submit(store, "old", at=1.0)
+    _, claimed = await store.submit_and_claim(
+        [kid("p/a")], Claim(queue="q", owner="w", ttl=TTL, limit=1)
+    )
+    assert claimed == ["old"]  # older, so first: the new run waits its turn
+    assert (await store.get_run("p/a")).status is RunStatus.QUEUED
+    await store.declare_queue(Queue("q", concurrency=1))  # "old" runs: the queue is full
+    _, claimed = await store.submit_and_claim(
+        [kid("p/b")], Claim(queue="q", owner="w", ttl=TTL, limit=4)
+    )
+    assert claimed == []
+    await finish(store, "old", owner="w")
+    await store.pause_queue("q")
+    _, claimed = await store.submit_and_claim(
+        [kid("p/c")], Claim(queue="q", owner="w", ttl=TTL, limit=4)
+    )
+    assert claimed == []
+    await store.resume_queue("q")
+    skip = (("kid", "fp"),)
+    stored, claimed = await store.submit_and_claim(
+        [kid("p/d", graph="other"), kid("p/e")],
+        Claim(queue="q", owner="w", ttl=TTL, limit=4, skip=skip),
+    )
+    assert (stored, claimed) == (["p/d", "p/e"], ["p/d"])  # the one graph not skipped
+    stored, claimed = await store.submit_and_claim(
+        [kid("p/f")], Claim(queue="q", owner="w", ttl=TTL, limit=0)
+    )
+    assert (stored, claimed) == (["p/f"], [])
+    with pytest.raises(ValueError, match="owner"):
+        await store.submit_and_claim(
+            [kid("p/g")], Claim(queue="q", owner="w\x00", ttl=TTL, limit=1)
+        )
+    with pytest.raises(ValueError, match="ttl"):
+        await store.submit_and_claim([kid("p/g")], Claim(queue="q", owner="w", ttl=-1.0, limit=1))
+    with pytest.raises(RunNotFound):
+        await store.get_run("p/g")  # nothing of a refused call is stored
+    queued = {r.run_id for r in await store.list_runs(queue="q", status=RunStatus.QUEUED)}
+    assert queued == {"p/a", "p/b", "p/c", "p/e", "p/f"}
 
 
 async def test_a_submitted_run_is_queued_with_its_submission(store: RunStore) -> None:

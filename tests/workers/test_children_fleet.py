@@ -11,6 +11,7 @@ import asyncio
 import collections
 import contextlib
 import datetime
+import json
 import os
 import signal
 import subprocess
@@ -109,6 +110,37 @@ async def test_parents_waiting_on_children_never_deadlock_a_fleet_of_single_slot
     assert {c.queue_name for c in children} == {"kids"}
     starts = side_starts(side)
     assert len(starts) == 60 and set(starts.values()) == {1}  # no child started twice (R2)
+
+
+async def _owner_of(store: RunStore, run_id: str) -> str:
+    """The owner named by the run's first ``run_started`` event (W6)."""
+    started = [e for e in await store.events(run_id) if e.type == "run_started"]
+    return str(json.loads(started[0].data_json)["owner"])
+
+
+@pytest.mark.parametrize(("concurrency", "taken"), [(8, 3), (2, 1)])
+async def test_a_worker_claims_the_children_its_run_submits_as_it_submits_them(
+    shared: str, concurrency: int, taken: int
+) -> None:
+    """R4: the parent's worker claims as many of the children as it has free slots for in
+    the write that submits them (the parent holds one); the rest go to the fleet. With
+    ``take_children=False`` every child goes through the fleet's claims."""
+    async with open_store(shared) as store:
+        async with workers(store, 2, concurrency=concurrency) as fleet:
+            engine = tr.Engine(store=store)
+            run_id = await engine.submit(graphs.family, {"count": 3, "sleep": 0.2}, queue="parents")
+            assert (await engine.wait(run_id, timeout=GUARD)).output == 30
+        children = await store.list_runs(parent=run_id)
+        parent_owner = await _owner_of(store, run_id)
+        owners = [await _owner_of(store, c.run_id) for c in children]
+        assert sum(w.stats.taken for w in fleet) == taken
+        assert owners.count(parent_owner) >= taken
+        assert {c.status for c in children} == {RunStatus.COMPLETED}
+        async with workers(store, 2, concurrency=8, take_children=False) as fleet:
+            other = await engine.submit(graphs.family, {"count": 3, "sleep": 0.0}, queue="parents")
+            assert (await engine.wait(other, timeout=GUARD)).output == 30
+        assert sum(w.stats.taken for w in fleet) == 0
+        assert sum(w.stats.claimed for w in fleet) >= 4  # the parent and its 3 children
 
 
 async def test_a_suspended_parent_wakes_once_its_map_can_complete_not_per_child(
@@ -364,6 +396,33 @@ async def test_sigkill_of_the_parents_process_leaves_its_children_running_and_it
     assert result.output == [0, 10, 20, 30]
     assert len(children) == 4 and {c.status for c in children} == {RunStatus.COMPLETED}
     assert set(side_starts(side).values()) == {1}  # no child ran twice, none was resubmitted
+
+
+@pytest.mark.slow
+async def test_sigkill_of_a_worker_holding_a_parent_and_the_children_it_took(
+    shared: str, tmp_path: Path, procs: Procs
+) -> None:
+    """R2/R4: the worker that drove a parent claimed its children as it submitted them, and
+    is SIGKILLed while they run. Another worker adopts the children (each child's work runs
+    again once, no child is submitted twice), and the parent, woken by the last, completes."""
+    side = tmp_path / "side.log"
+    async with open_store(shared) as store:
+        engine = tr.Engine(store=store)
+        run_id = await engine.submit(graphs.family, {"count": 3, "sleep": 0.5}, queue="parents")
+        doomed = procs.worker(shared, side, "parents", "kids", TAILRACE_TEST_KID_SLEEP="3600")
+        await until(lambda: len(side_starts(side)) == 3, "the doomed worker to run every child")
+        children = await store.list_runs(parent=run_id)
+        holder = await _owner_of(store, run_id)
+        assert {c.lease_owner for c in children} == {holder}  # taken by the parent's worker
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()  # reaped: provably dead, what it held is adopted at once
+        procs.worker(shared, side, "parents", "kids")
+        result = await engine.wait(run_id, timeout=GUARD)
+        children = await store.list_runs(parent=run_id)
+    assert result.output == 30
+    assert len(children) == 3 and {c.status for c in children} == {RunStatus.COMPLETED}
+    starts = side_starts(side)
+    assert len(starts) == 3 and set(starts.values()) == {2}  # the killed try and the adopter's
 
 
 @pytest.mark.slow

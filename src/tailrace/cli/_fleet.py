@@ -244,6 +244,14 @@ def worker(
             "worker submits the store's schedules, one worker per tick.",
         ),
     ] = None,
+    take_children: Annotated[
+        bool,
+        typer.Option(
+            help="Claim the child runs a run driven here submits to a served queue in the "
+            "same write, as many as there are free slots (--no-take-children: leave them "
+            "all to the fleet).",
+        ),
+    ] = True,
 ) -> None:
     """Worker: claim queued runs and drive them; resume answered runs, poll machine gates, adopt runs whose owner died.
 
@@ -279,6 +287,7 @@ def worker(
                 targets=drivers, lease_ttl=lease_ttl, grace=grace, poll_interval=max_interval,
                 heartbeat=heartbeat,
                 executors=made, max_recoveries=max_recoveries, schedules=schedules,
+                take_children=take_children,
             )  # fmt: skip
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()

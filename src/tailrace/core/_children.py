@@ -31,10 +31,18 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import LeaseHeld, RunFailed, RunNotFound
-from ..stores import TERMINAL_STATUSES, QuestionRow, QuestionStatus, RunRecord, RunStatus, RunStore
+from ..stores import (
+    TERMINAL_STATUSES,
+    Claim,
+    QuestionRow,
+    QuestionStatus,
+    RunRecord,
+    RunStatus,
+    RunStore,
+)
 from ._lease import owner_is_dead
 from ._outcome import RunResult
 
@@ -91,6 +99,22 @@ class ChildSubmit:
     parent: str
     deadline: float | None
     priority: int
+
+
+class ChildClaims(Protocol):
+    """Free slots of the process driving a run, lent to the child runs it submits (R4).
+
+    A :class:`~tailrace.Worker` serving the children's queue lends them: the
+    children are claimed in the write that submits them and start here at
+    once, with no wake-up and no claim round (as Temporal's eager
+    activities); what does not fit goes to the fleet.
+    """
+
+    def reserve(self, queue: str) -> Claim | None:
+        """A claim for the slots free here on ``queue``, held until :meth:`settle`; None: none."""
+
+    def settle(self, claim: Claim, claimed: list[str]) -> None:
+        """Drive the runs ``claim`` got (``claimed``), and give back the slots it left."""
 
 
 @dataclass(frozen=True, slots=True)

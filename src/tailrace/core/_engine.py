@@ -39,6 +39,7 @@ from ..stores import (
 from ..tail import TailHooks
 from ._admission import AdmissionPolicy, SlotQueue, resolve_policy
 from ._children import (
+    ChildClaims,
     Children,
     ChildRunner,
     ChildSubmit,
@@ -168,6 +169,9 @@ class Engine:
         self.max_stream_chunks = max_stream_chunks
         #: In-process listeners of the chunks of the runs driven here (S3).
         self.stream_hub = StreamHub()
+        #: Free slots lent to the queued child runs this engine's runs submit, which then
+        #: start here from the write that submits them (a Worker lends its own; R4).
+        self.child_claims: ChildClaims | None = None
 
     # -- public API -----------------------------------------------------------
 

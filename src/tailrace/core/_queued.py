@@ -267,9 +267,22 @@ async def submit_children(engine: Engine, children: list[ChildSubmit]) -> list[E
         rows.append(
             (new, Submission(queue=child.queue, priority=child.priority, estimate=estimate))
         )
-    if rows:
-        now = time.time()  # queued from the write on, not from the reads before it
-        await store.submit_runs([(dataclasses.replace(new, created_at=now), q) for new, q in rows])
+    if not rows:
+        return errors
+    now = time.time()  # queued from the write on, not from the reads before it
+    rows = [(dataclasses.replace(new, created_at=now), q) for new, q in rows]
+    queues = {q.queue for _, q in rows}
+    lender = engine.child_claims
+    claim = lender.reserve(next(iter(queues))) if lender is not None and len(queues) == 1 else None
+    if claim is None:
+        await store.submit_runs(rows)
+        return errors
+    assert lender is not None
+    claimed: list[str] = []
+    try:  # the slots this process has free take what they can, in the same write
+        _, claimed = await store.submit_and_claim(rows, claim)
+    finally:
+        lender.settle(claim, claimed)
     return errors
 
 

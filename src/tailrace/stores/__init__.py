@@ -30,6 +30,7 @@ from ._records import TERMINAL_STATUSES as TERMINAL_STATUSES
 from ._records import ArtifactVersion as ArtifactVersion
 from ._records import CheckpointRow as CheckpointRow
 from ._records import ChunkRow as ChunkRow
+from ._records import Claim as Claim
 from ._records import EventRow as EventRow
 from ._records import FrozenInput as FrozenInput
 from ._records import GraphRow as GraphRow
@@ -70,6 +71,7 @@ __all__ = [
     "ChangeFeed",
     "CheckpointRow",
     "ChunkRow",
+    "Claim",
     "EventRow",
     "FrozenInput",
     "GraphRow",

@@ -29,6 +29,7 @@ from ._records import (
     MAX_LIMIT,
     ArtifactVersion,
     ChunkRow,
+    Claim,
     EventRow,
     FrozenInput,
     GraphRow,
@@ -574,20 +575,32 @@ class RunStore(abc.ABC):
         the same node). Dedup keys are not taken here (``ValueError``): use
         :meth:`submit_run`.
         """
-        for run, q in runs:
-            check_new_format(run)
-            if q.dedup_key is not None:
-                raise ValueError(
-                    f"run {run.run_id!r}: submit_runs takes no dedup keys; use submit_run"
-                )
-            check_names(
-                run_id=run.run_id, graph_name=run.graph_name, graph_ref=run.graph_ref,
-                fingerprint=run.fingerprint, queue=q.queue, partition=q.partition,
-                parent_run_id=run.parent_run_id,
-            )  # fmt: skip
+        _check_many(runs)
         if not runs:
             return []
-        return await self._submit_runs(runs)
+        stored, _ = await self._submit_runs(runs, None, ())
+        return stored
+
+    async def submit_and_claim(
+        self, runs: Sequence[tuple[NewRun, Submission]], claim: Claim
+    ) -> tuple[list[str], list[str]]:
+        """:meth:`submit_runs`, then :meth:`claim_runs` as ``claim`` says, in the same
+        transaction; returns (the ids stored, the ids claimed).
+
+        For a worker whose run submits child runs to a queue it serves while
+        it has free slots: it drives them itself from this write on, with no
+        wake-up and no claim round between (as Temporal's eager activities).
+        The claim is the one :meth:`claim_runs` makes, with its order and
+        limits, so runs queued before these still come first, and a paused or
+        full queue hands out nothing. The workers are woken only when a run
+        submitted here is left queued.
+        """
+        _check_many(runs)
+        check_claim(claim.queue, claim.owner, claim.ttl, claim.limit)
+        skip = graph_keys(claim.skip)
+        if not runs:
+            return [], []
+        return await self._submit_runs(runs, claim if claim.limit > 0 else None, skip)
 
     async def claim_runs(
         self,
@@ -883,8 +896,14 @@ class RunStore(abc.ABC):
         """:meth:`list_runs`, called with checked arguments."""
 
     @abc.abstractmethod
-    async def _submit_runs(self, runs: Sequence[tuple[NewRun, Submission]]) -> list[str]:
-        """:meth:`submit_runs`, called with checked arguments."""
+    async def _submit_runs(
+        self,
+        runs: Sequence[tuple[NewRun, Submission]],
+        claim: Claim | None,
+        skip: tuple[str, ...],
+    ) -> tuple[list[str], list[str]]:
+        """:meth:`submit_runs` and :meth:`submit_and_claim` (``claim``, its ``skip`` as
+        keys), called with checked arguments: (the ids stored, the ids claimed)."""
 
     @abc.abstractmethod
     async def _wake_suspended(self, run_id: str) -> bool:
@@ -1168,3 +1187,16 @@ def _check_text(name: str, value: object) -> None:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{name} must be a non-empty string, got {value!r}")
     check_name(name, value)
+
+
+def _check_many(runs: Sequence[tuple[NewRun, Submission]]) -> None:
+    """Refuse a bad run of a ``submit_runs`` batch (naming it) before anything is stored."""
+    for run, q in runs:
+        check_new_format(run)
+        if q.dedup_key is not None:
+            raise ValueError(f"run {run.run_id!r}: submit_runs takes no dedup keys; use submit_run")
+        check_names(
+            run_id=run.run_id, graph_name=run.graph_name, graph_ref=run.graph_ref,
+            fingerprint=run.fingerprint, queue=q.queue, partition=q.partition,
+            parent_run_id=run.parent_run_id,
+        )  # fmt: skip

@@ -524,6 +524,23 @@ class Submission:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Claim:
+    """A claim made in a submit's own transaction (``submit_and_claim``).
+
+    Up to ``limit`` runs of ``queue`` are claimed for ``owner``, leased for
+    ``ttl`` seconds, none of the ``skip`` graphs (``(name, fingerprint)``
+    pairs): what :meth:`~tailrace.stores.RunStore.claim_runs` would hand out
+    once the submitted runs are in, in the queue's order and within its limits.
+    """
+
+    queue: str
+    owner: str
+    ttl: float
+    limit: int
+    skip: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunCount:
     """How many runs of one graph, in one queue (None: submitted to none), have one status."""
 

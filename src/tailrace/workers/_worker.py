@@ -49,6 +49,7 @@ from ..gates._worker import UNRESUMABLE, describe
 from ..graph import Graph, guess_reference
 from ..stores import (
     CHANGE_KINDS,
+    Claim,
     GraphRow,
     QuestionRow,
     Queue,
@@ -78,7 +79,9 @@ _STREAM = frozenset({"stream"})
 class WorkerStats:
     """What a worker did so far.
 
-    ``claimed`` queued runs it claimed; ``applied`` answers it applied;
+    ``claimed`` queued runs it claimed (``taken`` of them child runs its own
+    runs submitted, claimed in the write that submitted them); ``applied``
+    answers it applied;
     ``adopted`` runs it took over from a dead owner; ``completed``,
     ``suspended``, ``failed`` and ``cancelled`` how the runs it drove ended;
     ``busy`` claims or adoptions another owner won (``failed`` counts dead letters too); ``polled`` machine-gate
@@ -88,6 +91,7 @@ class WorkerStats:
     """
 
     claimed: int = 0
+    taken: int = 0
     applied: int = 0
     adopted: int = 0
     completed: int = 0
@@ -156,6 +160,12 @@ class Worker:
         schedules: :class:`Schedule` s this worker declares on the store as it
             starts (their graphs registered here). Every worker submits the
             store's schedules as their ticks come, one worker per tick (W4).
+        take_children: the child runs a run driven here submits to a queue
+            this worker serves are claimed in the same write, as many as it has
+            free slots for there (the queue's order and limits kept: runs
+            queued before them go first), and start here at once; the rest go
+            to the fleet (R4). False leaves them all to the fleet's claims
+            (spreads CPU-heavy children at the cost of a wake-up and a claim).
     """
 
     def __init__(
@@ -175,6 +185,7 @@ class Worker:
         executors: Mapping[str, Executor] | None = None,
         max_recoveries: int | None = MAX_RECOVERIES,
         schedules: Sequence[Schedule] = (),
+        take_children: bool = True,
     ) -> None:
         check_limit("Worker: concurrency", concurrency)
         for what, value in (("grace", grace), ("poll_interval", poll_interval or 0.0)):
@@ -245,6 +256,13 @@ class Worker:
         #: Workers on this host whose process is gone while they still hold runs.
         self._dead: set[str] = set()
         self._started_at = time.time()
+        #: Slots lent to a child submit in flight (``reserve`` .. ``settle``), per queue.
+        self._lent: Counter[str] = Counter()
+        #: The jobs' task group while the worker runs and claims (not while it drains).
+        self._group: asyncio.TaskGroup | None = None
+        self._giving_back: set[asyncio.Task[None]] = set()
+        if take_children:
+            self.engine.child_claims = self
 
     # -- running ----------------------------------------------------------------------
 
@@ -267,6 +285,7 @@ class Worker:
         await self._refresh_queues()
         try:
             async with self.store.changes() as feed, asyncio.TaskGroup() as jobs:
+                self._group = jobs
                 work = Loop(
                     "worker round", functools.partial(self._work_round, jobs),
                     interval=float("inf"), stats=self.stats, logger=logger, wake=self._wake,
@@ -347,10 +366,42 @@ class Worker:
     # -- claiming -----------------------------------------------------------------------
 
     def _free(self, queue: Queue | None = None) -> int:
-        free = self.concurrency - len(self._jobs)
+        free = self.concurrency - len(self._jobs) - self._lent.total()
         if queue is not None and queue.worker_concurrency is not None:
-            free = min(free, queue.worker_concurrency - self._by_queue[queue.name])
+            lent = self._lent[queue.name]
+            free = min(free, queue.worker_concurrency - self._by_queue[queue.name] - lent)
         return max(free, 0)
+
+    # -- child runs claimed as they are submitted (ChildClaims) ----------------------------
+
+    def reserve(self, queue: str) -> Claim | None:
+        """A claim for this worker's free slots on ``queue`` (one it serves), lent until
+        :meth:`settle`; None when it has none, or it is draining."""
+        served = next((q for q in self.queues if q.name == queue), None)
+        if served is None or self._group is None:
+            return None
+        free = self._free(served)
+        if free <= 0:
+            return None
+        self._lent[queue] += free
+        return Claim(
+            queue=queue, owner=self.owner, ttl=self.engine.lease_ttl, limit=free,
+            skip=tuple(self._not_here),
+        )  # fmt: skip
+
+    def settle(self, claim: Claim, claimed: list[str]) -> None:
+        """Drive the runs the submit claimed here, as claimed ones; the other slots go back."""
+        self._lent[claim.queue] -= claim.limit
+        group = self._group
+        for run_id in claimed:
+            if group is None:  # draining since: back to the queue, for another worker
+                back = asyncio.get_running_loop().create_task(self._give_back(run_id))
+                self._giving_back.add(back)
+                back.add_done_callback(self._giving_back.discard)
+                continue
+            self.stats.claimed += 1
+            self.stats.taken += 1
+            self._start(group, _Job(run_id, "claim", claim.queue), self._start_or_fail(run_id))
 
     async def _claim(self, group: asyncio.TaskGroup) -> None:
         # Rotate the start so one busy queue does not starve the others.
@@ -590,8 +641,16 @@ class Worker:
 
     # -- stopping -------------------------------------------------------------------------
 
+    async def _give_back(self, run_id: str) -> None:
+        try:
+            await self.store.return_claim(run_id, self.owner)
+        except Exception as exc:  # its lease lapses, and any worker adopts it
+            logger.warning("run %s: not given back to its queue as this worker drains: %s",
+                           run_id, describe(exc))  # fmt: skip
+
     async def _drain(self) -> None:
         """No more claims; runs in flight get ``grace`` seconds, then are stopped where they are."""
+        self._group = None  # nor children claimed as their parents submit them
         jobs = list(self._jobs)
         if not jobs:
             return
@@ -599,7 +658,7 @@ class Worker:
         _, pending = await asyncio.wait(jobs, timeout=self.grace)
         for task in pending:
             task.cancel()  # each run's lease is released on its way out (RunWriter.leased)
-        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*pending, *self._giving_back, return_exceptions=True)
 
 
 def _with_children(graphs: Sequence[Graph]) -> list[Graph]:

@@ -50,6 +50,7 @@ from .._records import (
     ArtifactVersion,
     CheckpointRow,
     ChunkRow,
+    Claim,
     EventRow,
     FrozenInput,
     GraphRow,
@@ -725,15 +726,26 @@ class MemoryStore(RunStore):
         self._hub.deliver(frozenset({"submit"}))
         return run.run_id
 
-    async def _submit_runs(self, runs: Sequence[tuple[NewRun, Submission]]) -> list[str]:
+    async def _submit_runs(
+        self,
+        runs: Sequence[tuple[NewRun, Submission]],
+        claim: Claim | None,
+        skip: tuple[str, ...],
+    ) -> tuple[list[str], list[str]]:
         with self._lock:
             stored = []
             for run, submission in runs:
                 if run.run_id not in self._runs:
                     self._insert_run(run, submission)
                     stored.append(run.run_id)
-        self._hub.deliver(frozenset({"submit"}))
-        return stored
+            claimed: list[str] = []
+            if claim is not None:
+                claimed = self._claim_locked(
+                    claim.queue, claim.owner, claim.ttl, claim.limit, None, skip
+                )
+        if set(stored) - set(claimed):
+            self._hub.deliver(frozenset({"submit"}))
+        return stored, claimed
 
     async def _return_claim(self, run_id: str, owner: str) -> bool:
         with self._lock:
@@ -763,33 +775,44 @@ class MemoryStore(RunStore):
         skip: tuple[str, ...],
     ) -> list[str]:
         with self._lock:
-            now = self._clock()
-            spec = self._declared(queue)
-            mine = [r for r in self._runs.values() if r.queue_name == queue]
-            free = free_slots(
-                spec,
-                want=limit,
-                active=sum(holds_slot(r, now) for r in mine),
-                started_recently=sum(
-                    r.started_at is not None and r.started_at > now - spec.period for r in mine
-                ),
-            )
-            if queue in self._paused or free <= 0:
-                return []
-            wanted, skipped = (None if graphs is None else set(graphs)), set(skip)
-            claimed: list[str] = []
-            for run in claim_order(spec, mine, now):
-                key = run_graph_key(run)
-                if (wanted is not None and key not in wanted) or key in skipped:
-                    continue
-                self._runs[run.run_id] = dataclasses.replace(
-                    run, status=RunStatus.RUNNING, lease_owner=owner, lease_expires=now + ttl,
-                    lease_token=run.lease_token + 1, started_at=now, updated_at=now,
-                )  # fmt: skip
-                claimed.append(run.run_id)
-                if len(claimed) >= free:
-                    break
-            return claimed
+            return self._claim_locked(queue, owner, ttl, limit, graphs, skip)
+
+    def _claim_locked(
+        self,
+        queue: str,
+        owner: str,
+        ttl: float,
+        limit: int,
+        graphs: tuple[str, ...] | None,
+        skip: tuple[str, ...],
+    ) -> list[str]:
+        now = self._clock()
+        spec = self._declared(queue)
+        mine = [r for r in self._runs.values() if r.queue_name == queue]
+        free = free_slots(
+            spec,
+            want=limit,
+            active=sum(holds_slot(r, now) for r in mine),
+            started_recently=sum(
+                r.started_at is not None and r.started_at > now - spec.period for r in mine
+            ),
+        )
+        if queue in self._paused or free <= 0:
+            return []
+        wanted, skipped = (None if graphs is None else set(graphs)), set(skip)
+        claimed: list[str] = []
+        for run in claim_order(spec, mine, now):
+            key = run_graph_key(run)
+            if (wanted is not None and key not in wanted) or key in skipped:
+                continue
+            self._runs[run.run_id] = dataclasses.replace(
+                run, status=RunStatus.RUNNING, lease_owner=owner, lease_expires=now + ttl,
+                lease_token=run.lease_token + 1, started_at=now, updated_at=now,
+            )  # fmt: skip
+            claimed.append(run.run_id)
+            if len(claimed) >= free:
+                break
+        return claimed
 
     async def _claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
         with self._lock:

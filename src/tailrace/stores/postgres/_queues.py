@@ -24,17 +24,23 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 
 from .._queue_rules import (
     claimable_queue,
     declared_queue,
+    free_slots,
 )
 from .._records import (
     Queue,
 )
 from .._sql._queues import (
+    ACTIVE_IN_QUEUE,
     CLAIM_SET,
     SELECT_QUEUE,
+    STARTED_SINCE,
+    candidate_params,
+    claim_candidates,
 )
 from .._sql._statements import INSERT_QUEUED_RUN
 from ._connections import XID, Conn
@@ -93,3 +99,46 @@ async def lock_queue(conn: Conn, schema: str, queue: str) -> None:
     await conn.execute(
         "SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (QUEUE_LOCK, f"{schema}:{queue}")
     )
+
+
+async def claim_queued(
+    conn: Conn,
+    schema: str,
+    queue: str,
+    owner: str,
+    ttl: float,
+    limit: int,
+    clock: Callable[[], float],
+    graphs: tuple[str, ...] | None = None,
+    skip: tuple[str, ...] = (),
+) -> tuple[list[str], str | None]:
+    """Claim up to ``limit`` runs of ``queue`` within its limits, in the transaction of
+    ``conn``: (the ids, in claim order; the transaction's id, None when nothing was
+    claimed and nothing written)."""
+    spec = await claimable(conn, queue)
+    if spec is None:
+        return [], None  # paused, or its row cannot be used (said once): nothing is claimed
+    active = started = 0
+    if spec.concurrency is not None or spec.limit is not None:
+        await lock_queue(conn, schema, queue)
+    now = clock()  # once the lock is ours: what the previous holder claimed is in
+    if spec.concurrency is not None:
+        active = await count_rows(conn, ACTIVE_IN_QUEUE, (queue, now))
+    if spec.limit is not None:
+        started = await count_rows(conn, STARTED_SINCE, (queue, now - spec.period))
+    free = free_slots(spec, want=limit, active=active, started_recently=started)
+    if free <= 0:
+        return [], None
+    query = claim_candidates(spec, None if graphs is None else len(graphs), len(skip))
+    params = candidate_params(spec, now, graphs, skip, free)
+    cur = await conn.execute(pg(query) + SKIP_LOCKED, params)
+    ids = [r[0] for r in await cur.fetchall()]
+    if not ids:
+        return [], None
+    # Stamped after the look: a run of a partition then never starts
+    # "before" the finish of the one it waited for (same clock).
+    stamp = max(now, clock())
+    cur = await conn.execute(CLAIM_RUNS, (owner, stamp + ttl, stamp, stamp, ids))
+    rows = await cur.fetchall()
+    won = {r[0] for r in rows}
+    return [run_id for run_id in ids if run_id in won], (str(rows[0][1]) if rows else None)

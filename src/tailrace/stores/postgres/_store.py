@@ -39,7 +39,6 @@ from .._artifacts import stale_version
 from .._changes import ChangeHub, Stop
 from .._contract import ChangeFeed, RunStore
 from .._queue_rules import (
-    free_slots,
     graph_from_row,
     paused_names,
     queue_params,
@@ -53,6 +52,7 @@ from .._records import (
     CHANGE_KINDS,
     ArtifactVersion,
     ChunkRow,
+    Claim,
     EventRow,
     FrozenInput,
     GraphRow,
@@ -94,12 +94,9 @@ from .._sql._queues import (
     SELECT_QUEUES,
     SELECT_SCHEDULES,
     SELECT_WORKERS,
-    STARTED_SINCE,
     UPSERT_GRAPH,
     UPSERT_QUEUE,
     UPSERT_WORKER,
-    candidate_params,
-    claim_candidates,
     list_runs_query,
     run_counts_from_rows,
 )
@@ -134,13 +131,12 @@ from ._connections import (
     Work,
     nothing,
 )
-from ._errors import harvest_texts
+from ._errors import Texts, harvest_texts
 from ._queues import (
-    CLAIM_RUNS,
     FALLBACK_POLL,
     INSERT_QUEUED,
     SKIP_LOCKED,
-    claimable,
+    claim_queued,
     count_rows,
     declared,
     lock_queue,
@@ -395,12 +391,19 @@ class PostgresStore(RunStore):
 
         await self._db.write(f"run {run_id!r}", release, transaction=False)
 
-    async def _submit_runs(self, runs: Sequence[tuple[NewRun, Submission]]) -> list[str]:
+    async def _submit_runs(
+        self,
+        runs: Sequence[tuple[NewRun, Submission]],
+        claim: Claim | None,
+        skip: tuple[str, ...],
+    ) -> tuple[list[str], list[str]]:
         channel = self._channel
+        claimed: list[str] = []
 
-        async def insert(conn: Conn, attempt: Attempt) -> list[str]:
+        async def insert(conn: Conn, attempt: Attempt) -> tuple[list[str], list[str]]:
+            claimed.clear()
             # Pipelined: every insert goes in one round trip, then the shapes (one per
-            # graph version), origins and the wake-up in one more, not three per run.
+            # graph version) and origins in one more, not three per run.
             async with conn.pipeline():
                 cursors = [
                     await conn.execute(INSERT_QUEUED, queued_run_params(run, q)) for run, q in runs
@@ -412,16 +415,28 @@ class PostgresStore(RunStore):
                         attempt.xid = row[0]
                         stored.append(run)
                 await _keep_shapes_and_origins(conn, stored)
+            if claim is not None:
+                ids, xid = await claim_queued(
+                    conn, self._db.schema, claim.queue, claim.owner, claim.ttl, claim.limit,
+                    self._clock, skip=skip,
+                )  # fmt: skip
+                attempt.xid = attempt.xid or xid
+                claimed.extend(ids)
+            if {run.run_id for run in stored} - set(claimed):
                 await notify(conn, channel, "submit")
-            return [run.run_id for run in stored]
+            return [run.run_id for run in stored], list(claimed)
 
-        async def landed(conn: Conn) -> list[str]:
-            return [run.run_id for run, _ in runs]  # the lost COMMIT stored what it inserted
+        async def landed(conn: Conn) -> tuple[list[str], list[str]]:
+            # The lost COMMIT stored what it inserted, and leased what it claimed.
+            return [run.run_id for run, _ in runs], list(claimed)
 
-        return await self._db.write(
-            f"{len(runs)} runs from {runs[0][0].run_id!r}", insert, landed=landed,
-            texts=lambda: [("input_json", run.input_json) for run, _ in runs],
-        )  # fmt: skip
+        def texts() -> list[tuple[str, str | None]]:
+            return [("input_json", run.input_json) for run, _ in runs]
+
+        context = f"{len(runs)} runs from {runs[0][0].run_id!r}"
+        if claim is None:
+            return await self._db.write(context, insert, landed=landed, texts=texts)
+        return await self._leasing(context, insert, landed, claim.owner, lambda: claimed, texts)
 
     async def _return_claim(self, run_id: str, owner: str) -> bool:
         channel = self._channel
@@ -652,34 +667,11 @@ class PostgresStore(RunStore):
 
         async def claim(conn: Conn, attempt: Attempt) -> list[str]:
             claimed.clear()
-            spec = await claimable(conn, queue)
-            if spec is None:
-                return []  # paused, or its row cannot be used (said once): nothing is claimed
-            active = started = 0
-            if spec.concurrency is not None or spec.limit is not None:
-                await lock_queue(conn, self._db.schema, queue)
-            now = self._clock()  # once the lock is ours: what the previous holder claimed is in
-            if spec.concurrency is not None:
-                active = await count_rows(conn, ACTIVE_IN_QUEUE, (queue, now))
-            if spec.limit is not None:
-                started = await count_rows(conn, STARTED_SINCE, (queue, now - spec.period))
-            free = free_slots(spec, want=limit, active=active, started_recently=started)
-            if free <= 0:
-                return []
-            query = claim_candidates(spec, None if graphs is None else len(graphs), len(skip))
-            params = candidate_params(spec, now, graphs, skip, free)
-            cur = await conn.execute(pg(query) + SKIP_LOCKED, params)
-            ids = [r[0] for r in await cur.fetchall()]
-            if not ids:
-                return []
-            # Stamped after the look: a run of a partition then never starts
-            # "before" the finish of the one it waited for (same clock).
-            stamp = max(now, self._clock())
-            cur = await conn.execute(CLAIM_RUNS, (owner, stamp + ttl, stamp, stamp, ids))
-            rows = await cur.fetchall()
-            attempt.xid = rows[0][1] if rows else None
-            won = {r[0] for r in rows}
-            claimed.extend(run_id for run_id in ids if run_id in won)  # in claim order
+            ids, xid = await claim_queued(
+                conn, self._db.schema, queue, owner, ttl, limit, self._clock, graphs, skip
+            )
+            attempt.xid = xid
+            claimed.extend(ids)
             return list(claimed)
 
         async def landed(conn: Conn) -> list[str]:
@@ -750,13 +742,19 @@ class PostgresStore(RunStore):
         return True
 
     async def _leasing(
-        self, context: str, work: Work[T], landed: Landed[T], owner: str, leased: Any
+        self,
+        context: str,
+        work: Work[T],
+        landed: Landed[T],
+        owner: str,
+        leased: Any,
+        texts: Texts | None = None,
     ) -> T:
         """Run a claim (its ids known before COMMIT, so a lost COMMIT answer is settled by
         ``landed``); if it fails or its caller is cancelled, release what it may have
         leased, shielded, so those runs are adopted at once instead of after their ttl."""
         try:
-            return await self._db.write(context, work, landed=landed)
+            return await self._db.write(context, work, landed=landed, texts=texts)
         except BaseException:
             run_ids = list(leased())
             if run_ids:

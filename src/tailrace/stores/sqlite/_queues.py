@@ -61,7 +61,7 @@ def bump(conn: sqlite3.Connection, kind: str) -> None:
     conn.execute(BUMP_SIGNAL, (kind,))
 
 
-def claim(
+def claim_queued(
     conn: sqlite3.Connection,
     queue: str,
     owner: str,

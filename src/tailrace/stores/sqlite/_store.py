@@ -38,6 +38,7 @@ from .._queue_rules import (
 from .._records import (
     ArtifactVersion,
     ChunkRow,
+    Claim,
     EventRow,
     FrozenInput,
     GraphRow,
@@ -116,7 +117,7 @@ from .._sql._statements import (
 from .._sql._transactions import run_now
 from ._errors import mapped_errors
 from ._files import prepare_for_writing, read_only_connection, read_only_uri
-from ._queues import DataVersionWatch, bump, claim, lease_answers, release_all
+from ._queues import DataVersionWatch, bump, claim_queued, lease_answers, release_all
 from ._threads import (
     Checkpointer,
     Readers,
@@ -568,8 +569,13 @@ class SQLiteStore(RunStore):
 
         return await self._write(f"run {run.run_id!r}", apply)
 
-    async def _submit_runs(self, runs: Sequence[tuple[NewRun, Submission]]) -> list[str]:
-        def apply(conn: sqlite3.Connection) -> list[str]:
+    async def _submit_runs(
+        self,
+        runs: Sequence[tuple[NewRun, Submission]],
+        claim: Claim | None,
+        skip: tuple[str, ...],
+    ) -> tuple[list[str], list[str]]:
+        def apply(conn: sqlite3.Connection) -> tuple[list[str], list[str]]:
             stored = []
             for run, q in runs:
                 if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run.run_id,)).fetchone():
@@ -577,10 +583,21 @@ class SQLiteStore(RunStore):
                 conn.execute(INSERT_QUEUED_RUN, queued_run_params(run, q))
                 _keep_shape_and_origin(conn, run)
                 stored.append(run.run_id)
-            bump(conn, "submit")
-            return stored
+            claimed: list[str] = []
+            if claim is not None:
+                claimed = claim_queued(
+                    conn, claim.queue, claim.owner, claim.ttl, claim.limit, self._clock(),
+                    skip=skip,
+                )  # fmt: skip
+            if set(stored) - set(claimed):
+                bump(conn, "submit")
+            return stored, claimed
 
-        return await self._write(f"{len(runs)} runs from {runs[0][0].run_id!r}", apply)
+        def undo(done: tuple[list[str], list[str]]) -> Callable[[sqlite3.Connection], object]:
+            owner = "" if claim is None else claim.owner
+            return lambda conn: release_all(conn, done[1], owner)  # adopted at once by anyone
+
+        return await self._write(f"{len(runs)} runs from {runs[0][0].run_id!r}", apply, undo=undo)
 
     async def _claim_runs(
         self,
@@ -603,7 +620,7 @@ class SQLiteStore(RunStore):
 
         return await self._write(
             f"queue {queue!r}",
-            lambda conn: claim(conn, queue, owner, ttl, limit, self._clock(), graphs, skip),
+            lambda conn: claim_queued(conn, queue, owner, ttl, limit, self._clock(), graphs, skip),
             undo=undo,
         )
 
