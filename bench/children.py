@@ -23,7 +23,11 @@ measured in the same run.
    p99 are taken over as many values), then a parent mapping 3 items to 1-node child runs on the
    queue (children sleep 5, 20 and 40 ms) and a node after the map. Child
    submit -> start is the child's ``started_at - queued_at``, the plain run's
-   the same (one clock: the store's). Parent resumed is from the last child's
+   the same (one clock: the store's). The workers take the children their
+   runs submit in the write that submits them (as many as they have free
+   slots for); the samples are taken again on 4 workers started with
+   ``--no-take-children``, where every child goes through the fleet's
+   claims (reported). Parent resumed is from the last child's
    ``finished_at`` to the parent's next ``run_resumed`` event (or, when no
    suspension came between, its next ``node_started``). Targets: child p99
    within the plain run's p99; parent resumed p99 < 50 ms.
@@ -519,6 +523,8 @@ class FleetResults:
     lat: Latencies
     plain: tuple[Throughput, Throughput]
     heavy: tuple[Throughput, Throughput]
+    #: The latencies again, on 4 workers started with ``--no-take-children``.
+    lat_fleet: Latencies | None = None
 
 
 async def declare(store: Any) -> None:
@@ -571,10 +577,25 @@ def fleet_session(target: Target, opts: argparse.Namespace) -> FleetResults:
                 return plain, heavy
 
         plain1, heavy1 = asyncio.run(one())
+        fleet[0].stop()
+        # The latencies again on workers that leave every child to the fleet's claims.
+        fleet += [
+            WorkerProcess(
+                target, graph_file, f"n{i}", ("lat",), concurrency=8, grace=5, take_children=False
+            )
+            for i in range(4)
+        ]
+        wait_ready(fleet[-4:])
+
+        async def untaken() -> Latencies:
+            async with open_target(target) as store:
+                return await latencies(store, graph_file, module, opts.samples)
+
+        lat_fleet = asyncio.run(untaken())
     finally:
         for worker in fleet:
             worker.stop()
-    return FleetResults(target.kind, lat, (plain1, plain4), (heavy1, heavy4))
+    return FleetResults(target.kind, lat, (plain1, plain4), (heavy1, heavy4), lat_fleet)
 
 
 # -- main -------------------------------------------------------------------------------------------
@@ -639,12 +660,21 @@ def print_fleet(results: Sequence[FleetResults], opts: argparse.Namespace, targe
     )  # fmt: skip
     for r in results:
         via = ", ".join(f"{v} via {k}" for k, v in sorted(r.lat.via.items()))
-        for what, values in (("plain submit -> start (baseline)", r.lat.plain),
-                             ("child submit -> start", r.lat.child),
-                             ("last child end -> parent resumed", r.lat.resumed)):  # fmt: skip
+        rows = [("plain submit -> start (baseline)", r.lat.plain),
+                ("child submit -> start", r.lat.child),
+                ("last child end -> parent resumed", r.lat.resumed)]  # fmt: skip
+        if r.lat_fleet is not None:
+            rows += [("plain submit -> start, --no-take-children", r.lat_fleet.plain),
+                     ("child submit -> start, --no-take-children", r.lat_fleet.child),
+                     ("parent resumed, --no-take-children", r.lat_fleet.resumed)]  # fmt: skip
+        for what, values in rows:
             lat.add_row(r.kind, what, len(values), ms(percentile(values, 0.5)),
                         ms(percentile(values, 0.99)), ms(max(values)))  # fmt: skip
         res = r.lat.rescues
+        if r.lat_fleet is not None:
+            res = Rescues(
+                res.lost + r.lat_fleet.rescues.lost, res.claims + r.lat_fleet.rescues.claims
+            )
         lat.add_note(
             f"{r.kind}: parent resumed seen {via}; the bench unstuck {len(res.lost)} lost "
             f"wake-up(s) and {len(res.claims)} stuck claim(s) (see the last table's notes)"
@@ -655,6 +685,18 @@ def print_fleet(results: Sequence[FleetResults], opts: argparse.Namespace, targe
                         f"{ms(child99)} / {ms(plain99)} ms", verdict(child99 <= plain99))  # fmt: skip
         targets.add_row(f"parent resumed p99 < 50 ms ({r.kind})", f"{ms(resumed99)} ms",
                         verdict(resumed99 < 0.050))  # fmt: skip
+        if r.lat_fleet is not None:
+            plain99 = percentile(r.lat_fleet.plain, 0.99)
+            child99 = percentile(r.lat_fleet.child, 0.99)
+            targets.add_row(
+                f"child start p99 <= plain p99 ({r.kind}, --no-take-children)",
+                f"{ms(child99)} / {ms(plain99)} ms", f"({verdict(child99 <= plain99)}, reported)",
+            )  # fmt: skip
+    lat.add_note(
+        "workers take the children their runs submit, as many as they have free slots "
+        "for, in the write that submits them; --no-take-children leaves every child to "
+        "the fleet's claims (a second fleet of 4 workers, same samples)"
+    )
     lat.print()
     tp = Table(
         f"3. parents x {opts.children} child runs, 1 run at a time per worker ({load_average()})",

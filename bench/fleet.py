@@ -268,7 +268,11 @@ class WorkerProcess:
         for queue in queues:
             args += ["--queue", queue]
         for key, value in options.items():
-            args += [f"--{key.replace('_', '-')}", str(value)]
+            flag = key.replace("_", "-")
+            if isinstance(value, bool):  # a switch: --flag / --no-flag
+                args.append(f"--{flag}" if value else f"--no-{flag}")
+            else:
+                args += [f"--{flag}", str(value)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TAILRACE_")}
         env[SIDE_ENV] = str(target.workdir / "side.log")
         env["COLUMNS"] = "300"

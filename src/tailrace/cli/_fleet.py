@@ -246,10 +246,11 @@ def worker(
     ] = None,
     take_children: Annotated[
         bool,
-        typer.Option(
-            help="Claim the child runs a run driven here submits to a served queue in the "
-            "same write, as many as there are free slots (--no-take-children: leave them "
-            "all to the fleet).",
+        flag(
+            "--take-children",
+            "Claim the child runs a run driven here submits to a served queue in the same "
+            "write, as many as there are free slots (--no-take-children: leave them all to "
+            "the fleet).",
         ),
     ] = True,
 ) -> None:

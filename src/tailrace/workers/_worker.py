@@ -390,7 +390,8 @@ class Worker:
         )  # fmt: skip
 
     def settle(self, claim: Claim, claimed: list[str]) -> None:
-        """Drive the runs the submit claimed here, as claimed ones; the other slots go back."""
+        """Drive ``claimed``, the runs the submit's ``claim`` got here, as claimed ones; the
+        other slots it held go back."""
         self._lent[claim.queue] -= claim.limit
         group = self._group
         for run_id in claimed:
