@@ -35,6 +35,7 @@ from ..stores import (
     RunRecord,
     RunStatus,
     RunStore,
+    StoredRun,
 )
 from ..tail import TailHooks
 from ._admission import AdmissionPolicy, SlotQueue, resolve_policy
@@ -338,9 +339,18 @@ class Engine:
             await self._wake(result.parent_run_id)
         return result
 
-    async def _resume(self, run_id: str, graph: Graph | None, force: bool, patch: Any) -> RunResult:
+    async def _resume(
+        self,
+        run_id: str,
+        graph: Graph | None,
+        force: bool,
+        patch: Any,
+        claimed: StoredRun | None = None,
+    ) -> RunResult:
+        """Resume ``run_id``; ``claimed``: as read under the lease a claim of this engine's
+        owner took (not read again, nor leased again)."""
         store = self._require_store("resume")
-        stored = await store.load_run(run_id)
+        stored = await store.load_run(run_id) if claimed is None else claimed
         _check_resumable(stored.run)
         graph = self._graph_of(stored.run, graph)
         topo = graph.compile()
@@ -349,12 +359,16 @@ class Engine:
             known = self.graph_for(stored.run)
             require_compatible(await check_stored(store, stored, graph, known))
         self._executors.plan(topo)  # an unknown executor name fails here, before any write
-        # D4: refuse unreadable rows before writing anything.
-        await restore_run(store, self._codec, topo, stored, [])
+        lease = self._lease(run_id)
+        if claimed is not None:
+            lease = lease.held(claimed.run)
+        if not lease.continues_claim:  # D4: refuse unreadable rows before writing anything
+            await restore_run(store, self._codec, topo, stored, [])
         writer = RunWriter(store, self._codec, run_id, topo, stored.run)
-        async with writer.leased(self._lease(run_id)):
-            stored = await store.load_run(run_id)  # re-read under the lease
-            _check_resumable(stored.run)
+        async with writer.leased(lease):
+            if not lease.continues_claim:
+                stored = await store.load_run(run_id)  # re-read under the lease
+                _check_resumable(stored.run)
             if moving:  # re-checked as it stands under the lease, then moved (V2, D6)
                 known = self.graph_for(stored.run)
                 await move_leased(store, stored, graph, self.owner, writer.token, known)
@@ -1006,7 +1020,10 @@ class Engine:
                     result = await loop.drive()
                 result = await self._with_questions(result)
                 return await self._settle(result, graph, False)
-        return await self.resume(run_id, graph)
+            # It committed before (a parent woken by its children, or its first
+            # claimant died): resumed under this claim's lease, as read (D3).
+            result = await self._resume(run_id, graph, False, None, claimed=stored)
+            return await self._settle(result, graph, False)
 
 
 def _checked_durability(durability: Any) -> str:

@@ -96,6 +96,11 @@ class Lease:
             self._claimed = record.lease_token
         return self
 
+    @property
+    def continues_claim(self) -> bool:
+        """Whether entering keeps a claim's lease (:meth:`held`) rather than acquiring one."""
+        return self._claimed is not None
+
     async def __aenter__(self) -> Lease:
         if self._claimed is not None:
             self.token = self._claimed
