@@ -308,6 +308,7 @@ class Worker:
                 }
                 await Daemon(work, beside, drain=self._drain).run(stop)
         finally:
+            self._group = None  # its task group is closed: no child is taken any more
             await self.gates.aclose()
             with contextlib.suppress(Exception):
                 await self.store.forget_worker(self.owner)
