@@ -268,21 +268,27 @@ ENDED = ("completed", "failed", "cancelled")
 #: as a claim nobody drives (its driver would have seen the children end within ms, or
 #: within the engine's 1 s fallback look at worst).
 STUCK_AFTER = 2.0
+#: Seconds a parent is seen suspended, unheld, every child ended, before it counts as lost:
+#: the parent's own last look (``Engine._settle``: a child that ended as it suspended) is a
+#: few round trips after its release, so looks a few ms apart would catch it on its way.
+LOST_AFTER = 1.0
 
 
 @dataclass
 class Rescues:
     """Parents the bench had to unstick (each a miss of the engine, counted, never hidden).
 
-    ``lost``: suspended, held by nobody, every child ended, so nothing will queue
-    it again (a lost wake-up): queued again with ``wake_suspended``. ``claims``:
+    ``lost``: suspended, held by nobody, every child ended, for :data:`LOST_AFTER`
+    s, so nothing will queue it again (a lost wake-up): queued again with
+    ``wake_suspended``. ``claims``:
     running, every child ended, no commit for :data:`STUCK_AFTER` s (claimed by a
     worker that did not drive it): its lease released, so a worker adopts it.
     """
 
     lost: list[str] = field(default_factory=list)
     claims: list[str] = field(default_factory=list)
-    _looks: dict[str, int] = field(default_factory=dict)
+    #: When each parent was first seen as it would be if lost (monotonic seconds).
+    _looks: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -293,18 +299,21 @@ class Rescues:
         run_id = record.run_id
         status = record.status.value
         if status not in ("suspended", "running"):
+            self._looks.pop(run_id, None)
             return
         children = await store.list_runs(parent=run_id)
         if not children or any(c.status.value not in ENDED for c in children):
             self._looks.pop(run_id, None)
             return
         if status == "suspended" and record.lease_owner is None:
-            self._looks[run_id] = self._looks.get(run_id, 0) + 1
-            if self._looks[run_id] >= 2:  # two looks apart: no commit was on its way
+            first = self._looks.setdefault(run_id, time.monotonic())
+            if time.monotonic() - first >= LOST_AFTER:  # no commit was on its way
                 self._looks.pop(run_id)
                 self.lost.append(run_id)
                 await store.wake_suspended(run_id)
-        elif record.lease_owner is not None and time.time() - record.updated_at > STUCK_AFTER:
+            return
+        self._looks.pop(run_id, None)
+        if record.lease_owner is not None and time.time() - record.updated_at > STUCK_AFTER:
             self.claims.append(run_id)
             await store.release_lease(run_id, record.lease_owner, record.lease_token)
 
@@ -766,7 +775,7 @@ def print_fleet(results: Sequence[FleetResults], opts: argparse.Namespace, targe
     )
     tp.add_note(
         "lost: parents left suspended, unheld, every child ended (nothing wakes them); the "
-        "bench queues them again (wake_suspended) after 2 looks 100 ms apart"
+        f"bench queues them again (wake_suspended) once seen so for {LOST_AFTER:g} s"
     )
     tp.add_note(
         f"stuck: parents running, every child ended, no commit for {STUCK_AFTER:g} s (a claim "

@@ -143,6 +143,54 @@ async def test_a_worker_claims_the_children_its_run_submits_as_it_submits_them(
         assert sum(w.stats.claimed for w in fleet) >= 4  # the parent and its 3 children
 
 
+async def test_children_claimed_by_a_submit_that_lands_as_the_worker_drains_go_back(
+    shared: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R4 with a stop: a child submit that claims for its worker is still writing when the
+    worker is told to stop, and still when its grace is over. The runs it claimed are
+    handed back to the queue before ``Worker.run`` returns (a process that exits then leaves none leased until its ttl),
+    and another worker completes the parent."""
+    async with open_store(shared) as store:
+        entered, release = asyncio.Event(), asyncio.Event()
+        submit = store._submit_runs
+        give_back = store._return_claim
+
+        async def slow_submit(runs: Any, claim: Any, skip: Any) -> Any:
+            if claim is not None:
+                entered.set()
+                await release.wait()
+            return await submit(runs, claim, skip)
+
+        async def slow_give_back(run_id: str, owner: str) -> bool:
+            await asyncio.sleep(0.3)  # a give-back nobody awaits would not land before run returns
+            return await give_back(run_id, owner)
+
+        monkeypatch.setattr(store, "_submit_runs", slow_submit)
+        monkeypatch.setattr(store, "_return_claim", slow_give_back)
+        engine = tr.Engine(store=store)
+        run_id = await engine.submit(graphs.family, {"count": 3, "sleep": 0.0}, queue="parents")
+        worker = tr.Worker(
+            store, queues=["parents", "kids"], concurrency=4, heartbeat=0.2, grace=0.2,
+            graphs=[graphs.family],
+        )  # fmt: skip
+        stop = asyncio.Event()
+        running = asyncio.create_task(worker.run(stop))
+        await asyncio.wait_for(entered.wait(), GUARD)
+        stop.set()
+        await asyncio.sleep(0.5)  # the grace is over: the parent's job is cancelled
+        release.set()
+        await asyncio.wait_for(running, GUARD)
+        children = await store.list_runs(parent=run_id)
+        assert len(children) == 3
+        assert worker.stats.taken == 0
+        held = [c.run_id for c in children if c.lease_owner is not None]
+        assert not held, f"children still leased after the worker stopped: {held}"
+        assert {c.status for c in children} == {RunStatus.QUEUED}
+        monkeypatch.undo()
+        async with workers(store, 1, concurrency=2, queues=("parents", "kids")):
+            assert (await engine.wait(run_id, timeout=GUARD)).output == 30
+
+
 async def test_a_suspended_parent_wakes_once_its_map_can_complete_not_per_child(
     shared: str,
 ) -> None:

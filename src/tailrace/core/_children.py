@@ -132,6 +132,8 @@ class ChildRunner:
     cancel: Callable[[str], Awaitable[str]]
     #: result(record, graph): a finished child's RunResult; RunFailed if it failed.
     result: Callable[[RunRecord, Graph], Awaitable[RunResult]]
+    #: outputs(run_ids): the decoded outputs the completed ones among them stored, by id.
+    outputs: Callable[[list[str]], Awaitable[dict[str, Any]]]
 
 
 class Children:
@@ -170,6 +172,8 @@ class Children:
         self._submits: list[tuple[ChildSubmit, asyncio.Future[None]]] = []
         self._sending: dict[str, asyncio.Future[None]] = {}
         self._senders: set[asyncio.Task[None]] = set()
+        #: Completed children whose outputs are read this turn of the loop, in one read.
+        self._reading: tuple[list[str], asyncio.Future[dict[str, Any]]] | None = None
 
     # -- one attempt ------------------------------------------------------------------
 
@@ -184,18 +188,14 @@ class Children:
         graph: Graph = node.handler  # type: ignore[assignment]
         try:
             if node.queue is None:
-                result = await self._inline(graph, payload, child_id, attempt)
-            else:
-                result = await self._queued(graph, payload, child_id, node.queue, attempt)
+                return await self._inline(graph, payload, child_id, attempt)
+            return await self._queued(graph, payload, child_id, node.queue, attempt)
         except asyncio.CancelledError:
             if attempt.abandoned or self.ending:  # on purpose: the child is not needed (R3)
                 await _finish(self._cancel(child_id))
             raise
-        return result.output
 
-    async def _inline(
-        self, graph: Graph, payload: Any, child_id: str, attempt: Attempt
-    ) -> RunResult:
+    async def _inline(self, graph: Graph, payload: Any, child_id: str, attempt: Attempt) -> Any:
         record = await self._record(child_id)
         result: RunResult | None
         if record is None:
@@ -212,7 +212,7 @@ class Children:
 
     async def _queued(
         self, graph: Graph, payload: Any, child_id: str, queue: str, attempt: Attempt
-    ) -> RunResult:
+    ) -> Any:
         record = await self._record(child_id)
         if record is None:
             child = ChildSubmit(
@@ -260,17 +260,48 @@ class Children:
         except LeaseHeld:
             return None
 
-    async def _ended(self, ended: RunRecord | RunResult, graph: Graph) -> RunResult:
-        """The finished child's result; its failure or cancellation fails the node (R3)."""
+    async def _ended(self, ended: RunRecord | RunResult, graph: Graph) -> Any:
+        """The finished child's output; its failure or cancellation fails the node (R3)."""
         if isinstance(ended, RunRecord):
             if ended.status is RunStatus.CANCELLED:
                 raise _cancelled(ended.run_id, ended.error)
-            return await self.runner.result(ended, graph)  # RunFailed for a failed child
+            if ended.status is RunStatus.COMPLETED:
+                return await self._output(ended, graph)
+            return (await self.runner.result(ended, graph)).output  # RunFailed: it failed
         if ended.status is RunStatus.CANCELLED:
             raise _cancelled(ended.run_id, None)
-        return ended
+        return ended.output
 
-    async def _wait(self, child_id: str, graph: Graph, attempt: Attempt) -> RunResult:
+    async def _output(self, record: RunRecord, graph: Graph) -> Any:
+        """A completed child's output: as its final commit stored it, read with the others
+        read in this turn of the event loop in one query; else rebuilt off its rows."""
+        loop = asyncio.get_running_loop()
+        if self._reading is None:
+            self._reading = ([], loop.create_future())
+            loop.call_soon(self._read_outputs)
+        ids, future = self._reading
+        ids.append(record.run_id)
+        found = await asyncio.shield(future)
+        if record.run_id in found:
+            return found[record.run_id]
+        return (await self.runner.result(record, graph)).output
+
+    def _read_outputs(self) -> None:
+        reading, self._reading = self._reading, None
+        assert reading is not None
+        task = asyncio.get_running_loop().create_task(self._read(*reading))
+        self._senders.add(task)
+        task.add_done_callback(self._senders.discard)
+
+    async def _read(self, ids: list[str], future: asyncio.Future[dict[str, Any]]) -> None:
+        try:
+            found = await self.runner.outputs(ids)
+        except Exception:  # read each child off its rows instead (and meet the error there)
+            found = {}
+        if not future.done():
+            future.set_result(found)
+
+    async def _wait(self, child_id: str, graph: Graph, attempt: Attempt) -> Any:
         """Wait for the child to end, holding nothing but this task (R4)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[RunRecord] = loop.create_future()
@@ -367,7 +398,7 @@ class Children:
         return tuple(sorted(self._awaited))
 
     async def close(self) -> None:
-        """Stop watching (the run ends or suspends); submits under way are finished."""
+        """Stop watching (the run ends or suspends); submits and reads under way are finished."""
         if self._senders:
             await asyncio.gather(*self._senders, return_exceptions=True)
         reading = self._known_read

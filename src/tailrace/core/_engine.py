@@ -743,6 +743,7 @@ class Engine:
             resume=self._resume_child,
             cancel=self.cancel,
             result=self._child_result,
+            outputs=self._child_outputs,
         )
 
     async def _start_child(
@@ -760,6 +761,16 @@ class Engine:
     async def _child_result(self, record: RunRecord, graph: Graph) -> RunResult:
         self.register(graph)
         return await stored_result(self, record, graph)
+
+    async def _child_outputs(self, run_ids: list[str]) -> dict[str, Any]:
+        assert self.store is not None
+        found: dict[str, Any] = {}
+        for run_id, text in (await self.store.outputs(run_ids)).items():
+            try:
+                found[run_id] = self._codec.decode(text)
+            except (TypeError, ValueError) as exc:  # read off its node rows instead
+                logger.warning("child run %s: its stored output does not decode: %s", run_id, exc)
+        return found
 
     def _decode_event(self, text: str) -> dict[str, Any]:
         data = self._codec.decode(text)

@@ -81,6 +81,8 @@ class Lease:
         self._claimed: int | None = None
         self._stop = asyncio.Event()
         self._beat: asyncio.Task[None] | None = None
+        #: Set when a commit let go of the lease (a suspension on child runs, R4).
+        self._released = False
 
     def held(self, record: RunRecord) -> Lease:
         """Take the lease as ``record`` shows it held, if by this owner for a while yet.
@@ -132,8 +134,14 @@ class Lease:
         self._stop.set()
         if self._beat is not None:
             await asyncio.gather(self._beat, return_exceptions=True)
-        if self.lost is None:
+        if self.lost is None and not self._released:
             await release_quietly(self.store, self.run_id, self.owner, self.token)
+
+    def let_go_in_commit(self) -> None:
+        """A commit released the lease (a run suspending on its children, R4): no more beats,
+        and nothing to release on the way out."""
+        self._released = True
+        self._stop.set()
 
     def cancel_requested(self) -> None:
         """The store says a cancel of the run is requested: tell the run, once (W5)."""
@@ -156,6 +164,8 @@ class Lease:
                     if record.cancel_requested_at is not None:
                         self.cancel_requested()
             except LeaseLost as exc:
+                if self._released:
+                    return  # a beat sent as the commit let go
                 self.lost = exc
                 assert self._holder is not None
                 self._holder.cancel()

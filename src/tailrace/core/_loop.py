@@ -345,6 +345,7 @@ class RunLoop:
         awaited = children.awaited()
         if self._writer is not None:
             self._writer.wake_after = self._completions_needed()
+            self._writer.waiting_on = awaited
         children.suspending = True
         try:
             await self._cancel_in_flight(record=False)
@@ -1495,11 +1496,12 @@ class RunLoop:
             stragglers=0 if self.hedger is None else self.hedger.stragglers,
             hedges=0 if self.hedger is None else self.hedger.hedges,
             duration=time.monotonic() - self.started_at,
-            output=self._output(),
+            output=self.output(),
             parent_run_id=self.parent_run_id,
         )
 
-    def _output(self) -> Any:
+    def output(self) -> Any:
+        """The run's output now: its one finished sink's result, or each finished sink's by id."""
         done = [i for i in self.topo.sinks if self.state.nodes[i].has_result]
         if len(done) == 1:
             return self.state.nodes[done[0]].result

@@ -91,8 +91,10 @@ class RunWriter:
         self.superseded: list[str] = []
         #: Stragglers parked since the last write (P3).
         self.parked: list[ParkedRow] = []
-        #: For the next suspension on child runs: the completions it waits for (R4).
+        #: For the next suspension on child runs: the completions it waits for, and
+        #: the children awaited (R4).
         self.wake_after: int | None = None
+        self.waiting_on: tuple[str, ...] = ()
         self._queued: list[_Pending] = []
         #: Harvests staged since the last write began (the store's backlog).
         self._staged = 0
@@ -352,6 +354,7 @@ class RunWriter:
             queued.append(_Pending(run_status))  # a status change is its own write
         if run_status is RunStatus.SUSPENDED:
             queued[-1].wake_after, self.wake_after = self.wake_after, None
+            queued[-1].waiting_on, self.waiting_on = self.waiting_on, ()
         if len(loop.state.dirty) + len(events) < BULK:
             self._add_harvest(queued[-1], loop, events, error)
         else:
@@ -375,6 +378,8 @@ class RunWriter:
                         with paused_gc():
                             harvest = pending.harvest(self.topo.ids)
                     cancel = await self.store.commit(self.run_id, self.token, harvest)
+                    if harvest.waiting_on and self.lease is not None:
+                        self.lease.let_go_in_commit()  # the suspension released it (R4)
                     if cancel and self.lease is not None:
                         self.lease.cancel_requested()  # asked from elsewhere: end at the next harvest
         except Exception as exc:
@@ -506,6 +511,16 @@ class RunWriter:
         status = pending.status
         if status is not RunStatus.RUNNING and status is not RunStatus.SUSPENDED:
             pending.finished_at = time.time()
+        if status is RunStatus.COMPLETED and self.record.parent_run_id is not None:
+            pending.output_json = self._output_json(loop)
+
+    def _output_json(self, loop: RunLoop) -> str | None:
+        """A completing child run's output, encoded for its parent (R1); None if it does not
+        encode (its parent then reads it off the node rows, and the error there)."""
+        try:
+            return self.codec.encode(loop.output())
+        except (TypeError, ValueError, RecursionError):
+            return None
 
     def _event_data_json(self, type: EventType, data: Mapping[str, Any]) -> str:
         if type is EventType.NODE_COMPLETED and len(data) == 2:
@@ -786,12 +801,14 @@ class _Pending:
         "frozen",
         "items",
         "nodes",
+        "output_json",
         "parked",
         "questions",
         "results",
         "state",
         "status",
         "superseded",
+        "waiting_on",
         "wake_after",
     )
 
@@ -799,10 +816,13 @@ class _Pending:
         self.status = status
         self.error: str | None = None
         self.wake_after: int | None = None
+        self.waiting_on: tuple[str, ...] = ()
         #: The run's state JSON, or its counters (seq, events, turn) and durability
         #: to write it from.
         self.state: str | tuple[int, int, int, str] = ""
         self.finished_at: float | None = None
+        #: A completing child run's output, encoded (R1).
+        self.output_json: str | None = None
         #: node index -> its latest row, or the snapshot to compose it from.
         self.nodes: dict[int, NodeRow | PlainRow] = {}
         #: (node id, visit, item) -> the item's latest row (M6).
@@ -844,4 +864,6 @@ class _Pending:
             superseded=self.superseded,
             parked=self.parked,
             wake_after=self.wake_after,
+            waiting_on=self.waiting_on,
+            output_json=self.output_json,
         )

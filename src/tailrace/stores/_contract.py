@@ -238,6 +238,20 @@ class RunStore(abc.ABC):
         check_names(run_id=run_id, node_id=node_id)
         return await self._results(run_id, node_id)
 
+    async def outputs(self, run_ids: Sequence[str]) -> dict[str, str]:
+        """The encoded outputs of those of ``run_ids`` that completed with one stored, by id.
+
+        A child run's final commit stores its output (R1), so its parent reads
+        the outputs of many children in one query rather than each one's node
+        and result rows; a run that stored none (not a child, not completed, or
+        completed by an older tailrace) is left out.
+        """
+        for run_id in run_ids:
+            check_name("run_id", run_id)
+        if not run_ids:
+            return {}
+        return await self._outputs(sorted(set(run_ids)))
+
     async def frozen_inputs(self, run_id: str) -> list[FrozenInput]:
         """First-k decisions of a run, by node then activation."""
         check_name("run_id", run_id)
@@ -920,6 +934,10 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     async def _results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
         """:meth:`results`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _outputs(self, run_ids: list[str]) -> dict[str, str]:
+        """:meth:`outputs`, called with checked, distinct, sorted ids (at least one)."""
 
     @abc.abstractmethod
     async def _frozen_inputs(self, run_id: str) -> list[FrozenInput]:

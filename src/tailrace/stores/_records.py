@@ -378,6 +378,13 @@ class Harvest:
     #: can move on (None: the first end wakes it) (R4). A failed or cancelled child
     #: wakes it at once.
     wake_after: int | None = None
+    #: A run suspending on its child runs: the ones it waits for (R4). The commit
+    #: also lets go of its lease, and queues it again at once (on a queue) when
+    #: enough of them ended before it (their ends found it still running).
+    waiting_on: Sequence[str] = ()
+    #: A child run completing: its output, encoded, for its parent to read (R1;
+    #: :meth:`~tailrace.stores.RunStore.outputs`). Any other harvest clears it.
+    output_json: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import logging
 import math
 import time
@@ -79,8 +80,9 @@ _STREAM = frozenset({"stream"})
 class WorkerStats:
     """What a worker did so far.
 
-    ``claimed`` queued runs it claimed (``taken`` of them child runs its own
-    runs submitted, claimed in the write that submitted them); ``applied``
+    ``claimed`` queued runs it claimed (``taken`` of them in the write of a
+    child submit of its own runs: those children, or runs queued before them
+    on that queue); ``applied``
     answers it applied;
     ``adopted`` runs it took over from a dead owner; ``completed``,
     ``suspended``, ``failed`` and ``cancelled`` how the runs it drove ended;
@@ -394,16 +396,23 @@ class Worker:
         """Drive ``claimed``, the runs the submit's ``claim`` got here, as claimed ones; the
         other slots it held go back."""
         self._lent[claim.queue] -= claim.limit
-        group = self._group
         for run_id in claimed:
-            if group is None:  # draining since: back to the queue, for another worker
-                back = asyncio.get_running_loop().create_task(self._give_back(run_id))
-                self._giving_back.add(back)
-                back.add_done_callback(self._giving_back.discard)
-                continue
-            self.stats.claimed += 1
-            self.stats.taken += 1
-            self._start(group, _Job(run_id, "claim", claim.queue), self._start_or_fail(run_id))
+            group = self._group
+            if group is not None:
+                try:
+                    self._start(
+                        group, _Job(run_id, "claim", claim.queue), self._start_or_fail(run_id)
+                    )
+                except RuntimeError:  # the task group is shutting down (an abnormal stop)
+                    self._group = None
+                else:
+                    self.stats.claimed += 1
+                    self.stats.taken += 1
+                    continue
+            # Draining (or stopped) since the reserve: back to the queue, for another worker.
+            back = asyncio.get_running_loop().create_task(self._give_back(run_id))
+            self._giving_back.add(back)
+            back.add_done_callback(self._giving_back.discard)
 
     async def _claim(self, group: asyncio.TaskGroup) -> None:
         # Rotate the start so one busy queue does not starve the others.
@@ -428,10 +437,17 @@ class Worker:
 
     def _start(self, group: asyncio.TaskGroup, job: _Job, work: Awaitable[Any]) -> None:
         """Run ``work`` as a job of this worker: it holds a slot (and its queue's) until it ends."""
+        guarded = self._guard(job, work)
+        try:
+            task = group.create_task(guarded, name=f"worker:{job.kind}:{job.run_id}")
+        except RuntimeError:  # the group is shutting down: ``work`` never runs
+            guarded.close()
+            if inspect.iscoroutine(work):
+                work.close()
+            raise
         self._here.add(job.run_id)
         if job.queue is not None:
             self._by_queue[job.queue] += 1
-        task = group.create_task(self._guard(job, work), name=f"worker:{job.kind}:{job.run_id}")
         self._jobs[task] = job
         task.add_done_callback(self._job_done)
 
@@ -654,13 +670,18 @@ class Worker:
         """No more claims; runs in flight get ``grace`` seconds, then are stopped where they are."""
         self._group = None  # nor children claimed as their parents submit them
         jobs = list(self._jobs)
-        if not jobs:
-            return
-        logger.info("worker %s draining %d runs (grace %.3g s)", self.owner, len(jobs), self.grace)
-        _, pending = await asyncio.wait(jobs, timeout=self.grace)
-        for task in pending:
-            task.cancel()  # each run's lease is released on its way out (RunWriter.leased)
-        await asyncio.gather(*pending, *self._giving_back, return_exceptions=True)
+        if jobs:
+            logger.info(
+                "worker %s draining %d runs (grace %.3g s)", self.owner, len(jobs), self.grace
+            )
+            _, pending = await asyncio.wait(jobs, timeout=self.grace)
+            for task in pending:
+                task.cancel()  # each run's lease is released on its way out (RunWriter.leased)
+            await asyncio.gather(*pending, return_exceptions=True)
+        # A child submit that was writing as the drain began settles after it: the runs it
+        # claimed here are given back (the jobs above waited for their parents' submits).
+        while self._giving_back:
+            await asyncio.gather(*self._giving_back, return_exceptions=True)
 
 
 def _with_children(graphs: Sequence[Graph]) -> list[Graph]:

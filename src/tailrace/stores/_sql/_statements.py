@@ -139,7 +139,13 @@ PRUNE_STREAMS = (
 )
 UPDATE_RUN = (
     "UPDATE runs SET state_json = ?, status = ?, error = ?, updated_at = ?, "
-    "finished_at = COALESCE(?, finished_at), nodes_done = nodes_done + ? WHERE run_id = ?"
+    "finished_at = COALESCE(?, finished_at), nodes_done = nodes_done + ?, output_json = ? "
+    "WHERE run_id = ?"
+)
+#: Values: the run ids. The stored outputs of those that completed with one (R1).
+SELECT_OUTPUTS = (
+    "SELECT run_id, output_json FROM runs WHERE run_id IN ({ids}) "
+    "AND status = 'completed' AND output_json IS NOT NULL"
 )
 EXPIRED_LEASES = (
     "SELECT run_id FROM runs WHERE status = 'running' AND (lease_owner IS NULL "
@@ -411,6 +417,15 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             "ALTER TABLE runs ADD COLUMN wake_after INTEGER",
         ),
     ),
+    (
+        18,
+        (
+            # A completed child run's output (R1), written by its final commit: its
+            # parent reads its children's outputs in one query (``outputs``), not each
+            # child's node and result rows.
+            "ALTER TABLE runs ADD COLUMN output_json TEXT",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -436,6 +451,10 @@ WAKE_SUSPENDED = (
     "wake_after = NULL, updated_at = ? WHERE run_id = ? AND status = 'suspended' AND queue_name IS NOT NULL "
     "AND (lease_owner IS NULL OR lease_expires IS NULL OR lease_expires < ?)"
 )
+#: Values: run_id. A run suspending on its children lets go of its lease in that commit.
+RELEASE_SUSPENDED = "UPDATE runs SET lease_owner = NULL, lease_expires = NULL WHERE run_id = ?"
+#: The statuses of some runs (``ids``: their placeholders).
+SELECT_STATUSES = "SELECT run_id, status FROM runs WHERE run_id IN ({ids})"
 #: Values: wake_after, run_id. How many child completions a suspending run waits for.
 SET_WAKE_AFTER = "UPDATE runs SET wake_after = ? WHERE run_id = ?"
 #: Values: run_id. A child completed: one fewer for its suspended parent to wait
@@ -575,7 +594,7 @@ def run_update_params(run_id: str, harvest: Harvest, now: float) -> tuple[object
     return (
         harvest.state_json, harvest.status.value, stored_error(harvest.error), now,
         harvest.finished_at,
-        harvest.nodes_done_delta, run_id,
+        harvest.nodes_done_delta, harvest.output_json, run_id,
     )  # fmt: skip
 
 

@@ -105,6 +105,7 @@ from ._statements import (
     OVERDUE_RUNS,
     PRUNE_STREAMS,
     QUESTION_STATE,
+    RELEASE_SUSPENDED,
     RUN_COLUMNS,
     SELECT_CHECKPOINTS,
     SELECT_CHUNKS,
@@ -112,9 +113,11 @@ from ._statements import (
     SELECT_FRONTIERS,
     SELECT_ITEMS,
     SELECT_OPEN_STREAMS,
+    SELECT_OUTPUTS,
     SELECT_PARKED,
     SELECT_QUESTION,
     SELECT_SHAPE,
+    SELECT_STATUSES,
     SET_WAKE_AFTER,
     SUPERSEDE_QUESTION,
     WAKE_SUSPENDED,
@@ -225,6 +228,8 @@ async def commit_harvest(tx: Tx, run_id: str, token: int, harvest: Harvest, now:
     await tx.write_harvest(run_id, harvest, now)
     if harvest.status is RunStatus.SUSPENDED:
         await tx.change(SET_WAKE_AFTER, (harvest.wake_after, run_id))
+        if harvest.waiting_on:
+            await suspend_on_children(tx, run_id, harvest, now)
     if parent is not None and harvest.status in TERMINAL_STATUSES:
         await child_ended(tx, parent, harvest.status, now)
     if harvest.chunks:  # readers in other processes wake on it (S3)
@@ -294,6 +299,27 @@ async def results(tx: Tx, run_id: str, node_id: str | None) -> list[ResultRow]:
         sql += " AND node_id = ?"
     rows = await rows_of_run(tx, run_id, sql + " ORDER BY node_id, visit", params)
     return [ResultRow(node_id=r[0], visit=r[1], value_json=r[2]) for r in rows]
+
+
+#: Run ids per query of :func:`rows_for_ids`.
+IDS_PER_QUERY = 128
+
+
+async def rows_for_ids(tx: Tx, sql: str, run_ids: Sequence[str]) -> list[Row]:
+    """The rows ``sql`` (``... run_id IN ({ids}) ...``) selects for ``run_ids``, a batch of
+    ids per query; a few statement shapes (a batch is padded with its last id)."""
+    found: list[Row] = []
+    for start in range(0, len(run_ids), IDS_PER_QUERY):
+        ids = list(run_ids[start : start + IDS_PER_QUERY])
+        width = 1 << (len(ids) - 1).bit_length()
+        ids += [ids[-1]] * (width - len(ids))
+        found += await tx.all(sql.format(ids=", ".join("?" * width)), ids)
+    return found
+
+
+async def outputs(tx: Tx, run_ids: list[str]) -> dict[str, str]:
+    """The stored outputs of the completed runs among ``run_ids`` (R1), by id."""
+    return {str(r[0]): str(r[1]) for r in await rows_for_ids(tx, SELECT_OUTPUTS, run_ids)}
 
 
 async def frozen_inputs(tx: Tx, run_id: str) -> list[FrozenInput]:
@@ -600,6 +626,29 @@ async def claim_parked(
     holds, oldest first. Claiming again returns the same items: it is idempotent."""
     await tx.change_all(CLAIM_PARKED, (claimant, now, graph_name, node_id, limit))
     return await list_parked(tx, None, None, None, claimant)
+
+
+async def suspend_on_children(tx: Tx, run_id: str, harvest: Harvest, now: float) -> None:
+    """Run ``run_id`` suspends waiting on ``harvest.waiting_on`` (R4), under its row lock.
+
+    It lets go of its lease here, so a child ending from now on finds it free
+    to wake, whether or not its process lives on. A child that ended before
+    found it running and woke nothing: those ends are counted now, and when
+    they are enough (or one failed) the run is queued again at once.
+    """
+    await tx.change_all(RELEASE_SUSPENDED, (run_id,))
+    await tx.signal("release")
+    rows = await rows_for_ids(tx, SELECT_STATUSES, sorted(set(harvest.waiting_on)))
+    statuses = [parse_status(str(child), str(status)) for child, status in rows]
+    ended = [status for status in statuses if status in TERMINAL_STATUSES]
+    if not ended:
+        return
+    completed = sum(status is RunStatus.COMPLETED for status in ended)
+    left = None if harvest.wake_after is None else harvest.wake_after - completed
+    if completed < len(ended) or left is None or left <= 0:
+        await wake_suspended(tx, run_id, now)
+    else:
+        await tx.change(SET_WAKE_AFTER, (left, run_id))
 
 
 async def child_ended(tx: Tx, parent: str, status: RunStatus, now: float) -> None:

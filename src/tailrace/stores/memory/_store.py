@@ -127,6 +127,8 @@ class MemoryStore(RunStore):
         self._chunk_rows: dict[str, list[ChunkRow]] = {}
         #: run id -> the child completions a suspended run waits for (R4).
         self._wake_after: dict[str, int | None] = {}
+        #: Completed child runs' outputs (R1).
+        self._output_texts: dict[str, str] = {}
         self._questions: dict[str, QuestionRow] = {}
         #: (graph name, fingerprint) -> the graph version's structure JSON (V1).
         self._shapes: dict[tuple[str, str], str] = {}
@@ -246,6 +248,10 @@ class MemoryStore(RunStore):
                 else record.finished_at,
                 nodes_done=record.nodes_done + harvest.nodes_done_delta,
             )
+            if harvest.output_json is None:
+                self._output_texts.pop(run_id, None)
+            else:
+                self._output_texts[run_id] = harvest.output_json
             cancel = record.cancel_requested_at is not None
             if harvest.status is RunStatus.SUSPENDED:
                 self._wake_after[run_id] = harvest.wake_after
@@ -256,11 +262,35 @@ class MemoryStore(RunStore):
                 and not (harvest.status is RunStatus.COMPLETED and self._count_down(parent))
                 and self._wake_locked(parent, now)
             )
+            if harvest.status is RunStatus.SUSPENDED and harvest.waiting_on:
+                woke = self._suspend_on_children(run_id, harvest, now)
         if harvest.chunks:
             self._hub.deliver(frozenset({"stream"}))
+        if harvest.status is RunStatus.SUSPENDED and harvest.waiting_on:
+            self._hub.deliver(frozenset({"release"}))
         if woke:
             self._hub.deliver(frozenset({"submit"}))
         return cancel
+
+    def _suspend_on_children(self, run_id: str, harvest: Harvest, now: float) -> bool:
+        """As ``suspend_on_children`` (the SQL stores'): let go of the lease, count the
+        children that ended before; True if that queued the run again."""
+        self._runs[run_id] = dataclasses.replace(
+            self._runs[run_id], lease_owner=None, lease_expires=None
+        )
+        ended = [
+            self._runs[c].status
+            for c in sorted(set(harvest.waiting_on))
+            if c in self._runs and self._runs[c].status in TERMINAL_STATUSES
+        ]
+        if not ended:
+            return False
+        completed = sum(status is RunStatus.COMPLETED for status in ended)
+        left = None if harvest.wake_after is None else harvest.wake_after - completed
+        if completed < len(ended) or left is None or left <= 0:
+            return self._wake_locked(run_id, now)
+        self._wake_after[run_id] = left
+        return False
 
     def _count_down(self, run_id: str) -> bool:
         """One child of suspended ``run_id`` completed: True if it still waits for more (R4)."""
@@ -469,6 +499,14 @@ class MemoryStore(RunStore):
             self._run(run_id)
             rows = [r for r in self._result_rows[run_id].values() if node_id in (None, r.node_id)]
         return sorted(rows, key=lambda r: (r.node_id, r.visit))
+
+    async def _outputs(self, run_ids: list[str]) -> dict[str, str]:
+        with self._lock:
+            return {
+                run_id: self._output_texts[run_id]
+                for run_id in run_ids
+                if run_id in self._output_texts and self._runs[run_id].status is RunStatus.COMPLETED
+            }
 
     async def _frozen_inputs(self, run_id: str) -> list[FrozenInput]:
         with self._lock:

@@ -320,6 +320,10 @@ class PostgresStore(RunStore):
         read = self._body(bodies.results, run_id, node_id)
         return await self._db.read(f"run {run_id!r}", read)
 
+    async def _outputs(self, run_ids: list[str]) -> dict[str, str]:
+        read = self._body(bodies.outputs, run_ids)
+        return await self._db.read(f"outputs of {len(run_ids)} runs", read)
+
     async def _frozen_inputs(self, run_id: str) -> list[FrozenInput]:
         read = self._body(bodies.frozen_inputs, run_id)
         return await self._db.read(f"run {run_id!r}", read)
@@ -403,7 +407,8 @@ class PostgresStore(RunStore):
         async def insert(conn: Conn, attempt: Attempt) -> tuple[list[str], list[str]]:
             claimed.clear()
             # Pipelined: every insert goes in one round trip, then the shapes (one per
-            # graph version) and origins in one more, not three per run.
+            # graph version), origins and (with no claim) the wake-up in one more, not
+            # three per run.
             async with conn.pipeline():
                 cursors = [
                     await conn.execute(INSERT_QUEUED, queued_run_params(run, q)) for run, q in runs
@@ -415,6 +420,8 @@ class PostgresStore(RunStore):
                         attempt.xid = row[0]
                         stored.append(run)
                 await _keep_shapes_and_origins(conn, stored)
+                if claim is None and stored:
+                    await notify(conn, channel, "submit")
             if claim is not None:
                 ids, xid = await claim_queued(
                     conn, self._db.schema, claim.queue, claim.owner, claim.ttl, claim.limit,
@@ -422,8 +429,8 @@ class PostgresStore(RunStore):
                 )  # fmt: skip
                 attempt.xid = attempt.xid or xid
                 claimed.extend(ids)
-            if {run.run_id for run in stored} - set(claimed):
-                await notify(conn, channel, "submit")
+                if {run.run_id for run in stored} - set(claimed):
+                    await notify(conn, channel, "submit")
             return [run.run_id for run in stored], list(claimed)
 
         async def landed(conn: Conn) -> tuple[list[str], list[str]]:

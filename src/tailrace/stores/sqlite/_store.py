@@ -382,6 +382,9 @@ class SQLiteStore(RunStore):
     async def _results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
         return await self._read(f"run {run_id!r}", _body(bodies.results, run_id, node_id))
 
+    async def _outputs(self, run_ids: list[str]) -> dict[str, str]:
+        return await self._read(f"outputs of {len(run_ids)} runs", _body(bodies.outputs, run_ids))
+
     async def _frozen_inputs(self, run_id: str) -> list[FrozenInput]:
         return await self._read(f"run {run_id!r}", _body(bodies.frozen_inputs, run_id))
 
@@ -593,11 +596,15 @@ class SQLiteStore(RunStore):
                 bump(conn, "submit")
             return stored, claimed
 
+        what = f"{len(runs)} runs from {runs[0][0].run_id!r}"
+        if claim is None:
+            return await self._write(what, apply)
+        owner = claim.owner
+
         def undo(done: tuple[list[str], list[str]]) -> Callable[[sqlite3.Connection], object]:
-            owner = "" if claim is None else claim.owner
             return lambda conn: release_all(conn, done[1], owner)  # adopted at once by anyone
 
-        return await self._write(f"{len(runs)} runs from {runs[0][0].run_id!r}", apply, undo=undo)
+        return await self._write(what, apply, undo=undo)
 
     async def _claim_runs(
         self,
