@@ -9,9 +9,13 @@ its final commit, and read back for many children in one call.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tailrace.stores import Harvest, NewRun, RunStatus, RunStore, Submission
+from tailrace.stores._sql import _transactions
+from tests.fixtures import Backend
 
 TTL = 30.0
 KIDS = ["p/each/1/0", "p/each/1/1", "p/each/1/2"]
@@ -105,6 +109,40 @@ async def test_a_child_that_failed_before_the_suspension_queues_its_parent_at_on
     await end(store, KIDS[1], RunStatus.FAILED)
     await suspend(store, token, 3, KIDS)
     assert (await store.get_run("p")).status is RunStatus.QUEUED
+
+
+async def test_a_child_ending_while_its_parent_suspends_is_counted(
+    pg_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Postgres runs at READ COMMITTED: the last child's final commit lands while the
+    parent's suspension has read it as running but not committed yet. The child's end
+    waits for that commit (it locks the parent's row first) and counts, so the parent
+    is queued; without the lock its UPDATE statements saw the parent running and the end
+    was counted by nobody."""
+    store = pg_backend.store
+    token = await family(store)
+    for kid in KIDS[:2]:
+        await end(store, kid)
+    paused, go = asyncio.Event(), asyncio.Event()
+    counted = _transactions.suspend_on_children
+
+    async def held_open(tx: _transactions.Tx, run_id: str, harvest: Harvest, now: float) -> None:
+        await counted(tx, run_id, harvest, now)  # the children read: KIDS[2] still running
+        paused.set()
+        await go.wait()  # the suspension's transaction stays open
+
+    monkeypatch.setattr(_transactions, "suspend_on_children", held_open)
+    suspension = asyncio.create_task(suspend(store, token, 3, KIDS))
+    await asyncio.wait_for(paused.wait(), 10.0)
+    async with pg_backend.sibling() as other:  # another process's connection
+        ending = asyncio.create_task(end(other, KIDS[2]))
+        await asyncio.sleep(0.5)
+        waited = not ending.done()  # for the parent's row
+        go.set()
+        await asyncio.wait_for(asyncio.gather(suspension, ending), 10.0)
+    assert waited
+    parent = await store.get_run("p")
+    assert (parent.status, parent.lease_owner) == (RunStatus.QUEUED, None)
 
 
 async def test_completed_childrens_outputs_are_read_in_one_call(store: RunStore) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 import tailrace as tr
-from tailrace.stores import QuestionStatus, RunStatus, RunStore, open_store
+from tailrace.stores import Harvest, QuestionStatus, RunStatus, RunStore, open_store
 from tests import fixtures
 
 GRAPHS = Path(__file__).with_name("child_graphs.py")
@@ -204,6 +204,103 @@ async def test_a_suspended_parent_wakes_once_its_map_can_complete_not_per_child(
         types = [e.type for e in await store.events(run_id)]
     assert result.output == 60
     assert types.count("run_suspended") == 1 and types.count("run_resumed") == 1, types
+
+
+@pytest.mark.parametrize("read", ["stored", "failing", "undecodable"])
+async def test_a_woken_parent_reads_its_childrens_stored_outputs_or_their_rows(
+    shared: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, read: str
+) -> None:
+    """R4: a parent resumed after its children reads the outputs their final commits stored
+    (``RunStore.outputs``); when that read fails, or an output does not decode, each child
+    is read off its own rows instead, and the parent's result is the same."""
+    asked: list[str] = []
+    async with open_store(shared) as store:
+        stored = store.outputs
+
+        async def outputs(run_ids: list[str]) -> dict[str, str]:
+            asked.extend(run_ids)
+            if read == "failing":
+                raise tr.StoreError("the store lost its connection")
+            found = await stored(run_ids)
+            return {k: "{not json" for k in found} if read == "undecodable" else found
+
+        monkeypatch.setattr(store, "outputs", outputs)
+        async with workers(store, 2, concurrency=4):
+            engine = tr.Engine(store=store)
+            job = {"count": 4, "sleeps": [0.05, 0.1, 0.15, 0.2]}
+            run_id = await engine.submit(graphs.family, job, queue="parents")
+            result = await engine.wait(run_id, timeout=GUARD)
+        children = {c.run_id for c in await store.list_runs(parent=run_id)}
+        assert (await stored(sorted(children))).keys() == children  # every output was stored
+    assert result.output == 60  # 0+10+20+30, however the outputs were read
+    assert set(asked) == children  # each child's output was asked for
+    undecodable = [r for r in caplog.records if "does not decode" in r.getMessage()]
+    assert bool(undecodable) is (read == "undecodable")
+
+
+async def test_a_lease_beat_while_the_suspension_lets_go_of_it_is_no_lease_lost(
+    shared: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R4: the parent's suspension commit releases its lease, and its answer is slow to
+    come back; the lease's beats meanwhile find the lease gone. That is the commit's
+    doing, not a takeover: the worker's job is not stopped as one that lost its run
+    (``busy``), and the parent completes."""
+    async with open_store(shared) as store:
+        commit = store.commit
+
+        async def slow_answer(run_id: str, token: int, harvest: Harvest) -> bool:
+            cancel = await commit(run_id, token, harvest)
+            if harvest.waiting_on:
+                await asyncio.sleep(0.8)  # four beats of a 0.6 s lease
+            return cancel
+
+        monkeypatch.setattr(store, "commit", slow_answer)
+        async with workers(store, 1, concurrency=4, lease_ttl=0.6) as fleet:
+            engine = tr.Engine(store=store)
+            job = {"count": 3, "sleep": 1.5}  # the children end after the slow answer
+            run_id = await engine.submit(graphs.family, job, queue="parents")
+            result = await engine.wait(run_id, timeout=GUARD)
+            types = [e.type for e in await store.events(run_id)]
+    assert result.output == 30
+    assert "run_suspended" in types
+    assert fleet[0].stats.busy == 0
+
+
+async def test_a_worker_stopping_as_the_suspension_lets_go_writes_nothing_after_it(
+    shared: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R4: the worker stops (grace over) while the parent's suspension commit, which let go
+    of its lease, is still to answer. The parent's driver is cancelled and stages its way
+    out; nothing of it is written after the suspension (the run is no longer this
+    worker's), so the parent stays suspended, unheld, and the next worker completes it."""
+    landed, answered = asyncio.Event(), asyncio.Event()
+    async with open_store(shared) as store:
+        commit = store.commit
+
+        async def slow_answer(run_id: str, token: int, harvest: Harvest) -> bool:
+            cancel = await commit(run_id, token, harvest)
+            if harvest.waiting_on:
+                landed.set()
+                await asyncio.sleep(0.5)  # the worker's grace runs out meanwhile
+                answered.set()
+            return cancel
+
+        monkeypatch.setattr(store, "commit", slow_answer)
+        engine = tr.Engine(store=store)
+        job = {"count": 3, "sleep": 0.3}
+        parent = await engine.submit(graphs.family, job, queue="parents")
+        async with workers(store, 1, concurrency=4, grace=0.05):
+            await asyncio.wait_for(landed.wait(), GUARD)
+        await asyncio.wait_for(answered.wait(), GUARD)
+        await asyncio.sleep(0.2)  # what the writer had left would be written by now
+        record = await store.get_run(parent)
+        assert record.status in (RunStatus.SUSPENDED, RunStatus.QUEUED)  # not running
+        assert record.lease_owner is None
+        async with workers(store, 1, concurrency=4):
+            result = await engine.wait(parent, timeout=GUARD)
+        record = await store.get_run(parent)
+    assert result.output == 30
+    assert record.recoveries == 0  # never an orphan to adopt
 
 
 async def test_children_feeding_one_join_wake_their_parent_once_at_the_last(

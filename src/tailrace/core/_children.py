@@ -294,12 +294,15 @@ class Children:
         task.add_done_callback(self._senders.discard)
 
     async def _read(self, ids: list[str], future: asyncio.Future[dict[str, Any]]) -> None:
+        # On an error or a cancellation each child is read off its rows instead (an
+        # error is met there); whoever waits on ``future`` is never left waiting.
+        found: dict[str, Any] = {}
         try:
-            found = await self.runner.outputs(ids)
-        except Exception:  # read each child off its rows instead (and meet the error there)
-            found = {}
-        if not future.done():
-            future.set_result(found)
+            with contextlib.suppress(Exception):
+                found = await self.runner.outputs(ids)
+        finally:
+            if not future.done():
+                future.set_result(found)
 
     async def _wait(self, child_id: str, graph: Graph, attempt: Attempt) -> Any:
         """Wait for the child to end, holding nothing but this task (R4)."""

@@ -311,12 +311,14 @@ class Engine:
 
         An answerer records its answer before it tries the lease; if it found the
         lease held, the answer landed before this engine released it, so it is
-        visible now. A child that ended while its parent was suspending found
-        the parent's lease held, so the parent looks for it now: one on a queue
-        is queued again (a worker takes it), another is resumed here.
+        visible now. A run on a queue needs nothing more: its suspension's
+        commit counted the children that had ended and let go of the lease, so
+        the store queues it when enough have. Another run whose child ended
+        while it was suspending (the child found its lease held) is resumed here.
         """
         store = self.store
         seen: set[str] = set()
+        on_queue: bool | None = None
         while result.status is RunStatus.SUSPENDED and store is not None:
             pending = {
                 q.question_id
@@ -324,10 +326,11 @@ class Engine:
                 if q.status is QuestionStatus.ANSWERED
                 or (q.status is QuestionStatus.EXPIRED and q.applied_at is None)
             }
-            ended = await self._awaited_ended(result)
-            if ended and (await store.get_run(result.run_id)).queue_name is not None:
-                await store.wake_suspended(result.run_id)
-                return result
+            ended = False
+            if result.waiting_on:
+                if on_queue is None:
+                    on_queue = (await store.get_run(result.run_id)).queue_name is not None
+                ended = not on_queue and await self._awaited_ended(result)
             if not pending - seen and not ended:
                 return result
             seen |= pending

@@ -34,7 +34,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from types import TracebackType
 
 from .._codec import DEFAULT_CODEC
@@ -81,8 +81,10 @@ class Lease:
         self._claimed: int | None = None
         self._stop = asyncio.Event()
         self._beat: asyncio.Task[None] | None = None
-        #: Set when a commit let go of the lease (a suspension on child runs, R4).
+        #: Set when a commit let go of the lease (a suspension on child runs, R4), and
+        #: while such a commit is in flight.
         self._released = False
+        self._releasing = False
 
     def held(self, record: RunRecord) -> Lease:
         """Take the lease as ``record`` shows it held, if by this owner for a while yet.
@@ -137,9 +139,25 @@ class Lease:
         if self.lost is None and not self._released:
             await release_quietly(self.store, self.run_id, self.owner, self.token)
 
-    def let_go_in_commit(self) -> None:
-        """A commit released the lease (a run suspending on its children, R4): no more beats,
-        and nothing to release on the way out."""
+    @property
+    def released(self) -> bool:
+        """Whether a commit let go of the lease (:meth:`letting_go`): nothing more is written."""
+        return self._released
+
+    @contextlib.contextmanager
+    def letting_go(self) -> Iterator[None]:
+        """Around a commit that releases the lease (a run suspending on its children, R4).
+
+        A beat that finds the lease gone while that commit is in flight lost
+        nothing (the commit says whether it landed). Once it has, no more
+        beats, and nothing to release on the way out; if it failed, the lease
+        is the run's as before.
+        """
+        self._releasing = True
+        try:
+            yield
+        finally:
+            self._releasing = False
         self._released = True
         self._stop.set()
 
@@ -166,6 +184,8 @@ class Lease:
             except LeaseLost as exc:
                 if self._released:
                     return  # a beat sent as the commit let go
+                if self._releasing:
+                    continue  # the commit in flight let go: it tells whether that landed
                 self.lost = exc
                 assert self._holder is not None
                 self._holder.cancel()

@@ -372,14 +372,24 @@ class RunWriter:
                 batch, self._queued = self._queued, []
                 self._staged = 0
                 for pending in batch:
+                    if self.lease is not None and self.lease.released:
+                        # A suspension's commit let go of the run (R4): what a driver
+                        # stopped meanwhile staged on its way out is not its to write.
+                        self._queued = []
+                        return
                     if len(pending.nodes) + len(pending.events) + len(pending.items) < BULK:
                         harvest = pending.harvest(self.topo.ids)
                     else:
                         with paused_gc():
                             harvest = pending.harvest(self.topo.ids)
-                    cancel = await self.store.commit(self.run_id, self.token, harvest)
-                    if harvest.waiting_on and self.lease is not None:
-                        self.lease.let_go_in_commit()  # the suspension released it (R4)
+                    lease = self.lease
+                    # A suspension on children releases the lease in its commit (R4).
+                    with (
+                        lease.letting_go()
+                        if harvest.waiting_on and lease is not None
+                        else contextlib.nullcontext()
+                    ):
+                        cancel = await self.store.commit(self.run_id, self.token, harvest)
                     if cancel and self.lease is not None:
                         self.lease.cancel_requested()  # asked from elsewhere: end at the next harvest
         except Exception as exc:
@@ -392,8 +402,12 @@ class RunWriter:
                     self.on_failure()
 
     def writable(self) -> bool:
-        """Whether writes may still go out: none failed and the lease is held."""
-        return self.failure is None and (self.lease is None or self.lease.lost is None)
+        """Whether writes may still go out: none failed and the lease is held (not lost, not
+        let go by a suspension's commit)."""
+        lease = self.lease
+        return self.failure is None and (
+            lease is None or (lease.lost is None and not lease.released)
+        )
 
     def raise_failure(self) -> None:
         """Raise the lease loss or the store failure that stopped this run's writes, if any."""

@@ -653,7 +653,15 @@ async def suspend_on_children(tx: Tx, run_id: str, harvest: Harvest, now: float)
 
 async def child_ended(tx: Tx, parent: str, status: RunStatus, now: float) -> None:
     """A child of ``parent`` ended with ``status`` (R4): a completion counts down what the
-    suspended parent waits for; the last one, a failure or a cancel wakes it."""
+    suspended parent waits for; the last one, a failure or a cancel wakes it.
+
+    The parent's row is locked first. A suspension committing on it at this
+    moment read this child as still running; without the lock, Postgres would
+    test the UPDATE statements below against the parent's last committed row (still
+    running), match nothing and not wait, and nobody would count this end.
+    With it they wait for that commit and see the suspension.
+    """
+    await tx.lock(SELECT_STATUS, (parent,))
     if status is RunStatus.COMPLETED and await tx.change(COUNT_DOWN, (parent,)):
         return
     await wake_suspended(tx, parent, now)

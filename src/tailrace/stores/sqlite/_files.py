@@ -70,18 +70,39 @@ def _migrate(conn: sqlite3.Connection, where: str) -> None:
         raise
 
 
-def prepare_for_writing(conn: sqlite3.Connection, where: str) -> None:
-    """Put the database of ``conn`` in WAL mode at our schema version, locking only if needed."""
+def prepare_for_writing(conn: sqlite3.Connection, where: str, timeout: float) -> None:
+    """Put the database of ``conn`` in WAL mode at our schema version, locking only if needed;
+    ``timeout``: the most seconds to wait for another process switching it meanwhile."""
     version = recorded_version(conn)  # a read: before anything writes, WAL switch included
     if version is not None and version > SCHEMA_VERSION:
         raise newer_schema(where, version)
     mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
     if str(mode).lower() != "wal":
-        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        mode = _switch_to_wal(conn, timeout)
         if str(mode).lower() != "wal":
             raise StoreError(f"{where}: cannot switch to WAL mode (got {mode!r})")
     if version != SCHEMA_VERSION:
         _migrate(conn, where)
+
+
+def _switch_to_wal(conn: sqlite3.Connection, timeout: float) -> object:
+    """``PRAGMA journal_mode = WAL``, tried again while another connection holds the lock.
+
+    The switch needs the file to itself and, when it finds another process
+    opening the same new file, may fail at once as "database is locked"
+    without waiting out the busy timeout; so it waits here, up to ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    pause = 0.005
+    while True:
+        try:
+            return conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        except sqlite3.OperationalError as exc:
+            busy = (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in (5, 6)  # BUSY, LOCKED
+            if not busy or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)  # in the opening thread, never on the event loop
+        pause = min(pause * 2, 0.1)
 
 
 # --- read-only -------------------------------------------------------------------------

@@ -236,7 +236,7 @@ class SQLiteStore(RunStore):
         with mapped_errors(where, "cannot open: "):
             conn = self._connect()
             try:
-                prepare_for_writing(conn, where)
+                prepare_for_writing(conn, where, self._busy_timeout)
                 conn.execute("PRAGMA wal_autocheckpoint = 0")  # the Checkpointer's thread does it
             except BaseException:
                 conn.close()
