@@ -257,7 +257,7 @@ async def test_a_lease_beat_while_the_suspension_lets_go_of_it_is_no_lease_lost(
         monkeypatch.setattr(store, "commit", slow_answer)
         async with workers(store, 1, concurrency=4, lease_ttl=0.6) as fleet:
             engine = tr.Engine(store=store)
-            job = {"count": 3, "sleep": 1.5}  # the children end after the slow answer
+            job = {"count": 3, "sleep": 3.0}  # the children end well after the slow answer
             run_id = await engine.submit(graphs.family, job, queue="parents")
             result = await engine.wait(run_id, timeout=GUARD)
             types = [e.type for e in await store.events(run_id)]
