@@ -395,7 +395,9 @@ class Evolution:
         """The head's held-out rewards, each rollout cut at ``max_seconds`` or ``round_timeout``.
 
         A cut rollout scores 0 and is recorded as a failed attempt
-        (``TimeoutError``); a sync call still running on its daemon thread
+        (``TimeoutError``); one cut by ``round_timeout`` counts towards
+        ``max_error_rate``, one cut by ``max_seconds`` does not (the loop's own
+        deadline is no failure of the backend). A sync call still running on its daemon thread
         cannot be stopped, so it is abandoned (and said so in the record).
         """
         s = self.settings
@@ -419,10 +421,13 @@ class Evolution:
                 "artifact; a sync call still running on its thread is abandoned"
             )
             self.failed("run", "eval", task, head.version, TimeoutError(message))
-            self.window.add(True)
             rewards.append(0.0)
             if which == "max_seconds":
+                # The loop's own deadline cut it: time ran out, the backend did not
+                # fail, so the cut is no failed unit of work (no "errors" stop).
                 self.stop("max_seconds")
+            else:
+                self.window.add(True)
         return rewards
 
     def set_head(self, head: Version, member: Member | None) -> None:
