@@ -189,6 +189,26 @@ async def test_commit_reports_a_cancel_requested_from_anywhere(store: RunStore) 
     assert (await store.get_run("r1")).state_json == '{"step":2}'  # and the commit landed
 
 
+@pytest.mark.parametrize("status", [RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED])
+async def test_a_harvest_that_ends_the_run_lets_go_of_its_lease(
+    store: RunStore, status: RunStatus
+) -> None:
+    """The run's end releases its lease in the same write, and says so: no release of its
+    own follows (a driver killed right after that commit leaves nothing held)."""
+    token = await leased_run(store)
+    await store.commit("r1", token, harvest(state='{"step":1}'))
+    assert (await store.get_run("r1")).lease_owner == "A"  # a running harvest keeps it
+    async with store.changes() as feed:
+        await store.commit("r1", token, harvest(status=status, finished_at=3.0))
+        kinds = await feed.wait(5.0)
+    record = await store.get_run("r1")
+    assert (record.status, record.lease_owner, record.lease_expires) == (status, None, None)
+    assert record.lease_token == token  # a release keeps the fencing token
+    assert "release" in kinds  # workers look at their queues' slots again
+    await store.release_lease("r1", "A", token)  # a late release finds nothing held: harmless
+    assert await store.get_run("r1") == record
+
+
 # --- D1: atomic, append-only ------------------------------------------------------
 
 

@@ -76,6 +76,9 @@ from ._writer import RunWriter
 
 logger = logging.getLogger("tailrace.children")
 
+#: How many runs known to be on a queue an engine remembers (see ``Engine._note_queue``).
+QUEUED_RUNS_KEPT = 4096
+
 
 class Engine:
     """Runs graphs: concurrent, eager, optionally durable.
@@ -173,6 +176,9 @@ class Engine:
         #: Free slots lent to the queued child runs this engine's runs submit, which then
         #: start here from the write that submits them (a Worker lends its own; R4).
         self.child_claims: ChildClaims | None = None
+        #: Runs known to be on a queue (a run's queue never changes), most recent last:
+        #: a child's end then wakes nothing here, its commit queued the parent (R4).
+        self._queued_runs: dict[str, None] = {}
 
     # -- public API -----------------------------------------------------------
 
@@ -329,7 +335,7 @@ class Engine:
             ended = False
             if result.waiting_on:
                 if on_queue is None:
-                    on_queue = (await store.get_run(result.run_id)).queue_name is not None
+                    on_queue = await self._on_queue(result.run_id)
                 ended = not on_queue and await self._awaited_ended(result)
             if not pending - seen and not ended:
                 return result
@@ -354,6 +360,7 @@ class Engine:
         owner took (not read again, nor leased again)."""
         store = self._require_store("resume")
         stored = await store.load_run(run_id) if claimed is None else claimed
+        self._note_queue(stored.run)
         _check_resumable(stored.run)
         graph = self._graph_of(stored.run, graph)
         topo = graph.compile()
@@ -724,11 +731,14 @@ class Engine:
         graph; one on a queue is left to the store (the child's commit queued it again)."""
         store = self.store
         assert store is not None
+        if run_id in self._queued_runs:
+            return  # the child's final commit queued it (or counted down what it waits for)
         record = await store.get_run(run_id)
+        self._note_queue(record)
         if record.status is not RunStatus.SUSPENDED or self.is_driving(run_id):
             return
         if record.queue_name is not None:
-            return  # the child's final commit queued it (or counted down what it waits for)
+            return  # as above
         try:
             await self.resume(run_id)
         except (LeaseHeld, NotResumable):
@@ -737,6 +747,24 @@ class Engine:
             logger.warning(
                 "run %s: its child ended, but it cannot be resumed here: %s", run_id, exc
             )
+
+    async def _on_queue(self, run_id: str) -> bool:
+        """Whether run ``run_id`` is on a queue (read once per run, then remembered)."""
+        if run_id in self._queued_runs:
+            return True
+        assert self.store is not None
+        return self._note_queue(await self.store.get_run(run_id))
+
+    def _note_queue(self, record: RunRecord) -> bool:
+        """Remember that ``record``'s run is on a queue, if it is (the last 4096 such runs)."""
+        if record.queue_name is None:
+            return False
+        known = self._queued_runs
+        known.pop(record.run_id, None)
+        known[record.run_id] = None
+        if len(known) > QUEUED_RUNS_KEPT:
+            del known[next(iter(known))]
+        return True
 
     def _child_runner(self) -> ChildRunner:
         return ChildRunner(
@@ -1003,6 +1031,7 @@ class Engine:
         await self._until_let_go(run_id)
         with self._driving(run_id):
             stored = await store.load_run(run_id)
+            self._note_queue(stored.run)
             if cancel_first and stored.run.cancel_requested_at is not None:
                 await cancel_unstarted(self, run_id)
                 return await stored_result(self, await store.get_run(run_id), graph)

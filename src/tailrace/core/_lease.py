@@ -146,7 +146,8 @@ class Lease:
 
     @contextlib.contextmanager
     def letting_go(self) -> Iterator[None]:
-        """Around a commit that releases the lease (a run suspending on its children, R4).
+        """Around a commit that releases the lease (a run suspending on its children, R4,
+        or ending).
 
         A beat that finds the lease gone while that commit is in flight lost
         nothing (the commit says whether it landed). Once it has, no more

@@ -25,6 +25,7 @@ from .._events import EventType
 from ..graph import Graph, Topology, shape_json
 from ..stores import (
     FORMAT_VERSION,
+    TERMINAL_STATUSES,
     CheckpointRow,
     ChunkRow,
     EventRow,
@@ -383,10 +384,12 @@ class RunWriter:
                         with paused_gc():
                             harvest = pending.harvest(self.topo.ids)
                     lease = self.lease
-                    # A suspension on children releases the lease in its commit (R4).
+                    # A suspension on children releases the lease in its commit (R4),
+                    # as does the run's end (RunStore.commit): nothing to release after.
+                    lets_go = harvest.waiting_on or harvest.status in TERMINAL_STATUSES
                     with (
                         lease.letting_go()
-                        if harvest.waiting_on and lease is not None
+                        if lets_go and lease is not None
                         else contextlib.nullcontext()
                     ):
                         cancel = await self.store.commit(self.run_id, self.token, harvest)

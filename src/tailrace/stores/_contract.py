@@ -163,6 +163,11 @@ class RunStore(abc.ABC):
     async def commit(self, run_id: str, token: int, harvest: Harvest) -> bool:
         """Apply ``harvest`` atomically if ``token`` is the run's current lease token.
 
+        A harvest that ends the run (completed, failed, cancelled) lets go of
+        its lease in the same write, with a ``release`` wake-up, as one that
+        suspends it on its children does (R4): no :meth:`release_lease` of its
+        own is needed after it (one is harmless: it finds nothing held).
+
         Returns whether a cancel of the run is requested (:meth:`request_cancel`),
         read in the same transaction: the process driving a run hears a cancel
         asked from any process at its next commit (W5). False when that cannot

@@ -186,14 +186,15 @@ def check_move(
 ) -> None:
     """Decide whether run ``run_id`` may be moved onto another version of its graph (V2).
 
-    ``owner`` must hold the run's lease with ``token`` (else :class:`LeaseLost`,
-    D6); the run must be ``running`` or ``suspended`` (else
-    :class:`NotResumable`); its fingerprint must still be ``expected`` (else
-    :class:`GraphMismatch`: it was moved meanwhile).
+    The run must be ``running`` or ``suspended`` (else :class:`NotResumable`:
+    a finished run holds no lease, its end let go of it); ``owner`` must hold
+    its lease with ``token`` (else :class:`LeaseLost`, D6); its fingerprint
+    must still be ``expected`` (else :class:`GraphMismatch`: it was moved
+    meanwhile).
     """
-    check_holder(run_id, owner, token, holder=holder, lease_token=lease_token)
     if status not in (RunStatus.RUNNING, RunStatus.SUSPENDED):
         raise NotResumable(f"run {run_id!r} is {status.value}: only a live run moves to a version")
+    check_holder(run_id, owner, token, holder=holder, lease_token=lease_token)
     if fingerprint != expected:
         raise GraphMismatch(
             f"run {run_id!r} is on graph version {fingerprint} now, not {expected}: "

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .._records import (
+    TERMINAL_STATUSES,
     ArtifactVersion,
     ChunkRow,
     EventRow,
@@ -137,9 +138,13 @@ PRUNE_STREAMS = (
     "WHERE status IN ('completed', 'failed', 'cancelled') AND finished_at IS NOT NULL "
     "AND finished_at < ?)"
 )
+#: A harvest applied to its run; the two flags (both whether the harvest ends the run) let
+#: go of its lease in the same write (a run's end needs no release of its own).
 UPDATE_RUN = (
     "UPDATE runs SET state_json = ?, status = ?, error = ?, updated_at = ?, "
-    "finished_at = COALESCE(?, finished_at), nodes_done = nodes_done + ?, output_json = ? "
+    "finished_at = COALESCE(?, finished_at), nodes_done = nodes_done + ?, output_json = ?, "
+    "lease_owner = CASE WHEN ? THEN NULL ELSE lease_owner END, "
+    "lease_expires = CASE WHEN ? THEN NULL ELSE lease_expires END "
     "WHERE run_id = ?"
 )
 #: Values: the run ids. The stored outputs of those that completed with one (R1).
@@ -591,10 +596,11 @@ def stored_error(error: str | None) -> str | None:
 
 def run_update_params(run_id: str, harvest: Harvest, now: float) -> tuple[object, ...]:
     """Values for :data:`UPDATE_RUN` applying ``harvest`` to run ``run_id`` at time ``now``."""
+    ends = harvest.status in TERMINAL_STATUSES
     return (
         harvest.state_json, harvest.status.value, stored_error(harvest.error), now,
         harvest.finished_at,
-        harvest.nodes_done_delta, harvest.output_json, run_id,
+        harvest.nodes_done_delta, harvest.output_json, ends, ends, run_id,
     )  # fmt: skip
 
 

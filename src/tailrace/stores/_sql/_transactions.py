@@ -215,6 +215,7 @@ async def run_row(tx: Tx, sql: str, run_id: str, *, lock: bool = False) -> Row:
 async def commit_harvest(tx: Tx, run_id: str, token: int, harvest: Harvest, now: float) -> bool:
     """Apply ``harvest`` to run ``run_id`` if ``token`` is current (D1, D6, Q3); may refuse it all.
 
+    A harvest that ends the run lets go of its lease too (see ``RunStore.commit``).
     Returns whether a cancel of the run is requested (read under the row lock, W5).
     """
     row = await tx.lock(SELECT_FOR_COMMIT, (run_id,))
@@ -230,8 +231,10 @@ async def commit_harvest(tx: Tx, run_id: str, token: int, harvest: Harvest, now:
         await tx.change(SET_WAKE_AFTER, (harvest.wake_after, run_id))
         if harvest.waiting_on:
             await suspend_on_children(tx, run_id, harvest, now)
-    if parent is not None and harvest.status in TERMINAL_STATUSES:
-        await child_ended(tx, parent, harvest.status, now)
+    if harvest.status in TERMINAL_STATUSES:
+        await tx.signal("release")  # the harvest's UPDATE let go of the lease
+        if parent is not None:
+            await child_ended(tx, parent, harvest.status, now)
     if harvest.chunks:  # readers in other processes wake on it (S3)
         await tx.signal("stream")
     if harvest.applied or harvest.superseded:  # most harvests change no question

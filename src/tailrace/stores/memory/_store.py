@@ -248,6 +248,11 @@ class MemoryStore(RunStore):
                 else record.finished_at,
                 nodes_done=record.nodes_done + harvest.nodes_done_delta,
             )
+            ends = harvest.status in TERMINAL_STATUSES
+            if ends:  # the end of the run lets go of its lease (as the SQL stores' UPDATE_RUN)
+                self._runs[run_id] = dataclasses.replace(
+                    self._runs[run_id], lease_owner=None, lease_expires=None
+                )
             if harvest.output_json is None:
                 self._output_texts.pop(run_id, None)
             else:
@@ -266,7 +271,7 @@ class MemoryStore(RunStore):
                 woke = self._suspend_on_children(run_id, harvest, now)
         if harvest.chunks:
             self._hub.deliver(frozenset({"stream"}))
-        if harvest.status is RunStatus.SUSPENDED and harvest.waiting_on:
+        if ends or (harvest.status is RunStatus.SUSPENDED and harvest.waiting_on):
             self._hub.deliver(frozenset({"release"}))
         if woke:
             self._hub.deliver(frozenset({"submit"}))
