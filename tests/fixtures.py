@@ -43,7 +43,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tailrace.stores import MemoryStore, NodeRow, RunStore, SQLiteStore
+from tailrace.stores import MemoryStore, NewRun, NodeRow, RunStore, SQLiteStore
+from tailrace.stores._sql._statements import RUN_FIELDS, new_run_params
 
 POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
 
@@ -64,6 +65,14 @@ SHARED_STORES = ["sqlite", POSTGRES]
 HANG_GUARD = 30.0
 
 D = TypeVar("D", bound="Database")
+
+
+def migration_1_run(run: NewRun) -> tuple[str, tuple[object, ...]]:
+    """The insert of ``run``'s row into a ``runs`` table of migration 1 (an old database):
+    its first columns only, which :data:`INSERT_RUN`'s values begin with."""
+    fields = RUN_FIELDS[: RUN_FIELDS.index("format_version") + 1]
+    text = f"INSERT INTO runs ({', '.join(fields)}) VALUES ({', '.join('?' * len(fields))})"
+    return text, new_run_params(run)[: len(fields)]
 
 
 def load_module(name: str, path: Path) -> ModuleType:

@@ -36,17 +36,15 @@ from tailrace.stores import (
 )
 from tailrace.stores._sql._statements import (
     CREATE_MIGRATIONS_TABLE,
-    INSERT_RUN,
     MIGRATIONS,
     QUESTION_FIELDS,
-    new_run_params,
     question_params,
 )
 
 if TYPE_CHECKING:
     from tests.fixtures import Backend
 
-from tests.fixtures import POSTGRES_DSN
+from tests.fixtures import POSTGRES_DSN, migration_1_run
 
 SRC_DIR = Path(stores.__file__).resolve().parents[2]
 ENTRIES = json.dumps({"system": "Sé breve ✓", "style": "terse"}, ensure_ascii=False)
@@ -384,7 +382,7 @@ async def test_sqlite_upgrades_a_version_2_database(tmp_path: Path) -> None:
     for statement in _version_2_migrations():
         conn.execute(statement.replace("/*WITHOUT ROWID*/", "WITHOUT ROWID"))
     conn.execute("INSERT INTO schema_migrations (version, applied_at) VALUES (1, 0), (2, 0)")
-    conn.execute(INSERT_RUN, new_run_params(_old_run()))
+    conn.execute(*migration_1_run(_old_run()))
     conn.execute(*_old_question_insert())
     conn.close()
     async with SQLiteStore(path) as store:
@@ -417,7 +415,8 @@ async def test_postgres_upgrades_a_version_2_database() -> None:
             for statement in _version_2_migrations():
                 await conn.execute(statement)
             await conn.execute("INSERT INTO schema_migrations VALUES (1, 0), (2, 0)")
-            await conn.execute(INSERT_RUN.replace("?", "%s"), new_run_params(_old_run()))
+            run_text, run_values = migration_1_run(_old_run())
+            await conn.execute(run_text.replace("?", "%s"), run_values)
             sql_text, values = _old_question_insert()
             await conn.execute(sql_text.replace("?", "%s"), values)
             await conn.commit()

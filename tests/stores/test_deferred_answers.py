@@ -21,12 +21,11 @@ from tailrace.stores import Harvest, NewRun, QuestionRow, QuestionStatus, RunSto
 from tailrace.stores._rules import MAX_APPLY_ERROR
 from tailrace.stores._sql._statements import (
     CREATE_MIGRATIONS_TABLE,
-    INSERT_RUN,
     MIGRATIONS,
     QUESTION_FIELDS,
-    new_run_params,
     question_params,
 )
+from tests.fixtures import migration_1_run
 
 if TYPE_CHECKING:
     from tests.fixtures import Backend
@@ -260,7 +259,7 @@ async def test_sqlite_upgrades_a_version_3_database(tmp_path: Path) -> None:
         for statement in statements:
             conn.execute(statement.replace("/*WITHOUT ROWID*/", "WITHOUT ROWID"))
         conn.execute("INSERT INTO schema_migrations VALUES (?, 0)", (version,))
-    conn.execute(INSERT_RUN, new_run_params(new_run("r1")))
+    conn.execute(*migration_1_run(new_run("r1")))
     old_fields = QUESTION_FIELDS[: QUESTION_FIELDS.index("applied_at") + 1]
     conn.execute(
         f"INSERT INTO questions ({', '.join(old_fields)}) "

@@ -43,11 +43,9 @@ from tailrace.stores import (
 )
 from tailrace.stores._sql._statements import (
     CREATE_MIGRATIONS_TABLE,
-    INSERT_RUN,
     MIGRATIONS,
-    new_run_params,
 )
-from tests.fixtures import POSTGRES_DSN
+from tests.fixtures import POSTGRES_DSN, migration_1_run
 
 if TYPE_CHECKING:
     from tests.fixtures import Backend
@@ -634,7 +632,7 @@ async def test_sqlite_upgrades_a_version_1_database(tmp_path: Path) -> None:
     for statement in _version_1_migration():
         conn.execute(statement.replace("/*WITHOUT ROWID*/", "WITHOUT ROWID"))
     conn.execute("INSERT INTO schema_migrations (version, applied_at) VALUES (1, 0)")
-    conn.execute(INSERT_RUN, new_run_params(new_run("old")))
+    conn.execute(*migration_1_run(new_run("old")))
     conn.close()
     async with SQLiteStore(path) as store:
         await _use_the_ledger(store)
@@ -683,7 +681,8 @@ async def test_postgres_upgrades_a_version_1_database() -> None:
             for statement in _version_1_migration():
                 await conn.execute(statement)
             await conn.execute("INSERT INTO schema_migrations VALUES (1, 0)")
-            await conn.execute(INSERT_RUN.replace("?", "%s"), new_run_params(new_run("old")))
+            run_text, run_values = migration_1_run(new_run("old"))
+            await conn.execute(run_text.replace("?", "%s"), run_values)
             await conn.commit()
         racers = [PostgresStore(POSTGRES_DSN, schema=schema) for _ in range(3)]
         try:

@@ -37,10 +37,9 @@ from tailrace.stores import (
 )
 from tailrace.stores._sql._statements import (
     CREATE_MIGRATIONS_TABLE,
-    INSERT_RUN,
     MIGRATIONS,
-    new_run_params,
 )
+from tests.fixtures import migration_1_run
 
 TTL = 30.0
 SRC_DIR = Path(stores.__file__).resolve().parents[2]
@@ -180,7 +179,7 @@ def version_3_database(path: Path) -> None:
         for statement in statements:
             conn.execute(statement.replace("/*WITHOUT ROWID*/", "WITHOUT ROWID"))
         conn.execute("INSERT INTO schema_migrations VALUES (?, 0)", (version,))
-    conn.execute(INSERT_RUN, new_run_params(new_run("old")))
+    conn.execute(*migration_1_run(new_run("old")))
     conn.close()
 
 
@@ -214,14 +213,16 @@ async def test_a_newer_schema_is_unsupported_and_untouched(tmp_path: Path) -> No
 
 _HOLD_THE_WRITE_LOCK = """
 import sqlite3, sys
-from tailrace.stores._sql._statements import INSERT_RUN, new_run_params
+from tailrace.stores._sql._statements import RUN_FIELDS, new_run_params
 from tailrace.stores import NewRun
 
 conn = sqlite3.connect(sys.argv[1], isolation_level=None)
 conn.execute("BEGIN IMMEDIATE")
 run = NewRun(run_id="uncommitted", graph_name="g", graph_ref=None, fingerprint="fp",
              input_json="null", created_at=9.0)
-conn.execute(INSERT_RUN, new_run_params(run))
+fields = RUN_FIELDS[: RUN_FIELDS.index("format_version") + 1]  # as old a database as any
+conn.execute(f"INSERT INTO runs ({', '.join(fields)}) VALUES ({', '.join('?' * len(fields))})",
+             new_run_params(run)[: len(fields)])
 print("locked", flush=True)
 sys.stdin.readline()  # hold the write transaction until told
 conn.execute("COMMIT")

@@ -42,14 +42,17 @@ RUN_COLUMNS = ", ".join(RUN_FIELDS)
 EVENT_FIELDS = ("seq", "type", "node_id", "visit", "attempt", "ts", "data_json")
 EVENT_COLUMNS = ", ".join(EVENT_FIELDS)
 
-#: The columns a run is created with: those of migration 1 (later columns default).
-_CREATED_FIELDS = RUN_FIELDS[: RUN_FIELDS.index("format_version") + 1]
+#: Where a run comes from: a fork's origin (V4), a child's parent (R1), its deadline (R6).
+_ORIGIN_FIELDS = ("forked_from", "forked_at", "parent_run_id", "deadline")
+#: The columns a run is created with: those of migration 1 and its origin (others default).
+_CREATED_FIELDS = (*RUN_FIELDS[: RUN_FIELDS.index("format_version") + 1], *_ORIGIN_FIELDS)
 #: The columns of a run submitted to a queue: those of migration 5, its recoveries
-#: (W3) and when it may start (W4); a fork's origin is set apart (``SET_ORIGIN``).
+#: (W3), when it may start (W4) and its origin.
 _QUEUED_FIELDS = (
     *RUN_FIELDS[: RUN_FIELDS.index("cancel_requested_at") + 1],
     "recoveries",
     "not_before",
+    *_ORIGIN_FIELDS,
 )
 INSERT_RUN = (
     f"INSERT INTO runs ({', '.join(_CREATED_FIELDS)}) "
@@ -443,12 +446,6 @@ SELECT_FRONTIERS = (
     "SELECT n.run_id, n.node_id FROM node_states n JOIN runs r ON r.run_id = n.run_id "
     "WHERE r.graph_name = ? AND r.status IN ('running', 'suspended') ORDER BY n.run_id"
 )
-#: A fork's origin, a child's parent and a run's deadline, written in the
-#: transaction that creates the run.
-SET_ORIGIN = (
-    "UPDATE runs SET forked_from = ?, forked_at = ?, parent_run_id = ?, deadline = ? "
-    "WHERE run_id = ?"
-)
 #: Values: now, run_id, now. A suspended run that waits on child runs goes back to
 #: its queue when one of them ends (R4): only a queued run nobody holds.
 WAKE_SUSPENDED = (
@@ -500,22 +497,22 @@ def event_from_row(row: Sequence[Any]) -> EventRow:
     return EventRow(**dict(zip(EVENT_FIELDS, row, strict=True)))
 
 
-def new_run_params(run: NewRun) -> tuple[object, ...]:
-    """Values of the fresh ``runs`` row for ``run``, for :data:`INSERT_RUN` (status ``running``)."""
-    status, state, at = RunStatus.RUNNING.value, EMPTY_STATE_JSON, run.created_at
+def _created(run: NewRun, status: RunStatus) -> tuple[object, ...]:
+    """Values of the columns of migration 1 of ``run``'s fresh row, with ``status``."""
+    state, at = EMPTY_STATE_JSON, run.created_at
     return (
-        run.run_id, run.graph_name, run.graph_ref, run.fingerprint, status, run.input_json,
-        state, None, at, at, None, 0, None, None, 0, run.format_version,
+        run.run_id, run.graph_name, run.graph_ref, run.fingerprint, status.value,
+        run.input_json, state, None, at, at, None, 0, None, None, 0, run.format_version,
     )  # fmt: skip
 
 
-def origin_params(run: NewRun) -> tuple[object, ...] | None:
-    """Values for :data:`SET_ORIGIN` from ``run``, or None when it is no fork, no child
-    and has no deadline."""
-    values = (run.forked_from, run.forked_at, run.parent_run_id, run.deadline)
-    if values == (None, None, None, None):
-        return None
-    return (*values, run.run_id)
+def _origin(run: NewRun) -> tuple[object, ...]:
+    return (run.forked_from, run.forked_at, run.parent_run_id, run.deadline)
+
+
+def new_run_params(run: NewRun) -> tuple[object, ...]:
+    """Values of the fresh ``runs`` row for ``run``, for :data:`INSERT_RUN` (status ``running``)."""
+    return (*_created(run, RunStatus.RUNNING), *_origin(run))
 
 
 def shape_params(run: NewRun) -> tuple[object, ...] | None:
@@ -528,10 +525,9 @@ def shape_params(run: NewRun) -> tuple[object, ...] | None:
 def queued_run_params(run: NewRun, submission: Submission) -> tuple[object, ...]:
     """Values of the ``runs`` row of ``run`` submitted as ``submission``, for :data:`INSERT_QUEUED_RUN`."""
     q = submission
-    head = (RunStatus.QUEUED.value if i == 4 else v for i, v in enumerate(new_run_params(run)))
     return (
-        *head, q.queue, q.priority, q.partition, q.dedup_key, q.cost, q.estimate, run.created_at,
-        None, None, 0, q.not_before,
+        *_created(run, RunStatus.QUEUED), q.queue, q.priority, q.partition, q.dedup_key, q.cost,
+        q.estimate, run.created_at, None, None, 0, q.not_before, *_origin(run),
     )  # fmt: skip
 
 

@@ -262,11 +262,30 @@ async def apply_question_changes(tx: Tx, run_id: str, harvest: Harvest, now: flo
 #: What ``load_run`` reads, each with the run id as its one value: the run, its nodes,
 #: its map items and its checkpoints (a store may send them together: Postgres pipelines).
 LOAD_RUN = (SELECT_RUN, SELECT_NODES, SELECT_ITEMS, SELECT_CHECKPOINTS)
+#: A run's row and whether it has node, map item or checkpoint rows: a run with none
+#: (one a worker just claimed from its queue) is loaded whole by this one statement.
+SELECT_BARE_RUN = (
+    f"SELECT {RUN_COLUMNS}, "
+    "EXISTS (SELECT 1 FROM node_states n WHERE n.run_id = runs.run_id) "
+    "OR EXISTS (SELECT 1 FROM map_items i WHERE i.run_id = runs.run_id) "
+    "OR EXISTS (SELECT 1 FROM checkpoints c WHERE c.run_id = runs.run_id) "
+    "FROM runs WHERE run_id = ?"
+)
 
 
 async def load_run(tx: Tx, run_id: str) -> StoredRun:
     """Run ``run_id`` and its node rows (read in one transaction); ``UnsupportedFormat`` if newer."""
     return stored_run(run_id, [await tx.all(sql, (run_id,)) for sql in LOAD_RUN])
+
+
+def bare_run(run_id: str, row: Row | None) -> StoredRun | None:
+    """The :class:`StoredRun` from a row of :data:`SELECT_BARE_RUN`, or None when the run
+    has node rows (then :data:`LOAD_RUN` reads them)."""
+    if row is None:
+        raise run_not_found(run_id)
+    if row[-1]:
+        return None
+    return stored_run(run_id, [[row[:-1]], [], [], []])
 
 
 def stored_run(run_id: str, rows: Sequence[Sequence[Row]]) -> StoredRun:

@@ -109,13 +109,11 @@ from .._sql._statements import (
     QUESTION_COUNTS,
     SELECT_ARTIFACT_HEAD,
     SELECT_ARTIFACT_HISTORY,
-    SET_ORIGIN,
     SUPERSEDE_QUESTION,
     artifact_from_row,
     artifact_params,
     list_questions_query,
     new_run_params,
-    origin_params,
     question_counts_from,
     question_from_row,
     queued_run_params,
@@ -196,6 +194,9 @@ class PostgresStore(RunStore):
         self._clock = clock
         self._channel = notify_channel(schema)
         self._hub = ChangeHub(self._listen)
+        #: Queues whose last claim here got all it asked for: the next claims without
+        #: looking first (a busy fleet's queue; the look only spares idle queues a write).
+        self._full_queues: set[str] = set()
 
     @property
     def schema(self) -> str:
@@ -225,7 +226,7 @@ class PostgresStore(RunStore):
             if row is None:
                 raise RunExists(f"run {run.run_id!r} already exists")
             attempt.xid = row[0]
-            await _keep_shapes_and_origins(conn, [run])
+            await _keep_shapes(conn, [run])
 
         await self._db.write(
             f"run {run.run_id!r}", insert, landed=nothing,
@@ -275,6 +276,11 @@ class PostgresStore(RunStore):
 
     async def _load_run(self, run_id: str) -> StoredRun:
         async def read(conn: Conn, attempt: Attempt) -> StoredRun:
+            # A run with no node rows yet (a claimed run, about to start) in one statement.
+            cur = await conn.execute(pg(bodies.SELECT_BARE_RUN), (run_id,))
+            bare = bodies.bare_run(run_id, await cur.fetchone())
+            if bare is not None:
+                return bare
             # The run and its nodes as of one moment, the four reads sent together. The
             # transaction opens outside the pipeline (as a harvest's does): a caller
             # cancelled mid-pipeline then leaves it rolled back, never open on the pool.
@@ -406,9 +412,8 @@ class PostgresStore(RunStore):
 
         async def insert(conn: Conn, attempt: Attempt) -> tuple[list[str], list[str]]:
             claimed.clear()
-            # Pipelined: every insert goes in one round trip, then the shapes (one per
-            # graph version), origins and (with no claim) the wake-up in one more, not
-            # three per run.
+            # Pipelined: every insert (with its origin) goes in one round trip, then the
+            # shapes (one per graph version) and (with no claim) the wake-up in one more.
             async with conn.pipeline():
                 cursors = [
                     await conn.execute(INSERT_QUEUED, queued_run_params(run, q)) for run, q in runs
@@ -419,7 +424,7 @@ class PostgresStore(RunStore):
                     if row is not None:  # else submitted before: left as it is
                         attempt.xid = row[0]
                         stored.append(run)
-                await _keep_shapes_and_origins(conn, stored)
+                await _keep_shapes(conn, stored)
                 if claim is None and stored:
                     await notify(conn, channel, "submit")
             if claim is not None:
@@ -634,7 +639,7 @@ class PostgresStore(RunStore):
                 row = await cur.fetchone()
                 if row is not None:
                     attempt.xid = row[0]
-                    await _keep_shapes_and_origins(conn, [run])
+                    await _keep_shapes(conn, [run])
                     await notify(conn, channel, "submit")
                     return run.run_id
                 if q.dedup_key is not None:
@@ -667,9 +672,10 @@ class PostgresStore(RunStore):
         graphs: tuple[str, ...] | None,
         skip: tuple[str, ...],
     ) -> list[str]:
-        rows = await self._db.read(f"queue {queue!r}", fetch_all(pg(ANY_QUEUED), (queue,)))
-        if not rows:
-            return []
+        if queue not in self._full_queues:
+            rows = await self._db.read(f"queue {queue!r}", fetch_all(pg(ANY_QUEUED), (queue,)))
+            if not rows:
+                return []
         claimed: list[str] = []
 
         async def claim(conn: Conn, attempt: Attempt) -> list[str]:
@@ -684,7 +690,12 @@ class PostgresStore(RunStore):
         async def landed(conn: Conn) -> list[str]:
             return list(claimed)
 
-        return await self._leasing(f"queue {queue!r}", claim, landed, owner, lambda: claimed)
+        ids = await self._leasing(f"queue {queue!r}", claim, landed, owner, lambda: claimed)
+        if len(ids) >= limit:
+            self._full_queues.add(queue)
+        else:
+            self._full_queues.discard(queue)
+        return ids
 
     async def _claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
         now = self._clock()
@@ -940,9 +951,8 @@ class PostgresStore(RunStore):
         return [(float(c), float(s)) for c, s in rows]
 
 
-async def _keep_shapes_and_origins(conn: Conn, runs: Sequence[NewRun]) -> None:
-    """Keep the graph structure of ``runs``, once per graph version (V1), and each one's
-    origin: a fork's (V4), a child's parent and a deadline (R1, R6)."""
+async def _keep_shapes(conn: Conn, runs: Sequence[NewRun]) -> None:
+    """Keep the graph structure of ``runs``, once per graph version (V1)."""
     shapes: dict[tuple[str, str], tuple[object, ...]] = {}
     for run in runs:
         params = shape_params(run)
@@ -950,7 +960,3 @@ async def _keep_shapes_and_origins(conn: Conn, runs: Sequence[NewRun]) -> None:
             shapes.setdefault((run.graph_name, run.fingerprint), params)
     for params in shapes.values():
         await conn.execute(pg(INSERT_SHAPE), params)
-    for run in runs:
-        origin = origin_params(run)
-        if origin is not None:
-            await conn.execute(pg(SET_ORIGIN), origin)

@@ -101,13 +101,11 @@ from .._sql._statements import (
     SELECT_ARTIFACT_HEAD,
     SELECT_ARTIFACT_HISTORY,
     SELECT_QUESTION,
-    SET_ORIGIN,
     SUPERSEDE_QUESTION,
     artifact_from_row,
     artifact_params,
     list_questions_query,
     new_run_params,
-    origin_params,
     question_counts_from,
     question_from_row,
     queued_run_params,
@@ -137,14 +135,11 @@ def _body(
     return lambda conn: run_now(body(SQLiteTx(conn), *args, **kwargs))
 
 
-def _keep_shape_and_origin(conn: sqlite3.Connection, run: NewRun) -> None:
-    """Keep ``run``'s graph structure, once per graph version (V1), and a fork's origin (V4)."""
+def _keep_shape(conn: sqlite3.Connection, run: NewRun) -> None:
+    """Keep ``run``'s graph structure, once per graph version (V1)."""
     params = shape_params(run)
     if params is not None:
         conn.execute(INSERT_SHAPE, params)
-    origin = origin_params(run)
-    if origin is not None:
-        conn.execute(SET_ORIGIN, origin)
 
 
 async def _open_in_thread(connect: Callable[[], sqlite3.Connection]) -> sqlite3.Connection:
@@ -310,7 +305,7 @@ class SQLiteStore(RunStore):
             if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run.run_id,)).fetchone():
                 raise RunExists(f"run {run.run_id!r} already exists")
             conn.execute(INSERT_RUN, new_run_params(run))
-            _keep_shape_and_origin(conn, run)
+            _keep_shape(conn, run)
 
         await self._write(f"run {run.run_id!r}", apply)
 
@@ -566,7 +561,7 @@ class SQLiteStore(RunStore):
             if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run.run_id,)).fetchone():
                 raise RunExists(f"run {run.run_id!r} already exists")
             conn.execute(INSERT_QUEUED_RUN, queued_run_params(run, q))
-            _keep_shape_and_origin(conn, run)
+            _keep_shape(conn, run)
             bump(conn, "submit")
             return run.run_id
 
@@ -584,7 +579,7 @@ class SQLiteStore(RunStore):
                 if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run.run_id,)).fetchone():
                     continue  # submitted before: left as it is
                 conn.execute(INSERT_QUEUED_RUN, queued_run_params(run, q))
-                _keep_shape_and_origin(conn, run)
+                _keep_shape(conn, run)
                 stored.append(run.run_id)
             claimed: list[str] = []
             if claim is not None:
