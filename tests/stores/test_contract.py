@@ -29,9 +29,11 @@ from tailrace._errors import (
 )
 from tailrace.stores import (
     FORMAT_VERSION,
+    CheckpointRow,
     EventRow,
     FrozenInput,
     Harvest,
+    ItemRow,
     MemoryStore,
     NewRun,
     NodeRow,
@@ -207,6 +209,27 @@ async def test_a_harvest_that_ends_the_run_lets_go_of_its_lease(
     assert "release" in kinds  # workers look at their queues' slots again
     await store.release_lease("r1", "A", token)  # a late release finds nothing held: harmless
     assert await store.get_run("r1") == record
+
+
+@pytest.mark.parametrize("kind", ["nodes", "items", "checkpoints"])
+async def test_load_run_reads_a_run_with_rows_of_one_kind_only(store: RunStore, kind: str) -> None:
+    """A run with no node, item or checkpoint rows loads bare (a claimed run, in one read
+    on Postgres); one row of any kind, even with no node row, is read with it."""
+    token = await leased_run(store)
+    bare = await store.load_run("r1")
+    assert (bare.nodes, bare.items, bare.checkpoints) == ({}, [], [])
+    assert bare.run == await store.get_run("r1")
+    rows = {
+        "nodes": {"nodes": (NodeRow("a", "running", 1, '{"d":1}'),)},
+        "items": {"items": (ItemRow("m", 1, 0, "completed", 1, 1, '"v"', None, None),)},
+        "checkpoints": {"checkpoints": (CheckpointRow("a", 1, -1, 1, '{"turn":3}', 2.0),)},
+    }[kind]
+    await store.commit("r1", token, dataclasses.replace(harvest(), **rows))
+    loaded = await store.load_run("r1")
+    got = {"nodes": tuple(loaded.nodes.values()), "items": tuple(loaded.items),
+           "checkpoints": tuple(loaded.checkpoints)}  # fmt: skip
+    assert {k: v for k, v in got.items() if v} == rows
+    assert loaded.run.state_json == '{"step":1}'
 
 
 # --- D1: atomic, append-only ------------------------------------------------------
