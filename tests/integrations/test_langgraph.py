@@ -339,10 +339,33 @@ async def test_threads_with_own_loops_and_drivers_apply_once(
         assert lg.lines(log) == ["ask-after", "after"]
 
 
-# --- (3) the turn guard after a crash between invoke and mark_applied -----------
+# --- (3) the turn guard after a crash between LangGraph's step and the ledger's commit ---
 
 
-async def test_invoke_without_mark_applied_is_superseded_not_reapplied(
+class Crash(BaseException):
+    """The process dies here."""
+
+
+class Store:
+    """A pass-through to a real store, for the classes below to intercept one call."""
+
+    def __init__(self, store: SQLiteStore) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+class CrashOnLedgerCommit(Store):
+    """A store that dies once LangGraph committed a resumed step, before the ledger says so."""
+
+    async def commit(self, run_id: str, token: int, harvest: Harvest) -> bool:
+        if harvest.applied:
+            raise Crash
+        return bool(await self._store.commit(run_id, token, harvest))
+
+
+async def test_a_step_whose_ledger_commit_was_lost_is_superseded_not_reapplied(
     tmp_path: Path, store: SQLiteStore
 ) -> None:
     log = tmp_path / "log.txt"
@@ -352,7 +375,9 @@ async def test_invoke_without_mark_applied_is_superseded_not_reapplied(
         await store.answer(q.question_id, DEFAULT_CODEC.encode("late"))
         question = await store.get_question(q.question_id)
 
-        assert await driver.invoke("crash", question, "late") is False  # then "crash"
+        dying = LangGraphDriver(one_question_graph(cp, log), CrashOnLedgerCommit(store))  # type: ignore[arg-type]
+        with pytest.raises(Crash):
+            await dying.invoke("crash", question, "late")
         assert lg.lines(log) == ["ask-after", "after"]
         assert (await store.get_question(q.question_id)).status is QuestionStatus.ANSWERED
 
@@ -361,10 +386,7 @@ async def test_invoke_without_mark_applied_is_superseded_not_reapplied(
         worker = ResumeWorker(store=store, target=restarted)
         assert await worker.sweep() == {Outcome.SUPERSEDED: 1}
         assert await worker.sweep() == {}
-        assert (await store.get_question(q.question_id)).status in (
-            QuestionStatus.SUPERSEDED,
-            QuestionStatus.APPLIED,
-        )
+        assert (await store.get_question(q.question_id)).status is QuestionStatus.SUPERSEDED
         assert await final_values(restarted, "crash") == {"a1": "late", "done": True}
         assert lg.lines(log) == ["ask-after", "after"]
         with pytest.raises(Exception, match="no longer waits"):
@@ -372,24 +394,7 @@ async def test_invoke_without_mark_applied_is_superseded_not_reapplied(
         assert lg.lines(log) == ["ask-after", "after"]
 
 
-class Crash(BaseException):
-    """The process dies here."""
-
-
-class CrashOnMarkApplied:
-    """A store that dies after the graph resumed, before the ledger says so."""
-
-    def __init__(self, store: SQLiteStore) -> None:
-        self._store = store
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-    async def mark_applied(self, question_id: str) -> bool:
-        raise Crash
-
-
-async def test_worker_crash_before_mark_applied_then_sweep(
+async def test_a_worker_dying_before_the_ledger_commit_leaves_it_to_the_sweep(
     tmp_path: Path, store: SQLiteStore
 ) -> None:
     log = tmp_path / "log.txt"
@@ -397,15 +402,50 @@ async def test_worker_crash_before_mark_applied_then_sweep(
         driver = LangGraphDriver(one_question_graph(cp, log), store)
         [q] = await driver.start("crash2", {})
         await store.answer(q.question_id, DEFAULT_CODEC.encode("once"))
-        dying = ResumeWorker(store=CrashOnMarkApplied(store), target=driver)  # type: ignore[arg-type]
+        doomed = LangGraphDriver(one_question_graph(cp, log), CrashOnLedgerCommit(store))  # type: ignore[arg-type]
         with pytest.raises(Crash):
-            await dying.resume(q.question_id)
+            await ResumeWorker(store=store, target=doomed).resume(q.question_id)
         assert lg.lines(log) == ["ask-after", "after"]
 
         counts = await ResumeWorker(store=store, target=driver).sweep()
         assert counts == {Outcome.SUPERSEDED: 1}
         assert (await store.get_question(q.question_id)).status is QuestionStatus.SUPERSEDED
         assert await final_values(driver, "crash2") == {"a1": "once", "done": True}
+        assert lg.lines(log) == ["ask-after", "after"]
+
+
+async def test_a_resume_racing_the_end_of_the_thread_finds_its_answer_applied(
+    tmp_path: Path, store: SQLiteStore
+) -> None:
+    """The step that ends a thread lets go of its lease in its commit: the answer is marked there too.
+
+    A rival worker takes the lease the moment that commit lands; it must find
+    the answer applied (``noop``), never unapplied with its interrupt gone
+    (which it would mark ``superseded``).
+    """
+    log = tmp_path / "log.txt"
+    raced: list[Outcome] = []
+    with lg.sync_saver(tmp_path / "langgraph.db") as cp:
+        driver = LangGraphDriver(one_question_graph(cp, log), store)
+        [q] = await driver.start("ends", {})
+        rival = ResumeWorker(store=store, target=driver)
+
+        class RivalAfterTheEnd(Store):
+            async def commit(self, run_id: str, token: int, harvest: Harvest) -> bool:
+                cancel = bool(await self._store.commit(run_id, token, harvest))
+                if harvest.status is RunStatus.COMPLETED:
+                    assert (await store.get_run(run_id)).lease_owner is None  # let go
+                    raced.append(await rival.resume(q.question_id))
+                return cancel
+
+        ending = LangGraphDriver(one_question_graph(cp, log), RivalAfterTheEnd(store))  # type: ignore[arg-type]
+        await store.answer(q.question_id, DEFAULT_CODEC.encode("go"))
+        assert await ResumeWorker(store=store, target=ending).resume(q.question_id) is (
+            Outcome.APPLIED
+        )
+        assert raced == [Outcome.NOOP]
+        assert (await store.get_question(q.question_id)).status is QuestionStatus.APPLIED
+        assert await final_values(driver, "ends") == {"a1": "go", "done": True}
         assert lg.lines(log) == ["ask-after", "after"]
 
 

@@ -56,12 +56,14 @@ tailrace's ledger cannot be written in one transaction:
   ``invoke`` both check "still pending" under the lease before resuming;
   when LangGraph offers strict resumes, it checks again itself and refuses,
   before writing anything, a resume naming a consumed interrupt.
-- *The crash window.* ``invoke`` returns False and the worker marks the
-  question applied afterwards (the other answers one step applied are marked
-  in the step's bookkeeping commit). A crash in between leaves a question
-  ``answered``; the restart sweep (Q4) re-drives it, finds the interrupt no
-  longer pending and marks it ``superseded``: the answer was applied once,
-  and the ledger does not claim it twice.
+- *The crash window.* The answers a step applied are marked ``applied`` in
+  the step's bookkeeping commit, under the lease, right after LangGraph
+  committed the step (a step that ends the thread lets go of the lease in
+  that commit, so nothing may be left to mark after it). A crash between the
+  two commits leaves a question ``answered``; the restart sweep (Q4)
+  re-drives it, finds the interrupt no longer pending and marks it
+  ``superseded``: the answer was applied once, and the ledger does not
+  claim it twice.
 - *A failed step* (the node raised after ``interrupt`` returned, Q6) commits
   nothing in LangGraph: the worker defers the answer (it stays ``answered``
   and is retried with backoff), the run row records the error, and the retry
@@ -239,12 +241,12 @@ class LangGraphDriver:
         ``running``, and resumes that interrupt together with every other
         pending interrupt the ledger has an answer for, in one
         ``Command(resume={interrupt_id: value, ...})``. It records new
-        interrupts as questions (the turn advances) and marks the other
-        answers applied in the same commit; then it applies, step by step,
-        answers that arrived while the graph ran, until none is left (a
-        failure there is logged and left to a sweep: ``question`` was
-        applied). Returns False: the caller marks ``question`` applied (see
-        the module docstring for why that cannot double-apply). A run that
+        interrupts as questions (the turn advances) and marks ``question``
+        and the other answers applied in the same commit; then it applies,
+        step by step, answers that arrived while the graph ran, until none
+        is left (a failure there is logged and left to a sweep: ``question``
+        was applied). Returns True: ``question`` is marked applied already
+        (see the module docstring for why that cannot double-apply). A run that
         is not a thread of this driver's graph raises
         :class:`~tailrace.NotResumable` too.
         """
@@ -260,9 +262,9 @@ class LangGraphDriver:
                 )
             batch = await self._answered(key, pending)
             batch[question.question_id] = (match[0], value)
-            await self._resume_step(key, lease, batch, marked_by_caller=question.question_id)
+            await self._resume_step(key, lease, batch)
             await self._apply_late_answers(key, lease)
-        return False
+        return True
 
     # -- starting, answering, taking over -----------------------------------------
 
@@ -421,9 +423,7 @@ class LangGraphDriver:
 
     # -- graph steps ----------------------------------------------------------------
 
-    async def _resume_step(
-        self, key: str, lease: Lease, batch: _Batch, *, marked_by_caller: str | None
-    ) -> None:
+    async def _resume_step(self, key: str, lease: Lease, batch: _Batch) -> None:
         """Resume the interrupts of ``batch`` in one graph step; record it, marking the answers applied."""
         await self._mark_running(key, lease.token)
         nodes = {q.question_id: q.node_id for q in await self.store.list_questions(run_id=key)}
@@ -439,14 +439,13 @@ class LangGraphDriver:
         except Exception as exc:
             await self._record_after_failure(key, lease.token, exc)
             raise
-        applied = [qid for qid in batch if qid != marked_by_caller]
-        await self._record(key, lease.token, applied=applied)
+        await self._record(key, lease.token, applied=list(batch))
 
     async def _apply_late_answers(self, key: str, lease: Lease) -> None:
         """Apply answers that arrived while the last step ran, until none is left (Q3)."""
         while batch := await self._answered(key, await self._pending(key)):
             try:
-                await self._resume_step(key, lease, batch, marked_by_caller=None)
+                await self._resume_step(key, lease, batch)
             except Exception:
                 # The caller's own answer is applied; these stay answered for a sweep.
                 logger.exception("thread %s: applying answers %s failed", key, sorted(batch))
