@@ -46,7 +46,9 @@ measured in the same run.
    seconds the completed children slept / (workers x that span), how busy
    the slots were with what the parents needed, and ``by work`` is 4
    workers' slept / 1 worker's. Targets: completes; at least 0.8 of linear
-   by work (parents/s shown beside it).
+   by work (parents/s shown beside it). Each shape runs ``--sessions``
+   sessions (3) in a row on each fleet, and the one of median ``slept`` is
+   reported: one hiccup of a shared host moves one session, not the figure.
 
 **Stuck parents.** A parent left suspended, held by nobody, with every child
 ended (a lost wake-up), or left running with every child ended and no commit
@@ -543,6 +545,18 @@ async def declare(store: Any) -> None:
     await store.declare_queue(Queue("tp", worker_concurrency=1))
 
 
+async def median_session(sessions: int, *args: Any, **kwargs: Any) -> Throughput:
+    """``sessions`` throughput sessions in a row; the one of median ``slept`` share.
+
+    A scheduling hiccup of the host (two shared cores) moves one session, not
+    the figure. A session that did not finish or had a stuck parent is
+    reported instead, so 'completes' holds for every session.
+    """
+    runs = [await throughput(*args, **kwargs) for _ in range(sessions)]
+    failed = [t for t in runs if t.rate is None or t.rescues.total]
+    return failed[0] if failed else sorted(runs, key=lambda t: t.busy)[len(runs) // 2]
+
+
 def fleet_session(target: Target, opts: argparse.Namespace) -> FleetResults:
     graph_file = write_graphs(target.workdir, opts.children, opts.required)
     module = load_graphs(graph_file)
@@ -568,8 +582,10 @@ def fleet_session(target: Target, opts: argparse.Namespace) -> FleetResults:
                 lat = await latencies(store, graph_file, module, opts.samples)
                 runs = {"parents": opts.parents, "workers": 4, "children": opts.children,
                         "seed": opts.seed, "timeout": opts.timeout, "cpu": cpu}  # fmt: skip
-                plain = await throughput(target, store, graph_file, module, heavy=False, **runs)
-                heavy = await throughput(target, store, graph_file, module, heavy=True, **runs)
+                plain = await median_session(opts.sessions, target, store, graph_file, module,
+                                             heavy=False, **runs)  # fmt: skip
+                heavy = await median_session(opts.sessions, target, store, graph_file, module,
+                                             heavy=True, **runs)  # fmt: skip
                 return lat, plain, heavy
 
         lat, plain4, heavy4 = asyncio.run(four())
@@ -581,8 +597,10 @@ def fleet_session(target: Target, opts: argparse.Namespace) -> FleetResults:
                 runs = {"parents": opts.baseline_parents, "workers": 1,
                         "children": opts.children, "seed": opts.seed + 1,
                         "timeout": opts.timeout, "cpu": cpu}  # fmt: skip
-                plain = await throughput(target, store, graph_file, module, heavy=False, **runs)
-                heavy = await throughput(target, store, graph_file, module, heavy=True, **runs)
+                plain = await median_session(opts.sessions, target, store, graph_file, module,
+                                             heavy=False, **runs)  # fmt: skip
+                heavy = await median_session(opts.sessions, target, store, graph_file, module,
+                                             heavy=True, **runs)  # fmt: skip
                 return plain, heavy
 
         plain1, heavy1 = asyncio.run(one())
@@ -628,11 +646,14 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--required", type=int, default=7)
     parser.add_argument("--samples", type=int, default=None, help="latency samples")
     parser.add_argument("--timeout", type=float, default=90.0, help="seconds before FAIL")
+    parser.add_argument("--sessions", type=int, default=None,
+                        help="throughput sessions per shape, the median one reported (3)")  # fmt: skip
     opts = parser.parse_args(argv)
     opts.parents = opts.parents or (20 if opts.quick else 100)
     # 100 samples: 100 parent wake-ups and 300 starts of each kind, so no p99 is simply the
     # slowest one (of 40 wake-ups it was: one scheduling hiccup on two cores decided it).
     opts.samples = opts.samples or (8 if opts.quick else 100)
+    opts.sessions = opts.sessions or (1 if opts.quick else 3)
     opts.baseline_parents = opts.baseline_parents or max(1, min(16, opts.parents // 4))
     repeat = Repeat(runs=3 if opts.quick else 5, min_time=0.5 if opts.quick else 1.0, budget=10.0)
     kinds = {"both": ["sqlite", "postgres"], "none": []}.get(opts.store, [opts.store])
@@ -758,6 +779,10 @@ def print_fleet(results: Sequence[FleetResults], opts: argparse.Namespace, targe
             )  # fmt: skip
     tp.add_note(
         f"linear: 4 workers' parents/s / (4 x 1 worker's, on {opts.baseline_parents} parents)"
+    )
+    tp.add_note(
+        f"each row: the session of median slept out of {opts.sessions} in a row "
+        "(any that did not complete on its own instead)"
     )
     tp.add_note(
         "slept: the seconds the completed children slept / (workers x the session's seconds): "

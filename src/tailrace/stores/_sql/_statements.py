@@ -459,11 +459,12 @@ RELEASE_SUSPENDED = "UPDATE runs SET lease_owner = NULL, lease_expires = NULL WH
 SELECT_STATUSES = "SELECT run_id, status FROM runs WHERE run_id IN ({ids})"
 #: Values: wake_after, run_id. How many child completions a suspending run waits for.
 SET_WAKE_AFTER = "UPDATE runs SET wake_after = ? WHERE run_id = ?"
-#: Values: run_id. A child completed: one fewer for its suspended parent to wait
-#: for; no row changes when that was the last (the parent is woken instead).
-COUNT_DOWN = (
-    "UPDATE runs SET wake_after = wake_after - 1 "
-    "WHERE run_id = ? AND status = 'suspended' AND wake_after > 1"
+#: Values: completed, run_id. A child of this run ended: its row is locked (whatever
+#: its status) and, when the child completed and the run is suspended, one fewer
+#: completion is left to wait for. Returns the status and the completions left.
+CHILD_ENDED = (
+    "UPDATE runs SET wake_after = CASE WHEN ? AND status = 'suspended' "
+    "THEN wake_after - 1 ELSE wake_after END WHERE run_id = ? RETURNING status, wake_after"
 )
 #: Values: now, limit. Runs past their deadline that nobody drives (R6).
 OVERDUE_RUNS = (

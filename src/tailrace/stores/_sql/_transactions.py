@@ -95,8 +95,8 @@ from ._queues import (
 from ._statements import (
     ANSWER_QUESTION,
     APPLY_QUESTION,
+    CHILD_ENDED,
     CLAIM_PARKED,
-    COUNT_DOWN,
     DROP_PARKED,
     EVENT_COLUMNS,
     INSERT_QUEUED_RUN,
@@ -181,7 +181,11 @@ class Tx(Protocol):
         """Run an ``UPDATE`` of any number of rows: how many it changed."""
 
     async def write_harvest(self, run_id: str, harvest: Harvest, now: float) -> None:
-        """Write ``harvest``'s rows and update the run (a duplicate row: ``StoreError``)."""
+        """Write ``harvest``'s rows, update the run and signal :func:`harvest_signals`.
+
+        A duplicate row raises ``StoreError``. The wake-ups go with the writes
+        (Postgres sends them in the same pipeline: no round trip of their own).
+        """
 
     async def signal(self, kind: str) -> None:
         """Wake watchers with a change of ``kind`` when this transaction commits."""
@@ -231,15 +235,23 @@ async def commit_harvest(tx: Tx, run_id: str, token: int, harvest: Harvest, now:
         await tx.change(SET_WAKE_AFTER, (harvest.wake_after, run_id))
         if harvest.waiting_on:
             await suspend_on_children(tx, run_id, harvest, now)
-    if harvest.status in TERMINAL_STATUSES:
-        await tx.signal("release")  # the harvest's UPDATE let go of the lease
-        if parent is not None:
-            await child_ended(tx, parent, harvest.status, now)
-    if harvest.chunks:  # readers in other processes wake on it (S3)
-        await tx.signal("stream")
+    if harvest.status in TERMINAL_STATUSES and parent is not None:
+        await child_ended(tx, parent, harvest.status, now)
     if harvest.applied or harvest.superseded:  # most harvests change no question
         await apply_question_changes(tx, run_id, harvest, now)
     return cancel_requested_at is not None
+
+
+def harvest_signals(harvest: Harvest) -> tuple[str, ...]:
+    """The wake-ups a harvest's own writes send (``Tx.write_harvest``).
+
+    ``release``: a harvest that ends its run let go of the lease in its
+    UPDATE; ``stream``: readers in other processes wake on new chunks (S3).
+    """
+    ends = harvest.status in TERMINAL_STATUSES
+    if not ends and not harvest.chunks:
+        return ()  # most harvests
+    return (*(("release",) if ends else ()), *(("stream",) if harvest.chunks else ()))
 
 
 async def apply_question_changes(tx: Tx, run_id: str, harvest: Harvest, now: float) -> None:
@@ -677,15 +689,19 @@ async def child_ended(tx: Tx, parent: str, status: RunStatus, now: float) -> Non
     """A child of ``parent`` ended with ``status`` (R4): a completion counts down what the
     suspended parent waits for; the last one, a failure or a cancel wakes it.
 
-    The parent's row is locked first. A suspension committing on it at this
-    moment read this child as still running; without the lock, Postgres would
-    test the UPDATE statements below against the parent's last committed row (still
-    running), match nothing and not wait, and nobody would count this end.
-    With it they wait for that commit and see the suspension.
+    One UPDATE locks the parent's row and counts down. It matches the row
+    whatever its status, so on Postgres it waits for a suspension committing
+    on it at this moment (which read this child as still running) and then
+    computes the count on the suspended row. An UPDATE that named the status
+    in its WHERE would test the last committed row (still running), match
+    nothing and not wait, and nobody would count this end.
     """
-    await tx.lock(SELECT_STATUS, (parent,))
-    if status is RunStatus.COMPLETED and await tx.change(COUNT_DOWN, (parent,)):
-        return
+    row = await tx.change_returning(CHILD_ENDED, (status is RunStatus.COMPLETED, parent))
+    if row is None or row[0] != RunStatus.SUSPENDED.value:
+        return  # a running parent counts the children that ended when it suspends
+    left = row[1]
+    if status is RunStatus.COMPLETED and left is not None and left >= 1:
+        return  # counted down: more completions to wait for
     await wake_suspended(tx, parent, now)
 
 

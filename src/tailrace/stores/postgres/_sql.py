@@ -26,7 +26,7 @@ from .._sql._statements import (
     node_params,
     run_update_params,
 )
-from .._sql._transactions import Params, Row
+from .._sql._transactions import Params, Row, harvest_signals
 from ._connections import XID, Attempt, Conn, Work
 
 
@@ -66,8 +66,13 @@ async def artifact_head_version(conn: Conn, artifact_id: str) -> int:
     return int(row[0]) if row is not None else 0
 
 
-async def write_harvest(conn: Conn, run_id: str, harvest: Harvest, now: float) -> None:
-    """Upsert the node rows, insert the append-only rows and questions, update the run."""
+async def write_harvest(
+    conn: Conn, channel: str, run_id: str, harvest: Harvest, now: float
+) -> None:
+    """Upsert the node rows, insert the append-only rows and questions, update the run, notify.
+
+    Everything goes in one pipeline: one round trip, the wake-ups included.
+    """
     async with conn.pipeline(), conn.cursor() as cur:
         if harvest.nodes:
             await cur.executemany(pg(UPSERT_NODE), node_params(run_id, harvest))
@@ -79,6 +84,8 @@ async def write_harvest(conn: Conn, run_id: str, harvest: Harvest, now: float) -
         for statement, group in itertools.groupby(rows, key=lambda row: row[0]):
             await cur.executemany(pg(statement), [values for _, values, _ in group])
         await cur.execute(pg(UPDATE_RUN), run_update_params(run_id, harvest, now))
+        for kind in harvest_signals(harvest):
+            await notify(conn, channel, kind)
 
 
 @functools.lru_cache(maxsize=256)
@@ -164,7 +171,7 @@ class PostgresTx:
 
     async def write_harvest(self, run_id: str, harvest: Harvest, now: float) -> None:
         try:
-            await write_harvest(self.conn, run_id, harvest, now)
+            await write_harvest(self.conn, self.channel, run_id, harvest, now)
         except psycopg.errors.UniqueViolation as exc:  # nothing committed is rewritten (D1)
             raise StoreError(
                 f"run {run_id!r}: harvest would rewrite a committed row "

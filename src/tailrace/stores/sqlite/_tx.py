@@ -25,7 +25,7 @@ from .._sql._statements import (
     harvest_rows,
     run_update_params,
 )
-from .._sql._transactions import Params, Row
+from .._sql._transactions import Params, Row, harvest_signals
 from ._queues import bump
 from ._threads import insert_rows, insert_run_rows
 
@@ -77,6 +77,8 @@ class SQLiteTx:
             what = first_duplicate(conn, run_id, harvest)
             raise StoreError(f"{what} already committed; nothing of it was written") from exc
         conn.execute(UPDATE_RUN, run_update_params(run_id, harvest, now))
+        for kind in harvest_signals(harvest):
+            bump(conn, kind)
 
     async def signal(self, kind: str) -> None:
         bump(self.conn, kind)
