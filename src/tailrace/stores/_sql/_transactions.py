@@ -248,10 +248,8 @@ def harvest_signals(harvest: Harvest) -> tuple[str, ...]:
     ``release``: a harvest that ends its run let go of the lease in its
     UPDATE; ``stream``: readers in other processes wake on new chunks (S3).
     """
-    ends = harvest.status in TERMINAL_STATUSES
-    if not ends and not harvest.chunks:
-        return ()  # most harvests
-    return (*(("release",) if ends else ()), *(("stream",) if harvest.chunks else ()))
+    signals = ("release",) if harvest.status in TERMINAL_STATUSES else ()
+    return (*signals, "stream") if harvest.chunks else signals
 
 
 async def apply_question_changes(tx: Tx, run_id: str, harvest: Harvest, now: float) -> None:
