@@ -144,3 +144,161 @@ class SlotQueue:
         heap = self._heap
         while heap and not heap[0][2].alive:
             heapq.heappop(heap)
+
+
+#: What admission queues: (node index, item index), the item -1 for a node's own attempt.
+Unit = tuple[int, int]
+
+#: A unit that holds a slot: (node index, visit, item index).
+HeldUnit = tuple[int, int, int]
+
+
+class _Slotted(Protocol):
+    """What :class:`RunAdmission` reads of an attempt: its unit, and its own identity."""
+
+    index: int
+    visit: int
+    item: int
+
+
+class RunAdmission:
+    """One run's side of admission (E3): its queued tickets and the slots its units hold.
+
+    A unit (a node's visit, or one item of a map's visit, M2) takes one slot
+    of the engine and one of the run when admission grants it, and gives them
+    back once, through :meth:`release`, whichever path ends it: a harvest, a
+    hedge that lost, a child run that started (it holds no slot, R4), a late
+    input or item cancelled or parked, a failure or the run's end. A backup
+    or clone on idle capacity (T3) holds an extra slot of its own until it
+    ends (:meth:`release_extra`). Releasing is idempotent, and
+    :meth:`release_all` frees whatever is still held when the run stops, so a
+    slot can neither leak nor be freed twice.
+    """
+
+    __slots__ = ("_engine", "_extra", "_held", "_run", "bounded", "policy", "tickets")
+
+    def __init__(
+        self, engine_slots: SlotQueue | None, run_capacity: int | None, policy: AdmissionPolicy
+    ) -> None:
+        self._engine = engine_slots
+        self._run = SlotQueue(run_capacity) if run_capacity is not None else None
+        self.policy = policy
+        #: Whether slots are counted at all (a capacity per engine or per run).
+        self.bounded = engine_slots is not None or run_capacity is not None
+        #: Units waiting for a slot, by unit.
+        self.tickets: dict[Unit, Ticket] = {}
+        self._held: dict[HeldUnit, None] = {}
+        self._extra: dict[_Slotted, None] = {}
+
+    def admit(self, unit: Unit, key: AdmissionKey, granted: Callable[[Unit], None]) -> None:
+        """Ask for a slot of the run, then of the engine, for ``unit``; ``granted(unit)`` starts
+        it once both are granted (at once when they are free, E3)."""
+        engine_slots = self._engine
+
+        def granted_by_engine() -> None:
+            self.tickets.pop(unit, None)
+            granted(unit)
+
+        def granted_by_run() -> None:
+            if engine_slots is None:
+                granted_by_engine()
+                return
+            ticket = Ticket(granted_by_engine)
+            self.tickets[unit] = ticket
+            engine_slots.submit(key, ticket)
+
+        if self._run is None:
+            granted_by_run()
+            return
+        ticket = Ticket(granted_by_run)
+        self.tickets[unit] = ticket
+        self._run.submit(key, ticket)
+
+    def hold(self, attempt: _Slotted) -> None:
+        """``attempt``'s unit started on the slot admission granted it."""
+        self._held[(attempt.index, attempt.visit, attempt.item)] = None
+
+    def holds(self, attempt: _Slotted) -> bool:
+        """Whether ``attempt``'s unit still holds its slot."""
+        return (attempt.index, attempt.visit, attempt.item) in self._held
+
+    def release(self, attempt: _Slotted) -> None:
+        """Free the slot of ``attempt``'s unit, if it still holds one, and its extra slot."""
+        try:
+            del self._held[(attempt.index, attempt.visit, attempt.item)]
+        except KeyError:
+            pass
+        else:
+            self._free()
+        self.release_extra(attempt)
+
+    def release_unit(self, index: int, visit: int, item: int) -> None:
+        """Free the slot of unit ``(index, visit, item)``, if it holds one."""
+        try:
+            del self._held[(index, visit, item)]
+        except KeyError:
+            return
+        self._free()
+
+    def take_idle(self) -> bool:
+        """Take a slot of the engine and of the run if both have one nobody waits for.
+
+        For clones and backups (T3): they use idle capacity only, so they never
+        delay a first attempt; the attempt that gets it is named with
+        :meth:`hold_extra`.
+        """
+        engine_slots, run_slots = self._engine, self._run
+        if engine_slots is not None and not engine_slots.try_acquire():
+            return False
+        if run_slots is not None and not run_slots.try_acquire():
+            if engine_slots is not None:
+                engine_slots.release()
+            return False
+        return True
+
+    def hold_extra(self, attempt: _Slotted) -> None:
+        """``attempt`` holds the slot :meth:`take_idle` took, until it ends."""
+        if self.bounded:
+            self._extra[attempt] = None
+
+    def release_extra(self, attempt: _Slotted) -> None:
+        """Free the extra slot a clone or backup ``attempt`` holds, if it does."""
+        if self._extra and attempt in self._extra:
+            del self._extra[attempt]
+            self._free()
+
+    def cancel(self, unit: Unit) -> None:
+        """Withdraw ``unit``'s ticket if it waits for a slot."""
+        ticket = self.tickets.pop(unit, None)
+        if ticket is not None:
+            ticket.cancel()
+
+    def cancel_node(self, index: int) -> None:
+        """Withdraw the tickets of every unit of node ``index``."""
+        for unit in [u for u in self.tickets if u[0] == index]:
+            self.tickets.pop(unit).cancel()
+
+    def cancel_all(self) -> list[Unit]:
+        """Withdraw every ticket; the units that waited."""
+        tickets, self.tickets = self.tickets, {}
+        for ticket in tickets.values():
+            ticket.cancel()
+        return list(tickets)
+
+    def release_all(self) -> list[HeldUnit]:
+        """Free every slot still held (the run stops); the units that held one.
+
+        Tickets are withdrawn first, so that no slot freed here goes to this run.
+        """
+        self.cancel_all()
+        held, self._held = self._held, {}
+        extra, self._extra = self._extra, {}
+        for _ in range(len(held) + len(extra)):
+            self._free()
+        return list(held)
+
+    def _free(self) -> None:
+        if self._engine is not None:
+            self._engine.release()
+        if self._run is not None:
+            self._run.release()

@@ -9,12 +9,18 @@ saved (P1). An attempt that starts again after a crash or an adoption (the
 stored checkpoint), after a retry with ``RetryPolicy(resume=True)`` (the
 latest one), or unparked (its parked checkpoint) sees it as
 ``current_node().resumed_from`` (P2).
+
+Parking lives here too (P3, P4): a straggler cancelled with ``late="park"``
+is kept as a :class:`~tailrace.stores.ParkedRow` holding what it ran on and
+its latest checkpoint, and a map that takes parked items back resumes each
+from that checkpoint.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -48,9 +54,20 @@ class Checkpoints:
     ``committed`` is what the store held when the run was restored; ``wake``
     asks the run loop for a write. ``save`` may be called from a worker
     thread (a sync handler): the wake-up then goes through ``loop``.
+    ``durable``: the run has a store, so stragglers can be parked.
     """
 
-    __slots__ = ("_loop", "_thread", "codec", "committed", "latest", "pending", "run_id", "wake")
+    __slots__ = (
+        "_loop",
+        "_thread",
+        "codec",
+        "committed",
+        "durable",
+        "latest",
+        "pending",
+        "run_id",
+        "wake",
+    )
 
     def __init__(
         self,
@@ -59,9 +76,12 @@ class Checkpoints:
         committed: dict[Key, Checkpoint],
         wake: Callable[[], None],
         loop: asyncio.AbstractEventLoop,
+        *,
+        durable: bool = False,
     ) -> None:
         self.run_id = run_id
         self.codec = codec
+        self.durable = durable
         self.committed = committed
         self.wake = wake
         self._loop = loop
@@ -105,3 +125,33 @@ class Checkpoints:
         rows = list(self.pending.values())
         self.pending.clear()
         return rows
+
+    # -- parking (P3, P4) ----------------------------------------------------------
+
+    def park(
+        self, graph_name: str, node_id: str, visit: int, item: int | None, value: Any
+    ) -> ParkedRow | None:
+        """A straggler of ``node_id`` as it is parked (P3): what it runs on and its checkpoint;
+        None when it cannot be kept (no store, or a value the codec refuses: it is cancelled)."""
+        if not self.durable:
+            return None
+        checkpoint = self.resumed(node_id, visit, item)
+        try:
+            value_json = self.codec.encode(value)
+            checkpoint_json = None if checkpoint is None else self.codec.encode(checkpoint.value)
+        except (TypeError, ValueError):
+            return None
+        return ParkedRow(
+            park_id=uuid.uuid4().hex, graph_name=graph_name, node_id=node_id,
+            run_id=self.run_id, visit=visit, item=-1 if item is None else item,
+            value_json=value_json, checkpoint_json=checkpoint_json, parked_at=time.time(),
+        )  # fmt: skip
+
+    def unpark(self, node_id: str, visit: int, parked: list[ParkedRow]) -> None:
+        """The parked items a map's ``visit`` took as its first items continue from their
+        checkpoints (P4): item ``j`` from ``parked[j]``'s."""
+        for j, row in enumerate(parked):
+            if row.checkpoint_json is not None:
+                self.committed[(node_id, visit, j)] = parked_checkpoint(
+                    row, self.codec.decode(row.checkpoint_json)
+                )

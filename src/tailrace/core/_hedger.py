@@ -5,7 +5,9 @@ declares a cost or hedges, or admission is ``lpt``). The hedger keeps its
 own state: the live attempts per node while a hedge may race, the
 candidates for a backup, and the counters a :class:`~tailrace.RunResult`
 reports (stragglers, hedges). It reads estimates from the engine-wide
-:class:`~tailrace.tail.TailHooks` and starts attempts through the run loop.
+:class:`~tailrace.tail.TailHooks`; the run loop hands it values (the
+graph, the event loop, its outbox) and callbacks: what a unit runs on, how
+a hedge of an attempt starts, how idle capacity is taken, and a poke.
 
 When an attempt runs past ``factor x estimate`` a timer fires *while it
 runs*: the attempt is counted as a straggler and a ``NODE_STRAGGLER`` event
@@ -21,23 +23,49 @@ by the *unit* ``(node, item)``, the item -1 for a node's own attempts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import asyncio
+from collections.abc import Callable
+from typing import Any
 
 from .._events import EventType
+from ..graph import Topology
 from ..tail import TailHooks
 from ..tail._hooks import MIN_STRAGGLER_DELAY
 from ._inflight import Attempt
-
-if TYPE_CHECKING:
-    from ._loop import RunLoop
+from ._outbox import Outbox
+from ._state import MapItems
 
 
 class Hedger:
-    """Stragglers and hedges of one run (T3), for the run loop ``run``."""
+    """Stragglers and hedges of one run (T3).
 
-    def __init__(self, run: RunLoop, tail: TailHooks) -> None:
-        self.run = run
+    ``topo`` is the run's graph and ``loop`` its event loop; events go to
+    ``outbox``. ``payload_of(node, item, items)`` is what a unit runs on;
+    ``restart(attempt, extra_slot)`` starts a hedge of ``attempt``'s unit;
+    ``take_idle(attempt)`` takes idle capacity for a clone or backup of it
+    (True when it got a slot); ``poke`` wakes the run loop.
+    """
+
+    def __init__(
+        self,
+        tail: TailHooks,
+        *,
+        topo: Topology,
+        loop: asyncio.AbstractEventLoop,
+        outbox: Outbox,
+        payload_of: Callable[[int, int, MapItems | None], Any],
+        restart: Callable[[Attempt, bool], None],
+        take_idle: Callable[[], bool],
+        poke: Callable[[], None],
+    ) -> None:
         self.tail = tail
+        self._topo = topo
+        self._loop = loop
+        self._outbox = outbox
+        self._payload_of = payload_of
+        self._restart = restart
+        self._take_idle = take_idle
+        self._poke = poke
         self.stragglers = 0
         self.hedges = 0
         #: Live attempts per unit (node, item) while a hedge may race.
@@ -56,15 +84,15 @@ class Hedger:
         self.live.setdefault((attempt.index, attempt.item), []).append(attempt)
         if attempt.hedge or self.closing:
             return
-        node = self.run.topo.nodes[attempt.index]
-        payload = self.run.payload_of(attempt.index, attempt.item, attempt.items)
+        node = self._topo.nodes[attempt.index]
+        payload = self._payload_of(attempt.index, attempt.item, attempt.items)
         estimate = self.tail.estimate(attempt.index, payload, node)
         if estimate is None:
             return
         delay = max(self.tail.factor * estimate, MIN_STRAGGLER_DELAY)
-        attempt.timer = self.run.loop.call_later(delay, self._straggling, attempt, estimate)
+        attempt.timer = self._loop.call_later(delay, self._straggling, attempt, estimate)
         if self.tail.hedging is not None and node.hedge:
-            attempt.backup_timer = self.run.loop.call_later(
+            attempt.backup_timer = self._loop.call_later(
                 max(self.tail.hedging.backup_delay(estimate), MIN_STRAGGLER_DELAY),
                 self._backup_due,
                 attempt,
@@ -78,9 +106,9 @@ class Hedger:
         attempt.straggled = self.tail.factor * estimate
         i = attempt.index
         self.stragglers += 1
-        elapsed = self.run.loop.time() - attempt.started
+        elapsed = self._loop.time() - attempt.started
         item = _item_data(attempt)
-        self.run.emit(
+        self._outbox.emit(
             EventType.NODE_STRAGGLER,
             i,
             attempt.visit,
@@ -90,11 +118,11 @@ class Hedger:
             factor=self.tail.factor,
             **item,
         )
-        if self.run.topo.nodes[i].hedge and self.tail.hedging is None:
+        if self._topo.nodes[i].hedge and self.tail.hedging is None:
             self.hedges += 1
-            self.run.emit(EventType.NODE_HEDGED, i, attempt.visit, None, **item)
-            self.run.restart(attempt)
-        self.run.poke()
+            self._outbox.emit(EventType.NODE_HEDGED, i, attempt.visit, None, **item)
+            self._restart(attempt, False)
+        self._poke()
 
     # -- the hedge policy -------------------------------------------------------
 
@@ -111,10 +139,10 @@ class Hedger:
         estimates = []
         for unit in batch:
             i = unit[0]
-            node = self.run.topo.nodes[i]
+            node = self._topo.nodes[i]
             live = self.live.get(unit, ())
             if node.hedge and len(live) == 1:
-                estimate = self.tail.estimate(i, self.run.payload_of(*unit), node)
+                estimate = self.tail.estimate(i, self._payload_of(unit[0], unit[1], None), node)
                 if estimate is not None:
                     estimates.append((estimate, unit, live[0]))
         if not estimates:
@@ -164,10 +192,10 @@ class Hedger:
             return False
         if self.tail.hedging.allowed(first_attempts=self.first_attempts, extra=self.hedges) < 1:
             return False  # the budget grows with the run's first attempts
-        if not self.run.take_idle_slot():
+        if not self._take_idle():
             return False
         self.hedges += 1
-        self.run.emit(
+        self._outbox.emit(
             EventType.NODE_HEDGED,
             attempt.index,
             attempt.visit,
@@ -175,8 +203,8 @@ class Hedger:
             reason=reason,
             **_item_data(attempt),
         )
-        self.run.restart(attempt, extra_slot=True)
-        self.run.poke()
+        self._restart(attempt, True)
+        self._poke()
         return True
 
     def settle(self, attempt: Attempt) -> bool:

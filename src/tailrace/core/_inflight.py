@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import gc
 import operator
 import traceback
@@ -155,3 +156,104 @@ def paused_gc() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+class InFlight:
+    """The attempts of one run in flight, those that ended since the last harvest, and the
+    wake-up the run loop waits on.
+
+    An attempt reports its own end (:meth:`finished`) from inside its task;
+    the task's done-callback (:meth:`_unreported`) only catches a task
+    cancelled before it ran. :meth:`poke` wakes the loop for an empty
+    harvest; a poke while the loop is busy elsewhere is kept until it waits.
+    """
+
+    __slots__ = ("_cb_context", "_unreported_cb", "_wake", "attempts", "done", "poked")
+
+    def __init__(self) -> None:
+        #: Attempts running now, in start order (a dict: ordered, O(1) removal).
+        self.attempts: dict[Attempt, None] = {}
+        #: Attempts that ended since the last harvest.
+        self.done: list[Attempt] = []
+        self._wake: asyncio.Future[None] | None = None
+        #: Set by :meth:`poke`; the loop harvests once more before it waits again.
+        self.poked = False
+        # One bound method and one context for every task's done-callback: not a
+        # method object and a context copy per attempt.
+        self._unreported_cb = self._unreported
+        self._cb_context = contextvars.Context()
+
+    def add(self, attempt: Attempt, task: asyncio.Task[Any]) -> None:
+        """Track ``attempt``, running as ``task``."""
+        # Removed when the attempt reports its end: it fires only for a task
+        # cancelled before its first step (whose coroutine never ran).
+        task.add_done_callback(self._unreported_cb, context=self._cb_context)
+        attempt.task = task
+        self.attempts[attempt] = None
+
+    def finished(self, attempt: Attempt) -> None:
+        """Hand a finished attempt to the run loop and wake it (once per attempt)."""
+        if attempt.finished:
+            return
+        attempt.finished = True
+        if attempt.task is not None:
+            attempt.task.remove_done_callback(self._unreported_cb)
+            # The task's context refers to the attempt (current_node's handle): letting go
+            # of the task here leaves no cycle, so both are freed by reference counting.
+            attempt.task = None
+        try:
+            del self.attempts[attempt]
+        except KeyError:
+            return  # the run is winding down and no longer harvests it
+        self.done.append(attempt)
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    def _unreported(self, task: asyncio.Task[Any]) -> None:
+        """A task ended without its attempt reporting: it was cancelled before it ran."""
+        for attempt in self.attempts:
+            if attempt.task is task:
+                attempt.error = asyncio.CancelledError()  # E9: a cancelled handler failed
+                self.finished(attempt)
+                return
+
+    def poke(self) -> None:
+        """Wake the loop for an empty harvest, so buffered events are committed and published now.
+
+        A poke while the loop is busy elsewhere (a flush) is kept: the loop
+        then makes that harvest before it waits again.
+        """
+        self.poked = True
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    def idle(self) -> bool:
+        """Whether nothing ended and nobody poked since the last harvest."""
+        return not self.done and not self.poked
+
+    async def wait(self) -> None:
+        """Wait until an attempt ends or the loop is poked."""
+        self._wake = asyncio.get_running_loop().create_future()
+        try:
+            await self._wake
+        finally:
+            self._wake = None
+
+    def take(self) -> list[Attempt]:
+        """The attempts that ended since the last call; clears the poke."""
+        self.poked = False
+        done, self.done = self.done, []
+        return done
+
+    async def cancel_all(self) -> list[Attempt]:
+        """Cancel and await every attempt in flight; the attempts, no longer tracked."""
+        attempts = list(self.attempts)
+        for attempt in attempts:
+            assert attempt.task is not None
+            attempt.task.cancel()
+        if attempts:
+            await asyncio.gather(*(a.task for a in attempts if a.task), return_exceptions=True)
+        self.attempts.clear()
+        return attempts

@@ -5,6 +5,12 @@ by then, processes them in definition order (E2), lets :mod:`._state` decide
 routing and first-k, dispatches what became ready (E1), and commits the whole
 harvest as one delta (D1). Completions are collected by done-callbacks rather
 than ``asyncio.wait`` so that a wake-up costs O(batch), not O(in flight).
+
+The loop holds its collaborators as fields, each with its own state: the
+run's admission (tickets and the slots its units hold, E3), the in-flight
+set, the outbox (events and ledger rows until their stage), the checkpoints
+and streams, the map nodes (M1-M6), the hedger (T3) and the writer (D1-D6).
+They get values and callbacks from the loop, never the loop itself.
 """
 
 from __future__ import annotations
@@ -17,34 +23,27 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._codec import DEFAULT_CODEC, Codec
 from .._context import Checkpoint, Where, set_current
-from .._errors import EncodeError, MapError, RunError, StallError
+from .._errors import EncodeError, RunError, StallError
 from .._events import Event, EventType
-from ..executors._base import AttemptContext
+from ..executors._base import AttemptContext, Executor
 from ..graph import Node, NodeKind
-from ..stores import ParkedRow, RunStatus
+from ..stores import RunStatus
 from ..tail import TailHooks
-from ._admission import AdmissionPolicy, SlotQueue, Ticket
-from ._checkpoints import Checkpoints, parked_checkpoint
+from ._admission import AdmissionPolicy, RunAdmission, SlotQueue, Unit
+from ._checkpoints import Checkpoints
 from ._children import Children
 from ._hedger import Hedger
-from ._inflight import BULK, Attempt, describe, harvest_order, paused_gc, traceback_text
+from ._inflight import BULK, Attempt, InFlight, describe, harvest_order, paused_gc, traceback_text
+from ._maps import MapNodes
+from ._outbox import Outbox
 from ._outcome import NodeReport, RunResult
-from ._state import ItemStatus, LateInput, MapItems, NodeStatus, RunState, map_plan
+from ._state import ItemStatus, LateInput, MapItems, NodeStatus, RunState
 from ._streams import MAX_STREAM_CHUNKS, StreamHub, Streams
-
-if TYPE_CHECKING:
-    from ..executors import Executor
-    from ._writer import RunWriter
-
-
-#: A buffered event: (seq, type, node index or None, visit, attempt, ts, data or None).
-EventTuple = tuple[
-    int, EventType, int | None, int | None, int | None, float, Mapping[str, Any] | None
-]
+from ._writer import RunWriter, Stage
 
 #: The data of a hedge's NODE_STARTED (shared: every Event gets its own copy).
 _HEDGE_DATA: Mapping[str, Any] = MappingProxyType({"hedge": True})
@@ -52,17 +51,9 @@ _HEDGE_DATA: Mapping[str, Any] = MappingProxyType({"hedge": True})
 #: Inputs a ``late="cancel"`` merge cancels once it fired without them (E5, Q7).
 _CANCELLABLE = frozenset({NodeStatus.RUNNING, NodeStatus.QUEUED, NodeStatus.WAITING})
 
-#: What admission queues: (node index, item index), the item -1 for a node's own attempt.
-Unit = tuple[int, int]
-
 
 class RunLoop:
-    """Drives one run to completion, suspension or failure.
-
-    It holds its collaborators as fields: the admission tickets and the
-    in-flight attempts, the buffered events, the :class:`Hedger` (stragglers
-    and hedges) and the writer that makes harvests durable.
-    """
+    """Drives one run to completion, suspension or failure."""
 
     def __init__(
         self,
@@ -92,39 +83,66 @@ class RunLoop:
         self._deadline_timer: asyncio.TimerHandle | None = None
         #: Why the run is cancelled: "deadline" when its deadline passed (R6).
         self.cancel_reason: str | None = None
+        #: Set by :meth:`request_cancel`: the run ends ``cancelled`` at its next wake-up.
+        self.cancel_requested = False
         #: The child runs of its nodes whose handler is a graph (R1-R5); set by the engine.
         self.children: Children | None = None
-        #: Per node: the executor its attempts go to, None inline (executors/).
-        self._executors = executors
+        #: Advances each time the run suspends on its gates (Q2).
+        self.turn = turn
+        self.state = state
+        self.topo = topo = state.topo
+        self.loop = asyncio.get_running_loop()
+        self.started_at = time.monotonic()
+        self.inflight = InFlight()
+        #: Wakes the loop for an empty harvest (see :meth:`InFlight.poke`).
+        self.poke: Callable[[], None] = self.inflight.poke
+        self._writer = writer
         #: "sync": successors start only once their upstream's completion is durable.
         self._sync = durability == "sync" and writer is not None
-        self.state = state
-        self.topo = state.topo
-        self._publish = publish
-        self._writer = writer
         if writer is not None:
             writer.on_failure = self.poke  # a failed write stops the run at once
             writer.durability = durability
-        self._record = publish is not None or writer is not None
-        #: Buffered events as plain tuples (see :meth:`emit`): an :class:`Event`
-        #: is built only for listeners, a store row only for the store.
-        self._events: list[EventTuple] = []
-        self._unpublished: list[EventTuple] = []
-        self.event_seq = event_seq
-        #: Advances each time the run suspends on its gates (Q2).
-        self.turn = turn
-        self._engine_slots = engine_slots
-        self._run_slots = SlotQueue(run_capacity) if run_capacity is not None else None
-        self._policy = policy
         self._tail = tail
-        self._tickets: dict[Unit, Ticket] = {}
-        #: Attempts running now, in start order (a dict: ordered, O(1) removal).
-        self._in_flight: dict[Attempt, None] = {}
-        self._done: list[Attempt] = []
-        self._wake: asyncio.Future[None] | None = None
-        #: Set by :meth:`poke`; the loop harvests once more before it waits again.
-        self._poked = False
-        self.loop = asyncio.get_running_loop()
+        self._executors = executors
+        self.outbox = Outbox(
+            run_id, topo.ids, publish, record=publish is not None or writer is not None,
+            seq=event_seq,
+        )  # fmt: skip
+        self.admission = RunAdmission(engine_slots, run_capacity, policy)
+        self._bounded = self.admission.bounded
+        self._plan_paths(executors)
+        self._durations = [0.0] * len(topo.ids)
+        self._late_seen = len(state.late)
+        #: Aggregates with ``late="cancel"`` that fired in the current harvest.
+        self._fired_cancel: list[int] = []
+        #: The attempt whose failure is failing the run (E9), until its slots are freed.
+        self._failing: Attempt | None = None
+        codec = writer.codec if writer is not None else codec or DEFAULT_CODEC
+        #: What attempts save with ``current_node().checkpoint`` and resume from (P1, P2).
+        self.checkpoints = Checkpoints(
+            run_id, codec, state.checkpoints, self.poke, self.loop, durable=writer is not None
+        )
+        #: The run's stream chunks and their terminal marks (S1-S4).
+        self.streams = Streams(
+            run_id, topo.ids, codec, stream_hub, durable=writer is not None, poke=self.poke,
+            max_chunks=max_stream_chunks,
+        )  # fmt: skip
+        #: Stragglers and hedges of this run, when the engine has tail hooks (T3).
+        self.hedger = None if tail is None else Hedger(
+            tail, topo=topo, loop=self.loop, outbox=self.outbox, payload_of=self.payload_of,
+            restart=self._restart, take_idle=self.admission.take_idle, poke=self.poke,
+        )  # fmt: skip
+        #: The map nodes' items (M1-M6), when the graph has map nodes.
+        self.maps = None if not any(self._map) else MapNodes(
+            run_id=run_id, state=state, outbox=self.outbox, admission=self.admission,
+            inflight=self.inflight, checkpoints=self.checkpoints, streams=self.streams,
+            writer=writer, tail=tail, hedger=self.hedger, durations=self._durations,
+            launch=self._launch, fired=self._aggregates_fired,
+        )  # fmt: skip
+
+    def _plan_paths(self, executors: list[Executor | None] | None) -> None:
+        """Per node, the path its attempts take: direct, with retries/timeout/executor, a child."""
+        nodes = self.topo.nodes
         self._async = self.topo.is_async
         if executors is not None:  # nodes sent to an executor take the _invoke path
             self._async = tuple(
@@ -134,51 +152,13 @@ class RunLoop:
         #: its attempt awaits directly (the common case, kept short).
         self._direct = tuple(
             a and n.retry is None and n.timeout is None
-            for a, n in zip(self._async, self.topo.nodes, strict=True)
+            for a, n in zip(self._async, nodes, strict=True)
         )
         #: Per node: whether its handler is a graph run as a child run (R1).
-        self._child = tuple(n.child for n in self.topo.nodes)
-        self._durations = [0.0] * len(self.topo.ids)
-        self._late_seen = len(state.late)
-        #: Aggregates with ``late="cancel"`` that fired in the current harvest.
-        self._fired_cancel: list[int] = []
-        self.started_at = time.monotonic()
-        #: Stragglers and hedges of this run, when the engine has tail hooks (T3).
-        self.hedger = Hedger(self, tail) if tail is not None else None
-        #: The attempt whose failure is failing the run (E9), until its slots are freed.
-        self._failing: Attempt | None = None
-        # One bound method and one context for every task's done-callback: not a
-        # method object and a context copy per attempt.
-        self._unreported_cb = self._unreported
-        self._cb_context = contextvars.Context()
-        self._gate = tuple(n.kind is NodeKind.GATE for n in self.topo.nodes)
-        #: Map nodes run their handler per item (M1); ``_has_maps`` keeps the rest fast.
-        self._map = tuple(n.kind is NodeKind.MAP for n in self.topo.nodes)
-        self._has_maps = any(self._map)
-        #: Whether finished attempts free admission slots (E3).
-        self._bounded = engine_slots is not None or run_capacity is not None
-        #: Set by :meth:`request_cancel`: the run ends ``cancelled`` at its next wake-up.
-        self.cancel_requested = False
-        #: Maps waiting to claim parked items before their items start (P4).
-        self._claims: list[int] = []
-        #: What attempts save with ``current_node().checkpoint`` and resume from (P1, P2).
-        self.checkpoints = Checkpoints(
-            run_id,
-            writer.codec if writer is not None else codec or DEFAULT_CODEC,
-            state.checkpoints,
-            self.poke,
-            self.loop,
-        )
-        #: The run's stream chunks and their terminal marks (S1-S4).
-        self.streams = Streams(
-            run_id,
-            self.topo.ids,
-            writer.codec if writer is not None else codec or DEFAULT_CODEC,
-            stream_hub,
-            durable=writer is not None,
-            poke=self.poke,
-            max_chunks=max_stream_chunks,
-        )
+        self._child = tuple(n.child for n in nodes)
+        self._gate = tuple(n.kind is NodeKind.GATE for n in nodes)
+        #: Map nodes run their handler per item (M1).
+        self._map = tuple(n.kind is NodeKind.MAP for n in nodes)
 
     # -- events ---------------------------------------------------------------
 
@@ -191,84 +171,45 @@ class RunLoop:
         **data: Any,
     ) -> None:
         """Buffer an event; it is committed with the harvest and then published."""
-        if not self._record:
-            return
-        self.event_seq += 1
-        self._events.append((self.event_seq, type, node, visit, attempt, time.time(), data))
-
-    def event(self, item: EventTuple) -> Event:
-        """The :class:`Event` of a buffered event tuple."""
-        seq, type, node, visit, attempt, ts, data = item
-        return Event(
-            run_id=self.run_id,
-            seq=seq,
-            type=type,
-            ts=ts,
-            node_id=None if node is None else self.topo.ids[node],
-            visit=visit,
-            attempt=attempt,
-            data=data if isinstance(data, dict) else dict(data or {}),
-        )
+        self.outbox.emit(type, node, visit, attempt, **data)
 
     # -- the loop -------------------------------------------------------------
 
     async def drive(self) -> RunResult:
         """Run until nothing is ready or in flight; return the result or raise (E9, E10)."""
+        inflight = self.inflight
         try:
             if self.deadline is not None:
                 self._arm_deadline()
             if self.cancel_requested:  # asked before anything was dispatched
                 return await self._cancel()
             self._dispatch_ready()
-            if self._claims:
-                await self.take_parked()
+            if self.maps is not None and self.maps.claims:
+                await self._take_parked()
             await self._gather()
             while True:
-                while self._in_flight or self._done or self._queued():
-                    if not self._done and not self._poked:
+                while inflight.attempts or inflight.done or self._queued():
+                    if inflight.idle():
                         children = self.children
                         if (
                             children is not None
                             and not self._queued()
-                            and children.waiting_only(self._in_flight)
+                            and children.waiting_only(inflight.attempts)
                         ):
                             return await self._suspend_on_children(children)
-                        self._wake = self.loop.create_future()
-                        await self._wake
-                        self._wake = None
-                    self._poked = False
-                    if self._writer is not None:
-                        # A write failed: dispatch nothing more; the handler below
-                        # cancels and awaits what runs, and re-raises (E9, D1).
-                        self._writer.raise_failure()
-                    if self.cancel_requested:
+                        await inflight.wait()
+                    if await self._step():
                         return await self._cancel()
-                    batch, self._done = self._done, []
-                    failure = self._harvest(batch)
-                    if failure is not None:
-                        await self._fail(*failure)
-                    if self._sync and (self.state.ready or self.checkpoints.pending):
-                        # Durability "sync": what this harvest completed is durable
-                        # before anything that consumes it starts; completions that
-                        # arrive meanwhile join the next write (group commit).
-                        await self.checkpoint()
-                    self._dispatch_ready()
-                    if self._claims:
-                        await self.take_parked()
-                    if self.hedger is not None and self.hedger.backup_candidates:
-                        self.hedger.back_up()  # a slot may have been freed
-                    if self._stage(defer=True):  # a plain call: no coroutine per wake-up
-                        await self._durable()  # the store fell behind: wait for it
                 # Answers that came in while other branches ran: take them now
                 # rather than suspend (Q1).
                 if not await self.absorb_answers():
                     return await self._finish()
                 self._dispatch_ready()
-                if self._claims:
-                    await self.take_parked()
+                if self.maps is not None and self.maps.claims:
+                    await self._take_parked()
                 await self._gather()
         except BaseException:
-            self._discard_streams((*self._in_flight, *self._done))
+            self._discard_streams((*inflight.attempts, *inflight.done))
             self._stage_on_the_way_out()
             await self._cancel_in_flight(record=False)
             raise
@@ -277,6 +218,32 @@ class RunLoop:
                 self._deadline_timer.cancel()
             if self.children is not None:
                 await self.children.close()
+
+    async def _step(self) -> bool:
+        """One wake-up: harvest what ended, dispatch what became ready, stage; True when the
+        run was asked to cancel instead."""
+        if self._writer is not None:
+            # A write failed: dispatch nothing more; drive's handler cancels and
+            # awaits what runs, and re-raises (E9, D1).
+            self._writer.raise_failure()
+        if self.cancel_requested:
+            return True
+        failure = self._harvest(self.inflight.take())
+        if failure is not None:
+            await self._fail(*failure)
+        if self._sync and (self.state.ready or self.checkpoints.pending):
+            # Durability "sync": what this harvest completed is durable before
+            # anything that consumes it starts; completions that arrive
+            # meanwhile join the next write (group commit).
+            await self.checkpoint()
+        self._dispatch_ready()
+        if self.maps is not None and self.maps.claims:
+            await self._take_parked()
+        if self.hedger is not None and self.hedger.backup_candidates:
+            self.hedger.back_up()  # a slot may have been freed
+        if self._stage(defer=True):  # a plain call: no coroutine per wake-up
+            await self._durable()  # the store fell behind: wait for it
+        return False
 
     def _arm_deadline(self) -> None:
         """Cancel the run at its deadline (R6); at once when it passed already."""
@@ -306,7 +273,7 @@ class RunLoop:
         parent never sleeps past the end that lets it go on.
         """
         waiting: dict[int, list[Attempt]] = {}
-        for attempt in self._in_flight:
+        for attempt in self.inflight.attempts:
             waiting.setdefault(attempt.index, []).append(attempt)
         total = sum(len(attempts) for attempts in waiting.values())
         needed = [total]
@@ -343,9 +310,7 @@ class RunLoop:
         again and they re-attach to their children where they are (R2).
         """
         awaited = children.awaited()
-        if self._writer is not None:
-            self._writer.wake_after = self._completions_needed()
-            self._writer.waiting_on = awaited
+        wake_after = self._completions_needed()
         children.suspending = True
         try:
             await self._cancel_in_flight(record=False)
@@ -358,7 +323,8 @@ class RunLoop:
             EventType.RUN_SUSPENDED, reason="children", children=list(awaited),
             questions=sorted(questions), turn=self.turn,
         )  # fmt: skip
-        await self._commit(RunStatus.SUSPENDED)
+        if self._stage(RunStatus.SUSPENDED, wake_after=wake_after, waiting_on=awaited):
+            await self._durable()
         return dataclasses.replace(self.result(RunStatus.SUSPENDED), waiting_on=awaited)
 
     def _discard_streams(self, attempts: tuple[Attempt, ...] | list[Attempt]) -> None:
@@ -384,7 +350,7 @@ class RunLoop:
             self._stage()
 
     def _queued(self) -> bool:
-        return bool(self._tickets) or bool(self.state.ready)
+        return bool(self.admission.tickets) or bool(self.state.ready)
 
     async def checkpoint(self) -> None:
         """Commit what is pending now and wait until it is durable."""
@@ -409,6 +375,8 @@ class RunLoop:
         error: str | None = None,
         *,
         defer: bool = False,
+        wake_after: int | None = None,
+        waiting_on: tuple[str, ...] = (),
     ) -> bool:
         """Hand the harvests so far to the store (D1) and publish their events.
 
@@ -416,32 +384,38 @@ class RunLoop:
         falling behind): the events then wait for :meth:`_durable`. ``defer``:
         a running harvest may wait for the writer's group window, and is
         staged with the ones that follow when it ends (its events wait too).
+        A suspension on child runs says how many of their ends wake it
+        (``wake_after``) and which it waits for (``waiting_on``, R4).
         """
-        writer = self._writer
+        writer, outbox = self._writer, self.outbox
         if writer is None:
-            if not self._events:
-                return False
-        elif defer and writer.defer(self.poke, hurry=self.streams.waiting):
+            if outbox.events:
+                outbox.publish(outbox.take())
             return False
-        events, self._events = self._events, []
-        if writer is not None and writer.stage(self, events, status, error):
-            self._unpublished.extend(events)
+        if defer and writer.defer(self.poke, hurry=self.streams.waiting):
+            return False
+        events = outbox.take()
+        must_flush = writer.stage(
+            Stage(
+                state=self.state, status=status, error=error, events=events,
+                event_seq=outbox.seq, turn=self.turn, checkpoints=self.checkpoints,
+                streams=self.streams, applied=outbox.applied, superseded=outbox.superseded,
+                parked=outbox.parked, wake_after=wake_after, waiting_on=waiting_on,
+                output=self.output,
+            )
+        )  # fmt: skip
+        outbox.applied, outbox.superseded, outbox.parked = [], [], []
+        if must_flush:
+            outbox.unpublished.extend(events)
             return True
-        self._publish_all(events)
+        outbox.publish(events)
         return False
 
     async def _durable(self) -> None:
         """Wait until every staged write is durable, then publish what waited for it."""
         assert self._writer is not None
         await self._writer.flush()
-        events, self._unpublished = self._unpublished, []
-        self._publish_all(events)
-
-    def _publish_all(self, events: list[EventTuple]) -> None:
-        publish = self._publish
-        if publish is not None:
-            for item in events:
-                publish(self.event(item))
+        self.outbox.publish_waiting()
 
     # -- dispatch -------------------------------------------------------------
 
@@ -460,14 +434,14 @@ class RunLoop:
             ready.sort()  # E2: simultaneously ready nodes go in definition order
         self.state.ready = []
         units: list[Unit] | None = None
-        if self._has_maps:  # a map's items are units of their own (M2), in item order
+        if self.maps is not None:  # a map's items are units of their own (M2), in item order
             units = []
             for i in ready:
                 if self._map[i]:
-                    units.extend([(i, j) for j in self._expand(i)])
+                    units.extend([(i, j) for j in self.maps.expand(i)])
                 else:
                     units.append((i, -1))
-        if units is None and self._engine_slots is None and self._run_slots is None:
+        if units is None and not self._bounded:
             for i in ready:
                 self.start_attempt(i)
             if self.hedger is not None and len(ready) > 1:
@@ -477,21 +451,35 @@ class RunLoop:
 
     def _dispatch_units(self, units: list[Unit]) -> None:
         """Start or admit ``units`` (nodes and map items), in order (E2, E3, M2)."""
-        if self._engine_slots is None and self._run_slots is None:
-            for i, j in units:
-                self._start_unit(i, j)
+        if not self._bounded:
+            for unit in units:
+                self._start_unit(unit)
         else:
             keyed = sorted((self._admission_key(u), n, u) for n, u in enumerate(units))
+            admit, granted = self.admission.admit, self._granted
             for key, _, unit in keyed:  # the policy orders a ready batch too (E3, T2)
-                self._admit(unit, key)
+                admit(unit, key, granted)
         if self.hedger is not None and len(units) > 1:
             self.hedger.launched(units)
 
-    def _start_unit(self, i: int, j: int) -> None:
+    def _granted(self, unit: Unit) -> None:
+        """Admission granted ``unit`` its slot: start it on that slot."""
+        self.admission.hold(self._start_unit(unit))
+        self.poke()  # granted from another run's harvest: publish NODE_STARTED now (E3)
+
+    def _start_unit(self, unit: Unit) -> Attempt:
+        i, j = unit
         if j < 0:
-            self.start_attempt(i)
-        else:
-            self.start_item(i, j)
+            return self.start_attempt(i)
+        assert self.maps is not None
+        return self.maps.start_item(i, j)
+
+    async def _take_parked(self) -> None:
+        """Start the maps that waited to claim parked items first (P4)."""
+        assert self.maps is not None
+        units = await self.maps.take_parked()
+        if units:
+            self._dispatch_units(units)
 
     def payload_of(self, i: int, j: int, items: MapItems | None = None) -> Any:
         """What unit ``(i, j)`` runs on: item ``j`` of the map's visit, or the node's payload."""
@@ -512,215 +500,30 @@ class RunLoop:
                 # Before any observation, a map's items keep the order of their cost
                 # (any fit b + m * cost with m > 0 ranks them alike, T2).
                 estimate = self._tail.cost_of(node, payload)
-        return self._policy.key(node, payload, estimate)
+        return self.admission.policy.key(node, payload, estimate)
 
-    def _admit(self, unit: Unit, key: tuple[float, ...]) -> None:
-        engine_slots = self._engine_slots
-        i, j = unit
-
-        def granted_by_engine() -> None:
-            self._tickets.pop(unit, None)
-            self._start_unit(i, j)
-            self.poke()  # granted from another run's harvest: publish NODE_STARTED now (E3)
-
-        def granted_by_run() -> None:
-            if engine_slots is None:
-                granted_by_engine()
-                return
-            ticket = Ticket(granted_by_engine)
-            self._tickets[unit] = ticket
-            engine_slots.submit(key, ticket)
-
-        if self._run_slots is None:
-            granted_by_run()
-            return
-        ticket = Ticket(granted_by_run)
-        self._tickets[unit] = ticket
-        self._run_slots.submit(key, ticket)
-
-    # -- map nodes (M1-M6) ----------------------------------------------------
-
-    def _expand(self, i: int, parked: list[ParkedRow] | None = None) -> list[int]:
-        """Start map ``i``'s visit (M1); the items to dispatch now, in item order.
-
-        A bad input fails the node (E9) and an empty list completes it with
-        ``[]``, both through the next harvest. A visit restored mid-way (D3,
-        M6) dispatches only the items that had not ended. A map with
-        ``resume_parked`` first claims the parked items of its node (see
-        :meth:`take_parked`); they become its first items (P4).
-        """
-        state = self.state
-        ns = state.nodes[i]
-        items = ns.items
-        now = time.monotonic()
-        node = self.topo.nodes[i]
-        if items is None and parked is None and node.resume_parked and self._writer is not None:
-            self._claims.append(i)  # claimed from the store before its items start
-            return []
-        if items is None:
-            payload = ns.payload
-            if parked and isinstance(payload, list | tuple):
-                payload = [self._decode(row.value_json) for row in parked] + list(payload)
-            try:
-                values, k = map_plan(node, payload)
-            except MapError as exc:
-                state.start(i, now)
-                self._settled(i, error=exc)
-                return []
-            items = state.expand(i, values, k, now)
-            if parked:
-                self._resume_parked(i, items, parked)
-            self.emit(EventType.NODE_STARTED, i, ns.visits, ns.attempts, items=len(values))
-            if not values:
-                self._settled(i, value=[])
-                return []
-        elif ns.status is NodeStatus.QUEUED:  # restored with some items ended
-            state.start(i, now)
-            self.emit(
-                EventType.NODE_STARTED, i, ns.visits, ns.attempts, items=len(items), resumed=True
-            )
-        return items.pending()
-
-    async def take_parked(self) -> None:
-        """Claim, for each map waiting on it, the parked items of its node (P4), then start
-        its items: each parked item is claimed by exactly one map visit across processes."""
-        claims, self._claims = self._claims, []
-        assert self._writer is not None
-        units: list[Unit] = []
-        for i in claims:
-            node_id, visit = self.topo.ids[i], self.state.nodes[i].visits
-            rows = await self._writer.store.claim_parked(
-                self.topo.graph.name, node_id, f"{self.run_id}/{node_id}/{visit}"
-            )
-            units.extend((i, j) for j in self._expand(i, rows))
-        if units:
-            self._dispatch_units(units)
-
-    def _resume_parked(self, i: int, items: MapItems, parked: list[ParkedRow]) -> None:
-        """The parked items ``items`` took first: named in its row, run from their checkpoint."""
-        items.parked = [row.park_id for row in parked]
-        node_id = self.topo.ids[i]
-        for j, row in enumerate(parked):
-            if row.checkpoint_json is not None:
-                self.state.checkpoints[(node_id, items.visit, j)] = parked_checkpoint(
-                    row, self._decode(row.checkpoint_json)
-                )
-        self.state.dirty[i] = None
-
-    def _decode(self, text: str) -> Any:
-        return (self._writer.codec if self._writer is not None else DEFAULT_CODEC).decode(text)
-
-    def _parked_row(self, i: int, visit: int, item: int | None, value: Any) -> ParkedRow | None:
-        """A straggler of node ``i`` as it is parked (P3): what it runs on and its checkpoint;
-        None when it cannot be kept (no store, or a value the codec refuses: it is cancelled)."""
-        writer = self._writer
-        if writer is None:
-            return None
-        node_id = self.topo.ids[i]
-        checkpoint = self.checkpoints.resumed(node_id, visit, item)
-        try:
-            value_json = writer.codec.encode(value)
-            checkpoint_json = None if checkpoint is None else writer.codec.encode(checkpoint.value)
-        except (TypeError, ValueError):
-            return None
-        return ParkedRow(
-            park_id=uuid.uuid4().hex, graph_name=self.topo.graph.name, node_id=node_id,
-            run_id=self.run_id, visit=visit, item=-1 if item is None else item,
-            value_json=value_json, checkpoint_json=checkpoint_json, parked_at=time.time(),
-        )  # fmt: skip
-
-    def _settled(self, i: int, *, value: Any = None, error: BaseException | None = None) -> None:
-        """Map ``i``'s own outcome, known at its dispatch: harvested like an attempt's end."""
-        ns = self.state.nodes[i]
-        attempt = Attempt(i, ns.visits, time.monotonic(), False, ns.attempts or 1)
-        attempt.value = value
-        attempt.error = error
-        attempt.finished = True
-        self._done.append(attempt)
-
-    def _holds_slot(self, attempt: Attempt) -> bool:
-        """Whether ``attempt`` holds an admission slot: a map's own outcome holds none, nor a
-        child run's attempt once it started."""
-        return (attempt.item >= 0 or not self._map[attempt.index]) and not attempt.released
-
-    def start_item(
-        self,
-        i: int,
-        j: int,
-        *,
-        hedge: bool = False,
-        extra_slot: bool = False,
-        items: MapItems | None = None,
-    ) -> None:
-        """Start an attempt of item ``j`` of map ``i`` (of ``items``, default its current visit)."""
-        items = items or self.state.nodes[i].items
-        assert items is not None
-        if not hedge:
-            items.start(j)
-            if self.hedger is not None:
-                self.hedger.first_attempts += 1
-        attempt = Attempt(i, items.visit, time.monotonic(), hedge, items.attempts[j] or 1, j, items)
-        if extra_slot:
-            attempt.extra_slot = True
-        data = {"item": j, "hedge": True} if hedge else {"item": j}
-        self._launch(attempt, items.values[j], data)
-
-    def _release_slot(self) -> None:
-        if self._engine_slots is not None:
-            self._engine_slots.release()
-        if self._run_slots is not None:
-            self._run_slots.release()
-
-    def take_idle_slot(self) -> bool:
-        """Take a slot of the engine and of the run if both have one nobody waits for.
-
-        For clones and backups (hedge policy): they use idle capacity only,
-        so they never delay a first attempt (E3 still bounds what runs).
-        """
-        engine_slots, run_slots = self._engine_slots, self._run_slots
-        if engine_slots is not None and not engine_slots.try_acquire():
-            return False
-        if run_slots is not None and not run_slots.try_acquire():
-            if engine_slots is not None:
-                engine_slots.release()
-            return False
-        return True
-
-    def _close_tail(self) -> None:
-        """Stop the hedger's timers and hedges for this run (it is winding down)."""
-        if self.hedger is not None:
-            self.hedger.close()
-
-    def _release_extra(self, attempt: Attempt) -> None:
-        if attempt.extra_slot:
-            attempt.extra_slot = False
-            self._release_slot()
-
-    def start_attempt(self, i: int, *, hedge: bool = False, extra_slot: bool = False) -> None:
-        """Start an attempt of node ``i`` now (admission already granted, or a hedge).
-
-        ``extra_slot``: the attempt holds a slot of its own (taken with
-        :meth:`take_idle_slot`), released when it ends.
-        """
+    def start_attempt(self, i: int, *, hedge: bool = False) -> Attempt:
+        """Start an attempt of node ``i`` now (admission already granted, or a hedge)."""
         ns = self.state.nodes[i]
         now = time.monotonic()
         if not hedge:
             self.state.start(i, now)
-            if self.hedger is not None:
-                self.hedger.first_attempts += 1
         attempt = Attempt(i, ns.visits, now, hedge, ns.attempts or 1)
-        if extra_slot:
-            attempt.extra_slot = True
         self._launch(attempt, ns.payload, _HEDGE_DATA if hedge else None)
+        return attempt
 
-    def restart(self, attempt: Attempt, *, extra_slot: bool = False) -> None:
-        """Start a hedge of ``attempt``'s node or item (T3, per item for maps, M2)."""
+    def _restart(self, attempt: Attempt, extra_slot: bool) -> None:
+        """Start a hedge of ``attempt``'s node or item (T3, per item for maps, M2); with
+        ``extra_slot`` it holds the idle slot the hedger took for it."""
         if attempt.item < 0:
-            self.start_attempt(attempt.index, hedge=True, extra_slot=extra_slot)
+            hedge = self.start_attempt(attempt.index, hedge=True)
         else:
-            self.start_item(
-                attempt.index, attempt.item, hedge=True, extra_slot=extra_slot, items=attempt.items
+            assert self.maps is not None
+            hedge = self.maps.start_item(
+                attempt.index, attempt.item, hedge=True, items=attempt.items
             )
+        if extra_slot:
+            self.admission.hold_extra(hedge)
 
     def _launch(self, attempt: Attempt, payload: Any, data: Mapping[str, Any] | None) -> None:
         """Run ``attempt`` on ``payload`` as a task; its NODE_STARTED carries ``data``."""
@@ -738,38 +541,13 @@ class RunLoop:
                 }
         else:
             coro = self._run_attempt(node, self._async[i], payload, attempt)
-        task = self.loop.create_task(coro, name=node.id)
-        # Removed when the attempt reports its end: it fires only for a task
-        # cancelled before its first step (whose coroutine never ran).
-        task.add_done_callback(self._unreported_cb, context=self._cb_context)
-        attempt.task = task
-        self._in_flight[attempt] = None
-        if self._record:
-            self.event_seq += 1
-            self._events.append(
-                (
-                    self.event_seq,
-                    EventType.NODE_STARTED,
-                    i,
-                    attempt.visit,
-                    attempt.tries,
-                    time.time(),
-                    data,
-                )
-            )
-        if self.hedger is not None:
-            self.hedger.watch(attempt)
-
-    def poke(self) -> None:
-        """Wake the loop for an empty harvest, so buffered events are committed and published now.
-
-        A poke while the loop is busy elsewhere (a flush) is kept: the loop
-        then makes that harvest before it waits again.
-        """
-        self._poked = True
-        wake = self._wake
-        if wake is not None and not wake.done():
-            wake.set_result(None)
+        self.inflight.add(attempt, self.loop.create_task(coro, name=node.id))
+        self.outbox.put(EventType.NODE_STARTED, i, attempt.visit, attempt.tries, data)
+        hedger = self.hedger
+        if hedger is not None:
+            if not attempt.hedge:
+                hedger.first_attempts += 1
+            hedger.watch(attempt)
 
     async def _run_direct(self, node: Node, payload: Any, attempt: Attempt) -> None:
         """An attempt of an async handler with no retry, timeout or executor (the short path)."""
@@ -789,13 +567,13 @@ class RunLoop:
             if self._ended(attempt, exc):
                 raise
             return
-        self._finished(attempt)
+        self.inflight.finished(attempt)
 
     async def _run_child(self, node: Node, payload: Any, attempt: Attempt) -> None:
         """An attempt of a node whose handler is a graph: its child run (R1); it holds no slot."""
-        if self._bounded and self._holds_slot(attempt):
-            attempt.released = True
-            self._release_slot()  # the child's own nodes take slots (no nested deadlock)
+        if self._bounded and not attempt.released:
+            attempt.released = True  # the child's own nodes take slots (no nested deadlock)
+            self.admission.release_unit(attempt.index, attempt.visit, attempt.item)
         try:
             if self.children is None:
                 raise RunError(f"node {node.id!r}: child runs need an engine to run them")
@@ -804,7 +582,7 @@ class RunLoop:
             if self._ended(attempt, exc):
                 raise
             return
-        self._finished(attempt)
+        self.inflight.finished(attempt)
 
     async def _run_attempt(
         self, node: Node, is_async: bool, payload: Any, attempt: Attempt
@@ -816,7 +594,7 @@ class RunLoop:
             if self._ended(attempt, exc):
                 raise
             return
-        self._finished(attempt)
+        self.inflight.finished(attempt)
 
     def _where(self, node: Node, attempt: Attempt, tries: int, resumed: Checkpoint | None) -> Where:
         """What ``current_node()`` reads in the attempt: where it runs, its checkpoint sink, the
@@ -842,35 +620,8 @@ class RunLoop:
         recorded too, and re-raised so the task ends cancelled.
         """
         attempt.error = exc
-        self._finished(attempt)
+        self.inflight.finished(attempt)
         return not isinstance(exc, Exception)
-
-    def _finished(self, attempt: Attempt) -> None:
-        """Hand a finished attempt to the run loop and wake it (once per attempt)."""
-        if attempt.finished:
-            return
-        attempt.finished = True
-        if attempt.task is not None:
-            attempt.task.remove_done_callback(self._unreported_cb)
-            # The task's context refers to the attempt (current_node's handle): letting go
-            # of the task here leaves no cycle, so both are freed by reference counting.
-            attempt.task = None
-        try:
-            del self._in_flight[attempt]
-        except KeyError:
-            return  # the run is winding down and no longer harvests it
-        self._done.append(attempt)
-        wake = self._wake
-        if wake is not None and not wake.done():
-            wake.set_result(None)
-
-    def _unreported(self, task: asyncio.Task[Any]) -> None:
-        """A task ended without its attempt reporting: it was cancelled before it ran."""
-        for attempt in self._in_flight:
-            if attempt.task is task:
-                attempt.error = asyncio.CancelledError()  # E9: a cancelled handler failed
-                self._finished(attempt)
-                return
 
     async def _call(self, node: Node, is_async: bool, payload: Any, attempt: Attempt) -> Any:
         """Run the handler with retries and timeout (E11); every failed try is an event.
@@ -980,6 +731,7 @@ class RunLoop:
         failure: tuple[int, BaseException] | None = None
         state = self.state
         hedger = self.hedger
+        admission = self.admission
         now = time.monotonic()
         for attempt in batch:
             i = attempt.index
@@ -988,13 +740,14 @@ class RunLoop:
             if attempt.backup_timer is not None:
                 attempt.backup_timer.cancel()
             if attempt.abandoned:
-                self._release_extra(attempt)
+                admission.release_extra(attempt)
                 continue  # a hedge loser; the winner holds the node's slot
             if hedger is not None and not hedger.settle(attempt):
-                self._release_extra(attempt)
+                admission.release_extra(attempt)
                 continue
             if attempt.item >= 0:
-                exc = self._harvest_item(attempt, now)  # recorded there, failed or not
+                assert self.maps is not None  # recorded there, failed or not:
+                exc = self.maps.harvest_item(attempt, now, self._failing)
                 if exc is not None and failure is None:
                     failure = (i, exc)
                     self._failing = attempt
@@ -1022,9 +775,8 @@ class RunLoop:
                         traceback=traceback_text(exc),
                     )
             # Freed only now, so the event log never shows more than capacity in flight (E3).
-            if self._bounded and self._holds_slot(attempt):
-                self._release_slot()
-                self._release_extra(attempt)
+            if self._bounded:
+                admission.release(attempt)
         if self.streams.open:  # whatever streamed and was not accepted above (S2)
             self._discard_streams(batch)
         if self._fired_cancel and failure is None:
@@ -1058,13 +810,10 @@ class RunLoop:
     def _cancel_dead(self, s: int, t: int) -> None:
         ns = self.state.nodes[s]
         # Its queued tickets first, so that no slot freed below goes to one of them.
-        for unit in [u for u in self._tickets if u[0] == s]:
-            self._tickets.pop(unit).cancel()
-        running = [a for a in self._in_flight if a.index == s and not a.abandoned]
-        for attempt in running:
-            attempt.abandon()  # its end is no failure; its slot is freed here
-        for _ in {a.item for a in running if not a.released}:  # one slot per node, or item
-            self._release_slot()
+        self.admission.cancel_node(s)
+        for attempt in [a for a in self.inflight.attempts if a.index == s and not a.abandoned]:
+            attempt.abandon()  # its end is no failure; its unit's slot is freed here
+            self.admission.release_unit(s, attempt.visit, attempt.item)
         if s in self.state.ready:
             self.state.ready.remove(s)
         if self.hedger is not None:
@@ -1072,13 +821,14 @@ class RunLoop:
         row = None
         if ns.question is not None:  # a gate nobody needs an answer from any more (Q7)
             if self._writer is not None:
-                self._writer.superseded.append(ns.question)
+                self.outbox.superseded.append(ns.question)
             ns.question = None
         elif self.topo.nodes[t].late == "park":  # a straggler kept for later (P3)
-            row = self._parked_row(s, ns.visits, None, ns.payload)
+            row = self.checkpoints.park(
+                self.topo.graph.name, self.topo.ids[s], ns.visits, None, ns.payload
+            )
             if row is not None:
-                assert self._writer is not None
-                self._writer.parked.append(row)
+                self.outbox.parked.append(row)
         self.state.cancel(s)
         self.state.late.append(
             LateInput(
@@ -1111,19 +861,10 @@ class RunLoop:
             self._tail.observe(
                 self.topo.nodes[i], ns.payload, now - attempt.started, attempt.straggled
             )
-        if self._record:
-            self.event_seq += 1
-            self._events.append(
-                (
-                    self.event_seq,
-                    EventType.NODE_COMPLETED,
-                    i,
-                    attempt.visit,
-                    attempt.tries,
-                    time.time(),
-                    {"duration": now - attempt.started, "hedge": attempt.hedge},
-                )
-            )
+        self.outbox.put(
+            EventType.NODE_COMPLETED, i, attempt.visit, attempt.tries,
+            {"duration": now - attempt.started, "hedge": attempt.hedge},
+        )  # fmt: skip
         if self._writer is not None:
             self._writer.result_completed(i, attempt.visit, result)
         if len(state.frozen) != frozen_before:
@@ -1138,151 +879,6 @@ class RunLoop:
             self.emit(EventType.AGGREGATE_FIRED, t, activation, None, sources=sources)
             if self.topo.nodes[t].late != "record":
                 self._fired_cancel.append(t)
-
-    # -- map items: harvest, decision, late items (M2-M5) ------------------------
-
-    def _harvest_item(self, attempt: Attempt, now: float) -> BaseException | None:
-        """Record a finished item attempt; the error that fails its map, if it does (M4)."""
-        items, j = attempt.items, attempt.item
-        assert items is not None
-        if items.status[j] is not ItemStatus.RUNNING:
-            return None  # ended already (cancelled as late while it finished)
-        i = attempt.index
-        failing = self._failing
-        if failing is not None and failing.index == i:
-            return None  # its map fails in this harvest: nothing after that decides it (E9)
-        exc = attempt.error
-        value = attempt.value
-        text = None
-        if exc is None and self._writer is not None:
-            try:
-                value, text = self._writer.canonical_item(self.topo.ids[i], items.visit, j, value)
-            except EncodeError as error:
-                exc = error
-        if exc is not None:
-            return self._item_failed(attempt, exc)
-        node = self.topo.nodes[i]
-        if self._tail is not None:
-            self._tail.observe(node, items.values[j], now - attempt.started, attempt.straggled)
-        items.texts[j] = text
-        decides = self.state.item_succeeded(items, j, value)
-        if attempt.stream is not None:
-            self.streams.end(attempt, accepted=True)  # committed with this harvest (S2)
-        if self._record:
-            self.event_seq += 1
-            self._events.append(
-                (
-                    self.event_seq,
-                    EventType.NODE_COMPLETED,
-                    i,
-                    attempt.visit,
-                    attempt.tries,
-                    time.time(),
-                    {"duration": now - attempt.started, "hedge": attempt.hedge, "item": j},
-                )
-            )
-        if decides:
-            self._decide(items, now)
-        return None
-
-    def _item_failed(self, attempt: Attempt, exc: BaseException) -> BaseException | None:
-        """Item ``attempt.item`` failed for good: record it; what fails the map, if anything (M4)."""
-        items, j, i = attempt.items, attempt.item, attempt.index
-        assert items is not None
-        decided = items.winners is not None
-        decidable = self.state.item_failed(items, j, describe(exc))
-        self.emit(
-            EventType.NODE_FAILED,
-            i,
-            attempt.visit,
-            attempt.tries,
-            item=j,
-            error=describe(exc),
-            traceback=traceback_text(exc),
-        )
-        if decided:
-            return None  # a late item: its failure changes nothing
-        node = self.topo.nodes[i]
-        if node.errors == "fail":
-            return exc  # E9: the item's own exception fails the node and the run
-        if items.hopeless():
-            k = "every item" if items.k is None else f"k={items.k}"
-            return MapError(
-                f"map {node.id!r}: {items.failed} of {len(items)} items failed, so fewer "
-                f"than {k} can still succeed; errors: "
-                + "; ".join(f"item {e}: {text}" for e, text in sorted(items.errors.items())),
-                errors=items.errors,
-            )
-        if decidable:
-            self._decide(items, time.monotonic())
-        return None
-
-    def _decide(self, items: MapItems, now: float) -> None:
-        """Decide map ``items`` (M3): complete its node with the output; cancel late items (M5)."""
-        i = items.node
-        ns = self.state.nodes[i]
-        frozen_before = len(self.state.frozen)
-        output = self.state.decide_map(items)
-        winners = list(items.winners or ())
-        self._durations[i] += now - ns.started_at  # a map's time: expansion to decision
-        self.emit(
-            EventType.NODE_COMPLETED,
-            i,
-            items.visit,
-            ns.attempts,
-            duration=now - ns.started_at,
-            hedge=False,
-            items=len(items),
-            k=len(winners),
-            winners=winners,
-        )
-        if self._writer is not None:
-            texts = [items.texts[w] for w in winners]
-            text = None if None in texts else "[" + ",".join(t for t in texts if t) + "]"
-            self._writer.result_completed(i, items.visit, output, text=text)
-        if len(self.state.frozen) != frozen_before:
-            self._aggregates_fired(frozen_before)
-        late = self.topo.nodes[i].late
-        if late != "record":
-            self._cancel_items(items, items.unfinished(), park=late == "park")
-
-    def _cancel_items(self, items: MapItems, late: list[int], *, park: bool = False) -> None:
-        """Cancel the items of ``items`` still queued or running at its decision (M5); with
-        ``park``, keep each as a parked item (P3)."""
-        if not late:
-            return
-        i = items.node
-        for j in late:  # first, so that no slot freed below goes to a late item
-            ticket = self._tickets.pop((i, j), None)
-            if ticket is not None:
-                ticket.cancel()
-        wanted = set(late)
-        running: dict[int, list[Attempt]] = {}
-        for attempt in self._in_flight:
-            if attempt.items is items and attempt.item in wanted and not attempt.abandoned:
-                running.setdefault(attempt.item, []).append(attempt)
-        for j in late:
-            attempts = running.get(j)
-            if attempts:
-                for attempt in attempts:
-                    attempt.abandon()  # its end is no failure
-                if not all(a.released for a in attempts):
-                    self._release_slot()  # the item's; a hedge's is freed at its harvest
-            if self.hedger is not None:
-                self.hedger.live.pop((i, j), None)
-            row = self._parked_row(i, items.visit, j, items.values[j]) if park else None
-            if row is not None:
-                assert self._writer is not None
-                self._writer.parked.append(row)
-            self.state.item_cancelled(items, j, parked=row is not None)
-            self.emit(
-                EventType.NODE_CANCELLED,
-                i,
-                items.visit,
-                items.attempts[j] or None,
-                item=j,
-                reason="parked" if row is not None else "late",
-            )
 
     def _open_question(self, i: int, prompt: Any, attempt: Attempt) -> None:
         """A gate's handler returned its prompt: open the question and wait (Q1)."""
@@ -1337,10 +933,10 @@ class RunLoop:
         applied: list[str] = []
         for question_id, value in await writer.unapplied_answers():
             if self.apply_answer(question_id, value):
-                writer.applied.append(question_id)
+                self.outbox.applied.append(question_id)
                 applied.append(question_id)
             else:
-                writer.superseded.append(question_id)
+                self.outbox.superseded.append(question_id)
         return applied
 
     def _emit_late(self) -> None:
@@ -1363,11 +959,7 @@ class RunLoop:
 
     async def _fail(self, i: int, exc: BaseException) -> None:
         """E9: cancel and await siblings, one final write, NODE_FAILED last, re-raise."""
-        await self._cancel_in_flight(record=True, keep=i)
-        if self._failing is None or self._holds_slot(self._failing):
-            self._release_slot()  # the failed node's; no queued sibling can take it now
-        if self._failing is not None:
-            self._release_extra(self._failing)
+        await self._cancel_in_flight(record=True, keep=i)  # frees the failed node's slot too
         self._supersede_waiting()
         ns = self.state.nodes[i]
         if ns.status is not NodeStatus.FAILED:
@@ -1391,38 +983,28 @@ class RunLoop:
             self.state.cancel(g)
             self.emit(EventType.NODE_CANCELLED, g, gs.visits, gs.attempts)
             if self._writer is not None:
-                self._writer.superseded.append(question_id)
+                self.outbox.superseded.append(question_id)
 
     async def _cancel_in_flight(self, *, record: bool, keep: int | None = None) -> None:
         """Cancel and await what is in flight and queued; with ``record``, mark those nodes
         cancelled (all but ``keep``, the node whose failure ends the run)."""
-        self._close_tail()  # first: no hedge may start while we wind down
+        if self.hedger is not None:
+            self.hedger.close()  # first: no hedge may start while we wind down
         if record and self.children is not None:
             self.children.ending = True  # the run ends: its children are not needed (R3)
-        tickets, self._tickets = self._tickets, {}
-        for ticket in tickets.values():
-            ticket.cancel()
-        attempts = list(self._in_flight)
-        for attempt in attempts:
-            assert attempt.task is not None
-            attempt.task.cancel()
-        if attempts:
-            await asyncio.gather(*(a.task for a in attempts if a.task), return_exceptions=True)
-        self._in_flight.clear()
-        self._discard_streams((*attempts, *self._done))
-        for attempt in (*attempts, *self._done):
-            self._release_extra(attempt)  # clones and backups hold their own
-        # Abandoned attempts (hedge losers, cancelled dead inputs) hold no node slot.
-        holding = {(a.index, a.item) for a in attempts if not a.abandoned and not a.released} | {
-            (a.index, a.item) for a in self._done if not a.abandoned and self._holds_slot(a)
-        }
-        for _ in holding:  # one slot per node visit or item, however many attempts raced
-            self._release_slot()
-        stopped = {i for i, _ in holding} | {i for i, _ in tickets}
-        stopped.discard(-1 if keep is None else keep)
-        self._done = []
+        queued = self.admission.cancel_all()
+        attempts = await self.inflight.cancel_all()
+        done, self.inflight.done = self.inflight.done, []
+        self._discard_streams((*attempts, *done))
+        self.admission.release_all()  # whatever its units and backups still hold (E3)
         if not record:
             return
+        # The nodes stopped here: those running (hedge losers and inputs cancelled as
+        # dead were stopped before) or queued, but for ``keep``, whose failure ends the run.
+        stopped = {a.index for a in attempts if not a.abandoned and not a.released}
+        stopped |= {a.index for a in done if not a.abandoned and self._holds_slot(a)}
+        stopped |= {i for i, _ in queued}
+        stopped.discard(-1 if keep is None else keep)
         for i in sorted(stopped):
             ns = self.state.nodes[i]
             if ns.status in (NodeStatus.RUNNING, NodeStatus.QUEUED, NodeStatus.WAITING):
@@ -1481,6 +1063,7 @@ class RunLoop:
         visits: dict[str, int] = {}
         reports: dict[str, NodeReport] = {}
         durations = self._durations
+        hedger = self.hedger
         for i, (node_id, ns) in enumerate(zip(self.topo.ids, self.state.nodes, strict=True)):
             if ns.has_result:
                 results[node_id] = ns.result
@@ -1493,8 +1076,8 @@ class RunLoop:
             visits=visits,
             nodes=reports,
             late_inputs=tuple(self.state.late),
-            stragglers=0 if self.hedger is None else self.hedger.stragglers,
-            hedges=0 if self.hedger is None else self.hedger.hedges,
+            stragglers=0 if hedger is None else hedger.stragglers,
+            hedges=0 if hedger is None else hedger.hedges,
             duration=time.monotonic() - self.started_at,
             output=self.output(),
             parent_run_id=self.parent_run_id,
@@ -1506,3 +1089,8 @@ class RunLoop:
         if len(done) == 1:
             return self.state.nodes[done[0]].result
         return {self.topo.ids[i]: self.state.nodes[i].result for i in done} or None
+
+    def _holds_slot(self, attempt: Attempt) -> bool:
+        """Whether ``attempt`` is a unit's that holds a slot: a map's own outcome is not, nor a
+        child run's attempt once it started."""
+        return (attempt.item >= 0 or not self._map[attempt.index]) and not attempt.released

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._codec import Codec, JsonCodec
 from .._errors import EncodeError
@@ -42,12 +43,12 @@ from ..stores import (
     RunStatus,
     RunStore,
 )
+from ._checkpoints import Checkpoints
 from ._inflight import BULK, paused_gc
 from ._lease import Lease, run_to_end
-from ._state import MapItems, NodeState
-
-if TYPE_CHECKING:
-    from ._loop import EventTuple, RunLoop
+from ._outbox import EventTuple
+from ._state import MapItems, NodeState, RunState
+from ._streams import Streams
 
 logger = logging.getLogger("tailrace.persist")
 
@@ -65,6 +66,34 @@ MAX_QUEUED = 256
 #: Encoded results at least this long are stored once, in their result row;
 #: node rows refer to them (a 50 MB result is not written three times).
 REF_MIN_CHARS = 1024
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Stage:
+    """What a run loop hands its writer at a stage: the harvests since the last one (D1).
+
+    The writer reads the state's dirty rows and first-k decisions, takes the
+    checkpoints and stream chunks saved since, and writes them with
+    ``events`` and the ledger rows in one transaction; ``status`` and
+    ``error`` are the run's after it. A suspension on child runs carries the
+    completions it waits for (``wake_after``) and the children awaited
+    (``waiting_on``, R4); ``output`` gives a completing run's output.
+    """
+
+    state: RunState
+    status: RunStatus
+    error: str | None
+    events: list[EventTuple]
+    event_seq: int
+    turn: int
+    checkpoints: Checkpoints
+    streams: Streams
+    applied: list[str]
+    superseded: list[str]
+    parked: list[ParkedRow]
+    wake_after: int | None = None
+    waiting_on: tuple[str, ...] = ()
+    output: Callable[[], Any]
 
 
 class RunWriter:
@@ -88,14 +117,6 @@ class RunWriter:
         #: First-k decisions and map items copied from a fork's source run, for the next commit.
         self._carried: list[FrozenInput] = []
         self._carried_items: list[ItemRow] = []
-        self.applied: list[str] = []
-        self.superseded: list[str] = []
-        #: Stragglers parked since the last write (P3).
-        self.parked: list[ParkedRow] = []
-        #: For the next suspension on child runs: the completions it waits for, and
-        #: the children awaited (R4).
-        self.wake_after: int | None = None
-        self.waiting_on: tuple[str, ...] = ()
         self._queued: list[_Pending] = []
         #: Harvests staged since the last write began (the store's backlog).
         self._staged = 0
@@ -293,13 +314,6 @@ class RunWriter:
             self._texts[i] = (result, text)
         self._results.append(_make_result_row(self.topo.ids[i], visit, text))
 
-    async def commit(
-        self, loop: RunLoop, events: list[EventTuple], status: RunStatus, error: str | None
-    ) -> None:
-        """Commit one harvest with its ``events``; a terminal ``status`` waits for durability."""
-        if self.stage(loop, events, status, error):
-            await self.flush()
-
     def defer(self, wake: Callable[[], None], *, hurry: bool = False) -> bool:
         """Whether a running harvest may wait for the group window instead of being staged now.
 
@@ -339,10 +353,8 @@ class RunWriter:
             self._window = None
         self._window_ended = False
 
-    def stage(
-        self, loop: RunLoop, events: list[EventTuple], run_status: RunStatus, error: str | None
-    ) -> bool:
-        """Queue one harvest with its ``events`` for the store; True if the caller must flush.
+    def stage(self, stage: Stage) -> bool:
+        """Queue one ``stage`` of harvests for the store; True if the caller must flush.
 
         One write per run is in flight at a time; harvests produced meanwhile
         are merged, in order, into the next write (run-level group commit). The
@@ -351,16 +363,17 @@ class RunWriter:
         self.raise_failure()
         self._close_window()
         queued = self._queued
+        run_status = stage.status
         if not queued or queued[-1].status is not run_status:
             queued.append(_Pending(run_status))  # a status change is its own write
         if run_status is RunStatus.SUSPENDED:
-            queued[-1].wake_after, self.wake_after = self.wake_after, None
-            queued[-1].waiting_on, self.waiting_on = self.waiting_on, ()
-        if len(loop.state.dirty) + len(events) < BULK:
-            self._add_harvest(queued[-1], loop, events, error)
+            queued[-1].wake_after = stage.wake_after
+            queued[-1].waiting_on = stage.waiting_on
+        if len(stage.state.dirty) + len(stage.events) < BULK:
+            self._add_harvest(queued[-1], stage)
         else:
             with paused_gc():  # thousands of rows at once (see paused_gc)
-                self._add_harvest(queued[-1], loop, events, error)
+                self._add_harvest(queued[-1], stage)
         self._staged += 1
         if self._writer is None or self._writer.done():
             self._writer = asyncio.ensure_future(self._drain())
@@ -447,11 +460,10 @@ class RunWriter:
         if writer is not None:
             await asyncio.gather(writer, return_exceptions=True)
 
-    def _add_harvest(
-        self, pending: _Pending, loop: RunLoop, events: list[EventTuple], error: str | None
-    ) -> None:
-        """Fold one harvest into the write being gathered: rows as they stand now (D1, D2)."""
-        state = loop.state
+    def _add_harvest(self, pending: _Pending, stage: Stage) -> None:
+        """Fold one stage into the write being gathered: rows as they stand now (D1, D2)."""
+        state = stage.state
+        events = stage.events
         ids = self.topo.ids
         # Encoded first, folded in after: a value that fails to encode leaves the
         # write being gathered as it was (harvests are whole, D1).
@@ -479,8 +491,8 @@ class RunWriter:
             pending.items.update(((r.node_id, r.visit, r.item), r) for r in self._carried_items)
             self._carried_items = []
         pending.items.update(items)  # and of an item
-        if loop.checkpoints.pending:  # and the latest checkpoint of a visit (P1)
-            for cp in loop.checkpoints.take_pending():
+        if stage.checkpoints.pending:  # and the latest checkpoint of a visit (P1)
+            for cp in stage.checkpoints.take_pending():
                 pending.checkpoints[(cp.node_id, cp.visit, cp.item)] = cp
         if self._carried:
             pending.frozen.extend(self._carried)
@@ -492,15 +504,12 @@ class RunWriter:
         if self._questions:
             pending.questions.extend(self._questions)
             self._questions = []
-        if self.applied:
-            pending.applied.extend(self.applied)
-            self.applied = []
-        if self.superseded:
-            pending.superseded.extend(self.superseded)
-            self.superseded = []
-        if self.parked:
-            pending.parked.extend(self.parked)
-            self.parked = []
+        if stage.applied:
+            pending.applied.extend(stage.applied)
+        if stage.superseded:
+            pending.superseded.extend(stage.superseded)
+        if stage.parked:
+            pending.parked.extend(stage.parked)
         if events:
             ids, data_json, new = self.topo.ids, self._event_data_json, tuple.__new__
             pending.events += [  # the most numerous rows: built inline, as named tuples
@@ -518,24 +527,24 @@ class RunWriter:
                 )
                 for seq, type, node, visit, attempt, ts, data in events
             ]
-        if loop.streams.seq:  # the run streams: its rows go with this harvest (S3)
-            pending.chunks += loop.streams.take()
-        pending.error = error
+        if stage.streams.seq:  # the run streams: its rows go with this harvest (S3)
+            pending.chunks += stage.streams.take()
+        pending.error = stage.error
         if not state.parked and not state.edge_gen:  # the common case: three counters
-            pending.state = (state.seq, loop.event_seq, loop.turn, self.durability)
+            pending.state = (state.seq, stage.event_seq, stage.turn, self.durability)
         else:
-            pending.state = self._state_json(loop)
+            pending.state = self._state_json(stage)
         status = pending.status
         if status is not RunStatus.RUNNING and status is not RunStatus.SUSPENDED:
             pending.finished_at = time.time()
         if status is RunStatus.COMPLETED and self.record.parent_run_id is not None:
-            pending.output_json = self._output_json(loop)
+            pending.output_json = self._output_json(stage)
 
-    def _output_json(self, loop: RunLoop) -> str | None:
+    def _output_json(self, stage: Stage) -> str | None:
         """A completing child run's output, encoded for its parent (R1); None if it does not
         encode (its parent then reads it off the node rows, and the error there)."""
         try:
-            return self.codec.encode(loop.output())
+            return self.codec.encode(stage.output())
         except (TypeError, ValueError, RecursionError):
             return None
 
@@ -553,18 +562,18 @@ class RunWriter:
                 return f'{{"duration":{duration!r},"hedge":{hedged},"item":{item:d}}}'
         return self.codec.encode(data if isinstance(data, dict) else dict(data))
 
-    def _state_json(self, loop: RunLoop) -> str:
+    def _state_json(self, stage: Stage) -> str:
         """The run's own counters; written by hand in the common case (no loops, nothing parked)."""
-        state = loop.state
+        state = stage.state
         if not state.parked and not state.edge_gen:
-            return state_text(state.seq, loop.event_seq, loop.turn, self.durability)
+            return state_text(state.seq, stage.event_seq, stage.turn, self.durability)
         ids = self.topo.ids
         return self.codec.encode(
             {
                 "v": FORMAT_VERSION,
                 "seq": state.seq,
-                "events": loop.event_seq,
-                "turn": loop.turn,
+                "events": stage.event_seq,
+                "turn": stage.turn,
                 "durability": self.durability,
                 "parked": [
                     [ids[src], ids[dst], value, _pairs(f, ids)]
