@@ -29,7 +29,6 @@ class Attempt:
         "abandoned",
         "backup_timer",
         "error",
-        "extra_slot",
         "finished",
         "hedge",
         "index",
@@ -74,8 +73,6 @@ class Attempt:
         self.timer: asyncio.TimerHandle | None = None
         #: When a hedge policy backs this attempt up (tail hooks).
         self.backup_timer: asyncio.TimerHandle | None = None
-        #: A clone or backup on idle capacity holds a slot of its own until it ends.
-        self.extra_slot = False
         #: What the handler returned, or the exception it ended with (cancellation included).
         self.value: Any = None
         self.error: BaseException | None = None

@@ -104,6 +104,8 @@ class RunLoop:
             run_id, topo.ids, publish, record=publish is not None or writer is not None,
             seq=event_seq,
         )  # fmt: skip
+        #: Buffers an event; it is committed with the harvest and then published.
+        self.emit = self.outbox.emit
         self.admission = RunAdmission(engine_slots, run_capacity, policy)
         self._bounded = self.admission.bounded
         self._gate = tuple(n.kind is NodeKind.GATE for n in topo.nodes)
@@ -152,19 +154,6 @@ class RunLoop:
     @children.setter
     def children(self, children: Children | None) -> None:
         self.runner.children = children
-
-    # -- events ---------------------------------------------------------------
-
-    def emit(
-        self,
-        type: EventType,
-        node: int | None = None,
-        visit: int | None = None,
-        attempt: int | None = None,
-        **data: Any,
-    ) -> None:
-        """Buffer an event; it is committed with the harvest and then published."""
-        self.outbox.emit(type, node, visit, attempt, **data)
 
     # -- the loop -------------------------------------------------------------
 
