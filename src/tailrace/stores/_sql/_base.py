@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from .._changes import ChangeHub
@@ -35,6 +35,7 @@ from .._queue_rules import graph_from_row, queue_rows, schedule_from_row, worker
 from .._records import (
     ArtifactVersion,
     ChunkRow,
+    Claim,
     EventRow,
     FrozenInput,
     GraphRow,
@@ -59,6 +60,8 @@ from .._records import (
 )
 from . import _transactions as bodies
 from ._queues import (
+    ANSWER_CANDIDATES,
+    ANY_QUEUED,
     CANCEL_REQUESTS,
     DELETE_SCHEDULE,
     DELETE_WORKER,
@@ -98,8 +101,9 @@ R = TypeVar("R")
 Body = Callable[[Tx], Coroutine[Any, Any, T]]
 #: The texts a write stores, by name, so that a backend can name one its database refuses.
 Texts = Callable[[], Iterable[tuple[str, str | None]]]
-#: Given what a write returned, the write that undoes it (None: nothing to undo).
-Undo = Callable[[T], Body[None] | None]
+#: The write that undoes what a cancelled (or failed) call did, from what its body
+#: recorded as it ran (None: nothing to undo).
+Undo = Callable[[], Body[None] | None]
 
 
 def harvest_texts(harvest: Harvest) -> Iterator[tuple[str, str | None]]:
@@ -135,6 +139,13 @@ def each(sql: str, params: Params, row_to: Callable[[Row], R]) -> Body[list[R]]:
     return read
 
 
+def _any_queued(queue: str) -> Body[bool]:
+    async def look(tx: Tx) -> bool:
+        return await tx.one(ANY_QUEUED, (queue,)) is not None
+
+    return look
+
+
 def _first(row: Row) -> Any:
     return row[0]
 
@@ -152,6 +163,19 @@ async def _no_cancel_known(tx: Tx) -> bool:
     return False  # a harvest whose COMMIT landed unseen: the lease heartbeat hears a cancel
 
 
+def _releasing(run_ids: list[str], owner: str) -> Undo:
+    """The undo of a claim: let go of the leases on ``run_ids`` (filled by the claim as it
+    runs), so those runs are adopted at once instead of after their ttl."""
+
+    def undo() -> Body[None] | None:
+        if not run_ids:
+            return None
+        ids = list(run_ids)
+        return lambda tx: bodies.release_claimed(tx, ids, owner)
+
+    return undo
+
+
 class SQLStore(RunStore):
     """The contract's primitives over shared SQL; a backend runs the bodies (see the module)."""
 
@@ -159,6 +183,10 @@ class SQLStore(RunStore):
     _hub: ChangeHub
     #: The ``LIMIT`` value that means no limit: SQLite's ``-1``, Postgres's ``NULL``.
     _no_limit: ClassVar[int | None]
+    #: Queues whose last claim here got all it asked for, whose next claim skips the
+    #: look for a queued run (a busy fleet's queue: the look only spares an idle queue
+    #: a write); None: every claim looks first.
+    _full_queues: set[str] | None = None
 
     # -- what a backend implements ----------------------------------------------------
 
@@ -174,7 +202,7 @@ class SQLStore(RunStore):
         *,
         landed: Body[T] | None = None,
         texts: Texts | None = None,
-        undo: Undo[T] | None = None,
+        undo: Undo | None = None,
     ) -> T:
         """Run ``body`` in one write transaction; refused by a read-only store.
 
@@ -183,7 +211,7 @@ class SQLStore(RunStore):
         a ``Tx.lock`` or ``Tx.change``); without it a body must be harmless to
         run again. ``texts`` name what the write stores, for an error. With
         ``undo``, a call cancelled (or failing) once the body ran commits the
-        write ``undo(result)`` gives before the error propagates.
+        write ``undo()`` gives before the error propagates.
         """
 
     def changes(self) -> contextlib.AbstractAsyncContextManager[ChangeFeed]:
@@ -309,16 +337,21 @@ class SQLStore(RunStore):
         # A call cancelled (or failing) after granting a new lease releases it
         # before the error propagates; a renewal is left alone (the caller held
         # that lease before). A re-run after a lost COMMIT finds the lease its own.
-        def undo(granted: tuple[int, bool]) -> Body[None] | None:
-            token, new = granted
-            return (lambda tx: bodies.release_lease(tx, run_id, owner, token)) if new else None
+        granted: list[int] = []  # new tokens this call wrote
 
-        token, _ = await self._write_tx(
-            f"run {run_id!r}",
-            lambda tx: bodies.take_lease(tx, run_id, owner, ttl, steal_from, self._clock),
-            undo=undo,
-        )
-        return token
+        async def take(tx: Tx) -> int:
+            token, new = await bodies.take_lease(tx, run_id, owner, ttl, steal_from, self._clock)
+            if new:
+                granted.append(token)
+            return token
+
+        def undo() -> Body[None] | None:
+            if not granted:
+                return None
+            token = granted[-1]
+            return lambda tx: bodies.release_lease(tx, run_id, owner, token)
+
+        return await self._write_tx(f"run {run_id!r}", take, undo=undo)
 
     async def _heartbeat(self, run_id: str, owner: str, token: int, ttl: float) -> None:
         await self._write_tx(
@@ -476,6 +509,93 @@ class SQLStore(RunStore):
             f"run {run.run_id!r}", lambda tx: bodies.submit_run(tx, run, submission),
             landed=landed, texts=lambda: [("input_json", run.input_json)],
         )  # fmt: skip
+
+    async def _submit_runs(
+        self,
+        runs: Sequence[tuple[NewRun, Submission]],
+        claim: Claim | None,
+        skip: tuple[str, ...],
+    ) -> tuple[list[str], list[str]]:
+        claimed: list[str] = []
+
+        async def submit(tx: Tx) -> tuple[list[str], list[str]]:
+            claimed.clear()
+            stored = await tx.insert_queued(runs, wake=claim is None)
+            if claim is not None:
+                claimed.extend(
+                    await tx.claim(
+                        claim.queue, claim.owner, claim.ttl, claim.limit, None, skip, self._clock
+                    )
+                )
+                if set(stored) - set(claimed):
+                    await tx.signal("submit")
+            return stored, list(claimed)
+
+        async def landed(tx: Tx) -> tuple[list[str], list[str]]:
+            # The lost COMMIT stored what it inserted, and leased what it claimed.
+            return [run.run_id for run, _ in runs], list(claimed)
+
+        return await self._write_tx(
+            f"{len(runs)} runs from {runs[0][0].run_id!r}", submit, landed=landed,
+            texts=lambda: [("input_json", run.input_json) for run, _ in runs],
+            undo=None if claim is None else _releasing(claimed, claim.owner),
+        )  # fmt: skip
+
+    async def _claim_runs(
+        self,
+        queue: str,
+        owner: str,
+        ttl: float,
+        *,
+        limit: int,
+        graphs: tuple[str, ...] | None,
+        skip: tuple[str, ...],
+    ) -> list[str]:
+        full = self._full_queues
+        look = full is None or queue not in full
+        if look and not await self._read_tx(f"queue {queue!r}", _any_queued(queue)):
+            return []
+        claimed: list[str] = []
+
+        async def claim(tx: Tx) -> list[str]:
+            claimed.clear()
+            claimed[:] = await tx.claim(queue, owner, ttl, limit, graphs, skip, self._clock)
+            return list(claimed)
+
+        async def landed(tx: Tx) -> list[str]:
+            return list(claimed)  # known before the COMMIT whose answer was lost
+
+        ids = await self._write_tx(
+            f"queue {queue!r}", claim, landed=landed, undo=_releasing(claimed, owner)
+        )
+        if full is not None:
+            (full.add if len(ids) >= limit else full.discard)(queue)
+        return ids
+
+    async def _claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
+        now = self._clock()
+        any_due = await self._read_tx(
+            "claiming answers", lambda tx: tx.one(ANSWER_CANDIDATES, (now, now, 1))
+        )
+        if any_due is None:
+            return []
+        taken: list[QuestionRow] = []
+        leased: list[str] = []  # the runs of ``taken``
+
+        async def lease(tx: Tx) -> list[QuestionRow]:
+            taken.clear()
+            leased.clear()
+            ids = await tx.lease_answers(owner, ttl, limit, self._clock)
+            taken[:] = [await bodies.get_question(tx, q) for q in ids]
+            leased[:] = [q.run_id for q in taken]
+            return list(taken)
+
+        async def landed(tx: Tx) -> list[QuestionRow]:
+            return list(taken)
+
+        return await self._write_tx(
+            "claiming answers", lease, landed=landed, undo=_releasing(leased, owner)
+        )
 
     async def _return_claim(self, run_id: str, owner: str) -> bool:
         return await self._write_tx(

@@ -222,6 +222,38 @@ class Tx(Protocol):
     async def signal(self, kind: str) -> None:
         """Wake watchers with a change of ``kind`` when this transaction commits."""
 
+    async def insert_queued(
+        self, runs: Sequence[tuple[NewRun, Submission]], *, wake: bool
+    ) -> list[str]:
+        """Queue each of ``runs`` not stored yet, with its graph's shape: the ids it stored.
+
+        With ``wake``, signal ``submit`` when it stored any (Postgres sends all
+        of it in one pipeline).
+        """
+
+    async def claim(
+        self,
+        queue: str,
+        owner: str,
+        ttl: float,
+        limit: int,
+        graphs: tuple[str, ...] | None,
+        skip: tuple[str, ...],
+        clock: Callable[[], float],
+    ) -> list[str]:
+        """Lease up to ``limit`` queued runs of ``queue`` within its limits, in claim order (W2).
+
+        The backend's locking makes counting and claiming one step: SQLite's
+        ``BEGIN IMMEDIATE``; Postgres's ``SKIP LOCKED`` and an advisory lock
+        on a queue whose limits need counting.
+        """
+
+    async def lease_answers(
+        self, owner: str, ttl: float, limit: int, clock: Callable[[], float]
+    ) -> list[str]:
+        """Lease suspended runs with a due answer, within their queues' limits: the id of one
+        due question per run leased."""
+
 
 def run_now(body: Coroutine[Any, Any, T]) -> T:
     """Run ``body`` on this thread at once; its ``Tx`` must never suspend (SQLite's does not)."""
@@ -680,6 +712,20 @@ async def release_lease(tx: Tx, run_id: str, owner: str, token: int) -> None:
     """Let go of ``owner``'s lease on ``run_id`` if ``token`` is still current; wake workers."""
     if await tx.change_all(RELEASE_LEASE, (run_id, owner, token)):
         await tx.signal("release")  # a run finished, suspended or was let go: workers look
+
+
+#: Values: run id, owner. A claim's lease let go (its caller was cancelled).
+RELEASE_CLAIMED = (
+    "UPDATE runs SET lease_owner = NULL, lease_expires = NULL WHERE run_id = ? AND lease_owner = ?"
+)
+
+
+async def release_claimed(tx: Tx, run_ids: Sequence[str], owner: str) -> None:
+    """Let go of ``owner``'s leases on ``run_ids`` (a claim whose caller was cancelled):
+    those runs are adopted at once instead of after their ttl."""
+    for run_id in run_ids:
+        await tx.change_all(RELEASE_CLAIMED, (run_id, owner))
+    await tx.signal("release")
 
 
 # --- the question ledger (Q2-Q5) -------------------------------------------------------------

@@ -28,31 +28,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import psycopg
 from psycopg import sql
 
 from .._changes import ChangeHub, Stop
-from .._records import CHANGE_KINDS, Claim, NewRun, QuestionRow, StoredRun, Submission
+from .._records import CHANGE_KINDS, StoredRun
 from .._sql import _transactions as bodies
 from .._sql._base import Body, SQLStore, Texts, Undo
-from .._sql._queues import ACTIVE_IN_QUEUE, ANSWER_CANDIDATES, ANY_QUEUED, LEASE_FOR_ANSWER
-from .._sql._statements import INSERT_SHAPE, queued_run_params, shape_params
-from ._connections import Attempt, Conn, Landed, PostgresConnections, T, Work
+from ._connections import Attempt, Conn, Landed, PostgresConnections, T
 from ._queues import (
     FALLBACK_POLL,
-    INSERT_QUEUED,
-    SKIP_LOCKED,
-    claim_queued,
-    count_rows,
-    declared,
-    lock_queue,
     logger,
     notify_channel,
-    transaction_id,
 )
-from ._sql import PostgresTx, fetch_all, notify, pg
+from ._sql import pg
+from ._tx import PostgresTx
 
 #: Opens a read that sees one moment (``_read_tx(snapshot=True)``).
 SNAPSHOT = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"
@@ -100,9 +92,7 @@ class PostgresStore(SQLStore):
         self._clock = clock
         self._channel = notify_channel(schema)
         self._hub = ChangeHub(self._listen)
-        #: Queues whose last claim here got all it asked for: the next claims without
-        #: looking first (a busy fleet's queue; the look only spares idle queues a write).
-        self._full_queues: set[str] = set()
+        self._full_queues = set()
 
     @property
     def schema(self) -> str:
@@ -123,14 +113,14 @@ class PostgresStore(SQLStore):
         await self._db.open()
 
     async def _read_tx(self, context: str, body: Body[T], *, snapshot: bool = False) -> T:
-        channel = self._channel
+        channel, schema = self._channel, self._db.schema
 
         async def read(conn: Conn, attempt: Attempt) -> T:
             if not snapshot:  # autocommit statements
-                return await body(PostgresTx(conn, attempt, channel))
+                return await body(PostgresTx(conn, attempt, channel, schema))
             async with conn.transaction():
                 await conn.execute(SNAPSHOT)
-                return await body(PostgresTx(conn, attempt, channel))
+                return await body(PostgresTx(conn, attempt, channel, schema))
 
         return await self._db.read(context, read)
 
@@ -141,34 +131,27 @@ class PostgresStore(SQLStore):
         *,
         landed: Body[T] | None = None,
         texts: Texts | None = None,
-        undo: Undo[T] | None = None,
+        undo: Undo | None = None,
     ) -> T:
-        channel = self._channel
+        channel, schema = self._channel, self._db.schema
         settled: Landed[T] | None = None
         if landed is not None:
             settle = landed
 
             async def settled(conn: Conn) -> T:
-                return await settle(PostgresTx(conn, Attempt(), channel))
+                return await settle(PostgresTx(conn, Attempt(), channel, schema))
+
+        async def work(conn: Conn, attempt: Attempt) -> T:
+            return await body(PostgresTx(conn, attempt, channel, schema))
 
         if undo is None:
-
-            async def work(conn: Conn, attempt: Attempt) -> T:
-                return await body(PostgresTx(conn, attempt, channel))
-
             return await self._db.write(context, work, landed=settled, texts=texts)
-        returned: list[T] = []  # by each attempt whose body ran to its end
-
-        async def undoable(conn: Conn, attempt: Attempt) -> T:
-            returned.append(await body(PostgresTx(conn, attempt, channel)))
-            return returned[-1]
-
         try:
-            return await self._db.write(context, undoable, landed=settled, texts=texts)
+            return await self._db.write(context, work, landed=settled, texts=texts)
         except BaseException:
-            # Failed or cancelled: undo the last attempt that left something to undo,
-            # shielded, so the call leaves nothing behind (a lease it granted).
-            compensation = next(filter(None, map(undo, reversed(returned))), None)
+            # Failed or cancelled: undo what the body recorded, shielded, so the call
+            # leaves nothing behind (a lease it granted, runs it claimed).
+            compensation = undo()
             if compensation is not None:
                 with contextlib.suppress(Exception):  # never hide the original failure
                     undoing = self._write_tx(f"{context}: undoing a failed call", compensation)
@@ -209,55 +192,6 @@ class PostgresStore(SQLStore):
 
         await self._db.write(f"run {run_id!r}", release, transaction=False)
 
-    async def _submit_runs(
-        self,
-        runs: Sequence[tuple[NewRun, Submission]],
-        claim: Claim | None,
-        skip: tuple[str, ...],
-    ) -> tuple[list[str], list[str]]:
-        channel = self._channel
-        claimed: list[str] = []
-
-        async def insert(conn: Conn, attempt: Attempt) -> tuple[list[str], list[str]]:
-            claimed.clear()
-            # Pipelined: every insert (with its origin) goes in one round trip, then the
-            # shapes (one per graph version) and (with no claim) the wake-up in one more.
-            async with conn.pipeline():
-                cursors = [
-                    await conn.execute(INSERT_QUEUED, queued_run_params(run, q)) for run, q in runs
-                ]
-                stored: list[NewRun] = []
-                for (run, _), cur in zip(runs, cursors, strict=True):
-                    row = await cur.fetchone()
-                    if row is not None:  # else submitted before: left as it is
-                        attempt.xid = row[0]
-                        stored.append(run)
-                await _keep_shapes(conn, stored)
-                if claim is None and stored:
-                    await notify(conn, channel, "submit")
-            if claim is not None:
-                ids, xid = await claim_queued(
-                    conn, self._db.schema, claim.queue, claim.owner, claim.ttl, claim.limit,
-                    self._clock, skip=skip,
-                )  # fmt: skip
-                attempt.xid = attempt.xid or xid
-                claimed.extend(ids)
-                if {run.run_id for run in stored} - set(claimed):
-                    await notify(conn, channel, "submit")
-            return [run.run_id for run in stored], list(claimed)
-
-        async def landed(conn: Conn) -> tuple[list[str], list[str]]:
-            # The lost COMMIT stored what it inserted, and leased what it claimed.
-            return [run.run_id for run, _ in runs], list(claimed)
-
-        def texts() -> list[tuple[str, str | None]]:
-            return [("input_json", run.input_json) for run, _ in runs]
-
-        context = f"{len(runs)} runs from {runs[0][0].run_id!r}"
-        if claim is None:
-            return await self._db.write(context, insert, landed=landed, texts=texts)
-        return await self._leasing(context, insert, landed, claim.owner, lambda: claimed, texts)
-
     async def _listen(self, hub: ChangeHub) -> Stop:
         ready = asyncio.Event()
         task = asyncio.create_task(self._listen_loop(hub, ready), name="tailrace-pg-listen")
@@ -292,146 +226,3 @@ class PostgresStore(SQLStore):
         """Stop listening, finish cleanups left by cancelled callers, close the pool. Idempotent."""
         await self._hub.close()
         await self._db.close()
-
-    async def _claim_runs(
-        self,
-        queue: str,
-        owner: str,
-        ttl: float,
-        *,
-        limit: int,
-        graphs: tuple[str, ...] | None,
-        skip: tuple[str, ...],
-    ) -> list[str]:
-        if queue not in self._full_queues:
-            rows = await self._db.read(f"queue {queue!r}", fetch_all(pg(ANY_QUEUED), (queue,)))
-            if not rows:
-                return []
-        claimed: list[str] = []
-
-        async def claim(conn: Conn, attempt: Attempt) -> list[str]:
-            claimed.clear()
-            ids, xid = await claim_queued(
-                conn, self._db.schema, queue, owner, ttl, limit, self._clock, graphs, skip
-            )
-            attempt.xid = xid
-            claimed.extend(ids)
-            return list(claimed)
-
-        async def landed(conn: Conn) -> list[str]:
-            return list(claimed)
-
-        ids = await self._leasing(f"queue {queue!r}", claim, landed, owner, lambda: claimed)
-        if len(ids) >= limit:
-            self._full_queues.add(queue)
-        else:
-            self._full_queues.discard(queue)
-        return ids
-
-    async def _claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
-        now = self._clock()
-        first = await self._db.read(
-            "claiming answers", fetch_all(pg(ANSWER_CANDIDATES), (now, now, 1))
-        )
-        if not first:
-            return []
-        taken: list[QuestionRow] = []
-
-        async def lease(conn: Conn, attempt: Attempt) -> list[QuestionRow]:
-            taken.clear()
-            attempt.xid = await transaction_id(conn)
-            now = self._clock()
-            cur = await conn.execute(pg(ANSWER_CANDIDATES) + SKIP_LOCKED, (now, now, limit * 4 + 8))
-            active: dict[str, int | None] = {}
-            seen: set[str] = set()
-            for question_id, run_id, queue_name in await cur.fetchall():
-                if len(taken) >= limit or run_id in seen:
-                    continue
-                seen.add(run_id)
-                if queue_name is not None and not await self._slot_for(
-                    conn, queue_name, active, now
-                ):
-                    continue
-                done = await conn.execute(pg(LEASE_FOR_ANSWER), (owner, now + ttl, run_id, now))
-                if done.rowcount == 1:
-                    taken.append(
-                        await bodies.get_question(
-                            PostgresTx(conn, attempt, self._channel), question_id
-                        )
-                    )
-            return list(taken)
-
-        async def landed(conn: Conn) -> list[QuestionRow]:
-            return list(taken)
-
-        return await self._leasing(
-            "claiming answers", lease, landed, owner, lambda: [q.run_id for q in taken]
-        )
-
-    async def _slot_for(
-        self, conn: Conn, queue: str, active: dict[str, int | None], now: float
-    ) -> bool:
-        """Whether ``queue`` has a free slot for one more run (counted once, under its lock)."""
-        if queue not in active:
-            spec = await declared(conn, queue)
-            if spec is None:
-                active[queue] = 0  # its row cannot be used: paused until declared again
-            elif spec.concurrency is None:
-                active[queue] = None
-            else:
-                await lock_queue(conn, self._db.schema, queue)
-                count = await count_rows(conn, ACTIVE_IN_QUEUE, (queue, now))
-                active[queue] = spec.concurrency - count
-        free = active[queue]
-        if free is None:
-            return True
-        if free <= 0:
-            return False
-        active[queue] = free - 1
-        return True
-
-    async def _leasing(
-        self,
-        context: str,
-        work: Work[T],
-        landed: Landed[T],
-        owner: str,
-        leased: Callable[[], Sequence[str]],
-        texts: Texts | None = None,
-    ) -> T:
-        """Run a claim (its ids known before COMMIT, so a lost COMMIT answer is settled by
-        ``landed``); if it fails or its caller is cancelled, release what it may have
-        leased, shielded, so those runs are adopted at once instead of after their ttl."""
-        try:
-            return await self._db.write(context, work, landed=landed, texts=texts)
-        except BaseException:
-            run_ids = list(leased())
-            if run_ids:
-                with contextlib.suppress(Exception):
-                    await self._db.shielded(self._release_all(run_ids, owner))
-            raise
-
-    async def _release_all(self, run_ids: list[str], owner: str) -> None:
-        channel = self._channel
-
-        async def release(conn: Conn, attempt: Attempt) -> None:
-            for run_id in run_ids:
-                await conn.execute(
-                    "UPDATE runs SET lease_owner = NULL, lease_expires = NULL "
-                    "WHERE run_id = %s AND lease_owner = %s",
-                    (run_id, owner),
-                )
-            await notify(conn, channel, "release")
-
-        await self._db.write("releasing claimed runs", release)
-
-
-async def _keep_shapes(conn: Conn, runs: Sequence[NewRun]) -> None:
-    """Keep the graph structure of ``runs``, once per graph version (V1)."""
-    shapes: dict[tuple[str, str], tuple[object, ...]] = {}
-    for run in runs:
-        params = shape_params(run)
-        if params is not None:
-            shapes.setdefault((run.graph_name, run.fingerprint), params)
-    for params in shapes.values():
-        await conn.execute(pg(INSERT_SHAPE), params)

@@ -18,26 +18,17 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Literal, TypeVar
 
 from ..._errors import StoreError
 from .._changes import ChangeHub
-from .._records import Claim, NewRun, QuestionRow, Submission
 from .._rules import read_only_refusal
-from .._sql import _transactions as bodies
 from .._sql._base import Body, SQLStore, Texts, Undo
-from .._sql._queues import ANSWER_CANDIDATES, ANY_QUEUED
-from .._sql._statements import (
-    INSERT_QUEUED_RUN,
-    SELECT_QUESTION,
-    question_from_row,
-    queued_run_params,
-)
-from .._sql._transactions import RUN_EXISTS, run_now
+from .._sql._transactions import run_now
 from ._errors import mapped_errors
 from ._files import prepare_for_writing, read_only_connection, read_only_uri
-from ._queues import DataVersionWatch, bump, claim_queued, lease_answers, release_all
+from ._queues import DataVersionWatch
 from ._threads import Checkpointer, Readers, Writer, finish_despite_cancellation
 from ._threads import Undo as ConnUndo
 from ._tx import SQLiteTx
@@ -220,7 +211,7 @@ class SQLiteStore(SQLStore):
         *,
         landed: Body[T] | None = None,
         texts: Texts | None = None,
-        undo: Undo[T] | None = None,
+        undo: Undo | None = None,
     ) -> T:
         # The writer's COMMIT is local: no answer is ever lost (``landed``), and
         # SQLite stores any text (``texts``).
@@ -228,84 +219,7 @@ class SQLiteStore(SQLStore):
             return await self._write(context, _on_conn(body))
 
         def undo_on_conn(value: T) -> Callable[[sqlite3.Connection], object] | None:
-            compensation = undo(value)
+            compensation = undo()  # what the body recorded as it ran
             return None if compensation is None else _on_conn(compensation)
 
         return await self._write(context, _on_conn(body), undo=undo_on_conn)
-
-    async def _submit_runs(
-        self,
-        runs: Sequence[tuple[NewRun, Submission]],
-        claim: Claim | None,
-        skip: tuple[str, ...],
-    ) -> tuple[list[str], list[str]]:
-        def apply(conn: sqlite3.Connection) -> tuple[list[str], list[str]]:
-            stored = []
-            for run, q in runs:
-                if conn.execute(RUN_EXISTS, (run.run_id,)).fetchone():
-                    continue  # submitted before: left as it is
-                conn.execute(INSERT_QUEUED_RUN, queued_run_params(run, q))
-                run_now(bodies.keep_shapes(SQLiteTx(conn), [run]))
-                stored.append(run.run_id)
-            claimed: list[str] = []
-            if claim is not None:
-                claimed = claim_queued(
-                    conn, claim.queue, claim.owner, claim.ttl, claim.limit, self._clock(),
-                    skip=skip,
-                )  # fmt: skip
-            if set(stored) - set(claimed):
-                bump(conn, "submit")
-            return stored, claimed
-
-        what = f"{len(runs)} runs from {runs[0][0].run_id!r}"
-        if claim is None:
-            return await self._write(what, apply)
-        owner = claim.owner
-
-        def undo(done: tuple[list[str], list[str]]) -> Callable[[sqlite3.Connection], object]:
-            return lambda conn: release_all(conn, done[1], owner)  # adopted at once by anyone
-
-        return await self._write(what, apply, undo=undo)
-
-    async def _claim_runs(
-        self,
-        queue: str,
-        owner: str,
-        ttl: float,
-        *,
-        limit: int,
-        graphs: tuple[str, ...] | None,
-        skip: tuple[str, ...],
-    ) -> list[str]:
-        waiting = await self._read(
-            f"queue {queue!r}", lambda conn: conn.execute(ANY_QUEUED, (queue,)).fetchone()
-        )
-        if waiting is None:
-            return []
-
-        def undo(ids: list[str]) -> Callable[[sqlite3.Connection], object]:
-            return lambda conn: release_all(conn, ids, owner)  # adopted at once by anyone
-
-        return await self._write(
-            f"queue {queue!r}",
-            lambda conn: claim_queued(conn, queue, owner, ttl, limit, self._clock(), graphs, skip),
-            undo=undo,
-        )
-
-    async def _claim_answers(self, owner: str, ttl: float, *, limit: int) -> list[QuestionRow]:
-        now = self._clock()
-        any_due = await self._read(
-            "claiming answers",
-            lambda conn: conn.execute(ANSWER_CANDIDATES, (now, now, 1)).fetchone(),
-        )
-        if any_due is None:
-            return []
-
-        def apply(conn: sqlite3.Connection) -> list[QuestionRow]:
-            ids = lease_answers(conn, owner, ttl, limit, self._clock())
-            return [question_from_row(conn.execute(SELECT_QUESTION, (q,)).fetchone()) for q in ids]
-
-        def undo(rows: list[QuestionRow]) -> Callable[[sqlite3.Connection], object]:
-            return lambda conn: release_all(conn, [q.run_id for q in rows], owner)
-
-        return await self._write("claiming answers", apply, undo=undo)
