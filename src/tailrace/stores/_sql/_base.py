@@ -522,11 +522,7 @@ class SQLStore(RunStore):
             claimed.clear()
             stored = await tx.insert_queued(runs, wake=claim is None)
             if claim is not None:
-                claimed.extend(
-                    await tx.claim(
-                        claim.queue, claim.owner, claim.ttl, claim.limit, None, skip, self._clock
-                    )
-                )
+                claimed.extend(await tx.claim(claim, None, skip, self._clock))
                 if set(stored) - set(claimed):
                     await tx.signal("submit")
             return stored, list(claimed)
@@ -556,10 +552,11 @@ class SQLStore(RunStore):
         if look and not await self._read_tx(f"queue {queue!r}", _any_queued(queue)):
             return []
         claimed: list[str] = []
+        wanted = Claim(queue=queue, owner=owner, ttl=ttl, limit=limit)
 
         async def claim(tx: Tx) -> list[str]:
             claimed.clear()
-            claimed[:] = await tx.claim(queue, owner, ttl, limit, graphs, skip, self._clock)
+            claimed[:] = await tx.claim(wanted, graphs, skip, self._clock)
             return list(claimed)
 
         async def landed(tx: Tx) -> list[str]:

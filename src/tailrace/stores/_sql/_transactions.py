@@ -47,6 +47,7 @@ from .._records import (
     ArtifactVersion,
     CheckpointRow,
     ChunkRow,
+    Claim,
     EventRow,
     FrozenInput,
     Harvest,
@@ -155,6 +156,9 @@ from ._statements import (
 T = TypeVar("T")
 Row = Sequence[Any]
 Params = Sequence[object]
+#: Graph keys (``name:fingerprint``) a claim takes or skips.
+Keys = tuple[str, ...]
+Clock = Callable[[], float]
 
 SELECT_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?"
 RUN_EXISTS = "SELECT 1 FROM runs WHERE run_id = ?"
@@ -231,17 +235,9 @@ class Tx(Protocol):
         of it in one pipeline).
         """
 
-    async def claim(
-        self,
-        queue: str,
-        owner: str,
-        ttl: float,
-        limit: int,
-        graphs: tuple[str, ...] | None,
-        skip: tuple[str, ...],
-        clock: Callable[[], float],
-    ) -> list[str]:
-        """Lease up to ``limit`` queued runs of ``queue`` within its limits, in claim order (W2).
+    async def claim(self, claim: Claim, graphs: Keys | None, skip: Keys, clock: Clock) -> list[str]:
+        """Lease up to ``claim.limit`` runs of ``claim.queue`` within its limits, in claim order
+        (W2), of ``graphs`` (any if None) but not of ``skip``.
 
         The backend's locking makes counting and claiming one step: SQLite's
         ``BEGIN IMMEDIATE``; Postgres's ``SKIP LOCKED`` and an advisory lock

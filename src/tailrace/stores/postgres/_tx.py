@@ -7,9 +7,9 @@ from collections.abc import Callable, Sequence
 import psycopg
 
 from ..._errors import StoreError
-from .._records import Harvest, NewRun, Submission
+from .._records import Claim, Harvest, NewRun, Submission
 from .._sql._statements import queued_run_params
-from .._sql._transactions import Params, Row, keep_shapes
+from .._sql._transactions import Clock, Keys, Params, Row, keep_shapes
 from ._connections import Attempt, Conn
 from ._queues import INSERT_QUEUED, claim_queued, lease_answers, transaction_id
 from ._sql import changing, locking, notify, returning_too, spelled, write_harvest
@@ -103,18 +103,10 @@ class PostgresTx:
                 await notify(conn, self.channel, "submit")
         return [run.run_id for run in stored]
 
-    async def claim(
-        self,
-        queue: str,
-        owner: str,
-        ttl: float,
-        limit: int,
-        graphs: tuple[str, ...] | None,
-        skip: tuple[str, ...],
-        clock: Callable[[], float],
-    ) -> list[str]:
+    async def claim(self, claim: Claim, graphs: Keys | None, skip: Keys, clock: Clock) -> list[str]:
+        c = claim
         ids, xid = await claim_queued(
-            self.conn, self.schema, queue, owner, ttl, limit, clock, graphs, skip
+            self.conn, self.schema, c.queue, c.owner, c.ttl, c.limit, clock, graphs, skip
         )
         self.attempt.xid = self.attempt.xid or xid
         return ids

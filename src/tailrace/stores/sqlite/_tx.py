@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._errors import StoreError
-from .._records import Harvest, NewRun, Submission
+from .._records import Claim, Harvest, NewRun, Submission
 from .._sql._statements import (
     INSERT_CHUNK,
     INSERT_EVENT,
@@ -30,7 +30,7 @@ from .._sql._statements import (
     run_update_params,
     shape_params,
 )
-from .._sql._transactions import RUN_EXISTS, Params, Row, harvest_signals
+from .._sql._transactions import RUN_EXISTS, Clock, Keys, Params, Row, harvest_signals
 from ._queues import bump, claim_queued, lease_answers
 from ._threads import insert_rows, insert_run_rows
 
@@ -104,17 +104,9 @@ class SQLiteTx:
             bump(conn, "submit")
         return stored
 
-    async def claim(
-        self,
-        queue: str,
-        owner: str,
-        ttl: float,
-        limit: int,
-        graphs: tuple[str, ...] | None,
-        skip: tuple[str, ...],
-        clock: Callable[[], float],
-    ) -> list[str]:
-        return claim_queued(self.conn, queue, owner, ttl, limit, clock(), graphs, skip)
+    async def claim(self, claim: Claim, graphs: Keys | None, skip: Keys, clock: Clock) -> list[str]:
+        c = claim
+        return claim_queued(self.conn, c.queue, c.owner, c.ttl, c.limit, clock(), graphs, skip)
 
     async def lease_answers(
         self, owner: str, ttl: float, limit: int, clock: Callable[[], float]
