@@ -74,6 +74,7 @@ from .._rules import (
     check_holder,
     check_move,
     check_readable,
+    children_left,
     grant_lease,
     is_recovery,
     not_applicable,
@@ -816,9 +817,8 @@ async def suspend_on_children(tx: Tx, run_id: str, harvest: Harvest, now: float)
     ended = [status for status in statuses if status in TERMINAL_STATUSES]
     if not ended:
         return
-    completed = sum(status is RunStatus.COMPLETED for status in ended)
-    left = None if harvest.wake_after is None else harvest.wake_after - completed
-    if completed < len(ended) or left is None or left <= 0:
+    left = children_left(harvest.wake_after, ended)
+    if left is None:
         await wake_suspended(tx, run_id, now)
     else:
         await tx.change(SET_WAKE_AFTER, (left, run_id))
@@ -845,7 +845,8 @@ async def child_ended(tx: Tx, parent: str, status: RunStatus, now: float) -> Non
 
 
 async def wake_suspended(tx: Tx, run_id: str, now: float) -> bool:
-    """Queue ``run_id`` again if it is suspended, on a queue and nobody holds it (R4); wake workers."""
+    """Queue ``run_id`` again if it is suspended, on a queue and nobody holds it (``can_wake``,
+    R4); wake workers."""
     if not await tx.change(WAKE_SUSPENDED, (now, run_id, now)):
         return False
     await tx.signal("submit")
