@@ -1,6 +1,10 @@
-"""In-memory run store.
+"""In-memory run store: the reference model of the contract.
 
-It applies the rules every backend shares (``_rules``) under one lock.
+It applies the rules every backend shares under one lock: each decision the
+SQL stores phrase as a statement is a pure function in ``_rules`` or
+``_queue_rules`` (``committed_record`` is ``UPDATE_RUN``, ``can_wake`` is
+``WAKE_SUSPENDED``, ``claim_order`` is ``claim_candidates``, ...), which this
+store applies to its dictionaries.
 
 >>> import asyncio
 >>> async def demo() -> int:

@@ -15,11 +15,16 @@ Faults and cancellation (a lost connection, a server restart, a lost
 ``COMMIT`` answer, a cancelled caller) are handled by the connection layer in
 ``_connections``: every call re-runs its whole transaction on a fresh
 connection within ``retry_budget``, a write is never applied twice, and a
-connection always goes back to the pool. The statements live in
-``_sql`` (Postgres's spelling of the shared statements).
+connection always goes back to the pool. The operations are written once
+in :class:`~tailrace.stores._sql._base.SQLStore`; this module runs their
+bodies (:meth:`PostgresStore._read_tx`, :meth:`PostgresStore._write_tx`) as
+:class:`~tailrace.stores.postgres._tx.PostgresTx` on the pool, and keeps the
+two it sends in fewer round trips (``load_run``, ``release_lease``). The
+statements live in ``_sql`` (Postgres's spelling of the shared statements),
+the claims' locking in ``_queues``.
 
-Every psycopg exception becomes ours at this seam (CONVENTIONS 3), naming the
-run, question or artifact. Requires the ``postgres`` extra:
+Every psycopg exception becomes ours in one place, ``_connections`` (with
+``_errors``), naming the run, question or artifact. Requires the ``postgres`` extra:
 ``pip install 'tailrace[postgres]'``.
 """
 

@@ -8,7 +8,12 @@ resolves each caller's future on its own loop. Reads run on a small pool of
 threads with their own read-only connections; WAL lets them proceed while the
 writer commits. Several processes may share one file: ``BEGIN IMMEDIATE`` and
 the busy timeout serialise their writers. The threads live in
-``_threads``; the schema and SQL, shared with Postgres, in ``_sql``.
+``_threads``; the schema and SQL, shared with Postgres, in ``_sql``. The
+operations are written once in :class:`~tailrace.stores._sql._base.SQLStore`;
+this module runs their bodies on the threads as a
+:class:`~tailrace.stores.sqlite._tx.SQLiteTx` (:meth:`SQLiteStore._read_tx`,
+:meth:`SQLiteStore._write_tx`), and ``sqlite3`` errors become ours where the
+threads run them (``_errors``).
 """
 
 from __future__ import annotations
