@@ -17,9 +17,10 @@ ValueError: run_id 'r\x001' contains a NUL character (\x00), which no store can 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import chain
 
 from .._errors import (
@@ -37,11 +38,14 @@ from ._records import (
     FORMAT_VERSION,
     QUESTION_TRANSITIONS,
     RUN_TRANSITIONS,
+    TERMINAL_STATUSES,
     Harvest,
     NewRun,
     QuestionRow,
     QuestionStatus,
+    RunRecord,
     RunStatus,
+    Submission,
 )
 
 #: ``state_json`` of a run that has not committed a harvest yet.
@@ -218,6 +222,67 @@ def duplicate_in_harvest(run_id: str, harvest: Harvest) -> str | None:
                 return f"run {run_id!r}: harvest repeats {kind} {key!r}"
             seen.add(key)
     return None
+
+
+# --- run rows: what the SQL stores' statements write, as values ---------------------
+
+
+def new_run_record(run: NewRun, q: Submission | None) -> RunRecord:
+    """The row of ``run`` as created (``INSERT_RUN``), or queued with ``q`` (``INSERT_QUEUED_RUN``)."""
+    return RunRecord(
+        run_id=run.run_id, graph_name=run.graph_name, graph_ref=run.graph_ref,
+        fingerprint=run.fingerprint,
+        status=RunStatus.RUNNING if q is None else RunStatus.QUEUED,
+        input_json=run.input_json, state_json=EMPTY_STATE_JSON, error=None,
+        created_at=run.created_at, updated_at=run.created_at, finished_at=None, nodes_done=0,
+        lease_owner=None, lease_expires=None, lease_token=0, format_version=run.format_version,
+        queue_name=None if q is None else q.queue, priority=0 if q is None else q.priority,
+        partition_key=None if q is None else q.partition,
+        dedup_key=None if q is None else q.dedup_key, cost=None if q is None else q.cost,
+        estimate=None if q is None else q.estimate,
+        queued_at=None if q is None else run.created_at, forked_from=run.forked_from,
+        forked_at=run.forked_at, not_before=None if q is None else q.not_before,
+        parent_run_id=run.parent_run_id, deadline=run.deadline,
+    )  # fmt: skip
+
+
+def committed_record(record: RunRecord, harvest: Harvest, now: float) -> RunRecord:
+    """``record`` once ``harvest`` is committed at ``now`` (``UPDATE_RUN``): a harvest that
+    ends the run lets go of its lease."""
+    ends = harvest.status in TERMINAL_STATUSES
+    return dataclasses.replace(
+        record, state_json=harvest.state_json, status=harvest.status,
+        error=None if harvest.error is None else printable_text(harvest.error), updated_at=now,
+        finished_at=record.finished_at if harvest.finished_at is None else harvest.finished_at,
+        nodes_done=record.nodes_done + harvest.nodes_done_delta,
+        lease_owner=None if ends else record.lease_owner,
+        lease_expires=None if ends else record.lease_expires,
+    )  # fmt: skip
+
+
+def lease_lapsed(run: RunRecord, now: float) -> bool:
+    """Whether running ``run`` has no live lease at ``now``: an orphan to adopt (``EXPIRED_LEASES``)."""
+    return run.status is RunStatus.RUNNING and (
+        run.lease_owner is None or run.lease_expires is None or run.lease_expires < now
+    )
+
+
+def can_wake(run: RunRecord, now: float) -> bool:
+    """Whether suspended ``run`` is queued again now (``WAKE_SUSPENDED``, R4): it is on a
+    queue and nobody holds it."""
+    held = run.lease_owner is not None and (run.lease_expires or 0.0) >= now
+    return run.status is RunStatus.SUSPENDED and run.queue_name is not None and not held
+
+
+def children_left(wake_after: int | None, ended: Sequence[RunStatus]) -> int | None:
+    """How many child completions a run suspending on its children still waits for, given
+    the ends of those that ended before (R4); None: it wakes now (one failed or was
+    cancelled, or enough completed)."""
+    completed = sum(status is RunStatus.COMPLETED for status in ended)
+    left = None if wake_after is None else wake_after - completed
+    if completed < len(ended) or left is None or left <= 0:
+        return None
+    return left
 
 
 # --- question rules (Q2-Q5), shared by every backend -----------------------------

@@ -54,6 +54,7 @@ _QUEUED_FIELDS = (
     "not_before",
     *_ORIGIN_FIELDS,
 )
+#: A new run (``_rules.new_run_record`` is the row it writes, queued or not).
 INSERT_RUN = (
     f"INSERT INTO runs ({', '.join(_CREATED_FIELDS)}) "
     f"VALUES ({', '.join('?' * len(_CREATED_FIELDS))})"
@@ -143,6 +144,7 @@ PRUNE_STREAMS = (
 )
 #: A harvest applied to its run; the two flags (both whether the harvest ends the run) let
 #: go of its lease in the same write (a run's end needs no release of its own).
+#: ``_rules.committed_record`` is the same decision.
 UPDATE_RUN = (
     "UPDATE runs SET state_json = ?, status = ?, error = ?, updated_at = ?, "
     "finished_at = COALESCE(?, finished_at), nodes_done = nodes_done + ?, output_json = ?, "
@@ -155,6 +157,7 @@ SELECT_OUTPUTS = (
     "SELECT run_id, output_json FROM runs WHERE run_id IN ({ids}) "
     "AND status = 'completed' AND output_json IS NOT NULL"
 )
+#: Values: now, limit. Running runs nobody holds (``_rules.lease_lapsed``).
 EXPIRED_LEASES = (
     "SELECT run_id FROM runs WHERE status = 'running' AND (lease_owner IS NULL "
     "OR lease_expires IS NULL OR lease_expires < ?) "
@@ -447,7 +450,7 @@ SELECT_FRONTIERS = (
     "WHERE r.graph_name = ? AND r.status IN ('running', 'suspended') ORDER BY n.run_id"
 )
 #: Values: now, run_id, now. A suspended run that waits on child runs goes back to
-#: its queue when one of them ends (R4): only a queued run nobody holds.
+#: its queue when one of them ends (R4): only a queued run nobody holds (``_rules.can_wake``).
 WAKE_SUSPENDED = (
     "UPDATE runs SET status = 'queued', lease_owner = NULL, lease_expires = NULL, "
     "wake_after = NULL, updated_at = ? WHERE run_id = ? AND status = 'suspended' AND queue_name IS NOT NULL "

@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
-from ..._errors import RunNotFound
+from ..._errors import RunExists, RunNotFound
+from .._artifacts import stale_version
 from .._queue_rules import (
     EXPIRED_LIMIT,
     FLEET_SCOPE,
@@ -30,31 +31,42 @@ from .._queue_rules import (
     host_scope,
     late_since,
     next_scan,
+    paused_names,
     queue_not_empty,
+    queue_params,
+    queue_rows,
     schedule_from_row,
     schedule_params,
     scheduled_run,
+    stats_from_counts,
     worker_params,
+    worker_rows,
 )
 from .._records import (
     TERMINAL_STATUSES,
+    ArtifactVersion,
     CheckpointRow,
     ChunkRow,
+    Claim,
     EventRow,
     FrozenInput,
     Harvest,
     ItemRow,
+    NewRun,
     NodeRow,
     ParkedRow,
     Pulse,
     QuestionRow,
     QuestionStatus,
+    Queue,
+    QueueStats,
     ResultRow,
     RunRecord,
     RunStatus,
     ScheduleRow,
     StoredRun,
     StreamHead,
+    Submission,
     WorkerRow,
 )
 from .._rules import (
@@ -62,6 +74,7 @@ from .._rules import (
     check_holder,
     check_move,
     check_readable,
+    children_left,
     grant_lease,
     is_recovery,
     not_applicable,
@@ -75,6 +88,7 @@ from ._queues import (
     ANY_CANCEL_REQUEST,
     ANY_QUEUED,
     CANCEL_QUEUED,
+    DEDUP_HOLDER,
     DELETE_QUEUE,
     EXPIRED_WORKERS,
     FIRST_SCAN_TURN,
@@ -82,24 +96,33 @@ from ._queues import (
     LIVE_IN_QUEUE,
     PAUSE_QUEUE,
     PULSE_PROBES,
+    QUEUE_COUNTS,
     REOPEN_CANCELLED,
     REQUEST_CANCEL,
     REQUEUE_CANCELLED_NODE,
+    RETURN_CLAIM,
     SCAN_TURNS,
+    SELECT_QUEUES,
     SELECT_SCHEDULE,
+    SELECT_WORKERS,
     TAKE_SCAN_TURN,
     UNPAUSE_QUEUE,
+    UPSERT_QUEUE,
     UPSERT_SCHEDULE,
     UPSERT_WORKER,
 )
 from ._statements import (
     ANSWER_QUESTION,
     APPLY_QUESTION,
+    ARTIFACT_HEAD_VERSION,
     CHILD_ENDED,
     CLAIM_PARKED,
     DROP_PARKED,
     EVENT_COLUMNS,
+    INSERT_ARTIFACT,
     INSERT_QUEUED_RUN,
+    INSERT_RUN,
+    INSERT_SHAPE,
     LAST_CHUNK_SEQ,
     MOVE_RUN,
     OVERDUE_RUNS,
@@ -121,16 +144,22 @@ from ._statements import (
     SET_WAKE_AFTER,
     SUPERSEDE_QUESTION,
     WAKE_SUSPENDED,
+    artifact_params,
     chunk_from_row,
     event_from_row,
+    new_run_params,
     question_from_row,
     queued_run_params,
     record_from_row,
+    shape_params,
 )
 
 T = TypeVar("T")
 Row = Sequence[Any]
 Params = Sequence[object]
+#: Graph keys (``name:fingerprint``) a claim takes or skips.
+Keys = tuple[str, ...]
+Clock = Callable[[], float]
 
 SELECT_RUN = f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?"
 RUN_EXISTS = "SELECT 1 FROM runs WHERE run_id = ?"
@@ -142,8 +171,16 @@ SELECT_LEASE = "SELECT lease_owner, lease_expires, lease_token FROM runs WHERE r
 SELECT_LEASE_STATUS = (
     "SELECT lease_owner, lease_expires, lease_token, status FROM runs WHERE run_id = ?"
 )
-#: A tick's run, unless it exists already.
+#: A queued run (a submission, a tick's), unless its id or its dedup key is taken.
 INSERT_SCHEDULED_RUN = f"{INSERT_QUEUED_RUN} ON CONFLICT DO NOTHING"
+#: A new run, unless its id is taken.
+INSERT_NEW_RUN = f"{INSERT_RUN} ON CONFLICT (run_id) DO NOTHING"
+#: A new artifact version, unless another commit took its number.
+INSERT_NEW_ARTIFACT = f"{INSERT_ARTIFACT} ON CONFLICT DO NOTHING"
+RELEASE_LEASE = (
+    "UPDATE runs SET lease_owner = NULL, lease_expires = NULL "
+    "WHERE run_id = ? AND lease_owner = ? AND lease_token = ?"
+)
 COUNT_RECOVERY = "UPDATE runs SET recoveries = recoveries + 1 WHERE run_id = ?"
 SELECT_STATUS = "SELECT status FROM runs WHERE run_id = ?"
 UPDATE_LEASE = (
@@ -190,6 +227,30 @@ class Tx(Protocol):
     async def signal(self, kind: str) -> None:
         """Wake watchers with a change of ``kind`` when this transaction commits."""
 
+    async def insert_queued(
+        self, runs: Sequence[tuple[NewRun, Submission]], *, wake: bool
+    ) -> list[str]:
+        """Queue each of ``runs`` not stored yet, with its graph's shape: the ids it stored.
+
+        With ``wake``, signal ``submit`` when it stored any (Postgres sends all
+        of it in one pipeline).
+        """
+
+    async def claim(self, claim: Claim, graphs: Keys | None, skip: Keys, clock: Clock) -> list[str]:
+        """Lease up to ``claim.limit`` runs of ``claim.queue`` within its limits, in claim order
+        (W2), of ``graphs`` (any if None) but not of ``skip``.
+
+        The backend's locking makes counting and claiming one step: SQLite's
+        ``BEGIN IMMEDIATE``; Postgres's ``SKIP LOCKED`` and an advisory lock
+        on a queue whose limits need counting.
+        """
+
+    async def lease_answers(
+        self, owner: str, ttl: float, limit: int, clock: Callable[[], float]
+    ) -> list[str]:
+        """Lease suspended runs with a due answer, within their queues' limits: the id of one
+        due question per run leased."""
+
 
 def run_now(body: Coroutine[Any, Any, T]) -> T:
     """Run ``body`` on this thread at once; its ``Tx`` must never suspend (SQLite's does not)."""
@@ -214,6 +275,44 @@ async def run_row(tx: Tx, sql: str, run_id: str, *, lock: bool = False) -> Row:
 
 
 # --- runs ------------------------------------------------------------------------------
+
+
+async def create_run(tx: Tx, run: NewRun) -> None:
+    """Store ``run`` as running, with its graph's shape; :class:`RunExists` if its id is taken."""
+    if not await tx.change(INSERT_NEW_RUN, new_run_params(run)):
+        raise RunExists(f"run {run.run_id!r} already exists")
+    await keep_shapes(tx, [run])
+
+
+async def keep_shapes(tx: Tx, runs: Sequence[NewRun]) -> None:
+    """Keep the graph structure of ``runs``, once per graph version (V1)."""
+    shapes: dict[tuple[str, str], tuple[object, ...]] = {}
+    for run in runs:
+        params = shape_params(run)
+        if params is not None:
+            shapes.setdefault((run.graph_name, run.fingerprint), params)
+    for params in shapes.values():
+        await tx.change_all(INSERT_SHAPE, params)
+
+
+async def submit_run(tx: Tx, run: NewRun, q: Submission) -> str:
+    """Queue ``run`` unless a live run holds its dedup key: the id of the run that stands.
+
+    The insert goes first and its conflict tells: on Postgres a dedup holder may
+    finish between the insert and the look, so it is tried again (a few times).
+    """
+    for _ in range(3):
+        if await tx.change(INSERT_SCHEDULED_RUN, queued_run_params(run, q)):
+            await keep_shapes(tx, [run])
+            await tx.signal("submit")
+            return run.run_id
+        if q.dedup_key is not None:
+            holder = await tx.one(DEDUP_HOLDER, (q.queue, q.dedup_key))
+            if holder is not None:
+                return str(holder[0])
+        if await tx.one(RUN_EXISTS, (run.run_id,)) is not None:
+            raise RunExists(f"run {run.run_id!r} already exists")
+    raise RunExists(f"run {run.run_id!r}: its dedup key {q.dedup_key!r} keeps changing hands")
 
 
 async def commit_harvest(tx: Tx, run_id: str, token: int, harvest: Harvest, now: float) -> bool:
@@ -490,6 +589,29 @@ async def scan_turns(tx: Tx, worker: WorkerRow, now: float) -> set[str]:
 # --- queues (W2) ------------------------------------------------------------------------
 
 
+async def declare_queue(tx: Tx, queue: Queue, now: float) -> None:
+    """Store ``queue``'s limits (keeping its pause); new limits may let more runs start."""
+    await tx.change_all(UPSERT_QUEUE, queue_params(queue, now))
+    await tx.signal("submit")
+    await tx.signal("config")
+
+
+async def queue_stats(tx: Tx, now: float, window: float) -> list[QueueStats]:
+    """Every queue's statistics over the last ``window`` seconds (read as of one moment)."""
+    counts = await tx.all(QUEUE_COUNTS, (now - window, now))
+    rows = await tx.all(SELECT_QUEUES, ())
+    workers = worker_rows(await tx.all(SELECT_WORKERS, ()))
+    return stats_from_counts(counts, queue_rows(rows), workers, now, window, paused_names(rows))
+
+
+async def return_claim(tx: Tx, run_id: str, owner: str, now: float) -> bool:
+    """Queue ``run_id`` again if ``owner`` claimed it and it has not started yet."""
+    if await tx.change_all(RETURN_CLAIM, (now, run_id, owner)) != 1:
+        return False
+    await tx.signal("submit")  # queued again: wake the workers
+    return True
+
+
 async def pause_queue(tx: Tx, name: str, now: float) -> None:
     """Pause queue ``name`` (declaring it with the defaults if it never was)."""
     await tx.change(PAUSE_QUEUE, (name, now, now))
@@ -581,6 +703,26 @@ async def extend_lease(
     holder, _expires, lease_token = await run_row(tx, SELECT_LEASE, run_id, lock=True)
     check_holder(run_id, owner, token, holder=holder, lease_token=lease_token)
     await tx.change(EXTEND_LEASE, (clock() + ttl, run_id))
+
+
+async def release_lease(tx: Tx, run_id: str, owner: str, token: int) -> None:
+    """Let go of ``owner``'s lease on ``run_id`` if ``token`` is still current; wake workers."""
+    if await tx.change_all(RELEASE_LEASE, (run_id, owner, token)):
+        await tx.signal("release")  # a run finished, suspended or was let go: workers look
+
+
+#: Values: run id, owner. A claim's lease let go (its caller was cancelled).
+RELEASE_CLAIMED = (
+    "UPDATE runs SET lease_owner = NULL, lease_expires = NULL WHERE run_id = ? AND lease_owner = ?"
+)
+
+
+async def release_claimed(tx: Tx, run_ids: Sequence[str], owner: str) -> None:
+    """Let go of ``owner``'s leases on ``run_ids`` (a claim whose caller was cancelled):
+    those runs are adopted at once instead of after their ttl."""
+    for run_id in run_ids:
+        await tx.change_all(RELEASE_CLAIMED, (run_id, owner))
+    await tx.signal("release")
 
 
 # --- the question ledger (Q2-Q5) -------------------------------------------------------------
@@ -675,9 +817,8 @@ async def suspend_on_children(tx: Tx, run_id: str, harvest: Harvest, now: float)
     ended = [status for status in statuses if status in TERMINAL_STATUSES]
     if not ended:
         return
-    completed = sum(status is RunStatus.COMPLETED for status in ended)
-    left = None if harvest.wake_after is None else harvest.wake_after - completed
-    if completed < len(ended) or left is None or left <= 0:
+    left = children_left(harvest.wake_after, ended)
+    if left is None:
         await wake_suspended(tx, run_id, now)
     else:
         await tx.change(SET_WAKE_AFTER, (left, run_id))
@@ -704,7 +845,8 @@ async def child_ended(tx: Tx, parent: str, status: RunStatus, now: float) -> Non
 
 
 async def wake_suspended(tx: Tx, run_id: str, now: float) -> bool:
-    """Queue ``run_id`` again if it is suspended, on a queue and nobody holds it (R4); wake workers."""
+    """Queue ``run_id`` again if it is suspended, on a queue and nobody holds it (``can_wake``,
+    R4); wake workers."""
     if not await tx.change(WAKE_SUSPENDED, (now, run_id, now)):
         return False
     await tx.signal("submit")
@@ -719,3 +861,27 @@ async def overdue_runs(tx: Tx, now: float, limit: int) -> list[str]:
 async def drop_parked(tx: Tx, park_id: str) -> bool:
     """Drop parked item ``park_id`` if it is still parked: whether it was."""
     return await tx.change(DROP_PARKED, (park_id,))
+
+
+# --- the evolve ledger -------------------------------------------------------------------
+
+
+async def commit_artifact(tx: Tx, version: ArtifactVersion) -> ArtifactVersion:
+    """Store ``version`` if the head is the one before it; :class:`StaleVersion` otherwise.
+
+    Of racing commits the primary key lets one insert through; the others
+    read the winner's head.
+    """
+    artifact_id, expected = version.artifact_id, version.version - 1
+    head = await artifact_head_version(tx, artifact_id)
+    if head == expected:
+        if await tx.change(INSERT_NEW_ARTIFACT, artifact_params(version)):
+            return version
+        head = await artifact_head_version(tx, artifact_id)  # the winner's
+    raise stale_version(artifact_id, expected, head)
+
+
+async def artifact_head_version(tx: Tx, artifact_id: str) -> int:
+    """The head version of ``artifact_id``, 0 when it has none."""
+    row = await tx.one(ARTIFACT_HEAD_VERSION, (artifact_id,))
+    return int(row[0]) if row is not None else 0

@@ -1,6 +1,10 @@
-"""In-memory run store.
+"""In-memory run store: the reference model of the contract.
 
-It applies the rules every backend shares (``_rules``) under one lock.
+It applies the rules every backend shares under one lock: each decision the
+SQL stores phrase as a statement is a pure function in ``_rules`` or
+``_queue_rules`` (``committed_record`` is ``UPDATE_RUN``, ``can_wake`` is
+``WAKE_SUSPENDED``, ``claim_order`` is ``claim_candidates``, ...), which this
+store applies to its dictionaries.
 
 >>> import asyncio
 >>> async def demo() -> int:
@@ -76,23 +80,26 @@ from .._records import (
     WorkerRow,
 )
 from .._rules import (
-    EMPTY_STATE_JSON,
     applied_status,
     can_apply,
     can_supersede,
+    can_wake,
     check_commit,
     check_holder,
     check_move,
     check_name,
     check_readable,
+    children_left,
+    committed_record,
     due,
     due_order,
     duplicate_in_harvest,
     grant_lease,
     is_recovery,
+    lease_lapsed,
+    new_run_record,
     not_applicable,
     not_open,
-    printable_text,
     question_not_found,
 )
 
@@ -163,37 +170,7 @@ class MemoryStore(RunStore):
 
     def _insert_run(self, run: NewRun, submission: Submission | None) -> None:
         """Add the rows of a new run (``queued`` with a ``submission``); the caller holds the lock."""
-        q = submission
-        self._runs[run.run_id] = RunRecord(
-            run_id=run.run_id,
-            graph_name=run.graph_name,
-            graph_ref=run.graph_ref,
-            fingerprint=run.fingerprint,
-            status=RunStatus.RUNNING if q is None else RunStatus.QUEUED,
-            input_json=run.input_json,
-            state_json=EMPTY_STATE_JSON,
-            error=None,
-            created_at=run.created_at,
-            updated_at=run.created_at,
-            finished_at=None,
-            nodes_done=0,
-            lease_owner=None,
-            lease_expires=None,
-            lease_token=0,
-            format_version=run.format_version,
-            queue_name=None if q is None else q.queue,
-            priority=0 if q is None else q.priority,
-            partition_key=None if q is None else q.partition,
-            dedup_key=None if q is None else q.dedup_key,
-            cost=None if q is None else q.cost,
-            estimate=None if q is None else q.estimate,
-            queued_at=None if q is None else run.created_at,
-            forked_from=run.forked_from,
-            forked_at=run.forked_at,
-            not_before=None if q is None else q.not_before,
-            parent_run_id=run.parent_run_id,
-            deadline=run.deadline,
-        )
+        self._runs[run.run_id] = new_run_record(run, submission)
         if run.shape_json is not None:
             self._shapes.setdefault((run.graph_name, run.fingerprint), run.shape_json)
         self._nodes[run.run_id] = {}
@@ -237,22 +214,8 @@ class MemoryStore(RunStore):
                         bisect.insort(chunks, c)
                     else:
                         chunks.append(c)
-            self._runs[run_id] = dataclasses.replace(
-                record,
-                state_json=harvest.state_json,
-                status=harvest.status,
-                error=None if harvest.error is None else printable_text(harvest.error),
-                updated_at=now,
-                finished_at=harvest.finished_at
-                if harvest.finished_at is not None
-                else record.finished_at,
-                nodes_done=record.nodes_done + harvest.nodes_done_delta,
-            )
+            self._runs[run_id] = committed_record(record, harvest, now)
             ends = harvest.status in TERMINAL_STATUSES
-            if ends:  # the end of the run lets go of its lease (as the SQL stores' UPDATE_RUN)
-                self._runs[run_id] = dataclasses.replace(
-                    self._runs[run_id], lease_owner=None, lease_expires=None
-                )
             if harvest.output_json is None:
                 self._output_texts.pop(run_id, None)
             else:
@@ -290,9 +253,8 @@ class MemoryStore(RunStore):
         ]
         if not ended:
             return False
-        completed = sum(status is RunStatus.COMPLETED for status in ended)
-        left = None if harvest.wake_after is None else harvest.wake_after - completed
-        if completed < len(ended) or left is None or left <= 0:
+        left = children_left(harvest.wake_after, ended)
+        if left is None:
             return self._wake_locked(run_id, now)
         self._wake_after[run_id] = left
         return False
@@ -309,12 +271,7 @@ class MemoryStore(RunStore):
     def _wake_locked(self, run_id: str, now: float) -> bool:
         """Queue suspended ``run_id`` again (R4), as ``WAKE_SUSPENDED``; the caller holds the lock."""
         run = self._runs.get(run_id)
-        if (
-            run is None
-            or run.status is not RunStatus.SUSPENDED
-            or run.queue_name is None
-            or (run.lease_owner is not None and (run.lease_expires or 0.0) >= now)
-        ):
+        if run is None or not can_wake(run, now):
             return False
         self._runs[run_id] = dataclasses.replace(
             run, status=RunStatus.QUEUED, lease_owner=None, lease_expires=None, updated_at=now
@@ -629,12 +586,7 @@ class MemoryStore(RunStore):
 
     async def _expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
         with self._lock:
-            orphans = [
-                r
-                for r in self._runs.values()
-                if r.status == RunStatus.RUNNING
-                and (r.lease_owner is None or r.lease_expires is None or r.lease_expires < now)
-            ]
+            orphans = [r for r in self._runs.values() if lease_lapsed(r, now)]
         orphans.sort(key=lambda r: (r.lease_expires or 0.0, r.run_id))
         return [r.run_id for r in orphans[: max(limit, 0)]]
 
@@ -1055,11 +1007,7 @@ class MemoryStore(RunStore):
                 for q in self._questions.values()
             ):  # fmt: skip
                 kinds.add("answer")
-            if any(
-                r.status is RunStatus.RUNNING
-                and (r.lease_owner is None or r.lease_expires is None or r.lease_expires < now)
-                for r in runs
-            ):
+            if any(lease_lapsed(r, now) for r in runs):
                 kinds.add("release")
             if any(
                 r.lease_owner == worker.worker_id and r.status is RunStatus.RUNNING

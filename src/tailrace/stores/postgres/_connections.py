@@ -44,7 +44,8 @@ from psycopg import sql
 
 from ..._errors import StoreError
 from .._rules import read_only_refusal
-from ._errors import InDoubt, Texts, mapped_errors, refusal, transient
+from .._sql._base import Texts
+from ._errors import InDoubt, mapped_errors, refusal, transient
 from ._schema import PostgresSchema
 
 #: Logged under the store's name, where its operators look.

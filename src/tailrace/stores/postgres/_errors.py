@@ -12,13 +12,13 @@ our own pass through unchanged.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import psycopg
 import psycopg_pool
 
 from ..._errors import StoreError
-from .._records import Harvest
+from .._sql._base import Texts
 
 #: SQLSTATEs (besides class 08, connection exceptions) after which re-running the
 #: whole transaction on a fresh connection is right: admin shutdown, crash
@@ -26,9 +26,6 @@ from .._records import Harvest
 #: cancelled by `statement_timeout` (its transaction was rolled back: a lock held
 #: elsewhere outlasted it, and may be gone on the next attempt).
 _RETRIED_SQLSTATES = frozenset({"57014", "57P01", "57P02", "57P03", "40001", "40P01"})
-
-#: The texts a write stores, by name, to name the one the driver refused.
-Texts = Callable[[], Iterable[tuple[str, str | None]]]
 
 
 class InDoubt(Exception):
@@ -93,18 +90,3 @@ def bad_text(texts: Iterable[tuple[str, str | None]]) -> str | None:
                 "which is not valid Unicode"
             )
     return None
-
-
-def harvest_texts(harvest: Harvest) -> Iterator[tuple[str, str | None]]:
-    """The payload texts ``harvest`` stores, each named by what it belongs to."""
-    yield "state_json", harvest.state_json
-    for n in harvest.nodes:
-        yield f"data_json of node {n.node_id!r}", n.data_json
-    for r in harvest.results:
-        yield f"result of node {r.node_id!r} visit {r.visit}", r.value_json
-    for f in harvest.frozen:
-        yield f"frozen input of node {f.node_id!r} activation {f.activation}", f.payload_json
-    for e in harvest.events:
-        yield f"data_json of event seq {e.seq}", e.data_json
-    for q in harvest.questions:
-        yield f"prompt_json of question {q.question_id!r}", q.prompt_json

@@ -36,7 +36,9 @@ from .._records import (
 )
 from .._sql._queues import (
     ACTIVE_IN_QUEUE,
+    ANSWER_CANDIDATES,
     CLAIM_SET,
+    LEASE_FOR_ANSWER,
     SELECT_QUEUE,
     STARTED_SINCE,
     candidate_params,
@@ -142,3 +144,48 @@ async def claim_queued(
     rows = await cur.fetchall()
     won = {r[0] for r in rows}
     return [run_id for run_id in ids if run_id in won], (str(rows[0][1]) if rows else None)
+
+
+async def lease_answers(
+    conn: Conn, schema: str, owner: str, ttl: float, limit: int, clock: Callable[[], float]
+) -> list[str]:
+    """Lease suspended runs with a due answer, within their queues' limits, in the transaction
+    of ``conn`` (its id taken first): the id of one due question per run leased."""
+    now = clock()
+    cur = await conn.execute(pg(ANSWER_CANDIDATES) + SKIP_LOCKED, (now, now, limit * 4 + 8))
+    active: dict[str, int | None] = {}
+    seen: set[str] = set()
+    taken: list[str] = []
+    for question_id, run_id, queue_name in await cur.fetchall():
+        if len(taken) >= limit or run_id in seen:
+            continue
+        seen.add(run_id)
+        if queue_name is not None and not await slot_for(conn, schema, queue_name, active, now):
+            continue
+        done = await conn.execute(pg(LEASE_FOR_ANSWER), (owner, now + ttl, run_id, now))
+        if done.rowcount == 1:
+            taken.append(question_id)
+    return taken
+
+
+async def slot_for(
+    conn: Conn, schema: str, queue: str, active: dict[str, int | None], now: float
+) -> bool:
+    """Whether ``queue`` has a free slot for one more run (counted once, under its lock)."""
+    if queue not in active:
+        spec = await declared(conn, queue)
+        if spec is None:
+            active[queue] = 0  # its row cannot be used: paused until declared again
+        elif spec.concurrency is None:
+            active[queue] = None
+        else:
+            await lock_queue(conn, schema, queue)
+            count = await count_rows(conn, ACTIVE_IN_QUEUE, (queue, now))
+            active[queue] = spec.concurrency - count
+    free = active[queue]
+    if free is None:
+        return True
+    if free <= 0:
+        return False
+    active[queue] = free - 1
+    return True

@@ -177,14 +177,3 @@ class DataVersionWatch:
             if kinds:
                 hub.deliver(kinds)
         return now, counts
-
-
-def release_all(conn: sqlite3.Connection, run_ids: list[str], owner: str) -> None:
-    """Drop ``owner``'s leases on ``run_ids`` (a claim whose caller was cancelled)."""
-    for run_id in run_ids:
-        conn.execute(
-            "UPDATE runs SET lease_owner = NULL, lease_expires = NULL "
-            "WHERE run_id = ? AND lease_owner = ?",
-            (run_id, owner),
-        )
-    bump(conn, "release")

@@ -9,24 +9,29 @@ that thread's transaction: ``BEGIN IMMEDIATE`` already holds the database, so
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._errors import StoreError
-from .._records import Harvest
+from .._records import Claim, Harvest, NewRun, Submission
 from .._sql._statements import (
     INSERT_CHUNK,
     INSERT_EVENT,
+    INSERT_QUEUED_RUN,
     INSERT_RESULT,
+    INSERT_SHAPE,
     UPDATE_RUN,
     UPSERT_CHECKPOINT,
     UPSERT_ITEM,
     UPSERT_NODE,
     append_only_rows,
     harvest_rows,
+    queued_run_params,
     run_update_params,
+    shape_params,
 )
-from .._sql._transactions import Params, Row, harvest_signals
-from ._queues import bump
+from .._sql._transactions import RUN_EXISTS, Clock, Keys, Params, Row, harvest_signals
+from ._queues import bump, claim_queued, lease_answers
 from ._threads import insert_rows, insert_run_rows
 
 
@@ -82,6 +87,31 @@ class SQLiteTx:
 
     async def signal(self, kind: str) -> None:
         bump(self.conn, kind)
+
+    async def insert_queued(
+        self, runs: Sequence[tuple[NewRun, Submission]], *, wake: bool
+    ) -> list[str]:
+        conn, stored = self.conn, []
+        for run, q in runs:
+            if conn.execute(RUN_EXISTS, (run.run_id,)).fetchone():
+                continue  # submitted before: left as it is
+            conn.execute(INSERT_QUEUED_RUN, queued_run_params(run, q))
+            shape = shape_params(run)
+            if shape is not None:
+                conn.execute(INSERT_SHAPE, shape)
+            stored.append(run.run_id)
+        if wake and stored:
+            bump(conn, "submit")
+        return stored
+
+    async def claim(self, claim: Claim, graphs: Keys | None, skip: Keys, clock: Clock) -> list[str]:
+        c = claim
+        return claim_queued(self.conn, c.queue, c.owner, c.ttl, c.limit, clock(), graphs, skip)
+
+    async def lease_answers(
+        self, owner: str, ttl: float, limit: int, clock: Callable[[], float]
+    ) -> list[str]:
+        return lease_answers(self.conn, owner, ttl, limit, clock())
 
 
 def first_duplicate(conn: sqlite3.Connection, run_id: str, harvest: Harvest) -> str:
