@@ -16,7 +16,7 @@ import dataclasses
 import datetime
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from .._codec import DEFAULT_CODEC, Codec
@@ -47,6 +47,7 @@ from ._children import (
     checked_deadline,
     tree_questions,
 )
+from ._driving import Drivers
 from ._lease import Lease, make_owner, mark_failed
 from ._loop import RunLoop
 from ._outcome import RunResult
@@ -162,17 +163,11 @@ class Engine:
         #: Graphs this engine ran, by name and fingerprint, so it can resume their
         #: runs even when they cannot be imported (defined in ``__main__``, say).
         self._graphs: dict[tuple[str, str], Graph] = {}
-        #: Runs this engine drives now: one driver per run even within one owner (D6).
-        self._active: set[str] = set()
-        self._loops: dict[str, RunLoop] = {}
-        self._preempt_pending: set[str] = set()
-        #: Runs asked to cancel while starting, before their loop existed.
-        self._cancel_pending: set[str] = set()
-        #: Per-run durability overrides, while the run is driven here.
-        self._durability_of: dict[str, str] = {}
         self.max_stream_chunks = max_stream_chunks
         #: In-process listeners of the chunks of the runs driven here (S3).
         self.stream_hub = StreamHub()
+        #: Runs this engine drives now: one driver per run even within one owner (D6).
+        self._drivers = Drivers(self.stream_hub)
         #: Free slots lent to the queued child runs this engine's runs submit, which then
         #: start here from the write that submits them (a Worker lends its own; R4).
         self.child_claims: ChildClaims | None = None
@@ -206,7 +201,7 @@ class Engine:
         run_id = uuid.uuid4().hex if run_id is None else checked_run_id(run_id)
         when = checked_deadline(deadline)
         if durability is not None:
-            self._durability_of[run_id] = _checked_durability(durability)
+            self._drivers.durability[run_id] = _checked_durability(durability)
         return await self._start(graph, input, run_id, graph_ref, None, when)
 
     async def _start(
@@ -226,7 +221,7 @@ class Engine:
                 f"graph {graph.name!r}: child runs on a queue (queue=) need an engine with a store"
             )
         self._graphs.setdefault((graph.name, topo.fingerprint), graph)
-        with self._driving(run_id):
+        with self._drivers.driving(run_id):
             result = await self._run(graph, topo, input, run_id, graph_ref, parent, deadline)
             return await self._settle(result, graph, False)
 
@@ -301,13 +296,13 @@ class Engine:
         """
         if durability is not None:
             durability = _checked_durability(durability)
-        with self._driving(run_id):
+        with self._drivers.driving(run_id):
             if cancelled:
                 await reopen_cancelled(
                     self._require_store("resume"), run_id, self.owner, self.lease_ttl
                 )
             if durability is not None:
-                self._durability_of[run_id] = durability
+                self._drivers.durability[run_id] = durability
             result = await self._resume(run_id, graph, force, patch)
             return await self._settle(result, graph, force)
 
@@ -387,7 +382,7 @@ class Engine:
             )
             writer.refer(restored.big)
             if restored.durability is not None:
-                self._durability_of.setdefault(run_id, restored.durability)
+                self._drivers.durability.setdefault(run_id, restored.durability)
             state = restored.state
             loop = self._loop_for(
                 run_id, state, writer, restored.event_seq, restored.turn, record=stored.run
@@ -457,7 +452,7 @@ class Engine:
         self.register(graph)
         return await migrate_runs(
             store, graph, owner=self.owner, ttl=self.lease_ttl, apply=apply,
-            known=self.graph_for, guard=self._driving,
+            known=self.graph_for, guard=self._drivers.driving,
         )  # fmt: skip
 
     async def fork(
@@ -495,7 +490,7 @@ class Engine:
         self._executors.plan(topo)
         self._graphs.setdefault((graph.name, topo.fingerprint), graph)
         fork_id = uuid.uuid4().hex if fork_id is None else checked_run_id(fork_id)
-        with self._driving(fork_id):
+        with self._drivers.driving(fork_id):
             ref = guess_reference(graph) or source.run.graph_ref
             writer = await RunWriter.create(
                 store, self._codec, fork_id, graph, topo, plan.input, ref, origin=(run_id, at)
@@ -523,12 +518,12 @@ class Engine:
         (:class:`LeaseHeld`).
         """
         store = self._require_store("fail_run")
-        with self._driving(run_id):
+        with self._drivers.driving(run_id):
             await mark_failed(store, run_id, self.owner, self.lease_ttl, reason)
 
     def is_driving(self, run_id: str) -> bool:
         """Whether this engine is running or resuming ``run_id`` right now."""
-        return run_id in self._active
+        return run_id in self._drivers
 
     def graph_for(self, record: RunRecord) -> Graph | None:
         """The graph this engine ran, submitted or was given for the stored run ``record``, if any.
@@ -571,14 +566,7 @@ class Engine:
         """
         if self.store is None:
             raise NotResumable(f"run {run_id!r}: preempting needs a store to resume from")
-        loop = self._loops.get(run_id)
-        if loop is None:
-            if run_id not in self._active:
-                return False
-            self._preempt_pending.add(run_id)  # starting: preempt once its loop exists
-            return True
-        loop.preempt()
-        return True
+        return self._drivers.preempt(run_id)
 
     def stream(self, run_id: str, *, after: int = 0) -> AsyncIterator[Chunk]:
         """The stream rows of run ``run_id`` with a cursor past ``after``, in order, until it ends (S3).
@@ -677,21 +665,6 @@ class Engine:
             self.lease_ttl,
             on_cancel_request=lambda: self.request_cancel(run_id),
         )
-
-    @contextlib.contextmanager
-    def _driving(self, run_id: str) -> Iterator[None]:
-        if run_id in self._active:
-            raise LeaseHeld(f"run {run_id!r} is being driven by this engine already")
-        self._active.add(run_id)
-        try:
-            with self.stream_hub.driving(run_id):
-                yield
-        finally:
-            self._active.discard(run_id)
-            self._loops.pop(run_id, None)
-            self._preempt_pending.discard(run_id)
-            self._cancel_pending.discard(run_id)
-            self._durability_of.pop(run_id, None)
 
     async def _late_inputs(self, run_id: str) -> list[LateInput]:
         assert self.store is not None
@@ -821,7 +794,7 @@ class Engine:
     ) -> RunLoop:
         if record is not None:  # a stored run: its deadline and parent are stored with it
             deadline, parent = record.deadline, record.parent_run_id
-        loop = self._loops[run_id] = RunLoop(
+        loop = RunLoop(
             run_id=run_id,
             state=state,
             publish=self.bus.publish if self.bus.active else None,
@@ -832,7 +805,7 @@ class Engine:
             tail=self._tail_for(state.topo),
             event_seq=event_seq,
             turn=turn,
-            durability=self._durability_of.get(run_id, self.durability),
+            durability=self._drivers.durability.get(run_id, self.durability),
             executors=self._executors.plan(state.topo),
             codec=self._codec,
             stream_hub=self.stream_hub,
@@ -846,12 +819,7 @@ class Engine:
                 queued=record is not None and record.queue_name is not None,
                 deadline=deadline, poke=loop.poke,
             )  # fmt: skip
-        if run_id in self._preempt_pending:
-            self._preempt_pending.discard(run_id)
-            loop.preempt()
-        if run_id in self._cancel_pending:
-            self._cancel_pending.discard(run_id)
-            loop.request_cancel()
+        self._drivers.attach(run_id, loop)
         return loop
 
     def _tail_for(self, topo: Topology) -> TailHooks | None:
@@ -988,27 +956,7 @@ class Engine:
         Args:
             run_id: the run.
         """
-        loop = self._loops.get(run_id)
-        if loop is None:
-            if run_id not in self._active:
-                return False
-            self._cancel_pending.add(run_id)  # starting: it ends cancelled once its loop exists
-            return True
-        loop.request_cancel()
-        return True
-
-    async def _until_let_go(self, run_id: str) -> None:
-        """Wait while this engine is still letting go of ``run_id`` (R4).
-
-        A parent that suspended on its children may be queued again, and
-        claimed by this very worker, before its previous drive here returned:
-        that drive is in its last step, so waiting a moment beats refusing the
-        claim (which would leave the run leased until its lease expired).
-        """
-        waited = 0.0
-        while run_id in self._active and waited < self.lease_ttl:
-            await asyncio.sleep(0.002)
-            waited += 0.002
+        return self._drivers.request_cancel(run_id)
 
     async def start_claimed(
         self, run_id: str, graph: Graph | None = None, *, cancel_first: bool = False
@@ -1028,8 +976,8 @@ class Engine:
                 at once (W5).
         """
         store = self._require_store("start a claimed run")
-        await self._until_let_go(run_id)
-        with self._driving(run_id):
+        await self._drivers.let_go(run_id, self.lease_ttl)
+        with self._drivers.driving(run_id):
             stored = await store.load_run(run_id)
             self._note_queue(stored.run)
             if cancel_first and stored.run.cancel_requested_at is not None:

@@ -563,7 +563,7 @@ async def cancel_undriven(engine: Engine, run_id: str) -> RunStatus:
     """
     # One end per run in this engine: a cancel cascading from a parent and the parent's
     # own attempt may both reach a child at once; the second finds it held (LeaseHeld).
-    with engine._driving(run_id):
+    with engine._drivers.driving(run_id):
         return await cancel_unstarted(engine, run_id)
 
 
