@@ -8,6 +8,7 @@ here. The public names are re-exported by :mod:`tailrace`.
 from ._admission import AdmissionPolicy as AdmissionPolicy
 from ._children import tree_questions as tree_questions
 from ._engine import Engine as Engine
+from ._engine import cancel_undriven as cancel_undriven
 from ._engine import run as run
 from ._lease import acquire_lease as acquire_lease
 from ._lease import make_owner as make_owner
@@ -15,7 +16,6 @@ from ._lease import mark_failed as mark_failed
 from ._lease import owner_is_dead as owner_is_dead
 from ._outcome import NodeReport as NodeReport
 from ._outcome import RunResult as RunResult
-from ._queued import cancel_undriven as cancel_undriven
 from ._restore import find_graph as find_graph
 from ._state import LateInput as LateInput
 from ._state import NodeStatus as NodeStatus

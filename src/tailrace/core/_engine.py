@@ -52,13 +52,18 @@ from ._lease import Lease, make_owner, mark_failed
 from ._loop import RunLoop
 from ._outcome import RunResult
 from ._queued import (
+    Queueing,
     cancel_run,
     cancel_unstarted,
     reopen_cancelled,
+    store_needed,
     stored_result,
     submit_children,
     submit_run,
     wait_for,
+)
+from ._queued import (
+    cancel_undriven as cancel_undriven_run,
 )
 from ._restore import find_graph, restore_run
 from ._state import LateInput, RunState
@@ -756,7 +761,7 @@ class Engine:
         return await self._start(graph, input, run_id, None, parent, deadline)
 
     async def _submit_children(self, children: list[ChildSubmit]) -> list[Exception | None]:
-        return await submit_children(self, children)
+        return await submit_children(self._queueing("submit"), children, self.child_claims)
 
     async def _resume_child(self, run_id: str, graph: Graph) -> RunResult:
         self.register(graph)
@@ -764,7 +769,7 @@ class Engine:
 
     async def _child_result(self, record: RunRecord, graph: Graph) -> RunResult:
         self.register(graph)
-        return await stored_result(self, record, graph)
+        return await stored_result(self._queueing("read a child run"), record, graph)
 
     async def _child_outputs(self, run_ids: list[str]) -> dict[str, Any]:
         assert self.store is not None
@@ -852,6 +857,14 @@ class Engine:
         dropped already (P4)."""
         return await self._require_store("drop_parked").drop_parked(park_id)
 
+    def _queueing(self, what: str) -> Queueing:
+        """What queued-run code needs from this engine (``what`` needs a store)."""
+        return Queueing(
+            store=store_needed(self.store, what), codec=self._codec, owner=self.owner,
+            lease_ttl=self.lease_ttl, known=self.graph_for, register=self.register,
+            guard=self._drivers.driving, request_cancel=self.request_cancel, cancel=self.cancel,
+        )  # fmt: skip
+
     def _require_store(self, what: str) -> RunStore:
         if self.store is None:
             raise NotResumable(f"{what} needs a durable store: Engine(store=SQLiteStore(...))")
@@ -909,7 +922,7 @@ class Engine:
                 ``datetime``, or a ``timedelta`` from now; stored with the run.
         """
         return await submit_run(
-            self, graph, input, queue=queue, run_id=run_id, priority=priority,
+            self._queueing("submit"), graph, input, queue=queue, run_id=run_id, priority=priority,
             partition=partition, dedup_key=dedup_key, on_duplicate=on_duplicate, cost=cost,
             estimate=estimate, graph_ref=graph_ref, not_before=not_before,
             deadline=checked_deadline(deadline),
@@ -933,7 +946,7 @@ class Engine:
             graph: the run's graph, to compute ``output`` (default: one this
                 engine ran, submitted or was given, by fingerprint).
         """
-        return await wait_for(self, run_id, timeout=timeout, graph=graph)
+        return await wait_for(self._queueing("wait"), run_id, timeout=timeout, graph=graph)
 
     async def cancel(self, run_id: str) -> str:
         """Cancel run ``run_id``; return its status now.
@@ -946,7 +959,7 @@ class Engine:
         Args:
             run_id: the run to cancel.
         """
-        return await cancel_run(self, run_id)
+        return await cancel_run(self._queueing("cancel"), run_id)
 
     def request_cancel(self, run_id: str) -> bool:
         """Ask run ``run_id``, if this engine drives it, to end cancelled at its next harvest.
@@ -981,8 +994,9 @@ class Engine:
             stored = await store.load_run(run_id)
             self._note_queue(stored.run)
             if cancel_first and stored.run.cancel_requested_at is not None:
-                await cancel_unstarted(self, run_id)
-                return await stored_result(self, await store.get_run(run_id), graph)
+                queueing = self._queueing("start a claimed run")
+                await cancel_unstarted(queueing, run_id)
+                return await stored_result(queueing, await store.get_run(run_id), graph)
             if not stored.nodes and stored.run.status is RunStatus.RUNNING:
                 graph = self._graph_of(stored.run, graph)
                 topo = graph.compile()
@@ -1015,6 +1029,14 @@ class Engine:
             # claimant died): resumed under this claim's lease, as read (D3).
             result = await self._resume(run_id, graph, False, None, claimed=stored)
             return await self._settle(result, graph, False)
+
+
+async def cancel_undriven(engine: Engine, run_id: str) -> RunStatus:
+    """End ``run_id``, which nobody drives, as ``cancelled`` under its lease; return its status.
+
+    :func:`~._queued.cancel_undriven` with ``engine``'s store, lease settings and guard.
+    """
+    return await cancel_undriven_run(engine._queueing("cancel"), run_id)
 
 
 def _checked_durability(durability: Any) -> str:
