@@ -10,6 +10,9 @@ from ._children import tree_questions as tree_questions
 from ._engine import Engine as Engine
 from ._engine import cancel_undriven as cancel_undriven
 from ._engine import run as run
+from ._instruments import Instrument as Instrument
+from ._instruments import Instruments as Instruments
+from ._instruments import RunCall as RunCall
 from ._lease import acquire_lease as acquire_lease
 from ._lease import make_owner as make_owner
 from ._lease import mark_failed as mark_failed
@@ -40,11 +43,14 @@ __all__ = [
     "ChunkKind",
     "Compatibility",
     "Engine",
+    "Instrument",
+    "Instruments",
     "LateInput",
     "MigrationReport",
     "MoveOutcome",
     "NodeReport",
     "NodeStatus",
+    "RunCall",
     "RunMove",
     "RunResult",
     "StreamBound",

@@ -16,6 +16,7 @@ from typing import Any
 from .._codec import Codec
 from .._context import Checkpoint
 from .._errors import CorruptRecord, GraphError, UnsupportedFormat
+from .._events import EventType
 from ..graph import Graph, NodeKind, Topology, is_file_reference, resolve_reference
 from ..stores import FORMAT_VERSION, ItemRow, NodeRow, ParkedRow, RunRecord, RunStore, StoredRun
 from ._checkpoints import parked_checkpoint
@@ -70,6 +71,26 @@ def find_graph(record: RunRecord) -> Graph:
     if not isinstance(graph, Graph):
         raise GraphError(f"run {run_id!r}: {ref!r} is not a Graph")
     return graph
+
+
+async def late_inputs(store: RunStore, codec: Codec, run_id: str) -> list[LateInput]:
+    """The late inputs run ``run_id`` recorded (its ``node_late_input`` events), for a restore (E5)."""
+    late: list[LateInput] = []
+    for event in await store.events(run_id):
+        if event.type != EventType.NODE_LATE_INPUT.value:
+            continue
+        data = codec.decode(event.data_json)
+        data = data if isinstance(data, dict) else {}
+        late.append(
+            LateInput(
+                node_id=event.node_id or "",
+                source_id=str(data.get("source")),
+                activation=event.visit or 0,
+                reason=str(data.get("reason")),
+                item=data.get("item"),
+            )
+        )
+    return late
 
 
 async def restore_run(
