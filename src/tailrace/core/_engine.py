@@ -69,7 +69,7 @@ from ._queued import (
     wait_for,
 )
 from ._queued import cancel_undriven as cancel_undriven_run
-from ._restore import find_graph, late_inputs, restore_run
+from ._restore import Graphs, late_inputs, restore_run
 from ._state import RunState
 from ._streams import MAX_STREAM_CHUNKS, READ_BATCH, Chunk, StreamHub, chunk_of, read_stream
 from ._versions import (
@@ -171,9 +171,7 @@ class Engine:
         self.straggler_factor = straggler_factor
         self._tail = tail
         self._executors = ExecutorTable(executor, executors)
-        #: Graphs this engine ran, by name and fingerprint, so it can resume their
-        #: runs even when they cannot be imported (defined in ``__main__``, say).
-        self._graphs: dict[tuple[str, str], Graph] = {}
+        self._graphs = Graphs()
         self.max_stream_chunks = max_stream_chunks
         #: In-process listeners of the chunks of the runs driven here (S3).
         self.stream_hub = StreamHub()
@@ -217,7 +215,7 @@ class Engine:
             when = checked_deadline(deadline)
             if durability is not None:
                 self._drivers.durability[checked] = _checked_durability(durability)
-            return await self._start(graph, input, checked, graph_ref, None, when)
+            return await self._start(graph, input, checked, None, when, graph_ref)
 
         return await self.instruments.drive(RunCall(kind="run", run_id=run_id, graph=graph), call)
 
@@ -226,9 +224,9 @@ class Engine:
         graph: Graph,
         input: Any,
         run_id: str,
-        graph_ref: str | None,
         parent: str | None,
         deadline: float | None,
+        graph_ref: str | None = None,
     ) -> RunResult:
         """Run a new run (a child of ``parent`` when given) to its end or suspension."""
         topo = graph.compile()
@@ -237,7 +235,7 @@ class Engine:
             raise GraphError(
                 f"graph {graph.name!r}: child runs on a queue (queue=) need an engine with a store"
             )
-        self._graphs.setdefault((graph.name, topo.fingerprint), graph)
+        self._graphs.add(graph, topo.fingerprint)
         begin = functools.partial(
             self._begin_new, graph, topo, input, run_id, graph_ref, parent, deadline
         )
@@ -252,14 +250,10 @@ class Engine:
         force: bool = False,
         wake: bool = True,
     ) -> RunResult:
-        """Drive ``run_id`` here: the one path every way of driving a run takes.
-
-        ``begin()`` takes the run to its end or suspension while this engine
-        holds it (one driver per run, D6); answers that raced its suspension
-        are then applied (:meth:`_settle`, with ``graph`` and ``force``). Once
-        this engine let go of it, the ancestors its end lets go on are resumed
-        (``wake``; :meth:`_wake_ancestors`).
-        """
+        """The one path every way of driving a run takes: ``begin()`` takes ``run_id`` to its end
+        or suspension while this engine holds it (D6); answers that raced its suspension are
+        applied (:meth:`_settle`); once let go of, the ancestors its end lets go on are resumed
+        (``wake``)."""
         with self._drivers.driving(run_id):
             begun = await begin()
             if isinstance(begun, _AsStored):
@@ -452,7 +446,7 @@ class Engine:
         stored = await store.load_run(run_id) if claimed is None else claimed
         self._queued.note(stored.run)
         _check_resumable(stored.run)
-        graph = self._graph_of(stored.run, graph)
+        graph = self._graphs.of(stored.run, graph)
         topo = graph.compile()
         moving = topo.fingerprint != stored.run.fingerprint and not force
         if moving:  # V1: continue on a changed graph only if it fits what the run did
@@ -465,50 +459,45 @@ class Engine:
         if not lease.continues_claim:  # D4: refuse unreadable rows before writing anything
             await restore_run(store, self._codec, topo, stored, [])
         writer = RunWriter(store, self._codec, run_id, topo, stored.run)
-        reopen = functools.partial(self._reopen, stored, graph, topo, writer, lease, moving, patch)
+
+        async def reopen() -> RunLoop | RunResult:
+            nonlocal stored
+            if not lease.continues_claim:
+                stored = await store.load_run(run_id)  # re-read under the lease
+                _check_resumable(stored.run)
+            if moving:  # re-checked as it stands under the lease, then moved (V2, D6)
+                known = self.graph_for(stored.run)
+                await move_leased(store, stored, graph, self.owner, writer.token, known)
+            late = await late_inputs(store, self._codec, run_id)
+            restored = await restore_run(store, self._codec, topo, stored, late)
+            writer.refer(restored.big)
+            if restored.durability is not None:
+                self._drivers.durability.setdefault(run_id, restored.durability)
+            loop = self._loop_for(
+                run_id, restored.state, writer, restored.event_seq, restored.turn, record=stored.run
+            )
+            return await self._reopened(loop, restored.state, stored.run, graph, patch)
+
         return await self._under_lease(writer, lease, reopen)
 
-    async def _reopen(
-        self,
-        stored: StoredRun,
-        graph: Graph,
-        topo: Topology,
-        writer: RunWriter,
-        lease: Lease,
-        moving: bool,
-        patch: Any,
+    async def _reopened(
+        self, loop: RunLoop, state: RunState, record: RunRecord, graph: Graph, patch: Any
     ) -> RunLoop | RunResult:
-        """Under the lease: the loop of a resumed run, its answers applied and its resume
-        announced; a suspended run with nothing new to do, as it is."""
-        store, run_id = self._require_store("resume"), stored.run.run_id
-        if not lease.continues_claim:
-            stored = await store.load_run(run_id)  # re-read under the lease
-            _check_resumable(stored.run)
-        if moving:  # re-checked as it stands under the lease, then moved (V2, D6)
-            known = self.graph_for(stored.run)
-            await move_leased(store, stored, graph, self.owner, writer.token, known)
-        late = await late_inputs(store, self._codec, run_id)
-        restored = await restore_run(store, self._codec, topo, stored, late)
-        writer.refer(restored.big)
-        if restored.durability is not None:
-            self._drivers.durability.setdefault(run_id, restored.durability)
-        state = restored.state
-        loop = self._loop_for(
-            run_id, state, writer, restored.event_seq, restored.turn, record=stored.run
-        )
+        """A resumed run's loop with its answers applied and its parked boundaries replayed,
+        its resume announced; a suspended run with nothing new to do, as it is."""
         # S2: number after the stored rows; streams cut by a crash end discarded.
-        loop.streams.reopen(await store.stream_head(run_id))
-        if stored.run.cancel_requested_at is not None:
+        loop.streams.reopen(await self._require_store("resume").stream_head(record.run_id))
+        if record.cancel_requested_at is not None:
             loop.request_cancel()  # asked before this engine took the run over
         applied = await loop.absorb_answers()
         unparked = state.unpark(patch)
-        if stored.run.status is RunStatus.SUSPENDED and not applied and not state.ready:
+        if record.status is RunStatus.SUSPENDED and not applied and not state.ready:
             return loop.result(RunStatus.SUSPENDED)
         loop.emit(
             EventType.RUN_RESUMED, graph=graph.name, applied=applied, unparked=unparked,
             owner=self.owner,
         )  # fmt: skip
-        if applied or unparked or stored.run.status is RunStatus.SUSPENDED:
+        if applied or unparked or record.status is RunStatus.SUSPENDED:
             # The apply is durable before any handler runs; a suspended run is
             # running again before its children's results move it on (R4).
             await loop.checkpoint()
@@ -524,10 +513,7 @@ class Engine:
         Several versions of one graph (one name, several fingerprints) can be
         registered at once: each run continues on the version it is on (V3).
         """
-        for graph in graphs:
-            self._graphs.setdefault((graph.name, graph.compile().fingerprint), graph)
-            # The graphs its nodes run as child runs (R1): whoever drives a run drives its children.
-            self.register(*graph.child_graphs())
+        self._graphs.register(*graphs)  # with the graphs its nodes run as child runs (R1)
 
     # -- versions and forks (the work is done in _versions) ----------------------
 
@@ -598,12 +584,12 @@ class Engine:
         store = self._require_store("fork")
         source = await store.load_run(checked_run_id(run_id))
         known = self.graph_for(source.run)
-        forked = self._graph_of(source.run, graph)
+        forked = self._graphs.of(source.run, graph)
         old = await stored_shape(store, source.run, known)
         plan = await plan_fork(store, self._codec, source, forked, at, input, old)
         topo = forked.compile()
         self._executors.plan(topo)
-        self._graphs.setdefault((forked.name, topo.fingerprint), forked)
+        self._graphs.add(forked, topo.fingerprint)
         fork_id = checked_run_id(fork_id)
         ref = guess_reference(forked) or source.run.graph_ref
 
@@ -649,7 +635,7 @@ class Engine:
 
         Matched by the run's graph name and fingerprint both.
         """
-        return self._graphs.get((record.graph_name, record.fingerprint))
+        return self._graphs.get(record)
 
     def knows_graph(self, fingerprint: str, name: str | None = None) -> bool:
         """Whether this engine has a graph with this structural ``fingerprint`` (so it can resume it).
@@ -657,22 +643,7 @@ class Engine:
         ``name``, when given, must be the graph's name too (a run is never
         driven by a graph of another name).
         """
-        return any(
-            fp == fingerprint and (name is None or known == name) for known, fp in self._graphs
-        )
-
-    def _graph_of(self, record: RunRecord, graph: Graph | None) -> Graph:
-        """The graph to drive ``record`` with: ``graph``, a registered one, or its reference.
-
-        A graph of another name is refused whatever its shape (GraphMismatch).
-        """
-        graph = graph or self.graph_for(record) or find_graph(record)
-        if graph.name != record.graph_name:
-            raise GraphMismatch(
-                f"run {record.run_id!r} is a run of graph {record.graph_name!r}, not of "
-                f"{graph.name!r}: a run is never driven by a graph of another name"
-            )
-        return graph
+        return self._graphs.knows(fingerprint, name)
 
     def preempt(self, run_id: str) -> bool:
         """Ask run ``run_id``, driven by this engine, to stop at its next turn boundaries.
@@ -790,18 +761,13 @@ class Engine:
     def _child_runner(self) -> ChildRunner:
         return ChildRunner(
             store=self.store,
-            start=self._start_child,
+            start=self._start,
             submit=self._submit_children,
             resume=self._resume_child,
             cancel=self.cancel,
             result=self._child_result,
             outputs=self._child_outputs,
         )
-
-    async def _start_child(
-        self, graph: Graph, input: Any, run_id: str, parent: str, deadline: float | None
-    ) -> RunResult:
-        return await self._start(graph, input, run_id, None, parent, deadline)
 
     async def _submit_children(self, children: list[ChildSubmit]) -> list[Exception | None]:
         return await submit_children(self._queueing("submit"), children, self.child_claims)
@@ -1042,7 +1008,7 @@ class Engine:
             # It committed before (a parent woken by its children, or its first
             # claimant died): resumed under this claim's lease, as read (D3).
             return await self._resume(run_id, graph, False, None, claimed=stored)
-        found = self._graph_of(stored.run, graph)
+        found = self._graphs.of(stored.run, graph)
         topo = found.compile()
         if topo.fingerprint != stored.run.fingerprint:
             raise GraphMismatch(
