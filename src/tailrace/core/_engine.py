@@ -32,7 +32,6 @@ from ..stores import (
     MemoryStore,
     ParkedRow,
     ParkedStatus,
-    QuestionStatus,
     RunRecord,
     RunStatus,
     RunStore,
@@ -66,6 +65,7 @@ from ._queued import (
     stored_result,
     submit_children,
     submit_run,
+    to_apply,
     wait_for,
 )
 from ._queued import cancel_undriven as cancel_undriven_run
@@ -383,12 +383,8 @@ class Engine:
         seen: set[str] = set()
         on_queue: bool | None = None
         while result.status is RunStatus.SUSPENDED and store is not None:
-            pending = {
-                q.question_id
-                for q in await store.list_questions(run_id=result.run_id)
-                if q.status is QuestionStatus.ANSWERED
-                or (q.status is QuestionStatus.EXPIRED and q.applied_at is None)
-            }
+            questions = await store.list_questions(run_id=result.run_id)
+            pending = {q.question_id for q in questions if to_apply(q)}
             ended = False
             if result.waiting_on:
                 if on_queue is None:

@@ -60,6 +60,7 @@ from ..stores import (
     EventRow,
     Harvest,
     NewRun,
+    QuestionRow,
     QuestionStatus,
     RunRecord,
     RunStatus,
@@ -390,6 +391,13 @@ RECHECK = 0.02
 FALLBACK = 1.0
 
 
+def to_apply(question: QuestionRow) -> bool:
+    """Whether ``question`` holds an answer (or an expiry) its run has not applied yet (Q3)."""
+    return question.status is QuestionStatus.ANSWERED or (
+        question.status is QuestionStatus.EXPIRED and question.applied_at is None
+    )
+
+
 async def settled(store: RunStore, record: RunRecord, now: float) -> bool:
     """Whether ``record`` is where ``wait`` returns: finished, or suspended with nothing to resume it.
 
@@ -403,11 +411,7 @@ async def settled(store: RunStore, record: RunRecord, now: float) -> bool:
         return False
     if record.lease_expires is not None and record.lease_expires >= now:
         return False
-    if any(
-        q.status is QuestionStatus.ANSWERED
-        or (q.status is QuestionStatus.EXPIRED and q.applied_at is None)
-        for q in await store.list_questions(run_id=record.run_id)
-    ):
+    if any(to_apply(q) for q in await store.list_questions(run_id=record.run_id)):
         return False
     # A run waiting on child runs is settled only when each live child is, and none it
     # suspended for has ended (it is about to be queued again or resumed) (R4, R5).
@@ -608,10 +612,7 @@ async def cancel_unstarted(queueing: Queueing, run_id: str) -> RunStatus:
             data_json=DEFAULT_CODEC.encode({"reason": "cancel requested"}),
         )  # fmt: skip
         open_ids = [
-            q.question_id
-            for q in questions
-            if q.status in (QuestionStatus.OPEN, QuestionStatus.ANSWERED)
-            or (q.status is QuestionStatus.EXPIRED and q.applied_at is None)
+            q.question_id for q in questions if q.status is QuestionStatus.OPEN or to_apply(q)
         ]
         harvest = Harvest(
             state_json=record.state_json, status=RunStatus.CANCELLED, events=[event],
