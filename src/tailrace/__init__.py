@@ -42,11 +42,14 @@ from .core import Chunk as Chunk
 from .core import ChunkKind as ChunkKind
 from .core import Compatibility as Compatibility
 from .core import Engine as Engine
+from .core import Instrument as Instrument
+from .core import Instruments as Instruments
 from .core import LateInput as LateInput
 from .core import MigrationReport as MigrationReport
 from .core import MoveOutcome as MoveOutcome
 from .core import NodeReport as NodeReport
 from .core import NodeStatus as NodeStatus
+from .core import RunCall as RunCall
 from .core import RunMove as RunMove
 from .core import RunResult as RunResult
 from .core import run as run
@@ -88,6 +91,8 @@ __all__ = [
     "GraphError",
     "GraphMismatch",
     "Incompatibility",
+    "Instrument",
+    "Instruments",
     "JsonCodec",
     "LateInput",
     "LeaseError",
@@ -110,6 +115,7 @@ __all__ = [
     "QueueNotEmpty",
     "RetryPolicy",
     "RouteError",
+    "RunCall",
     "RunError",
     "RunExists",
     "RunFailed",

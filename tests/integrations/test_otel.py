@@ -591,3 +591,23 @@ async def test_named_executors_are_wrapped_and_named(traces: Traces) -> None:
     assert attrs(traces.one("tailrace.node there"))["tailrace.executor"] == "pool"
     wrapped = OtelExecutor(instrumentation=tracing)
     assert isinstance(wrapped.inner, LocalExecutor) and wrapped.name == "local"
+
+
+async def test_a_fork_has_its_own_run_span(traces: Traces, tmp_path: Path) -> None:
+    g = tr.Graph("forked")
+    g.add_node("first", lambda x: x + 1)
+    g.add_node("second", lambda x: 2 * x)
+    g.chain("first", "second")
+    async with SQLiteStore(tmp_path / "runs.db") as store:
+        engine = tr.Engine(store=store)
+        with instrument(engine, tracer_provider=traces.provider):
+            await engine.run(g, 1, run_id="source")
+            forked = await engine.fork("source", at="second", input=10, fork_id="copy")
+
+    assert forked.output == 20
+    assert traces.left_open() == []
+    span = traces.one("tailrace.fork forked")
+    assert attrs(span)["tailrace.run_id"] == "copy"
+    assert attrs(span)["tailrace.outcome"] == "completed"
+    [second] = [s for s in traces.children(span) if s.name == "tailrace.node second"]
+    assert attrs(second)["tailrace.outcome"] == "completed"

@@ -8,14 +8,17 @@ here. The public names are re-exported by :mod:`tailrace`.
 from ._admission import AdmissionPolicy as AdmissionPolicy
 from ._children import tree_questions as tree_questions
 from ._engine import Engine as Engine
+from ._engine import cancel_undriven as cancel_undriven
 from ._engine import run as run
+from ._instruments import Instrument as Instrument
+from ._instruments import Instruments as Instruments
+from ._instruments import RunCall as RunCall
 from ._lease import acquire_lease as acquire_lease
 from ._lease import make_owner as make_owner
 from ._lease import mark_failed as mark_failed
 from ._lease import owner_is_dead as owner_is_dead
 from ._outcome import NodeReport as NodeReport
 from ._outcome import RunResult as RunResult
-from ._queued import cancel_undriven as cancel_undriven
 from ._restore import find_graph as find_graph
 from ._state import LateInput as LateInput
 from ._state import NodeStatus as NodeStatus
@@ -40,11 +43,14 @@ __all__ = [
     "ChunkKind",
     "Compatibility",
     "Engine",
+    "Instrument",
+    "Instruments",
     "LateInput",
     "MigrationReport",
     "MoveOutcome",
     "NodeReport",
     "NodeStatus",
+    "RunCall",
     "RunMove",
     "RunResult",
     "StreamBound",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import logging
 import math
@@ -47,6 +48,7 @@ from ._lease import owner_is_dead
 from ._outcome import RunResult
 
 if TYPE_CHECKING:
+    from .._codec import Codec
     from ..graph import Graph, Node
     from ._inflight import Attempt
 
@@ -54,6 +56,9 @@ logger = logging.getLogger("tailrace.children")
 
 #: Seconds between two looks at the children with no wake-up from the store.
 FALLBACK = 1.0
+
+#: How many runs known to be on a queue an engine remembers (see :class:`QueuedRuns`).
+QUEUED_RUNS_KEPT = 4096
 
 #: :attr:`Attempt.waiting` values: not waiting, waiting on a live child, on a
 #: child that is itself suspended (waiting on people).
@@ -488,3 +493,77 @@ async def cancel_children(
                 await cancel(child.run_id)
             except RunNotFound:
                 continue
+
+
+# -- what an engine does around its runs' child runs -------------------------------------------
+
+
+class QueuedRuns:
+    """The runs an engine knows to be on a queue (a run's queue never changes), most recent
+    last: a child's end then wakes nothing here, its commit queued the parent (R4)."""
+
+    __slots__ = ("_known",)
+
+    def __init__(self) -> None:
+        self._known: dict[str, None] = {}
+
+    def __contains__(self, run_id: object) -> bool:
+        return run_id in self._known
+
+    def note(self, record: RunRecord) -> bool:
+        """Remember that ``record``'s run is on a queue, if it is (the last 4096 such runs)."""
+        if record.queue_name is None:
+            return False
+        known = self._known
+        known.pop(record.run_id, None)
+        known[record.run_id] = None
+        if len(known) > QUEUED_RUNS_KEPT:
+            del known[next(iter(known))]
+        return True
+
+    async def on_queue(self, store: RunStore, run_id: str) -> bool:
+        """Whether run ``run_id`` is on a queue (read once per run, then remembered)."""
+        return run_id in self._known or self.note(await store.get_run(run_id))
+
+
+async def awaited_ended(store: RunStore, result: RunResult) -> bool:
+    """Whether a child run that suspended ``result`` waits for has ended (R4)."""
+    if not result.waiting_on:
+        return False
+    awaited = set(result.waiting_on)
+    children = await store.list_runs(parent=result.run_id)
+    return any(c.run_id in awaited and c.status in TERMINAL_STATUSES for c in children)
+
+
+async def wakes_here(
+    store: RunStore, run_id: str, queued: QueuedRuns, driving: Callable[[str], bool]
+) -> bool:
+    """Whether run ``run_id``, one of whose children ended, is resumed by the engine that
+    ended it: suspended, and neither driven there (``driving``) nor on a queue (the child's
+    final commit queued it again, or counted down what it waits for)."""
+    if run_id in queued:
+        return False
+    record = await store.get_run(run_id)
+    queued.note(record)
+    return (
+        record.status is RunStatus.SUSPENDED and not driving(run_id) and record.queue_name is None
+    )
+
+
+async def with_questions(store: RunStore | None, result: RunResult) -> RunResult:
+    """``result`` with the open questions of a suspended run and of its child runs (R5)."""
+    if result.status is not RunStatus.SUSPENDED or store is None:
+        return result
+    rows = await tree_questions(store, result.run_id)
+    return dataclasses.replace(result, questions=tuple(rows))
+
+
+async def decoded_outputs(store: RunStore, codec: Codec, run_ids: list[str]) -> dict[str, Any]:
+    """The outputs the completed runs among ``run_ids`` stored, decoded, by run id."""
+    found: dict[str, Any] = {}
+    for run_id, text in (await store.outputs(run_ids)).items():
+        try:
+            found[run_id] = codec.decode(text)
+        except (TypeError, ValueError) as exc:  # read off its node rows instead
+            logger.warning("child run %s: its stored output does not decode: %s", run_id, exc)
+    return found

@@ -14,9 +14,10 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import functools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from .._codec import DEFAULT_CODEC, Codec
@@ -31,7 +32,6 @@ from ..stores import (
     MemoryStore,
     ParkedRow,
     ParkedStatus,
-    QuestionStatus,
     RunRecord,
     RunStatus,
     RunStore,
@@ -44,23 +44,33 @@ from ._children import (
     Children,
     ChildRunner,
     ChildSubmit,
+    QueuedRuns,
+    awaited_ended,
     checked_deadline,
-    tree_questions,
+    decoded_outputs,
+    wakes_here,
+    with_questions,
 )
+from ._driving import Drivers
+from ._instruments import Instrument, Instruments, RunCall
 from ._lease import Lease, make_owner, mark_failed
 from ._loop import RunLoop
 from ._outcome import RunResult
 from ._queued import (
+    Queueing,
     cancel_run,
     cancel_unstarted,
     reopen_cancelled,
+    store_needed,
     stored_result,
     submit_children,
     submit_run,
+    to_apply,
     wait_for,
 )
-from ._restore import find_graph, restore_run
-from ._state import LateInput, RunState
+from ._queued import cancel_undriven as cancel_undriven_run
+from ._restore import Graphs, late_inputs, restore_run
+from ._state import RunState
 from ._streams import MAX_STREAM_CHUNKS, READ_BATCH, Chunk, StreamHub, chunk_of, read_stream
 from ._versions import (
     Compatibility,
@@ -75,9 +85,6 @@ from ._versions import (
 from ._writer import RunWriter
 
 logger = logging.getLogger("tailrace.children")
-
-#: How many runs known to be on a queue an engine remembers (see ``Engine._note_queue``).
-QUEUED_RUNS_KEPT = 4096
 
 
 class Engine:
@@ -117,6 +124,10 @@ class Engine:
     ``max_stream_chunks`` bounds the chunks one run may publish with
     ``current_node().stream`` (S1); the call past it raises
     :class:`~tailrace.StreamLimit`. Read a run's streams with :meth:`stream`.
+
+    ``instruments`` hook tracing and live views into the engine
+    (:class:`~tailrace.Instrument`: around each drive of a run and each
+    attempt); add or remove them later through ``engine.instruments``.
     """
 
     def __init__(
@@ -136,6 +147,7 @@ class Engine:
         executor: Executor | None = None,
         executors: Mapping[str, Executor] | None = None,
         max_stream_chunks: int = MAX_STREAM_CHUNKS,
+        instruments: Iterable[Instrument] = (),
     ) -> None:
         if not isinstance(max_stream_chunks, int) or max_stream_chunks < 1:
             raise ValueError(
@@ -159,28 +171,21 @@ class Engine:
         self.straggler_factor = straggler_factor
         self._tail = tail
         self._executors = ExecutorTable(executor, executors)
-        #: Graphs this engine ran, by name and fingerprint, so it can resume their
-        #: runs even when they cannot be imported (defined in ``__main__``, say).
-        self._graphs: dict[tuple[str, str], Graph] = {}
-        #: Runs this engine drives now: one driver per run even within one owner (D6).
-        self._active: set[str] = set()
-        self._loops: dict[str, RunLoop] = {}
-        self._preempt_pending: set[str] = set()
-        #: Runs asked to cancel while starting, before their loop existed.
-        self._cancel_pending: set[str] = set()
-        #: Per-run durability overrides, while the run is driven here.
-        self._durability_of: dict[str, str] = {}
+        self._graphs = Graphs()
         self.max_stream_chunks = max_stream_chunks
         #: In-process listeners of the chunks of the runs driven here (S3).
         self.stream_hub = StreamHub()
+        #: Runs this engine drives now: one driver per run even within one owner (D6).
+        self._drivers = Drivers(self.stream_hub)
         #: Free slots lent to the queued child runs this engine's runs submit, which then
         #: start here from the write that submits them (a Worker lends its own; R4).
         self.child_claims: ChildClaims | None = None
-        #: Runs known to be on a queue (a run's queue never changes), most recent last:
-        #: a child's end then wakes nothing here, its commit queued the parent (R4).
-        self._queued_runs: dict[str, None] = {}
+        #: Runs known to be on a queue: a child's end then wakes nothing here (R4).
+        self._queued = QueuedRuns()
+        #: Hooks for tracing and live views around each drive and attempt.
+        self.instruments = Instruments(instruments)
 
-    # -- public API -----------------------------------------------------------
+    # -- driving runs: one path (_drive), through the instruments --------------
 
     async def run(
         self,
@@ -203,20 +208,25 @@ class Engine:
         child runs, if it has not finished by then; it is stored with the run
         and holds across resumes (R6).
         """
-        run_id = uuid.uuid4().hex if run_id is None else checked_run_id(run_id)
-        when = checked_deadline(deadline)
-        if durability is not None:
-            self._durability_of[run_id] = _checked_durability(durability)
-        return await self._start(graph, input, run_id, graph_ref, None, when)
+        run_id = uuid.uuid4().hex if run_id is None else run_id
+
+        async def call() -> RunResult:
+            checked = checked_run_id(run_id)
+            when = checked_deadline(deadline)
+            if durability is not None:
+                self._drivers.durability[checked] = _checked_durability(durability)
+            return await self._start(graph, input, checked, None, when, graph_ref)
+
+        return await self.instruments.drive(RunCall(kind="run", run_id=run_id, graph=graph), call)
 
     async def _start(
         self,
         graph: Graph,
         input: Any,
         run_id: str,
-        graph_ref: str | None,
         parent: str | None,
         deadline: float | None,
+        graph_ref: str | None = None,
     ) -> RunResult:
         """Run a new run (a child of ``parent`` when given) to its end or suspension."""
         topo = graph.compile()
@@ -225,20 +235,43 @@ class Engine:
             raise GraphError(
                 f"graph {graph.name!r}: child runs on a queue (queue=) need an engine with a store"
             )
-        self._graphs.setdefault((graph.name, topo.fingerprint), graph)
-        with self._driving(run_id):
-            result = await self._run(graph, topo, input, run_id, graph_ref, parent, deadline)
-            return await self._settle(result, graph, False)
+        self._graphs.add(graph, topo.fingerprint)
+        begin = functools.partial(
+            self._begin_new, graph, topo, input, run_id, graph_ref, parent, deadline
+        )
+        return await self._drive(run_id, graph, begin)
 
-    async def _run(
+    async def _drive(
+        self,
+        run_id: str,
+        graph: Graph | None,
+        begin: Callable[[], Awaitable[RunResult | _AsStored]],
+        *,
+        force: bool = False,
+        wake: bool = True,
+    ) -> RunResult:
+        """The one path every way of driving a run takes: ``begin()`` takes ``run_id`` to its end
+        or suspension while this engine holds it (D6); answers that raced its suspension are
+        applied (:meth:`_settle`); once let go of, the ancestors its end lets go on are resumed
+        (``wake``)."""
+        with self._drivers.driving(run_id):
+            begun = await begin()
+            if isinstance(begun, _AsStored):
+                return begun.result
+            result = await self._settle(begun, graph, force)
+        if wake:
+            await self._wake_ancestors(result)
+        return result
+
+    async def _begin_new(
         self,
         graph: Graph,
         topo: Topology,
         input: Any,
         run_id: str,
         graph_ref: str | None,
-        parent: str | None = None,
-        deadline: float | None = None,
+        parent: str | None,
+        deadline: float | None,
     ) -> RunResult:
         state = RunState(topo)
         state.activate_entries(input)
@@ -253,16 +286,32 @@ class Engine:
             self.store, self._codec, run_id, graph, topo, input,
             graph_ref or guess_reference(graph), parent=parent, deadline=deadline,
         )  # fmt: skip
-        async with writer.leased(self._lease(run_id)):
+
+        async def open_loop() -> RunLoop:
             loop = self._loop_for(run_id, state, writer, deadline=deadline, parent=parent)
-            loop.emit(
-                EventType.RUN_STARTED,
-                graph=graph.name,
-                structure=graph.structure(),
-                owner=self.owner,
-            )
-            result = await loop.drive()
-        return await self._with_questions(result)
+            self._announce(loop, graph)
+            return loop
+
+        return await self._under_lease(writer, self._lease(run_id), open_loop)
+
+    async def _under_lease(
+        self,
+        writer: RunWriter,
+        lease: Lease,
+        open_loop: Callable[[], Awaitable[RunLoop | RunResult]],
+    ) -> RunResult:
+        """Drive, holding ``lease``, the loop ``open_loop()`` makes (a result: nothing to drive);
+        attach the open questions of a run that suspended."""
+        async with writer.leased(lease):
+            opened = await open_loop()
+            result = opened if isinstance(opened, RunResult) else await opened.drive()
+        return await with_questions(self.store, result)
+
+    def _announce(self, loop: RunLoop, graph: Graph) -> None:
+        """A new run starts: its ``run_started`` event, with the graph's structure."""
+        loop.emit(
+            EventType.RUN_STARTED, graph=graph.name, structure=graph.structure(), owner=self.owner
+        )
 
     async def resume(
         self,
@@ -299,21 +348,29 @@ class Engine:
         committed reused; a run cancelled before it started is refused still
         (submit it again).
         """
-        if durability is not None:
-            durability = _checked_durability(durability)
-        with self._driving(run_id):
+
+        async def begin() -> RunResult:
             if cancelled:
                 await reopen_cancelled(
                     self._require_store("resume"), run_id, self.owner, self.lease_ttl
                 )
             if durability is not None:
-                self._durability_of[run_id] = durability
-            result = await self._resume(run_id, graph, force, patch)
-            return await self._settle(result, graph, force)
+                self._drivers.durability[run_id] = durability
+            return await self._resume(run_id, graph, force, patch)
+
+        async def call() -> RunResult:
+            nonlocal durability
+            if durability is not None:
+                durability = _checked_durability(durability)
+            return await self._drive(run_id, graph, begin, force=force)
+
+        return await self.instruments.drive(
+            RunCall(kind="resume", run_id=run_id, graph=graph), call
+        )
 
     async def _settle(self, result: RunResult, graph: Graph | None, force: bool) -> RunResult:
-        """After letting go of a suspended run, apply answers that lost the race for its lease (Q3),
-        and take up children that ended meanwhile (R4); a finished child wakes its parent.
+        """Before letting go of a suspended run, apply answers that lost the race for its lease
+        (Q3), and take up children that ended meanwhile (R4).
 
         An answerer records its answer before it tries the lease; if it found the
         lease held, the answer landed before this engine released it, so it is
@@ -326,17 +383,13 @@ class Engine:
         seen: set[str] = set()
         on_queue: bool | None = None
         while result.status is RunStatus.SUSPENDED and store is not None:
-            pending = {
-                q.question_id
-                for q in await store.list_questions(run_id=result.run_id)
-                if q.status is QuestionStatus.ANSWERED
-                or (q.status is QuestionStatus.EXPIRED and q.applied_at is None)
-            }
+            questions = await store.list_questions(run_id=result.run_id)
+            pending = {q.question_id for q in questions if to_apply(q)}
             ended = False
             if result.waiting_on:
                 if on_queue is None:
-                    on_queue = await self._on_queue(result.run_id)
-                ended = not on_queue and await self._awaited_ended(result)
+                    on_queue = await self._queued.on_queue(store, result.run_id)
+                ended = not on_queue and await awaited_ended(store, result)
             if not pending - seen and not ended:
                 return result
             seen |= pending
@@ -344,9 +397,36 @@ class Engine:
                 result = await self._resume(result.run_id, graph, force, None)
             except LeaseHeld:
                 return result  # its holder re-checks in turn
-        if store is not None and result.status in TERMINAL_STATUSES and result.parent_run_id:
-            await self._wake(result.parent_run_id)
         return result
+
+    async def _wake_ancestors(self, result: RunResult) -> None:
+        """Resume here, one after another up the tree, each suspended ancestor that the end of
+        ``result``'s run lets go on (R4): a loop over what to wake, each resumed on its own.
+
+        A run on a queue is left to the store (its child's final commit queued
+        it again); one driven here already takes up its child itself.
+        """
+        store = self.store
+        while store is not None and result.status in TERMINAL_STATUSES and result.parent_run_id:
+            parent = result.parent_run_id
+            if not await wakes_here(store, parent, self._queued, self.is_driving):
+                return
+            try:
+                result = await self.instruments.drive(
+                    RunCall(kind="resume", run_id=parent),
+                    functools.partial(self._resume_woken, parent),
+                )
+            except (LeaseHeld, NotResumable):
+                return  # another engine has it, or it moved on
+            except TailraceError as exc:  # its graph is not at hand here: `tailrace resume` it
+                logger.warning(
+                    "run %s: its child ended, but it cannot be resumed here: %s", parent, exc
+                )
+                return
+
+    async def _resume_woken(self, run_id: str) -> RunResult:
+        begin = functools.partial(self._resume, run_id, None, False, None)
+        return await self._drive(run_id, None, begin, wake=False)
 
     async def _resume(
         self,
@@ -360,9 +440,9 @@ class Engine:
         owner took (not read again, nor leased again)."""
         store = self._require_store("resume")
         stored = await store.load_run(run_id) if claimed is None else claimed
-        self._note_queue(stored.run)
+        self._queued.note(stored.run)
         _check_resumable(stored.run)
-        graph = self._graph_of(stored.run, graph)
+        graph = self._graphs.of(stored.run, graph)
         topo = graph.compile()
         moving = topo.fingerprint != stored.run.fingerprint and not force
         if moving:  # V1: continue on a changed graph only if it fits what the run did
@@ -375,41 +455,49 @@ class Engine:
         if not lease.continues_claim:  # D4: refuse unreadable rows before writing anything
             await restore_run(store, self._codec, topo, stored, [])
         writer = RunWriter(store, self._codec, run_id, topo, stored.run)
-        async with writer.leased(lease):
+
+        async def reopen() -> RunLoop | RunResult:
+            nonlocal stored
             if not lease.continues_claim:
                 stored = await store.load_run(run_id)  # re-read under the lease
                 _check_resumable(stored.run)
             if moving:  # re-checked as it stands under the lease, then moved (V2, D6)
                 known = self.graph_for(stored.run)
                 await move_leased(store, stored, graph, self.owner, writer.token, known)
-            restored = await restore_run(
-                store, self._codec, topo, stored, await self._late_inputs(run_id)
-            )
+            late = await late_inputs(store, self._codec, run_id)
+            restored = await restore_run(store, self._codec, topo, stored, late)
             writer.refer(restored.big)
             if restored.durability is not None:
-                self._durability_of.setdefault(run_id, restored.durability)
-            state = restored.state
+                self._drivers.durability.setdefault(run_id, restored.durability)
             loop = self._loop_for(
-                run_id, state, writer, restored.event_seq, restored.turn, record=stored.run
+                run_id, restored.state, writer, restored.event_seq, restored.turn, record=stored.run
             )
-            # S2: number after the stored rows; streams cut by a crash end discarded.
-            loop.streams.reopen(await store.stream_head(run_id))
-            if stored.run.cancel_requested_at is not None:
-                loop.request_cancel()  # asked before this engine took the run over
-            applied = await loop.absorb_answers()
-            unparked = state.unpark(patch)
-            if stored.run.status is RunStatus.SUSPENDED and not applied and not state.ready:
-                return await self._with_questions(loop.result(RunStatus.SUSPENDED))
-            loop.emit(
-                EventType.RUN_RESUMED, graph=graph.name, applied=applied, unparked=unparked,
-                owner=self.owner,
-            )  # fmt: skip
-            if applied or unparked or stored.run.status is RunStatus.SUSPENDED:
-                # The apply is durable before any handler runs; a suspended run is
-                # running again before its children's results move it on (R4).
-                await loop.checkpoint()
-            result = await loop.drive()
-        return await self._with_questions(result)
+            return await self._reopened(loop, restored.state, stored.run, graph, patch)
+
+        return await self._under_lease(writer, lease, reopen)
+
+    async def _reopened(
+        self, loop: RunLoop, state: RunState, record: RunRecord, graph: Graph, patch: Any
+    ) -> RunLoop | RunResult:
+        """A resumed run's loop with its answers applied and its parked boundaries replayed,
+        its resume announced; a suspended run with nothing new to do, as it is."""
+        # S2: number after the stored rows; streams cut by a crash end discarded.
+        loop.streams.reopen(await self._require_store("resume").stream_head(record.run_id))
+        if record.cancel_requested_at is not None:
+            loop.request_cancel()  # asked before this engine took the run over
+        applied = await loop.absorb_answers()
+        unparked = state.unpark(patch)
+        if record.status is RunStatus.SUSPENDED and not applied and not state.ready:
+            return loop.result(RunStatus.SUSPENDED)
+        loop.emit(
+            EventType.RUN_RESUMED, graph=graph.name, applied=applied, unparked=unparked,
+            owner=self.owner,
+        )  # fmt: skip
+        if applied or unparked or record.status is RunStatus.SUSPENDED:
+            # The apply is durable before any handler runs; a suspended run is
+            # running again before its children's results move it on (R4).
+            await loop.checkpoint()
+        return loop
 
     def register(self, *graphs: Graph) -> None:
         """Let this engine resume runs of ``graphs`` without importing them.
@@ -421,10 +509,7 @@ class Engine:
         Several versions of one graph (one name, several fingerprints) can be
         registered at once: each run continues on the version it is on (V3).
         """
-        for graph in graphs:
-            self._graphs.setdefault((graph.name, graph.compile().fingerprint), graph)
-            # The graphs its nodes run as child runs (R1): whoever drives a run drives its children.
-            self.register(*graph.child_graphs())
+        self._graphs.register(*graphs)  # with the graphs its nodes run as child runs (R1)
 
     # -- versions and forks (the work is done in _versions) ----------------------
 
@@ -457,7 +542,7 @@ class Engine:
         self.register(graph)
         return await migrate_runs(
             store, graph, owner=self.owner, ttl=self.lease_ttl, apply=apply,
-            known=self.graph_for, guard=self._driving,
+            known=self.graph_for, guard=self._drivers.driving,
         )  # fmt: skip
 
     async def fork(
@@ -485,33 +570,44 @@ class Engine:
         again. The fork records its origin (``RunRecord.forked_from``,
         ``forked_at``) and is a run like any other (resumable, listed).
         """
+        fork_id = uuid.uuid4().hex if fork_id is None else fork_id
+        call = functools.partial(self._fork, run_id, at, graph, input, fork_id)
+        return await self.instruments.drive(RunCall(kind="fork", run_id=fork_id, graph=graph), call)
+
+    async def _fork(
+        self, run_id: str, at: str, graph: Graph | None, input: Any, fork_id: str
+    ) -> RunResult:
         store = self._require_store("fork")
         source = await store.load_run(checked_run_id(run_id))
         known = self.graph_for(source.run)
-        graph = self._graph_of(source.run, graph)
+        forked = self._graphs.of(source.run, graph)
         old = await stored_shape(store, source.run, known)
-        plan = await plan_fork(store, self._codec, source, graph, at, input, old)
-        topo = graph.compile()
+        plan = await plan_fork(store, self._codec, source, forked, at, input, old)
+        topo = forked.compile()
         self._executors.plan(topo)
-        self._graphs.setdefault((graph.name, topo.fingerprint), graph)
-        fork_id = uuid.uuid4().hex if fork_id is None else checked_run_id(fork_id)
-        with self._driving(fork_id):
-            ref = guess_reference(graph) or source.run.graph_ref
+        self._graphs.add(forked, topo.fingerprint)
+        fork_id = checked_run_id(fork_id)
+        ref = guess_reference(forked) or source.run.graph_ref
+
+        async def open_loop(writer: RunWriter) -> RunLoop:
+            writer.refer(plan.big)
+            writer.carry(plan.results, plan.frozen, plan.items)
+            loop = self._loop_for(fork_id, plan.state, writer)
+            loop.emit(
+                EventType.RUN_STARTED, graph=forked.name, forked_from=run_id, at=at,
+                owner=self.owner,
+            )  # fmt: skip
+            await loop.checkpoint()  # the reused part is durable before anything runs
+            return loop
+
+        async def begin() -> RunResult:
             writer = await RunWriter.create(
-                store, self._codec, fork_id, graph, topo, plan.input, ref, origin=(run_id, at)
+                store, self._codec, fork_id, forked, topo, plan.input, ref, origin=(run_id, at)
             )
-            async with writer.leased(self._lease(fork_id)):
-                writer.refer(plan.big)
-                writer.carry(plan.results, plan.frozen, plan.items)
-                loop = self._loop_for(fork_id, plan.state, writer)
-                loop.emit(
-                    EventType.RUN_STARTED, graph=graph.name, forked_from=run_id, at=at,
-                    owner=self.owner,
-                )  # fmt: skip
-                await loop.checkpoint()  # the reused part is durable before anything runs
-                result = await loop.drive()
-            result = await self._with_questions(result)
-            return await self._settle(result, graph, False)
+            opened = functools.partial(open_loop, writer)
+            return await self._under_lease(writer, self._lease(fork_id), opened)
+
+        return await self._drive(fork_id, forked, begin)
 
     async def fail_run(self, run_id: str, reason: str) -> None:
         """Record the durable run ``run_id`` as failed with ``reason``, without loading its graph.
@@ -523,19 +619,19 @@ class Engine:
         (:class:`LeaseHeld`).
         """
         store = self._require_store("fail_run")
-        with self._driving(run_id):
+        with self._drivers.driving(run_id):
             await mark_failed(store, run_id, self.owner, self.lease_ttl, reason)
 
     def is_driving(self, run_id: str) -> bool:
         """Whether this engine is running or resuming ``run_id`` right now."""
-        return run_id in self._active
+        return run_id in self._drivers
 
     def graph_for(self, record: RunRecord) -> Graph | None:
         """The graph this engine ran, submitted or was given for the stored run ``record``, if any.
 
         Matched by the run's graph name and fingerprint both.
         """
-        return self._graphs.get((record.graph_name, record.fingerprint))
+        return self._graphs.get(record)
 
     def knows_graph(self, fingerprint: str, name: str | None = None) -> bool:
         """Whether this engine has a graph with this structural ``fingerprint`` (so it can resume it).
@@ -543,22 +639,7 @@ class Engine:
         ``name``, when given, must be the graph's name too (a run is never
         driven by a graph of another name).
         """
-        return any(
-            fp == fingerprint and (name is None or known == name) for known, fp in self._graphs
-        )
-
-    def _graph_of(self, record: RunRecord, graph: Graph | None) -> Graph:
-        """The graph to drive ``record`` with: ``graph``, a registered one, or its reference.
-
-        A graph of another name is refused whatever its shape (GraphMismatch).
-        """
-        graph = graph or self.graph_for(record) or find_graph(record)
-        if graph.name != record.graph_name:
-            raise GraphMismatch(
-                f"run {record.run_id!r} is a run of graph {record.graph_name!r}, not of "
-                f"{graph.name!r}: a run is never driven by a graph of another name"
-            )
-        return graph
+        return self._graphs.knows(fingerprint, name)
 
     def preempt(self, run_id: str) -> bool:
         """Ask run ``run_id``, driven by this engine, to stop at its next turn boundaries.
@@ -571,14 +652,7 @@ class Engine:
         """
         if self.store is None:
             raise NotResumable(f"run {run_id!r}: preempting needs a store to resume from")
-        loop = self._loops.get(run_id)
-        if loop is None:
-            if run_id not in self._active:
-                return False
-            self._preempt_pending.add(run_id)  # starting: preempt once its loop exists
-            return True
-        loop.preempt()
-        return True
+        return self._drivers.preempt(run_id)
 
     def stream(self, run_id: str, *, after: int = 0) -> AsyncIterator[Chunk]:
         """The stream rows of run ``run_id`` with a cursor past ``after``, in order, until it ends (S3).
@@ -678,98 +752,12 @@ class Engine:
             on_cancel_request=lambda: self.request_cancel(run_id),
         )
 
-    @contextlib.contextmanager
-    def _driving(self, run_id: str) -> Iterator[None]:
-        if run_id in self._active:
-            raise LeaseHeld(f"run {run_id!r} is being driven by this engine already")
-        self._active.add(run_id)
-        try:
-            with self.stream_hub.driving(run_id):
-                yield
-        finally:
-            self._active.discard(run_id)
-            self._loops.pop(run_id, None)
-            self._preempt_pending.discard(run_id)
-            self._cancel_pending.discard(run_id)
-            self._durability_of.pop(run_id, None)
-
-    async def _late_inputs(self, run_id: str) -> list[LateInput]:
-        assert self.store is not None
-        return [
-            LateInput(
-                node_id=e.node_id or "",
-                source_id=str(data.get("source")),
-                activation=e.visit or 0,
-                reason=str(data.get("reason")),
-                item=data.get("item"),
-            )
-            for e in await self.store.events(run_id)
-            if e.type == EventType.NODE_LATE_INPUT.value
-            for data in (self._decode_event(e.data_json),)
-        ]
-
-    async def _with_questions(self, result: RunResult) -> RunResult:
-        """Attach the open questions of a suspended run and of its child runs (R5)."""
-        if result.status is not RunStatus.SUSPENDED or self.store is None:
-            return result
-        rows = await tree_questions(self.store, result.run_id)
-        return dataclasses.replace(result, questions=tuple(rows))
-
     # -- child runs (the work is done in _children) -------------------------------
-
-    async def _awaited_ended(self, result: RunResult) -> bool:
-        """Whether a child run that suspended ``result`` waits for has ended (R4)."""
-        assert self.store is not None
-        if not result.waiting_on:
-            return False
-        awaited = set(result.waiting_on)
-        children = await self.store.list_runs(parent=result.run_id)
-        return any(c.run_id in awaited and c.status in TERMINAL_STATUSES for c in children)
-
-    async def _wake(self, run_id: str) -> None:
-        """A suspended run one of whose children ended: resumed here if this engine has its
-        graph; one on a queue is left to the store (the child's commit queued it again)."""
-        store = self.store
-        assert store is not None
-        if run_id in self._queued_runs:
-            return  # the child's final commit queued it (or counted down what it waits for)
-        record = await store.get_run(run_id)
-        self._note_queue(record)
-        if record.status is not RunStatus.SUSPENDED or self.is_driving(run_id):
-            return
-        if record.queue_name is not None:
-            return  # as above
-        try:
-            await self.resume(run_id)
-        except (LeaseHeld, NotResumable):
-            pass  # another engine has it, or it moved on
-        except TailraceError as exc:  # its graph is not at hand here: `tailrace resume` it
-            logger.warning(
-                "run %s: its child ended, but it cannot be resumed here: %s", run_id, exc
-            )
-
-    async def _on_queue(self, run_id: str) -> bool:
-        """Whether run ``run_id`` is on a queue (read once per run, then remembered)."""
-        if run_id in self._queued_runs:
-            return True
-        assert self.store is not None
-        return self._note_queue(await self.store.get_run(run_id))
-
-    def _note_queue(self, record: RunRecord) -> bool:
-        """Remember that ``record``'s run is on a queue, if it is (the last 4096 such runs)."""
-        if record.queue_name is None:
-            return False
-        known = self._queued_runs
-        known.pop(record.run_id, None)
-        known[record.run_id] = None
-        if len(known) > QUEUED_RUNS_KEPT:
-            del known[next(iter(known))]
-        return True
 
     def _child_runner(self) -> ChildRunner:
         return ChildRunner(
             store=self.store,
-            start=self._start_child,
+            start=self._start,
             submit=self._submit_children,
             resume=self._resume_child,
             cancel=self.cancel,
@@ -777,13 +765,8 @@ class Engine:
             outputs=self._child_outputs,
         )
 
-    async def _start_child(
-        self, graph: Graph, input: Any, run_id: str, parent: str, deadline: float | None
-    ) -> RunResult:
-        return await self._start(graph, input, run_id, None, parent, deadline)
-
     async def _submit_children(self, children: list[ChildSubmit]) -> list[Exception | None]:
-        return await submit_children(self, children)
+        return await submit_children(self._queueing("submit"), children, self.child_claims)
 
     async def _resume_child(self, run_id: str, graph: Graph) -> RunResult:
         self.register(graph)
@@ -791,21 +774,10 @@ class Engine:
 
     async def _child_result(self, record: RunRecord, graph: Graph) -> RunResult:
         self.register(graph)
-        return await stored_result(self, record, graph)
+        return await stored_result(self._queueing("read a child run"), record, graph)
 
     async def _child_outputs(self, run_ids: list[str]) -> dict[str, Any]:
-        assert self.store is not None
-        found: dict[str, Any] = {}
-        for run_id, text in (await self.store.outputs(run_ids)).items():
-            try:
-                found[run_id] = self._codec.decode(text)
-            except (TypeError, ValueError) as exc:  # read off its node rows instead
-                logger.warning("child run %s: its stored output does not decode: %s", run_id, exc)
-        return found
-
-    def _decode_event(self, text: str) -> dict[str, Any]:
-        data = self._codec.decode(text)
-        return data if isinstance(data, dict) else {}
+        return await decoded_outputs(self._require_store("read child runs"), self._codec, run_ids)
 
     def _loop_for(
         self,
@@ -821,7 +793,7 @@ class Engine:
     ) -> RunLoop:
         if record is not None:  # a stored run: its deadline and parent are stored with it
             deadline, parent = record.deadline, record.parent_run_id
-        loop = self._loops[run_id] = RunLoop(
+        loop = RunLoop(
             run_id=run_id,
             state=state,
             publish=self.bus.publish if self.bus.active else None,
@@ -832,8 +804,8 @@ class Engine:
             tail=self._tail_for(state.topo),
             event_seq=event_seq,
             turn=turn,
-            durability=self._durability_of.get(run_id, self.durability),
-            executors=self._executors.plan(state.topo),
+            durability=self._drivers.durability.get(run_id, self.durability),
+            executors=self.instruments.executors(self._executors).plan(state.topo),
             codec=self._codec,
             stream_hub=self.stream_hub,
             max_stream_chunks=self.max_stream_chunks,
@@ -846,12 +818,7 @@ class Engine:
                 queued=record is not None and record.queue_name is not None,
                 deadline=deadline, poke=loop.poke,
             )  # fmt: skip
-        if run_id in self._preempt_pending:
-            self._preempt_pending.discard(run_id)
-            loop.preempt()
-        if run_id in self._cancel_pending:
-            self._cancel_pending.discard(run_id)
-            loop.request_cancel()
+        self._drivers.attach(run_id, loop)
         return loop
 
     def _tail_for(self, topo: Topology) -> TailHooks | None:
@@ -883,6 +850,14 @@ class Engine:
         """Drop parked item ``park_id``: True if it was parked, False if it was claimed or
         dropped already (P4)."""
         return await self._require_store("drop_parked").drop_parked(park_id)
+
+    def _queueing(self, what: str) -> Queueing:
+        """What queued-run code needs from this engine (``what`` needs a store)."""
+        return Queueing(
+            store=store_needed(self.store, what), codec=self._codec, owner=self.owner,
+            lease_ttl=self.lease_ttl, known=self.graph_for, register=self.register,
+            guard=self._drivers.driving, request_cancel=self.request_cancel, cancel=self.cancel,
+        )  # fmt: skip
 
     def _require_store(self, what: str) -> RunStore:
         if self.store is None:
@@ -941,7 +916,7 @@ class Engine:
                 ``datetime``, or a ``timedelta`` from now; stored with the run.
         """
         return await submit_run(
-            self, graph, input, queue=queue, run_id=run_id, priority=priority,
+            self._queueing("submit"), graph, input, queue=queue, run_id=run_id, priority=priority,
             partition=partition, dedup_key=dedup_key, on_duplicate=on_duplicate, cost=cost,
             estimate=estimate, graph_ref=graph_ref, not_before=not_before,
             deadline=checked_deadline(deadline),
@@ -965,7 +940,7 @@ class Engine:
             graph: the run's graph, to compute ``output`` (default: one this
                 engine ran, submitted or was given, by fingerprint).
         """
-        return await wait_for(self, run_id, timeout=timeout, graph=graph)
+        return await wait_for(self._queueing("wait"), run_id, timeout=timeout, graph=graph)
 
     async def cancel(self, run_id: str) -> str:
         """Cancel run ``run_id``; return its status now.
@@ -978,7 +953,7 @@ class Engine:
         Args:
             run_id: the run to cancel.
         """
-        return await cancel_run(self, run_id)
+        return await cancel_run(self._queueing("cancel"), run_id)
 
     def request_cancel(self, run_id: str) -> bool:
         """Ask run ``run_id``, if this engine drives it, to end cancelled at its next harvest.
@@ -988,27 +963,7 @@ class Engine:
         Args:
             run_id: the run.
         """
-        loop = self._loops.get(run_id)
-        if loop is None:
-            if run_id not in self._active:
-                return False
-            self._cancel_pending.add(run_id)  # starting: it ends cancelled once its loop exists
-            return True
-        loop.request_cancel()
-        return True
-
-    async def _until_let_go(self, run_id: str) -> None:
-        """Wait while this engine is still letting go of ``run_id`` (R4).
-
-        A parent that suspended on its children may be queued again, and
-        claimed by this very worker, before its previous drive here returned:
-        that drive is in its last step, so waiting a moment beats refusing the
-        claim (which would leave the run leased until its lease expired).
-        """
-        waited = 0.0
-        while run_id in self._active and waited < self.lease_ttl:
-            await asyncio.sleep(0.002)
-            waited += 0.002
+        return self._drivers.request_cancel(run_id)
 
     async def start_claimed(
         self, run_id: str, graph: Graph | None = None, *, cancel_first: bool = False
@@ -1027,46 +982,66 @@ class Engine:
                 stored result returned; else it starts and hears the request
                 at once (W5).
         """
-        store = self._require_store("start a claimed run")
-        await self._until_let_go(run_id)
-        with self._driving(run_id):
-            stored = await store.load_run(run_id)
-            self._note_queue(stored.run)
-            if cancel_first and stored.run.cancel_requested_at is not None:
-                await cancel_unstarted(self, run_id)
-                return await stored_result(self, await store.get_run(run_id), graph)
-            if not stored.nodes and stored.run.status is RunStatus.RUNNING:
-                graph = self._graph_of(stored.run, graph)
-                topo = graph.compile()
-                if topo.fingerprint != stored.run.fingerprint:
-                    raise GraphMismatch(
-                        f"run {run_id!r} was submitted with graph fingerprint "
-                        f"{stored.run.fingerprint}, but {graph.name!r} now has {topo.fingerprint}"
-                    )
-                self._executors.plan(topo)
-                writer = RunWriter(store, self._codec, run_id, topo, stored.run)
-                async with writer.leased(self._lease(run_id).held(stored.run)):
-                    restored = await restore_run(store, self._codec, topo, stored, [])
-                    writer.refer(restored.big)
-                    loop = self._loop_for(
-                        run_id, restored.state, writer, restored.event_seq, restored.turn,
-                        record=stored.run,
-                    )  # fmt: skip
-                    if stored.run.cancel_requested_at is not None:
-                        loop.request_cancel()  # asked between the claim and this start
-                    loop.emit(
-                        EventType.RUN_STARTED,
-                        graph=graph.name,
-                        structure=graph.structure(),
-                        owner=self.owner,
-                    )
-                    result = await loop.drive()
-                result = await self._with_questions(result)
-                return await self._settle(result, graph, False)
+
+        async def call() -> RunResult:
+            store = self._require_store("start a claimed run")
+            await self._drivers.let_go(run_id, self.lease_ttl)
+            begin = functools.partial(self._begin_claimed, store, run_id, graph, cancel_first)
+            return await self._drive(run_id, graph, begin)
+
+        return await self.instruments.drive(RunCall(kind="start", run_id=run_id, graph=graph), call)
+
+    async def _begin_claimed(
+        self, store: RunStore, run_id: str, graph: Graph | None, cancel_first: bool
+    ) -> RunResult | _AsStored:
+        stored = await store.load_run(run_id)
+        self._queued.note(stored.run)
+        if cancel_first and stored.run.cancel_requested_at is not None:
+            queueing = self._queueing("start a claimed run")
+            await cancel_unstarted(queueing, run_id)
+            return _AsStored(await stored_result(queueing, await store.get_run(run_id), graph))
+        if stored.nodes or stored.run.status is not RunStatus.RUNNING:
             # It committed before (a parent woken by its children, or its first
             # claimant died): resumed under this claim's lease, as read (D3).
-            result = await self._resume(run_id, graph, False, None, claimed=stored)
-            return await self._settle(result, graph, False)
+            return await self._resume(run_id, graph, False, None, claimed=stored)
+        found = self._graphs.of(stored.run, graph)
+        topo = found.compile()
+        if topo.fingerprint != stored.run.fingerprint:
+            raise GraphMismatch(
+                f"run {run_id!r} was submitted with graph fingerprint "
+                f"{stored.run.fingerprint}, but {found.name!r} now has {topo.fingerprint}"
+            )
+        self._executors.plan(topo)
+        writer = RunWriter(store, self._codec, run_id, topo, stored.run)
+
+        async def open_loop() -> RunLoop:
+            restored = await restore_run(store, self._codec, topo, stored, [])
+            writer.refer(restored.big)
+            loop = self._loop_for(
+                run_id, restored.state, writer, restored.event_seq, restored.turn,
+                record=stored.run,
+            )  # fmt: skip
+            if stored.run.cancel_requested_at is not None:
+                loop.request_cancel()  # asked between the claim and this start
+            self._announce(loop, found)
+            return loop
+
+        return await self._under_lease(writer, self._lease(run_id).held(stored.run), open_loop)
+
+
+async def cancel_undriven(engine: Engine, run_id: str) -> RunStatus:
+    """End ``run_id``, which nobody drives, as ``cancelled`` under its lease; return its status.
+
+    :func:`~._queued.cancel_undriven` with ``engine``'s store, lease settings and guard.
+    """
+    return await cancel_undriven_run(engine._queueing("cancel"), run_id)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _AsStored:
+    """A run's result as stored, nothing driven: returned as it is (nothing settled or woken)."""
+
+    result: RunResult
 
 
 def _checked_durability(durability: Any) -> str:

@@ -37,9 +37,12 @@ import math
 import time
 import uuid
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
 
-from .._codec import DEFAULT_CODEC
+from .._codec import DEFAULT_CODEC, Codec
 from .._errors import (
     DuplicateRun,
     EncodeError,
@@ -57,6 +60,7 @@ from ..stores import (
     EventRow,
     Harvest,
     NewRun,
+    QuestionRow,
     QuestionStatus,
     RunRecord,
     RunStatus,
@@ -65,16 +69,45 @@ from ..stores import (
     Submission,
 )
 from ..tail import DurationEstimator
-from ._children import ChildSubmit, cancel_children, tree_questions
+from ._children import ChildClaims, ChildSubmit, cancel_children, tree_questions
 from ._lease import acquire_lease, owner_is_dead, release_quietly, run_to_end
 from ._outcome import NodeReport, RunResult
 from ._restore import find_graph, restore_run
 from ._state import NodeStatus
 
-if TYPE_CHECKING:
-    from ._engine import Engine
-
 logger = logging.getLogger("tailrace.workers")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Queueing:
+    """What queued-run code needs from the engine it serves: values and callbacks.
+
+    ``store`` holds the runs; ``codec`` encodes inputs and decodes results;
+    ``owner`` and ``lease_ttl`` are the engine's lease settings (D6).
+    """
+
+    store: RunStore
+    codec: Codec
+    owner: str
+    lease_ttl: float
+    #: known(record): the graph the engine ran, submitted or was given for a stored run.
+    known: Callable[[RunRecord], Graph | None]
+    #: register(graph): let the engine drive runs of ``graph`` (and of its child graphs).
+    register: Callable[[Graph], None]
+    #: guard(run_id): held while the engine ends a run; LeaseHeld if it drives it already.
+    guard: Callable[[str], AbstractContextManager[None]]
+    #: request_cancel(run_id): the engine's loop of the run ends it; False if it drives none.
+    request_cancel: Callable[[str], bool]
+    #: cancel(run_id): cancel a run and its child runs (R3).
+    cancel: Callable[[str], Awaitable[str]]
+
+
+def store_needed(store: RunStore | None, what: str) -> RunStore:
+    """``store``, or a ValueError saying that ``what`` needs an engine with one."""
+    if store is None:
+        raise ValueError(f"{what} needs an engine with a store: Engine(store=...)")
+    return store
+
 
 #: Seconds an estimator fitted from the store is reused before it is fitted again.
 REFRESH = 30.0
@@ -175,7 +208,7 @@ def estimates_of(store: RunStore) -> RunEstimates:
 
 
 async def submit_run(
-    engine: Engine,
+    queueing: Queueing,
     graph: Graph | str,
     input: Any,
     *,
@@ -192,9 +225,7 @@ async def submit_run(
     deadline: float | None = None,
 ) -> str:
     """``Engine.submit``: store the run ``queued`` and return its id (or the dedup holder's)."""
-    store = engine.store
-    if store is None:
-        raise ValueError("submit needs an engine with a store: Engine(store=...)")
+    store = queueing.store
     if on_duplicate not in ("return", "raise"):
         raise ValueError(f"on_duplicate must be 'return' or 'raise', got {on_duplicate!r}")
     low, high = PRIORITY_RANGE
@@ -210,10 +241,10 @@ async def submit_run(
     cost = _checked_number("cost", cost)
     estimate = _checked_number("estimate", estimate)
     delay = checked_time("not_before", not_before)
-    name, fingerprint, graph_ref = await _what_to_run(engine, store, graph, graph_ref)
+    name, fingerprint, graph_ref = await _what_to_run(queueing, graph, graph_ref)
     run_id = uuid.uuid4().hex if run_id is None else checked_run_id(run_id)
     try:
-        input_json = (engine.codec or DEFAULT_CODEC).encode(input)
+        input_json = queueing.codec.encode(input)
     except (TypeError, ValueError) as exc:
         raise EncodeError(f"run {run_id!r}: input is not encodable: {exc}") from exc
     if estimate is None:
@@ -239,20 +270,22 @@ async def submit_run(
     return stored
 
 
-async def submit_children(engine: Engine, children: list[ChildSubmit]) -> list[Exception | None]:
+async def submit_children(
+    queueing: Queueing, children: list[ChildSubmit], lender: ChildClaims | None
+) -> list[Exception | None]:
     """Store ``children`` ``queued``, in one write; per child, the error that kept it out.
 
     A child whose input does not encode is refused alone (``EncodeError``);
     one submitted before is left as it is (R2). A failed write fails them all.
+    ``lender``, when given, lends its free slots: the children it can take are
+    claimed in the same write and start in this process.
     """
-    store = engine.store
-    assert store is not None
-    codec = engine.codec or DEFAULT_CODEC
+    store, codec = queueing.store, queueing.codec
     errors: list[Exception | None] = []
     rows: list[tuple[NewRun, Submission]] = []
     for child in children:
         try:
-            name, fingerprint, graph_ref = await _what_to_run(engine, store, child.graph, None)
+            name, fingerprint, graph_ref = await _what_to_run(queueing, child.graph, None)
             input_json = codec.encode(child.input)
         except (TypeError, ValueError) as exc:
             errors.append(EncodeError(f"run {child.run_id!r}: input is not encodable: {exc}"))
@@ -272,7 +305,6 @@ async def submit_children(engine: Engine, children: list[ChildSubmit]) -> list[E
     now = time.time()  # queued from the write on, not from the reads before it
     rows = [(dataclasses.replace(new, created_at=now), q) for new, q in rows]
     queues = {q.queue for _, q in rows}
-    lender = engine.child_claims
     claim = lender.reserve(next(iter(queues))) if lender is not None and len(queues) == 1 else None
     if claim is None:
         await store.submit_runs(rows)
@@ -287,7 +319,7 @@ async def submit_children(engine: Engine, children: list[ChildSubmit]) -> list[E
 
 
 async def _what_to_run(
-    engine: Engine, store: RunStore, graph: Graph | str, graph_ref: str | None
+    queueing: Queueing, graph: Graph | str, graph_ref: str | None
 ) -> tuple[str, str, str | None]:
     """The name, fingerprint and reference a submitted run of ``graph`` is stored with.
 
@@ -297,11 +329,11 @@ async def _what_to_run(
     """
     if isinstance(graph, Graph):
         topo = graph.compile()
-        engine.register(graph)
+        queueing.register(graph)
         return graph.name, topo.fingerprint, graph_ref or guess_reference(graph)
     if not isinstance(graph, str) or not graph:
         raise ValueError(f"submit: graph must be a Graph or a graph's name, got {graph!r}")
-    registered = await store.graphs_named(graph)
+    registered = await queueing.store.graphs_named(graph)
     if not registered:
         raise GraphError(
             f"submit: no worker registered a graph named {graph!r} in this store; start a "
@@ -359,6 +391,13 @@ RECHECK = 0.02
 FALLBACK = 1.0
 
 
+def to_apply(question: QuestionRow) -> bool:
+    """Whether ``question`` holds an answer (or an expiry) its run has not applied yet (Q3)."""
+    return question.status is QuestionStatus.ANSWERED or (
+        question.status is QuestionStatus.EXPIRED and question.applied_at is None
+    )
+
+
 async def settled(store: RunStore, record: RunRecord, now: float) -> bool:
     """Whether ``record`` is where ``wait`` returns: finished, or suspended with nothing to resume it.
 
@@ -372,11 +411,7 @@ async def settled(store: RunStore, record: RunRecord, now: float) -> bool:
         return False
     if record.lease_expires is not None and record.lease_expires >= now:
         return False
-    if any(
-        q.status is QuestionStatus.ANSWERED
-        or (q.status is QuestionStatus.EXPIRED and q.applied_at is None)
-        for q in await store.list_questions(run_id=record.run_id)
-    ):
+    if any(to_apply(q) for q in await store.list_questions(run_id=record.run_id)):
         return False
     # A run waiting on child runs is settled only when each live child is, and none it
     # suspended for has ended (it is about to be queued again or resumed) (R4, R5).
@@ -403,16 +438,14 @@ async def awaited_children(store: RunStore, run_id: str) -> set[str]:
 
 
 async def wait_for(
-    engine: Engine,
+    queueing: Queueing,
     run_id: str,
     *,
     timeout: float | None,  # noqa: ASYNC109 (Engine.wait's own argument)
     graph: Graph | None,
 ) -> RunResult:
     """``Engine.wait``: the run's :class:`RunResult` once :func:`settled`; ``RunFailed`` if it failed."""
-    store = engine.store
-    if store is None:
-        raise ValueError("wait needs an engine with a store: Engine(store=...)")
+    store = queueing.store
     if timeout is not None and (
         not isinstance(timeout, int | float) or isinstance(timeout, bool) or math.isnan(timeout)
     ):
@@ -422,7 +455,7 @@ async def wait_for(
         while True:
             record = await store.get_run(run_id)
             if await settled(store, record, time.time()):
-                return await stored_result(engine, record, graph)
+                return await stored_result(queueing, record, graph)
             left = FALLBACK if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(
@@ -432,17 +465,17 @@ async def wait_for(
             await asyncio.sleep(RECHECK)  # let a burst of wake-ups pass: one look for all
 
 
-async def stored_result(engine: Engine, record: RunRecord, graph: Graph | None) -> RunResult:
+async def stored_result(queueing: Queueing, record: RunRecord, graph: Graph | None) -> RunResult:
     """The :class:`RunResult` of ``record`` as stored; raises :class:`RunFailed` for a failed run."""
-    assert engine.store is not None
-    stored = await engine.store.load_run(record.run_id)
-    graph = graph or _known_graph(engine, record)
+    store, codec = queueing.store, queueing.codec
+    stored = await store.load_run(record.run_id)
+    graph = graph or _known_graph(queueing, record)
     if stored.nodes and graph is not None and graph.compile().fingerprint == record.fingerprint:
-        result = await _from_state(engine, stored, graph)
+        result = await _from_state(store, codec, stored, graph)
     else:
-        result = await _from_rows(engine, stored)
+        result = await _from_rows(store, codec, stored)
     if record.status is RunStatus.SUSPENDED:
-        questions = await tree_questions(engine.store, record.run_id)  # its children's too (R5)
+        questions = await tree_questions(store, record.run_id)  # its children's too (R5)
         result = _replace(result, questions=tuple(questions))
     result = _replace(result, parent_run_id=record.parent_run_id)
     if record.status is RunStatus.FAILED:
@@ -453,8 +486,8 @@ async def stored_result(engine: Engine, record: RunRecord, graph: Graph | None) 
     return result
 
 
-def _known_graph(engine: Engine, record: RunRecord) -> Graph | None:
-    found = engine.graph_for(record)
+def _known_graph(queueing: Queueing, record: RunRecord) -> Graph | None:
+    found = queueing.known(record)
     if found is not None:
         return found
     try:
@@ -468,11 +501,10 @@ def _duration(record: RunRecord) -> float:
     return max((record.finished_at or record.updated_at) - start, 0.0)
 
 
-async def _from_state(engine: Engine, stored: StoredRun, graph: Graph) -> RunResult:
+async def _from_state(store: RunStore, codec: Codec, stored: StoredRun, graph: Graph) -> RunResult:
     """Rebuild the run's state as a resume would (nothing is written), and read the result off it."""
-    assert engine.store is not None
     topo = graph.compile()
-    state = (await restore_run(engine.store, engine.codec or DEFAULT_CODEC, topo, stored, [])).state
+    state = (await restore_run(store, codec, topo, stored, [])).state
     ids, nodes = topo.ids, state.nodes
     done = [i for i in topo.sinks if nodes[i].has_result]
     output: Any = (
@@ -494,12 +526,10 @@ async def _from_state(engine: Engine, stored: StoredRun, graph: Graph) -> RunRes
     )
 
 
-async def _from_rows(engine: Engine, stored: StoredRun) -> RunResult:
+async def _from_rows(store: RunStore, codec: Codec, stored: StoredRun) -> RunResult:
     """Without the graph: each node's latest result row, its visits and status."""
-    assert engine.store is not None
-    codec = engine.codec or DEFAULT_CODEC
     results: dict[str, Any] = {}
-    for row in await engine.store.results(stored.run.run_id):  # by node, then visit
+    for row in await store.results(stored.run.run_id):  # by node, then visit
         results[row.node_id] = codec.decode(row.value_json)
     return RunResult(
         run_id=stored.run.run_id,
@@ -521,25 +551,23 @@ def _replace(result: RunResult, **changes: Any) -> RunResult:
 # -- cancelling -----------------------------------------------------------------
 
 
-async def cancel_run(engine: Engine, run_id: str) -> str:
+async def cancel_run(queueing: Queueing, run_id: str) -> str:
     """``Engine.cancel``: cancel ``run_id`` now or at its next harvest; return its status now."""
-    store = engine.store
-    if store is None:
-        raise ValueError("cancel needs an engine with a store: Engine(store=...)")
+    store = queueing.store
     status = await store.request_cancel(run_id)
     now: str | None = None
-    if status is RunStatus.RUNNING and engine.request_cancel(run_id):
+    if status is RunStatus.RUNNING and queueing.request_cancel(run_id):
         now = status.value  # ours: it ends at its next harvest
     else:
         if status in (RunStatus.RUNNING, RunStatus.SUSPENDED):
             record = await store.get_run(run_id)
             if not _driven(record, time.time()):
                 with contextlib.suppress(LeaseHeld):  # someone took it: it sees the request
-                    now = (await cancel_undriven(engine, run_id)).value
+                    now = (await cancel_undriven(queueing, run_id)).value
         if now is None:
             now = (await store.get_run(run_id)).status.value
     # R3: its child runs too, wherever they are (queued, running or suspended).
-    await cancel_children(store, run_id, engine.cancel)
+    await cancel_children(store, run_id, queueing.cancel)
     return now
 
 
@@ -553,7 +581,7 @@ def _driven(record: RunRecord, now: float) -> bool:
     )
 
 
-async def cancel_undriven(engine: Engine, run_id: str) -> RunStatus:
+async def cancel_undriven(queueing: Queueing, run_id: str) -> RunStatus:
     """End ``run_id``, which nobody drives, as ``cancelled`` under its lease; return its status.
 
     Takes the lease (at once from a provably dead owner), supersedes open and
@@ -563,15 +591,14 @@ async def cancel_undriven(engine: Engine, run_id: str) -> RunStatus:
     """
     # One end per run in this engine: a cancel cascading from a parent and the parent's
     # own attempt may both reach a child at once; the second finds it held (LeaseHeld).
-    with engine._driving(run_id):
-        return await cancel_unstarted(engine, run_id)
+    with queueing.guard(run_id):
+        return await cancel_unstarted(queueing, run_id)
 
 
-async def cancel_unstarted(engine: Engine, run_id: str) -> RunStatus:
+async def cancel_unstarted(queueing: Queueing, run_id: str) -> RunStatus:
     """:func:`cancel_undriven` for a caller that holds the engine's guard of ``run_id`` already."""
-    store = engine.store
-    assert store is not None
-    token = await acquire_lease(store, run_id, engine.owner, engine.lease_ttl)
+    store = queueing.store
+    token = await acquire_lease(store, run_id, queueing.owner, queueing.lease_ttl)
     try:
         record = await store.get_run(run_id)
         if record.status not in (RunStatus.RUNNING, RunStatus.SUSPENDED):
@@ -585,10 +612,7 @@ async def cancel_unstarted(engine: Engine, run_id: str) -> RunStatus:
             data_json=DEFAULT_CODEC.encode({"reason": "cancel requested"}),
         )  # fmt: skip
         open_ids = [
-            q.question_id
-            for q in questions
-            if q.status in (QuestionStatus.OPEN, QuestionStatus.ANSWERED)
-            or (q.status is QuestionStatus.EXPIRED and q.applied_at is None)
+            q.question_id for q in questions if q.status is QuestionStatus.OPEN or to_apply(q)
         ]
         harvest = Harvest(
             state_json=record.state_json, status=RunStatus.CANCELLED, events=[event],
@@ -598,4 +622,4 @@ async def cancel_unstarted(engine: Engine, run_id: str) -> RunStatus:
         logger.info("run %s cancelled (nobody was driving it)", run_id)
         return RunStatus.CANCELLED
     finally:
-        await run_to_end(release_quietly(store, run_id, engine.owner, token))
+        await run_to_end(release_quietly(store, run_id, queueing.owner, token))

@@ -15,7 +15,8 @@ from typing import Any
 
 from .._codec import Codec
 from .._context import Checkpoint
-from .._errors import CorruptRecord, GraphError, UnsupportedFormat
+from .._errors import CorruptRecord, GraphError, GraphMismatch, UnsupportedFormat
+from .._events import EventType
 from ..graph import Graph, NodeKind, Topology, is_file_reference, resolve_reference
 from ..stores import FORMAT_VERSION, ItemRow, NodeRow, ParkedRow, RunRecord, RunStore, StoredRun
 from ._checkpoints import parked_checkpoint
@@ -70,6 +71,67 @@ def find_graph(record: RunRecord) -> Graph:
     if not isinstance(graph, Graph):
         raise GraphError(f"run {run_id!r}: {ref!r} is not a Graph")
     return graph
+
+
+class Graphs:
+    """The graphs an engine ran, submitted or was given, by name and fingerprint, so it can
+    drive their runs even when they cannot be imported (defined in ``__main__``, say)."""
+
+    __slots__ = ("_known",)
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[str, str], Graph] = {}
+
+    def add(self, graph: Graph, fingerprint: str) -> None:
+        """Know ``graph`` (of structural ``fingerprint``), unless a graph of both is known."""
+        self._known.setdefault((graph.name, fingerprint), graph)
+
+    def register(self, *graphs: Graph) -> None:
+        """Know ``graphs`` and, since whoever drives a run drives its children, their child graphs."""
+        for graph in graphs:
+            self.add(graph, graph.compile().fingerprint)
+            self.register(*graph.child_graphs())
+
+    def get(self, record: RunRecord) -> Graph | None:
+        """The known graph of the stored run ``record`` (by its graph's name and fingerprint)."""
+        return self._known.get((record.graph_name, record.fingerprint))
+
+    def knows(self, fingerprint: str, name: str | None) -> bool:
+        """Whether a graph of ``fingerprint`` (and ``name``, when given) is known."""
+        return any(fp == fingerprint and name in (None, known) for known, fp in self._known)
+
+    def of(self, record: RunRecord, graph: Graph | None) -> Graph:
+        """The graph to drive ``record`` with: ``graph``, a known one, or its reference.
+
+        A graph of another name is refused whatever its shape (GraphMismatch).
+        """
+        graph = graph or self.get(record) or find_graph(record)
+        if graph.name != record.graph_name:
+            raise GraphMismatch(
+                f"run {record.run_id!r} is a run of graph {record.graph_name!r}, not of "
+                f"{graph.name!r}: a run is never driven by a graph of another name"
+            )
+        return graph
+
+
+async def late_inputs(store: RunStore, codec: Codec, run_id: str) -> list[LateInput]:
+    """The late inputs run ``run_id`` recorded (its ``node_late_input`` events), for a restore (E5)."""
+    late: list[LateInput] = []
+    for event in await store.events(run_id):
+        if event.type != EventType.NODE_LATE_INPUT.value:
+            continue
+        data = codec.decode(event.data_json)
+        data = data if isinstance(data, dict) else {}
+        late.append(
+            LateInput(
+                node_id=event.node_id or "",
+                source_id=str(data.get("source")),
+                activation=event.visit or 0,
+                reason=str(data.get("reason")),
+                item=data.get("item"),
+            )
+        )
+    return late
 
 
 async def restore_run(

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
@@ -183,6 +183,19 @@ class ExecutorTable:
             self._plans.clear()
         self._plans[id(topo)] = (topo, plan)
         return plan
+
+    def wrapped(self, wrap: Callable[[Executor, str | None], Executor]) -> ExecutorTable:
+        """A table of the same names whose every executor is ``wrap(executor, name)``.
+
+        The default is wrapped too (``name`` None; a :class:`LocalExecutor`
+        when attempts run inline here), e.g. by an instrument that opens a
+        span around each attempt (see :mod:`tailrace.core._instruments`).
+
+        Args:
+            wrap: makes the executor to use from an executor and its name.
+        """
+        default = wrap(self._default or LocalExecutor(), None)
+        return ExecutorTable(default, {name: wrap(e, name) for name, e in self._named.items()})
 
     def _resolve(self, topo: Topology) -> list[Executor | None] | None:
         plan: list[Executor | None] = []

@@ -2,7 +2,8 @@
 
 Three sources tell a :class:`SpanTracker` about a run, in no fixed order:
 
-- the instrumented ``Engine.run``/``Engine.resume`` call opens and closes the
+- the engine's call that drives the run (``run``, ``resume``, ``fork``,
+  ``start_claimed``, through the instrument's ``drive`` hook) opens and closes the
   run span (:meth:`SpanTracker.open_run`, :meth:`SpanTracker.close_run`): it is
   the one place that sees every ending, a failure, a stall or a cancellation
   included, of which the event log records only some;
@@ -235,7 +236,7 @@ class SpanTracker:
     # -- runs ------------------------------------------------------------------
 
     def open_run(self, run_id: str, verb: str, graph: str | None) -> RunSpan | None:
-        """Start the span of a ``verb`` (run, resume) call of ``run_id`` under the current context.
+        """Start the span of a ``verb`` (run, resume, fork, start) call of ``run_id`` under the current context.
 
         ``graph`` is the graph's name when the call knows it. Returns None when
         that run has a span open already (the engine refuses a second driver).

@@ -1,7 +1,9 @@
 """OpenTelemetry tracing for an engine: a span per run, a span per node attempt.
 
-``instrument(engine)`` traces every run and resume of that engine (``pip install
-'tailrace[otel]'``; bring your own SDK and exporter)::
+``instrument(engine)`` traces every run, resume, fork and claimed start of that
+engine (``pip install 'tailrace[otel]'``; bring your own SDK and exporter). It
+hooks in as one of the engine's instruments (:class:`~tailrace.Instrument`);
+nothing of the engine is patched::
 
     from opentelemetry.sdk.trace import TracerProvider
     from tailrace.integrations.otel import instrument
@@ -13,9 +15,12 @@
 
 Spans, all carrying ``tailrace.run_id``:
 
-- ``tailrace.run <graph>`` (``tailrace.resume <graph>`` for a resume) spans
-  one ``Engine.run``/``Engine.resume`` call, as a child of whatever span is
-  current where it is called. ``tailrace.graph``; ``tailrace.outcome`` is
+- ``tailrace.run <graph>`` spans one ``Engine.run`` call, as a child of
+  whatever span is current where it is called; ``tailrace.resume <graph>``
+  one ``Engine.resume`` call (or the resume of a suspended parent that its
+  child's end lets go on), ``tailrace.fork <graph>`` one ``Engine.fork`` and
+  ``tailrace.start <graph>`` one ``Engine.start_claimed`` (a worker starting
+  a run it claimed from a queue). ``tailrace.graph``; ``tailrace.outcome`` is
   ``completed``, ``suspended`` (open gates, or preempted), ``failed`` (status
   error, the exception recorded), ``cancelled`` (the caller cancelled it) or
   ``refused`` (the engine would not drive it: ``LeaseHeld``, ``NotResumable``).
@@ -63,8 +68,7 @@ time the run's call returns or raises, cancellation included.
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
@@ -73,8 +77,8 @@ from opentelemetry.trace import TracerProvider
 
 from .. import __version__
 from .._errors import LeaseHeld, NotResumable
+from ..core import Instrument, RunCall
 from ..executors import AttemptContext, Executor, LocalExecutor
-from ..executors._base import ExecutorTable
 from ._otel_tracker import CANCELLED, COMPLETED, FAILED, REFUSED, SpanTracker
 
 if TYPE_CHECKING:
@@ -119,7 +123,7 @@ class OtelExecutor:
             self.name,
             context.item,
         )
-        if attempt is None:  # a run this engine drives outside run()/resume()
+        if attempt is None:  # a run no traced call drives (a child run started inline)
             return await self.inner.invoke(node, payload, context)
         try:
             with trace.use_span(
@@ -140,27 +144,28 @@ class OtelExecutor:
         await self.inner.aclose()
 
 
-class Instrumentation:
-    """The tracing that :func:`instrument` installed on ``engine``; ``uninstrument()`` removes it.
+class Instrumentation(Instrument):
+    """The tracing that :func:`instrument` hooked into ``engine``; ``uninstrument()`` removes it.
 
     ``engine`` is the traced engine and ``tracker`` the span bookkeeping it
-    feeds. Use it as a context manager to uninstrument on exit.
+    feeds. It is one of the engine's instruments (``engine.instruments``):
+    its ``drive`` hook spans each call that drives a run, with the span
+    current while the run drives, and its ``wrap_executor`` hook runs each
+    attempt through an :class:`OtelExecutor`. Use it as a context manager
+    to uninstrument on exit.
     """
 
     def __init__(self, engine: Engine, tracker: SpanTracker) -> None:
         self.engine = engine
         self.tracker = tracker
-        self._table: ExecutorTable = engine._executors
         self._unsubscribe: Callable[[], None] | None = None
 
     def _install(self) -> None:
         engine = self.engine
-        if "run" in vars(engine) or "resume" in vars(engine):
+        if any(isinstance(i, Instrumentation) for i in engine.instruments):
             raise ValueError(f"engine {engine.owner!r} is instrumented already")
-        engine._executors = _traced_table(self._table, self)
         self._unsubscribe = engine.bus.subscribe(self.tracker.on_event)
-        vars(engine)["run"] = _traced_run(self.tracker, engine.run)
-        vars(engine)["resume"] = _traced_resume(self.tracker, engine.resume)
+        engine.instruments.add(self)
 
     def uninstrument(self) -> None:
         """Stop tracing the engine's runs (runs already started keep their spans); idempotent."""
@@ -168,9 +173,28 @@ class Instrumentation:
             return
         self._unsubscribe()
         self._unsubscribe = None
-        vars(self.engine).pop("run", None)
-        vars(self.engine).pop("resume", None)
-        self.engine._executors = self._table
+        self.engine.instruments.remove(self)
+
+    async def drive(self, call: RunCall, proceed: Callable[[], Awaitable[RunResult]]) -> RunResult:
+        """Await ``proceed()`` inside the run span of ``call`` (``tailrace.<kind> <graph>``).
+
+        Args:
+            call: the engine's call that drives a run.
+            proceed: drives it.
+        """
+        graph = None if call.graph is None else call.graph.name
+        return await _within_run_span(
+            self.tracker, call.run_id, f"tailrace.{call.kind}", graph, proceed
+        )
+
+    def wrap_executor(self, executor: Executor, name: str | None) -> Executor:
+        """``executor`` in an :class:`OtelExecutor`, so each attempt's span is current in its handler.
+
+        Args:
+            executor: the engine's executor.
+            name: its name (None: the default one, named by its kind, e.g. ``local``).
+        """
+        return OtelExecutor(executor, instrumentation=self, name=name)
 
     def __enter__(self) -> Self:
         return self
@@ -185,12 +209,14 @@ class Instrumentation:
 
 
 def instrument(engine: Engine, *, tracer_provider: TracerProvider | None = None) -> Instrumentation:
-    """Trace every run and resume of ``engine`` with OpenTelemetry (spans listed in the module docs).
+    """Trace every run, resume, fork and claimed start of ``engine`` with OpenTelemetry (spans
+    listed in the module docs).
 
-    ``engine`` gets a listener on its event bus, its executors wrapped in
-    :class:`OtelExecutor` (so each attempt's span is current in its handler)
-    and traced ``run``/``resume`` methods. ``tracer_provider`` makes the
-    tracer (default: the global one, ``opentelemetry.trace.get_tracer_provider()``).
+    ``engine`` gets a listener on its event bus and an :class:`Instrumentation`
+    among its instruments, which spans each call that drives a run and wraps
+    its executors in :class:`OtelExecutor` (so each attempt's span is current
+    in its handler). ``tracer_provider`` makes the tracer (default: the
+    global one, ``opentelemetry.trace.get_tracer_provider()``).
     Instrumenting an engine twice raises ``ValueError``.
     """
     tracer = trace.get_tracer(__name__, __version__, tracer_provider)
@@ -199,62 +225,10 @@ def instrument(engine: Engine, *, tracer_provider: TracerProvider | None = None)
     return instrumentation
 
 
-# -- the engine's executors, wrapped ------------------------------------------------------
-
-
-def _traced_table(table: ExecutorTable, instrumentation: Instrumentation) -> ExecutorTable:
-    """A copy of ``table`` whose every executor (the inline default too) runs through a span.
-
-    The seam offers no public way to wrap an engine's executors after it was
-    built, so this reads the table's own fields.
-    """
-    default = OtelExecutor(table._default, instrumentation=instrumentation)
-    named: Mapping[str, Executor] = {
-        name: OtelExecutor(inner, instrumentation=instrumentation, name=name)
-        for name, inner in table._named.items()
-    }
-    return ExecutorTable(default, named)
-
-
 def _kind(executor: Executor) -> str:
     """``local`` for a LocalExecutor, ``ray`` for a RayExecutor: the class name, lower case, less ``Executor``."""
     name = type(executor).__name__
     return (name.removesuffix("Executor") or name).lower()
-
-
-# -- the engine's run and resume, traced --------------------------------------------------
-
-
-def _traced_run(
-    tracker: SpanTracker, run: Callable[..., Awaitable[RunResult]]
-) -> Callable[..., Awaitable[RunResult]]:
-    async def traced_run(graph: Any, input: Any = None, **options: Any) -> RunResult:
-        if options.get("run_id") is None:
-            options["run_id"] = uuid.uuid4().hex  # as the engine would: the span needs it first
-        return await _within_run_span(
-            tracker,
-            options["run_id"],
-            "tailrace.run",
-            getattr(graph, "name", None),
-            lambda: run(graph, input, **options),
-        )
-
-    return traced_run
-
-
-def _traced_resume(
-    tracker: SpanTracker, resume: Callable[..., Awaitable[RunResult]]
-) -> Callable[..., Awaitable[RunResult]]:
-    async def traced_resume(run_id: str, graph: Any = None, **options: Any) -> RunResult:
-        return await _within_run_span(
-            tracker,
-            run_id,
-            "tailrace.resume",
-            getattr(graph, "name", None),
-            lambda: resume(run_id, graph, **options),
-        )
-
-    return traced_resume
 
 
 async def _within_run_span(
