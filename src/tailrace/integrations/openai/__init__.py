@@ -24,14 +24,26 @@ Needs ``pip install 'tailrace[openai]'`` (httpx)::
         return generation.text
 """
 
+from ._accounting import ItemAccount as ItemAccount
+from ._accounting import TailAccount as TailAccount
+from ._accounting import ks_statistic as ks_statistic
+from ._accounting import tail_accounting as tail_accounting
 from ._client import Generation as Generation
 from ._client import ModelClient as ModelClient
 from ._errors import CompletionError as CompletionError
 from ._errors import retry_after_seconds as retry_after_seconds
+from ._server import BatchingServer as BatchingServer
+from ._server import ServerStats as ServerStats
 
 __all__ = [
+    "BatchingServer",
     "CompletionError",
     "Generation",
+    "ItemAccount",
     "ModelClient",
+    "ServerStats",
+    "TailAccount",
+    "ks_statistic",
     "retry_after_seconds",
+    "tail_accounting",
 ]
