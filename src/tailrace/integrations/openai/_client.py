@@ -84,6 +84,7 @@ class _Partial:
     rounds: int = 0
     finish: str | None = None
     prompt_tokens: int | None = None
+    moved: bool = False  # continued from another run's checkpoint (an unparked item)
 
     @classmethod
     def resumed(cls, ctx: NodeContext | None) -> _Partial:
@@ -110,6 +111,7 @@ class _Partial:
         )
         if saved is not None and saved.run_id != ctx.run_id and partial.finish is None:
             partial.rounds += 1  # it waited a round parked
+            partial.moved = True
         return partial
 
     @property
@@ -168,8 +170,13 @@ class _Attempt:
         if due or time.monotonic() - self.saved_at >= self.interval:
             self.save(partial)
 
-    def save(self, partial: _Partial) -> None:
-        if self.ctx is None or not self.can_save or partial.tokens == self.checkpointed:
+    def save(self, partial: _Partial, *, first: bool = False) -> None:
+        """Save ``partial`` as the attempt's checkpoint if it grew (or, ``first``, at all)."""
+        if (
+            self.ctx is None
+            or not self.can_save
+            or (partial.tokens == self.checkpointed and not first)
+        ):
             return
         try:
             self.ctx.checkpoint(partial.value())
@@ -299,6 +306,8 @@ class ModelClient:
         ctx = current_node()
         partial = _Partial.resumed(ctx)
         attempt = _Attempt(ctx, self, partial)
+        if ctx is not None and (ctx.resumed_from is None or partial.moved):
+            attempt.save(partial, first=True)  # parked before its next token, it keeps its story
         salvaged = partial.tokens
         if partial.finish is None and (max_tokens is None or max_tokens > salvaged):
             body = request_body(

@@ -40,7 +40,7 @@ FIRST_ID = 100_000  # the id of generated token 0
 
 @dataclass(slots=True, kw_only=True)
 class ServerStats:
-    """What the server did: requests, tokens, disconnects, the largest batch."""
+    """What the server did: requests, tokens, disconnects, the largest batch, the batch now."""
 
     requests: int = 0
     completed: int = 0
@@ -208,6 +208,7 @@ class BatchingServer:
                     request.pending = []
                 if done or cut:
                     self._batch.remove(request)
+            self.stats.running = len(self._batch)
 
     def _admit(self, body: dict[str, Any], chat: bool) -> _Request:
         prompt, prefix, ids = _split(body, chat)
@@ -227,6 +228,7 @@ class BatchingServer:
             request.events.put_nowait(([], finish))
         else:
             self._batch.append(request)
+            self.stats.running = len(self._batch)
             self._wake.set()
         return request
 
@@ -340,6 +342,7 @@ class BatchingServer:
         except ConnectionError:
             if request in self._batch:
                 self._batch.remove(request)
+                self.stats.running = len(self._batch)
                 self.stats.disconnected += 1
                 self.stats.tokens_disconnected += request.decoded
             raise
