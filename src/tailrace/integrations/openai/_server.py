@@ -114,6 +114,8 @@ class BatchingServer:
         self.tokens_per_event, self.max_tokens = tokens_per_event, max_tokens
         self.host, self.port = host, port
         self.stats = ServerStats()
+        #: (prompt without its generated prefix, the prefix's tokens) of each generation request.
+        self.generations: list[tuple[str, int]] = []
         self._batch: list[_Request] = []
         self._failures: list[tuple[int, float | None]] = []
         self._cuts: list[int] = []
@@ -212,6 +214,7 @@ class BatchingServer:
 
     def _admit(self, body: dict[str, Any], chat: bool) -> _Request:
         prompt, prefix, ids = _split(body, chat)
+        self.generations.append((prompt, prefix))
         length = self.length(prompt, body.get("seed"))
         max_tokens = body.get("max_tokens")
         remaining = length - prefix
