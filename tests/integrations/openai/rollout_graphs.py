@@ -8,8 +8,10 @@ it in a process of its own (to be SIGKILLed); the test resumes it in its own pro
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import tailrace as tr
@@ -33,6 +35,13 @@ def client() -> ModelClient:
 
 
 async def rollout(prompt: str) -> dict[str, Any]:
+    log = os.environ.get("ROLLOUT_LOG")
+    if log:  # each generation call, with what it resumes from: a finished item never shows again
+        ctx = tr.current_node()
+        resumed = ctx.resumed_from if ctx is not None else None
+        line = json.dumps({"prompt": prompt, "resumed": resumed is not None}) + "\n"
+        with Path(log).open("a") as out:  # noqa: ASYNC230 - one short line, flushed at once
+            out.write(line)
     generation = await client().complete(
         prompt, max_tokens=int(os.environ.get("ROLLOUT_MAX_TOKENS", "10000")), temperature=0.0
     )
