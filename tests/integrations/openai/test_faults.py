@@ -106,7 +106,7 @@ def free_port() -> int:
 async def server_process(port: int) -> AsyncIterator[asyncio.subprocess.Process]:
     """A batching server in a process of its own on ``port``; killed on the way out."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tailrace.integrations.openai._server", "--port", str(port),
+        sys.executable, "-m", "tailrace.integrations.openai", "--port", str(port),
         "--median-tokens", "40", "--step", "0.01", stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:

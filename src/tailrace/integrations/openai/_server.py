@@ -17,7 +17,7 @@ token ``k`` and the continued text equals the uninterrupted one.
 Faults for tests: :meth:`BatchingServer.inject` answers the next requests
 with an HTTP status (and ``Retry-After``); :meth:`BatchingServer.cut` ends
 the next streams after some tokens without a finish reason, closing the
-connection. ``python -m tailrace.integrations.openai._server --port N`` runs
+connection. ``python -m tailrace.integrations.openai --port N`` runs
 it in a process of its own; ``POST /admin/inject``, ``POST /admin/cut`` and
 ``GET /admin/stats`` reach the same controls there.
 """
@@ -459,6 +459,3 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(server, announce))
 
-
-if __name__ == "__main__":
-    main()
