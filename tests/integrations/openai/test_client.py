@@ -174,3 +174,27 @@ def test_least_outstanding_first_and_a_unit_avoids_its_own_replica():
     assert replicas.pick() == (b, 2.0)  # all wait: the soonest free, and how long
     now[0] = 3.0
     assert replicas.pick()[0] is b
+
+
+def test_the_facade_documents_every_parameter_of_its_callables():
+    import dataclasses
+    import inspect
+
+    import tailrace.integrations.openai as facade
+    from tests.test_facade import _documented_params
+
+    missing = {}
+    for name in facade.__all__:
+        obj = getattr(facade, name)
+        members = [(name, obj, "")] if inspect.isfunction(obj) else []
+        if inspect.isclass(obj):
+            doc = inspect.getdoc(obj) or ""
+            members += [(f"{name}.{attr}", fn, doc if attr == "__init__" else "")
+                        for attr, fn in vars(obj).items()
+                        if (inspect.isfunction(fn) and not attr.startswith("_"))
+                        or (attr == "__init__" and not dataclasses.is_dataclass(obj))]  # fmt: skip
+        for qualname, fn, extra in members:
+            assert inspect.getdoc(fn) or extra, f"{qualname} has no docstring"
+            if _documented_params(fn, extra):
+                missing[qualname] = _documented_params(fn, extra)
+    assert not missing, missing
