@@ -6,8 +6,8 @@ token, and a step takes ``step + per_request * batch`` seconds, so tokens per
 second per request fall as the batch grows. A generation's length comes from
 a lognormal distribution (median ``median_tokens``, ``sigma``) seeded by the
 prompt and the request's ``seed``, so it is the same on every run. A request
-whose connection closes leaves the batch at once (what vLLM and SGLang do on
-a disconnect), and the server counts the tokens it had decoded.
+whose connection closes leaves the batch at its next event (what vLLM and
+SGLang do on a disconnect), and the server counts the tokens it had decoded.
 
 Token ``k`` of a generation is the text `` ·k`` (id ``100000 + k``), so a
 continuation (the prompt followed by a salvaged prefix, as text, as token
@@ -318,16 +318,12 @@ class BatchingServer:
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
             b"transfer-encoding: chunked\r\ncache-control: no-cache\r\n\r\n"
         )
-        gone = asyncio.ensure_future(reader.read(1))  # EOF: the client closed the request
         with_ids = request.ids or self.tokens_per_event > 1 or bool(body.get("return_token_ids"))
         try:
             while True:
-                event = asyncio.ensure_future(request.events.get())
-                await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not event.done():
-                    event.cancel()
+                ids, finish = await request.events.get()
+                if reader.at_eof():  # the client closed the request: it leaves the batch
                     raise ConnectionResetError("the client closed the request")
-                ids, finish = event.result()
                 if ids or finish:
                     await _send_chunk(writer, self._event(request, ids, finish, with_ids))
                 if finish is not None:
@@ -341,7 +337,7 @@ class BatchingServer:
             writer.write(b"0\r\n\r\n")
             await writer.drain()
             self.stats.completed += 1
-            return not gone.done()
+            return not reader.at_eof()
         except ConnectionError:
             if request in self._batch:
                 self._batch.remove(request)
@@ -349,9 +345,6 @@ class BatchingServer:
                 self.stats.disconnected += 1
                 self.stats.tokens_disconnected += request.decoded
             raise
-        finally:
-            gone.cancel()
-            await asyncio.wait({gone})
 
     def _event(
         self, request: _Request, ids: list[int], finish: str | None, with_ids: bool
@@ -458,4 +451,3 @@ def main(argv: list[str] | None = None) -> None:
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(server, announce))
-
