@@ -156,3 +156,31 @@ async def test_an_item_parked_round_after_round_is_counted_against_the_starvatio
     [(origin, waited)] = account.waiting.items()
     assert waited == 3 and account.starving == (origin,) and account.max_rounds == 3
     assert account.launched == 3 * 3 + 1 and account.accepted == 9
+
+
+async def test_each_attempts_span_carries_its_generations_usage(server, engine):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tailrace.integrations.otel import instrument
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    async with ModelClient(server.url, "m", version="v3") as client:
+        g = rollouts({"now": client}, required=1, late="cancel")
+        quick, slow = sorted(spread(server, 1, 1), key=lambda p: server.length(p, None))
+        with instrument(engine, tracer_provider=provider):
+            await engine.run(g, [quick, slow])
+    spans = {  # the items' attempts (the map's own span carries no generation)
+        s.attributes["tailrace.generation.outcome"]: s.attributes
+        for s in exporter.get_finished_spans()
+        if s.attributes and "tailrace.item" in s.attributes
+    }
+    assert set(spans) == {"completed", "cancelled"}
+    won = spans["completed"]
+    assert won["gen_ai.request.model"] == "m" and won["tailrace.generation.version"] == "v3"
+    assert (
+        won["gen_ai.usage.output_tokens"] <= 10 < spans["cancelled"]["gen_ai.usage.output_tokens"]
+    )

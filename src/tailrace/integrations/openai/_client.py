@@ -14,7 +14,9 @@ Inside a handler a generation is part of the attempt (X1-X6):
   salvaged text and asks only for the tokens still allowed (X3);
 - the attempt's stream ends with a usage chunk ``{"usage": {...}}`` (prompt,
   decoded and salvaged tokens, the model versions, how many rounds the item
-  was parked), read back by :func:`tail_accounting` (X4).
+  was parked), read back by :func:`tail_accounting` (X4), and the same goes on
+  the current OpenTelemetry span (the attempt's, under
+  :func:`tailrace.integrations.otel.instrument`).
 
 Outside a handler a generation is a plain streamed request.
 """
@@ -185,6 +187,12 @@ class _Attempt:
             return
         self.saved_at, self.checkpointed = time.monotonic(), partial.tokens
 
+    def report(self, partial: _Partial, outcome: str, model: str) -> None:
+        """End the attempt's stream with its usage, and put it on the current trace span."""
+        usage = self.usage(partial, outcome)
+        self.publish({"usage": usage})
+        _annotate_span(usage, model)
+
     def usage(self, partial: _Partial, outcome: str) -> dict[str, Any]:
         """The attempt's usage chunk: what :func:`tail_accounting` reads back."""
         return {
@@ -194,6 +202,29 @@ class _Attempt:
             "salvaged_version": self.salvaged_version, "rounds": partial.rounds,
             "origin": partial.origin, "finish": partial.finish, "tokens": partial.tokens,
         }  # fmt: skip
+
+
+def _annotate_span(usage: dict[str, Any], model: str) -> None:
+    """Put a generation's usage on the current OpenTelemetry span (the attempt's span under
+    :func:`tailrace.integrations.otel.instrument`), when OpenTelemetry is installed."""
+    try:
+        from opentelemetry import trace  # the otel extra is optional
+    except ImportError:  # pragma: no cover - exercised only without opentelemetry
+        return
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    attributes = {
+        "gen_ai.request.model": model, "gen_ai.usage.input_tokens": usage["prompt"],
+        "gen_ai.usage.output_tokens": usage["decoded"],
+        "tailrace.generation.salvaged_tokens": usage["salvaged"],
+        "tailrace.generation.checkpointed_tokens": usage["checkpointed"],
+        "tailrace.generation.outcome": usage["outcome"],
+        "tailrace.generation.version": usage["version"],
+        "tailrace.generation.salvaged_version": usage["salvaged_version"],
+        "tailrace.generation.rounds": usage["rounds"],
+    }  # fmt: skip
+    span.set_attributes({k: v for k, v in attributes.items() if v is not None})
 
 
 class ModelClient:
@@ -319,7 +350,7 @@ class ModelClient:
         else:
             partial.finish, replica = partial.finish or "length", None
         attempt.save(partial)  # with its finish reason: a crash from here on sends nothing again
-        attempt.publish({"usage": attempt.usage(partial, "completed")})
+        attempt.report(partial, "completed", self.model)
         return Generation(
             text=partial.text, finish_reason=partial.finish or "length",
             prompt_tokens=partial.prompt_tokens, decoded_tokens=partial.tokens - salvaged,
@@ -352,7 +383,7 @@ class ModelClient:
             outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed"
             if outcome == "failed":
                 attempt.save(partial)  # the next try (RetryPolicy(resume=True)) continues it
-            attempt.publish({"usage": attempt.usage(partial, outcome)})
+            attempt.report(partial, outcome, self.model)
             if isinstance(exc, httpx.HTTPError):
                 raise CompletionError(
                     f"{self.model}: request failed: {exc!r}", retryable=True
