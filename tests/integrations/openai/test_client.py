@@ -123,6 +123,26 @@ async def test_token_id_prompts_continue_with_token_ids(server):
     assert recorder.saved[-1]["generation"]["token_ids"] == [100000 + k for k in range(length)]
 
 
+async def test_a_fresh_generation_keeps_the_token_ids_the_server_sends(server):
+    recorder = Recorder()
+    attempt(recorder)
+    length = server.length("7 8", None)
+    async with ModelClient(server.url, "m") as client:
+        await client.complete([7, 8], max_tokens=1000)
+    assert recorder.saved[-1]["generation"]["token_ids"] == [100000 + k for k in range(length)]
+
+
+async def test_a_chat_that_cannot_be_continued_starts_over(server):
+    messages = [{"role": "user", "content": "hi"}]
+    salvaged = {"generation": {"text": generated_text(0, 3), "tokens": 3, "segments": [["v1", 3]],
+                               "rounds": 0, "origin": "o", "finish": None}}  # fmt: skip
+    attempt(Recorder(), resumed=salvaged, run_id="r0")  # a retry in the same run
+    async with ModelClient(server.url, "m", continue_chat=False) as client:
+        generation = await client.chat(messages, max_tokens=1000)
+    assert generation.salvaged_tokens == 0 and server.stats.continued == 0
+    assert generation.text == generated_text(0, generation.decoded_tokens)
+
+
 async def test_http_errors_are_completion_errors_that_say_whether_to_retry(server):
     server.inject(
         429, retry_after=1

@@ -92,14 +92,14 @@ class _Partial:
     def resumed(cls, ctx: NodeContext | None) -> _Partial:
         """The partial generation ``ctx`` resumes; a new one when there is none."""
         if ctx is None:
-            return cls(origin=None)
+            return cls(origin=None, token_ids=[])
         origin = (
             f"{ctx.run_id}/{ctx.node_id}/{ctx.visit}/{ctx.item if ctx.item is not None else ''}"
         )
         saved = ctx.resumed_from
         state = saved.value.get(CHECKPOINT_KEY) if saved and isinstance(saved.value, dict) else None
         if not isinstance(state, dict):
-            return cls(origin=origin)
+            return cls(origin=origin, token_ids=[])
         ids = state.get("token_ids")
         partial = cls(
             origin=str(state.get("origin") or origin),
@@ -249,6 +249,9 @@ class ModelClient:
         checkpoint_every: Tokens between two checkpoints at most.
         checkpoint_interval: Seconds between two checkpoints at most.
         stream_tokens: Publish each event's text as a stream chunk.
+        continue_chat: Continue a salvaged chat message with
+            ``continue_final_message`` (vLLM, SGLang); False starts a resumed
+            chat generation over (for servers that refuse the field).
         transport: An httpx transport to send requests through (default: the network).
     """
 
@@ -264,6 +267,7 @@ class ModelClient:
         checkpoint_every: int = 16,
         checkpoint_interval: float = 0.25,
         stream_tokens: bool = True,
+        continue_chat: bool = True,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         try:
@@ -275,7 +279,7 @@ class ModelClient:
         self.model, self.version = model, version
         self.replicas = Replicas([base_urls] if isinstance(base_urls, str) else base_urls)
         self.checkpoint_every, self.checkpoint_interval = checkpoint_every, checkpoint_interval
-        self.stream_tokens = stream_tokens
+        self.stream_tokens, self.continue_chat = stream_tokens, continue_chat
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
@@ -336,6 +340,10 @@ class ModelClient:
     ) -> Generation:
         ctx = current_node()
         partial = _Partial.resumed(ctx)
+        if messages is not None and not self.continue_chat and partial.finish is None:
+            partial = _Partial(
+                origin=partial.origin, rounds=partial.rounds, token_ids=[], moved=True
+            )
         attempt = _Attempt(ctx, self, partial)
         if ctx is not None and (ctx.resumed_from is None or partial.moved):
             attempt.save(partial, first=True)  # parked before its next token, it keeps its story
