@@ -288,6 +288,7 @@ CLAUSES = [
     *(f"V{i}" for i in range(1, 6)),
     *(f"S{i}" for i in range(1, 5)),
     *(f"R{i}" for i in range(1, 7)),
+    *(f"X{i}" for i in range(1, 7)),
 ]
 
 

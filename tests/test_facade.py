@@ -25,6 +25,7 @@ FACADES = [
     "tailrace.evolve",
     "tailrace.executors",
     "tailrace.workers",
+    "tailrace.integrations.openai",
 ]
 
 

@@ -44,6 +44,7 @@ from ._fleet import register as register_fleet
 from ._load import is_file_spec, load_graph, load_graphs
 from ._parked import register as register_parked
 from ._render import question_table, table_of, text
+from ._rollouts import register as register_rollouts
 from ._session import (
     CommandError,
     DbOption,
@@ -605,4 +606,5 @@ def answer(
 register_fleet(app)  # submit, worker (and serve, its other name), cancel, queues
 register_versions(app)  # check, migrate, fork
 register_parked(app)  # parked, parked drop
+register_rollouts(app)  # rollouts
 register_tail(app)  # tail

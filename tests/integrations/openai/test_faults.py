@@ -1,0 +1,162 @@
+"""Generations under faults: the driving process SIGKILLed mid-generation then resumed, and the
+server killed and restarted mid-stream (X2, X3, X6, D3), against the batching test server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("httpx")
+
+import tailrace as tr
+from tailrace.integrations.openai import BatchingServer
+from tailrace.integrations.openai._server import generated_text
+from tailrace.stores import SQLiteStore
+from tests import fixtures
+from tests.integrations.openai import rollout_graphs as graphs
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def prompts_of(server: BatchingServer, quick: int, slow: int) -> list[str]:
+    """``quick`` prompts of at most 15 tokens and ``slow`` ones of 80 to 400."""
+    lengths = {p: server.length(p, None) for p in (f"fault {i}" for i in range(500))}
+    short = [p for p, n in lengths.items() if n <= 15][:quick]
+    long = [p for p, n in lengths.items() if 80 <= n <= 400][:slow]
+    return short + long
+
+
+@pytest.mark.slow  # a child process, SIGKILLed mid-generation
+async def test_a_sigkill_mid_generation_resumes_from_the_checkpoints_and_reruns_no_finished_item(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = tmp_path / "runs.db"
+    async with BatchingServer(median_tokens=40, step=0.01) as server:
+        prompts = prompts_of(server, 3, 4)
+        monkeypatch.setenv("ROLLOUT_URLS", server.url)
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.integrations.openai.rollout_graphs", str(db), "killed",
+            server.url, *prompts, cwd=ROOT,
+        )  # fmt: skip
+        try:
+            async with SQLiteStore(db) as store:
+
+                async def partial_generations() -> dict[str, int] | None:
+                    """Prompt -> tokens of each unfinished generation's committed checkpoint."""
+                    try:
+                        stored = await store.load_run("killed")
+                    except tr.RunNotFound:
+                        return None
+                    partial = {}
+                    for row in stored.checkpoints:
+                        state = json.loads(row.value_json)["generation"]
+                        if state["finish"] is None and state["tokens"] >= 8:
+                            partial[prompts[row.item]] = state["tokens"]
+                    return partial if len(partial) >= 2 else None
+
+                await fixtures.until(partial_generations, "checkpoints of running generations")
+                os.kill(child.pid, signal.SIGKILL)
+                await child.wait()
+                partial = await partial_generations()
+                assert partial is not None
+                requests_before = len(server.generations)
+                accepted_before = await _accepted(store, prompts)
+                result = await tr.Engine(store=store).resume("killed", graphs.graph)
+        finally:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
+    assert child.returncode == -signal.SIGKILL
+    assert result.status == "completed"
+    by_prompt = {r["prompt"]: r for r in result.output}
+    for prompt in prompts:  # every text as if never cut (X3)
+        assert by_prompt[prompt]["text"] == generated_text(0, server.length(prompt, None))
+    after = server.generations[requests_before:]
+    for prompt, tokens in partial.items():  # continued from at least the committed checkpoint
+        assert by_prompt[prompt]["salvaged"] >= tokens
+        assert [prefix for p, prefix in after if p == prompt] == [by_prompt[prompt]["salvaged"]]
+    resent = {p for p, _ in after}
+    assert accepted_before, "some generation had finished and been committed before the kill"
+    assert not resent & accepted_before  # D3: no completed item runs again
+
+
+async def _accepted(store: SQLiteStore, prompts: list[str]) -> set[str]:
+    """The prompts whose generation ended ``accepted`` in the stored stream (committed)."""
+    chunks = await tr.Engine(store=store).stored_chunks("killed", limit=100_000)
+    accepted = tr.ChunkKind.ACCEPTED
+    return {prompts[c.item] for c in chunks if c.kind is accepted and c.item is not None}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def server_process(port: int) -> AsyncIterator[asyncio.subprocess.Process]:
+    """A batching server in a process of its own on ``port``; killed on the way out."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tailrace.integrations.openai", "--port", str(port),
+        "--median-tokens", "40", "--step", "0.01", stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        async with asyncio.timeout(fixtures.HANG_GUARD):
+            await process.stdout.readline()  # its URL: it listens
+        yield process
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+@pytest.mark.slow  # two server processes, the first killed mid-stream
+async def test_a_server_killed_and_restarted_mid_stream_is_retried_and_continued(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1"
+    monkeypatch.setenv("ROLLOUT_URLS", url)
+    twin = BatchingServer(median_tokens=40)  # the same lengths as the process's server
+    prompt = next(p for p in (f"restart {i}" for i in range(500)) if twin.length(p, None) >= 150)
+    async with SQLiteStore(tmp_path / "runs.db") as store:
+        engine = tr.Engine(store=store)
+        async with server_process(port) as first:
+            run = asyncio.ensure_future(engine.run(graphs.graph, [prompt], run_id="restart"))
+
+            async def streaming() -> bool:
+                try:
+                    chunks = await engine.stored_chunks("restart")
+                except tr.RunNotFound:  # not committed yet
+                    return False
+                return (
+                    sum(1 for c in chunks if isinstance(c.value, dict) and "text" in c.value) >= 20
+                )
+
+            await fixtures.until(streaming, "tokens streaming")
+            first.send_signal(signal.SIGKILL)
+            await first.wait()
+        async with server_process(port):
+            async with asyncio.timeout(fixtures.HANG_GUARD):
+                result = await run
+    [r] = result.output
+    assert r["text"] == generated_text(0, twin.length(prompt, None))
+    assert r["salvaged"] >= 20 - 4  # from its last checkpoint (every 4 tokens)
+    chunks = await _chunks(tmp_path / "runs.db", "restart")
+    marks = [(c.attempt, c.kind.value) for c in chunks if c.terminal]
+    assert marks[-1][1] == "accepted" and all(k == "discarded" for _, k in marks[:-1])
+
+
+async def _chunks(db: Path, run_id: str) -> list[tr.Chunk]:
+    async with SQLiteStore(db) as store:
+        return await tr.Engine(store=store).stored_chunks(run_id, limit=100_000)
