@@ -12,79 +12,60 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import datetime
 import functools
-import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 from .._codec import DEFAULT_CODEC, Codec
-from .._errors import EncodeError, GraphError, GraphMismatch, LeaseHeld, NotResumable, TailraceError
-from .._events import EventBus, EventType
+from .._errors import EncodeError, LeaseHeld, NotResumable
+from .._events import EventBus
 from .._values import checked_run_id
 from ..executors import Executor
 from ..executors._base import ExecutorTable
-from ..graph import Graph, Topology, guess_reference
+from ..graph import Graph
 from ..stores import (
-    TERMINAL_STATUSES,
-    MemoryStore,
     ParkedRow,
     ParkedStatus,
     RunRecord,
     RunStatus,
     RunStore,
-    StoredRun,
 )
 from ..tail import TailHooks
 from ._admission import AdmissionPolicy, SlotQueue, resolve_policy
 from ._children import (
     ChildClaims,
-    Children,
     ChildRunner,
     ChildSubmit,
     QueuedRuns,
-    awaited_ended,
     checked_deadline,
     decoded_outputs,
-    wakes_here,
-    with_questions,
 )
 from ._driving import Drivers
 from ._instruments import Instrument, Instruments, RunCall
-from ._lease import Lease, make_owner, mark_failed
-from ._loop import RunLoop
+from ._lease import make_owner, mark_failed
+from ._opening import RunOpener
 from ._outcome import RunResult
 from ._queued import (
     Queueing,
     cancel_run,
-    cancel_unstarted,
     reopen_cancelled,
     store_needed,
     stored_result,
     submit_children,
     submit_run,
-    to_apply,
     wait_for,
 )
 from ._queued import cancel_undriven as cancel_undriven_run
-from ._restore import Graphs, late_inputs, restore_run
-from ._state import RunState
+from ._restore import Graphs
 from ._streams import MAX_STREAM_CHUNKS, READ_BATCH, Chunk, StreamHub, chunk_of, read_stream
 from ._versions import (
     Compatibility,
     MigrationReport,
     check_stored,
     migrate_runs,
-    move_leased,
-    plan_fork,
-    require_compatible,
-    stored_shape,
 )
-from ._writer import RunWriter
-
-logger = logging.getLogger("tailrace.children")
 
 
 class Engine:
@@ -163,13 +144,11 @@ class Engine:
         self.policy = resolve_policy(admission)
         self.slots = SlotQueue(capacity) if capacity is not None else None
         self.run_capacity = run_capacity
-        self.store = store
         self.bus = bus if bus is not None else EventBus()
         self.codec = codec
         self.owner = owner or make_owner()
         self.lease_ttl = lease_ttl
         self.straggler_factor = straggler_factor
-        self._tail = tail
         self._executors = ExecutorTable(executor, executors)
         self._graphs = Graphs()
         self.max_stream_chunks = max_stream_chunks
@@ -184,6 +163,27 @@ class Engine:
         self._queued = QueuedRuns()
         #: Hooks for tracing and live views around each drive and attempt.
         self.instruments = Instruments(instruments)
+        #: Opens and drives the loops of the runs driven here, under their leases.
+        self._opener = RunOpener(
+            store=store, codec=self._codec, owner=self.owner, lease_ttl=lease_ttl,
+            durability=self.durability, bus=self.bus, slots=self.slots,
+            run_capacity=run_capacity, policy=self.policy, tail=tail,
+            straggler_factor=straggler_factor, executors=self._executors,
+            instruments=self.instruments, graphs=self._graphs, drivers=self._drivers,
+            queued=self._queued, stream_hub=self.stream_hub,
+            max_stream_chunks=max_stream_chunks, child_runner=self._child_runner,
+            queueing=self._queueing,
+        )  # fmt: skip
+
+    @property
+    def store(self) -> RunStore | None:
+        """The store that makes runs durable (None: in memory only, until a graph with gates
+        or parked items needs a ledger and gets one in memory)."""
+        return self._opener.store
+
+    @store.setter
+    def store(self, store: RunStore | None) -> None:
+        self._opener.store = store
 
     # -- driving runs: one path (_drive), through the instruments --------------
 
@@ -215,103 +215,9 @@ class Engine:
             when = checked_deadline(deadline)
             if durability is not None:
                 self._drivers.durability[checked] = _checked_durability(durability)
-            return await self._start(graph, input, checked, None, when, graph_ref)
+            return await self._opener.start(graph, input, checked, None, when, graph_ref)
 
         return await self.instruments.drive(RunCall(kind="run", run_id=run_id, graph=graph), call)
-
-    async def _start(
-        self,
-        graph: Graph,
-        input: Any,
-        run_id: str,
-        parent: str | None,
-        deadline: float | None,
-        graph_ref: str | None = None,
-    ) -> RunResult:
-        """Run a new run (a child of ``parent`` when given) to its end or suspension."""
-        topo = graph.compile()
-        self._executors.plan(topo)  # an unknown executor name fails here, before any write
-        if self.store is None and any(n.queue is not None for n in topo.nodes):
-            raise GraphError(
-                f"graph {graph.name!r}: child runs on a queue (queue=) need an engine with a store"
-            )
-        self._graphs.add(graph, topo.fingerprint)
-        begin = functools.partial(
-            self._begin_new, graph, topo, input, run_id, graph_ref, parent, deadline
-        )
-        return await self._drive(run_id, graph, begin)
-
-    async def _drive(
-        self,
-        run_id: str,
-        graph: Graph | None,
-        begin: Callable[[], Awaitable[RunResult | _AsStored]],
-        *,
-        force: bool = False,
-        wake: bool = True,
-    ) -> RunResult:
-        """The one path every way of driving a run takes: ``begin()`` takes ``run_id`` to its end
-        or suspension while this engine holds it (D6); answers that raced its suspension are
-        applied (:meth:`_settle`); once let go of, the ancestors its end lets go on are resumed
-        (``wake``)."""
-        with self._drivers.driving(run_id):
-            begun = await begin()
-            if isinstance(begun, _AsStored):
-                return begun.result
-            result = await self._settle(begun, graph, force)
-        if wake:
-            await self._wake_ancestors(result)
-        return result
-
-    async def _begin_new(
-        self,
-        graph: Graph,
-        topo: Topology,
-        input: Any,
-        run_id: str,
-        graph_ref: str | None,
-        parent: str | None,
-        deadline: float | None,
-    ) -> RunResult:
-        state = RunState(topo)
-        state.activate_entries(input)
-        if self.store is None and topo.needs_ledger:
-            self.store = MemoryStore()  # gates and parked items need a ledger; keep one here
-            await self.store.open()
-        if self.store is None:
-            loop = self._loop_for(run_id, state, None, deadline=deadline, parent=parent)
-            loop.emit(EventType.RUN_STARTED, graph=graph.name, owner=self.owner)
-            return await loop.drive()
-        writer = await RunWriter.create(
-            self.store, self._codec, run_id, graph, topo, input,
-            graph_ref or guess_reference(graph), parent=parent, deadline=deadline,
-        )  # fmt: skip
-
-        async def open_loop() -> RunLoop:
-            loop = self._loop_for(run_id, state, writer, deadline=deadline, parent=parent)
-            self._announce(loop, graph)
-            return loop
-
-        return await self._under_lease(writer, self._lease(run_id), open_loop)
-
-    async def _under_lease(
-        self,
-        writer: RunWriter,
-        lease: Lease,
-        open_loop: Callable[[], Awaitable[RunLoop | RunResult]],
-    ) -> RunResult:
-        """Drive, holding ``lease``, the loop ``open_loop()`` makes (a result: nothing to drive);
-        attach the open questions of a run that suspended."""
-        async with writer.leased(lease):
-            opened = await open_loop()
-            result = opened if isinstance(opened, RunResult) else await opened.drive()
-        return await with_questions(self.store, result)
-
-    def _announce(self, loop: RunLoop, graph: Graph) -> None:
-        """A new run starts: its ``run_started`` event, with the graph's structure."""
-        loop.emit(
-            EventType.RUN_STARTED, graph=graph.name, structure=graph.structure(), owner=self.owner
-        )
 
     async def resume(
         self,
@@ -352,152 +258,21 @@ class Engine:
         async def begin() -> RunResult:
             if cancelled:
                 await reopen_cancelled(
-                    self._require_store("resume"), run_id, self.owner, self.lease_ttl
+                    self._opener.require_store("resume"), run_id, self.owner, self.lease_ttl
                 )
             if durability is not None:
                 self._drivers.durability[run_id] = durability
-            return await self._resume(run_id, graph, force, patch)
+            return await self._opener.resume(run_id, graph, force, patch)
 
         async def call() -> RunResult:
             nonlocal durability
             if durability is not None:
                 durability = _checked_durability(durability)
-            return await self._drive(run_id, graph, begin, force=force)
+            return await self._opener.drive(run_id, graph, begin, force=force)
 
         return await self.instruments.drive(
             RunCall(kind="resume", run_id=run_id, graph=graph), call
         )
-
-    async def _settle(self, result: RunResult, graph: Graph | None, force: bool) -> RunResult:
-        """Before letting go of a suspended run, apply answers that lost the race for its lease
-        (Q3), and take up children that ended meanwhile (R4).
-
-        An answerer records its answer before it tries the lease; if it found the
-        lease held, the answer landed before this engine released it, so it is
-        visible now. A run on a queue needs nothing more: its suspension's
-        commit counted the children that had ended and let go of the lease, so
-        the store queues it when enough have. Another run whose child ended
-        while it was suspending (the child found its lease held) is resumed here.
-        """
-        store = self.store
-        seen: set[str] = set()
-        on_queue: bool | None = None
-        while result.status is RunStatus.SUSPENDED and store is not None:
-            questions = await store.list_questions(run_id=result.run_id)
-            pending = {q.question_id for q in questions if to_apply(q)}
-            ended = False
-            if result.waiting_on:
-                if on_queue is None:
-                    on_queue = await self._queued.on_queue(store, result.run_id)
-                ended = not on_queue and await awaited_ended(store, result)
-            if not pending - seen and not ended:
-                return result
-            seen |= pending
-            try:
-                result = await self._resume(result.run_id, graph, force, None)
-            except LeaseHeld:
-                return result  # its holder re-checks in turn
-        return result
-
-    async def _wake_ancestors(self, result: RunResult) -> None:
-        """Resume here, one after another up the tree, each suspended ancestor that the end of
-        ``result``'s run lets go on (R4): a loop over what to wake, each resumed on its own.
-
-        A run on a queue is left to the store (its child's final commit queued
-        it again); one driven here already takes up its child itself.
-        """
-        store = self.store
-        while store is not None and result.status in TERMINAL_STATUSES and result.parent_run_id:
-            parent = result.parent_run_id
-            if not await wakes_here(store, parent, self._queued, self.is_driving):
-                return
-            try:
-                result = await self.instruments.drive(
-                    RunCall(kind="resume", run_id=parent),
-                    functools.partial(self._resume_woken, parent),
-                )
-            except (LeaseHeld, NotResumable):
-                return  # another engine has it, or it moved on
-            except TailraceError as exc:  # its graph is not at hand here: `tailrace resume` it
-                logger.warning(
-                    "run %s: its child ended, but it cannot be resumed here: %s", parent, exc
-                )
-                return
-
-    async def _resume_woken(self, run_id: str) -> RunResult:
-        begin = functools.partial(self._resume, run_id, None, False, None)
-        return await self._drive(run_id, None, begin, wake=False)
-
-    async def _resume(
-        self,
-        run_id: str,
-        graph: Graph | None,
-        force: bool,
-        patch: Any,
-        claimed: StoredRun | None = None,
-    ) -> RunResult:
-        """Resume ``run_id``; ``claimed``: as read under the lease a claim of this engine's
-        owner took (not read again, nor leased again)."""
-        store = self._require_store("resume")
-        stored = await store.load_run(run_id) if claimed is None else claimed
-        self._queued.note(stored.run)
-        _check_resumable(stored.run)
-        graph = self._graphs.of(stored.run, graph)
-        topo = graph.compile()
-        moving = topo.fingerprint != stored.run.fingerprint and not force
-        if moving:  # V1: continue on a changed graph only if it fits what the run did
-            known = self.graph_for(stored.run)
-            require_compatible(await check_stored(store, stored, graph, known))
-        self._executors.plan(topo)  # an unknown executor name fails here, before any write
-        lease = self._lease(run_id)
-        if claimed is not None:
-            lease = lease.held(claimed.run)
-        if not lease.continues_claim:  # D4: refuse unreadable rows before writing anything
-            await restore_run(store, self._codec, topo, stored, [])
-        writer = RunWriter(store, self._codec, run_id, topo, stored.run)
-
-        async def reopen() -> RunLoop | RunResult:
-            nonlocal stored
-            if not lease.continues_claim:
-                stored = await store.load_run(run_id)  # re-read under the lease
-                _check_resumable(stored.run)
-            if moving:  # re-checked as it stands under the lease, then moved (V2, D6)
-                known = self.graph_for(stored.run)
-                await move_leased(store, stored, graph, self.owner, writer.token, known)
-            late = await late_inputs(store, self._codec, run_id)
-            restored = await restore_run(store, self._codec, topo, stored, late)
-            writer.refer(restored.big)
-            if restored.durability is not None:
-                self._drivers.durability.setdefault(run_id, restored.durability)
-            loop = self._loop_for(
-                run_id, restored.state, writer, restored.event_seq, restored.turn, record=stored.run
-            )
-            return await self._reopened(loop, restored.state, stored.run, graph, patch)
-
-        return await self._under_lease(writer, lease, reopen)
-
-    async def _reopened(
-        self, loop: RunLoop, state: RunState, record: RunRecord, graph: Graph, patch: Any
-    ) -> RunLoop | RunResult:
-        """A resumed run's loop with its answers applied and its parked boundaries replayed,
-        its resume announced; a suspended run with nothing new to do, as it is."""
-        # S2: number after the stored rows; streams cut by a crash end discarded.
-        loop.streams.reopen(await self._require_store("resume").stream_head(record.run_id))
-        if record.cancel_requested_at is not None:
-            loop.request_cancel()  # asked before this engine took the run over
-        applied = await loop.absorb_answers()
-        unparked = state.unpark(patch)
-        if record.status is RunStatus.SUSPENDED and not applied and not state.ready:
-            return loop.result(RunStatus.SUSPENDED)
-        loop.emit(
-            EventType.RUN_RESUMED, graph=graph.name, applied=applied, unparked=unparked,
-            owner=self.owner,
-        )  # fmt: skip
-        if applied or unparked or record.status is RunStatus.SUSPENDED:
-            # The apply is durable before any handler runs; a suspended run is
-            # running again before its children's results move it on (R4).
-            await loop.checkpoint()
-        return loop
 
     def register(self, *graphs: Graph) -> None:
         """Let this engine resume runs of ``graphs`` without importing them.
@@ -523,7 +298,7 @@ class Engine:
         The report lists each node that ran or holds state and that ``graph``
         changed incompatibly, with the reason (``Compatibility.incompatible``).
         """
-        store = self._require_store("check")
+        store = self._opener.require_store("check")
         stored = await store.load_run(run_id)
         return await check_stored(store, stored, graph, self.graph_for(stored.run))
 
@@ -538,7 +313,7 @@ class Engine:
 
         ``graph`` is registered with this engine, so it can drive the runs it moved.
         """
-        store = self._require_store("migrate")
+        store = self._opener.require_store("migrate")
         self.register(graph)
         return await migrate_runs(
             store, graph, owner=self.owner, ttl=self.lease_ttl, apply=apply,
@@ -571,43 +346,8 @@ class Engine:
         ``forked_at``) and is a run like any other (resumable, listed).
         """
         fork_id = uuid.uuid4().hex if fork_id is None else fork_id
-        call = functools.partial(self._fork, run_id, at, graph, input, fork_id)
+        call = functools.partial(self._opener.fork, run_id, at, graph, input, fork_id)
         return await self.instruments.drive(RunCall(kind="fork", run_id=fork_id, graph=graph), call)
-
-    async def _fork(
-        self, run_id: str, at: str, graph: Graph | None, input: Any, fork_id: str
-    ) -> RunResult:
-        store = self._require_store("fork")
-        source = await store.load_run(checked_run_id(run_id))
-        known = self.graph_for(source.run)
-        forked = self._graphs.of(source.run, graph)
-        old = await stored_shape(store, source.run, known)
-        plan = await plan_fork(store, self._codec, source, forked, at, input, old)
-        topo = forked.compile()
-        self._executors.plan(topo)
-        self._graphs.add(forked, topo.fingerprint)
-        fork_id = checked_run_id(fork_id)
-        ref = guess_reference(forked) or source.run.graph_ref
-
-        async def open_loop(writer: RunWriter) -> RunLoop:
-            writer.refer(plan.big)
-            writer.carry(plan.results, plan.frozen, plan.items)
-            loop = self._loop_for(fork_id, plan.state, writer)
-            loop.emit(
-                EventType.RUN_STARTED, graph=forked.name, forked_from=run_id, at=at,
-                owner=self.owner,
-            )  # fmt: skip
-            await loop.checkpoint()  # the reused part is durable before anything runs
-            return loop
-
-        async def begin() -> RunResult:
-            writer = await RunWriter.create(
-                store, self._codec, fork_id, forked, topo, plan.input, ref, origin=(run_id, at)
-            )
-            opened = functools.partial(open_loop, writer)
-            return await self._under_lease(writer, self._lease(fork_id), opened)
-
-        return await self._drive(fork_id, forked, begin)
 
     async def fail_run(self, run_id: str, reason: str) -> None:
         """Record the durable run ``run_id`` as failed with ``reason``, without loading its graph.
@@ -618,7 +358,7 @@ class Engine:
         already finished is left as it is; a live owner's lease is respected
         (:class:`LeaseHeld`).
         """
-        store = self._require_store("fail_run")
+        store = self._opener.require_store("fail_run")
         with self._drivers.driving(run_id):
             await mark_failed(store, run_id, self.owner, self.lease_ttl, reason)
 
@@ -707,7 +447,7 @@ class Engine:
             after: the cursor: only rows with a larger ``seq``.
             limit: at most this many rows.
         """
-        store = self._require_store("read stored chunks")
+        store = self._opener.require_store("read stored chunks")
         rows = await store.chunks(checked_run_id(run_id), after=after, limit=limit)
         return [chunk_of(run_id, row, self._codec) for row in rows]
 
@@ -722,7 +462,7 @@ class Engine:
         returned; None when another engine holds the run (it, or a resume
         worker's sweep, applies the answer: Q3, Q4).
         """
-        store = self._require_store("answer")
+        store = self._opener.require_store("answer")
         try:
             text = self._codec.encode(value)
         except (TypeError, ValueError) as exc:
@@ -741,23 +481,12 @@ class Engine:
     def _codec(self) -> Codec:
         return self.codec or DEFAULT_CODEC
 
-    def _lease(self, run_id: str) -> Lease:
-        """The lease this engine holds run ``run_id`` by while it drives it (D6)."""
-        assert self.store is not None
-        return Lease(
-            self.store,
-            run_id,
-            self.owner,
-            self.lease_ttl,
-            on_cancel_request=lambda: self.request_cancel(run_id),
-        )
-
     # -- child runs (the work is done in _children) -------------------------------
 
     def _child_runner(self) -> ChildRunner:
         return ChildRunner(
             store=self.store,
-            start=self._start,
+            start=self._opener.start,
             submit=self._submit_children,
             resume=self._resume_child,
             cancel=self.cancel,
@@ -777,58 +506,9 @@ class Engine:
         return await stored_result(self._queueing("read a child run"), record, graph)
 
     async def _child_outputs(self, run_ids: list[str]) -> dict[str, Any]:
-        return await decoded_outputs(self._require_store("read child runs"), self._codec, run_ids)
-
-    def _loop_for(
-        self,
-        run_id: str,
-        state: RunState,
-        writer: RunWriter | None,
-        event_seq: int = 0,
-        turn: int = 0,
-        *,
-        record: RunRecord | None = None,
-        deadline: float | None = None,
-        parent: str | None = None,
-    ) -> RunLoop:
-        if record is not None:  # a stored run: its deadline and parent are stored with it
-            deadline, parent = record.deadline, record.parent_run_id
-        loop = RunLoop(
-            run_id=run_id,
-            state=state,
-            publish=self.bus.publish if self.bus.active else None,
-            writer=writer,
-            engine_slots=self.slots,
-            run_capacity=self.run_capacity,
-            policy=self.policy,
-            tail=self._tail_for(state.topo),
-            event_seq=event_seq,
-            turn=turn,
-            durability=self._drivers.durability.get(run_id, self.durability),
-            executors=self.instruments.executors(self._executors).plan(state.topo),
-            codec=self._codec,
-            stream_hub=self.stream_hub,
-            max_stream_chunks=self.max_stream_chunks,
-            deadline=deadline,
-            parent_run_id=parent,
+        return await decoded_outputs(
+            self._opener.require_store("read child runs"), self._codec, run_ids
         )
-        if any(n.child for n in state.topo.nodes):
-            loop.children = Children(
-                self._child_runner(), run_id,
-                queued=record is not None and record.queue_name is not None,
-                deadline=deadline, poke=loop.poke,
-            )  # fmt: skip
-        self._drivers.attach(run_id, loop)
-        return loop
-
-    def _tail_for(self, topo: Topology) -> TailHooks | None:
-        if self._tail is not None:
-            return self._tail
-        needs = self.policy.name == "lpt" or any(n.cost is not None or n.hedge for n in topo.nodes)
-        if not needs:
-            return None
-        self._tail = TailHooks(factor=self.straggler_factor)
-        return self._tail
 
     # -- parked items (P3, P4) ----------------------------------------------------
 
@@ -841,7 +521,7 @@ class Engine:
         Parked items never expire: each waits until a map with
         ``resume_parked=True`` claims it, or :meth:`drop_parked` drops it.
         """
-        store = self._require_store("parked")
+        store = self._opener.require_store("parked")
         name = graph.name if isinstance(graph, Graph) else graph
         status = None if every else ParkedStatus.PARKED
         return await store.list_parked(graph_name=name, node_id=node, status=status)
@@ -849,7 +529,7 @@ class Engine:
     async def drop_parked(self, park_id: str) -> bool:
         """Drop parked item ``park_id``: True if it was parked, False if it was claimed or
         dropped already (P4)."""
-        return await self._require_store("drop_parked").drop_parked(park_id)
+        return await self._opener.require_store("drop_parked").drop_parked(park_id)
 
     def _queueing(self, what: str) -> Queueing:
         """What queued-run code needs from this engine (``what`` needs a store)."""
@@ -858,11 +538,6 @@ class Engine:
             lease_ttl=self.lease_ttl, known=self.graph_for, register=self.register,
             guard=self._drivers.driving, request_cancel=self.request_cancel, cancel=self.cancel,
         )  # fmt: skip
-
-    def _require_store(self, what: str) -> RunStore:
-        if self.store is None:
-            raise NotResumable(f"{what} needs a durable store: Engine(store=SQLiteStore(...))")
-        return self.store
 
     # -- queued runs (the work is done in _queued) ------------------------------
 
@@ -984,49 +659,12 @@ class Engine:
         """
 
         async def call() -> RunResult:
-            store = self._require_store("start a claimed run")
+            self._opener.require_store("start a claimed run")
             await self._drivers.let_go(run_id, self.lease_ttl)
-            begin = functools.partial(self._begin_claimed, store, run_id, graph, cancel_first)
-            return await self._drive(run_id, graph, begin)
+            begin = functools.partial(self._opener.begin_claimed, run_id, graph, cancel_first)
+            return await self._opener.drive(run_id, graph, begin)
 
         return await self.instruments.drive(RunCall(kind="start", run_id=run_id, graph=graph), call)
-
-    async def _begin_claimed(
-        self, store: RunStore, run_id: str, graph: Graph | None, cancel_first: bool
-    ) -> RunResult | _AsStored:
-        stored = await store.load_run(run_id)
-        self._queued.note(stored.run)
-        if cancel_first and stored.run.cancel_requested_at is not None:
-            queueing = self._queueing("start a claimed run")
-            await cancel_unstarted(queueing, run_id)
-            return _AsStored(await stored_result(queueing, await store.get_run(run_id), graph))
-        if stored.nodes or stored.run.status is not RunStatus.RUNNING:
-            # It committed before (a parent woken by its children, or its first
-            # claimant died): resumed under this claim's lease, as read (D3).
-            return await self._resume(run_id, graph, False, None, claimed=stored)
-        found = self._graphs.of(stored.run, graph)
-        topo = found.compile()
-        if topo.fingerprint != stored.run.fingerprint:
-            raise GraphMismatch(
-                f"run {run_id!r} was submitted with graph fingerprint "
-                f"{stored.run.fingerprint}, but {found.name!r} now has {topo.fingerprint}"
-            )
-        self._executors.plan(topo)
-        writer = RunWriter(store, self._codec, run_id, topo, stored.run)
-
-        async def open_loop() -> RunLoop:
-            restored = await restore_run(store, self._codec, topo, stored, [])
-            writer.refer(restored.big)
-            loop = self._loop_for(
-                run_id, restored.state, writer, restored.event_seq, restored.turn,
-                record=stored.run,
-            )  # fmt: skip
-            if stored.run.cancel_requested_at is not None:
-                loop.request_cancel()  # asked between the claim and this start
-            self._announce(loop, found)
-            return loop
-
-        return await self._under_lease(writer, self._lease(run_id).held(stored.run), open_loop)
 
 
 async def cancel_undriven(engine: Engine, run_id: str) -> RunStatus:
@@ -1037,28 +675,10 @@ async def cancel_undriven(engine: Engine, run_id: str) -> RunStatus:
     return await cancel_undriven_run(engine._queueing("cancel"), run_id)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _AsStored:
-    """A run's result as stored, nothing driven: returned as it is (nothing settled or woken)."""
-
-    result: RunResult
-
-
 def _checked_durability(durability: Any) -> str:
     if durability not in ("async", "sync"):
         raise ValueError(f"durability must be 'async' or 'sync', got {durability!r}")
     return str(durability)
-
-
-def _check_resumable(record: RunRecord) -> None:
-    """Refuse, before anything runs, a run that resuming cannot continue (W5)."""
-    if record.status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED):
-        raise NotResumable(f"run {record.run_id!r} is {record.status}; nothing to resume")
-    if record.status is RunStatus.QUEUED:
-        raise NotResumable(
-            f"run {record.run_id!r} is queued: a worker serving queue "
-            f"{record.queue_name!r} starts it (tailrace worker --queue ...); it cannot be resumed"
-        )
 
 
 def run(graph: Graph, input: Any = None, **engine_options: Any) -> RunResult:
