@@ -35,6 +35,7 @@ from tailrace.stores import (
     QuestionRow,
     QuestionStatus,
     RunStatus,
+    RunStore,
     SQLiteStore,
 )
 
@@ -134,6 +135,9 @@ async def final_values(driver: LangGraphDriver, thread_id: str) -> dict[str, Any
         snapshot = await asyncio.to_thread(driver.graph.get_state, config)
     assert not snapshot.next, "the graph has not finished"
     return dict(snapshot.values)
+
+
+each_store = fixtures.each_store
 
 
 @pytest.fixture
@@ -392,6 +396,55 @@ async def test_a_step_whose_ledger_commit_was_lost_is_superseded_not_reapplied(
         with pytest.raises(Exception, match="no longer waits"):
             await restarted.invoke("crash", question, "again")
         assert lg.lines(log) == ["ask-after", "after"]
+
+
+def asks_twice_graph(checkpointer: Any, log: Path) -> Any:
+    """One node that interrupts twice: ask -> interrupt("first?"), interrupt("second?")."""
+
+    def ask(state: State) -> State:
+        first = interrupt("first?")
+        second = interrupt("second?")
+        lg.log(log, "ask-after")
+        return {"a1": first, "a2": second}
+
+    builder = StateGraph(State)
+    builder.add_node("ask", ask)
+    builder.add_edge(START, "ask")
+    builder.add_edge("ask", END)
+    return builder.compile(checkpointer=checkpointer)
+
+
+async def test_a_second_interrupt_whose_ledger_commit_was_lost_is_asked_after_the_sweep(
+    tmp_path: Path, each_store: RunStore
+) -> None:
+    store = each_store
+    log = tmp_path / "log.txt"
+    with lg.sync_saver(tmp_path / "langgraph.db") as cp:
+        driver = LangGraphDriver(asks_twice_graph(cp, log), store)
+        [q1] = await driver.start("twice", {})
+        await store.answer(q1.question_id, DEFAULT_CODEC.encode("one"))
+        dying = LangGraphDriver(asks_twice_graph(cp, log), CrashOnLedgerCommit(store))  # type: ignore[arg-type]
+        with pytest.raises(Crash):  # LangGraph holds the thread at "second?"; the ledger not
+            await ResumeWorker(store=store, target=dying).resume(q1.question_id)
+        assert [q.question_id for q in await store.list_questions(run_id="twice")] == [
+            q1.question_id
+        ]
+
+        # after a restart, the sweep re-derives the open question from the thread's state
+        restarted = LangGraphDriver(asks_twice_graph(cp, log), store)
+        assert await ResumeWorker(store=store, target=restarted).sweep() == {Outcome.SUPERSEDED: 1}
+        questions = await store.list_questions(run_id="twice")
+        assert [q.status for q in questions] == [QuestionStatus.SUPERSEDED, QuestionStatus.OPEN]
+        q2 = questions[1]
+        assert DEFAULT_CODEC.decode(q2.prompt_json) == "second?" and q2.node_id == "ask"
+        assert (await store.get_run("twice")).status is RunStatus.SUSPENDED
+        assert await restarted.get_state("twice") == WaitState(
+            questions=frozenset({q2.question_id}), turn=q2.turn
+        )
+        assert await restarted.answer(q2.question_id, "two") is Outcome.APPLIED
+        assert await final_values(restarted, "twice") == {"a1": "one", "a2": "two"}
+        assert (await store.get_run("twice")).status is RunStatus.COMPLETED
+        assert lg.lines(log) == ["ask-after"]
 
 
 async def test_a_worker_dying_before_the_ledger_commit_leaves_it_to_the_sweep(

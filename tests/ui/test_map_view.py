@@ -17,7 +17,7 @@ import tailrace as tr
 from tailrace import current_node
 from tailrace._attempts import Outcome, attempts_from_events, fold_items, map_summaries
 from tailrace.integrations.otel import instrument
-from tailrace.stores import SQLiteStore
+from tailrace.stores import ParkedRow, SQLiteStore
 from tailrace.ui._links import run_url
 from tests.cli.test_cli import invoke
 from tests.ui.support import dashboard, scenarios
@@ -161,3 +161,34 @@ def test_the_run_page_shows_parked_items_and_a_checkpoint_mark(tmp_path: Path) -
     parked = parked[: parked.index("</table>")]
     assert parked.count('<td class="mono">roll</td>') == 2
     assert 'class="checkpoint-mark"' in page  # the winners' last checkpoints, on their bars
+
+
+def test_the_run_page_reads_parked_items_only_of_the_nodes_its_run_parked_at(
+    tmp_path: Path,
+) -> None:
+    from tests.durable.test_checkpoints import rollouts
+
+    path = tmp_path / "parked.db"
+    read: list[tuple[dict[str, object], int]] = []
+
+    class Counting(SQLiteStore):
+        async def list_parked(self, **options: Any) -> list[ParkedRow]:
+            rows = await super().list_parked(**options)
+            read.append((options, len(rows)))
+            return rows
+
+    async def runs() -> None:
+        async with SQLiteStore(path) as store:
+            engine = tr.Engine(store=store)
+            await engine.run(rollouts([]), 1, run_id="parked-two")  # parks 2 of 6
+            await engine.run(rollouts([], late="cancel"), 1, run_id="parked-none")
+
+    asyncio.run(runs())
+    factory = lambda read_only: Counting(path, read_only=read_only)  # noqa: E731
+    with dashboard(factory) as client:
+        page = client.get(run_url("parked-none")).text
+        assert "parked-none" in page and read == []  # nothing parked: no parked row read
+        page = client.get(run_url("parked-two")).text
+    parked = page[page.index('id="run-parked"') :]
+    assert parked[: parked.index("</table>")].count('<td class="mono">roll</td>') == 2
+    assert [options.get("node_id") for options, _ in read] == ["roll"]

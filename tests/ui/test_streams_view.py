@@ -57,15 +57,79 @@ def test_the_run_page_shows_each_attempts_stream_escaped_with_its_mark(tmp_path:
     assert escaped in part and HOSTILE not in part
 
 
-def test_a_run_that_never_streamed_says_so(tmp_path: Path) -> None:
-    async def quiet(path: Path) -> None:
-        g = tr.Graph("quiet")
-        g.add_node("q", lambda x: x)
-        async with SQLiteStore(path) as store:
-            await tr.Engine(store=store).run(g, 0, run_id="quiet")
+async def run_one_node(path: Path, handler: object, run_id: str) -> None:
+    """Run a one-node graph named ``run_id`` as run ``run_id`` on a SQLite store at ``path``."""
+    g = tr.Graph(run_id)
+    g.add_node("talk", handler)  # type: ignore[arg-type]
+    async with SQLiteStore(path) as store:
+        await tr.Engine(store=store).run(g, 0, run_id=run_id)
 
+
+def test_a_run_that_never_streamed_says_so(tmp_path: Path) -> None:
     db = tmp_path / "runs.db"
-    asyncio.run(quiet(db))
+    asyncio.run(run_one_node(db, lambda x: x, "quiet"))
     with dashboard(scenarios.sqlite_factory(db)) as client:
         page = client.get(run_url("quiet")).text
     assert "no node of this run streamed" in page
+
+
+CONTROLS = "red\x1b[31m!\x1b[0m bell\x07 nul\x00 c1\x85 invoice\u202egnp.exe"
+
+
+def test_control_and_bidi_characters_in_chunks_show_escaped_as_tail_prints_them(
+    tmp_path: Path,
+) -> None:
+    async def talk(x: int) -> str:
+        ctx = current_node()
+        assert ctx is not None
+        ctx.stream(CONTROLS)
+        ctx.stream({"name": "invoice\u202egnp.exe", "c1": "\x85"})
+        return "ok"
+
+    db = tmp_path / "runs.db"
+    asyncio.run(run_one_node(db, talk, "controls"))
+    with dashboard(scenarios.sqlite_factory(db)) as client:
+        page = client.get(run_url("controls")).text
+        body = client.get("/stream/runs/controls?after=0").text
+    update = json.loads(body.split("\n\n")[0].split("data: ", 1)[1])
+    for shown in (page.split('id="run-streams"', 1)[1], update["parts"]["run-streams"]):
+        section = shown.split("</section>", 1)[0]
+        assert not any(ch in section for ch in "\x1b\x07\x00\x85\u202e"), repr(section)
+        assert r"red\x1b[31m!\x1b[0m bell\x07 nul\x00 c1\x85 invoice\u202egnp.exe" in section
+        plain = section.replace("&#34;", '"')
+        assert r'{"name": "invoice\u202egnp.exe", "c1": "\u0085"}' in plain
+
+
+def test_the_run_page_holds_each_attempts_tail_not_its_whole_stream(tmp_path: Path) -> None:
+    import tracemalloc
+
+    from tailrace.ui._chunks import TEXT_CHARS, read_streams
+
+    piece = "0123456789" * 250  # 2,500 characters a chunk: 10 MB streamed in all
+
+    async def talk(x: int) -> str:
+        ctx = current_node()
+        assert ctx is not None
+        for n in range(4_000):
+            ctx.stream(f"{n:06d}{piece}")
+        return "ok"
+
+    async def make_and_read(path: Path) -> tuple[object, int]:
+        g = tr.Graph("long_stream")
+        g.add_node("talk", talk)
+        async with SQLiteStore(path) as store:
+            await tr.Engine(store=store).run(g, 0, run_id="long")
+            tracemalloc.start()
+            try:
+                streams = await read_streams(store, "long")
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+        return streams, peak
+
+    streams, peak = asyncio.run(make_and_read(tmp_path / "runs.db"))
+    [card] = streams.cards  # type: ignore[attr-defined]
+    assert card.chunks == 4_000 and card.cut and card.outcome == "accepted"
+    assert card.text == (f"{3_999:06d}{piece}" * 2)[-TEXT_CHARS:]
+    # What the page holds is a batch of rows and the tail, never the 10 MB streamed.
+    assert peak < 6_000_000, peak

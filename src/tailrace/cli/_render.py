@@ -18,7 +18,6 @@ a terminal would act on (CONVENTIONS 15).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -26,26 +25,12 @@ from rich.highlighter import JSONHighlighter
 from rich.table import Column, Table
 from rich.text import Text
 
+from .._visible import visible as visible
+from .._visible import visible_json
 from ..core import RunResult
 from ..stores import QuestionRow, QuestionStatus
 
-#: What a terminal acts on instead of showing: C0 and C1 controls (but newline
-#: and tab), DEL, lone surrogates (not even encodable), bidirectional controls.
-_UNSAFE = re.compile(
-    "[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]"
-)
-
 Part = str | tuple[str, str]
-
-
-def _spell(match: re.Match[str]) -> str:
-    code = ord(match.group())
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def visible(value: object) -> str:
-    """``str(value)`` with every character a terminal would act on spelled as an escape."""
-    return _UNSAFE.sub(_spell, str(value))
 
 
 def text(*parts: Part) -> Text:
@@ -62,10 +47,6 @@ def text(*parts: Part) -> Text:
     return out
 
 
-def _json_unsafe(match: re.Match[str]) -> str:
-    return f"\\u{ord(match.group()):04x}"
-
-
 def json_text(value: Any, *, indent: int | None = 2) -> Text:
     """``value`` as highlighted JSON text; unicode as it is, unsafe characters as ``\\uXXXX``.
 
@@ -76,7 +57,7 @@ def json_text(value: Any, *, indent: int | None = 2) -> Text:
     dumped = json.dumps(
         value, indent=indent, ensure_ascii=False, default=repr, separators=separators
     )
-    shown = JSONHighlighter()(_UNSAFE.sub(_json_unsafe, dumped))
+    shown = JSONHighlighter()(visible_json(dumped))
     shown.no_wrap = indent is not None
     return shown
 

@@ -7,14 +7,16 @@ held-out tasks, and takes the one that gains most over its parent there
 (ties: the most proposed, then the first given). That candidate is *routed* by the
 :class:`~tailrace.evolve.AuditScheduler`:
 
-- to the **oracle** (the full held-out evaluation, one call from
-  ``oracle_budget``) when the edit is wider than ``FAST_MAX`` keys or trust in
-  the cheap layer is under 0.75; the full verdict decides, and comparing it
-  with the cheap verdict updates trust;
-- with the budget spent, such a candidate is **refused** (not merged: a wide
-  or untrusted change never lands unchecked) and queued for audit with
-  priority ``blast_radius x uncertainty / trust``; when trust is under the
-  gate too, nothing can merge any more and the loop stops (``"oracle_budget"``);
+- to the **oracle** (the full held-out evaluation) when the edit is wider
+  than ``FAST_MAX`` keys or trust in the cheap layer is under 0.75; the full
+  verdict decides, and comparing it with the cheap verdict updates trust. A
+  wide edit's audit is that verdict of the acceptance test (agentdescent's
+  rule): free. An untrusted cheap layer's decision takes one call from
+  ``oracle_budget``;
+- with the budget spent, an untrusted decision is **refused** (not merged: an
+  untrusted change never lands unchecked) and queued for audit with
+  priority ``blast_radius x uncertainty / trust``; nothing can merge any more
+  then, and the loop stops (``"oracle_budget"``);
 - otherwise the cheap verdict on the subset may pass the candidate early
   (route ``"cheap"``) but never veto it: a candidate it does not pass is
   **escalated** to the full comparison (route ``"escalated"``), because a
@@ -130,12 +132,15 @@ async def _judge(evo: Evolution, proposals: Sequence[Proposal]) -> Judgement | N
     best = max(candidates, key=lambda c: _gain(evo, c))  # the first best wins ties
     evo.judged.add((best.parent.id, json.dumps(best.edit.to_dict(), sort_keys=True)))
     cheap_verdict = _cheap_verdict(evo, best)
-    edit = best.edit
-    if evo.audit.force_oracle(edit.blast_radius, evo.ledger.artifact_id):
-        if not evo.audit.spend_oracle():
-            _queue_for_audit(evo, best, cheap_verdict)  # bought when the budget allows
-            return _judgement(best, candidates, "refused", cheap_verdict, cheap_verdict, None)
-        evo.audits_bought += 1
+    artifact_id = evo.ledger.artifact_id
+    if evo.audit.force_oracle(best.edit.blast_radius, artifact_id):
+        # A wide edit's audit is the acceptance test on the full held-out set, which
+        # the decision runs anyway: free. Only an untrusted cheap layer costs a call.
+        if evo.audit.trust(artifact_id) < TRUST_FLOOR:
+            if not evo.audit.spend_oracle():
+                _queue_for_audit(evo, best, cheap_verdict)  # bought when the budget allows
+                return _judgement(best, candidates, "refused", cheap_verdict, cheap_verdict, None)
+            evo.audits_bought += 1
         return await _full_decision(evo, best, candidates, "oracle", cheap_verdict)
     # The subset may pass a candidate early, never veto one: a rejection there is
     # an escalation to the full comparison, whose verdict is the audit too (free).

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Self
 from .._codec import DEFAULT_CODEC
 from .._context import Where, _current
 from .._errors import EncodeError, ExecutorLost
+from ..graph import file_modules
 
 if TYPE_CHECKING:
     from .._codec import Codec
@@ -174,6 +175,7 @@ class RayExecutor:
         if known is not None and known[0] is node.handler:
             remote = known[1]
         else:
+            _file_modules_by_value()
             remote = _import_ray().remote(_task_for(node.handler, self.codec))
             if len(self._remotes) >= _MAX_FUNCTIONS:
                 self._remotes.clear()
@@ -224,6 +226,22 @@ def task_options(resources: Mapping[str, float], runtime_env: Mapping[str, Any])
     if runtime_env:
         options["runtime_env"] = dict(runtime_env)
     return options
+
+
+def _file_modules_by_value() -> None:
+    """Have Ray pickle the code of modules loaded from files by value.
+
+    A graph loaded from a file (``tailrace run path.py:graph``, a worker's
+    ``--graphs``) lives in a module only this process can import; its
+    handlers, and what they call in that file, reach the workers as code.
+    """
+    from ray import cloudpickle  # the ray extra is optional: imported once Ray is in use
+
+    pickler: Any = cloudpickle
+    registered = pickler.list_registry_pickle_by_value()
+    for module in file_modules():
+        if module.__name__ not in registered:
+            pickler.register_pickle_by_value(module)
 
 
 def _task_for(handler: Handler, codec: Codec | None) -> Any:

@@ -19,6 +19,7 @@ from ._node import Node as Node
 from ._node import NodeKind as NodeKind
 from ._node import RetryPolicy as RetryPolicy
 from ._references import callable_reference as callable_reference
+from ._references import file_modules as file_modules
 from ._references import guess_reference as guess_reference
 from ._references import is_async_callable as is_async_callable
 from ._references import is_file_reference as is_file_reference
@@ -45,6 +46,7 @@ __all__ = [
     "RetryPolicy",
     "Topology",
     "callable_reference",
+    "file_modules",
     "graph_shape",
     "guess_reference",
     "is_async_callable",

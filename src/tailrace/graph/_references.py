@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from .._errors import GraphError
@@ -106,9 +107,24 @@ def load_file_module(path: str) -> Any:
         return _load_file_module(path)
 
 
+#: Modules loaded from files are named this prefix and a hash of the file's resolved path.
+FILE_MODULE_PREFIX = "tailrace_file_"
+
+
+def file_modules() -> list[ModuleType]:
+    """The modules loaded from files so far, in load order.
+
+    No other process can import them by name (their names hash a path of this
+    host), so code of theirs that crosses to another process (a Ray task)
+    travels by value.
+    """
+    with _FILE_IMPORT_LOCK:
+        return [m for name, m in list(sys.modules.items()) if name.startswith(FILE_MODULE_PREFIX)]
+
+
 def _load_file_module(path: str) -> Any:
     resolved = Path(path).resolve()
-    name = "tailrace_file_" + hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
+    name = FILE_MODULE_PREFIX + hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
     if name in sys.modules:
         return sys.modules[name]
     if not resolved.is_file():

@@ -214,6 +214,11 @@ class LangGraphDriver:
         ``key`` is the LangGraph ``thread_id``. The questions come from
         LangGraph's checkpoint, not from the ledger, so an interrupt that was
         resumed is absent even when a crash kept the ledger from saying so.
+        A pending interrupt the ledger has no question for (that crash cut the
+        bookkeeping of the step that raised it) is asked first: the ledger is
+        brought up to LangGraph's checkpoint under the thread's lease (the
+        caller's, as the sweep holds it, or one of the driver's own), so a
+        sweep that supersedes the stale answer leaves the new question open.
         """
         try:
             record = await self.store.get_run(key)
@@ -228,8 +233,17 @@ class LangGraphDriver:
             waiting = {q.question_id for q in unapplied if q.applied_at is None}
             return WaitState(questions=frozenset(waiting), turn=lg.turn_of(record))
         pending = lg.pending_interrupts(await self._checkpoint(key, record))
+        pending_ids = frozenset(self.question_id(key, i) for i in pending)
+        if record is not None and record.status not in TERMINAL_STATUSES:
+            asked = {q.question_id for q in await self.store.list_questions(run_id=key)}
+            if not pending_ids <= asked:
+                # A crash between a graph step and its bookkeeping left LangGraph waiting on
+                # interrupts the ledger never asked: ask them now, from the thread's state.
+                async with self._leases.for_step(key) as lease:
+                    await self._record(key, lease.token)
+                record = await self.store.get_run(key)
         turn = 0 if record is None else lg.turn_of(record)
-        return WaitState(questions=frozenset(self.question_id(key, i) for i in pending), turn=turn)
+        return WaitState(questions=pending_ids, turn=turn)
 
     async def invoke(self, key: str, question: QuestionRow, value: Any) -> bool:
         """Resume thread ``key``: ``value`` answers ``question``, with every other answered interrupt.

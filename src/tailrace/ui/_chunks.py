@@ -1,15 +1,23 @@
 """The run page's streams: each attempt's chunks and its mark, losers greyed (S1-S3).
 
 Chunks are data: they are decoded from their stored JSON and handed to the
-templates as text, which Jinja escapes; nothing of them is read as markup.
+templates as text, which Jinja escapes; nothing of them is read as markup. The
+characters a page would act on instead of showing (controls, bidirectional
+overrides) are spelled as escapes first, as ``tailrace tail`` prints them.
+
+The page shows the last :data:`TEXT_CHARS` of each attempt's stream. The store
+reads stream rows forwards only, so the rows are read in batches and each
+attempt keeps only the tail it shows: what the page holds is bounded by the
+number of attempts, not by how much they streamed.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
+from .._visible import visible, visible_json
 from ..stores import ChunkRow, RunStore
 
 #: The page reads at most this many stream rows of a run (the first ones).
@@ -44,39 +52,59 @@ class Streams:
 
 async def read_streams(store: RunStore, run_id: str) -> Streams:
     """The streams of ``run_id`` as stored now (at most :data:`MAX_ROWS` rows)."""
-    rows: list[ChunkRow] = []
-    while len(rows) < MAX_ROWS:
-        batch = await store.chunks(run_id, after=rows[-1].seq if rows else 0)
+    tails: dict[int, _Tail] = {}
+    read, last_seq = 0, 0
+    while read < MAX_ROWS:
+        batch = await store.chunks(run_id, after=last_seq, limit=min(1000, MAX_ROWS - read))
         if not batch:
             break
-        rows += batch
-    more = len(rows) >= MAX_ROWS
-    rows = rows[:MAX_ROWS]
-    return Streams(cards=stream_cards(rows), last_seq=rows[-1].seq if rows else 0, more=more)
+        for row in batch:
+            tail = tails.get(row.stream)
+            if tail is None:
+                tail = tails[row.stream] = _Tail(first=row)
+            tail.add(row)
+        read, last_seq = read + len(batch), batch[-1].seq
+    more = read >= MAX_ROWS and bool(await store.chunks(run_id, after=last_seq, limit=1))
+    cards = tuple(tail.card() for tail in tails.values())  # in the order the streams began
+    return Streams(cards=cards, last_seq=last_seq, more=more)
 
 
-def stream_cards(rows: Sequence[ChunkRow]) -> tuple[StreamCard, ...]:
-    """One card per attempt's stream, in the order the streams began."""
-    by_stream: dict[int, list[ChunkRow]] = {}
-    for row in rows:
-        by_stream.setdefault(row.stream, []).append(row)
-    return tuple(_card(stream) for stream in by_stream.values())
+@dataclass(slots=True)
+class _Tail:
+    """One attempt's stream as read so far: its first row, its mark, its last characters."""
 
+    first: ChunkRow
+    outcome: str = "streaming"
+    chunks: int = 0
+    #: Characters streamed in all, and the newest pieces holding the last TEXT_CHARS of them.
+    length: int = 0
+    pieces: deque[str] = field(default_factory=deque)
+    kept: int = 0
 
-def _card(rows: list[ChunkRow]) -> StreamCard:
-    first, last = rows[0], rows[-1]
-    outcome = last.kind if last.kind != "chunk" else "streaming"
-    pieces = [_piece(r.data_json) for r in rows if r.kind == "chunk"]
-    text = "".join(pieces)
-    item = "" if first.item is None else f"[{first.item}]"
-    return StreamCard(
-        label=f"{first.node_id}{item} v{first.visit} try {first.attempt}",
-        outcome=outcome,
-        hedge=bool(first.hedge),
-        chunks=len(pieces),
-        text=text[-TEXT_CHARS:],
-        cut=len(text) > TEXT_CHARS,
-    )
+    def add(self, row: ChunkRow) -> None:
+        if row.kind != "chunk":
+            self.outcome = row.kind
+            return
+        self.outcome = "streaming"
+        piece = _piece(row.data_json)
+        self.chunks += 1
+        self.length += len(piece)
+        self.pieces.append(piece)
+        self.kept += len(piece)
+        while self.kept - len(self.pieces[0]) >= TEXT_CHARS:  # the rest still fills the tail
+            self.kept -= len(self.pieces.popleft())
+
+    def card(self) -> StreamCard:
+        first = self.first
+        item = "" if first.item is None else f"[{first.item}]"
+        return StreamCard(
+            label=visible(f"{first.node_id}{item} v{first.visit} try {first.attempt}"),
+            outcome=self.outcome,
+            hedge=bool(first.hedge),
+            chunks=self.chunks,
+            text=visible("".join(self.pieces)[-TEXT_CHARS:]),
+            cut=self.length > TEXT_CHARS,
+        )
 
 
 def _piece(data_json: str | None) -> str:
@@ -89,4 +117,4 @@ def _piece(data_json: str | None) -> str:
         return data_json + "\n"
     if isinstance(value, str):
         return value
-    return json.dumps(value, ensure_ascii=False) + "\n"
+    return visible_json(json.dumps(value, ensure_ascii=False)) + "\n"

@@ -577,11 +577,7 @@ async def run_view(
                 for c in stored.checkpoints
             },
         ),
-        parked=tuple(
-            p
-            for p in await store.list_parked(graph_name=record.graph_name, status=None)
-            if p.run_id == record.run_id
-        ),
+        parked=await _parked_by(store, record.graph_name, record.run_id, events),
         maps=tuple(map_summaries(events, attempts)),
         late=late_inputs(events),
         events=tuple(event_lines(events[-EVENT_LIMIT:], record.created_at)),
@@ -603,6 +599,29 @@ async def run_view(
         forked_at=record.forked_at,
         lineage=await lineage_of(store, record, rows, lambda r: shown_status(r, now)),
     )
+
+
+async def _parked_by(
+    store: RunStore, graph_name: str, run_id: str, events: Sequence[EventRow]
+) -> tuple[ParkedRow, ...]:
+    """The items ``run_id`` parked (P3), read only for the nodes its events say parked some.
+
+    A parked straggler is a late input with reason ``parked``, stored under the
+    node that parked it or the input it came from; a run that parked nothing
+    reads no parked row. The store lists parked items by graph and node, not
+    by run, so the other runs' items of those nodes are read and left out here.
+    """
+    nodes: set[str] = set()
+    for e in events:
+        if e.type == "node_late_input" and (data := event_data(e)).get("reason") == "parked":
+            nodes.update(n for n in (e.node_id, data.get("source")) if isinstance(n, str) and n)
+    rows = [
+        p
+        for node_id in sorted(nodes)
+        for p in await store.list_parked(graph_name=graph_name, node_id=node_id, status=None)
+        if p.run_id == run_id
+    ]
+    return tuple(sorted(rows, key=lambda p: (p.parked_at, p.park_id)))
 
 
 def _resumable(status: str, questions: Sequence[QuestionRow]) -> bool:
