@@ -146,6 +146,19 @@ def test_late_park_on_a_map_without_required_is_refused_naming_the_map() -> None
     assert g.add_node("kept", lambda x: x, "map", late="park", required=1).late == "park"
 
 
+def test_an_aggregate_that_parks_late_inputs_refuses_a_map_input_naming_both() -> None:
+    g = tr.Graph("agg-park")
+    g.add_node("start", lambda x: x)
+    g.add_node("each", lambda x: x, "map")
+    g.add_node("other", lambda x: x)
+    g.add_node("first", lambda xs: xs, "aggregate", required=1, late="park")
+    for source, target in (("start", "each"), ("start", "other"), ("each", "first"),
+                           ("other", "first")):  # fmt: skip
+        g.add_edge(source, target)
+    with pytest.raises(tr.GraphError, match=r"aggregate 'first': late='park' cannot park map 'each'"):
+        g.validate()
+
+
 async def test_more_items_than_max_items_fails_naming_the_count() -> None:
     g, _ = fan(lambda x: x, max_items=3)
     with pytest.raises(MapError, match=r"map 'each': 4 items exceed its max_items=3"):
