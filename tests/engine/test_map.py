@@ -155,7 +155,9 @@ def test_an_aggregate_that_parks_late_inputs_refuses_a_map_input_naming_both() -
     for source, target in (("start", "each"), ("start", "other"), ("each", "first"),
                            ("other", "first")):  # fmt: skip
         g.add_edge(source, target)
-    with pytest.raises(tr.GraphError, match=r"aggregate 'first': late='park' cannot park map 'each'"):
+    with pytest.raises(
+        tr.GraphError, match=r"aggregate 'first': late='park' cannot park map 'each'"
+    ):
         g.validate()
 
 
