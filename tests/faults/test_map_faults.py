@@ -17,7 +17,8 @@ import pytest
 
 import tailrace as tr
 from tailrace import current_node
-from tailrace.stores import RunStore
+from tailrace.stores import RunStatus, RunStore
+from tailrace.tail import TailHooks
 from tests import fixtures
 from tests.faults import _faulty as faulty
 
@@ -163,3 +164,58 @@ async def test_a_map_nobody_reads_is_cancelled_with_its_items(store: RunStore) -
     assert [(x.node_id, x.source_id, x.reason) for x in result.late_inputs] == [
         ("first", "each", "cancelled")
     ]
+
+
+# -- a bad cost under capacity 1 (E3, E9) ----------------------------------------------------
+
+
+def _raising_cost(x: Any) -> float:
+    if x == "bad":
+        raise RuntimeError("no estimate for this one")
+    return 1.0
+
+
+def _nan_cost(x: Any) -> float:
+    return float("nan") if x == "bad" else 1.0
+
+
+def _text_cost(x: Any) -> Any:
+    return "heavy" if x == "bad" else 1.0
+
+
+def _none_cost(x: Any) -> Any:
+    return None if x == "bad" else 1.0
+
+
+BAD_COSTS = [
+    (_raising_cost, r"its cost raised RuntimeError: no estimate for this one"),
+    (_nan_cost, r"its cost returned nan \(float\), not a finite number"),
+    (_text_cost, r"its cost returned 'heavy' \(str\), not a finite number"),
+    (_none_cost, r"its cost returned None \(NoneType\), not a finite number"),
+]
+
+
+@pytest.mark.parametrize(("cost", "message"), BAD_COSTS)
+@pytest.mark.parametrize("where", ["task", "map item"])
+async def test_a_bad_cost_fails_its_run_naming_the_node_and_frees_its_slot(
+    store: RunStore, cost: Any, message: str, where: str
+) -> None:
+    g = tr.Graph("bad_cost")
+    if where == "task":
+        g.add_node("a", lambda x: x, cost=cost)
+        culprit, first_input = r"node 'a'", "bad"
+    else:
+        g.add_node("a", lambda x: x)
+        g.add_node("each", lambda x: x, "map", cost=cost)
+        g.add_edge("a", "each")
+        culprit, first_input = r"map 'each' item 1", ["ok", "bad"]
+    after = tr.Graph("after")
+    after.add_node("b", lambda x: x + 1)
+    engine = tr.Engine(store=store, capacity=1, tail=TailHooks())
+    async with asyncio.timeout(30):  # a leaked slot hangs the next run: fail instead
+        if where == "task":
+            assert (await engine.run(g, "ok")).status is RunStatus.COMPLETED  # observed once
+        with pytest.raises(ValueError, match=f"{culprit}: {message}"):
+            await engine.run(g, first_input, run_id="bad-cost")
+        assert (await engine.run(after, 1)).output == 2
+    assert (await store.get_run("bad-cost")).status is RunStatus.FAILED  # E9

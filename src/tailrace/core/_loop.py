@@ -433,6 +433,8 @@ class RunLoop:
 
     def _dispatch_units(self, units: list[Unit]) -> None:
         """Start or admit ``units`` (nodes and map items), in order (E2, E3, M2)."""
+        if self._tail is not None:
+            units = self._with_usable_costs(units)
         if not self._bounded:
             for unit in units:
                 self._start_unit(unit)
@@ -443,6 +445,39 @@ class RunLoop:
                 admit(unit, key, granted)
         if self.hedger is not None and len(units) > 1:
             self.hedger.launched(units)
+
+    def _with_usable_costs(self, units: list[Unit]) -> list[Unit]:
+        """``units`` but those whose declared cost is unusable (it raises, or is no finite
+        number): each of those fails its node through the next harvest (E9) before it takes
+        a slot, so nothing is admitted that no path would release."""
+        tail = self._tail
+        assert tail is not None
+        usable: list[Unit] = []
+        failed: set[int] = set()
+        for i, j in units:
+            node = self.topo.nodes[i]
+            if i in failed:
+                continue
+            if callable(node.cost):
+                try:
+                    tail.cost_of(node, self.payload_of(i, j), item=None if j < 0 else j)
+                except ValueError as exc:
+                    failed.add(i)
+                    self._fails_at_dispatch(i, exc)
+                    continue
+            usable.append((i, j))
+        return usable if failed else units
+
+    def _fails_at_dispatch(self, i: int, exc: BaseException) -> None:
+        """Node ``i`` fails before any attempt of it starts: harvested like an attempt's end."""
+        ns = self.state.nodes[i]
+        now = time.monotonic()
+        if ns.status is NodeStatus.QUEUED:
+            self.state.start(i, now)
+        attempt = Attempt(i, ns.visits, now, False, ns.attempts or 1)
+        attempt.error = exc
+        attempt.finished = True
+        self.inflight.done.append(attempt)
 
     def _granted(self, unit: Unit) -> None:
         """Admission granted ``unit`` its slot: start it on that slot."""
