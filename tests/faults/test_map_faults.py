@@ -10,6 +10,7 @@ again, and no lease is left held.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from typing import Any
 
@@ -219,3 +220,81 @@ async def test_a_bad_cost_fails_its_run_naming_the_node_and_frees_its_slot(
             await engine.run(g, first_input, run_id="bad-cost")
         assert (await engine.run(after, 1)).output == 2
     assert (await store.get_run("bad-cost")).status is RunStatus.FAILED  # E9
+
+
+# -- P4: parked items claimed by a visit that fails, or is cut, are not lost ----------------
+
+
+class Claimer:
+    """A map that takes parked items first; parked values wait for ``go``, 999 raises."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+        self.started: list[int] = []
+
+    def graph(self) -> tr.Graph:
+        g = tr.Graph("claimer")
+
+        @g.task()
+        def own(values: list[int]) -> list[int]:
+            return values
+
+        async def each(x: int) -> int:
+            self.started.append(x)
+            if x == 999:
+                raise RuntimeError("item 999 fails its visit")
+            if x < 100:  # a parked item: it runs until let go
+                await self.go.wait()
+            return x
+
+        g.add_node("each", each, "map", resume_parked=True)
+        g.chain("own", "each")
+        return g
+
+
+async def test_a_visit_that_fails_gives_its_claimed_parked_items_back_in_order(
+    store: RunStore,
+) -> None:
+    parked = await fixtures.seed_parked(store, "claimer", "each", [1, 2, 3])
+    claimer = Claimer()
+    engine = tr.Engine(store=store)
+    async with asyncio.timeout(30):
+        with pytest.raises(RuntimeError, match="item 999 fails its visit"):
+            await engine.run(claimer.graph(), [999], run_id="fails")
+        assert (await store.get_run("fails")).status is RunStatus.FAILED
+        assert [r.park_id for r in await engine.parked("claimer", "each")] == parked
+        claimer.go.set()  # the next visit takes them and finishes them
+        result = await engine.run(claimer.graph(), [7], run_id="next")
+    assert result.output == [1, 2, 3, 7]
+    assert await engine.parked("claimer", "each") == []
+
+
+async def test_a_parked_item_that_fails_its_visit_goes_back_with_the_others(
+    store: RunStore,
+) -> None:
+    parked = await fixtures.seed_parked(store, "claimer", "each", [1, 999, 3])
+    engine = tr.Engine(store=store)
+    async with asyncio.timeout(30):
+        with pytest.raises(RuntimeError, match="item 999 fails its visit"):
+            await engine.run(Claimer().graph(), [5], run_id="fails")
+    assert [r.park_id for r in await engine.parked("claimer", "each")] == parked
+
+
+async def test_a_run_cut_after_claiming_keeps_its_claims_and_its_resume_finishes_them(
+    store: RunStore,
+) -> None:
+    await fixtures.seed_parked(store, "claimer", "each", [1, 2])
+    claimer = Claimer()
+    engine = tr.Engine(store=store)
+    async with asyncio.timeout(30):
+        run = asyncio.create_task(engine.run(claimer.graph(), [7], run_id="cut"))
+        await fixtures.until(lambda: 1 in claimer.started and 2 in claimer.started, "claimed")
+        run.cancel()  # the process stops driving it: the claims stay with its visit
+        with contextlib.suppress(asyncio.CancelledError):
+            await run
+        held = await store.list_parked(status=None, claimed_by="cut/each/1")
+        assert [r.status for r in held] == ["claimed", "claimed"]
+        claimer.go.set()
+        result = await tr.Engine(store=store).resume("cut", claimer.graph())
+    assert result.output == [1, 2, 7]
+    assert await store.list_parked(graph_name="claimer") == []

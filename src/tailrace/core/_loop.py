@@ -383,10 +383,12 @@ class RunLoop:
                 event_seq=outbox.seq, turn=self.turn, checkpoints=self.checkpoints,
                 streams=self.streams, applied=outbox.applied, superseded=outbox.superseded,
                 parked=outbox.parked, wake_after=wake_after, waiting_on=waiting_on,
-                output=self.output,
+                output=self.output, unclaimed=[] if self.maps is None else self.maps.unclaimed,
             )
         )  # fmt: skip
         outbox.applied, outbox.superseded, outbox.parked = [], [], []
+        if self.maps is not None:
+            self.maps.unclaimed = []
         if must_flush:
             outbox.unpublished.extend(events)
             return True
@@ -798,6 +800,8 @@ class RunLoop:
             error=describe(exc),
             traceback=traceback_text(exc),
         )
+        if self.maps is not None:
+            self.maps.give_back_unfinished()  # with the final write: a crash keeps them claimed
         await self._commit(RunStatus.FAILED, describe(exc))
         raise exc
 
@@ -877,6 +881,8 @@ class RunLoop:
         waiting = self.state.waiting_aggregates()
         if waiting:
             message = f"run {self.run_id!r} stalled: aggregate " + "; ".join(waiting)
+            if self.maps is not None:
+                self.maps.give_back_unfinished()
             await self._commit(RunStatus.FAILED, message)
             raise StallError(message)
         self.emit(EventType.RUN_COMPLETED)
