@@ -43,7 +43,15 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tailrace.stores import MemoryStore, NewRun, NodeRow, RunStore, SQLiteStore
+from tailrace.stores import (
+    Harvest,
+    MemoryStore,
+    NewRun,
+    NodeRow,
+    ParkedRow,
+    RunStore,
+    SQLiteStore,
+)
 from tailrace.stores._sql._statements import RUN_FIELDS, new_run_params
 
 POSTGRES_DSN = os.environ.get("TAILRACE_TEST_POSTGRES_DSN")
@@ -430,3 +438,22 @@ async def until(
         if loop.time() > deadline:
             pytest.fail(f"timed out waiting for {what}")
         await asyncio.sleep(every)
+
+
+async def seed_parked(
+    store: RunStore, graph_name: str, node_id: str, values: list[int]
+) -> list[str]:
+    """Park one item per value for ``graph_name``'s ``node_id`` (P3), oldest first, as a run
+    ``late="park"`` leaves them; their park ids, in parked order."""
+    run_id = f"seed-{uuid.uuid4().hex[:8]}"
+    await store.create_run(
+        NewRun(run_id=run_id, graph_name=graph_name, graph_ref="tests:seed", fingerprint="fp",
+               input_json="null", created_at=1.0)
+    )  # fmt: skip
+    token = await store.acquire_lease(run_id, "seeder", 30.0)
+    rows = [
+        ParkedRow(f"{run_id}-{n}", graph_name, node_id, run_id, 1, n, str(value), None, 1.0 + n)
+        for n, value in enumerate(values)
+    ]
+    await store.commit(run_id, token, Harvest(state_json="{}", parked=rows))
+    return [row.park_id for row in rows]

@@ -199,3 +199,54 @@ async def test_sigkill_mid_map_reruns_only_the_items_in_flight(kind: str, tmp_pa
     assert len(winners) == 20 and winners == sorted(winners)  # k results, in item order (M3)
     assert set(done_at_kill) <= set(winners)  # committed successes before the decision win
     assert result.output == sum(x * x for x in winners)
+
+
+# -- P4: a map claims at most what it may run -----------------------------------------------
+
+
+def claiming(log: list[int], **options: Any) -> tr.Graph:
+    g = tr.Graph("claims")
+
+    @g.task()
+    def own(n: int) -> list[int]:
+        return [100 + x for x in range(n)]
+
+    async def each(x: int) -> int:
+        log.append(x)
+        return x
+
+    g.add_node("each", each, "map", resume_parked=True, **options)
+    g.chain("own", "each")
+    return g
+
+
+async def test_a_map_claims_only_what_max_items_leaves_the_rest_stays_parked(
+    each_store: RunStore,
+) -> None:
+    parked = await fixtures.seed_parked(each_store, "claims", "each", list(range(7)))
+    log: list[int] = []
+    engine = tr.Engine(store=each_store)
+    result = await asyncio.wait_for(engine.run(claiming(log, max_items=5), 2), GUARD)
+    assert result.output == [0, 1, 2, 100, 101]  # the three oldest parked, then its own
+    assert [r.park_id for r in await engine.parked("claims", "each")] == parked[3:]
+    # A 2-item map after many parked items takes what fits, and says nothing about the rest.
+    result = await asyncio.wait_for(engine.run(claiming(log, max_items=3), 2), GUARD)
+    assert result.output == [3, 100, 101]
+    assert [r.park_id for r in await engine.parked("claims", "each")] == parked[4:]
+
+
+def _at_most_four(n: int) -> int:
+    if n > 4:
+        raise ValueError(f"{n} is too many")
+    return n
+
+
+async def test_a_map_gives_back_what_its_required_function_cannot_take(
+    each_store: RunStore,
+) -> None:
+    parked = await fixtures.seed_parked(each_store, "claims", "each", list(range(5)))
+    log: list[int] = []
+    engine = tr.Engine(store=each_store)
+    result = await asyncio.wait_for(engine.run(claiming(log, required=_at_most_four), 2), GUARD)
+    assert result.output == [0, 1, 100, 101]
+    assert [r.park_id for r in await engine.parked("claims", "each")] == parked[2:]

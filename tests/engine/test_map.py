@@ -130,6 +130,37 @@ async def test_an_input_that_is_not_a_list_fails_the_node_naming_it_and_the_type
     assert seen == []
 
 
+async def test_a_generator_into_a_map_fails_the_map_naming_it_and_the_type() -> None:
+    g, seen = fan(lambda x: x, source=lambda x: (n for n in range(x)))
+    with pytest.raises(MapError, match=r"map 'each': its input must be a list, got generator"):
+        await tr.Engine().run(g, 3)
+    assert seen == []
+
+
+def test_late_park_on_a_map_without_required_is_refused_naming_the_map() -> None:
+    g = tr.Graph("park")
+    with pytest.raises(tr.GraphError, match=r"map 'each': late='park' .* give it required="):
+        g.add_node("each", lambda x: x, "map", late="park")
+    with pytest.raises(tr.GraphError, match=r"map 'skip': late='park'"):
+        g.add_node("skip", lambda x: x, "map", late="park", errors="skip")
+    assert g.add_node("kept", lambda x: x, "map", late="park", required=1).late == "park"
+
+
+def test_an_aggregate_that_parks_late_inputs_refuses_a_map_input_naming_both() -> None:
+    g = tr.Graph("agg-park")
+    g.add_node("start", lambda x: x)
+    g.add_node("each", lambda x: x, "map")
+    g.add_node("other", lambda x: x)
+    g.add_node("first", lambda xs: xs, "aggregate", required=1, late="park")
+    for source, target in (("start", "each"), ("start", "other"), ("each", "first"),
+                           ("other", "first")):  # fmt: skip
+        g.add_edge(source, target)
+    with pytest.raises(
+        tr.GraphError, match=r"aggregate 'first': late='park' cannot park map 'each'"
+    ):
+        g.validate()
+
+
 async def test_more_items_than_max_items_fails_naming_the_count() -> None:
     g, _ = fan(lambda x: x, max_items=3)
     with pytest.raises(MapError, match=r"map 'each': 4 items exceed its max_items=3"):

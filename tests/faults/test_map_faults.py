@@ -10,6 +10,7 @@ again, and no lease is left held.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from typing import Any
 
@@ -17,7 +18,8 @@ import pytest
 
 import tailrace as tr
 from tailrace import current_node
-from tailrace.stores import RunStore
+from tailrace.stores import RunStatus, RunStore
+from tailrace.tail import TailHooks
 from tests import fixtures
 from tests.faults import _faulty as faulty
 
@@ -163,3 +165,136 @@ async def test_a_map_nobody_reads_is_cancelled_with_its_items(store: RunStore) -
     assert [(x.node_id, x.source_id, x.reason) for x in result.late_inputs] == [
         ("first", "each", "cancelled")
     ]
+
+
+# -- a bad cost under capacity 1 (E3, E9) ----------------------------------------------------
+
+
+def _raising_cost(x: Any) -> float:
+    if x == "bad":
+        raise RuntimeError("no estimate for this one")
+    return 1.0
+
+
+def _nan_cost(x: Any) -> float:
+    return float("nan") if x == "bad" else 1.0
+
+
+def _text_cost(x: Any) -> Any:
+    return "heavy" if x == "bad" else 1.0
+
+
+def _none_cost(x: Any) -> Any:
+    return None if x == "bad" else 1.0
+
+
+BAD_COSTS = [
+    (_raising_cost, r"its cost raised RuntimeError: no estimate for this one"),
+    (_nan_cost, r"its cost returned nan \(float\), not a finite number"),
+    (_text_cost, r"its cost returned 'heavy' \(str\), not a finite number"),
+    (_none_cost, r"its cost returned None \(NoneType\), not a finite number"),
+]
+
+
+@pytest.mark.parametrize(("cost", "message"), BAD_COSTS)
+@pytest.mark.parametrize("where", ["task", "map item"])
+async def test_a_bad_cost_fails_its_run_naming_the_node_and_frees_its_slot(
+    store: RunStore, cost: Any, message: str, where: str
+) -> None:
+    g = tr.Graph("bad_cost")
+    if where == "task":
+        g.add_node("a", lambda x: x, cost=cost)
+        culprit, first_input = r"node 'a'", "bad"
+    else:
+        g.add_node("a", lambda x: x)
+        g.add_node("each", lambda x: x, "map", cost=cost)
+        g.add_edge("a", "each")
+        culprit, first_input = r"map 'each' item 1", ["ok", "bad"]
+    after = tr.Graph("after")
+    after.add_node("b", lambda x: x + 1)
+    engine = tr.Engine(store=store, capacity=1, tail=TailHooks())
+    async with asyncio.timeout(30):  # a leaked slot hangs the next run: fail instead
+        if where == "task":
+            assert (await engine.run(g, "ok")).status is RunStatus.COMPLETED  # observed once
+        with pytest.raises(ValueError, match=f"{culprit}: {message}"):
+            await engine.run(g, first_input, run_id="bad-cost")
+        assert (await engine.run(after, 1)).output == 2
+    assert (await store.get_run("bad-cost")).status is RunStatus.FAILED  # E9
+
+
+# -- P4: parked items claimed by a visit that fails, or is cut, are not lost ----------------
+
+
+class Claimer:
+    """A map that takes parked items first; parked values wait for ``go``, 999 raises."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+        self.started: list[int] = []
+
+    def graph(self) -> tr.Graph:
+        g = tr.Graph("claimer")
+
+        @g.task()
+        def own(values: list[int]) -> list[int]:
+            return values
+
+        async def each(x: int) -> int:
+            self.started.append(x)
+            if x == 999:
+                raise RuntimeError("item 999 fails its visit")
+            if x < 100:  # a parked item: it runs until let go
+                await self.go.wait()
+            return x
+
+        g.add_node("each", each, "map", resume_parked=True)
+        g.chain("own", "each")
+        return g
+
+
+async def test_a_visit_that_fails_gives_its_claimed_parked_items_back_in_order(
+    store: RunStore,
+) -> None:
+    parked = await fixtures.seed_parked(store, "claimer", "each", [1, 2, 3])
+    claimer = Claimer()
+    engine = tr.Engine(store=store)
+    async with asyncio.timeout(30):
+        with pytest.raises(RuntimeError, match="item 999 fails its visit"):
+            await engine.run(claimer.graph(), [999], run_id="fails")
+        assert (await store.get_run("fails")).status is RunStatus.FAILED
+        assert [r.park_id for r in await engine.parked("claimer", "each")] == parked
+        claimer.go.set()  # the next visit takes them and finishes them
+        result = await engine.run(claimer.graph(), [7], run_id="next")
+    assert result.output == [1, 2, 3, 7]
+    assert await engine.parked("claimer", "each") == []
+
+
+async def test_a_parked_item_that_fails_its_visit_goes_back_with_the_others(
+    store: RunStore,
+) -> None:
+    parked = await fixtures.seed_parked(store, "claimer", "each", [1, 999, 3])
+    engine = tr.Engine(store=store)
+    async with asyncio.timeout(30):
+        with pytest.raises(RuntimeError, match="item 999 fails its visit"):
+            await engine.run(Claimer().graph(), [5], run_id="fails")
+    assert [r.park_id for r in await engine.parked("claimer", "each")] == parked
+
+
+async def test_a_run_cut_after_claiming_keeps_its_claims_and_its_resume_finishes_them(
+    store: RunStore,
+) -> None:
+    await fixtures.seed_parked(store, "claimer", "each", [1, 2])
+    claimer = Claimer()
+    engine = tr.Engine(store=store)
+    async with asyncio.timeout(30):
+        run = asyncio.create_task(engine.run(claimer.graph(), [7], run_id="cut"))
+        await fixtures.until(lambda: 1 in claimer.started and 2 in claimer.started, "claimed")
+        run.cancel()  # the process stops driving it: the claims stay with its visit
+        with contextlib.suppress(asyncio.CancelledError):
+            await run
+        held = await store.list_parked(status=None, claimed_by="cut/each/1")
+        assert [r.status for r in held] == ["claimed", "claimed"]
+        claimer.go.set()
+        result = await tr.Engine(store=store).resume("cut", claimer.graph())
+    assert result.output == [1, 2, 7]
+    assert await store.list_parked(graph_name="claimer") == []

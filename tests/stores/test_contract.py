@@ -800,3 +800,63 @@ def test_sqlite_raw_commit_rate_measures_and_cleans_up(tmp_path: Path) -> None:
 def test_postgres_raw_commit_rate_measures(tmp_path: Path) -> None:
     assert POSTGRES_DSN is not None
     assert postgres_raw_commit_rate(POSTGRES_DSN, 20) > 0
+
+
+# --- parked items: claims bounded and given back (P4) ---------------------------------------
+
+
+def parked_row(n: int, node_id: str = "roll") -> stores.ParkedRow:
+    return stores.ParkedRow(
+        park_id=f"p{n}", graph_name="g", node_id=node_id, run_id="seed", visit=1, item=n,
+        value_json=str(n), checkpoint_json=None, parked_at=float(n),
+    )  # fmt: skip
+
+
+async def park(store: RunStore, count: int) -> None:
+    token = await leased_run(store, "seed")
+    await store.commit("seed", token, dataclasses.replace(
+        harvest(), parked=tuple(parked_row(n) for n in range(count))
+    ))  # fmt: skip
+
+
+async def test_a_claim_holds_at_most_its_limit_even_when_claimed_again(store: RunStore) -> None:
+    await park(store, 5)
+    first = await store.claim_parked("g", "roll", "run/roll/1", limit=2)
+    again = await store.claim_parked("g", "roll", "run/roll/1", limit=2)
+    assert [r.park_id for r in first] == [r.park_id for r in again] == ["p0", "p1"]
+    more = await store.claim_parked("g", "roll", "run/roll/1", limit=3)
+    assert [r.park_id for r in more] == ["p0", "p1", "p2"]
+    assert [r.park_id for r in await store.list_parked(graph_name="g")] == ["p3", "p4"]
+
+
+async def test_unclaimed_items_go_back_to_parked_in_their_order(store: RunStore) -> None:
+    await park(store, 4)
+    await store.claim_parked("g", "roll", "run/roll/1", limit=3)
+    await store.claim_parked("g", "roll", "other/roll/1", limit=1)
+    # Only what the claimant holds goes back; an item of another claimant stays claimed.
+    assert await store.unclaim_parked("run/roll/1", ["p2", "p0", "p3"]) == 2
+    assert await store.unclaim_parked("run/roll/1", ["p2", "p0"]) == 0  # idempotent
+    rows = await store.list_parked(graph_name="g")
+    assert [(r.park_id, r.claimed_by, r.claimed_at) for r in rows] == [
+        ("p0", None, None), ("p2", None, None)
+    ]  # fmt: skip
+    assert [r.park_id for r in await store.list_parked(status=None, claimed_by="run/roll/1")] == [
+        "p1"
+    ]
+    again = await store.claim_parked("g", "roll", "next/roll/1", limit=5)
+    assert [r.park_id for r in again] == ["p0", "p2"]
+
+
+async def test_a_harvest_gives_claimed_items_back_with_its_other_writes(store: RunStore) -> None:
+    await park(store, 3)
+    await store.claim_parked("g", "roll", "r1/roll/1", limit=3)
+    token = await leased_run(store, "r1")
+    ending = dataclasses.replace(
+        harvest(status=RunStatus.FAILED, error="boom"),
+        unclaimed=(("r1/roll/1", "p1"), ("r1/roll/1", "p2"), ("elsewhere/roll/1", "p0")),
+    )
+    await store.commit("r1", token, ending)
+    assert [r.park_id for r in await store.list_parked(graph_name="g")] == ["p1", "p2"]
+    (held,) = await store.list_parked(status=stores.ParkedStatus.CLAIMED)
+    assert (held.park_id, held.claimed_by) == ("p0", "r1/roll/1")
+    assert (await store.get_run("r1")).status is RunStatus.FAILED

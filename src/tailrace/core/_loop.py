@@ -383,10 +383,12 @@ class RunLoop:
                 event_seq=outbox.seq, turn=self.turn, checkpoints=self.checkpoints,
                 streams=self.streams, applied=outbox.applied, superseded=outbox.superseded,
                 parked=outbox.parked, wake_after=wake_after, waiting_on=waiting_on,
-                output=self.output,
+                output=self.output, unclaimed=[] if self.maps is None else self.maps.unclaimed,
             )
         )  # fmt: skip
         outbox.applied, outbox.superseded, outbox.parked = [], [], []
+        if self.maps is not None:
+            self.maps.unclaimed = []
         if must_flush:
             outbox.unpublished.extend(events)
             return True
@@ -433,6 +435,8 @@ class RunLoop:
 
     def _dispatch_units(self, units: list[Unit]) -> None:
         """Start or admit ``units`` (nodes and map items), in order (E2, E3, M2)."""
+        if self._tail is not None:
+            units = self._with_usable_costs(units)
         if not self._bounded:
             for unit in units:
                 self._start_unit(unit)
@@ -443,6 +447,39 @@ class RunLoop:
                 admit(unit, key, granted)
         if self.hedger is not None and len(units) > 1:
             self.hedger.launched(units)
+
+    def _with_usable_costs(self, units: list[Unit]) -> list[Unit]:
+        """``units`` but those whose declared cost is unusable (it raises, or is no finite
+        number): each of those fails its node through the next harvest (E9) before it takes
+        a slot, so nothing is admitted that no path would release."""
+        tail = self._tail
+        assert tail is not None
+        usable: list[Unit] = []
+        failed: set[int] = set()
+        for i, j in units:
+            node = self.topo.nodes[i]
+            if i in failed:
+                continue
+            if callable(node.cost):
+                try:
+                    tail.cost_of(node, self.payload_of(i, j), item=None if j < 0 else j)
+                except ValueError as exc:
+                    failed.add(i)
+                    self._fails_at_dispatch(i, exc)
+                    continue
+            usable.append((i, j))
+        return usable if failed else units
+
+    def _fails_at_dispatch(self, i: int, exc: BaseException) -> None:
+        """Node ``i`` fails before any attempt of it starts: harvested like an attempt's end."""
+        ns = self.state.nodes[i]
+        now = time.monotonic()
+        if ns.status is NodeStatus.QUEUED:
+            self.state.start(i, now)
+        attempt = Attempt(i, ns.visits, now, False, ns.attempts or 1)
+        attempt.error = exc
+        attempt.finished = True
+        self.inflight.done.append(attempt)
 
     def _granted(self, unit: Unit) -> None:
         """Admission granted ``unit`` its slot: start it on that slot."""
@@ -763,6 +800,8 @@ class RunLoop:
             error=describe(exc),
             traceback=traceback_text(exc),
         )
+        if self.maps is not None:
+            self.maps.give_back_unfinished()  # with the final write: a crash keeps them claimed
         await self._commit(RunStatus.FAILED, describe(exc))
         raise exc
 
@@ -842,6 +881,8 @@ class RunLoop:
         waiting = self.state.waiting_aggregates()
         if waiting:
             message = f"run {self.run_id!r} stalled: aggregate " + "; ".join(waiting)
+            if self.maps is not None:
+                self.maps.give_back_unfinished()
             await self._commit(RunStatus.FAILED, message)
             raise StallError(message)
         self.emit(EventType.RUN_COMPLETED)

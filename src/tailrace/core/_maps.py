@@ -25,7 +25,16 @@ from ._checkpoints import Checkpoints
 from ._hedger import Hedger
 from ._inflight import Attempt, InFlight, describe, traceback_text
 from ._outbox import Outbox
-from ._state import ItemStatus, MapItems, NodeStatus, RunState, map_plan
+from ._state import (
+    OPEN_ITEMS,
+    ItemStatus,
+    MapItems,
+    NodeStatus,
+    RunState,
+    map_plan,
+    parked_fit,
+    parked_room,
+)
 from ._streams import Streams
 from ._writer import RunWriter
 
@@ -73,6 +82,9 @@ class MapNodes:
         self._fired = fired
         #: Maps waiting to claim parked items before their items start (P4).
         self.claims: list[int] = []
+        #: Claimed parked items given back to ``parked`` with the next write, as
+        #: ``(claimant, park_id)`` (P4).
+        self.unclaimed: list[tuple[str, str]] = []
 
     # -- expansion (M1, P4) -------------------------------------------------------
 
@@ -122,17 +134,52 @@ class MapNodes:
 
     async def take_parked(self) -> list[Unit]:
         """Claim, for each map waiting on it, the parked items of its node (P4); the units to
-        dispatch. Each parked item is claimed by exactly one map visit across processes."""
+        dispatch. Each parked item is claimed by exactly one map visit across processes.
+
+        A map claims at most what it may run: ``max_items`` less its own items,
+        and never so many that its plan fails for them (a ``required``
+        function of the count); what it claimed past that goes back to parked.
+        """
         claims, self.claims = self.claims, []
         assert self._writer is not None
+        store = self._writer.store
         units: list[Unit] = []
         for i in claims:
-            node_id, visit = self.topo.ids[i], self.state.nodes[i].visits
-            rows = await self._writer.store.claim_parked(
-                self.topo.graph.name, node_id, f"{self.run_id}/{node_id}/{visit}"
-            )
-            units.extend((i, j) for j in self.expand(i, rows))
+            node, payload = self.topo.nodes[i], self.state.nodes[i].payload
+            claimant = self._claimant(i, self.state.nodes[i].visits)
+            room = parked_room(node, payload)
+            rows = []
+            if room > 0:
+                rows = await store.claim_parked(self.topo.graph.name, node.id, claimant, limit=room)
+            keep = parked_fit(node, payload, len(rows))
+            if keep < len(rows):
+                await store.unclaim_parked(claimant, [row.park_id for row in rows[keep:]])
+            units.extend((i, j) for j in self.expand(i, rows[:keep]))
         return units
+
+    def _claimant(self, i: int, visit: int) -> str:
+        """Who claims parked items for map ``i``'s ``visit`` (P4): the visit, by its place."""
+        return f"{self.run_id}/{self.topo.ids[i]}/{visit}"
+
+    def give_back_unfinished(self) -> None:
+        """The run ends failed: the parked items its maps claimed and did not finish go back
+        to parked, in their order, with the run's final write (P4).
+
+        A visit that was not decided gives back every claimed item without a
+        result; a decided one, those still running (``late="record"``) when
+        the run ends. Items the map's own ``late`` policy cancelled or parked
+        again are settled.
+        """
+        for i, ns in enumerate(self.state.nodes):
+            items = ns.items
+            if items is None or not items.parked:
+                continue
+            claimant = self._claimant(i, items.visit)
+            decided = items.winners is not None
+            for j, park_id in enumerate(items.parked):
+                status = items.status[j]
+                if status in OPEN_ITEMS or (not decided and status is ItemStatus.FAILED):
+                    self.unclaimed.append((claimant, park_id))
 
     def _settled(self, i: int, *, value: Any = None, error: BaseException | None = None) -> None:
         """Map ``i``'s own outcome, known at its dispatch: harvested like an attempt's end."""

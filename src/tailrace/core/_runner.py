@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -270,6 +271,6 @@ class AttemptRunner:
             return await node.handler(payload)
         context = contextvars.copy_context()
         result = await self._loop.run_in_executor(None, context.run, node.handler, payload)
-        if asyncio.iscoroutine(result):
+        if inspect.iscoroutine(result):  # a generator is a value, never awaited
             result = await result
         return result

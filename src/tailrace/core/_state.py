@@ -648,15 +648,19 @@ def map_plan(node: Node, payload: Any) -> tuple[list[Any], int | None]:
     """
     if not isinstance(payload, list | tuple):
         raise MapError(f"map {node.id!r}: its input must be a list, got {type(payload).__name__}")
-    count = len(payload)
+    values = list(payload)
+    return values, _quorum_of(node, len(values))
+
+
+def _quorum_of(node: Node, count: int) -> int | None:
+    """Map ``node``'s k for ``count`` items (M1, M3), or :class:`MapError`."""
     limit = node.max_items if node.max_items is not None else MAX_ITEMS
     if count > limit:
         raise MapError(f"map {node.id!r}: {count} items exceed its max_items={limit}")
-    values = list(payload)
-    if not values:
-        return values, 0
+    if not count:
+        return 0
     if node.required is None and node.errors == "skip":
-        return values, None
+        return None
     try:
         k = node.quorum(count)
     except GraphError as exc:
@@ -667,7 +671,44 @@ def map_plan(node: Node, payload: Any) -> tuple[list[Any], int | None]:
         ) from exc
     if not 1 <= k <= count:
         raise MapError(f"map {node.id!r}: required={k} is outside 1..{count} (its item count)")
-    return values, k
+    return k
+
+
+def parked_room(node: Node, payload: Any) -> int:
+    """How many parked items map ``node`` may claim before ``payload``'s own (P4): its
+    ``max_items`` less its own items; none when its input is no list.
+
+    >>> from tailrace.graph import Node, NodeKind
+    >>> parked_room(Node(id="m", handler=print, kind=NodeKind.MAP, max_items=5), [1, 2])
+    3
+    """
+    if not isinstance(payload, list | tuple):
+        return 0
+    limit = node.max_items if node.max_items is not None else MAX_ITEMS
+    return max(0, limit - len(payload))
+
+
+def parked_fit(node: Node, payload: Any, claimed: int) -> int:
+    """How many of ``claimed`` parked items map ``node`` keeps before ``payload``'s own (P4):
+    the most with which its plan holds (M1, M3), and none when no count of them does.
+
+    >>> from tailrace.graph import Node, NodeKind
+    >>> grows = Node(id="m", handler=print, kind=NodeKind.MAP, required=lambda n: max(3, n - 1))
+    >>> parked_fit(grows, [1], 9)  # k=9 of 10 items holds
+    9
+    >>> parked_fit(Node(id="m", handler=print, kind=NodeKind.MAP, max_items=4), [1], 9)
+    3
+    """
+    if not isinstance(payload, list | tuple):
+        return 0
+    own = len(payload)
+    for n in range(min(claimed, parked_room(node, payload)), 0, -1):
+        try:
+            _quorum_of(node, own + n)
+        except MapError:
+            continue
+        return n
+    return 0
 
 
 def first_k_winners(

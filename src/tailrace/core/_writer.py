@@ -91,6 +91,7 @@ class Stage:
     applied: list[str]
     superseded: list[str]
     parked: list[ParkedRow]
+    unclaimed: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     wake_after: int | None = None
     waiting_on: tuple[str, ...] = ()
     output: Callable[[], Any]
@@ -510,6 +511,8 @@ class RunWriter:
             pending.superseded.extend(stage.superseded)
         if stage.parked:
             pending.parked.extend(stage.parked)
+        if stage.unclaimed:
+            pending.unclaimed.extend(stage.unclaimed)
         if events:
             ids, data_json, new = self.topo.ids, self._event_data_json, tuple.__new__
             pending.events += [  # the most numerous rows: built inline, as named tuples
@@ -834,6 +837,7 @@ class _Pending:
         "state",
         "status",
         "superseded",
+        "unclaimed",
         "waiting_on",
         "wake_after",
     )
@@ -862,6 +866,7 @@ class _Pending:
         self.applied: list[str] = []
         self.superseded: list[str] = []
         self.parked: list[ParkedRow] = []
+        self.unclaimed: list[tuple[str, str]] = []
         self.chunks: list[ChunkRow] = []
 
     def harvest(self, ids: tuple[str, ...]) -> Harvest:
@@ -889,6 +894,7 @@ class _Pending:
             chunks=self.chunks,
             superseded=self.superseded,
             parked=self.parked,
+            unclaimed=self.unclaimed,
             wake_after=self.wake_after,
             waiting_on=self.waiting_on,
             output_json=self.output_json,

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -121,7 +122,7 @@ class LocalExecutor:
         loop = asyncio.get_running_loop()
         copied = contextvars.copy_context()
         result = await loop.run_in_executor(None, copied.run, handler, payload)
-        if asyncio.iscoroutine(result):
+        if inspect.iscoroutine(result):  # a generator is a value, never awaited
             result = await result
         return result
 

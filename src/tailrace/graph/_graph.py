@@ -165,6 +165,12 @@ class Graph:
             _check_child_options(self, name, node_kind, handler, options)  # type: ignore[arg-type]
         elif queue is not None:
             raise GraphError(f"node {name!r}: queue= applies to nodes whose handler is a Graph")
+        if node_kind is NodeKind.MAP and late == "park" and required is None:
+            # Without required= every item is awaited: no item is ever late, so none parks.
+            raise GraphError(
+                f"map {name!r}: late='park' parks the items still running at the decision, "
+                "and a map without required= waits for every item; give it required="
+            )
         if any_of and node_kind is NodeKind.AGGREGATE:
             raise GraphError(f"node {name!r}: an aggregate cannot be any_of")
         if (poller is not None or deadline is not None) and node_kind is not NodeKind.GATE:

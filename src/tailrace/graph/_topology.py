@@ -171,6 +171,7 @@ def _check_fan_in(
     for i, node in enumerate(nodes):
         fan_in = len(in_sources[i])
         if node.kind is NodeKind.AGGREGATE:
+            _check_parked_inputs(nodes, node, in_sources[i])
             k = node.required if isinstance(node.required, int) else fan_in
             if not 1 <= k <= fan_in:
                 raise GraphError(
@@ -185,6 +186,20 @@ def _check_fan_in(
             )
         required.append(1)
     return tuple(required)
+
+
+def _check_parked_inputs(nodes: Sequence[Node], node: Node, sources: Sequence[int]) -> None:
+    """An aggregate that parks its late inputs (P3) parks each as one item of its source
+    node; a map's stragglers are its items, so a map input is refused rather than parked
+    as one list."""
+    if node.late != "park":
+        return
+    for s in sources:
+        if nodes[s].kind is NodeKind.MAP:
+            raise GraphError(
+                f"aggregate {node.id!r}: late='park' cannot park map {nodes[s].id!r} as one "
+                f"item; give the map late='park' and required= to park its late items one by one"
+            )
 
 
 def _entries(

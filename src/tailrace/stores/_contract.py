@@ -452,17 +452,33 @@ class RunStore(abc.ABC):
     async def claim_parked(
         self, graph_name: str, node_id: str, claimant: str, *, limit: int = MAX_LIMIT
     ) -> list[ParkedRow]:
-        """Claim up to ``limit`` parked items of ``graph_name``'s ``node_id`` for ``claimant``
-        (a map visit), oldest first, each for exactly one claimant across processes (P4).
+        """Claim parked items of ``graph_name``'s ``node_id`` for ``claimant`` (a map visit),
+        oldest first, until it holds ``limit`` of them, each for exactly one claimant across
+        processes (P4).
 
         Returns every item ``claimant`` holds, so a claimer that crashed and
-        claims again gets the same items back.
+        claims again gets the same items back (and no more than ``limit``).
         """
         for name, value in (("graph_name", graph_name), ("node_id", node_id),
                             ("claimant", claimant)):  # fmt: skip
             _check_text(name, value)
         check_limit("limit", limit)
         return await self._claim_parked(graph_name, node_id, claimant, limit)
+
+    async def unclaim_parked(self, claimant: str, park_ids: Sequence[str]) -> int:
+        """Give back to ``parked`` the items of ``park_ids`` that ``claimant`` holds (P4): how
+        many went back.
+
+        An item keeps its place in parked order (its ``parked_at``) and any map
+        may claim it again. Items claimed by another claimant, dropped or
+        parked are left as they are, so giving back twice changes nothing. A
+        harvest gives back atomically with its other writes through
+        ``Harvest.unclaimed``; this is the same change on its own.
+        """
+        _check_text("claimant", claimant)
+        for park_id in park_ids:
+            _check_text("park_id", park_id)
+        return await self._unclaim_parked([(claimant, park_id) for park_id in park_ids])
 
     async def drop_parked(self, park_id: str) -> bool:
         """Drop parked item ``park_id`` (P4): whether it was still parked (claimed or dropped
@@ -1034,6 +1050,10 @@ class RunStore(abc.ABC):
         self, graph_name: str, node_id: str, claimant: str, limit: int
     ) -> list[ParkedRow]:
         """:meth:`claim_parked`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _unclaim_parked(self, pairs: Sequence[tuple[str, str]]) -> int:
+        """:meth:`unclaim_parked`, with checked ``(claimant, park_id)`` pairs."""
 
     @abc.abstractmethod
     async def _drop_parked(self, park_id: str) -> bool:

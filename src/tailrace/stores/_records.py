@@ -361,6 +361,10 @@ class Harvest:
     checkpoints: Sequence[CheckpointRow] = ()
     #: Stragglers parked by this harvest (P3), inserted.
     parked: Sequence[ParkedRow] = ()
+    #: Claimed parked items that go back to ``parked`` (P4), as ``(claimant, park_id)``:
+    #: what a map visit claimed and will not finish. A row another claimant holds, or
+    #: one no longer claimed, is left as it is.
+    unclaimed: Sequence[tuple[str, str]] = ()
     events: Sequence[EventRow] = ()
     nodes_done_delta: int = 0
     finished_at: float | None = None

@@ -15,6 +15,7 @@ straggler events stay as they are.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -79,12 +80,36 @@ class TailHooks:
             return est
 
     @staticmethod
-    def cost_of(node: Estimated, payload: Any) -> float:
-        """The node's declared cost for ``payload`` (1.0 when it declares none)."""
+    def cost_of(node: Estimated, payload: Any, *, item: int | None = None) -> float:
+        """The node's declared cost for ``payload`` (1.0 when it declares none).
+
+        ``item`` is the map item ``payload`` is, named in the error. A cost
+        function that raises, or returns anything but a finite number, raises
+        :class:`ValueError` naming the node (and item).
+
+        >>> from tailrace.graph import Node
+        >>> TailHooks.cost_of(Node(id="n", handler=print, cost=len), "abc")
+        3.0
+        """
         cost = node.cost
         if cost is None:
             return 1.0
-        value = cost(payload) if callable(cost) else cost
+        if not callable(cost):
+            return float(cost)
+        where = f"node {node.id!r}" if item is None else f"map {node.id!r} item {item}"
+        try:
+            value = cost(payload)
+        except Exception as exc:
+            raise ValueError(f"{where}: its cost raised {type(exc).__name__}: {exc}") from exc
+        if (
+            not isinstance(value, int | float)
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+        ):
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            raise ValueError(
+                f"{where}: its cost returned {shown} ({type(value).__name__}), not a finite number"
+            )
         return float(value)
 
     def estimate(self, i: int, payload: Any, node: Estimated | None = None) -> float | None:

@@ -462,6 +462,12 @@ class SQLStore(RunStore):
             lambda tx: bodies.claim_parked(tx, graph_name, node_id, claimant, limit, now),
         )
 
+    async def _unclaim_parked(self, pairs: Sequence[tuple[str, str]]) -> int:
+        # Idempotent (a row no longer claimed by its claimant is left): a lost COMMIT is re-run.
+        return await self._write_tx(
+            "giving back claimed parked items", lambda tx: bodies.unclaim_parked(tx, pairs)
+        )
+
     async def _drop_parked(self, park_id: str) -> bool:
         return await self._write_tx(
             f"parked item {park_id!r}", lambda tx: bodies.drop_parked(tx, park_id)

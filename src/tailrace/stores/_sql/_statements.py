@@ -102,15 +102,24 @@ INSERT_PARKED = (
     f"INSERT INTO parked_items ({PARKED_COLUMNS}) VALUES ({', '.join('?' * len(PARKED_FIELDS))})"
 )
 SELECT_PARKED = f"SELECT {PARKED_COLUMNS} FROM parked_items"
-#: P4: claim every parked item of a node (oldest first) for one map visit; a row
-#: another claimer took meanwhile no longer matches ``status = 'parked'``, and
-#: Postgres skips rows another claimer holds locked (``/*SKIP LOCKED*/``).
-#: Values: claimed_by, claimed_at, graph_name, node_id, limit.
+#: P4: claim up to ``limit`` parked items of a node (oldest first) for one map
+#: visit; a row another claimer took meanwhile no longer matches ``status =
+#: 'parked'``, and Postgres skips rows another claimer holds locked (``/*SKIP
+#: LOCKED*/``). The rows are picked once, in a CTE: a locking subquery in the
+#: UPDATE's WHERE is run again per row on Postgres, which ignored the LIMIT.
+#: Values: graph_name, node_id, limit, claimed_by, claimed_at.
 CLAIM_PARKED = (
-    "UPDATE parked_items SET status = 'claimed', claimed_by = ?, claimed_at = ? "
-    "WHERE status = 'parked' AND park_id IN (SELECT park_id FROM parked_items "
+    "WITH picked AS (SELECT park_id FROM parked_items "
     "WHERE graph_name = ? AND node_id = ? AND status = 'parked' "
-    "ORDER BY parked_at, park_id LIMIT ? /*SKIP LOCKED*/)"
+    "ORDER BY parked_at, park_id LIMIT ? /*SKIP LOCKED*/) "
+    "UPDATE parked_items SET status = 'claimed', claimed_by = ?, claimed_at = ? "
+    "WHERE status = 'parked' AND park_id IN (SELECT park_id FROM picked)"
+)
+#: P4: a claimed item goes back to ``parked`` (its place in parked order is its
+#: ``parked_at``, unchanged), if ``claimant`` still holds it.
+UNCLAIM_PARKED = (
+    "UPDATE parked_items SET status = 'parked', claimed_by = NULL, claimed_at = NULL "
+    "WHERE park_id = ? AND claimed_by = ? AND status = 'claimed'"
 )
 DROP_PARKED = "UPDATE parked_items SET status = 'dropped' WHERE park_id = ? AND status = 'parked'"
 SELECT_ITEMS = (

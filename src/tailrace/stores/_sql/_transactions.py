@@ -55,6 +55,7 @@ from .._records import (
     NewRun,
     NodeRow,
     ParkedRow,
+    ParkedStatus,
     Pulse,
     QuestionRow,
     QuestionStatus,
@@ -143,6 +144,7 @@ from ._statements import (
     SELECT_STATUSES,
     SET_WAKE_AFTER,
     SUPERSEDE_QUESTION,
+    UNCLAIM_PARKED,
     WAKE_SUSPENDED,
     artifact_params,
     chunk_from_row,
@@ -338,6 +340,8 @@ async def commit_harvest(tx: Tx, run_id: str, token: int, harvest: Harvest, now:
         await child_ended(tx, parent, harvest.status, now)
     if harvest.applied or harvest.superseded:  # most harvests change no question
         await apply_question_changes(tx, run_id, harvest, now)
+    if harvest.unclaimed:
+        await unclaim_parked(tx, harvest.unclaimed)
     return cancel_requested_at is not None
 
 
@@ -796,10 +800,21 @@ async def list_parked(
 async def claim_parked(
     tx: Tx, graph_name: str, node_id: str, claimant: str, limit: int, now: float
 ) -> list[ParkedRow]:
-    """Claim up to ``limit`` parked items of ``node_id`` for ``claimant`` (P4); every item it
-    holds, oldest first. Claiming again returns the same items: it is idempotent."""
-    await tx.change_all(CLAIM_PARKED, (claimant, now, graph_name, node_id, limit))
+    """Claim parked items of ``node_id`` for ``claimant`` until it holds ``limit`` (P4); every
+    item it holds, oldest first. Claiming again returns the same items: it is idempotent."""
+    held = await list_parked(tx, None, None, ParkedStatus.CLAIMED, claimant)
+    if len(held) < limit:
+        await tx.change_all(CLAIM_PARKED, (graph_name, node_id, limit - len(held), claimant, now))
     return await list_parked(tx, None, None, None, claimant)
+
+
+async def unclaim_parked(tx: Tx, pairs: Sequence[tuple[str, str]]) -> int:
+    """Return each ``(claimant, park_id)`` still claimed by its claimant to ``parked`` (P4);
+    how many went back."""
+    back = 0
+    for claimant, park_id in pairs:
+        back += await tx.change(UNCLAIM_PARKED, (park_id, claimant))
+    return back
 
 
 async def suspend_on_children(tx: Tx, run_id: str, harvest: Harvest, now: float) -> None:

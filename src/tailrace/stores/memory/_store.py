@@ -202,6 +202,7 @@ class MemoryStore(RunStore):
             if harvest.items:
                 self._items[run_id].update(((r.node_id, r.visit, r.item), r) for r in harvest.items)
             self._parked.update((r.park_id, r) for r in harvest.parked)
+            self._unclaim(harvest.unclaimed)
             if harvest.checkpoints:
                 self._checkpoints[run_id].update(
                     ((r.node_id, r.visit, r.item), r) for r in harvest.checkpoints
@@ -398,11 +399,16 @@ class MemoryStore(RunStore):
         self, graph_name: str, node_id: str, claimant: str, limit: int
     ) -> list[ParkedRow]:
         with self._lock:
+            held = sum(
+                1
+                for r in self._parked.values()
+                if (r.claimed_by, r.status) == (claimant, "claimed")
+            )
             free = sorted(
                 (r for r in self._parked.values()
                  if (r.graph_name, r.node_id, r.status) == (graph_name, node_id, "parked")),
                 key=lambda r: (r.parked_at, r.park_id),
-            )[:limit]  # fmt: skip
+            )[: max(0, limit - held)]  # fmt: skip
             now = self._clock()
             for r in free:
                 self._parked[r.park_id] = r._replace(
@@ -411,6 +417,22 @@ class MemoryStore(RunStore):
         return await self._list_parked(
             graph_name=None, node_id=None, status=None, claimed_by=claimant
         )
+
+    async def _unclaim_parked(self, pairs: Sequence[tuple[str, str]]) -> int:
+        with self._lock:
+            return self._unclaim(pairs)
+
+    def _unclaim(self, pairs: Sequence[tuple[str, str]]) -> int:
+        """Give back each ``(claimant, park_id)`` its claimant still holds (P4); under the lock."""
+        back = 0
+        for claimant, park_id in pairs:
+            row = self._parked.get(park_id)
+            if row is not None and (row.claimed_by, row.status) == (claimant, "claimed"):
+                self._parked[park_id] = row._replace(
+                    status="parked", claimed_by=None, claimed_at=None
+                )
+                back += 1
+        return back
 
     async def _drop_parked(self, park_id: str) -> bool:
         with self._lock:
