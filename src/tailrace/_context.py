@@ -31,8 +31,11 @@ class Checkpoint:
 class CheckpointSink(Protocol):
     """Where :meth:`NodeContext.checkpoint` sends a value: the run loop driving the attempt."""
 
-    def save(self, node_id: str, visit: int, item: int | None, attempt: int, value: Any) -> None:
-        """Record ``value`` as the latest checkpoint of the attempt (encoded now, or refused)."""
+    def save(
+        self, node_id: str, visit: int, item: int | None, attempt: int, value: Any, handle: Any
+    ) -> None:
+        """Record ``value`` as the latest checkpoint of try ``attempt`` (encoded now, or refused);
+        ``handle`` is the engine's handle on the attempt."""
 
 
 class StreamSink(Protocol):
@@ -74,7 +77,7 @@ class NodeContext:
             raise RuntimeError(
                 f"node {self.node_id!r}: checkpoint() needs an attempt run by a tailrace engine"
             )
-        self._sink.save(self.node_id, self.visit, self.item, self.attempt, value)
+        self._sink.save(self.node_id, self.visit, self.item, self.attempt, value, self._handle)
 
     def stream(self, chunk: Any) -> None:
         """Publish ``chunk``, a JSON value, as partial output of this attempt (S1-S4).

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._codec import Codec
 from .._context import Checkpoint
@@ -31,6 +31,18 @@ from ..stores import CheckpointRow, ParkedRow
 
 if TYPE_CHECKING:
     import asyncio
+
+class AttemptHandle(Protocol):
+    """What checkpoints read of the attempt saving one (the run loop's ``Attempt``)."""
+
+    @property
+    def tries(self) -> int:
+        """The attempt's current try (1-based)."""
+
+    @property
+    def finished(self) -> bool:
+        """Whether the attempt ended and was handed to the run loop."""
+
 
 #: A checkpoint's key: node id, visit, and the item of a map's item (-1 for a node).
 Key = tuple[str, int, int]
@@ -91,8 +103,24 @@ class Checkpoints:
         #: Saved since the last write: the rows it will upsert.
         self.pending: dict[Key, CheckpointRow] = {}
 
-    def save(self, node_id: str, visit: int, item: int | None, attempt: int, value: Any) -> None:
-        """Encode ``value`` now and make it the attempt's latest checkpoint (P1)."""
+    def save(
+        self,
+        node_id: str,
+        visit: int,
+        item: int | None,
+        attempt: int,
+        value: Any,
+        handle: AttemptHandle | None = None,
+    ) -> None:
+        """Encode ``value`` now and make it try ``attempt``'s latest checkpoint (P1); any thread.
+
+        ``handle`` is the engine's handle on the attempt. A try that is no longer
+        current (a ``def`` handler's thread runs on after its timeout, its retry or
+        its attempt's end: the engine cannot stop it) has its checkpoints dropped,
+        as its stream chunks are.
+        """
+        if handle is not None and (attempt != handle.tries or handle.finished):
+            return
         where = f"node {node_id!r} (visit {visit}" + (f", item {item}" if item is not None else "")
         try:
             text = self.codec.encode(value)

@@ -213,9 +213,11 @@ class AttemptRunner:
                     raise
                 delay = retry.delay(tries)
                 self._retrying(attempt, tries, exc, delay)
-                await asyncio.sleep(delay)
+                # The failed try is over now: what its thread (a ``def`` handler cut by its
+                # timeout) still checkpoints or streams is dropped from here on.
                 tries += 1
                 attempt.tries = tries
+                await asyncio.sleep(delay)
                 # The next try starts over, or from the latest checkpoint (P2).
                 resumed = self._resumed(node, attempt) if retry.resume else None
                 # The next try is no longer due.
