@@ -8,7 +8,7 @@ Each test runs on every store; the crash cases (a real process SIGKILLed) are in
 from __future__ import annotations
 
 import asyncio
-import threading
+import contextlib
 from typing import Any
 
 import tailrace as tr
@@ -18,3 +18,40 @@ from tests import fixtures
 
 each_store = fixtures.each_store
 GUARD = fixtures.HANG_GUARD
+
+
+# -- a hedged node: the furthest progress of its visit ------------------------------------------
+
+
+async def test_a_backup_that_got_further_than_its_stalled_primary_holds_the_checkpoint(
+    each_store: RunStore,
+) -> None:
+    from tests.faults.hedge_checkpoint_graphs import trained_hooks
+
+    started: list[int] = []
+    g = tr.Graph("overtaken")
+
+    @g.task(hedge=True)
+    async def long(n: int) -> Any:
+        ctx = current_node()
+        assert ctx is not None
+        if ctx.resumed_from is not None:
+            return ctx.resumed_from.value
+        started.append(ctx.attempt)
+        turns = 2 if len(started) == 1 else 5  # the primary stalls at turn 2
+        for turn in range(1, turns + 1):
+            ctx.checkpoint({"by": len(started), "turn": turn})
+        if len(started) > 1:
+            ctx.stream("backup at turn 5")
+        await asyncio.Event().wait()
+
+    engine = tr.Engine(store=each_store, durability="sync", tail=trained_hooks())
+    run = asyncio.ensure_future(engine.run(g, 1, run_id="overtaken"))
+    await fixtures.until(lambda: started, "the primary started")
+    async for _chunk in engine.stream("overtaken"):
+        break  # committed with the backup's turn 5
+    run.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await run
+    result = await tr.Engine(store=each_store).resume("overtaken", g, force=True)
+    assert result.output == {"by": 2, "turn": 5}

@@ -4,16 +4,37 @@ checkpointing on its thread, and a hedged node SIGKILLed between checkpoints (P1
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import sys
 import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 import tailrace as tr
 from tailrace import current_node
-from tailrace.stores import RunStore
+from tailrace.stores import RunStore, open_store
 from tests import fixtures
 
 each_store = fixtures.each_store
 GUARD = fixtures.HANG_GUARD
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextlib.asynccontextmanager
+async def shared_target(kind: str, tmp_path: Path, prefix: str) -> AsyncIterator[str]:
+    """A store another process can open: a SQLite file, or a Postgres schema of its own."""
+    if kind == "sqlite":
+        yield str(tmp_path / "runs.db")
+        return
+    assert fixtures.POSTGRES_DSN is not None
+    async with fixtures.postgres_schema(prefix) as schema:
+        separator = "&" if "?" in fixtures.POSTGRES_DSN else "?"
+        yield f"{fixtures.POSTGRES_DSN}{separator}schema={schema}"
 
 
 # -- a try that is no longer current -----------------------------------------------------------
@@ -55,6 +76,67 @@ async def test_a_cut_sync_try_that_keeps_checkpointing_is_dropped(each_store: Ru
     assert late_saved.is_set()
     assert seen == [{"try": 2, "turn": 7}]  # try 3 continues try 2's progress, not try 1's
     stored = await each_store.load_run("cut-sync")
-    assert [(c.attempt, c.value_json) for c in stored.checkpoints] == [
-        (2, '{"try":2,"turn":7}')
-    ]
+    assert [(c.attempt, c.value_json) for c in stored.checkpoints] == [(2, '{"try":2,"turn":7}')]
+
+
+# -- a hedged node: the furthest progress of its visit ------------------------------------------
+
+
+async def test_a_hedge_backup_never_replaces_the_primarys_further_checkpoint(
+    each_store: RunStore,
+) -> None:
+    from tests.faults import hedge_checkpoint_graphs as graphs
+
+    graphs.STARTED.clear()
+    engine = tr.Engine(store=each_store, durability="sync", tail=graphs.trained_hooks())
+    run = asyncio.ensure_future(engine.run(graphs.graph, 1, run_id="hedged-cp"))
+    await fixtures.until(lambda: graphs.STARTED, "the primary started")
+    chunks = []
+    async for chunk in engine.stream("hedged-cp"):
+        chunks.append(chunk)
+        break  # the backup saved its turn 1, committed with this chunk
+    assert chunks[0].hedge
+    run.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await run
+    stored = await each_store.load_run("hedged-cp")
+    assert [c.value_json for c in stored.checkpoints] == [str(graphs.PRIMARY_TURNS)]
+    result = await tr.Engine(store=each_store).resume("hedged-cp", graphs.graph, force=True)
+    assert result.output == graphs.PRIMARY_TURNS  # continued from the primary's turn 90
+
+
+@pytest.mark.slow  # a child process per store, killed between checkpoints of a hedged node
+@pytest.mark.parametrize("kind", fixtures.SHARED_STORES)
+async def test_sigkill_between_checkpoints_of_a_hedged_node_resumes_from_the_furthest(
+    kind: str, tmp_path: Path
+) -> None:
+    from tests.faults import hedge_checkpoint_graphs as graphs
+
+    async with shared_target(kind, tmp_path, "tailrace_hedge_kill") as target:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.faults.hedge_checkpoint_graphs", target, "hedge-kill",
+            cwd=ROOT,
+        )  # fmt: skip
+        try:
+            async with open_store(target) as store:
+
+                async def backup_saved() -> bool:
+                    try:
+                        rows = await store.chunks("hedge-kill", after=0, limit=10)
+                    except tr.RunNotFound:
+                        return False
+                    return any(r.hedge for r in rows)
+
+                await fixtures.until(backup_saved, "the backup's turn 1 committed", guard=GUARD)
+                os.kill(child.pid, signal.SIGKILL)
+                await child.wait()
+                stored = await store.load_run("hedge-kill")
+                result = await tr.Engine(store=store, durability="sync").resume(
+                    "hedge-kill", graphs.graph
+                )
+        finally:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
+    assert [c.value_json for c in stored.checkpoints] == [str(graphs.PRIMARY_TURNS)]
+    assert result.output == graphs.PRIMARY_TURNS

@@ -18,6 +18,7 @@ from that checkpoint.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -32,6 +33,7 @@ from ..stores import CheckpointRow, ParkedRow
 if TYPE_CHECKING:
     import asyncio
 
+
 class AttemptHandle(Protocol):
     """What checkpoints read of the attempt saving one (the run loop's ``Attempt``)."""
 
@@ -42,6 +44,13 @@ class AttemptHandle(Protocol):
     @property
     def finished(self) -> bool:
         """Whether the attempt ended and was handed to the run loop."""
+
+    @property
+    def hedge(self) -> bool:
+        """Whether the attempt is a hedge (backup) of another one (T3)."""
+
+    #: How far its checkpoints got: those it saved, plus the progress it resumed from.
+    progress: float
 
 
 #: A checkpoint's key: node id, visit, and the item of a map's item (-1 for a node).
@@ -70,6 +79,7 @@ class Checkpoints:
     """
 
     __slots__ = (
+        "_held",
         "_loop",
         "_thread",
         "codec",
@@ -102,6 +112,8 @@ class Checkpoints:
         self.latest: dict[Key, Checkpoint] = {}
         #: Saved since the last write: the rows it will upsert.
         self.pending: dict[Key, CheckpointRow] = {}
+        #: Per key saved here: the attempt whose checkpoint the visit holds, and its progress.
+        self._held: dict[Key, tuple[AttemptHandle, float]] = {}
 
     def save(
         self,
@@ -119,8 +131,14 @@ class Checkpoints:
         its attempt's end: the engine cannot stop it) has its checkpoints dropped,
         as its stream chunks are.
         """
-        if handle is not None and (attempt != handle.tries or handle.finished):
-            return
+        key = key_of(node_id, visit, item)
+        if handle is not None:
+            if attempt != handle.tries or handle.finished:
+                return
+            handle.progress += 1
+            if not self._leads(key, handle):
+                return
+            self._held[key] = (handle, handle.progress)
         where = f"node {node_id!r} (visit {visit}" + (f", item {item}" if item is not None else "")
         try:
             text = self.codec.encode(value)
@@ -131,7 +149,6 @@ class Checkpoints:
                 f"encoded: {exc}"
             ) from exc
         now = time.time()
-        key = key_of(node_id, visit, item)
         self.latest[key] = Checkpoint(
             value=value, run_id=self.run_id, node_id=node_id, visit=visit, item=item, saved_at=now
         )
@@ -141,12 +158,42 @@ class Checkpoints:
         else:
             self._loop.call_soon_threadsafe(self.wake)
 
-    def resumed(self, node_id: str, visit: int, item: int | None) -> Checkpoint | None:
-        """The checkpoint an attempt of ``(node, visit, item)`` continues from, if any (P2)."""
+    def _leads(self, key: Key, handle: AttemptHandle) -> bool:
+        """Whether a save by ``handle`` becomes the visit's checkpoint: the furthest progress.
+
+        Progress is how many checkpoints an attempt saved since it started afresh
+        (an attempt that resumed counts from the checkpoint it resumed from). The
+        visit keeps the checkpoint of the attempt that got furthest: the attempt
+        holding it always replaces its own, another one (a hedge and its primary)
+        only once it got further; on a tie the primary keeps it. A checkpoint
+        committed before this process took the run counts as furthest: an
+        attempt resumed from it holds it, and a backup, which starts afresh,
+        never replaces it.
+        """
+        held = self._held.get(key)
+        if held is None:
+            if key not in self.committed:
+                return True
+            holder, progress = None, math.inf
+        else:
+            holder, progress = held
+        if holder is handle:
+            return True
+        return handle.progress > progress or (handle.progress == progress and not handle.hedge)
+
+    def resumed(
+        self, node_id: str, visit: int, item: int | None, handle: AttemptHandle | None = None
+    ) -> Checkpoint | None:
+        """The checkpoint an attempt of ``(node, visit, item)`` continues from, if any (P2);
+        ``handle``, the attempt starting from it, counts its progress from there."""
         if not self.latest and not self.committed:
             return None
         key = key_of(node_id, visit, item)
-        return self.latest.get(key) or self.committed.get(key)
+        checkpoint = self.latest.get(key) or self.committed.get(key)
+        if handle is not None and checkpoint is not None:
+            held = self._held.get(key)
+            handle.progress = math.inf if held is None else held[1]
+        return checkpoint
 
     def take_pending(self) -> list[CheckpointRow]:
         """The rows saved since the last call (the next write's), one per key."""
