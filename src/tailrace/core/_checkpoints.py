@@ -49,6 +49,10 @@ class AttemptHandle(Protocol):
     def hedge(self) -> bool:
         """Whether the attempt is a hedge (backup) of another one (T3)."""
 
+    @property
+    def abandoned(self) -> bool:
+        """Whether the engine is cancelling it on purpose (a loser, a late item, a park)."""
+
     #: How far its checkpoints got: those it saved, plus the progress it resumed from.
     progress: float
 
@@ -81,6 +85,8 @@ class Checkpoints:
     __slots__ = (
         "_held",
         "_loop",
+        "_parking",
+        "_repark",
         "_thread",
         "codec",
         "committed",
@@ -100,6 +106,7 @@ class Checkpoints:
         loop: asyncio.AbstractEventLoop,
         *,
         durable: bool = False,
+        repark: Callable[[ParkedRow], None] | None = None,
     ) -> None:
         self.run_id = run_id
         self.codec = codec
@@ -114,6 +121,10 @@ class Checkpoints:
         self.pending: dict[Key, CheckpointRow] = {}
         #: Per key saved here: the attempt whose checkpoint the visit holds, and its progress.
         self._held: dict[Key, tuple[AttemptHandle, float]] = {}
+        #: Rows parked while their attempt may still be on its way out, and where a row
+        #: goes when that attempt saves a checkpoint on its way (it is parked again).
+        self._parking: dict[Key, ParkedRow] = {}
+        self._repark = repark
 
     def save(
         self,
@@ -153,10 +164,22 @@ class Checkpoints:
             value=value, run_id=self.run_id, node_id=node_id, visit=visit, item=item, saved_at=now
         )
         self.pending[key] = CheckpointRow(node_id, visit, key[2], attempt, text, now)
-        if threading.get_ident() == self._thread:
+        on_loop = threading.get_ident() == self._thread
+        if handle is not None and handle.abandoned and key in self._parking:
+            self._parked_again(key, text, on_loop)
+        if on_loop:
             self.wake()
         else:
             self._loop.call_soon_threadsafe(self.wake)
+
+    def _parked_again(self, key: Key, text: str, on_loop: bool) -> None:
+        """An attempt parked at its cut saved ``text`` on its way out: its parked row carries it."""
+        row = self._parking[key] = self._parking[key]._replace(checkpoint_json=text)
+        if self._repark is not None:
+            if on_loop:
+                self._repark(row)
+            else:
+                self._loop.call_soon_threadsafe(self._repark, row)
 
     def _leads(self, key: Key, handle: AttemptHandle) -> bool:
         """Whether a save by ``handle`` becomes the visit's checkpoint: the furthest progress.
@@ -207,7 +230,11 @@ class Checkpoints:
         self, graph_name: str, node_id: str, visit: int, item: int | None, value: Any
     ) -> ParkedRow | None:
         """A straggler of ``node_id`` as it is parked (P3): what it runs on and its checkpoint;
-        None when it cannot be kept (no store, or a value the codec refuses: it is cancelled)."""
+        None when it cannot be kept (no store, or a value the codec refuses: it is cancelled).
+
+        Its attempt, cancelled at the park, may save a checkpoint on its way out (in an
+        ``except CancelledError``): the row is then parked again with it (``repark``).
+        """
         if not self.durable:
             return None
         checkpoint = self.resumed(node_id, visit, item)
@@ -216,11 +243,12 @@ class Checkpoints:
             checkpoint_json = None if checkpoint is None else self.codec.encode(checkpoint.value)
         except (TypeError, ValueError):
             return None
-        return ParkedRow(
+        row = self._parking[key_of(node_id, visit, item)] = ParkedRow(
             park_id=uuid.uuid4().hex, graph_name=graph_name, node_id=node_id,
             run_id=self.run_id, visit=visit, item=-1 if item is None else item,
             value_json=value_json, checkpoint_json=checkpoint_json, parked_at=time.time(),
         )  # fmt: skip
+        return row
 
     def unpark(self, node_id: str, visit: int, parked: list[ParkedRow]) -> None:
         """The parked items a map's ``visit`` took as its first items continue from their
