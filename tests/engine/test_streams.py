@@ -620,3 +620,11 @@ async def test_s3_a_cursor_out_of_range_is_refused_alike_on_every_store(store: R
         await store.chunks("cursor", after=2**63)
     assert [c async for c in engine.stream("cursor", after=2**63 - 1)] == []
 
+
+async def test_s3_an_unknown_run_raises_run_not_found_with_a_store_or_without(
+    store: RunStore,
+) -> None:
+    with pytest.raises(tr.RunNotFound):
+        [c async for c in tr.Engine(store=store).stream("no-such-run")]
+    with pytest.raises(tr.RunNotFound, match="no-such-run"):
+        [c async for c in tr.Engine().stream("no-such-run")]
