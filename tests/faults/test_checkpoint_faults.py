@@ -140,3 +140,54 @@ async def test_sigkill_between_checkpoints_of_a_hedged_node_resumes_from_the_fur
                 await child.wait()
     assert [c.value_json for c in stored.checkpoints] == [str(graphs.PRIMARY_TURNS)]
     assert result.output == graphs.PRIMARY_TURNS
+
+
+# -- a checkpoint the handler waits to be durable ---------------------------------------------
+
+
+@pytest.mark.slow  # a child process per store, killed by its handler
+@pytest.mark.parametrize("kind", fixtures.SHARED_STORES)
+async def test_a_process_killed_right_after_checkpoint_durable_resumes_from_it(
+    kind: str, tmp_path: Path
+) -> None:
+    from tests.faults import durable_checkpoint_graphs as graphs
+
+    async with shared_target(kind, tmp_path, "tailrace_durable_cp") as target:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.faults.durable_checkpoint_graphs", target, "durable-cp",
+            cwd=ROOT,
+        )  # fmt: skip
+        assert await asyncio.wait_for(child.wait(), GUARD) == -signal.SIGKILL
+        async with open_store(target) as store:
+            result = await tr.Engine(store=store).resume("durable-cp", graphs.graph)
+    assert result.output == 16
+
+
+async def test_checkpoint_durable_returns_once_committed_and_at_once_without_a_store(
+    each_store: RunStore,
+) -> None:
+    seen: list[list[str]] = []
+    g = tr.Graph("durable_now")
+
+    @g.task()
+    async def session(n: int) -> int:
+        ctx = current_node()
+        assert ctx is not None
+        await ctx.checkpoint_durable({"turn": 1})
+        stored = await each_store.load_run(ctx.run_id)
+        seen.append([c.value_json for c in stored.checkpoints])
+        return 1
+
+    await tr.Engine(store=each_store).run(g, 0, run_id="durable-now")
+    assert seen == [['{"turn":1}']]
+
+    no_store = tr.Graph("durable_nowhere")
+
+    @no_store.task()
+    async def nowhere(n: int) -> int:
+        ctx = current_node()
+        assert ctx is not None
+        await ctx.checkpoint_durable({"turn": 1})  # nothing to commit to: returns at once
+        return 1
+
+    assert (await tr.Engine().run(no_store, 0)).output == 1

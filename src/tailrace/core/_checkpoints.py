@@ -18,20 +18,18 @@ from that checkpoint.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from .._codec import Codec
 from .._context import Checkpoint
 from .._errors import EncodeError
 from ..stores import CheckpointRow, ParkedRow
-
-if TYPE_CHECKING:
-    import asyncio
 
 
 class AttemptHandle(Protocol):
@@ -83,10 +81,14 @@ class Checkpoints:
     """
 
     __slots__ = (
+        "_flush",
         "_held",
         "_loop",
         "_parking",
         "_repark",
+        "_saved",
+        "_staged",
+        "_staging",
         "_thread",
         "codec",
         "committed",
@@ -107,6 +109,7 @@ class Checkpoints:
         *,
         durable: bool = False,
         repark: Callable[[ParkedRow], None] | None = None,
+        flush: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.run_id = run_id
         self.codec = codec
@@ -125,6 +128,13 @@ class Checkpoints:
         #: goes when that attempt saves a checkpoint on its way (it is parked again).
         self._parking: dict[Key, ParkedRow] = {}
         self._repark = repark
+        #: Waits until every write staged so far is committed (None: no store).
+        self._flush = flush
+        #: Saves kept so far, and how many of them the writer has taken (:meth:`take_pending`).
+        self._saved = 0
+        self._staged = 0
+        #: Set when the writer takes the pending rows (wakes :meth:`wait_committed`).
+        self._staging: asyncio.Event | None = None
 
     def save(
         self,
@@ -134,8 +144,9 @@ class Checkpoints:
         attempt: int,
         value: Any,
         handle: AttemptHandle | None = None,
-    ) -> None:
+    ) -> int:
         """Encode ``value`` now and make it try ``attempt``'s latest checkpoint (P1); any thread.
+        The save's ticket for :meth:`wait_committed` (0: dropped, nothing to wait for).
 
         ``handle`` is the engine's handle on the attempt. A try that is no longer
         current (a ``def`` handler's thread runs on after its timeout, its retry or
@@ -145,10 +156,10 @@ class Checkpoints:
         key = key_of(node_id, visit, item)
         if handle is not None:
             if attempt != handle.tries or handle.finished:
-                return
+                return 0
             handle.progress += 1
             if not self._leads(key, handle):
-                return
+                return 0
             self._held[key] = (handle, handle.progress)
         where = f"node {node_id!r} (visit {visit}" + (f", item {item}" if item is not None else "")
         try:
@@ -171,6 +182,19 @@ class Checkpoints:
             self.wake()
         else:
             self._loop.call_soon_threadsafe(self.wake)
+        self._saved += 1
+        return self._saved
+
+    async def wait_committed(self, ticket: int) -> None:
+        """Return once the save of ``ticket`` is committed to the store (at once: no store, or
+        a save that was dropped); on the event loop's thread."""
+        if self._flush is None or ticket <= 0:
+            return
+        while self._staged < ticket:  # the loop, woken by the save, stages it at its next harvest
+            if self._staging is None:
+                self._staging = asyncio.Event()
+            await self._staging.wait()
+        await self._flush()
 
     def _parked_again(self, key: Key, text: str, on_loop: bool) -> None:
         """An attempt parked at its cut saved ``text`` on its way out: its parked row carries it."""
@@ -222,6 +246,10 @@ class Checkpoints:
         """The rows saved since the last call (the next write's), one per key."""
         rows = list(self.pending.values())
         self.pending.clear()
+        self._staged = self._saved
+        if self._staging is not None:
+            self._staging.set()
+            self._staging = None
         return rows
 
     # -- parking (P3, P4) ----------------------------------------------------------
