@@ -37,6 +37,18 @@ async def shared_target(kind: str, tmp_path: Path, prefix: str) -> AsyncIterator
         yield f"{fixtures.POSTGRES_DSN}{separator}schema={schema}"
 
 
+@contextlib.asynccontextmanager
+async def child_process(module: str, *args: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    """``python -m module args`` from the repository's root; killed on the way out if alive."""
+    child = await asyncio.create_subprocess_exec(sys.executable, "-m", module, *args, cwd=ROOT)
+    try:
+        yield child
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+
+
 # -- a try that is no longer current -----------------------------------------------------------
 
 
@@ -112,32 +124,24 @@ async def test_sigkill_between_checkpoints_of_a_hedged_node_resumes_from_the_fur
 ) -> None:
     from tests.faults import hedge_checkpoint_graphs as graphs
 
-    async with shared_target(kind, tmp_path, "tailrace_hedge_kill") as target:
-        child = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tests.faults.hedge_checkpoint_graphs", target, "hedge-kill",
-            cwd=ROOT,
-        )  # fmt: skip
-        try:
-            async with open_store(target) as store:
+    async with (
+        shared_target(kind, tmp_path, "tailrace_hedge_kill") as target,
+        child_process("tests.faults.hedge_checkpoint_graphs", target, "hedge-kill") as child,
+        open_store(target) as store,
+    ):
 
-                async def backup_saved() -> bool:
-                    try:
-                        rows = await store.chunks("hedge-kill", after=0, limit=10)
-                    except tr.RunNotFound:
-                        return False
-                    return any(r.hedge for r in rows)
+        async def backup_saved() -> bool:
+            try:
+                rows = await store.chunks("hedge-kill", after=0, limit=10)
+            except tr.RunNotFound:
+                return False
+            return any(r.hedge for r in rows)
 
-                await fixtures.until(backup_saved, "the backup's turn 1 committed", guard=GUARD)
-                os.kill(child.pid, signal.SIGKILL)
-                await child.wait()
-                stored = await store.load_run("hedge-kill")
-                result = await tr.Engine(store=store, durability="sync").resume(
-                    "hedge-kill", graphs.graph
-                )
-        finally:
-            if child.returncode is None:
-                child.kill()
-                await child.wait()
+        await fixtures.until(backup_saved, "the backup's turn 1 committed", guard=GUARD)
+        os.kill(child.pid, signal.SIGKILL)
+        await child.wait()
+        stored = await store.load_run("hedge-kill")
+        result = await tr.Engine(store=store).resume("hedge-kill", graphs.graph)
     assert [c.value_json for c in stored.checkpoints] == [str(graphs.PRIMARY_TURNS)]
     assert result.output == graphs.PRIMARY_TURNS
 
@@ -152,11 +156,10 @@ async def test_a_process_killed_right_after_checkpoint_durable_resumes_from_it(
 ) -> None:
     from tests.faults import durable_checkpoint_graphs as graphs
 
-    async with shared_target(kind, tmp_path, "tailrace_durable_cp") as target:
-        child = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tests.faults.durable_checkpoint_graphs", target, "durable-cp",
-            cwd=ROOT,
-        )  # fmt: skip
+    async with (
+        shared_target(kind, tmp_path, "tailrace_durable_cp") as target,
+        child_process("tests.faults.durable_checkpoint_graphs", target, "durable-cp") as child,
+    ):
         assert await asyncio.wait_for(child.wait(), GUARD) == -signal.SIGKILL
         async with open_store(target) as store:
             result = await tr.Engine(store=store).resume("durable-cp", graphs.graph)
