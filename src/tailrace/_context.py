@@ -31,8 +31,14 @@ class Checkpoint:
 class CheckpointSink(Protocol):
     """Where :meth:`NodeContext.checkpoint` sends a value: the run loop driving the attempt."""
 
-    def save(self, node_id: str, visit: int, item: int | None, attempt: int, value: Any) -> None:
-        """Record ``value`` as the latest checkpoint of the attempt (encoded now, or refused)."""
+    def save(
+        self, node_id: str, visit: int, item: int | None, attempt: int, value: Any, handle: Any
+    ) -> int:
+        """Record ``value`` as the latest checkpoint of try ``attempt`` (encoded now, or refused);
+        ``handle`` is the engine's handle on the attempt. A ticket for :meth:`wait_committed`."""
+
+    async def wait_committed(self, ticket: int) -> None:
+        """Return once the save that returned ``ticket`` is committed."""
 
 
 class StreamSink(Protocol):
@@ -66,15 +72,47 @@ class NodeContext:
         """Save ``value`` (JSON) as this attempt's latest checkpoint (P1).
 
         It replaces the previous one and is committed with the run's next
-        write (at once with ``durability="sync"``); a value the run's codec
-        cannot encode raises :class:`~tailrace.EncodeError` here, naming the
-        node and the attempt.
+        write (at once with ``durability="sync"``), without waiting for it:
+        :meth:`checkpoint_durable` returns once it is committed. A value the
+        run's codec cannot encode raises :class:`~tailrace.EncodeError` here,
+        naming the node and the attempt.
+
+        Args:
+            value: the checkpoint, a JSON value.
         """
         if self._sink is None:
             raise RuntimeError(
                 f"node {self.node_id!r}: checkpoint() needs an attempt run by a tailrace engine"
             )
-        self._sink.save(self.node_id, self.visit, self.item, self.attempt, value)
+        self._sink.save(self.node_id, self.visit, self.item, self.attempt, value, self._handle)
+
+    async def checkpoint_durable(self, value: Any) -> None:
+        """Save ``value`` like :meth:`checkpoint`, then return once it is committed (P1).
+
+        :meth:`checkpoint` returns at once: its value is committed with the
+        run's next write (within the group window with ``durability="async"``,
+        at the loop's next step with ``"sync"``), so a process killed right
+        after the call may resume from the checkpoint before. This form waits
+        for that commit: once it returns, a crash resumes from ``value`` or
+        later. Use it before a step that must not be repeated, or where losing
+        progress is expensive. It is for ``async def`` handlers (a ``def``
+        handler's thread cannot await). Without a store, and for a save that
+        is dropped (a try no longer current, a hedge behind its primary), it
+        returns at once.
+
+        Args:
+            value: the checkpoint, a JSON value (a value the codec refuses raises
+                :class:`~tailrace.EncodeError` here).
+        """
+        if self._sink is None:
+            raise RuntimeError(
+                f"node {self.node_id!r}: checkpoint_durable() needs an attempt run by a "
+                "tailrace engine"
+            )
+        ticket = self._sink.save(
+            self.node_id, self.visit, self.item, self.attempt, value, self._handle
+        )
+        await self._sink.wait_committed(ticket)
 
     def stream(self, chunk: Any) -> None:
         """Publish ``chunk``, a JSON value, as partial output of this attempt (S1-S4).

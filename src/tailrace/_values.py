@@ -1,4 +1,5 @@
-"""Values that cross the engine's seams: a gate's ``GateTimeout`` answer (Q5), checked run ids."""
+"""Values that cross the engine's seams: a gate's ``GateTimeout`` answer (Q5), checked run ids
+and stream cursors."""
 
 from __future__ import annotations
 
@@ -52,3 +53,23 @@ def checked_run_id(run_id: Any) -> str:
     if len(run_id) > 512:
         raise ValueError(f"run id {run_id[:40]!r}... is {len(run_id)} characters long; at most 512")
     return run_id
+
+
+#: The largest stream cursor: a row's ``seq`` is a signed 64-bit integer in every store.
+MAX_CURSOR = 2**63 - 1
+
+
+def checked_cursor(after: Any) -> int:
+    """``after`` if it is a stream cursor every store can compare (S3); else a ``ValueError``
+    naming it.
+
+    >>> checked_cursor(2**63)
+    Traceback (most recent call last):
+    ...
+    ValueError: after must be a stream cursor (an integer within 0..9223372036854775807), got 9223372036854775808
+    """
+    if not isinstance(after, int) or isinstance(after, bool) or not 0 <= after <= MAX_CURSOR:
+        raise ValueError(
+            f"after must be a stream cursor (an integer within 0..{MAX_CURSOR}), got {after!r}"
+        )
+    return after

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import sys
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -987,3 +988,17 @@ def test_g1_fuzz_arbitrary_documents_only_ever_raise_graph_error():
         _check_only_graph_errors(doc)
 
     check()
+
+
+@pytest.mark.parametrize("kind", ["task", "map"])
+def test_g1_a_generator_function_as_handler_is_refused_naming_the_node(kind: str) -> None:
+    def items(x: int) -> Iterator[int]:
+        yield x
+
+    async def chunks(x: int) -> AsyncIterator[int]:
+        yield x
+
+    for handler in (items, chunks):
+        g = tr.Graph("gen")
+        with pytest.raises(tr.GraphError, match=r"node 'n'.*is a generator function"):
+            g.add_node("n", handler, kind)

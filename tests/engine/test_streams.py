@@ -601,3 +601,30 @@ async def test_s3_an_on_chunk_listener_sees_each_row_inside_the_stream_call() ->
         pass
     await engine.run(g, 1, run_id="l2")
     assert ("late", 0) not in seen  # a listener that left hears nothing more
+
+
+# --- S3: cursors out of range and unknown runs, alike on every store ----------------------
+
+
+async def test_s3_a_cursor_out_of_range_is_refused_alike_on_every_store(store: RunStore) -> None:
+    g = tr.Graph("cursor")
+    g.add_node("a", lambda x: stream().stream(x))
+    engine = tr.Engine(store=store)
+    await engine.run(g, 1, run_id="cursor")
+    refused = "after must be a stream cursor .*9223372036854775808"
+    with pytest.raises(ValueError, match=refused):
+        engine.stream("cursor", after=2**63)
+    with pytest.raises(ValueError, match=refused):
+        await engine.stored_chunks("cursor", after=2**63)
+    with pytest.raises(ValueError, match=refused):
+        await store.chunks("cursor", after=2**63)
+    assert [c async for c in engine.stream("cursor", after=2**63 - 1)] == []
+
+
+async def test_s3_an_unknown_run_raises_run_not_found_with_a_store_or_without(
+    store: RunStore,
+) -> None:
+    with pytest.raises(tr.RunNotFound):
+        [c async for c in tr.Engine(store=store).stream("no-such-run")]
+    with pytest.raises(tr.RunNotFound, match="no-such-run"):
+        [c async for c in tr.Engine().stream("no-such-run")]

@@ -18,19 +18,42 @@ from that checkpoint.
 
 from __future__ import annotations
 
+import asyncio
+import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from .._codec import Codec
 from .._context import Checkpoint
 from .._errors import EncodeError
 from ..stores import CheckpointRow, ParkedRow
 
-if TYPE_CHECKING:
-    import asyncio
+
+class AttemptHandle(Protocol):
+    """What checkpoints read of the attempt saving one (the run loop's ``Attempt``)."""
+
+    @property
+    def tries(self) -> int:
+        """The attempt's current try (1-based)."""
+
+    @property
+    def finished(self) -> bool:
+        """Whether the attempt ended and was handed to the run loop."""
+
+    @property
+    def hedge(self) -> bool:
+        """Whether the attempt is a hedge (backup) of another one (T3)."""
+
+    @property
+    def abandoned(self) -> bool:
+        """Whether the engine is cancelling it on purpose (a loser, a late item, a park)."""
+
+    #: How far its checkpoints got: those it saved, plus the progress it resumed from.
+    progress: float
+
 
 #: A checkpoint's key: node id, visit, and the item of a map's item (-1 for a node).
 Key = tuple[str, int, int]
@@ -58,7 +81,14 @@ class Checkpoints:
     """
 
     __slots__ = (
+        "_flush",
+        "_held",
         "_loop",
+        "_parking",
+        "_repark",
+        "_saved",
+        "_staged",
+        "_staging",
         "_thread",
         "codec",
         "committed",
@@ -78,6 +108,8 @@ class Checkpoints:
         loop: asyncio.AbstractEventLoop,
         *,
         durable: bool = False,
+        repark: Callable[[ParkedRow], None] | None = None,
+        flush: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.run_id = run_id
         self.codec = codec
@@ -90,9 +122,45 @@ class Checkpoints:
         self.latest: dict[Key, Checkpoint] = {}
         #: Saved since the last write: the rows it will upsert.
         self.pending: dict[Key, CheckpointRow] = {}
+        #: Per key saved here: the attempt whose checkpoint the visit holds, and its progress.
+        self._held: dict[Key, tuple[AttemptHandle, float]] = {}
+        #: Rows parked while their attempt may still be on its way out, and where a row
+        #: goes when that attempt saves a checkpoint on its way (it is parked again).
+        self._parking: dict[Key, ParkedRow] = {}
+        self._repark = repark
+        #: Waits until every write staged so far is committed (None: no store).
+        self._flush = flush
+        #: Saves kept so far, and how many of them the writer has taken (:meth:`take_pending`).
+        self._saved = 0
+        self._staged = 0
+        #: Set when the writer takes the pending rows (wakes :meth:`wait_committed`).
+        self._staging: asyncio.Event | None = None
 
-    def save(self, node_id: str, visit: int, item: int | None, attempt: int, value: Any) -> None:
-        """Encode ``value`` now and make it the attempt's latest checkpoint (P1)."""
+    def save(
+        self,
+        node_id: str,
+        visit: int,
+        item: int | None,
+        attempt: int,
+        value: Any,
+        handle: AttemptHandle | None = None,
+    ) -> int:
+        """Encode ``value`` now and make it try ``attempt``'s latest checkpoint (P1); any thread.
+        The save's ticket for :meth:`wait_committed` (0: dropped, nothing to wait for).
+
+        ``handle`` is the engine's handle on the attempt. A try that is no longer
+        current (a ``def`` handler's thread runs on after its timeout, its retry or
+        its attempt's end: the engine cannot stop it) has its checkpoints dropped,
+        as its stream chunks are.
+        """
+        key = key_of(node_id, visit, item)
+        if handle is not None:
+            if attempt != handle.tries or handle.finished:
+                return 0
+            handle.progress += 1
+            if not self._leads(key, handle):
+                return 0
+            self._held[key] = (handle, handle.progress)
         where = f"node {node_id!r} (visit {visit}" + (f", item {item}" if item is not None else "")
         try:
             text = self.codec.encode(value)
@@ -103,27 +171,85 @@ class Checkpoints:
                 f"encoded: {exc}"
             ) from exc
         now = time.time()
-        key = key_of(node_id, visit, item)
         self.latest[key] = Checkpoint(
             value=value, run_id=self.run_id, node_id=node_id, visit=visit, item=item, saved_at=now
         )
         self.pending[key] = CheckpointRow(node_id, visit, key[2], attempt, text, now)
-        if threading.get_ident() == self._thread:
+        on_loop = threading.get_ident() == self._thread
+        if handle is not None and handle.abandoned and key in self._parking:
+            self._parked_again(key, text, on_loop)
+        if on_loop:
             self.wake()
         else:
             self._loop.call_soon_threadsafe(self.wake)
+        self._saved += 1
+        return self._saved
 
-    def resumed(self, node_id: str, visit: int, item: int | None) -> Checkpoint | None:
-        """The checkpoint an attempt of ``(node, visit, item)`` continues from, if any (P2)."""
+    async def wait_committed(self, ticket: int) -> None:
+        """Return once the save of ``ticket`` is committed to the store (at once: no store, or
+        a save that was dropped); on the event loop's thread."""
+        if self._flush is None or ticket <= 0:
+            return
+        while self._staged < ticket:  # the loop, woken by the save, stages it at its next harvest
+            if self._staging is None:
+                self._staging = asyncio.Event()
+            await self._staging.wait()
+        await self._flush()
+
+    def _parked_again(self, key: Key, text: str, on_loop: bool) -> None:
+        """An attempt parked at its cut saved ``text`` on its way out: its parked row carries it."""
+        row = self._parking[key] = self._parking[key]._replace(checkpoint_json=text)
+        if self._repark is not None:
+            if on_loop:
+                self._repark(row)
+            else:
+                self._loop.call_soon_threadsafe(self._repark, row)
+
+    def _leads(self, key: Key, handle: AttemptHandle) -> bool:
+        """Whether a save by ``handle`` becomes the visit's checkpoint: the furthest progress.
+
+        Progress is how many checkpoints an attempt saved since it started afresh
+        (an attempt that resumed counts from the checkpoint it resumed from). The
+        visit keeps the checkpoint of the attempt that got furthest: the attempt
+        holding it always replaces its own, another one (a hedge and its primary)
+        only once it got further; on a tie the primary keeps it. A checkpoint
+        committed before this process took the run counts as furthest: an
+        attempt resumed from it holds it, and a backup, which starts afresh,
+        never replaces it.
+        """
+        held = self._held.get(key)
+        if held is None:
+            if key not in self.committed:
+                return True
+            holder, progress = None, math.inf
+        else:
+            holder, progress = held
+        if holder is handle:
+            return True
+        return handle.progress > progress or (handle.progress == progress and not handle.hedge)
+
+    def resumed(
+        self, node_id: str, visit: int, item: int | None, handle: AttemptHandle | None = None
+    ) -> Checkpoint | None:
+        """The checkpoint an attempt of ``(node, visit, item)`` continues from, if any (P2);
+        ``handle``, the attempt starting from it, counts its progress from there."""
         if not self.latest and not self.committed:
             return None
         key = key_of(node_id, visit, item)
-        return self.latest.get(key) or self.committed.get(key)
+        checkpoint = self.latest.get(key) or self.committed.get(key)
+        if handle is not None and checkpoint is not None:
+            held = self._held.get(key)
+            handle.progress = math.inf if held is None else held[1]
+        return checkpoint
 
     def take_pending(self) -> list[CheckpointRow]:
         """The rows saved since the last call (the next write's), one per key."""
         rows = list(self.pending.values())
         self.pending.clear()
+        self._staged = self._saved
+        if self._staging is not None:
+            self._staging.set()
+            self._staging = None
         return rows
 
     # -- parking (P3, P4) ----------------------------------------------------------
@@ -132,7 +258,11 @@ class Checkpoints:
         self, graph_name: str, node_id: str, visit: int, item: int | None, value: Any
     ) -> ParkedRow | None:
         """A straggler of ``node_id`` as it is parked (P3): what it runs on and its checkpoint;
-        None when it cannot be kept (no store, or a value the codec refuses: it is cancelled)."""
+        None when it cannot be kept (no store, or a value the codec refuses: it is cancelled).
+
+        Its attempt, cancelled at the park, may save a checkpoint on its way out (in an
+        ``except CancelledError``): the row is then parked again with it (``repark``).
+        """
         if not self.durable:
             return None
         checkpoint = self.resumed(node_id, visit, item)
@@ -141,11 +271,12 @@ class Checkpoints:
             checkpoint_json = None if checkpoint is None else self.codec.encode(checkpoint.value)
         except (TypeError, ValueError):
             return None
-        return ParkedRow(
+        row = self._parking[key_of(node_id, visit, item)] = ParkedRow(
             park_id=uuid.uuid4().hex, graph_name=graph_name, node_id=node_id,
             run_id=self.run_id, visit=visit, item=-1 if item is None else item,
             value_json=value_json, checkpoint_json=checkpoint_json, parked_at=time.time(),
         )  # fmt: skip
+        return row
 
     def unpark(self, node_id: str, visit: int, parked: list[ParkedRow]) -> None:
         """The parked items a map's ``visit`` took as its first items continue from their

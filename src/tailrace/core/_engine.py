@@ -21,7 +21,7 @@ from typing import Any
 from .._codec import DEFAULT_CODEC, Codec
 from .._errors import EncodeError, LeaseHeld, NotResumable
 from .._events import EventBus
-from .._values import checked_run_id
+from .._values import checked_cursor, checked_run_id
 from ..executors import Executor
 from ..executors._base import ExecutorTable
 from ..graph import Graph
@@ -412,10 +412,9 @@ class Engine:
             run_id: the run to read.
             after: the cursor: only rows with a larger ``seq`` (0: from the start).
         """
-        run_id = checked_run_id(run_id)
-        if not isinstance(after, int) or isinstance(after, bool) or after < 0:
-            raise ValueError(f"after must be a stream cursor (an integer >= 0), got {after!r}")
-        return read_stream(self.store, self._codec, self.stream_hub, run_id, after)
+        return read_stream(
+            self.store, self._codec, self.stream_hub, checked_run_id(run_id), checked_cursor(after)
+        )
 
     def on_chunk(
         self, run_id: str, callback: Callable[[Chunk], object]

@@ -34,6 +34,7 @@ class Attempt:
         "index",
         "item",
         "items",
+        "progress",
         "released",
         "started",
         "straggled",
@@ -84,6 +85,8 @@ class Attempt:
         self.waiting = 0
         #: The id of this attempt's open stream once it published a chunk (S1), until its mark.
         self.stream: int | None = None
+        #: How far its checkpoints got: those it saved, plus the progress it resumed from (P2).
+        self.progress = 0.0
 
     def abandon(self) -> None:
         """Cancel this attempt on purpose."""

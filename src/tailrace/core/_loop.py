@@ -120,8 +120,9 @@ class RunLoop:
         codec = writer.codec if writer is not None else codec or DEFAULT_CODEC
         #: What attempts save with ``current_node().checkpoint`` and resume from (P1, P2).
         self.checkpoints = Checkpoints(
-            run_id, codec, state.checkpoints, self.poke, self.loop, durable=writer is not None
-        )
+            run_id, codec, state.checkpoints, self.poke, self.loop, durable=writer is not None,
+            repark=self.outbox.repark, flush=None if writer is None else writer.flush,
+        )  # fmt: skip
         #: The run's stream chunks and their terminal marks (S1-S4).
         self.streams = Streams(
             run_id, topo.ids, codec, stream_hub, durable=writer is not None, poke=self.poke,

@@ -67,6 +67,15 @@ class Outbox:
         self.superseded: list[str] = []
         self.parked: list[ParkedRow] = []
 
+    def repark(self, row: ParkedRow) -> None:
+        """Park ``row`` again: its attempt saved a checkpoint on its way out (P3). It replaces
+        the row of the same park id still unstaged; a staged one is updated by the store."""
+        for n, staged in enumerate(self.parked):
+            if staged.park_id == row.park_id:
+                self.parked[n] = row
+                return
+        self.parked.append(row)
+
     def emit(
         self,
         type: EventType,

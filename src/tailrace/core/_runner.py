@@ -115,7 +115,7 @@ class AttemptRunner:
         # Written out: this is every plain node's path; a run without checkpoints skips the lookup.
         resumed = None
         if (cps.latest or cps.committed) and not attempt.hedge:
-            resumed = cps.resumed(node.id, attempt.visit, item)
+            resumed = cps.resumed(node.id, attempt.visit, item, attempt)
         set_current(
             (self.run_id, node.id, attempt.visit, attempt.tries, item, cps, resumed,
              self.streams, attempt)
@@ -166,10 +166,11 @@ class AttemptRunner:
 
     def _resumed(self, node: Node, attempt: Attempt) -> Checkpoint | None:
         """The checkpoint a new attempt continues from (P2); a hedge starts afresh."""
+        attempt.progress = 0.0
         if attempt.hedge:
             return None
         item = None if attempt.item < 0 else attempt.item
-        return self.checkpoints.resumed(node.id, attempt.visit, item)
+        return self.checkpoints.resumed(node.id, attempt.visit, item, attempt)
 
     def _ended(self, attempt: Attempt, exc: BaseException) -> bool:
         """The attempt raised ``exc``: record it; True if it must propagate (a cancellation).
@@ -214,11 +215,16 @@ class AttemptRunner:
                     raise
                 delay = retry.delay(tries)
                 self._retrying(attempt, tries, exc, delay)
-                await asyncio.sleep(delay)
+                # The failed try is over now: what its thread (a ``def`` handler cut by its
+                # timeout) still checkpoints or streams is dropped from here on.
                 tries += 1
                 attempt.tries = tries
+                await asyncio.sleep(delay)
                 # The next try starts over, or from the latest checkpoint (P2).
-                resumed = self._resumed(node, attempt) if retry.resume else None
+                if retry.resume:
+                    resumed = self._resumed(node, attempt)
+                else:
+                    resumed, attempt.progress = None, 0.0
                 # The next try is no longer due.
                 if items is None:
                     self._state.nodes[attempt.index].retry_due = None

@@ -469,11 +469,18 @@ async def read_stream(
     what the hub delivered (rows published before the reader listened) is
     filled from the store, and rows at or below the cursor are skipped, so a
     reader sees each row once. The run ends when its stored status is
-    completed, failed or cancelled and every row it committed was read.
+    completed, failed or cancelled and every row it committed was read. An
+    unknown run raises :class:`~tailrace.RunNotFound`, with a store or without
+    (then a run this process does not drive now is unknown).
     """
     cursor = after
     with hub.listen(run_id, after) as local:
         if store is None:  # an engine without a store: only what its own runs publish
+            if not hub.live(run_id) and not local.chunks:
+                raise RunNotFound(
+                    f"no run {run_id!r} driven by this engine (it has no store: only the runs "
+                    "it drives now can be read)"
+                )
             while hub.live(run_id) or local.chunks:
                 while local.chunks:
                     chunk = local.chunks.popleft()

@@ -29,6 +29,7 @@ from ._node import (
     RetryPolicy,
     _check_option_types,
 )
+from ._references import is_generator_callable
 from ._topology import Topology
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -138,6 +139,12 @@ class Graph:
         child = isinstance(handler, Graph)
         if not child and not callable(handler):
             raise GraphError(f"node {name!r}: handler {handler!r} is not callable")
+        if not child and is_generator_callable(handler):
+            raise GraphError(
+                f"node {name!r}: handler {getattr(handler, '__qualname__', handler)!r} is a "
+                "generator function; a handler returns its result (for a list of items, "
+                "return list(...) of the generator)"
+            )
         options: dict[str, Any] = {
             "required": required,
             "max_visits": max_visits,

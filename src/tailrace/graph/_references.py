@@ -162,3 +162,10 @@ def guess_reference(graph: Graph) -> str | None:
             if value is graph:
                 return f"{module_name}:{attr}"
     return None
+
+
+def is_generator_callable(fn: Callable[..., Any]) -> bool:
+    """True for generator functions (``def`` or ``async def`` with ``yield``), and objects whose
+    ``__call__`` is one: calling them starts a generator instead of running them (G1)."""
+    call = getattr(fn, "__call__", None)  # noqa: B004 - we want the bound __call__
+    return any(inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f) for f in (fn, call))

@@ -34,6 +34,7 @@ from .._errors import (
     StoreError,
     UnsupportedFormat,
 )
+from .._values import checked_cursor
 from ._records import (
     FORMAT_VERSION,
     QUESTION_TRANSITIONS,
@@ -482,9 +483,8 @@ _CHUNK_NODE = operator.itemgetter(2)
 
 
 def check_cursor(after: object, limit: object) -> None:
-    """Refuse a stream cursor that is not a count >= 0, or a ``limit`` that is not >= 1."""
-    if not isinstance(after, int) or isinstance(after, bool) or after < 0:
-        raise ValueError(f"after must be a stream cursor (an integer >= 0), got {after!r}")
+    """Refuse a stream cursor out of range (see ``checked_cursor``), or a ``limit`` not >= 1."""
+    checked_cursor(after)
     if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 100_000:
         raise ValueError(f"limit must be an integer within 1..100000, got {limit!r}")
 

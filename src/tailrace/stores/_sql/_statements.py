@@ -98,8 +98,11 @@ PARKED_FIELDS = (
     "checkpoint_json", "parked_at", "status", "claimed_by", "claimed_at",
 )  # fmt: skip
 PARKED_COLUMNS = ", ".join(PARKED_FIELDS)
+#: A row parked again (its attempt saved on its way out) updates the checkpoint while unclaimed.
 INSERT_PARKED = (
-    f"INSERT INTO parked_items ({PARKED_COLUMNS}) VALUES ({', '.join('?' * len(PARKED_FIELDS))})"
+    f"INSERT INTO parked_items ({PARKED_COLUMNS}) VALUES ({', '.join('?' * len(PARKED_FIELDS))}) "
+    "ON CONFLICT (park_id) DO UPDATE SET checkpoint_json = excluded.checkpoint_json "
+    "WHERE parked_items.status = 'parked'"
 )
 SELECT_PARKED = f"SELECT {PARKED_COLUMNS} FROM parked_items"
 #: P4: claim up to ``limit`` parked items of a node (oldest first) for one map

@@ -201,7 +201,12 @@ class MemoryStore(RunStore):
             self._frozen[run_id].update(((f.node_id, f.activation), f) for f in harvest.frozen)
             if harvest.items:
                 self._items[run_id].update(((r.node_id, r.visit, r.item), r) for r in harvest.items)
-            self._parked.update((r.park_id, r) for r in harvest.parked)
+            for r in harvest.parked:  # parked again: the checkpoint is updated while unclaimed
+                held = self._parked.get(r.park_id)
+                if held is None or held.status == "parked":
+                    self._parked[r.park_id] = (
+                        r if held is None else held._replace(checkpoint_json=r.checkpoint_json)
+                    )
             self._unclaim(harvest.unclaimed)
             if harvest.checkpoints:
                 self._checkpoints[run_id].update(
