@@ -233,13 +233,10 @@ class InFlight:
         """Whether nothing ended and nobody poked since the last harvest."""
         return not self.done and not self.poked
 
-    async def wait(self) -> None:
-        """Wait until an attempt ends or the loop is poked."""
-        self._wake = asyncio.get_running_loop().create_future()
-        try:
-            await self._wake
-        finally:
-            self._wake = None
+    def waiter(self) -> asyncio.Future[None]:
+        """A future done when an attempt ends or the loop is poked (awaited by the loop)."""
+        self._wake = wake = asyncio.get_running_loop().create_future()
+        return wake
 
     def take(self) -> list[Attempt]:
         """The attempts that ended since the last call; clears the poke."""

@@ -51,6 +51,19 @@ _HEDGE_DATA: Mapping[str, Any] = MappingProxyType({"hedge": True})
 _CANCELLABLE = frozenset({NodeStatus.RUNNING, NodeStatus.QUEUED, NodeStatus.WAITING})
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LoopSettings:
+    """What every run one engine drives shares: its slots (None: unbounded), each run's
+    capacity, the admission policy, the codec, the stream hub and the chunk bound (E3, S1)."""
+
+    engine_slots: SlotQueue | None = None
+    run_capacity: int | None = None
+    policy: AdmissionPolicy
+    codec: Codec = DEFAULT_CODEC
+    stream_hub: StreamHub | None = None
+    max_stream_chunks: int = MAX_STREAM_CHUNKS
+
+
 class RunLoop:
     """Drives one run to completion, suspension or failure."""
 
@@ -61,38 +74,28 @@ class RunLoop:
         state: RunState,
         publish: Callable[[Event], None] | None,
         writer: RunWriter | None,
-        engine_slots: SlotQueue | None,
-        run_capacity: int | None,
-        policy: AdmissionPolicy,
+        settings: LoopSettings,
         tail: TailHooks | None = None,
         event_seq: int = 0,
         turn: int = 0,
         durability: str = "async",
         executors: list[Executor | None] | None = None,
-        codec: Codec | None = None,
-        stream_hub: StreamHub | None = None,
-        max_stream_chunks: int = MAX_STREAM_CHUNKS,
         deadline: float | None = None,
         parent_run_id: str | None = None,
     ) -> None:
         self.run_id = run_id
-        #: When the run is cancelled if it has not finished (R6), and the run it is a child of.
-        self.deadline = deadline
+        self.deadline = deadline  # the run is cancelled then if it has not finished (R6)
         self.parent_run_id = parent_run_id
         self._deadline_timer: asyncio.TimerHandle | None = None
-        #: Why the run is cancelled: "deadline" when its deadline passed (R6).
-        self.cancel_reason: str | None = None
-        #: Set by :meth:`request_cancel`: the run ends ``cancelled`` at its next wake-up.
-        self.cancel_requested = False
-        #: Advances each time the run suspends on its gates (Q2).
-        self.turn = turn
+        self.cancel_reason: str | None = None  # "deadline" when its deadline passed (R6)
+        self.cancel_requested = False  # by request_cancel: it ends at its next wake-up
+        self.turn = turn  # advances each time the run suspends on its gates (Q2)
         self.state = state
         self.topo = topo = state.topo
         self.loop = asyncio.get_running_loop()
         self.started_at = time.monotonic()
         self.inflight = InFlight()
-        #: Wakes the loop for an empty harvest (see :meth:`InFlight.poke`).
-        self.poke: Callable[[], None] = self.inflight.poke
+        self.poke: Callable[[], None] = self.inflight.poke  # an empty harvest, now
         self._writer = writer
         #: "sync": successors start only once their upstream's completion is durable.
         self._sync = durability == "sync" and writer is not None
@@ -106,18 +109,17 @@ class RunLoop:
         )  # fmt: skip
         #: Buffers an event; it is committed with the harvest and then published.
         self.emit = self.outbox.emit
-        self.admission = RunAdmission(engine_slots, run_capacity, policy)
+        self.admission = RunAdmission(settings.engine_slots, settings.run_capacity, settings.policy)
         self._bounded = self.admission.bounded
         self._gate = tuple(n.kind is NodeKind.GATE for n in topo.nodes)
-        #: Map nodes run their handler per item (M1).
-        self._map = tuple(n.kind is NodeKind.MAP for n in topo.nodes)
+        self._map = tuple(n.kind is NodeKind.MAP for n in topo.nodes)  # a handler per item (M1)
         self._durations = [0.0] * len(topo.ids)
         self._late_seen = len(state.late)
         #: Aggregates with ``late="cancel"`` that fired in the current harvest.
         self._fired_cancel: list[int] = []
         #: The attempt whose failure is failing the run (E9), until its slots are freed.
         self._failing: Attempt | None = None
-        codec = writer.codec if writer is not None else codec or DEFAULT_CODEC
+        codec = writer.codec if writer is not None else settings.codec
         #: What attempts save with ``current_node().checkpoint`` and resume from (P1, P2).
         self.checkpoints = Checkpoints(
             run_id, codec, state.checkpoints, self.poke, self.loop, durable=writer is not None,
@@ -125,8 +127,8 @@ class RunLoop:
         )  # fmt: skip
         #: The run's stream chunks and their terminal marks (S1-S4).
         self.streams = Streams(
-            run_id, topo.ids, codec, stream_hub, durable=writer is not None, poke=self.poke,
-            max_chunks=max_stream_chunks,
+            run_id, topo.ids, codec, settings.stream_hub, durable=writer is not None,
+            poke=self.poke, max_chunks=settings.max_stream_chunks,
         )  # fmt: skip
         #: Stragglers and hedges of this run, when the engine has tail hooks (T3).
         self.hedger = None if tail is None else Hedger(
@@ -180,9 +182,28 @@ class RunLoop:
                             and children.waiting_only(inflight.attempts)
                         ):
                             return await self._suspend_on_children(children)
-                        await inflight.wait()
-                    if await self._step():
+                        await inflight.waiter()  # a future, not a coroutine per wake-up
+                    if self._writer is not None:
+                        # A write failed: dispatch nothing more; the handler below
+                        # cancels and awaits what runs, and re-raises (E9, D1).
+                        self._writer.raise_failure()
+                    if self.cancel_requested:
                         return await self._cancel()
+                    failure = self._harvest(inflight.take())
+                    if failure is not None:
+                        await self._fail(*failure)
+                    if self._sync and (self.state.ready or self.checkpoints.pending):
+                        # Durability "sync": what this harvest completed is durable
+                        # before anything that consumes it starts; completions that
+                        # arrive meanwhile join the next write (group commit).
+                        await self.checkpoint()
+                    self._dispatch_ready()
+                    if self.maps is not None and self.maps.claims:
+                        await self._take_parked()
+                    if self.hedger is not None and self.hedger.backup_candidates:
+                        self.hedger.back_up()  # a slot may have been freed
+                    if self._stage(defer=True):  # a plain call: no coroutine per wake-up
+                        await self._durable()  # the store fell behind: wait for it
                 # Answers that came in while other branches ran: take them now
                 # rather than suspend (Q1).
                 if not await self.absorb_answers():
@@ -202,32 +223,6 @@ class RunLoop:
             if self.children is not None:
                 await self.children.close()
 
-    async def _step(self) -> bool:
-        """One wake-up: harvest what ended, dispatch what became ready, stage; True when the
-        run was asked to cancel instead."""
-        if self._writer is not None:
-            # A write failed: dispatch nothing more; drive's handler cancels and
-            # awaits what runs, and re-raises (E9, D1).
-            self._writer.raise_failure()
-        if self.cancel_requested:
-            return True
-        failure = self._harvest(self.inflight.take())
-        if failure is not None:
-            await self._fail(*failure)
-        if self._sync and (self.state.ready or self.checkpoints.pending):
-            # Durability "sync": what this harvest completed is durable before
-            # anything that consumes it starts; completions that arrive
-            # meanwhile join the next write (group commit).
-            await self.checkpoint()
-        self._dispatch_ready()
-        if self.maps is not None and self.maps.claims:
-            await self._take_parked()
-        if self.hedger is not None and self.hedger.backup_candidates:
-            self.hedger.back_up()  # a slot may have been freed
-        if self._stage(defer=True):  # a plain call: no coroutine per wake-up
-            await self._durable()  # the store fell behind: wait for it
-        return False
-
     def _arm_deadline(self) -> None:
         """Cancel the run at its deadline (R6); at once when it passed already."""
         assert self.deadline is not None
@@ -242,48 +237,13 @@ class RunLoop:
         self.request_cancel()
 
     def _completions_needed(self) -> int:
-        """How many of the children awaited must end before the run can move on (R4).
-
-        A map before its decision needs k minus its successes (of the items
-        still waiting), after it every item still running. A task node's child
-        lets the run move on when its result starts a node: a task successor
-        at once, an aggregate only once it has its quorum, so children that
-        all feed one join wake their parent once, at the last of them, not at
-        each. A child whose result starts nothing moves the run on only when
-        every child awaited has ended. The run wakes at the least of these, or
-        at once when a child fails or is cancelled. Each figure is a bound from
-        below (an input that comes late, E7, only makes the wake early), so a
-        parent never sleeps past the end that lets it go on.
-        """
+        """How many of the children awaited must end before the run can move on (R4)."""
         waiting: dict[int, list[Attempt]] = {}
         for attempt in self.inflight.attempts:
             waiting.setdefault(attempt.index, []).append(attempt)
-        total = sum(len(attempts) for attempts in waiting.values())
-        needed = [total]
-        for i, attempts in waiting.items():
-            items = attempts[0].items
-            if items is None:
-                needed.append(self._task_child_unlocks(i, total))
-            elif items.winners is not None:
-                needed.append(len(attempts))
-            else:
-                k = len(items) if items.k is None else items.k
-                needed.append(min(max(k - items.succeeded, 1), len(attempts)))
-        return max(min(needed), 1)
-
-    def _task_child_unlocks(self, i: int, total: int) -> int:
-        """The least number of children's ends after which node ``i``'s result starts a node."""
-        topo, nodes = self.topo, self.state.nodes
-        if nodes[i].pending is not None or topo.nodes[i].kind is not NodeKind.TASK:
-            return 1  # its end starts its next visit (E7), or a route decides
-        least = total
-        for edge in topo.out_edges[i]:
-            t = edge.target
-            if topo.nodes[t].kind is not NodeKind.AGGREGATE:
-                return 1
-            inputs = nodes[t].inputs
-            least = min(least, topo.required[t] - (len(inputs) if inputs else 0))
-        return max(least, 1)
+        return self.state.ends_that_wake(
+            {i: (len(attempts), attempts[0].items) for i, attempts in waiting.items()}
+        )
 
     async def _suspend_on_children(self, children: Children) -> RunResult:
         """Every attempt in flight only waits on a child run: suspend, holding nothing (R4).

@@ -39,7 +39,7 @@ from ._children import (
 from ._driving import Drivers
 from ._instruments import Instruments, RunCall
 from ._lease import Lease
-from ._loop import RunLoop
+from ._loop import LoopSettings, RunLoop
 from ._outcome import RunResult
 from ._queued import Queueing, cancel_unstarted, stored_result, to_apply
 from ._restore import Graphs, late_inputs, restore_run
@@ -112,6 +112,11 @@ class RunOpener:
         self.max_stream_chunks = max_stream_chunks
         self._child_runner = child_runner
         self._queueing = queueing
+        #: What every loop made here shares.
+        self.loop_settings = LoopSettings(
+            engine_slots=slots, run_capacity=run_capacity, policy=policy, codec=codec,
+            stream_hub=stream_hub, max_stream_chunks=max_stream_chunks,
+        )  # fmt: skip
 
     def require_store(self, what: str) -> RunStore:
         """The store, or :class:`NotResumable` saying that ``what`` needs one."""
@@ -461,17 +466,12 @@ class RunOpener:
             state=state,
             publish=self.bus.publish if self.bus.active else None,
             writer=writer,
-            engine_slots=self.slots,
-            run_capacity=self.run_capacity,
-            policy=self.policy,
+            settings=self.loop_settings,
             tail=self._tail_for(state.topo),
             event_seq=event_seq,
             turn=turn,
             durability=self.drivers.durability.get(run_id, self.durability),
             executors=self.instruments.executors(self.executors).plan(state.topo),
-            codec=self.codec,
-            stream_hub=self.stream_hub,
-            max_stream_chunks=self.max_stream_chunks,
             deadline=deadline,
             parent_run_id=parent,
         )

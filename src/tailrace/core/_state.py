@@ -450,6 +450,47 @@ class RunState:
         self.dirty_items.clear()
         return dirty
 
+    def ends_that_wake(self, waiting: dict[int, tuple[int, MapItems | None]]) -> int:
+        """How many ends of the children awaited let the run move on (R4); ``waiting`` maps
+        each node with attempts waiting on a child to (how many, its map visit's items).
+
+        A map before its decision needs k minus its successes (of the items
+        still waiting), after it every item still running. A task node's child
+        lets the run move on when its result starts a node: a task successor
+        at once, an aggregate only once it has its quorum, so children that
+        all feed one join wake their parent once, at the last of them, not at
+        each. A child whose result starts nothing moves the run on only when
+        every child awaited has ended. The run wakes at the least of these, or
+        at once when a child fails or is cancelled. Each figure is a bound from
+        below (an input that comes late, E7, only makes the wake early), so a
+        parent never sleeps past the end that lets it go on.
+        """
+        total = sum(count for count, _ in waiting.values())
+        needed = [total]
+        for i, (count, items) in waiting.items():
+            if items is None:
+                needed.append(self._child_unlocks(i, total))
+            elif items.winners is not None:
+                needed.append(count)
+            else:
+                k = len(items) if items.k is None else items.k
+                needed.append(min(max(k - items.succeeded, 1), count))
+        return max(min(needed), 1)
+
+    def _child_unlocks(self, i: int, total: int) -> int:
+        """The least number of children's ends after which node ``i``'s result starts a node."""
+        topo, nodes = self.topo, self.nodes
+        if nodes[i].pending is not None or topo.nodes[i].kind is not NodeKind.TASK:
+            return 1  # its end starts its next visit (E7), or a route decides
+        least = total
+        for edge in topo.out_edges[i]:
+            t = edge.target
+            if topo.nodes[t].kind is not NodeKind.AGGREGATE:
+                return 1
+            inputs = nodes[t].inputs
+            least = min(least, topo.required[t] - (len(inputs) if inputs else 0))
+        return max(least, 1)
+
 
 class ItemStatus(enum.StrEnum):
     """Lifecycle of one item of a map visit (M2-M5)."""
