@@ -437,3 +437,25 @@ async def test_v4_a_forks_first_stretch_names_the_engine_that_drove_it(tmp_path:
         drivers = stretches_of(await store.events("fork"))
     assert forked.output == 4
     assert [d.owner for d in drivers] == [engine.owner]
+
+
+async def test_v4_a_fork_whose_input_does_not_encode_is_refused_before_anything_is_written(
+    backend: Backend,
+) -> None:
+    """D5 for forks: a non-JSON ``input`` is refused naming the fork, its node and the input,
+    and no run is created (no ghost left ``running`` with nothing to resume)."""
+    probe = Probe()
+    source_id = new_id("source")
+    eng = engine(backend)
+    await eng.run(fork_graph(probe), "in", run_id=source_id)
+    fork_id = new_id("fork")
+
+    with pytest.raises(tr.EncodeError) as refused:
+        await eng.fork(source_id, at="c", input={"when": object()}, fork_id=fork_id)
+
+    message = str(refused.value)
+    assert repr(fork_id) in message and "node 'c'" in message and "input" in message
+    assert {r.run_id for r in await backend.store.list_runs()} == {source_id}
+    with pytest.raises(tr.RunNotFound):
+        await backend.store.get_run(fork_id)
+    assert probe.executions("c") == 1  # nothing of the fork ran

@@ -198,15 +198,15 @@ class RunOpener:
         self, run_id: str, at: str, graph: Graph | None, input: Any, fork_id: str
     ) -> RunResult:
         store = self.require_store("fork")
+        fork_id = checked_run_id(fork_id)
         source = await store.load_run(checked_run_id(run_id))
         known = self.graphs.get(source.run)
         forked = self.graphs.of(source.run, graph)
         old = await stored_shape(store, source.run, known)
-        plan = await plan_fork(store, self.codec, source, forked, at, input, old)
+        plan = await plan_fork(store, self.codec, source, forked, at, input, old, fork_id)
         topo = forked.compile()
         self.executors.plan(topo)
         self.graphs.add(forked, topo.fingerprint)
-        fork_id = checked_run_id(fork_id)
         ref = guess_reference(forked) or source.run.graph_ref
 
         async def open_loop(writer: RunWriter) -> RunLoop:

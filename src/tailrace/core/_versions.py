@@ -31,6 +31,7 @@ from typing import Any
 from .._codec import Codec
 from .._errors import (
     CorruptRecord,
+    EncodeError,
     GraphMismatch,
     Incompatibility,
     LeaseHeld,
@@ -465,8 +466,10 @@ async def plan_fork(
     at: str,
     payload: Any,
     old: Shape | None,
+    fork_id: str,
 ) -> ForkPlan:
-    """The starting state of a fork of ``source`` at node ``at`` on ``graph`` (V4). Reads only.
+    """The starting state of fork ``fork_id`` of ``source`` at node ``at`` on ``graph`` (V4).
+    Reads only.
 
     Every node not downstream of ``at`` keeps the source's committed state
     (results, visits, first-k decisions, collected inputs); of those, one
@@ -476,6 +479,8 @@ async def plan_fork(
     it starts fresh, and the outputs of reused nodes into it are delivered
     again, before anything the fork runs. On a changed graph, V1 is checked
     over the reused nodes only (``old`` is the source version's structure).
+    A ``payload`` the codec cannot encode is refused here, before the fork
+    writes anything (D5); the fork runs with it as it reads back.
     """
     topo = graph.compile()
     run_id = source.run.run_id
@@ -490,6 +495,8 @@ async def plan_fork(
     require_compatible(report)
     if payload is None:
         payload = await _last_payload(store, codec, source, at)
+    else:
+        payload = _fork_input(codec, payload, fork_id, run_id, at)
     keep = set(reused)
     rows = {node_id: source.nodes[node_id] for node_id in reused}
     items = [r for r in source.items if r.node_id in keep]
@@ -510,6 +517,23 @@ async def plan_fork(
         state=state, results=results, frozen=frozen, items=items, big=big,
         input=_decode(codec, source.run.input_json, run_id, "input"), reused=reused,
     )  # fmt: skip
+
+
+def _fork_input(codec: Codec, payload: Any, fork_id: str, run_id: str, at: str) -> Any:
+    """``payload`` as it reads back from the codec; :class:`EncodeError` naming the fork, its
+    node and the input when it does not encode (D5)."""
+    try:
+        return codec.decode(codec.encode(payload))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise EncodeError(
+            f"fork {fork_id!r} of run {run_id!r} at node {at!r}: input {_brief(payload)} "
+            f"cannot be encoded: {exc}"
+        ) from exc
+
+
+def _brief(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _rerun_unfinished(state: RunState, reused: Sequence[int]) -> None:
