@@ -25,7 +25,15 @@ from .._events import EventBus, EventType
 from .._values import checked_run_id
 from ..executors._base import ExecutorTable
 from ..graph import Graph, Topology, guess_reference
-from ..stores import TERMINAL_STATUSES, MemoryStore, RunRecord, RunStatus, RunStore, StoredRun
+from ..stores import (
+    TERMINAL_STATUSES,
+    MemoryStore,
+    RunRecord,
+    RunStatus,
+    RunStore,
+    StoredRun,
+    StreamHead,
+)
 from ..tail import TailHooks
 from ._admission import AdmissionPolicy, SlotQueue
 from ._children import (
@@ -211,8 +219,12 @@ class RunOpener:
 
         async def open_loop(writer: RunWriter) -> RunLoop:
             writer.refer(plan.big)
-            writer.carry(plan.results, plan.frozen, plan.items)
+            writer.carry(plan.results, plan.frozen, plan.items, plan.chunks)
             loop = self.loop_for(fork_id, plan.state, writer)
+            # The carried stream rows come first: the fork's own are numbered after them,
+            # and a reader here waits for their commit instead of for the fork's first chunk.
+            loop.streams.reopen(StreamHead(last_seq=len(plan.chunks)))
+            self.stream_hub.note(fork_id, len(plan.chunks))
             loop.emit(
                 EventType.RUN_STARTED, graph=forked.name, forked_from=run_id, at=at,
                 owner=self.owner,

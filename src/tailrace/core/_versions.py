@@ -15,7 +15,8 @@ is checked against what a run did without the old code:
   :func:`migrate_runs` does it over the live runs of a graph name.
 - :func:`plan_fork` builds the state of a fork: the source run's committed
   state for every node not downstream of the fork's node, that node activated
-  afresh, and everything downstream of it fresh (V4).
+  afresh, and everything downstream of it fresh (V4), and the streams the
+  reused nodes' accepted attempts wrote, numbered from the fork's cursor 1.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .._errors import (
 )
 from ..graph import Graph, NodeKind, Topology, graph_shape, guess_reference
 from ..stores import (
+    ChunkRow,
     FrozenInput,
     ItemRow,
     ResultRow,
@@ -51,6 +53,7 @@ from ..stores import (
 from ._lease import Lease
 from ._restore import restore_run
 from ._state import NodeStatus, RunState, switch_edges
+from ._streams import READ_BATCH, ChunkKind
 
 #: The statuses of a run that has state to move onto another version (V2).
 LIVE = (RunStatus.RUNNING, RunStatus.SUSPENDED)
@@ -444,6 +447,8 @@ class ForkPlan:
     input: Any
     #: Ids of the reused nodes, in definition order.
     reused: tuple[str, ...]
+    #: The stream rows of the reused nodes' accepted attempts, renumbered 1..n (S1-S3).
+    chunks: list[ChunkRow]
 
 
 def downstream_of(topo: Topology, start: int) -> set[int]:
@@ -513,10 +518,38 @@ async def plan_fork(
     state.activate(a, payload)
     results = [r for r in await store.results(run_id) if r.node_id in keep] if keep else []
     frozen = [f for f in await store.frozen_inputs(run_id) if f.node_id in keep] if keep else []
+    chunks = await _accepted_streams(store, run_id, keep) if keep else []
     return ForkPlan(
         state=state, results=results, frozen=frozen, items=items, big=big,
         input=_decode(codec, source.run.input_json, run_id, "input"), reused=reused,
+        chunks=chunks,
     )  # fmt: skip
+
+
+async def _accepted_streams(store: RunStore, run_id: str, keep: set[str]) -> list[ChunkRow]:
+    """The stream rows of run ``run_id`` whose attempts, of nodes in ``keep``, were accepted
+    (their chunks and marks, S2), in the source's order, renumbered 1..n as the fork's own.
+
+    A stream that was discarded or is still open (the source runs on) is left out: what a
+    fork carries is what the results it reuses were made with.
+    """
+    rows: list[ChunkRow] = []
+    accepted: set[int] = set()
+    after = 0
+    while batch := await store.chunks(run_id, after=after, limit=READ_BATCH):
+        after = batch[-1].seq
+        for row in batch:
+            if row.node_id in keep:
+                rows.append(row)
+                if row.kind == ChunkKind.ACCEPTED:
+                    accepted.add(row.stream)
+    carried: list[ChunkRow] = []
+    first: dict[int, int] = {}  # a source stream -> its first row's seq in the fork
+    for row in rows:
+        if row.stream in accepted:
+            seq = len(carried) + 1
+            carried.append(row._replace(seq=seq, stream=first.setdefault(row.stream, seq)))
+    return carried
 
 
 def _fork_input(codec: Codec, payload: Any, fork_id: str, run_id: str, at: str) -> Any:
