@@ -8,7 +8,9 @@ checked against it, resumed on it, migrated onto it, or forked from it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -437,3 +439,140 @@ async def test_v4_a_forks_first_stretch_names_the_engine_that_drove_it(tmp_path:
         drivers = stretches_of(await store.events("fork"))
     assert forked.output == 4
     assert [d.owner for d in drivers] == [engine.owner]
+
+
+async def test_v4_a_fork_whose_input_does_not_encode_is_refused_before_anything_is_written(
+    backend: Backend,
+) -> None:
+    """D5 for forks: a non-JSON ``input`` is refused naming the fork, its node and the input,
+    and no run is created (no ghost left ``running`` with nothing to resume)."""
+    probe = Probe()
+    source_id = new_id("source")
+    eng = engine(backend)
+    await eng.run(fork_graph(probe), "in", run_id=source_id)
+    fork_id = new_id("fork")
+
+    with pytest.raises(tr.EncodeError) as refused:
+        await eng.fork(source_id, at="c", input={"when": object()}, fork_id=fork_id)
+
+    message = str(refused.value)
+    assert repr(fork_id) in message and "node 'c'" in message and "input" in message
+    assert {r.run_id for r in await backend.store.list_runs()} == {source_id}
+    with pytest.raises(tr.RunNotFound):
+        await backend.store.get_run(fork_id)
+    assert probe.executions("c") == 1  # nothing of the fork ran
+
+
+def streaming_graph(
+    tries: dict[str, int], held: dict[str, asyncio.Event] | None = None
+) -> tr.Graph:
+    """``fork_graph``'s shape, each node streaming its name and payload; ``b``'s first try
+    streams, then fails (its stream is ``discarded``), its second streams and returns. A node
+    in ``held`` waits for its event before it streams."""
+    g = tr.Graph("fork")
+
+    def streaming(name: str, result: Callable[[Any], Any]) -> Callable[[Any], Awaitable[Any]]:
+        async def handler(x: Any) -> Any:
+            ctx = tr.current_node()
+            assert ctx is not None
+            if held and name in held:
+                await held[name].wait()
+            tries[name] = tries.get(name, 0) + 1
+            ctx.stream(f"{name} try {tries[name]}")
+            if name == "b" and tries[name] == 1:
+                raise RuntimeError("b's first try fails")
+            ctx.stream({"node": name, "saw": x})
+            return result(x)
+
+        return handler
+
+    g.add_node("a", streaming("a", lambda x: None))
+    g.add_node("b", streaming("b", lambda x: {"b_saw": x}), retry=tr.RetryPolicy(attempts=2))
+    g.add_node("c", streaming("c", lambda x: {"c_saw": x}))
+    g.add_node("d", streaming("d", lambda x: {"d_saw": x}))
+    g.add_node("sink", lambda xs: xs, "aggregate")
+    g.chain("a", "b", "c", "sink")
+    g.chain("a", "d", "sink")
+    return g
+
+
+def stream_rows(chunks: list[tr.Chunk]) -> list[tuple[str, int, int, str, Any]]:
+    """What a stream says, cursor-free: node, visit, attempt, kind, value."""
+    return [(c.node_id, c.visit, c.attempt, c.kind.value, c.value) for c in chunks]
+
+
+def assert_numbered(chunks: list[tr.Chunk]) -> None:
+    """Rows numbered 1..n in order; each row's ``stream`` is its stream's first row's seq."""
+    assert [c.seq for c in chunks] == list(range(1, len(chunks) + 1))
+    first: dict[tuple[str, int, int | None, int], int] = {}
+    for c in chunks:
+        key = (c.node_id, c.visit, c.item, c.attempt)
+        assert c.stream == first.setdefault(key, c.seq)
+
+
+async def read_all(backend: Backend, run_id: str, after: int = 0) -> list[tr.Chunk]:
+    """The stored stream of ``run_id``, read by an engine that did not drive it."""
+    return [c async for c in engine(backend).stream(run_id, after=after)]
+
+
+async def test_v4_a_fork_carries_the_reused_nodes_accepted_streams_then_its_own(
+    backend: Backend,
+) -> None:
+    tries: dict[str, int] = {}
+    g = streaming_graph(tries)
+    source_id = new_id("source")
+    await engine(backend).run(g, "in", run_id=source_id)
+    source = await read_all(backend, source_id)
+    assert ("b", 1, 1, "discarded", None) in stream_rows(source)
+
+    fork = await engine(backend).fork(source_id, at="c", graph=g, fork_id=new_id("fork"))
+
+    chunks = await read_all(backend, fork.run_id)
+    assert_numbered(chunks)
+    reused = [c for c in source if c.node_id in "abd" and (c.node_id, c.attempt) != ("b", 1)]
+    carried = stream_rows(reused)
+    assert stream_rows(chunks) == [
+        *carried,
+        ("c", 1, 1, "chunk", "c try 2"),
+        ("c", 1, 1, "chunk", {"node": "c", "saw": {"b_saw": None}}),
+        ("c", 1, 1, "accepted", None),
+    ]
+    assert [c.ts for c in chunks[: len(carried)]] == [c.ts for c in reused]
+    assert tries == {"a": 1, "b": 2, "c": 2, "d": 1}
+    tail = await read_all(backend, fork.run_id, after=len(carried) - 1)  # a cursor into them
+    assert [c.seq for c in tail] == list(range(len(carried), len(chunks) + 1))
+
+    again = await engine(backend).fork(
+        fork.run_id, at="sink", graph=g
+    )  # a fork of a fork carries all
+    assert stream_rows(await read_all(backend, again.run_id)) == stream_rows(chunks)
+
+
+async def test_v4_a_reader_of_a_fork_being_driven_gets_the_carried_streams_before_its_own(
+    backend: Backend,
+) -> None:
+    """A reader in the forking process sees the carried rows once they are committed, while
+    the fork's ``c`` is held before publishing anything (S3: no wait for the fork's chunks)."""
+    tries: dict[str, int] = {}
+    source_id = new_id("source")
+    await engine(backend).run(streaming_graph(tries), "in", run_id=source_id)
+    release = asyncio.Event()
+    g = streaming_graph(tries, {"c": release})
+    eng = engine(backend)
+    fork_id = new_id("fork")
+    seen: list[tr.Chunk] = []
+
+    async def read() -> None:
+        await until(lambda: eng.is_driving(fork_id), "the fork driven")
+        async for chunk in eng.stream(fork_id):
+            seen.append(chunk)
+
+    reader = asyncio.create_task(read())
+    fork = asyncio.create_task(eng.fork(source_id, at="c", graph=g, fork_id=fork_id))
+    await until(lambda: len(seen) >= 8, "the carried rows read while c is held")
+    assert not release.is_set() and {c.node_id for c in seen} == {"a", "b", "d"}
+    release.set()
+    await fork
+    await asyncio.wait_for(reader, 15)
+    assert [c.seq for c in seen] == list(range(1, len(seen) + 1))
+    assert stream_rows(seen) == stream_rows(await read_all(backend, fork_id))

@@ -12,6 +12,7 @@ import signal
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -158,6 +159,7 @@ GRAPH_FILE = """
 
     def logged(name, fn):
         async def handler(x):
+            tr.current_node().stream(f"{name} saw {x}")
             with open(LOG, "a") as f:
                 f.write(name + "\\n")
             if name == "c" and os.environ.get("VERSIONS_HANG") == "1":
@@ -192,10 +194,9 @@ FORK_SCRIPT = """
 """
 
 
-@pytest.mark.slow  # a real subprocess, killed and resumed
-async def test_sigkill_during_a_forked_run_then_resume(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def killed_fork(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """Run ``source``, then fork it at ``c`` in a subprocess SIGKILLed while ``c`` runs:
+    the graph's module and the source's result."""
     (tmp_path / "killed_graph.py").write_text(textwrap.dedent(GRAPH_FILE))
     (tmp_path / "fork.py").write_text(textwrap.dedent(FORK_SCRIPT))
     log = tmp_path / "log"
@@ -217,6 +218,15 @@ async def test_sigkill_during_a_forked_run_then_resume(
     finally:
         await child.wait()
     assert child.returncode == -signal.SIGKILL
+    return module, source
+
+
+@pytest.mark.slow  # a real subprocess, killed and resumed
+async def test_sigkill_during_a_forked_run_then_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module, source = await killed_fork(tmp_path, monkeypatch)
+    log, db = tmp_path / "log", tmp_path / "runs.db"
 
     async with SQLiteStore(db) as store:
         record = await store.get_run("forked")
@@ -227,3 +237,35 @@ async def test_sigkill_during_a_forked_run_then_resume(
         result = await tr.Engine(store=store).resume("forked", module.graph)
     assert result.status is RunStatus.COMPLETED and result.results == source.results
     assert log.read_text().split() == ["c", "c", "d"]  # c was in flight: it alone re-ran, then d
+
+
+@pytest.mark.slow  # a real subprocess, killed and resumed
+async def test_sigkill_during_a_fork_keeps_the_carried_streams_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fork's first commit holds the reused nodes' streams: after a SIGKILL and a resume,
+    the fork's stream has them once, then the killed try of ``c`` discarded, then its own."""
+    module, _ = await killed_fork(tmp_path, monkeypatch)
+
+    async with SQLiteStore(tmp_path / "runs.db") as store:
+        engine = tr.Engine(store=store)
+        source = [(c.node_id, c.kind.value, c.value) async for c in engine.stream("source")]
+        await engine.resume("forked", module.graph)
+        chunks = [c async for c in engine.stream("forked")]
+
+    assert [c.seq for c in chunks] == list(range(1, len(chunks) + 1))
+    rows = [(c.node_id, c.kind.value, c.value) for c in chunks]
+    carried = [
+        ("a", "chunk", "a saw 1"),
+        ("a", "accepted", None),
+        ("b", "chunk", "b saw 2"),
+        ("b", "accepted", None),
+    ]
+    assert source[:4] == carried and rows[:4] == carried  # once, first
+    own = rows[4:]  # what the fork ran: c (its killed try's rows, if any, discarded), then d
+    assert {node for node, _, _ in own} == {"c", "d"}
+    assert [r for r in own if r[1] == "accepted"] == [
+        ("c", "accepted", None),
+        ("d", "accepted", None),
+    ]
+    assert own[-2:] == [("d", "chunk", "d saw 25"), ("d", "accepted", None)]

@@ -25,7 +25,15 @@ from .._events import EventBus, EventType
 from .._values import checked_run_id
 from ..executors._base import ExecutorTable
 from ..graph import Graph, Topology, guess_reference
-from ..stores import TERMINAL_STATUSES, MemoryStore, RunRecord, RunStatus, RunStore, StoredRun
+from ..stores import (
+    TERMINAL_STATUSES,
+    MemoryStore,
+    RunRecord,
+    RunStatus,
+    RunStore,
+    StoredRun,
+    StreamHead,
+)
 from ..tail import TailHooks
 from ._admission import AdmissionPolicy, SlotQueue
 from ._children import (
@@ -203,21 +211,25 @@ class RunOpener:
         self, run_id: str, at: str, graph: Graph | None, input: Any, fork_id: str
     ) -> RunResult:
         store = self.require_store("fork")
+        fork_id = checked_run_id(fork_id)
         source = await store.load_run(checked_run_id(run_id))
         known = self.graphs.get(source.run)
         forked = self.graphs.of(source.run, graph)
         old = await stored_shape(store, source.run, known)
-        plan = await plan_fork(store, self.codec, source, forked, at, input, old)
+        plan = await plan_fork(store, self.codec, source, forked, at, input, old, fork_id)
         topo = forked.compile()
         self.executors.plan(topo)
         self.graphs.add(forked, topo.fingerprint)
-        fork_id = checked_run_id(fork_id)
         ref = guess_reference(forked) or source.run.graph_ref
 
         async def open_loop(writer: RunWriter) -> RunLoop:
             writer.refer(plan.big)
-            writer.carry(plan.results, plan.frozen, plan.items)
+            writer.carry(plan.results, plan.frozen, plan.items, plan.chunks)
             loop = self.loop_for(fork_id, plan.state, writer)
+            # The carried stream rows come first: the fork's own are numbered after them,
+            # and a reader here waits for their commit instead of for the fork's first chunk.
+            loop.streams.reopen(StreamHead(last_seq=len(plan.chunks)))
+            self.stream_hub.note(fork_id, len(plan.chunks))
             loop.emit(
                 EventType.RUN_STARTED, graph=forked.name, forked_from=run_id, at=at,
                 owner=self.owner,

@@ -15,7 +15,8 @@ is checked against what a run did without the old code:
   :func:`migrate_runs` does it over the live runs of a graph name.
 - :func:`plan_fork` builds the state of a fork: the source run's committed
   state for every node not downstream of the fork's node, that node activated
-  afresh, and everything downstream of it fresh (V4).
+  afresh, and everything downstream of it fresh (V4), and the streams the
+  reused nodes' accepted attempts wrote, numbered from the fork's cursor 1.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 from .._codec import Codec
 from .._errors import (
     CorruptRecord,
+    EncodeError,
     GraphMismatch,
     Incompatibility,
     LeaseHeld,
@@ -39,6 +41,7 @@ from .._errors import (
 )
 from ..graph import Graph, NodeKind, Topology, graph_shape, guess_reference
 from ..stores import (
+    ChunkRow,
     FrozenInput,
     ItemRow,
     ResultRow,
@@ -50,6 +53,7 @@ from ..stores import (
 from ._lease import Lease
 from ._restore import restore_run
 from ._state import NodeStatus, RunState, switch_edges
+from ._streams import READ_BATCH, ChunkKind
 
 #: The statuses of a run that has state to move onto another version (V2).
 LIVE = (RunStatus.RUNNING, RunStatus.SUSPENDED)
@@ -443,6 +447,8 @@ class ForkPlan:
     input: Any
     #: Ids of the reused nodes, in definition order.
     reused: tuple[str, ...]
+    #: The stream rows of the reused nodes' accepted attempts, renumbered 1..n (S1-S3).
+    chunks: list[ChunkRow]
 
 
 def downstream_of(topo: Topology, start: int) -> set[int]:
@@ -465,8 +471,10 @@ async def plan_fork(
     at: str,
     payload: Any,
     old: Shape | None,
+    fork_id: str,
 ) -> ForkPlan:
-    """The starting state of a fork of ``source`` at node ``at`` on ``graph`` (V4). Reads only.
+    """The starting state of fork ``fork_id`` of ``source`` at node ``at`` on ``graph`` (V4).
+    Reads only.
 
     Every node not downstream of ``at`` keeps the source's committed state
     (results, visits, first-k decisions, collected inputs); of those, one
@@ -476,6 +484,8 @@ async def plan_fork(
     it starts fresh, and the outputs of reused nodes into it are delivered
     again, before anything the fork runs. On a changed graph, V1 is checked
     over the reused nodes only (``old`` is the source version's structure).
+    A ``payload`` the codec cannot encode is refused here, before the fork
+    writes anything (D5); the fork runs with it as it reads back.
     """
     topo = graph.compile()
     run_id = source.run.run_id
@@ -490,6 +500,8 @@ async def plan_fork(
     require_compatible(report)
     if payload is None:
         payload = await _last_payload(store, codec, source, at)
+    else:
+        payload = _fork_input(codec, payload, fork_id, run_id, at)
     keep = set(reused)
     rows = {node_id: source.nodes[node_id] for node_id in reused}
     items = [r for r in source.items if r.node_id in keep]
@@ -506,10 +518,55 @@ async def plan_fork(
     state.activate(a, payload)
     results = [r for r in await store.results(run_id) if r.node_id in keep] if keep else []
     frozen = [f for f in await store.frozen_inputs(run_id) if f.node_id in keep] if keep else []
+    chunks = await _accepted_streams(store, run_id, keep) if keep else []
     return ForkPlan(
         state=state, results=results, frozen=frozen, items=items, big=big,
         input=_decode(codec, source.run.input_json, run_id, "input"), reused=reused,
+        chunks=chunks,
     )  # fmt: skip
+
+
+async def _accepted_streams(store: RunStore, run_id: str, keep: set[str]) -> list[ChunkRow]:
+    """The stream rows of run ``run_id`` whose attempts, of nodes in ``keep``, were accepted
+    (their chunks and marks, S2), in the source's order, renumbered 1..n as the fork's own.
+
+    A stream that was discarded or is still open (the source runs on) is left out: what a
+    fork carries is what the results it reuses were made with.
+    """
+    rows: list[ChunkRow] = []
+    accepted: set[int] = set()
+    after = 0
+    while batch := await store.chunks(run_id, after=after, limit=READ_BATCH):
+        after = batch[-1].seq
+        for row in batch:
+            if row.node_id in keep:
+                rows.append(row)
+                if row.kind == ChunkKind.ACCEPTED:
+                    accepted.add(row.stream)
+    carried: list[ChunkRow] = []
+    first: dict[int, int] = {}  # a source stream -> its first row's seq in the fork
+    for row in rows:
+        if row.stream in accepted:
+            seq = len(carried) + 1
+            carried.append(row._replace(seq=seq, stream=first.setdefault(row.stream, seq)))
+    return carried
+
+
+def _fork_input(codec: Codec, payload: Any, fork_id: str, run_id: str, at: str) -> Any:
+    """``payload`` as it reads back from the codec; :class:`EncodeError` naming the fork, its
+    node and the input when it does not encode (D5)."""
+    try:
+        return codec.decode(codec.encode(payload))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise EncodeError(
+            f"fork {fork_id!r} of run {run_id!r} at node {at!r}: input {_brief(payload)} "
+            f"cannot be encoded: {exc}"
+        ) from exc
+
+
+def _brief(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _rerun_unfinished(state: RunState, reused: Sequence[int]) -> None:

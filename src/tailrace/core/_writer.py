@@ -118,6 +118,8 @@ class RunWriter:
         #: First-k decisions and map items copied from a fork's source run, for the next commit.
         self._carried: list[FrozenInput] = []
         self._carried_items: list[ItemRow] = []
+        #: Stream rows copied from a fork's source run, for the next commit.
+        self._carried_chunks: list[ChunkRow] = []
         self._queued: list[_Pending] = []
         #: Harvests staged since the last write began (the store's backlog).
         self._staged = 0
@@ -198,12 +200,15 @@ class RunWriter:
         results: Sequence[ResultRow],
         frozen: Sequence[FrozenInput],
         items: Sequence[ItemRow] = (),
+        chunks: Sequence[ChunkRow] = (),
     ) -> None:
-        """Write ``results``, ``frozen`` decisions and map ``items``, copied from the run a fork
-        reuses, with the next commit (V4): stored as they were, not encoded again."""
+        """Write ``results``, ``frozen`` decisions, map ``items`` and stream ``chunks``, copied
+        from the run a fork reuses, with the next commit (V4): stored as they were, not
+        encoded again. ``chunks`` are numbered already, before any row the run publishes."""
         self._results.extend(results)
         self._carried.extend(frozen)
         self._carried_items.extend(items)
+        self._carried_chunks.extend(chunks)
 
     def refer(self, big: dict[int, tuple[int, Any]]) -> None:
         """Take the large results a restore read back (:func:`~._restore.restore_run`), so
@@ -530,6 +535,9 @@ class RunWriter:
                 )
                 for seq, type, node, visit, attempt, ts, data in events
             ]
+        if self._carried_chunks:  # numbered before the run's own rows
+            pending.chunks += self._carried_chunks
+            self._carried_chunks = []
         if stage.streams.seq:  # the run streams: its rows go with this harvest (S3)
             pending.chunks += stage.streams.take()
         pending.error = stage.error
