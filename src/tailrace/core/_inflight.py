@@ -168,28 +168,21 @@ class InFlight:
     harvest; a poke while the loop is busy elsewhere is kept until it waits.
     """
 
-    __slots__ = ("_cb_context", "_unreported_cb", "_wake", "attempts", "done", "poked")
+    __slots__ = ("attempts", "cb_context", "done", "poked", "unreported_cb", "wake")
 
     def __init__(self) -> None:
         #: Attempts running now, in start order (a dict: ordered, O(1) removal).
         self.attempts: dict[Attempt, None] = {}
         #: Attempts that ended since the last harvest.
         self.done: list[Attempt] = []
-        self._wake: asyncio.Future[None] | None = None
+        #: What the loop awaits when it has nothing to harvest: set by an end or a poke.
+        self.wake: asyncio.Future[None] | None = None
         #: Set by :meth:`poke`; the loop harvests once more before it waits again.
         self.poked = False
         # One bound method and one context for every task's done-callback: not a
         # method object and a context copy per attempt.
-        self._unreported_cb = self._unreported
-        self._cb_context = contextvars.Context()
-
-    def add(self, attempt: Attempt, task: asyncio.Task[Any]) -> None:
-        """Track ``attempt``, running as ``task``."""
-        # Removed when the attempt reports its end: it fires only for a task
-        # cancelled before its first step (whose coroutine never ran).
-        task.add_done_callback(self._unreported_cb, context=self._cb_context)
-        attempt.task = task
-        self.attempts[attempt] = None
+        self.unreported_cb = self._unreported
+        self.cb_context = contextvars.Context()
 
     def finished(self, attempt: Attempt) -> None:
         """Hand a finished attempt to the run loop and wake it (once per attempt)."""
@@ -197,7 +190,7 @@ class InFlight:
             return
         attempt.finished = True
         if attempt.task is not None:
-            attempt.task.remove_done_callback(self._unreported_cb)
+            attempt.task.remove_done_callback(self.unreported_cb)
             # The task's context refers to the attempt (current_node's handle): letting go
             # of the task here leaves no cycle, so both are freed by reference counting.
             attempt.task = None
@@ -206,7 +199,7 @@ class InFlight:
         except KeyError:
             return  # the run is winding down and no longer harvests it
         self.done.append(attempt)
-        wake = self._wake
+        wake = self.wake
         if wake is not None and not wake.done():
             wake.set_result(None)
 
@@ -225,24 +218,9 @@ class InFlight:
         then makes that harvest before it waits again.
         """
         self.poked = True
-        wake = self._wake
+        wake = self.wake
         if wake is not None and not wake.done():
             wake.set_result(None)
-
-    def idle(self) -> bool:
-        """Whether nothing ended and nobody poked since the last harvest."""
-        return not self.done and not self.poked
-
-    def waiter(self) -> asyncio.Future[None]:
-        """A future done when an attempt ends or the loop is poked (awaited by the loop)."""
-        self._wake = wake = asyncio.get_running_loop().create_future()
-        return wake
-
-    def take(self) -> list[Attempt]:
-        """The attempts that ended since the last call; clears the poke."""
-        self.poked = False
-        done, self.done = self.done, []
-        return done
 
     async def cancel_all(self) -> list[Attempt]:
         """Cancel and await every attempt in flight; the attempts, no longer tracked."""

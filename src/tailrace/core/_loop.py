@@ -174,22 +174,26 @@ class RunLoop:
             await self._gather()
             while True:
                 while inflight.attempts or inflight.done or self._queued():
-                    if inflight.idle():
-                        children = self.children
+                    if not inflight.done and not inflight.poked:  # nothing to harvest: wait
+                        children = self.runner.children
                         if (
                             children is not None
                             and not self._queued()
                             and children.waiting_only(inflight.attempts)
                         ):
                             return await self._suspend_on_children(children)
-                        await inflight.waiter()  # a future, not a coroutine per wake-up
+                        # A future, not a coroutine per wake-up (InFlight.finished sets it).
+                        inflight.wake = wake = self.loop.create_future()
+                        await wake
                     if self._writer is not None:
                         # A write failed: dispatch nothing more; the handler below
                         # cancels and awaits what runs, and re-raises (E9, D1).
                         self._writer.raise_failure()
                     if self.cancel_requested:
                         return await self._cancel()
-                    failure = self._harvest(inflight.take())
+                    inflight.poked = False
+                    batch, inflight.done = inflight.done, []
+                    failure = self._harvest(batch)
                     if failure is not None:
                         await self._fail(*failure)
                     if self._sync and (self.state.ready or self.checkpoints.pending):
@@ -650,10 +654,13 @@ class RunLoop:
             self._tail.observe(
                 self.topo.nodes[i], ns.payload, now - attempt.started, attempt.straggled
             )
-        self.outbox.put(
-            EventType.NODE_COMPLETED, i, attempt.visit, attempt.tries,
-            {"duration": now - attempt.started, "hedge": attempt.hedge},
-        )  # fmt: skip
+        outbox = self.outbox
+        if outbox.record:  # written out: every node's completion (Outbox.put)
+            outbox.seq += 1
+            outbox.events.append(
+                (outbox.seq, EventType.NODE_COMPLETED, i, attempt.visit, attempt.tries,
+                 time.time(), {"duration": now - attempt.started, "hedge": attempt.hedge})
+            )  # fmt: skip
         if self._writer is not None:
             self._writer.result_completed(i, attempt.visit, result)
         if len(state.frozen) != frozen_before:

@@ -100,8 +100,18 @@ class AttemptRunner:
                 }
         else:
             coro = self._run_attempt(node, self._async[i], payload, attempt)
-        self._inflight.add(attempt, self._loop.create_task(coro, name=node.id))
-        self._outbox.put(EventType.NODE_STARTED, i, attempt.visit, attempt.tries, data)
+        # Written out (InFlight.add, Outbox.put): this is every attempt's start.
+        inflight, outbox = self._inflight, self._outbox
+        task = self._loop.create_task(coro, name=node.id)
+        task.add_done_callback(inflight.unreported_cb, context=inflight.cb_context)
+        attempt.task = task
+        inflight.attempts[attempt] = None
+        if outbox.record:
+            outbox.seq += 1
+            outbox.events.append(
+                (outbox.seq, EventType.NODE_STARTED, i, attempt.visit, attempt.tries, time.time(),
+                 data)
+            )  # fmt: skip
         hedger = self._hedger
         if hedger is not None:
             if not attempt.hedge:
