@@ -17,8 +17,10 @@ never disagree on how an attempt ended:
   ends what is still running or waiting as ``cancelled``;
 - an attempt still open when the run was resumed was cut by a crash or a stop:
   it ends ``cut`` at the last event its process committed before the resume
-  (D3); the re-run's tries are numbered on from the cut ones, so a cut try 1
-  is followed by try 2;
+  (D3); the re-run is the next try, as its events number it (a run stored
+  before re-runs were numbered so has its re-runs numbered on from the cut
+  tries here); a retry's next try cut while it still waited out its backoff
+  had not started: its re-run keeps its number and it is not drawn twice;
 - a ``node_late_input`` marks the completed attempt of its source as ``late``
   (E5);
 - the items of a map node (M2) are segments of their own, keyed by their
@@ -117,6 +119,8 @@ class _Open:
     attempt: int | None
     hedge: bool
     straggler_at: float | None = None
+    #: False for a retry's next try until an event shows it ran (it waits out its backoff).
+    started: bool = True
 
 
 #: A segment's row: node id, visit, and the item of a map's item (else None).
@@ -130,24 +134,47 @@ class _Walk:
     open: dict[_Key, list[_Open]] = field(default_factory=dict)
     waiting: dict[_Key, float] = field(default_factory=dict)
     done: list[Attempt] = field(default_factory=list)
-    #: Tries of a visit cut by crashes or stops: a re-run's tries are numbered after them.
+    #: The highest try of a visit cut by a crash or a stop, until its re-run starts.
     cut_tries: dict[_Key, int] = field(default_factory=dict)
+    #: Added to the try numbers events carry: re-runs stored under their cut try's number.
+    offset: dict[_Key, int] = field(default_factory=dict)
+    #: Cut tries that had not started (a retry's backoff), with where they were cut.
+    held: dict[_Key, tuple[_Open, float]] = field(default_factory=dict)
     #: When the last event so far was committed (a cut attempt ends there).
     last_ts: float | None = None
 
     def number(self, key: _Key, attempt: int | None) -> int | None:
         """The try number of ``attempt`` (as an event carries it) across resumes."""
-        before = self.cut_tries.get(key, 0)
-        return attempt + before if attempt is not None else (before + 1 if before else None)
+        return None if attempt is None else attempt + self.offset.get(key, 0)
+
+    def rerun(self, key: _Key, attempt: int | None) -> int | None:
+        """The try number of a ``node_started`` carrying ``attempt``: after a cut try, the next."""
+        cut = self.cut_tries.pop(key, None)
+        if cut is not None and attempt is not None:
+            self.offset[key] = max(0, cut - attempt + 1)
+        tries = self.number(key, attempt)
+        held = self.held.pop(key, None)
+        if held is not None and held[0].attempt != tries:  # it was another try: it was cut
+            self.close(key, held[0], held[1], Outcome.CUT)
+        return tries
 
     def cut(self, end: float) -> None:
         """A resume: every open attempt was cut where its process last committed."""
         for key in list(self.open):
             items = self.open.pop(key)
             for item in items:
+                if not item.started and not item.hedge:
+                    self.held[key] = (item, max(end, item.start))
+                    continue
                 self.close(key, item, max(end, item.start), Outcome.CUT)
-            tries = max((i.attempt or 1) for i in items)
-            self.cut_tries[key] = max(self.cut_tries.get(key, 0), tries)
+                tries = item.attempt or 1
+                self.cut_tries[key] = max(self.cut_tries.get(key, 0), tries)
+
+    def release_held(self) -> None:
+        """Cut tries that had not started and were not re-run under their number: drawn cut."""
+        for key, (item, end) in self.held.items():
+            self.close(key, item, end, Outcome.CUT)
+        self.held.clear()
 
     def close(self, key: _Key, item: _Open, end: float, outcome: Outcome, **extra: Any) -> None:
         self.done.append(
@@ -200,6 +227,7 @@ def attempts_from_events(
     for event in events:
         _step(walk, event)
         walk.last_ts = event.ts
+    walk.release_held()
     last = max((e.ts for e in events), default=0.0)
     # Running attempts and open waits go on until now; a cut attempt ended at the last commit.
     end = now if now is not None and live else last
@@ -233,7 +261,7 @@ def _step(walk: _Walk, e: EventRow) -> None:
     key: _Key = (e.node_id, e.visit, item if isinstance(item, int) else None)
     if e.type == "node_started":
         hedge = bool(data.get("hedge"))
-        walk.open.setdefault(key, []).append(_Open(e.ts, walk.number(key, e.attempt), hedge))
+        walk.open.setdefault(key, []).append(_Open(e.ts, walk.rerun(key, e.attempt), hedge))
     elif e.type == "node_retrying":
         _retry(walk, key, e, data)
     elif e.type == "node_straggler":
@@ -269,7 +297,9 @@ def _retry(walk: _Walk, key: _Key, e: EventRow, data: dict[str, Any]) -> None:
     delay = data.get("delay")
     wait = float(delay) if isinstance(delay, int | float) and delay > 0 else 0.0
     tries = walk.number(key, e.attempt) or item.attempt or 1
-    items[items.index(item)] = _Open(e.ts + wait, tries + 1, item.hedge, item.straggler_at)
+    items[items.index(item)] = _Open(
+        e.ts + wait, tries + 1, item.hedge, item.straggler_at, started=False
+    )
 
 
 def _complete(walk: _Walk, key: _Key, e: EventRow, data: dict[str, Any]) -> None:

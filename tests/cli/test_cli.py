@@ -465,7 +465,8 @@ def test_timeline_keeps_the_attempt_a_crash_interrupted() -> None:
         _event(5, "node_completed", "a", 7.0),
     ]
     bars = attempt_bars(events)
-    assert [(b.label, b.start) for b in bars] == [("a#1", 1.0), ("a#1", 6.0)]
+    # Stored before re-runs were numbered on: the re-run still shows as the next try.
+    assert [(b.label, b.start) for b in bars] == [("a#1", 1.0), ("a#1 try 2", 6.0)]
 
 
 def test_runs_with_an_unknown_status_is_a_usage_error(tmp_path: Path) -> None:

@@ -209,7 +209,7 @@ async def test_a_stopped_node_resumes_from_its_last_committed_checkpoint(
         None,
     )
     assert checkpoint.saved_at > 0
-    assert log[-1] == (1, 5)  # the cut attempt runs again under its number, from turn 5
+    assert log[-1] == (2, 5)  # the cut attempt runs again as the next try, from turn 5
 
 
 # -- P2 across a SIGKILL ---------------------------------------------------------------------

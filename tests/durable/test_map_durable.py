@@ -129,7 +129,7 @@ async def test_a_retry_count_survives_the_stop(each_store: RunStore) -> None:
     gate.set()
     result = await tr.Engine(store=each_store).resume("m6-retry", g)
     assert result.output == [0, 1]
-    assert tries == [1, 2, 3, 3]  # the cut third try runs again as try 3, not as try 1 (E11)
+    assert tries == [1, 2, 3, 4]  # the cut third try runs again as the next, not as try 1 (E11)
 
 
 # -- SIGKILL of a real process ----------------------------------------------------------------

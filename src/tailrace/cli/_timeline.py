@@ -47,7 +47,10 @@ class Bar:
 
 
 def _bar(attempt: Attempt) -> Bar:
-    label = f"{attempt.label} hedge" if attempt.hedge else attempt.label
+    label = attempt.label
+    if attempt.attempt is not None and attempt.attempt > 1:  # a retry or a re-run after a cut
+        label = f"{label} try {attempt.attempt}"
+    label = f"{label} hedge" if attempt.hedge else label
     return Bar(label, attempt.start, attempt.end, _STYLES[attempt.outcome])
 
 

@@ -10,6 +10,7 @@ module reference.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,11 +161,14 @@ class _Reader:
         self._big: dict[int, tuple[int, Any]] = {}
         #: Per map node: the parked items its current visit took first (P4).
         self._parked: dict[str, list[ParkedRow]] = {}
+        #: Per (map node, visit): the highest try its events say each item started.
+        self._started: dict[tuple[str, int], dict[int, int]] = {}
 
     async def read(self, stored: StoredRun, late: list[LateInput]) -> Restored:
         rows = {node_id: self._decode_row(row) for node_id, row in stored.nodes.items()}
         values = await self._referenced_results(rows)
         self._parked = await self._parked_prefixes(rows)
+        self._started = await self._started_items(stored, rows)
         state, event_seq, turn = self._restore(stored, rows, values, late)
         return Restored(
             state=state,
@@ -228,6 +232,32 @@ class _Reader:
         if not stored.nodes:
             state.activate_entries(self._decode(run.input_json, "input"))
         return state, int(meta.get("events", 0)), int(meta.get("turn", 0))
+
+    async def _started_items(
+        self, stored: StoredRun, rows: dict[str, dict[str, Any]]
+    ) -> dict[tuple[str, int], dict[int, int]]:
+        """Per current visit of a map with items still open: the highest try each item started,
+        as its ``node_started`` and ``node_retrying`` events say (an item's row is written when
+        it ends or backs off, not when it starts). The events are read only for such a map."""
+        visits: dict[str, int] = {}
+        for node_id, data in rows.items():
+            info = data.get("map")
+            if not isinstance(info, dict) or stored.nodes[node_id].status not in _CUT:
+                continue
+            visits[node_id] = int(data.get("visits") or 0)
+        if not visits:
+            return {}
+        found: dict[tuple[str, int], dict[int, int]] = {}
+        for event in await self.store.events(self.run_id):
+            if event.type not in _TRIES or visits.get(event.node_id or "") != event.visit:
+                continue
+            item = _item_of(event.data_json)
+            if item is None or event.attempt is None:
+                continue
+            key = (event.node_id or "", event.visit or 0)
+            per = found.setdefault(key, {})
+            per[item] = max(per.get(item, 0), event.attempt)
+        return found
 
     async def _parked_prefixes(self, rows: dict[str, dict[str, Any]]) -> dict[str, list[ParkedRow]]:
         """The parked items each map visit took first (P4), as the store holds them."""
@@ -328,7 +358,9 @@ class _Reader:
             ) from exc
         if ns.status in (NodeStatus.RUNNING, NodeStatus.QUEUED):
             # D3: it was running; run that visit again, continuing its retry policy
-            # (E11): a crash-cut attempt runs again under its own number.
+            # (E11). A try that had started was cut: the re-run is the next try.
+            if ns.status is NodeStatus.RUNNING:
+                ns.attempts = next_try(ns.attempts, backing_off=ns.retry_due is not None)
             ns.status = NodeStatus.QUEUED
             state.ready.append(i)
 
@@ -371,6 +403,12 @@ class _Reader:
                 )
             if info["winners"] is not None:
                 items.winners = tuple(int(w) for w in info["winners"])
+            started = self._started.get((node_id, ns.visits), {})
+            for j in items.pending():
+                backing_off = j in items.retry_due
+                items.attempts[j] = next_try(
+                    items.attempts[j], backing_off=backing_off, known=started.get(j, 0)
+                )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptRecord(
                 f"run {self.run_id!r}: map {node_id!r} items do not decode: {exc!r}"
@@ -393,3 +431,32 @@ class _Reader:
             return self.codec.decode(text)
         except ValueError as exc:
             raise CorruptRecord(f"run {self.run_id!r}: {what} does not decode: {exc}") from exc
+
+
+#: Stored statuses of a node whose visit was cut by a crash or a stop (it runs again, D3).
+_CUT = (NodeStatus.RUNNING.value, NodeStatus.QUEUED.value)
+
+#: Events that say a try of an item started (a retry's next try starts after its backoff).
+_TRIES = (EventType.NODE_STARTED.value, EventType.NODE_RETRYING.value)
+
+
+def next_try(stored: int, *, backing_off: bool, known: int = 0) -> int:
+    """The try a node or item cut by a crash or a stop runs next (E11).
+
+    ``stored`` is the try its row holds, ``backing_off`` whether that try was
+    still waiting out its backoff (it had not started), ``known`` the highest
+    try its events say started. A try that started was cut: the re-run is the
+    next one, so events, stream tags and the timelines never show one try twice.
+    """
+    started = known if backing_off else max(known, stored)
+    return max(stored, started + 1) if started else stored
+
+
+def _item_of(data_json: str) -> int | None:
+    """The ``item`` of an event's data (a map item's event), else None."""
+    try:
+        data = json.loads(data_json)
+    except ValueError:
+        return None
+    item = data.get("item") if isinstance(data, dict) else None
+    return item if isinstance(item, int) and not isinstance(item, bool) else None

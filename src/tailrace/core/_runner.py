@@ -235,11 +235,14 @@ class AttemptRunner:
                     resumed = self._resumed(node, attempt)
                 else:
                     resumed, attempt.progress = None, 0.0
-                # The next try is no longer due.
+                # The next try is no longer due; its row says so with the next commit.
                 if items is None:
                     self._state.nodes[attempt.index].retry_due = None
+                    self._state.dirty[attempt.index] = None
                 else:
                     items.retry_due.pop(attempt.item, None)
+                    items.dirty[attempt.item] = None
+                    self._state.dirty_items[items] = None
 
     def _retrying(self, attempt: Attempt, tries: int, exc: BaseException, delay: float) -> None:
         """Try ``tries`` failed and another follows after ``delay``: make it durable and live now."""
