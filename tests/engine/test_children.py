@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 from collections import Counter
 from typing import Any
 
 import pytest
 
 import tailrace as tr
+from tailrace._attempts import attempts_from_events, map_summaries
 from tailrace.stores import RunStatus, RunStore
 from tests import fixtures
 
@@ -317,3 +319,50 @@ async def _committed(store: RunStore, run_id: str, node_id: str) -> bool:
         return any(r.node_id == node_id for r in await store.results(run_id))
     except tr.RunNotFound:
         return False
+
+
+async def test_a_late_child_that_completed_before_its_cancel_is_late_fired_not_cancelled(
+    each_store: RunStore,
+) -> None:
+    """Children 3-5 commit their end, then their parent's attempts are held (in the look at
+    the parent that follows a child's end) until the map decides on items 0-2 and cancels
+    them: each late item's reason then matches its child run's status, in every view."""
+    go = asyncio.Event()
+    child = tr.Graph("quick")
+
+    @child.task()
+    async def work(x: int) -> int:
+        if x < 3:
+            await go.wait()  # the first three end only once the other three are held
+        return x * 10
+
+    g = tr.Graph("holds_late")
+    g.add_node("each", child, "map", required=3, late="cancel")
+    held: list[str] = []
+    get_run = each_store.get_run
+
+    async def held_get_run(run_id: str) -> Any:
+        task = asyncio.current_task()
+        if run_id == "hl" and task is not None and task.get_name() == "each" and len(held) < 3:
+            held.append(run_id)  # a child's end is committed; its parent's attempt waits here
+            await asyncio.Event().wait()  # until the map cancels it
+        return await get_run(run_id)
+
+    each_store.get_run = held_get_run  # type: ignore[method-assign]
+    engine = tr.Engine(store=each_store)
+    run = asyncio.create_task(engine.run(g, [0, 1, 2, 3, 4, 5], run_id="hl"))
+    await fixtures.until(lambda: len(held) == 3, "three children ended and were held")
+    go.set()
+    result = await asyncio.wait_for(run, GUARD)
+    assert result.output == [0, 10, 20]
+    children = {r.run_id: r.status for r in await each_store.list_runs(parent="hl")}
+    assert all(children[f"hl/each/1/{j}"] is RunStatus.COMPLETED for j in range(6)), children
+    late = {li.item: li.reason for li in result.late_inputs}
+    assert late == {3: "fired", 4: "fired", 5: "fired"}
+    events = await each_store.events("hl")
+    cancelled = [e for e in events if e.type == "node_cancelled"]
+    assert cancelled == []
+    logged = [json.loads(e.data_json) for e in events if e.type == "node_late_input"]
+    assert {d["item"]: d["reason"] for d in logged} == late and len(logged) == 3
+    (summary,) = map_summaries(events, attempts_from_events(events))
+    assert (summary.completed, summary.late, summary.cancelled) == (3, 3, 0)

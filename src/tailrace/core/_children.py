@@ -32,7 +32,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .._errors import LeaseHeld, RunFailed, RunNotFound
 from ..stores import (
@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     from ._inflight import Attempt
 
 logger = logging.getLogger("tailrace.children")
+
+T = TypeVar("T")
 
 #: Seconds between two looks at the children with no wake-up from the store.
 FALLBACK = 1.0
@@ -197,7 +199,11 @@ class Children:
             return await self._queued(graph, payload, child_id, node.queue, attempt)
         except asyncio.CancelledError:
             if attempt.abandoned or self.ending:  # on purpose: the child is not needed (R3)
-                await _finish(self._cancel(child_id))
+                status = await _finish(self._cancel(child_id))
+                if status == RunStatus.COMPLETED and attempt.items is not None and not self.ending:
+                    # It completed before its cancel arrived, and stays so: its late
+                    # item gets its output (M5).
+                    return await self._completed(child_id, graph)
             raise
 
     async def _inline(self, graph: Graph, payload: Any, child_id: str, attempt: Attempt) -> Any:
@@ -373,19 +379,27 @@ class Children:
                 self._known = {r.run_id: r for r in rows}
         return self._known.get(child_id)  # as of this drive's start: a later change wakes _wait
 
-    async def _cancel(self, child_id: str) -> None:
+    async def _completed(self, child_id: str, graph: Graph) -> Any:
+        """The output of child ``child_id``, which completed."""
+        store = self.runner.store
+        assert store is not None
+        return await self._output(await store.get_run(child_id), graph)
+
+    async def _cancel(self, child_id: str) -> str | None:
+        """Cancel child ``child_id``; its status then, or None when unknown."""
         if self.runner.store is None:
-            return  # an in-memory child ends with its attempt
+            return None  # an in-memory child ends with its attempt
         sending = self._sending.get(child_id)
         if sending is not None:  # stored or refused first, so the cancel finds it
             with contextlib.suppress(Exception):
                 await sending
         try:
-            await self.runner.cancel(child_id)
+            return await self.runner.cancel(child_id)
         except RunNotFound:
-            pass  # never started
+            return None  # never started
         except Exception as exc:  # the store failed: the deadline sweep or a later cancel retries
             logger.warning("child run %s: cancel failed: %s", child_id, exc)
+            return None
 
     # -- the run ----------------------------------------------------------------------
 
@@ -421,14 +435,14 @@ class Children:
                 await watcher
 
 
-async def _finish(work: Awaitable[None]) -> None:
+async def _finish(work: Awaitable[T]) -> T:
     """Await ``work`` to its end even if the awaiting task is cancelled again meanwhile
     (a cancelled parent returns only once its child's cancel is recorded)."""
     task = asyncio.ensure_future(work)
     while not task.done():
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(task)
-    task.result()
+    return task.result()
 
 
 def _priority(attempt: Attempt) -> int:

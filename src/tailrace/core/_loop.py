@@ -534,6 +534,8 @@ class RunLoop:
                 attempt.backup_timer.cancel()
             if attempt.abandoned:
                 admission.release_extra(attempt)
+                if attempt.item >= 0 and self.maps is not None and self.maps.settling:
+                    self.maps.settle(attempt, now)  # a late child run's item (M5, R3)
                 continue  # a hedge loser; the winner holds the node's slot
             if hedger is not None and not hedger.settle(attempt):
                 admission.release_extra(attempt)

@@ -85,6 +85,8 @@ class MapNodes:
         #: Claimed parked items given back to ``parked`` with the next write, as
         #: ``(claimant, park_id)`` (P4).
         self.unclaimed: list[tuple[str, str]] = []
+        #: Late child run items whose abandoned attempts still end (see :meth:`settle`).
+        self.settling: set[tuple[MapItems, int]] = set()
 
     # -- expansion (M1, P4) -------------------------------------------------------
 
@@ -296,7 +298,13 @@ class MapNodes:
 
     def _cancel_items(self, items: MapItems, late: list[int], *, park: bool = False) -> None:
         """Cancel the items of ``items`` still queued or running at its decision (M5); with
-        ``park``, keep each as a parked item (P3)."""
+        ``park``, keep each as a parked item (P3).
+
+        A child run's item whose attempt ended, or is ending, is settled by its
+        attempt instead (:meth:`settle`): a child that completed before its
+        cancel arrived stays completed, and its item is late with reason
+        ``fired``, as under ``late="record"`` (R3).
+        """
         if not late:
             return
         i = items.node
@@ -304,21 +312,52 @@ class MapNodes:
         for j in late:  # first, so that no slot freed below goes to a late item
             admission.cancel((i, j))
         wanted = set(late)
+        child = self.topo.nodes[i].child and not park
         for attempt in self._inflight.attempts:
             if attempt.items is items and attempt.item in wanted and not attempt.abandoned:
                 attempt.abandon()  # its end is no failure
+                if child:
+                    self.settling.add((items, attempt.item))
         node_id, graph_name = self.topo.ids[i], self.topo.graph.name
         for j in late:
             admission.release_unit(i, items.visit, j)
             if self._hedger is not None:
                 self._hedger.live.pop((i, j), None)
+            if child and items.status[j] is ItemStatus.RUNNING:
+                continue  # its attempt tells how its child ended (its harvest, or settle)
             row = None
             if park:
                 row = self._checkpoints.park(graph_name, node_id, items.visit, j, items.values[j])
             if row is not None:
                 self._outbox.parked.append(row)
-            self.state.item_cancelled(items, j, parked=row is not None)
-            self._outbox.emit(
-                EventType.NODE_CANCELLED, i, items.visit, items.attempts[j] or None,
-                item=j, reason="parked" if row is not None else "late",
-            )  # fmt: skip
+            self._cancelled(items, j, parked=row is not None)
+
+    def _cancelled(self, items: MapItems, j: int, *, parked: bool = False) -> None:
+        """Record item ``j`` of ``items`` cancelled as late (M5), or parked (P3)."""
+        self.state.item_cancelled(items, j, parked=parked)
+        self._outbox.emit(
+            EventType.NODE_CANCELLED, items.node, items.visit, items.attempts[j] or None,
+            item=j, reason="parked" if parked else "late",
+        )  # fmt: skip
+
+    def settle(self, attempt: Attempt, now: float) -> None:
+        """An abandoned attempt of a late child run's item ended: record how (M5, R3).
+
+        An attempt that returned its child's output (the child completed
+        before its cancel arrived) makes the item late with reason ``fired``;
+        otherwise the item is cancelled once no other attempt of it (a hedge)
+        is still ending.
+        """
+        items, j = attempt.items, attempt.item
+        key = (items, j)
+        if key not in self.settling or items is None:
+            return
+        if attempt.error is None:
+            self.settling.discard(key)
+            self.harvest_item(attempt, now, None)  # late: it decides nothing
+            return
+        if any(a.items is items and a.item == j for a in self._inflight.attempts):
+            return  # another attempt of the item is still ending: it settles it
+        self.settling.discard(key)
+        if items.status[j] is ItemStatus.RUNNING:
+            self._cancelled(items, j)
