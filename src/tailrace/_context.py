@@ -1,14 +1,22 @@
 """The handler's view of where it runs: ``current_node()`` inside a handler.
 
+Outside a handler there is no current node: ``current_node()`` returns None
+(code that runs both inside and outside handlers checks for it), and
+``current_node(required=True)`` raises ``RuntimeError`` saying so.
+
 >>> current_node() is None
 True
+>>> current_node(required=True)
+Traceback (most recent call last):
+  ...
+RuntimeError: current_node(required=True) was called outside a handler: only a handler that a tailrace engine runs has a current node
 """
 
 from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, Literal, Protocol, cast, overload
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,10 +158,35 @@ _current: contextvars.ContextVar[Where | None] = contextvars.ContextVar(
 )
 
 
-def current_node() -> NodeContext | None:
-    """The :class:`NodeContext` of the handler calling this, or None outside handlers."""
+_OUTSIDE = (
+    "current_node(required=True) was called outside a handler: only a handler that a "
+    "tailrace engine runs has a current node"
+)
+
+
+@overload
+def current_node(*, required: Literal[True]) -> NodeContext: ...
+
+
+@overload
+def current_node(*, required: bool = False) -> NodeContext | None: ...
+
+
+def current_node(*, required: bool = False) -> NodeContext | None:
+    """The :class:`NodeContext` of the handler calling this, or None outside handlers.
+
+    ``current_node().checkpoint(...)`` outside a handler is therefore an
+    ``AttributeError`` on None; code that only runs inside handlers asks
+    ``current_node(required=True)``, which never returns None (and is typed
+    so) and raises ``RuntimeError`` saying that it was called outside a handler.
+
+    Args:
+        required: raise ``RuntimeError`` instead of returning None outside a handler.
+    """
     raw = _current.get()
     if raw is None:
+        if required:
+            raise RuntimeError(_OUTSIDE)
         return None
     if len(raw) == 9:
         full = cast("_Full", raw)

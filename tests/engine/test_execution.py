@@ -1747,6 +1747,21 @@ async def test_e11_current_node_inside_handlers():
     ]
 
 
+async def test_current_node_required_outside_a_handler_says_so_and_inside_returns_the_node():
+    with pytest.raises(RuntimeError, match=r"outside a handler"):
+        tr.current_node(required=True).checkpoint(1)
+    seen = []
+    g = tr.Graph("required")
+
+    @g.task()
+    async def step(x):
+        seen.append(tr.current_node(required=True))
+        return x
+
+    await tr.Engine().run(g, 1, run_id="req")
+    assert seen == [tr.NodeContext(run_id="req", node_id="step", visit=1, attempt=1)]
+
+
 def test_e11_retry_policy_validation_and_backoff():
     with pytest.raises(ValueError, match="attempts"):
         tr.RetryPolicy(attempts=0)

@@ -24,6 +24,7 @@ from .._events import EventBus
 from .._values import checked_cursor, checked_run_id
 from ..executors import Executor
 from ..executors._base import ExecutorTable
+from ..executors._threads import HandlerThreads
 from ..graph import Graph
 from ..stores import (
     ParkedRow,
@@ -102,6 +103,14 @@ class Engine:
     anything is written (:class:`GraphError`). The engine never closes them:
     whoever made them does (see :mod:`tailrace.executors`).
 
+    ``handler_threads`` sizes the engine's own thread pool for ``def``
+    handlers (default: ``capacity`` plus 32), made when the first one runs.
+    A ``def`` handler cannot be interrupted: when its attempt is cut (a late
+    item cancelled, a timeout, a hedge that lost, a cancelled run) its
+    result, checkpoints and chunks are dropped, but its thread stays busy
+    until the function returns; the threads beyond ``capacity`` absorb such
+    handlers so that they do not delay other runs' handlers.
+
     ``max_stream_chunks`` bounds the chunks one run may publish with
     ``current_node().stream`` (S1); the call past it raises
     :class:`~tailrace.StreamLimit`. Read a run's streams with :meth:`stream`.
@@ -129,6 +138,7 @@ class Engine:
         executors: Mapping[str, Executor] | None = None,
         max_stream_chunks: int = MAX_STREAM_CHUNKS,
         instruments: Iterable[Instrument] = (),
+        handler_threads: int | None = None,
     ) -> None:
         if not isinstance(max_stream_chunks, int) or max_stream_chunks < 1:
             raise ValueError(
@@ -169,6 +179,7 @@ class Engine:
             durability=self.durability, bus=self.bus, slots=self.slots,
             run_capacity=run_capacity, policy=self.policy, tail=tail,
             straggler_factor=straggler_factor, executors=self._executors,
+            threads=HandlerThreads.for_capacity(capacity, handler_threads),
             instruments=self.instruments, graphs=self._graphs, drivers=self._drivers,
             queued=self._queued, stream_hub=self.stream_hub,
             max_stream_chunks=max_stream_chunks, child_runner=self._child_runner,

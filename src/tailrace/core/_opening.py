@@ -24,6 +24,7 @@ from .._errors import GraphError, GraphMismatch, LeaseHeld, NotResumable, Tailra
 from .._events import EventBus, EventType
 from .._values import checked_run_id
 from ..executors._base import ExecutorTable
+from ..executors._threads import HandlerThreads
 from ..graph import Graph, Topology, guess_reference
 from ..stores import (
     TERMINAL_STATUSES,
@@ -69,7 +70,8 @@ class AsStored:
 class RunOpener:
     """Opens and drives the loops of the runs one engine drives, under their leases.
 
-    ``store`` may be None (runs in memory only) until a graph that needs a
+    ``threads`` is the engine's pool for ``def`` handlers, which every loop
+    made here runs them on. ``store`` may be None (runs in memory only) until a graph that needs a
     ledger (gates, parked items) makes one here. ``tail`` is built when a
     graph first needs estimates (a cost, a hedge, lpt admission).
     ``child_runner()`` lends a loop the engine's way to run child runs;
@@ -91,6 +93,7 @@ class RunOpener:
         tail: TailHooks | None,
         straggler_factor: float,
         executors: ExecutorTable,
+        threads: HandlerThreads,
         instruments: Instruments,
         graphs: Graphs,
         drivers: Drivers,
@@ -112,6 +115,7 @@ class RunOpener:
         self.tail = tail
         self.straggler_factor = straggler_factor
         self.executors = executors
+        self.threads = threads
         self.instruments = instruments
         self.graphs = graphs
         self.drivers = drivers
@@ -487,6 +491,7 @@ class RunOpener:
             deadline=deadline,
             parent_run_id=parent,
         )
+        loop.runner.threads = self.threads
         if any(n.child for n in state.topo.nodes):
             loop.children = Children(
                 self._child_runner(), run_id,

@@ -10,8 +10,6 @@ reports its end, with its value or error, back through the in-flight set.
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import inspect
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +18,7 @@ from .._context import Checkpoint, Where, set_current
 from .._errors import RunError
 from .._events import EventType
 from ..executors._base import AttemptContext, Executor
+from ..executors._threads import HandlerThreads, current_threads, run_sync
 from ..graph import Node, Topology
 from ._admission import RunAdmission
 from ._checkpoints import Checkpoints
@@ -38,7 +37,8 @@ class AttemptRunner:
     every node inline), in-flight set, outbox, admission (a child run's
     attempt gives its slot back), checkpoints, streams and hedger.
     ``children`` runs the attempts of nodes whose handler is a graph; the
-    engine sets it when the graph has such nodes.
+    engine sets it when the graph has such nodes, and ``threads``, its pool
+    for ``def`` handlers.
     """
 
     def __init__(
@@ -66,6 +66,9 @@ class AttemptRunner:
         self._hedger = hedger
         self._loop = asyncio.get_running_loop()
         self.children: Children | None = None
+        #: The engine's pool for ``def`` handlers (None: asyncio's default pool); the engine
+        #: sets it, so that handlers cut while they run hold its threads, not the process's.
+        self.threads: HandlerThreads | None = None
         self._plan_paths(self.topo, executors)
 
     def _plan_paths(self, topo: Topology, executors: list[Executor | None] | None) -> None:
@@ -285,11 +288,8 @@ class AttemptRunner:
                     item=None if attempt.item < 0 else attempt.item,
                     hedge=attempt.hedge,
                 )
+                current_threads.set(self.threads)  # a LocalExecutor runs a def handler there
                 return await executor.invoke(node, payload, where)
         if is_async:
             return await node.handler(payload)
-        context = contextvars.copy_context()
-        result = await self._loop.run_in_executor(None, context.run, node.handler, payload)
-        if inspect.iscoroutine(result):  # a generator is a value, never awaited
-            result = await result
-        return result
+        return await run_sync(self.threads, node.handler, payload)

@@ -62,9 +62,6 @@ Wrapping
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
-import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -73,6 +70,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 from .._context import NodeContext
 from .._errors import GraphError
 from ..graph import is_async_callable
+from ._threads import current_threads, run_sync
 
 if TYPE_CHECKING:
     from ..graph import Node, Topology
@@ -106,8 +104,9 @@ class Executor(Protocol):
 class LocalExecutor:
     """Today's behaviour, in the driving process: the engine's default.
 
-    An async handler runs on the event loop; a sync one in the loop's default
-    thread pool, in a copy of the caller's context. Node ``resources`` and
+    An async handler runs on the event loop; a sync one in a thread of the
+    engine's pool for ``def`` handlers (outside an engine, the loop's default
+    pool), in a copy of the caller's context. Node ``resources`` and
     ``runtime_env`` are ignored. The engine runs nodes of the default
     ``LocalExecutor`` inline (this class is the same code, for wrapping).
     """
@@ -119,12 +118,7 @@ class LocalExecutor:
         handler = node.handler
         if is_async_callable(handler):
             return await handler(payload)
-        loop = asyncio.get_running_loop()
-        copied = contextvars.copy_context()
-        result = await loop.run_in_executor(None, copied.run, handler, payload)
-        if inspect.iscoroutine(result):  # a generator is a value, never awaited
-            result = await result
-        return result
+        return await run_sync(current_threads.get(), handler, payload)
 
     async def aclose(self) -> None:
         """Nothing to release."""

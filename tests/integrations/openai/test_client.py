@@ -24,10 +24,17 @@ class Recorder:
 
     def __init__(self) -> None:
         self.saved: list[Any] = []
+        self.committed: list[int] = []  # the tickets waited for (checkpoint_durable)
         self.chunks: list[Any] = []
 
-    def save(self, node_id: str, visit: int, item: int | None, attempt: int, value: Any) -> None:
+    def save(
+        self, node_id: str, visit: int, item: int | None, attempt: int, value: Any, handle: Any
+    ) -> int:
         self.saved.append(value)
+        return len(self.saved)
+
+    async def wait_committed(self, ticket: int) -> None:
+        self.committed.append(ticket)
 
     def publish(self, attempt: Any, tries: int, chunk: Any) -> None:
         self.chunks.append(chunk)
@@ -77,6 +84,8 @@ async def test_each_event_is_a_chunk_and_checkpoints_come_at_a_bounded_rate(serv
     assert [s["generation"]["tokens"] for s in recorder.saved] == expected
     final = recorder.saved[-1]["generation"]
     assert final["finish"] == "stop" and final["text"] == generation.text
+    # only the finished generation is waited for: committed before the call returns
+    assert recorder.committed == [len(recorder.saved)]
     assert final["segments"] == [["v1", length]] and final["origin"] == "r1/gen/1/0"
     [usage] = [c["usage"] for c in recorder.chunks if "usage" in c]
     assert usage["outcome"] == "completed" and usage["decoded"] == length

@@ -6,7 +6,10 @@ Inside a handler a generation is part of the attempt (X1-X6):
   attempt (S1), unless ``stream_tokens=False``;
 - the partial generation is the attempt's checkpoint, saved every
   ``checkpoint_every`` tokens or ``checkpoint_interval`` seconds, whichever
-  comes first (P1: one row per commit however often it is saved);
+  comes first (P1: one row per commit however often it is saved), without
+  waiting for its commit; the finished generation is saved last and
+  committed before the call returns (``checkpoint_durable``), so a crash
+  after it never sends the request again;
 - cancelling the attempt closes the request, so the server stops
   generating; what the last checkpoint holds stays (a parked item carries it);
 - an attempt that resumes (crash, adoption, ``RetryPolicy(resume=True)``,
@@ -187,6 +190,17 @@ class _Attempt:
             return
         self.saved_at, self.checkpointed = time.monotonic(), partial.tokens
 
+    async def save_committed(self, partial: _Partial) -> None:
+        """Save ``partial`` as the attempt's checkpoint and return once it is committed."""
+        if self.ctx is None or not self.can_save:
+            return
+        try:
+            await self.ctx.checkpoint_durable(partial.value())
+        except RuntimeError:  # a handler run in another process: nowhere to save
+            self.can_save = False
+            return
+        self.saved_at, self.checkpointed = time.monotonic(), partial.tokens
+
     def report(self, partial: _Partial, outcome: str, model: str) -> None:
         """End the attempt's stream with its usage, and put it on the current trace span."""
         usage = self.usage(partial, outcome)
@@ -357,7 +371,9 @@ class ModelClient:
             replica: str | None = await self._request(body, messages is not None, partial, attempt)
         else:
             partial.finish, replica = partial.finish or "length", None
-        attempt.save(partial)  # with its finish reason: a crash from here on sends nothing again
+        # With its finish reason, committed before the generation returns: a crash from here
+        # on sends nothing again (one commit's wait per generation, none per token).
+        await attempt.save_committed(partial)
         attempt.report(partial, "completed", self.model)
         return Generation(
             text=partial.text, finish_reason=partial.finish or "length",
