@@ -366,3 +366,63 @@ async def test_a_late_child_that_completed_before_its_cancel_is_late_fired_not_c
     assert {d["item"]: d["reason"] for d in logged} == late and len(logged) == 3
     (summary,) = map_summaries(events, attempts_from_events(events))
     assert (summary.completed, summary.late, summary.cancelled) == (3, 3, 0)
+
+
+async def test_a_late_child_input_that_completed_before_its_cancel_is_late_fired_not_cancelled(
+    each_store: RunStore,
+) -> None:
+    """Child ``slow`` commits its end, then its parent's attempt is held (in the look at the
+    parent that follows a child's end) until ``first`` fires on ``fast`` and cancels it: the
+    late input's reason then matches its child run's status, in every view (E5, R3)."""
+    go = asyncio.Event()
+    child = tr.Graph("quick")
+
+    @child.task()
+    async def work(x: int) -> int:
+        if x == 0:
+            await go.wait()  # fast's child ends only once slow's attempt is held
+        return x * 10
+
+    g = tr.Graph("holds_late_input")
+
+    @g.task()
+    def start(x: int) -> int:
+        return x
+
+    g.add_node("fast", lambda x: 0)
+    g.add_node("fast_child", child)
+    g.add_node("slow", child)
+
+    @g.aggregate(required=1, late="cancel")
+    def first(xs: list[int]) -> int:
+        return xs[0]
+
+    g.chain("start", "fast", "fast_child", "first")
+    g.chain("start", "slow", "first")
+    held: list[str] = []
+    get_run = each_store.get_run
+
+    async def held_get_run(run_id: str) -> Any:
+        task = asyncio.current_task()
+        if run_id == "hi" and task is not None and task.get_name() == "slow" and not held:
+            held.append(run_id)  # slow's child's end is committed; its attempt waits here
+            await asyncio.Event().wait()  # until first fires and cancels it
+        return await get_run(run_id)
+
+    each_store.get_run = held_get_run  # type: ignore[method-assign]
+    engine = tr.Engine(store=each_store)
+    run = asyncio.create_task(engine.run(g, 1, run_id="hi"))
+    await fixtures.until(lambda: bool(held), "slow's child ended and was held")
+    go.set()
+    result = await asyncio.wait_for(run, GUARD)
+    assert result.output == 0
+    children = {r.run_id: r.status for r in await each_store.list_runs(parent="hi")}
+    assert children["hi/slow/1"] is RunStatus.COMPLETED, children
+    late = [(li.node_id, li.source_id, li.activation, li.reason) for li in result.late_inputs]
+    assert late == [("first", "slow", 1, "fired")]
+    assert result.nodes["slow"].status is tr.NodeStatus.COMPLETED
+    assert result.results["slow"] == 10
+    events = await each_store.events("hi")
+    assert [e for e in events if e.type == "node_cancelled"] == []
+    logged = [json.loads(e.data_json) for e in events if e.type == "node_late_input"]
+    assert [(d["source"], d["reason"]) for d in logged] == [("slow", "fired")]

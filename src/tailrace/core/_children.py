@@ -200,9 +200,9 @@ class Children:
         except asyncio.CancelledError:
             if attempt.abandoned or self.ending:  # on purpose: the child is not needed (R3)
                 status = await _finish(self._cancel(child_id))
-                if status == RunStatus.COMPLETED and attempt.items is not None and not self.ending:
+                if status == RunStatus.COMPLETED and not self.ending:
                     # It completed before its cancel arrived, and stays so: its late
-                    # item gets its output (M5).
+                    # item or input gets its output (M5, E5).
                     return await self._completed(child_id, graph)
             raise
 

@@ -117,6 +117,9 @@ class RunLoop:
         self._late_seen = len(state.late)
         #: Aggregates with ``late="cancel"`` that fired in the current harvest.
         self._fired_cancel: list[int] = []
+        #: Child run inputs cancelled as late whose abandoned attempts still end: source ->
+        #: the aggregate that fired without it (see :meth:`_settle`).
+        self._settling: dict[int, int] = {}
         #: The attempt whose failure is failing the run (E9), until its slots are freed.
         self._failing: Attempt | None = None
         codec = writer.codec if writer is not None else settings.codec
@@ -536,6 +539,10 @@ class RunLoop:
                 admission.release_extra(attempt)
                 if attempt.item >= 0 and self.maps is not None and self.maps.settling:
                     self.maps.settle(attempt, now)  # a late child run's item (M5, R3)
+                elif self._settling and attempt.index in self._settling:
+                    exc = self._settle(attempt, now)  # a late child run input (E5, R3)
+                    if exc is not None and failure is None:
+                        failure = (i, exc)
                 continue  # a hedge loser; the winner holds the node's slot
             if hedger is not None and not hedger.settle(attempt):
                 admission.release_extra(attempt)
@@ -588,7 +595,7 @@ class RunLoop:
         for t in fired:
             for s in self.topo.in_sources[t]:
                 status = self.state.nodes[s].status
-                if status in _CANCELLABLE and self._unread(s):
+                if status in _CANCELLABLE and s not in self._settling and self._unread(s):
                     self._cancel_dead(s, t)
 
     def _unread(self, s: int) -> bool:
@@ -603,16 +610,27 @@ class RunLoop:
         return bool(self.topo.out_edges[s])
 
     def _cancel_dead(self, s: int, t: int) -> None:
+        """Cancel input ``s`` of aggregate ``t``, which fired without it (E5, Q7).
+
+        A child run's input whose attempt is ending is settled by that attempt
+        instead (:meth:`_settle`): a child that completed before its cancel
+        arrived stays completed, and the input is late with reason ``fired``,
+        as under ``late="record"`` (R3).
+        """
         ns = self.state.nodes[s]
         # Its queued tickets first, so that no slot freed below goes to one of them.
         self.admission.cancel_node(s)
-        for attempt in [a for a in self.inflight.attempts if a.index == s and not a.abandoned]:
+        abandoned = [a for a in self.inflight.attempts if a.index == s and not a.abandoned]
+        for attempt in abandoned:
             attempt.abandon()  # its end is no failure; its unit's slot is freed here
             self.admission.release_unit(s, attempt.visit, attempt.item)
         if s in self.state.ready:
             self.state.ready.remove(s)
         if self.hedger is not None:
             self.hedger.forget(s)
+        if abandoned and self.topo.nodes[s].child and self.topo.nodes[t].late == "cancel":
+            self._settling[s] = t  # its attempt tells how its child ended
+            return
         row = None
         if ns.question is not None:  # a gate nobody needs an answer from any more (Q7)
             if self._writer is not None:
@@ -624,17 +642,38 @@ class RunLoop:
             )
             if row is not None:
                 self.outbox.parked.append(row)
+        self._cancelled_late(s, t, parked=row is not None)
+
+    def _cancelled_late(self, s: int, t: int, *, parked: bool = False) -> None:
+        """Record input ``s`` of aggregate ``t`` cancelled as late (E5), or parked (P3)."""
+        ns = self.state.nodes[s]
         self.state.cancel(s)
         self.state.late.append(
             LateInput(
                 node_id=self.topo.ids[t],
                 source_id=self.topo.ids[s],
                 activation=self.state.nodes[t].fired,
-                reason="parked" if row is not None else "cancelled",
+                reason="parked" if parked else "cancelled",
             )
         )
-        reason = "parked" if row is not None else "late"
+        reason = "parked" if parked else "late"
         self.emit(EventType.NODE_CANCELLED, s, ns.visits, ns.attempts, reason=reason)
+
+    def _settle(self, attempt: Attempt, now: float) -> BaseException | None:
+        """An abandoned attempt of a late child run input ended: record how (E5, R3).
+
+        An attempt that returned its child's output (the child completed
+        before its cancel arrived) completes the node, and routing records
+        the input late with reason ``fired``; otherwise it is cancelled.
+        Returns what failed its completion, if anything did.
+        """
+        s = attempt.index
+        t = self._settling.pop(s)
+        if attempt.error is not None:
+            self._cancelled_late(s, t)
+            return None
+        self._durations[s] += now - attempt.started
+        return self._complete(s, attempt.value, attempt, now)
 
     def _complete(self, i: int, result: Any, attempt: Attempt, now: float) -> BaseException | None:
         state = self.state
@@ -799,6 +838,11 @@ class RunLoop:
         self.admission.release_all()  # whatever its units and backups still hold (E3)
         if not record:
             return
+        if self._settling:  # late child run inputs whose attempts were still ending
+            settling, self._settling = self._settling, {}
+            for s, t in sorted(settling.items()):
+                if self.state.nodes[s].status is NodeStatus.RUNNING:
+                    self._cancelled_late(s, t)
         # The nodes stopped here: those running (hedge losers and inputs cancelled as
         # dead were stopped before) or queued, but for ``keep``, whose failure ends the run.
         stopped = {a.index for a in attempts if not a.abandoned and not a.released}
