@@ -38,7 +38,7 @@ from ._hedger import Hedger
 from ._inflight import BULK, Attempt, InFlight, describe, harvest_order, paused_gc, traceback_text
 from ._maps import MapNodes
 from ._outbox import Outbox
-from ._outcome import NodeReport, RunResult
+from ._outcome import RunResult, result_of
 from ._runner import AttemptRunner
 from ._state import LateInput, MapItems, NodeStatus, RunState
 from ._streams import MAX_STREAM_CHUNKS, StreamHub, Streams
@@ -152,15 +152,6 @@ class RunLoop:
             launch=self.runner.launch, fired=self._aggregates_fired,
         )  # fmt: skip
 
-    @property
-    def children(self) -> Children | None:
-        """The child runs of its nodes whose handler is a graph (R1-R5); set by the engine."""
-        return self.runner.children
-
-    @children.setter
-    def children(self, children: Children | None) -> None:
-        self.runner.children = children
-
     # -- the loop -------------------------------------------------------------
 
     async def drive(self) -> RunResult:
@@ -227,8 +218,8 @@ class RunLoop:
         finally:
             if self._deadline_timer is not None:
                 self._deadline_timer.cancel()
-            if self.children is not None:
-                await self.children.close()
+            if self.runner.children is not None:
+                await self.runner.children.close()
 
     def _arm_deadline(self) -> None:
         """Cancel the run at its deadline (R6); at once when it passed already."""
@@ -351,7 +342,7 @@ class RunLoop:
                 event_seq=outbox.seq, turn=self.turn, checkpoints=self.checkpoints,
                 streams=self.streams, applied=outbox.applied, superseded=outbox.superseded,
                 parked=outbox.parked, wake_after=wake_after, waiting_on=waiting_on,
-                output=self.output, unclaimed=[] if self.maps is None else self.maps.unclaimed,
+                output=self.state.output, unclaimed=[] if self.maps is None else self.maps.unclaimed,
             )
         )  # fmt: skip
         outbox.applied, outbox.superseded, outbox.parked = [], [], []
@@ -829,8 +820,9 @@ class RunLoop:
         cancelled (all but ``keep``, the node whose failure ends the run)."""
         if self.hedger is not None:
             self.hedger.close()  # first: no hedge may start while we wind down
-        if record and self.children is not None:
-            self.children.ending = True  # the run ends: its children are not needed (R3)
+        children = self.runner.children
+        if record and children is not None:
+            children.ending = True  # the run ends: its children are not needed (R3)
         queued = self.admission.cancel_all()
         attempts = await self.inflight.cancel_all()
         done, self.inflight.done = self.inflight.done, []
@@ -904,37 +896,14 @@ class RunLoop:
         return self.result(RunStatus.COMPLETED)
 
     def result(self, status: RunStatus) -> RunResult:
-        """Build the :class:`RunResult` from the current state."""
-        results: dict[str, Any] = {}
-        visits: dict[str, int] = {}
-        reports: dict[str, NodeReport] = {}
-        durations = self._durations
+        """The :class:`RunResult` of the run as it stands, with ``status``."""
         hedger = self.hedger
-        for i, (node_id, ns) in enumerate(zip(self.topo.ids, self.state.nodes, strict=True)):
-            if ns.has_result:
-                results[node_id] = ns.result
-            visits[node_id] = ns.visits
-            reports[node_id] = NodeReport(ns.status, ns.visits, ns.attempts, durations[i])
-        return RunResult(
-            run_id=self.run_id,
-            status=status,
-            results=results,
-            visits=visits,
-            nodes=reports,
-            late_inputs=tuple(self.state.late),
+        return result_of(
+            self.run_id, status, self.state, self._durations,
             stragglers=0 if hedger is None else hedger.stragglers,
             hedges=0 if hedger is None else hedger.hedges,
-            duration=time.monotonic() - self.started_at,
-            output=self.output(),
-            parent_run_id=self.parent_run_id,
-        )
-
-    def output(self) -> Any:
-        """The run's output now: its one finished sink's result, or each finished sink's by id."""
-        done = [i for i in self.topo.sinks if self.state.nodes[i].has_result]
-        if len(done) == 1:
-            return self.state.nodes[done[0]].result
-        return {self.topo.ids[i]: self.state.nodes[i].result for i in done} or None
+            duration=time.monotonic() - self.started_at, parent_run_id=self.parent_run_id,
+        )  # fmt: skip
 
     def _holds_slot(self, attempt: Attempt) -> bool:
         """Whether ``attempt`` is a unit's that holds a slot: a map's own outcome is not, nor a

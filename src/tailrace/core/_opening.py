@@ -493,7 +493,7 @@ class RunOpener:
         )
         loop.runner.threads = self.threads
         if any(n.child for n in state.topo.nodes):
-            loop.children = Children(
+            loop.runner.children = Children(
                 self._child_runner(), run_id,
                 queued=record is not None and record.queue_name is not None,
                 deadline=deadline, poke=loop.poke,

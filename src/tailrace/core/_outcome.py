@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..stores import RunStatus
-from ._state import LateInput, NodeStatus
+from ._state import LateInput, NodeStatus, RunState
 
 
 class NodeReport(NamedTuple):
@@ -53,3 +53,31 @@ class RunResult:
     parent_run_id: str | None = None
     #: The child runs a run suspended on is waiting for (R4).
     waiting_on: tuple[str, ...] = ()
+
+
+def result_of(
+    run_id: str,
+    status: RunStatus,
+    state: RunState,
+    durations: list[float],
+    *,
+    stragglers: int,
+    hedges: int,
+    duration: float,
+    parent_run_id: str | None,
+) -> RunResult:
+    """The :class:`RunResult` of run ``run_id`` from its ``state``: results, visits, a report
+    per node (with the seconds in ``durations``), late inputs and output."""
+    results: dict[str, Any] = {}
+    visits: dict[str, int] = {}
+    reports: dict[str, NodeReport] = {}
+    for i, (node_id, ns) in enumerate(zip(state.topo.ids, state.nodes, strict=True)):
+        if ns.has_result:
+            results[node_id] = ns.result
+        visits[node_id] = ns.visits
+        reports[node_id] = NodeReport(ns.status, ns.visits, ns.attempts, durations[i])
+    return RunResult(
+        run_id=run_id, status=status, results=results, visits=visits, nodes=reports,
+        late_inputs=tuple(state.late), stragglers=stragglers, hedges=hedges,
+        duration=duration, output=state.output(), parent_run_id=parent_run_id,
+    )  # fmt: skip

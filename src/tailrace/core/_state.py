@@ -491,6 +491,13 @@ class RunState:
             least = min(least, topo.required[t] - (len(inputs) if inputs else 0))
         return max(least, 1)
 
+    def output(self) -> Any:
+        """The run's output now: its one finished sink's result, or each finished sink's by id."""
+        done = [i for i in self.topo.sinks if self.nodes[i].has_result]
+        if len(done) == 1:
+            return self.nodes[done[0]].result
+        return {self.topo.ids[i]: self.nodes[i].result for i in done} or None
+
 
 class ItemStatus(enum.StrEnum):
     """Lifecycle of one item of a map visit (M2-M5)."""
