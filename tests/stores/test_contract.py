@@ -819,6 +819,40 @@ async def park(store: RunStore, count: int) -> None:
     ))  # fmt: skip
 
 
+async def test_parked_items_are_listed_by_the_run_that_parked_them(store: RunStore) -> None:
+    await park(store, 3)
+    token = await leased_run(store, "other")
+    mine = parked_row(7)._replace(park_id="o7", run_id="other")
+    await store.commit("other", token, dataclasses.replace(harvest(), parked=(mine,)))
+    assert [r.park_id for r in await store.list_parked(run_id="other")] == ["o7"]
+    listed = await store.list_parked(graph_name="g", node_id="roll", status=None, run_id="seed")
+    assert [r.park_id for r in listed] == ["p0", "p1", "p2"]
+    assert await store.list_parked(run_id="nobody") == []
+
+
+def test_parked_items_are_indexed_by_run_in_databases_made_before_the_index(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "old.db"
+
+    async def open_store() -> None:
+        async with stores.SQLiteStore(path):
+            pass
+
+    asyncio.run(open_store())
+    with sqlite3.connect(path) as conn:  # as a database of the version before the index
+        conn.execute("DROP INDEX parked_by_run")
+        conn.execute("DELETE FROM schema_migrations WHERE version = ?", (MIGRATIONS[-1][0],))
+    conn.close()
+    asyncio.run(open_store())
+    with sqlite3.connect(path) as conn:
+        plan = conn.execute(
+            "EXPLAIN QUERY PLAN SELECT * FROM parked_items WHERE run_id = 'r'"
+        ).fetchall()
+    conn.close()
+    assert "parked_by_run" in str(plan)
+
+
 async def test_a_claim_holds_at_most_its_limit_even_when_claimed_again(store: RunStore) -> None:
     await park(store, 5)
     first = await store.claim_parked("g", "roll", "run/roll/1", limit=2)

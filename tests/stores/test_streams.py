@@ -13,7 +13,15 @@ import asyncio
 import pytest
 
 import tailrace as tr
-from tailrace.stores import ChunkRow, Harvest, NewRun, RunStatus, RunStore, StreamHead
+from tailrace.stores import (
+    ChunkRow,
+    Harvest,
+    NewRun,
+    RunStatus,
+    RunStore,
+    StreamHead,
+    StreamTail,
+)
 from tests.fixtures import Backend
 
 TTL = 30.0
@@ -64,6 +72,34 @@ async def test_a_stored_seq_refuses_the_whole_harvest(store: RunStore) -> None:
     with pytest.raises(tr.StoreError, match="seq"):
         await store.commit("r1", token, harvest(row(2, 1), row(1, 1, data='"again"')))
     assert await store.chunks("r1") == [row(1, 1)]  # nothing of it was written (D1)
+
+
+async def test_stream_tails_hold_each_streams_last_rows_its_mark_and_its_count(
+    store: RunStore,
+) -> None:
+    token = await leased(store, "r1")
+    assert await store.stream_tails("r1", chars=10) == []
+    # Stream 1: chunks of 5 stored characters each ('"abc"'), then its mark; stream 3 interleaved.
+    first = [row(s, 1, data='"abc"') for s in (1, 2, 4, 6)]
+    await store.commit("r1", token, harvest(*first[:2], row(3, 3, item=3), *first[2:]))
+    await store.commit("r1", token, harvest(row(7, 1, "accepted"), row(8, 3, item=3)))
+    one, three = await store.stream_tails("r1", chars=9)
+    # The fewest last rows holding more than 9 characters: two chunks of 5, and the mark.
+    assert one == StreamTail(rows=(first[2], first[3], row(7, 1, "accepted")), chunks=4)
+    assert not one.whole
+    assert three == StreamTail(rows=(row(3, 3, item=3), row(8, 3, item=3)), chunks=2)
+    assert three.whole
+    assert (await store.stream_tails("r1", chars=10))[0].rows[0] == first[1]  # 10 is not more
+    whole = await store.stream_tails("r1", chars=1_000)
+    assert [t.rows for t in whole] == [(*first, row(7, 1, "accepted")), three.rows]
+    assert [t.rows for t in await store.stream_tails("r1", chars=0)] == [
+        (first[3], row(7, 1, "accepted")), (row(8, 3, item=3),)
+    ]  # fmt: skip
+    assert await store.stream_tails("r1", chars=1_000, limit=1) == whole[:1]
+    with pytest.raises(tr.RunNotFound):
+        await store.stream_tails("nope", chars=10)
+    with pytest.raises(ValueError, match="chars"):
+        await store.stream_tails("r1", chars=-1)
 
 
 async def test_stream_head_lists_streams_with_no_mark(store: RunStore) -> None:

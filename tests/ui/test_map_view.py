@@ -192,3 +192,40 @@ def test_the_run_page_reads_parked_items_only_of_the_nodes_its_run_parked_at(
     parked = page[page.index('id="run-parked"') :]
     assert parked[: parked.index("</table>")].count('<td class="mono">roll</td>') == 2
     assert [options.get("node_id") for options, _ in read] == ["roll"]
+
+
+def test_the_run_page_reads_only_the_parked_items_of_its_own_run(tmp_path: Path) -> None:
+    from tests.durable.test_checkpoints import rollouts
+
+    path = tmp_path / "parked.db"
+    read: list[int] = []
+
+    class Counting(SQLiteStore):
+        async def list_parked(self, **options: Any) -> list[ParkedRow]:
+            rows = await super().list_parked(**options)
+            read.append(len(rows))
+            return rows
+
+    async def runs() -> None:
+        async with SQLiteStore(path) as store:
+            engine = tr.Engine(store=store)
+            for n in range(3):  # each parks 2 items under the same graph and node
+                await engine.run(rollouts([]), 1, run_id=f"parked-{n}")
+
+    async def parked_by_run() -> dict[str, int]:
+        async with SQLiteStore(path) as store:
+            rows = await store.list_parked(
+                graph_name="parked_rollouts", node_id="roll", status=None
+            )
+        return {r: sum(p.run_id == r for p in rows) for r in {p.run_id for p in rows}}
+
+    asyncio.run(runs())
+    counts = asyncio.run(parked_by_run())
+    own = counts["parked-1"]
+    assert 0 < own < sum(counts.values())
+    factory = lambda read_only: Counting(path, read_only=read_only)  # noqa: E731
+    with dashboard(factory) as client:
+        page = client.get(run_url("parked-1")).text
+    parked = page[page.index('id="run-parked"') :]
+    assert parked[: parked.index("</table>")].count('<td class="mono">roll</td>') == own
+    assert sum(read) == own, read  # its own items, not every item parked at its node

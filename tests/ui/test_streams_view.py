@@ -133,3 +133,42 @@ def test_the_run_page_holds_each_attempts_tail_not_its_whole_stream(tmp_path: Pa
     assert card.text == (f"{3_999:06d}{piece}" * 2)[-TEXT_CHARS:]
     # What the page holds is a batch of rows and the tail, never the 10 MB streamed.
     assert peak < 6_000_000, peak
+
+
+def test_the_run_page_reads_only_the_stream_rows_it_shows(tmp_path: Path) -> None:
+    from typing import Any
+
+    from tailrace.stores import ChunkRow, StreamTail
+
+    piece = "x" * 100  # 2,000 chunks of 100 characters: the page shows the last 4,000
+
+    async def talk(x: int) -> str:
+        ctx = current_node()
+        assert ctx is not None
+        for n in range(2_000):
+            ctx.stream(f"{n:04d}{piece}")
+        return "ok"
+
+    read: list[int] = []
+
+    class Counting(SQLiteStore):
+        async def chunks(self, run_id: str, **options: Any) -> list[ChunkRow]:
+            rows = await super().chunks(run_id, **options)
+            read.append(len(rows))
+            return rows
+
+        async def stream_tails(self, run_id: str, **options: Any) -> list[StreamTail]:
+            tails = await super().stream_tails(run_id, **options)
+            read.append(sum(len(t.rows) for t in tails))
+            return tails
+
+    db = tmp_path / "runs.db"
+    asyncio.run(run_one_node(db, talk, "chatty"))
+    factory = lambda read_only: Counting(db, read_only=read_only)  # noqa: E731
+    with dashboard(factory) as client:
+        page = client.get(run_url("chatty")).text
+    section = page.split('id="run-streams"', 1)[1].split("</section>", 1)[0]
+    assert f"1999{piece}" in section and "2000 chunks" in section
+    # The rows holding the 4,000 characters shown (40 or so, twice at most) and the mark,
+    # not all 2,001.
+    assert 0 < sum(read) <= 100, read

@@ -52,6 +52,7 @@ from ._records import RunStatus as RunStatus
 from ._records import ScheduleRow as ScheduleRow
 from ._records import StoredRun as StoredRun
 from ._records import StreamHead as StreamHead
+from ._records import StreamTail as StreamTail
 from ._records import Submission as Submission
 from ._records import WorkerRow as WorkerRow
 from .memory import MemoryStore as MemoryStore
@@ -97,6 +98,7 @@ __all__ = [
     "ScheduleRow",
     "StoredRun",
     "StreamHead",
+    "StreamTail",
     "Submission",
     "WorkerRow",
     "open_store",

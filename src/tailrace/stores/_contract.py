@@ -49,6 +49,7 @@ from ._records import (
     ScheduleRow,
     StoredRun,
     StreamHead,
+    StreamTail,
     Submission,
     WorkerRow,
     check_limit,
@@ -280,6 +281,28 @@ class RunStore(abc.ABC):
         check_cursor(after, limit)
         return await self._chunks(run_id, after=after, limit=limit)
 
+    async def stream_tails(
+        self, run_id: str, *, chars: int, limit: int = MAX_LIMIT
+    ) -> list[StreamTail]:
+        """Each stream of a run as its last rows only, in the order the streams began (S1-S3).
+
+        Args:
+            run_id: the run whose streams are read.
+            chars: how much text each stream's tail holds: its last rows, the fewest
+                whose ``data_json`` hold more than ``chars`` characters together (all
+                of them if the stream holds no more), its terminal mark included.
+            limit: at most this many streams, the first ones.
+
+        A reader that shows the end of each attempt's stream reads what it shows,
+        not every row streamed; :attr:`StreamTail.chunks` still counts them all.
+        :class:`~tailrace.RunNotFound` for an unknown run.
+        """
+        check_name("run_id", run_id)
+        if not isinstance(chars, int) or isinstance(chars, bool) or not 0 <= chars < 2**62:
+            raise ValueError(f"chars must be an int from 0 below 2**62, got {chars!r}")
+        check_limit("limit", limit)
+        return await self._stream_tails(run_id, chars=chars, limit=limit)
+
     async def stream_head(self, run_id: str) -> StreamHead:
         """The run's last stream row ``seq`` and its streams left with no terminal mark (S2).
 
@@ -436,17 +459,20 @@ class RunStore(abc.ABC):
         node_id: str | None = None,
         status: ParkedStatus | None = ParkedStatus.PARKED,
         claimed_by: str | None = None,
+        run_id: str | None = None,
     ) -> list[ParkedRow]:
         """Parked items (P4), oldest first: of ``graph_name`` and ``node_id`` when given, in
-        ``status`` (default ``parked``; None: every status), claimed by ``claimed_by``."""
+        ``status`` (default ``parked``; None: every status), claimed by ``claimed_by``, parked
+        by run ``run_id`` (an indexed read: a run's own items, not its graph's)."""
         for name, value in (("graph_name", graph_name), ("node_id", node_id),
-                            ("claimed_by", claimed_by)):  # fmt: skip
+                            ("claimed_by", claimed_by), ("run_id", run_id)):  # fmt: skip
             check_name(name, value)
         return await self._list_parked(
             graph_name=graph_name,
             node_id=node_id,
             status=None if status is None else ParkedStatus(status),
             claimed_by=claimed_by,
+            run_id=run_id,
         )
 
     async def claim_parked(
@@ -973,6 +999,10 @@ class RunStore(abc.ABC):
         """:meth:`chunks`, called with checked arguments."""
 
     @abc.abstractmethod
+    async def _stream_tails(self, run_id: str, *, chars: int, limit: int) -> list[StreamTail]:
+        """:meth:`stream_tails`, called with checked arguments."""
+
+    @abc.abstractmethod
     async def _stream_head(self, run_id: str) -> StreamHead:
         """:meth:`stream_head`, called with checked arguments."""
 
@@ -1042,6 +1072,7 @@ class RunStore(abc.ABC):
         node_id: str | None,
         status: ParkedStatus | None,
         claimed_by: str | None,
+        run_id: str | None,
     ) -> list[ParkedRow]:
         """:meth:`list_parked`, called with checked arguments."""
 

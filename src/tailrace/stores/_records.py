@@ -346,6 +346,24 @@ class StreamHead:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StreamTail:
+    """One attempt's stream as its last rows (``RunStore.stream_tails``).
+
+    ``rows`` are the stream's last rows in ``seq`` order, its terminal mark
+    included: the fewest that hold more than the characters asked for (in
+    ``data_json``), or all of them. ``chunks`` counts the chunks the stream
+    holds in all. ``whole`` says whether ``rows`` begin at the stream's first.
+    """
+
+    rows: tuple[ChunkRow, ...]
+    chunks: int
+
+    @property
+    def whole(self) -> bool:
+        return self.rows[0].seq == self.rows[0].stream
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Harvest:
     """Everything one harvest produces, committed atomically (D1)."""
 

@@ -40,12 +40,14 @@ from ._records import (
     QUESTION_TRANSITIONS,
     RUN_TRANSITIONS,
     TERMINAL_STATUSES,
+    ChunkRow,
     Harvest,
     NewRun,
     QuestionRow,
     QuestionStatus,
     RunRecord,
     RunStatus,
+    StreamTail,
     Submission,
 )
 
@@ -529,3 +531,25 @@ def read_only_refusal(where: str, context: str) -> StoreError:
         f"{context}: {where} was opened read-only; nothing was written "
         "(open it without read_only to change it)"
     )
+
+
+def stream_tails(rows: Sequence[ChunkRow], chars: int, limit: int) -> list[StreamTail]:
+    """Each of the first ``limit`` streams of ``rows`` (a run's, in ``seq`` order) as its
+    tail: its last rows, the fewest whose ``data_json`` hold more than ``chars``
+    characters together (all if it holds no more), and how many chunks it holds.
+
+    The SQL stores make the same choice in :data:`SELECT_STREAM_TAILS`.
+    """
+    streams: dict[int, list[ChunkRow]] = {}
+    for row in rows:
+        if row.stream in streams or len(streams) < limit:
+            streams.setdefault(row.stream, []).append(row)
+    tails = []
+    for stream_rows in streams.values():
+        later, start = 0, len(stream_rows)
+        while start > 0 and later <= chars:  # a row is kept while what follows it fits
+            start -= 1
+            later += len(stream_rows[start].data_json or "")
+        chunks = sum(1 for r in stream_rows if r.kind == "chunk")
+        tails.append(StreamTail(rows=tuple(stream_rows[start:]), chunks=chunks))
+    return tails

@@ -5,10 +5,10 @@ templates as text, which Jinja escapes; nothing of them is read as markup. The
 characters a page would act on instead of showing (controls, bidirectional
 overrides) are spelled as escapes first, as ``tailrace tail`` prints them.
 
-The page shows the last :data:`TEXT_CHARS` of each attempt's stream. The store
-reads stream rows forwards only, so the rows are read in batches and each
-attempt keeps only the tail it shows: what the page holds is bounded by the
-number of attempts, not by how much they streamed.
+The page shows the last :data:`TEXT_CHARS` of each attempt's stream, and reads
+only that: the store hands it each stream's last rows (``RunStore.stream_tails``)
+and how many chunks the stream holds, so what the page reads and holds is
+bounded by the number of attempts, not by how much they streamed.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .._visible import visible, visible_json
-from ..stores import ChunkRow, RunStore
+from ..stores import ChunkRow, RunStore, StreamTail
 
-#: The page reads at most this many stream rows of a run (the first ones).
-MAX_ROWS = 20_000
+#: The page shows at most this many streams of a run (the first ones).
+MAX_STREAMS = 2_000
 #: Each attempt shows the last this many characters of what it streamed.
 TEXT_CHARS = 4_000
 
@@ -46,40 +46,49 @@ class Streams:
 
     cards: tuple[StreamCard, ...] = ()
     last_seq: int = 0
-    #: Whether the run has more rows than the page reads.
+    #: Whether the run has more streams than the page shows.
     more: bool = False
 
 
 async def read_streams(store: RunStore, run_id: str) -> Streams:
-    """The streams of ``run_id`` as stored now (at most :data:`MAX_ROWS` rows)."""
-    tails: dict[int, _Tail] = {}
-    read, last_seq = 0, 0
-    while read < MAX_ROWS:
-        batch = await store.chunks(run_id, after=last_seq, limit=min(1000, MAX_ROWS - read))
-        if not batch:
+    """The streams of ``run_id`` as stored now (at most :data:`MAX_STREAMS` of them).
+
+    The store cuts each tail by its stored (JSON) characters, the page by the text
+    they decode to, which can be shorter (escapes): a tail that decodes to too
+    little is read again, larger, until it does or holds its whole stream.
+    """
+    chars = 2 * TEXT_CHARS  # a JSON string's quotes and escapes: stored text runs longer
+    while True:
+        tails = await store.stream_tails(run_id, chars=chars, limit=MAX_STREAMS + 1)
+        read = [_Tail.of(tail) for tail in tails[:MAX_STREAMS]]
+        if all(t.whole or t.length > TEXT_CHARS for t in read):
             break
-        for row in batch:
-            tail = tails.get(row.stream)
-            if tail is None:
-                tail = tails[row.stream] = _Tail(first=row)
-            tail.add(row)
-        read, last_seq = read + len(batch), batch[-1].seq
-    more = read >= MAX_ROWS and bool(await store.chunks(run_id, after=last_seq, limit=1))
-    cards = tuple(tail.card() for tail in tails.values())  # in the order the streams began
-    return Streams(cards=cards, last_seq=last_seq, more=more)
+        chars *= 4
+    last_seq = max((tail.rows[-1].seq for tail in tails), default=0)
+    cards = tuple(t.card() for t in read)  # in the order the streams began
+    return Streams(cards=cards, last_seq=last_seq, more=len(tails) > MAX_STREAMS)
 
 
 @dataclass(slots=True)
 class _Tail:
-    """One attempt's stream as read so far: its first row, its mark, its last characters."""
+    """One attempt's stream as read: its first row read, its mark, its last characters."""
 
     first: ChunkRow
+    chunks: int
+    #: Whether the rows read begin at the stream's first: else the text lost its beginning.
+    whole: bool
     outcome: str = "streaming"
-    chunks: int = 0
-    #: Characters streamed in all, and the newest pieces holding the last TEXT_CHARS of them.
+    #: Characters read, and the newest pieces holding the last TEXT_CHARS of them.
     length: int = 0
     pieces: deque[str] = field(default_factory=deque)
     kept: int = 0
+
+    @classmethod
+    def of(cls, tail: StreamTail) -> _Tail:
+        read = cls(first=tail.rows[0], chunks=tail.chunks, whole=tail.whole)
+        for row in tail.rows:
+            read.add(row)
+        return read
 
     def add(self, row: ChunkRow) -> None:
         if row.kind != "chunk":
@@ -87,7 +96,6 @@ class _Tail:
             return
         self.outcome = "streaming"
         piece = _piece(row.data_json)
-        self.chunks += 1
         self.length += len(piece)
         self.pieces.append(piece)
         self.kept += len(piece)

@@ -608,8 +608,7 @@ async def _parked_by(
 
     A parked straggler is a late input with reason ``parked``, stored under the
     node that parked it or the input it came from; a run that parked nothing
-    reads no parked row. The store lists parked items by graph and node, not
-    by run, so the other runs' items of those nodes are read and left out here.
+    reads no parked row, and one that did reads its own items only, by run.
     """
     nodes: set[str] = set()
     for e in events:
@@ -618,8 +617,9 @@ async def _parked_by(
     rows = [
         p
         for node_id in sorted(nodes)
-        for p in await store.list_parked(graph_name=graph_name, node_id=node_id, status=None)
-        if p.run_id == run_id
+        for p in await store.list_parked(
+            graph_name=graph_name, node_id=node_id, status=None, run_id=run_id
+        )
     ]
     return tuple(sorted(rows, key=lambda p: (p.parked_at, p.park_id)))
 

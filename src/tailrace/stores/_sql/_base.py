@@ -55,6 +55,7 @@ from .._records import (
     ScheduleRow,
     StoredRun,
     StreamHead,
+    StreamTail,
     Submission,
     WorkerRow,
 )
@@ -321,6 +322,11 @@ class SQLStore(RunStore):
             f"run {run_id!r}", lambda tx: bodies.chunks(tx, run_id, after, limit)
         )
 
+    async def _stream_tails(self, run_id: str, *, chars: int, limit: int) -> list[StreamTail]:
+        return await self._read_tx(
+            f"run {run_id!r}", lambda tx: bodies.stream_tails(tx, run_id, chars, limit)
+        )
+
     async def _stream_head(self, run_id: str) -> StreamHead:
         return await self._read_tx(f"run {run_id!r}", lambda tx: bodies.stream_head(tx, run_id))
 
@@ -446,10 +452,11 @@ class SQLStore(RunStore):
         node_id: str | None,
         status: ParkedStatus | None,
         claimed_by: str | None,
+        run_id: str | None,
     ) -> list[ParkedRow]:
         return await self._read_tx(
             "listing parked items",
-            lambda tx: bodies.list_parked(tx, graph_name, node_id, status, claimed_by),
+            lambda tx: bodies.list_parked(tx, graph_name, node_id, status, claimed_by, run_id),
         )
 
     async def _claim_parked(

@@ -140,6 +140,21 @@ INSERT_CHUNK = (
 SELECT_CHUNKS = (
     f"SELECT {CHUNK_COLUMNS} FROM stream_chunks WHERE run_id = ? AND seq > ? ORDER BY seq LIMIT ?"
 )
+#: Values: run_id, limit, run_id, run_id, chars. The tail of each of the run's first
+#: ``limit`` streams, then how many chunks its stream holds: the rows that what follows
+#: them in their stream holds at most ``chars`` characters of (``_rules.stream_tails``).
+#: Only seq, stream, kind and lengths are windowed; the rows kept are read by key.
+SELECT_STREAM_TAILS = (
+    "WITH firsts AS (SELECT DISTINCT stream FROM stream_chunks WHERE run_id = ? "
+    "ORDER BY stream LIMIT ?), sized AS (SELECT seq, SUM(COALESCE(LENGTH(data_json), 0)) "
+    "OVER (PARTITION BY stream ORDER BY seq DESC ROWS BETWEEN UNBOUNDED PRECEDING "
+    "AND 1 PRECEDING) AS later, SUM(CASE WHEN kind = 'chunk' THEN 1 ELSE 0 END) "
+    "OVER (PARTITION BY stream) AS chunks FROM stream_chunks "
+    "WHERE run_id = ? AND stream IN (SELECT stream FROM firsts)) "
+    f"SELECT {', '.join('c.' + f for f in CHUNK_FIELDS)}, s.chunks FROM sized s "
+    "JOIN stream_chunks c ON c.run_id = ? AND c.seq = s.seq "
+    "WHERE COALESCE(s.later, 0) <= ? ORDER BY c.seq"
+)
 #: Values: run_id. One row: the run's last stream row seq, 0 when it has none.
 LAST_CHUNK_SEQ = "SELECT COALESCE(MAX(seq), 0) FROM stream_chunks WHERE run_id = ?"
 #: Values: run_id. The first chunk of each of the run's streams with no terminal mark (S2).
@@ -447,6 +462,14 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             # parent reads its children's outputs in one query (``outputs``), not each
             # child's node and result rows.
             "ALTER TABLE runs ADD COLUMN output_json TEXT",
+        ),
+    ),
+    (
+        19,
+        (
+            # The items a run parked (P3), read by run (``list_parked(run_id=...)``): the
+            # run page reads its own, not every item of its graph's nodes.
+            "CREATE INDEX IF NOT EXISTS parked_by_run ON parked_items (run_id)",
         ),
     ),
 )

@@ -67,6 +67,7 @@ from .._records import (
     ScheduleRow,
     StoredRun,
     StreamHead,
+    StreamTail,
     Submission,
     WorkerRow,
 )
@@ -142,6 +143,7 @@ from ._statements import (
     SELECT_QUESTION,
     SELECT_SHAPE,
     SELECT_STATUSES,
+    SELECT_STREAM_TAILS,
     SET_WAKE_AFTER,
     SUPERSEDE_QUESTION,
     UNCLAIM_PARKED,
@@ -472,6 +474,19 @@ async def chunks(tx: Tx, run_id: str, after: int, limit: int) -> list[ChunkRow]:
     return [chunk_from_row(r) for r in rows]
 
 
+async def stream_tails(tx: Tx, run_id: str, chars: int, limit: int) -> list[StreamTail]:
+    """The tail of each of the run's first ``limit`` streams (``RunStore.stream_tails``)."""
+    params = (run_id, limit, run_id, run_id, chars)
+    streams: dict[int, tuple[list[ChunkRow], int]] = {}
+    for row in await rows_of_run(tx, run_id, SELECT_STREAM_TAILS, params):
+        chunk = chunk_from_row(row[:-1])
+        streams.setdefault(chunk.stream, ([], int(row[-1])))[0].append(chunk)
+    return [
+        StreamTail(rows=tuple(rows), chunks=chunks)
+        for _, (rows, chunks) in sorted(streams.items())  # in the order the streams began
+    ]
+
+
 async def stream_head(tx: Tx, run_id: str) -> StreamHead:
     row = await tx.one(LAST_CHUNK_SEQ, (run_id,))
     last = int(row[0]) if row is not None else 0
@@ -782,12 +797,13 @@ async def list_parked(
     node_id: str | None,
     status: str | None,
     claimed_by: str | None,
+    run_id: str | None = None,
 ) -> list[ParkedRow]:
     """Parked items matching every filter given, oldest first."""
     where, params = [], []
     for column, value in (
         ("graph_name", graph_name), ("node_id", node_id), ("status", status),
-        ("claimed_by", claimed_by),
+        ("claimed_by", claimed_by), ("run_id", run_id),
     ):  # fmt: skip
         if value is not None:
             where.append(f"{column} = ?")

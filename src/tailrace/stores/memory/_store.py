@@ -76,6 +76,7 @@ from .._records import (
     ScheduleRow,
     StoredRun,
     StreamHead,
+    StreamTail,
     Submission,
     WorkerRow,
 )
@@ -101,6 +102,7 @@ from .._rules import (
     not_applicable,
     not_open,
     question_not_found,
+    stream_tails,
 )
 
 # --- the store ---------------------------------------------------------------
@@ -389,10 +391,11 @@ class MemoryStore(RunStore):
         node_id: str | None,
         status: ParkedStatus | None,
         claimed_by: str | None,
+        run_id: str | None,
     ) -> list[ParkedRow]:
         with self._lock:
             wanted = (("graph_name", graph_name), ("node_id", node_id), ("status", status),
-                      ("claimed_by", claimed_by))  # fmt: skip
+                      ("claimed_by", claimed_by), ("run_id", run_id))  # fmt: skip
             rows = [
                 r
                 for r in self._parked.values()
@@ -420,7 +423,7 @@ class MemoryStore(RunStore):
                     status="claimed", claimed_by=claimant, claimed_at=now
                 )
         return await self._list_parked(
-            graph_name=None, node_id=None, status=None, claimed_by=claimant
+            graph_name=None, node_id=None, status=None, claimed_by=claimant, run_id=None
         )
 
     async def _unclaim_parked(self, pairs: Sequence[tuple[str, str]]) -> int:
@@ -515,6 +518,12 @@ class MemoryStore(RunStore):
             rows = self._chunk_rows[run_id]
             start = bisect.bisect_right(rows, (after, float("inf")))
             return rows[start : start + limit]
+
+    async def _stream_tails(self, run_id: str, *, chars: int, limit: int) -> list[StreamTail]:
+        with self._lock:
+            self._run(run_id)
+            rows = list(self._chunk_rows[run_id])
+        return stream_tails(rows, chars, limit)
 
     async def _stream_head(self, run_id: str) -> StreamHead:
         with self._lock:
