@@ -1,4 +1,4 @@
-"""Every node attempt of a run, derived from its durable events (pure; no I/O).
+"""Every node attempt of a run, derived from its durable events (no I/O of its own).
 
 Both the terminal timeline (``tailrace show``) and the dashboard's Gantt
 (``tailrace ui``) draw what :func:`attempts_from_events` returns, so they
@@ -16,8 +16,9 @@ never disagree on how an attempt ended:
 - the end of a run (``run_cancelled``, ``run_failed``, ``run_completed``)
   ends what is still running or waiting as ``cancelled``;
 - an attempt still open when the run was resumed was cut by a crash or a stop:
-  it ends ``cut`` at the last event its process committed before the resume
-  (D3); the re-run is the next try, as its events number it (a run stored
+  it ends ``cut`` at the last thing known of it: the last event its process
+  committed before the resume, or later its last checkpoint or stream chunk
+  (D3, P1, S1; see :func:`last_known`); the re-run is the next try, as its events number it (a run stored
   before re-runs were numbered so has its re-runs numbered on from the cut
   tries here); a retry's next try cut while it still waited out its backoff
   had not started: its re-run keeps its number and it is not drawn twice;
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -54,6 +55,45 @@ class EventRow(Protocol):
     def ts(self) -> float: ...
     @property
     def data_json(self) -> str: ...
+
+
+class CheckpointRow(Protocol):
+    """The fields of a stored checkpoint this module reads (``tailrace.stores.CheckpointRow``)."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def visit(self) -> int: ...
+    @property
+    def item(self) -> int: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def saved_at(self) -> float: ...
+
+
+class ChunkRow(Protocol):
+    """The fields of a stored stream row this module reads (``tailrace.stores.ChunkRow``)."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def visit(self) -> int: ...
+    @property
+    def item(self) -> int | None: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def ts(self) -> float: ...
+
+
+#: An attempt as the store numbers it: node id, visit, map item (else None) and try.
+#: A hedge shares its rival's try number, so what is known of one counts for both.
+SeenKey = tuple[str, int | None, int | None, int]
 
 
 class Outcome(enum.StrEnum):
@@ -140,8 +180,10 @@ class _Walk:
     offset: dict[_Key, int] = field(default_factory=dict)
     #: Cut tries that had not started (a retry's backoff), with where they were cut.
     held: dict[_Key, tuple[_Open, float]] = field(default_factory=dict)
-    #: When the last event so far was committed (a cut attempt ends there).
+    #: When the last event so far was committed (a cut attempt ends there at the earliest).
     last_ts: float | None = None
+    #: The latest time known of each attempt besides its events (see :func:`last_known`).
+    seen: Mapping[SeenKey, float] = field(default_factory=dict)
 
     def number(self, key: _Key, attempt: int | None) -> int | None:
         """The try number of ``attempt`` (as an event carries it) across resumes."""
@@ -158,6 +200,13 @@ class _Walk:
             self.close(key, held[0], held[1], Outcome.CUT)
         return tries
 
+    def cut_end(self, key: _Key, item: _Open, end: float) -> float:
+        """Where ``item`` cut at ``end`` is drawn to: the last thing known of it, if later."""
+        if item.attempt is None:
+            return max(end, item.start)
+        stored = item.attempt - self.offset.get(key, 0)  # the try number its rows carry
+        return max(end, item.start, self.seen.get((*key, stored), end))
+
     def cut(self, end: float) -> None:
         """A resume: every open attempt was cut where its process last committed."""
         for key in list(self.open):
@@ -166,7 +215,7 @@ class _Walk:
                 if not item.started and not item.hedge:
                     self.held[key] = (item, max(end, item.start))
                     continue
-                self.close(key, item, max(end, item.start), Outcome.CUT)
+                self.close(key, item, self.cut_end(key, item, end), Outcome.CUT)
                 tries = item.attempt or 1
                 self.cut_tries[key] = max(self.cut_tries.get(key, 0), tries)
 
@@ -210,7 +259,11 @@ def event_data(event: EventRow) -> dict[str, Any]:
 
 
 def attempts_from_events(
-    events: Sequence[EventRow], *, live: bool = True, now: float | None = None
+    events: Sequence[EventRow],
+    *,
+    live: bool = True,
+    now: float | None = None,
+    seen: Mapping[SeenKey, float] | None = None,
 ) -> list[Attempt]:
     """Every attempt, try and wait of a run, sorted by start then label.
 
@@ -222,8 +275,11 @@ def attempts_from_events(
             the last event.
         now: where running attempts (when ``live``) and open waits end (a
             suspended run still waits now); the last event's time when None.
+        seen: the latest time known of each attempt besides its events (from
+            :func:`last_known`): a cut attempt is drawn up to it when it is
+            later than the last event its process committed.
     """
-    walk = _Walk()
+    walk = _Walk(seen=seen or {})
     for event in events:
         _step(walk, event)
         walk.last_ts = event.ts
@@ -233,7 +289,10 @@ def attempts_from_events(
     end = now if now is not None and live else last
     for key, items in walk.open.items():
         for item in items:
-            walk.close(key, item, max(end, item.start), Outcome.RUNNING if live else Outcome.CUT)
+            if live:
+                walk.close(key, item, max(end, item.start), Outcome.RUNNING)
+            else:
+                walk.close(key, item, walk.cut_end(key, item, end), Outcome.CUT)
     wait_end = now if now is not None else last
     for key, start in walk.waiting.items():
         walk.done.append(
@@ -242,6 +301,49 @@ def attempts_from_events(
         )  # fmt: skip
     attempts = _mark_late(walk.done, events)
     return sorted(attempts, key=lambda a: (a.start, a.label, a.hedge, a.attempt or 0))
+
+
+#: Stream rows read per page when looking for the last chunk of cut attempts.
+CHUNK_PAGE = 1000
+
+#: Reads a run's stream rows after a ``seq``, at most a ``limit`` (``RunStore.chunks``).
+ChunkReader = Callable[[int, int], Awaitable[Sequence[ChunkRow]]]
+
+
+async def last_known(
+    attempts: Sequence[Attempt], checkpoints: Iterable[CheckpointRow], read_chunks: ChunkReader
+) -> dict[SeenKey, float]:
+    """The latest time known of each attempt besides its events, for :func:`attempts_from_events`.
+
+    That is its last checkpoint's ``saved_at`` (P1) and its last stream chunk's
+    time (S1): a process cut by a crash may have saved or streamed after the
+    last event it committed. Stream rows are read only when ``attempts`` (from
+    :func:`attempts_from_events` without ``seen``) has a cut one, and only
+    those of a cut attempt's node visit are kept; a ``discarded`` mark is
+    written at the resume, so it is not something known of the attempt.
+
+    Args:
+        attempts: the run's attempts as drawn from its events alone.
+        checkpoints: the run's checkpoint rows (``StoredRun.checkpoints``).
+        read_chunks: reads stream rows: ``read_chunks(after, limit)``.
+    """
+    known: dict[SeenKey, float] = {}
+    for c in checkpoints:
+        _later(known, (c.node_id, c.visit, None if c.item < 0 else c.item, c.attempt), c.saved_at)
+    cut = {(a.node_id, a.visit, a.item) for a in attempts if a.outcome is Outcome.CUT}
+    if not cut:
+        return known
+    after = 0
+    while page := await read_chunks(after, CHUNK_PAGE):
+        for r in page:
+            if r.kind == "chunk" and (r.node_id, r.visit, r.item) in cut:
+                _later(known, (r.node_id, r.visit, r.item, r.attempt), r.ts)
+        after = page[-1].seq
+    return known
+
+
+def _later(known: dict[SeenKey, float], key: SeenKey, ts: float) -> None:
+    known[key] = max(ts, known.get(key, ts))
 
 
 def _step(walk: _Walk, e: EventRow) -> None:

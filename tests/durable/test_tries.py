@@ -117,6 +117,13 @@ async def test_a_re_run_after_a_sigkill_is_the_next_try_everywhere(
         bars = [line.split("█")[0].strip() for line in show.output.splitlines()
                 if line.startswith("summarise#1")]  # fmt: skip
         assert bars == ["summarise#1", "summarise#1 try 2"]  # the cut try, then the re-run
+        # The cut try is drawn up to its last chunk (it streamed 0.2 s after its start, then
+        # committed nothing more), marked cut, not as 0 ms at its start.
+        cut, _ = [line for line in show.output.splitlines() if line.startswith("summarise#1")]
+        start = next(e.ts for e in node_events if e.type == "node_started")
+        chunk = next(r.ts for r in node_rows if r.kind == "chunk" and r.attempt == 1)
+        assert cut.endswith(f" {(chunk - start) * 1000:.1f} ms cut"), cut
+        assert chunk - start >= 0.2
 
 
 async def _cli(*args: str) -> Result:

@@ -20,6 +20,8 @@ node_graph = tr.Graph("tries_node")
 async def summarise(x: int) -> str:
     ctx = current_node()
     assert ctx is not None
+    if HANG[0]:  # the cut try streams well after its start: ``show`` draws it up to its chunk
+        await asyncio.sleep(0.2)
     ctx.stream(f"summarise try {ctx.attempt}")
     if HANG[0]:
         await asyncio.Event().wait()

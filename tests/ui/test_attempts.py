@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tailrace._attempts import Attempt, Outcome, attempts_from_events
-from tailrace.stores import EventRow
+from tailrace._attempts import Attempt, Outcome, attempts_from_events, last_known
+from tailrace.stores import CheckpointRow, ChunkRow, EventRow
 
 
 def ev(seq: int, type: str, ts: float, node: str | None = None, attempt: int | None = 1,
@@ -176,3 +176,55 @@ def test_a_waiting_gate_waits_until_now_while_the_run_is_suspended() -> None:
     ]
     waits = [a for a in attempts_from_events(events, live=False, now=30.0) if a.attempt is None]
     assert [(w.outcome, w.end) for w in waits] == [(Outcome.WAITING, 30.0)]
+
+
+def test_a_cut_attempt_is_drawn_up_to_its_last_checkpoint_or_chunk() -> None:
+    events = [
+        ev(1, "node_started", 1.0, "a"),  # its last event: then it checkpointed and streamed
+        ev(2, "node_started", 1.0, "b"),
+        ev(3, "node_started", 1.0, "m", item=0),
+        ev(4, "run_resumed", 9.0),
+        ev(5, "node_started", 9.5, "a", attempt=2),
+        ev(6, "node_completed", 10.0, "a", attempt=2),
+    ]
+    seen = {("a", 1, None, 1): 3.5, ("a", 1, None, 2): 9.8, ("m", 1, 0, 1): 2.0}
+    drawn = attempts_from_events(events, seen=seen)
+    assert [(a.label, a.start, a.end, a.outcome.value) for a in drawn] == [
+        ("a#1", 1.0, 3.5, "cut"),  # up to what it last left, not 0 s at its start
+        ("b#1", 1.0, 1.0, "cut"),  # nothing known of it past its start
+        ("m#1[0]", 1.0, 2.0, "cut"),
+        ("a#1", 9.5, 10.0, "completed"),  # what the re-run left does not stretch it
+    ]
+    [orphaned] = attempts_from_events(events[:1], live=False, seen=seen)
+    assert (orphaned.outcome, orphaned.end) == (Outcome.CUT, 3.5)
+
+
+async def test_last_known_reads_checkpoints_and_the_chunks_of_cut_attempts_only() -> None:
+    checkpoints = [CheckpointRow("a", 1, -1, 1, "{}", 2.0), CheckpointRow("m", 1, 0, 1, "{}", 1.5)]
+    rows = [
+        ChunkRow(1, 1, "a", 1, None, 1, 0, "chunk", '"x"', 3.0),
+        ChunkRow(2, 2, "c", 1, None, 1, 0, "chunk", '"y"', 7.0),  # c completed: not kept
+        ChunkRow(3, 1, "a", 1, None, 1, 0, "discarded", None, 9.0),  # written at the resume
+    ]
+    reads: list[tuple[int, int]] = []
+
+    async def read(after: int, limit: int) -> list[ChunkRow]:
+        reads.append((after, limit))
+        return [r for r in rows if r.seq > after][:2]
+
+    events = [
+        ev(1, "node_started", 1.0, "a"),
+        ev(2, "node_started", 1.0, "c"),
+        ev(3, "node_completed", 1.2, "c"),
+        ev(4, "run_resumed", 9.0),
+    ]
+    cut = attempts_from_events(events)
+    known = await last_known(cut, checkpoints, read)
+    assert known == {("a", 1, None, 1): 3.0, ("m", 1, 0, 1): 1.5}
+    assert [after for after, _ in reads] == [0, 2, 3]
+    reads.clear()
+    assert await last_known(attempts_from_events(events[:3]), checkpoints, read) == {
+        ("a", 1, None, 1): 2.0,
+        ("m", 1, 0, 1): 1.5,
+    }
+    assert reads == []  # nothing was cut: no stream row is read

@@ -23,7 +23,7 @@ import typer
 from rich.table import Column
 from rich.text import Text
 
-from .._attempts import event_data
+from .._attempts import attempts_from_events, event_data, last_known
 from .._errors import GraphError, LeaseHeld, NotResumable, RunNotFound
 from .._events import EventType
 from .._lineage import child_place
@@ -384,20 +384,27 @@ def show(
 ) -> None:
     """Show a run's nodes, a timeline of every node attempt, and where a failed node raised."""
 
-    async def gather(store: RunStore) -> tuple[Any, Any, Any, list[RunRecord], list[str]]:
+    async def gather(store: RunStore) -> tuple[Any, Any, Any, Any, list[RunRecord], list[str]]:
         stored = await store.load_run(run_id)
+        events = await store.events(run_id)
         parked = await store.list_parked(graph_name=stored.run.graph_name, status=None)
         mine = [p for p in parked if p.run_id == run_id]
         children = await store.list_runs(parent=run_id)
+        seen = await last_known(  # a cut attempt is drawn to its last checkpoint or chunk
+            attempts_from_events(events),
+            stored.checkpoints,
+            lambda after, limit: store.chunks(run_id, after=after, limit=limit),
+        )
         return (
             stored,
-            await store.events(run_id),
+            events,
+            seen,
             mine,
             children,
             await _parent_nodes(store, stored.run),
         )
 
-    stored, events, parked, children, parent_nodes = with_store(db, gather, read_only=True)
+    stored, events, seen, parked, children, parent_nodes = with_store(db, gather, read_only=True)
     record = stored.run
     error = f" error: {record.error}" if record.error else ""
     console.print(
@@ -428,7 +435,7 @@ def show(
         more = more_children(run_id, len(children), db_argument(db))
         if more is not None:
             console.print(more, soft_wrap=True)
-    maps = map_table(events)
+    maps = map_table(events, seen)
     if maps is not None:
         console.print(maps)
     if parked:  # the stragglers this run parked (P3) and what became of them
@@ -449,7 +456,7 @@ def show(
             )
         )
     _print_drivers(events, record.recoveries)
-    console.print(timeline(events, width=max(console.width - 30, 20)))
+    console.print(timeline(events, width=max(console.width - 30, 20), seen=seen))
     _print_tracebacks(events, whole=whole_traceback)
 
 

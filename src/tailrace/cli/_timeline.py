@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rich.table import Table
@@ -12,6 +12,7 @@ from .._attempts import (
     Attempt,
     MapSummary,
     Outcome,
+    SeenKey,
     attempts_from_events,
     fold_items,
     map_summaries,
@@ -44,6 +45,8 @@ class Bar:
     start: float
     end: float
     style: str
+    #: Whether a crash or a stop cut the attempt (it ends at the last thing known of it).
+    cut: bool = False
 
 
 def _bar(attempt: Attempt) -> Bar:
@@ -51,23 +54,35 @@ def _bar(attempt: Attempt) -> Bar:
     if attempt.attempt is not None and attempt.attempt > 1:  # a retry or a re-run after a cut
         label = f"{label} try {attempt.attempt}"
     label = f"{label} hedge" if attempt.hedge else label
-    return Bar(label, attempt.start, attempt.end, _STYLES[attempt.outcome])
+    cut = attempt.outcome is Outcome.CUT
+    return Bar(label, attempt.start, attempt.end, _STYLES[attempt.outcome], cut)
 
 
-def attempt_bars(events: Sequence[EventRow]) -> list[Bar]:
+def attempt_bars(
+    events: Sequence[EventRow], seen: Mapping[SeenKey, float] | None = None
+) -> list[Bar]:
     """A bar per attempt, try and gate wait (``tailrace._attempts`` decides how each ended).
 
     An attempt still open when the run was resumed was interrupted by a crash
-    (or a stop): its bar ends at the resume, in grey. A hedge's rival that
-    lost ends when the winner completed. A map visit draws its
+    (or a stop): its bar ends at the last thing known of it (its last event,
+    or its last checkpoint or stream chunk in ``seen``, from
+    ``tailrace._attempts.last_known``), in grey, marked cut. A hedge's rival
+    that lost ends when the winner completed. A map visit draws its
     :data:`ITEM_ROWS` slowest items; the rest fold into one bar.
     """
-    return [_bar(a) for a in fold_items(attempts_from_events(events), keep=ITEM_ROWS)]
+    attempts = attempts_from_events(events, seen=seen)
+    return [_bar(a) for a in fold_items(attempts, keep=ITEM_ROWS)]
 
 
-def timeline(events: Sequence[EventRow], *, width: int = 60) -> Text:
-    """A bar per node attempt, scaled to ``width`` columns; colour says how it ended."""
-    bars = attempt_bars(events)
+def timeline(
+    events: Sequence[EventRow], *, width: int = 60, seen: Mapping[SeenKey, float] | None = None
+) -> Text:
+    """A bar per node attempt, scaled to ``width`` columns; colour says how it ended.
+
+    ``seen`` is the latest time known of each attempt besides its events
+    (``tailrace._attempts.last_known``): a cut attempt is drawn up to it.
+    """
+    bars = attempt_bars(events, seen)
     if not bars:
         return Text("(no node attempts recorded)")
     t0 = min(b.start for b in bars)
@@ -80,7 +95,7 @@ def timeline(events: Sequence[EventRow], *, width: int = 60) -> Text:
         out.append(f"{visible(bar.label)[:label_width]:<{label_width}} ")  # node ids are data
         out.append(" " * left)
         out.append("█" * length, style=bar.style)
-        out.append(f" {(bar.end - bar.start) * 1000:.1f} ms\n")
+        out.append(f" {(bar.end - bar.start) * 1000:.1f} ms{' cut' if bar.cut else ''}\n")
     out.append(f"{'':<{label_width}} 0{'':>{max(width - 8, 1)}}{span:.3f}s")
     return out
 
@@ -89,9 +104,14 @@ def timeline(events: Sequence[EventRow], *, width: int = 60) -> Text:
 WINNERS_SHOWN = 8
 
 
-def map_table(events: Sequence[EventRow]) -> Table | None:
-    """A row per map visit: its items by outcome, its k and winners, its slowest items (M2-M5)."""
-    maps = map_summaries(events, attempts_from_events(events))
+def map_table(
+    events: Sequence[EventRow], seen: Mapping[SeenKey, float] | None = None
+) -> Table | None:
+    """A row per map visit: its items by outcome, its k and winners, its slowest items (M2-M5).
+
+    ``seen`` is as for :func:`timeline` (a cut item's time runs to the last thing known of it).
+    """
+    maps = map_summaries(events, attempts_from_events(events, seen=seen))
     if not maps:
         return None
     headers = (

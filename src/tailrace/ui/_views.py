@@ -14,7 +14,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .._attempts import MapSummary, attempts_from_events, event_data, fold_items, map_summaries
+from .._attempts import (
+    MapSummary,
+    attempts_from_events,
+    event_data,
+    fold_items,
+    last_known,
+    map_summaries,
+)
 from ..core import owner_is_dead, stretches_of
 from ..stores import (
     TERMINAL_STATUSES,
@@ -555,7 +562,12 @@ async def run_view(
             note = f"from the structure the run stored when it started ({found.reason})"
     drawing = layout(shape, rows)
     questions = await store.list_questions(run_id=run_id)
-    attempts = attempts_from_events(events, live=live, now=None if ended else now)
+    seen = await last_known(  # a cut attempt is drawn to its last checkpoint or chunk
+        attempts_from_events(events, live=live, now=None if ended else now),
+        stored.checkpoints,
+        lambda after, limit: store.chunks(record.run_id, after=after, limit=limit),
+    )
+    attempts = attempts_from_events(events, live=live, now=None if ended else now, seen=seen)
     return RunView(
         run_id=record.run_id,
         graph_name=record.graph_name,
