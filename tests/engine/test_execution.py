@@ -1619,6 +1619,45 @@ async def test_e11_retry_until_success_emits_an_event_per_retry():
     assert result.nodes["flaky"].attempts == 3
 
 
+class Throttled(Exception):
+    """A plain exception that asks to be retried later, as a server's ``Retry-After`` does."""
+
+    def __init__(self, retry_after: object) -> None:
+        super().__init__("slow down")
+        self.retry_after = retry_after
+
+
+@pytest.mark.parametrize(
+    ("retry_after", "waited"),
+    [
+        (0.05, 0.05),  # longer than the backoff: waited out
+        (0.001, 0.01),  # shorter than the backoff: the backoff
+        (1e9, 0.1),  # longer than max_backoff: capped there
+        (float("nan"), 0.01),  # not a finite number >= 0: ignored
+        (float("inf"), 0.01),
+        (-5.0, 0.01),
+        (True, 0.01),
+        ("30", 0.01),
+        (None, 0.01),
+    ],
+)
+async def test_e11_a_retry_waits_the_retry_after_its_exception_carries(retry_after, waited):
+    g = tr.Graph("retry")
+    policy = tr.RetryPolicy(attempts=2, backoff=0.01, max_backoff=0.1, retry_on=(Throttled,))
+
+    @g.task(retry=policy)
+    async def throttled(x):
+        if tr.current_node().attempt == 1:
+            raise Throttled(retry_after)
+        return "ok"
+
+    engine = tr.Engine()
+    rec = Recorder(engine)
+    result = await run(engine, g)
+    assert result.results == {"throttled": "ok"}
+    assert [e.data["delay"] for e in rec.of(ET.NODE_RETRYING)] == [waited]
+
+
 async def test_e11_retries_exhausted_raise_the_last_error():
     g = tr.Graph("retry")
     raised = []

@@ -10,6 +10,7 @@ reports its end, with its value or error, back through the in-flight set.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -19,7 +20,7 @@ from .._errors import RunError
 from .._events import EventType
 from ..executors._base import AttemptContext, Executor
 from ..executors._threads import HandlerThreads, current_threads, run_sync
-from ..graph import Node, Topology
+from ..graph import Node, RetryPolicy, Topology
 from ._admission import RunAdmission
 from ._checkpoints import Checkpoints
 from ._children import Children
@@ -28,6 +29,22 @@ from ._inflight import Attempt, InFlight, describe, traceback_text
 from ._outbox import Outbox
 from ._state import ItemStatus, NodeStatus, RunState
 from ._streams import Streams
+
+
+def retry_wait(retry: RetryPolicy, tries: int, exc: BaseException) -> float:
+    """Seconds to wait after failed try ``tries``: the policy's backoff, or longer when
+    ``exc`` carries a ``retry_after`` (the server asked to wait), at most ``max_backoff``.
+
+    ``retry_after`` is read by name (duck-typed), so any client's error carries it
+    without the engine importing the client; only a finite number >= 0 counts.
+    """
+    delay = retry.delay(tries)
+    asked = getattr(exc, "retry_after", None)
+    if isinstance(asked, bool) or not isinstance(asked, int | float):
+        return delay
+    if not math.isfinite(asked) or asked < 0:
+        return delay
+    return max(delay, min(float(asked), retry.max_backoff))
 
 
 class AttemptRunner:
@@ -211,8 +228,10 @@ class AttemptRunner:
         else:
             due = items.retry_due.get(attempt.item)
         if due is not None and retry is not None and not attempt.hedge:
-            # Resumed while backing off: wait out what is left of that backoff.
-            await asyncio.sleep(min(max(0.0, due - time.time()), retry.delay(max(tries - 1, 1))))
+            # Resumed while backing off: wait out what is left of that backoff, at most the
+            # policy's longest wait (a server's Retry-After may have made it longer than
+            # the backoff alone; a skewed clock must not make it endless).
+            await asyncio.sleep(min(max(0.0, due - time.time()), retry.max_backoff))
         resumed = self._resumed(node, attempt)
         while True:
             set_current(self._where(node, attempt, tries, resumed))
@@ -226,7 +245,7 @@ class AttemptRunner:
             except Exception as exc:
                 if retry is None or tries >= retry.attempts or not isinstance(exc, retry.retry_on):
                     raise
-                delay = retry.delay(tries)
+                delay = retry_wait(retry, tries, exc)
                 self._retrying(attempt, tries, exc, delay)
                 # The failed try is over now: what its thread (a ``def`` handler cut by its
                 # timeout) still checkpoints or streams is dropped from here on.

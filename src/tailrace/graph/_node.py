@@ -70,6 +70,13 @@ class RetryPolicy:
     that are instances of ``retry_on`` are retried. With ``resume`` a retry
     continues from the attempt's latest checkpoint (``current_node().resumed_from``,
     P2) instead of starting over.
+
+    An exception with a ``retry_after`` attribute (seconds, a finite number >= 0:
+    the server's ``Retry-After``, as on the OpenAI integration's
+    ``CompletionError``) makes that retry wait ``max(backoff delay, retry_after)``,
+    at most ``max_backoff`` (so a server cannot park a node longer than the policy
+    allows). Other values of the attribute are ignored. The wait is the retry
+    event's ``delay``.
     """
 
     attempts: int = 3

@@ -185,3 +185,21 @@ async def test_each_attempts_span_carries_its_generations_usage(server, engine):
     lost = spans["cancelled"]
     assert 0 < lost["gen_ai.usage.output_tokens"] < server.length(slow, None)
     assert lost["tailrace.outcome"] == "cancelled"
+
+
+async def test_a_429_with_retry_after_is_waited_out_by_the_nodes_retry_policy(server, engine):
+    server.inject(429, retry_after=1)
+    events: list[tr.Event] = []
+    engine.bus.subscribe(events.append, tr.EventType.NODE_RETRYING)
+    async with ModelClient(server.url, "m") as client:
+        g = tr.Graph("throttled")
+
+        async def generate(prompt: str) -> str:
+            return (await client.complete(prompt, max_tokens=20)).text
+
+        policy = tr.RetryPolicy(attempts=2, backoff=0.0, retry_on=(CompletionError,))
+        g.add_node("generate", generate, retry=policy)
+        result = await engine.run(g, "prompt")
+    assert result.status == "completed" and result.output
+    assert [e.data["error"].startswith("CompletionError") for e in events] == [True]
+    assert [e.data["delay"] for e in events] == [1.0]  # Retry-After, not the zero backoff
