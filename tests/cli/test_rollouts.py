@@ -49,3 +49,47 @@ def test_rollouts_prints_the_account_of_the_rounds(tmp_path: Path) -> None:
     assert first.exit_code == 0, first.output
     assert "6/4/2/0" in flat(first.output)
     assert f"starvingparkeditems{runs[0]}/sample/1/" in flat(first.output)
+
+
+def test_show_prints_the_tail_account_of_each_map_of_generations(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    first = asyncio.run(two_rounds(db))[0]
+    shown = invoke("show", first, "--db", db)
+    assert shown.exit_code == 0, shown.output
+    out = flat(shown.output)
+    assert out.count("tailaccountofnode") == 1  # one map of generations: sample
+    assert "tailaccountofnodesample" in out
+    assert "itemslaunched/accepted/parked/cancelled6/4/2/0" in out
+    # the same account as ``tailrace rollouts`` prints for that run (one round)
+    alone = flat(invoke("rollouts", first, "--node", "sample", "--db", db).output)
+    measures = ("tokensdecoded/salvaged/wasted", "KS(accepted,launchedlengths)", "mostroundswaited")
+    for measure in measures:
+        value = alone.split(measure, 1)[1][:30]
+        assert measure + value in out
+
+
+async def no_generations(db: Path) -> str:
+    """A map that streams text, and a task (not a map) whose chunk looks like usage."""
+    async with SQLiteStore(db) as store:
+        g = tr.Graph("no_generations")
+
+        async def echo(x: int) -> int:
+            tr.current_node(required=True).stream({"tokens": 1, "text": str(x)})
+            return x
+
+        async def total(xs: list[int]) -> int:
+            tr.current_node(required=True).stream({"usage": {"decoded": sum(xs)}})
+            return sum(xs)
+
+        g.add_node("echo", echo, "map")
+        g.add_node("total", total)
+        g.add_edge("echo", "total")
+        return (await tr.Engine(store=store).run(g, [1, 2])).run_id
+
+
+def test_show_prints_no_tail_account_for_a_run_without_generations(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    run_id = asyncio.run(no_generations(db))
+    shown = invoke("show", run_id, "--db", db)
+    assert shown.exit_code == 0, shown.output
+    assert "tailaccount" not in flat(shown.output) and "tokensdecoded" not in flat(shown.output)

@@ -29,6 +29,7 @@ from .._events import EventType
 from .._lineage import child_place
 from ..core import Engine, RunResult, owner_is_dead, stretches_of, tree_questions
 from ..graph import Graph
+from ..integrations.openai import TailAccount
 from ..stores import EventRow, QuestionRow, QuestionStatus, RunRecord, RunStatus, RunStore
 from ._children import children_table, more_children
 from ._evolve import evolve_demo
@@ -44,6 +45,7 @@ from ._fleet import register as register_fleet
 from ._load import is_file_spec, load_graph, load_graphs
 from ._parked import register as register_parked
 from ._render import question_table, table_of, text
+from ._rollouts import account_table, run_accounts
 from ._rollouts import register as register_rollouts
 from ._session import (
     CommandError,
@@ -382,9 +384,13 @@ def show(
         ),
     ] = False,
 ) -> None:
-    """Show a run's nodes, a timeline of every node attempt, and where a failed node raised."""
+    """Show a run's nodes, a timeline of every node attempt, and where a failed node raised;
+    for a map of model generations, the tail's account of it (tokens decoded, salvaged and
+    wasted, the KS distance of kept lengths, rounds parked)."""
 
-    async def gather(store: RunStore) -> tuple[Any, Any, Any, Any, list[RunRecord], list[str]]:
+    async def gather(
+        store: RunStore,
+    ) -> tuple[Any, Any, Any, Any, list[RunRecord], list[str], list[TailAccount]]:
         stored = await store.load_run(run_id)
         events = await store.events(run_id)
         parked = await store.list_parked(graph_name=stored.run.graph_name, status=None)
@@ -402,9 +408,12 @@ def show(
             mine,
             children,
             await _parent_nodes(store, stored.run),
+            await run_accounts(store, run_id, stored.run.graph_name),
         )
 
-    stored, events, seen, parked, children, parent_nodes = with_store(db, gather, read_only=True)
+    stored, events, seen, parked, children, parent_nodes, accounts = with_store(
+        db, gather, read_only=True
+    )
     record = stored.run
     error = f" error: {record.error}" if record.error else ""
     console.print(
@@ -455,6 +464,8 @@ def show(
                 title="parked items",
             )
         )
+    for account in accounts:  # a map of model generations: its tail's account (X4)
+        console.print(account_table(account, title=f"tail account of node {account.node_id}"))
     _print_drivers(events, record.recoveries)
     console.print(timeline(events, width=max(console.width - 30, 20), seen=seen))
     _print_tracebacks(events, whole=whole_traceback)

@@ -1,4 +1,5 @@
-"""``tailrace rollouts``: the tail's account of a map of model generations over its rounds (X4).
+"""The tail's account of a map of model generations (X4): ``tailrace rollouts`` over its
+rounds, and the tables ``tailrace show`` prints for one run.
 
 Reads what :func:`~tailrace.integrations.openai.tail_accounting` reads (the usage
 chunk each generation's attempt ends with, the attempts' marks, the items parked)
@@ -10,12 +11,16 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.table import Table
 
 from ..core import Engine
 from ..integrations.openai import TailAccount, tail_accounting
 from ..stores import RunStore
 from ._render import table_of, text
 from ._session import DbOption, console, with_store
+
+#: Stream rows read per query while looking for the map nodes that streamed usage.
+_PAGE = 1000
 
 
 def register(app: typer.Typer) -> None:
@@ -43,6 +48,12 @@ def rollouts(
         )
 
     account = with_store(db, work, read_only=True)
+    console.print(text(f"node {node} over {len(run_ids)} run(s)"))
+    console.print(account_table(account))
+
+
+def account_table(account: TailAccount, title: str | None = None) -> Table:
+    """The measures of ``account``, one a row (``title``, if any, is shown literally)."""
     share = f"{100 * account.wasted_share:.1f}%"
     rows = [
         ("items launched / accepted / parked / cancelled",
@@ -53,5 +64,30 @@ def rollouts(
         ("most rounds waited", f"{account.max_rounds} (bound {account.starvation_bound})"),
         ("starving parked items", ", ".join(account.starving) or "none"),
     ]  # fmt: skip
-    console.print(text(f"node {node} over {len(run_ids)} run(s)"))
-    console.print(table_of(("measure", "value"), rows))
+    return table_of(("measure", "value"), rows, title=None if title is None else text(title))
+
+
+async def generation_nodes(engine: Engine, run_id: str) -> list[str]:
+    """The map nodes of ``run_id`` whose items streamed model usage, in the order first seen."""
+    nodes: dict[str, None] = {}
+    after = 0
+    while chunks := await engine.stored_chunks(run_id, after=after, limit=_PAGE):
+        after = chunks[-1].seq
+        for chunk in chunks:  # a map item's usage chunk: its generation's end
+            if chunk.item is not None and _is_usage(chunk.value):
+                nodes[chunk.node_id] = None
+    return list(nodes)
+
+
+def _is_usage(value: object) -> bool:
+    """Whether a chunk's value is the usage a model generation's attempt ends with."""
+    return isinstance(value, dict) and isinstance(value.get("usage"), dict)
+
+
+async def run_accounts(store: RunStore, run_id: str, graph_name: str) -> list[TailAccount]:
+    """The tail's account of each map node of ``run_id`` that generated (none: no generations)."""
+    engine = Engine(store=store)
+    return [
+        await tail_accounting(engine, graph_name, node, run_id)
+        for node in await generation_nodes(engine, run_id)
+    ]
