@@ -52,6 +52,10 @@ class Drivers:
     def __contains__(self, run_id: object) -> bool:
         return run_id in self._letting_go
 
+    def drives(self, run_id: str) -> bool:
+        """Whether ``run_id`` is driven here now."""
+        return run_id in self._letting_go
+
     @contextlib.contextmanager
     def driving(self, run_id: str) -> Iterator[None]:
         """Hold ``run_id`` as driven here while the body runs; :class:`LeaseHeld` if it is already."""

@@ -192,7 +192,7 @@ class RunOpener:
         store = self.store
         while store is not None and result.status in TERMINAL_STATUSES and result.parent_run_id:
             parent = result.parent_run_id
-            if not await wakes_here(store, parent, self.queued, self.drivers.__contains__):
+            if not await wakes_here(store, parent, self.queued, self.drivers.drives):
                 return
             try:
                 result = await self.instruments.drive(
