@@ -112,6 +112,34 @@ async def test_parents_waiting_on_children_never_deadlock_a_fleet_of_single_slot
     assert len(starts) == 60 and set(starts.values()) == {1}  # no child started twice (R2)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+async def test_inline_children_of_queued_parents_never_deadlock_a_fleet_of_single_slots(
+    shared: str, depth: int
+) -> None:
+    """R4 at any depth: a parent on a queue runs an inline child (no ``queue=``) whose node
+    is a queued grandchild (``depth`` inline levels between them); two workers of one slot
+    each serve both queues, two parents. The inline children, stored on their parent's
+    queue, suspend as their parents do, so no slot waits on the grandchildren."""
+    graph = graphs.inline_1 if depth == 1 else graphs.inline_2
+    async with open_store(shared) as store, workers(store, 2, graphs=[graph]):
+        engine = tr.Engine(store=store)
+        ids = [await engine.submit(graph, {"n": n, "sleep": 0.01}, queue="parents") for n in (1, 2)]
+        results = [await engine.wait(run_id, timeout=GUARD) for run_id in ids]
+        tree = [r for run_id in ids for r in await _descendants(store, run_id)]
+    assert [r.output for r in results] == [10, 20]
+    assert len(tree) == 2 * (depth + 1) and {r.status for r in tree} == {RunStatus.COMPLETED}
+    inline = [r for r in tree if r.graph_name != "kid"]
+    assert {r.queue_name for r in inline} == {"parents"}  # on their parent's queue
+
+
+async def _descendants(store: RunStore, run_id: str) -> list[Any]:
+    """Every run below ``run_id``, at any depth."""
+    found = []
+    for child in await store.list_runs(parent=run_id):
+        found += [child, *await _descendants(store, child.run_id)]
+    return found
+
+
 async def _owner_of(store: RunStore, run_id: str) -> str:
     """The owner named by the run's first ``run_started`` event (W6)."""
     started = [e for e in await store.events(run_id) if e.type == "run_started"]

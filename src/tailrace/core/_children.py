@@ -11,9 +11,13 @@ While a child runs, the node's attempt holds no admission slot (its child's
 nodes take their own). An attempt that only waits for its child to end says
 so (:attr:`Attempt.waiting`); a run whose attempts all wait so suspends when
 it is on a queue, holding no worker slot, and the child's final commit queues
-it again (the store's ``wake_suspended``). A run not on a queue waits here,
-woken by the store's change feed, unless its children wait on people: then
-it suspends too, and the engine that ends the child resumes it.
+it again (the store's ``wake_suspended``). An inline child of a run on a
+queue is stored on that queue too (never claimed: it starts here), so it
+suspends on its own children as its parent does, its parent then suspends on
+it, and any worker of the queue continues it once its children end: a slot
+never waits on queued work, however deep (R4). A run not on a queue waits
+here, woken by the store's change feed, unless its children wait on people:
+then it suspends too, and the engine that ends the child resumes it.
 
 A cancellation of the attempt on purpose (the run cancelled or failing, a
 first-k loser) cancels the child; one that only stops this process driving
@@ -129,8 +133,9 @@ class ChildRunner:
     """What the engine lends child runs: how to start, submit, resume, cancel and read one."""
 
     store: RunStore | None
-    #: start(graph, input, run_id, parent, deadline): run it here to its end or suspension.
-    start: Callable[[Graph, Any, str, str, float | None], Awaitable[RunResult]]
+    #: start(graph, input, run_id, parent, deadline, queue): run it here to its end or
+    #: suspension, stored on ``queue`` (its parent's) when given (R4).
+    start: Callable[[Graph, Any, str, str, float | None, str | None], Awaitable[RunResult]]
     #: submit(children): store them queued in one write; per child the error that kept it out.
     submit: Callable[[list[ChildSubmit]], Awaitable[list[Exception | None]]]
     #: resume(run_id, graph): drive a child that exists here (LeaseHeld if held).
@@ -146,8 +151,9 @@ class ChildRunner:
 class Children:
     """The child runs of one run while it is driven: started, re-attached, awaited (R1-R5).
 
-    ``queued`` says the run is on a queue, so it suspends while it only waits
-    on children (R4); ``deadline`` is the run's, which its children inherit.
+    ``queue`` is the queue the run is on, if any: it then suspends while it
+    only waits on children, and its inline children are stored on it too
+    (R4); ``deadline`` is the run's, which its children inherit.
     """
 
     def __init__(
@@ -155,13 +161,14 @@ class Children:
         runner: ChildRunner,
         run_id: str,
         *,
-        queued: bool,
+        queue: str | None,
         deadline: float | None,
         poke: Callable[[], None],
     ) -> None:
         self.runner = runner
         self.run_id = run_id
-        self.queued = queued
+        self.queue = queue
+        self.queued = queue is not None
         self.deadline = deadline
         self._poke = poke
         #: Set while the run suspends: its attempts stop, their children run on.
@@ -210,9 +217,14 @@ class Children:
         record = await self._record(child_id)
         result: RunResult | None
         if record is None:
-            result = await self.runner.start(graph, payload, child_id, self.run_id, self.deadline)
+            result = await self.runner.start(
+                graph, payload, child_id, self.run_id, self.deadline, self.queue
+            )
         elif record.status in TERMINAL_STATUSES:
             return await self._ended(record, graph)
+        elif record.queue_name is not None:
+            # It suspended on its own children: the workers of its queue continue it (R4).
+            return await self._wait(child_id, graph, attempt)
         else:
             result = await self._attach(child_id, graph)
         if result is None:

@@ -496,7 +496,7 @@ class Engine:
     def _child_runner(self) -> ChildRunner:
         return ChildRunner(
             store=self.store,
-            start=self._opener.start,
+            start=self._opener.start_child,
             submit=self._submit_children,
             resume=self._resume_child,
             cancel=self.cancel,

@@ -146,8 +146,10 @@ class RunOpener:
         parent: str | None,
         deadline: float | None,
         graph_ref: str | None = None,
+        queue: str | None = None,
     ) -> RunResult:
-        """Run a new run (a child of ``parent`` when given) to its end or suspension."""
+        """Run a new run (a child of ``parent`` when given; on ``queue`` when given: an inline
+        child of a run on a queue, R4) to its end or suspension."""
         topo = graph.compile()
         self.executors.plan(topo)  # an unknown executor name fails here, before any write
         if self.store is None and any(n.queue is not None for n in topo.nodes):
@@ -156,9 +158,22 @@ class RunOpener:
             )
         self.graphs.add(graph, topo.fingerprint)
         begin = functools.partial(
-            self.begin_new, graph, topo, input, run_id, graph_ref, parent, deadline
+            self.begin_new, graph, topo, input, run_id, graph_ref, parent, deadline, queue
         )
         return await self.drive(run_id, graph, begin)
+
+    async def start_child(
+        self,
+        graph: Graph,
+        input: Any,
+        run_id: str,
+        parent: str,
+        deadline: float | None,
+        queue: str | None,
+    ) -> RunResult:
+        """Run a new inline child run of ``parent`` here (R1), on ``queue`` when its parent's
+        drive suspends on children (R4): see :meth:`start`."""
+        return await self.start(graph, input, run_id, parent, deadline, queue=queue)
 
     async def drive(
         self,
@@ -261,6 +276,7 @@ class RunOpener:
         graph_ref: str | None,
         parent: str | None,
         deadline: float | None,
+        queue: str | None = None,
     ) -> RunResult:
         """Store and drive a new run of ``graph`` on ``input`` (in memory with no store)."""
         state = RunState(topo)
@@ -274,11 +290,13 @@ class RunOpener:
             return await loop.drive()
         writer = await RunWriter.create(
             self.store, self.codec, run_id, graph, topo, input,
-            graph_ref or guess_reference(graph), parent=parent, deadline=deadline,
+            graph_ref or guess_reference(graph), parent=parent, deadline=deadline, queue=queue,
         )  # fmt: skip
 
         async def open_loop() -> RunLoop:
-            loop = self.loop_for(run_id, state, writer, deadline=deadline, parent=parent)
+            loop = self.loop_for(
+                run_id, state, writer, deadline=deadline, parent=parent, queue=queue
+            )
             self._announce(loop, graph)
             return loop
 
@@ -473,10 +491,11 @@ class RunOpener:
         record: RunRecord | None = None,
         deadline: float | None = None,
         parent: str | None = None,
+        queue: str | None = None,
     ) -> RunLoop:
         """The loop that drives ``run_id`` from ``state`` (``record``: the stored run's)."""
-        if record is not None:  # a stored run: its deadline and parent are stored with it
-            deadline, parent = record.deadline, record.parent_run_id
+        if record is not None:  # a stored run: its deadline, parent and queue are stored with it
+            deadline, parent, queue = record.deadline, record.parent_run_id, record.queue_name
         loop = RunLoop(
             run_id=run_id,
             state=state,
@@ -494,10 +513,8 @@ class RunOpener:
         loop.runner.threads = self.threads
         if any(n.child for n in state.topo.nodes):
             loop.runner.children = Children(
-                self._child_runner(), run_id,
-                queued=record is not None and record.queue_name is not None,
-                deadline=deadline, poke=loop.poke,
-            )  # fmt: skip
+                self._child_runner(), run_id, queue=queue, deadline=deadline, poke=loop.poke
+            )
         self.drivers.attach(run_id, loop)
         return loop
 

@@ -165,12 +165,14 @@ class RunWriter:
         *,
         parent: str | None = None,
         deadline: float | None = None,
+        queue: str | None = None,
     ) -> RunWriter:
         """Store a new run (its input encoded, D5) and return its writer.
 
         ``origin`` is a fork's (source run id, node it re-runs from), stored
         with the run (V4); ``parent`` the run it is a child run of (R1);
-        ``deadline`` when it is cancelled if unfinished (R6).
+        ``deadline`` when it is cancelled if unfinished (R6); ``queue`` the
+        queue an inline child of a run on a queue is on (R4).
         """
         try:
             input_json = codec.encode(input)
@@ -189,6 +191,7 @@ class RunWriter:
             forked_at=None if origin is None else origin[1],
             parent_run_id=parent,
             deadline=deadline,
+            queue_name=queue,
         )
         await store.create_run(new)
         writer = cls(store, codec, run_id, topo, await store.get_run(run_id))

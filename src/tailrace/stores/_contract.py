@@ -151,13 +151,15 @@ class RunStore(abc.ABC):
 
         Its graph's structure (``run.shape_json``) is kept with it unless that
         version's is kept already; a fork's origin (``forked_from``,
-        ``forked_at``) is stored with the run (V4).
+        ``forked_at``) is stored with the run (V4); ``queue_name``, when
+        given, puts it on that queue (never claimed: it is running), so once
+        it suspends on its children, their ends queue it again (R4).
         """
         check_new_format(run)
         check_names(
             run_id=run.run_id, graph_name=run.graph_name, graph_ref=run.graph_ref,
             fingerprint=run.fingerprint, forked_from=run.forked_from, forked_at=run.forked_at,
-            parent_run_id=run.parent_run_id,
+            parent_run_id=run.parent_run_id, queue_name=run.queue_name,
         )  # fmt: skip
         await self._create_run(run)
 

@@ -151,6 +151,9 @@ class NewRun:
     #: is cancelled at if it has not finished (R6), seconds since the epoch.
     parent_run_id: str | None = None
     deadline: float | None = None
+    #: The queue a run created ``running`` is on: an inline child of a run on a queue
+    #: is on its parent's, so it suspends on its own children as its parent does (R4).
+    queue_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -44,8 +44,13 @@ EVENT_COLUMNS = ", ".join(EVENT_FIELDS)
 
 #: Where a run comes from: a fork's origin (V4), a child's parent (R1), its deadline (R6).
 _ORIGIN_FIELDS = ("forked_from", "forked_at", "parent_run_id", "deadline")
-#: The columns a run is created with: those of migration 1 and its origin (others default).
-_CREATED_FIELDS = (*RUN_FIELDS[: RUN_FIELDS.index("format_version") + 1], *_ORIGIN_FIELDS)
+#: The columns a run is created with: those of migration 1, its queue (an inline child
+#: of a run on a queue, R4) and its origin (others default).
+_CREATED_FIELDS = (
+    *RUN_FIELDS[: RUN_FIELDS.index("format_version") + 1],
+    "queue_name",
+    *_ORIGIN_FIELDS,
+)
 #: The columns of a run submitted to a queue: those of migration 5, its recoveries
 #: (W3), when it may start (W4) and its origin.
 _QUEUED_FIELDS = (
@@ -551,7 +556,7 @@ def _origin(run: NewRun) -> tuple[object, ...]:
 
 def new_run_params(run: NewRun) -> tuple[object, ...]:
     """Values of the fresh ``runs`` row for ``run``, for :data:`INSERT_RUN` (status ``running``)."""
-    return (*_created(run, RunStatus.RUNNING), *_origin(run))
+    return (*_created(run, RunStatus.RUNNING), run.queue_name, *_origin(run))
 
 
 def shape_params(run: NewRun) -> tuple[object, ...] | None:
