@@ -116,3 +116,11 @@ inline_1 = tr.Graph("inline_1")
 inline_1.add_node("child", inner)
 inline_2 = tr.Graph("inline_2")
 inline_2.add_node("child", middle)
+
+#: An inline child that works itself (``slow``, a kid's task: it logs and sleeps) beside its
+#: queued grandchild, so it cannot suspend while ``slow`` runs.
+inner_slow = tr.Graph("inner_slow")
+inner_slow.add_node("grandchild", kid, queue="kids")
+inner_slow.add_node("slow", work)
+inline_slow = tr.Graph("inline_slow")
+inline_slow.add_node("child", inner_slow)

@@ -599,6 +599,35 @@ async def test_sigkill_of_a_worker_holding_a_parent_and_the_children_it_took(
 
 
 @pytest.mark.slow
+async def test_sigkill_of_the_worker_driving_an_inline_child_on_a_queue(
+    shared: str, tmp_path: Path, procs: Procs
+) -> None:
+    """R2/R4: the worker driving a parent and its inline child (stored on the parent's queue,
+    working beside its queued grandchild) is SIGKILLed. Another worker of the queue adopts
+    both; the inline child's work runs again, its grandchild is re-attached to (never
+    submitted twice), and the parent completes."""
+    side = tmp_path / "side.log"
+    async with open_store(shared) as store:
+        engine = tr.Engine(store=store)
+        run_id = await engine.submit(graphs.inline_slow, {"n": 3, "sleep": 0.2}, queue="parents")
+        inline, grandchild = f"{run_id}/child/1", f"{run_id}/child/1/grandchild/1"
+        doomed = procs.worker(shared, side, "parents", TAILRACE_TEST_KID_SLEEP="3600")
+        await until(lambda: side_starts(side)[inline] == 1, "the inline child's work to start")
+        await until(lambda: _has_children(store, inline, 1), "the grandchild to be queued")
+        assert (await store.get_run(inline)).queue_name == "parents"
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()  # reaped: provably dead, what it held is adopted at once
+        procs.worker(shared, side, "parents")
+        procs.worker(shared, side, "kids")
+        result = await engine.wait(run_id, timeout=GUARD)
+        runs = [await store.get_run(inline), await store.get_run(grandchild)]
+    assert result.output == {"grandchild": 30, "slow": 30}
+    assert {r.status for r in runs} == {RunStatus.COMPLETED}
+    starts = side_starts(side)
+    assert (starts[inline], starts[grandchild]) == (2, 1)  # killed and adopted; once
+
+
+@pytest.mark.slow
 async def test_sigkill_of_a_worker_driving_a_child_hands_it_to_another(
     shared: str, tmp_path: Path, procs: Procs
 ) -> None:
