@@ -1,7 +1,8 @@
 """Child runs (R1-R6): a node whose handler is a :class:`~tailrace.Graph` runs it as a run of its own.
 
 A child run's id is deterministic, ``{parent}/{node}/{visit}`` (plus
-``/{item}`` for a map's item), so the attempt that runs it is idempotent: it
+``/{item}`` for a map's item, the node id escaped: ``_lineage.child_run_id``),
+so the attempt that runs it is idempotent: it
 starts the child when no run has that id, and otherwise re-attaches to it
 where it is (R2). Without ``queue=`` the child runs in this process, driven
 by the same engine; with ``queue=`` it is submitted to that queue and any
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .._errors import LeaseHeld, RunFailed, RunNotFound
+from .._lineage import child_run_id
 from ..stores import (
     TERMINAL_STATUSES,
     Claim,
@@ -69,16 +71,6 @@ QUEUED_RUNS_KEPT = 4096
 #: :attr:`Attempt.waiting` values: not waiting, waiting on a live child, on a
 #: child that is itself suspended (waiting on people).
 NOT_WAITING, ON_CHILD, ON_SUSPENDED_CHILD = 0, 1, 2
-
-
-def child_run_id(parent: str, node_id: str, visit: int, item: int | None) -> str:
-    """The child run's id: ``{parent}/{node}/{visit}``, plus ``/{item}`` in a map (R1).
-
-    >>> child_run_id("r1", "review", 1, None), child_run_id("r1", "review", 1, 3)
-    ('r1/review/1', 'r1/review/1/3')
-    """
-    base = f"{parent}/{node_id}/{visit}"
-    return base if item is None else f"{base}/{item}"
 
 
 def checked_deadline(value: float | datetime.datetime | datetime.timedelta | None) -> float | None:
@@ -191,9 +183,13 @@ class Children:
 
     # -- one attempt ------------------------------------------------------------------
 
-    def child_id(self, node_id: str, visit: int, item: int | None) -> str:
-        """The id of the child run of ``node_id``'s visit (and item) in this run (R1)."""
-        return child_run_id(self.run_id, node_id, visit, item)
+    def child_id(self, node_id: str, visit: int, item: int | None) -> str | None:
+        """The id of the child run of ``node_id``'s visit (and item) in this run (R1); None when
+        it would be no run id (too long): the attempt fails saying so (:meth:`run`)."""
+        try:
+            return child_run_id(self.run_id, node_id, visit, item)
+        except ValueError:
+            return None
 
     async def run(self, node: Node, payload: Any, attempt: Attempt) -> Any:
         """The attempt of child node ``node`` on ``payload``: its child's output (R1, R3)."""

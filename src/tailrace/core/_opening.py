@@ -22,6 +22,7 @@ from typing import Any
 from .._codec import Codec
 from .._errors import GraphError, GraphMismatch, LeaseHeld, NotResumable, TailraceError
 from .._events import EventBus, EventType
+from .._lineage import own_run_id
 from .._values import checked_run_id
 from ..executors._base import ExecutorTable
 from ..executors._threads import HandlerThreads
@@ -230,7 +231,7 @@ class RunOpener:
         self, run_id: str, at: str, graph: Graph | None, input: Any, fork_id: str
     ) -> RunResult:
         store = self.require_store("fork")
-        fork_id = checked_run_id(fork_id)
+        fork_id = own_run_id(fork_id)
         source = await store.load_run(checked_run_id(run_id))
         known = self.graphs.get(source.run)
         forked = self.graphs.of(source.run, graph)

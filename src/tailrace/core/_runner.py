@@ -114,10 +114,9 @@ class AttemptRunner:
             coro = self._run_child(node, payload, attempt)
             if self.children is not None:
                 item = None if attempt.item < 0 else attempt.item
-                data = {
-                    **(data or {}),
-                    "child": self.children.child_id(node.id, attempt.visit, item),
-                }
+                child = self.children.child_id(node.id, attempt.visit, item)
+                if child is not None:
+                    data = {**(data or {}), "child": child}
         else:
             coro = self._run_attempt(node, self._async[i], payload, attempt)
         # Written out (InFlight.add, Outbox.put): this is every attempt's start.

@@ -34,6 +34,9 @@ from ._topology import Topology
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: The longest node id: stores key node rows on it with a run id of up to 512 characters.
+MAX_NODE_ID_CHARS = 200
+
 
 @dataclass(slots=True)
 class Graph:
@@ -130,6 +133,11 @@ class Graph:
         """
         if not isinstance(name, str) or not name:
             raise GraphError(f"node name must be a non-empty string, got {name!r}")
+        if len(name) > MAX_NODE_ID_CHARS:
+            raise GraphError(
+                f"node {name[:40]!r}... is {len(name)} characters long; a node id holds at most "
+                f"{MAX_NODE_ID_CHARS} (every store keys its rows on it, with the run's id)"
+            )
         try:
             node_kind = NodeKind(kind)
         except ValueError:
