@@ -667,3 +667,36 @@ async def test_a_quiet_feed_waits_out_its_timeout(store: RunStore) -> None:
     async with store.changes() as feed:
         await feed.wait(0.0)  # whatever the set-up left behind
         assert await feed.wait(0.05) == frozenset()
+
+
+async def test_a_workers_graph_versions_are_kept_by_worker_and_replaced_whole(
+    backend: Backend,
+) -> None:
+    """R3: each worker's registered graph versions, read by worker (none registered:
+    absent); a registration replaces the worker's earlier one; those of a worker whose
+    row is gone are dropped by a later registration once an hour old, not sooner."""
+    store, clock = backend.store, backend.clock
+    seen = WorkerRow(
+        worker_id="w1", queues=("kids",), concurrency=1, started_at=clock.now, seen_at=clock.now
+    )
+    await store.worker_seen(seen)
+    await store.register_worker_graphs("w1", [("kid", "fp1"), ("family", "fp9")])
+    await store.register_worker_graphs("w2", [("kid", "fp2")])  # no row of its own yet
+    await store.register_worker_graphs("w3", [])
+    both = {"w1": frozenset({("kid", "fp1"), ("family", "fp9")}), "w2": frozenset({("kid", "fp2")})}
+    assert await store.worker_graphs(["w1", "w2", "w3", "w4"]) == both
+    await store.register_worker_graphs("w1", [("kid", "fp3")])
+    assert await store.worker_graphs(["w1"]) == {"w1": frozenset({("kid", "fp3")})}
+    assert await store.worker_graphs([]) == {}
+    clock.advance(3599.0)
+    await store.register_worker_graphs("w5", [("kid", "fp3")])
+    assert set(await store.worker_graphs(["w1", "w2"])) == {"w1", "w2"}  # w2 may still report
+    clock.advance(2.0)
+    await store.register_worker_graphs("w5", [("kid", "fp3")])
+    assert set(await store.worker_graphs(["w1", "w2", "w5"])) == {"w1", "w5"}  # w1 has a row
+    with pytest.raises(ValueError, match="worker_id"):
+        await store.register_worker_graphs("a\x00b", [("kid", "fp")])
+    with pytest.raises(ValueError, match="graph_name"):
+        await store.register_worker_graphs("w1", [("a\x00b", "fp")])
+    with pytest.raises(ValueError, match="pairs, got 'kid'"):
+        await store.register_worker_graphs("w1", ["kid"])  # type: ignore[list-item]

@@ -438,6 +438,131 @@ async def test_a_childs_question_is_listed_for_its_parent_and_answering_finishes
     assert result.results["ask"] == "done yes"
 
 
+def _rolling(old: bool) -> tr.Graph:
+    """A parent whose map's children go to ``kids``, as the previous deploy had it (``old``:
+    its kid has one more node) or the new one. Made here, so no worker imports either by
+    reference: a worker drives only the version it was given."""
+    kid = tr.Graph("rolling_kid")
+    kid.add_node("work", graphs.work)
+    if old:
+        kid.add_node("extra", lambda n: n)
+        kid.add_edge("work", "extra")
+    parent = tr.Graph("rolling")
+    parent.add_node("plan", graphs.jobs)
+    parent.add_node("each", kid, "map", queue="kids")
+    parent.add_edge("plan", "each")
+    return parent
+
+
+@contextlib.asynccontextmanager
+async def _deploys(
+    store: RunStore, new: tr.Graph
+) -> AsyncIterator[tuple[tr.Worker, tr.Worker, asyncio.Event, asyncio.Event]]:
+    """A worker of the new deploy on ``kids`` whose one slot a run holds until ``release``
+    is set, and a worker of the previous deploy on ``kids`` with slots free: it claims the
+    children first. ``stop_new`` stops the new one."""
+    release, stop_new, stop_old = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    blocker = tr.Graph("blocker")
+
+    @blocker.task()
+    async def hold(_: Any) -> int:
+        await release.wait()
+        return 0
+
+    new_worker = tr.Worker(
+        store, queues=["kids"], concurrency=1, graphs=[new, blocker], heartbeat=0.2,
+        take_children=False, grace=0.2,
+    )  # fmt: skip
+    old_worker = tr.Worker(
+        store, queues=["kids"], concurrency=8, graphs=[_rolling(old=True)], heartbeat=0.2
+    )
+    running = [asyncio.create_task(new_worker.run(stop_new))]
+    try:
+        held = await tr.Engine(store=store).submit(blocker, None, queue="kids")
+        await until(
+            lambda: _status_is(store, held, RunStatus.RUNNING), "the new worker's slot held"
+        )
+        running.append(asyncio.create_task(old_worker.run(stop_old)))
+        yield new_worker, old_worker, release, stop_new
+    finally:
+        release.set()
+        stop_new.set()
+        stop_old.set()
+        await asyncio.wait_for(asyncio.gather(*running), GUARD)
+
+
+async def _status_is(store: RunStore, run_id: str, status: RunStatus) -> bool:
+    return (await store.get_run(run_id)).status is status
+
+
+async def _statuses_of(store: RunStore, parents: list[str]) -> collections.Counter[RunStatus]:
+    counts: collections.Counter[RunStatus] = collections.Counter()
+    for parent in parents:
+        counts.update(c.status for c in await store.list_runs(parent=parent))
+    return counts
+
+
+async def test_a_worker_of_the_previous_deploy_hands_children_back_to_one_that_can_drive_them(
+    shared: str,
+) -> None:
+    """R3 in a rolling deploy: a worker of the previous deploy (its kid has one more node)
+    claims children it cannot drive while the new deploy's worker is busy. It hands them
+    back, since a live worker of ``kids`` registered their version, and claims no more;
+    the new worker drives every one, and all 10 parents complete."""
+    new = _rolling(old=False)
+    async with open_store(shared) as store, _deploys(store, new) as (_, old, release, _stop):
+        engine = tr.Engine(store=store)
+        parents = [f"rolling-{n}" for n in range(10)]
+        runs = [
+            asyncio.create_task(engine.run(new, {"count": 3}, run_id=run_id)) for run_id in parents
+        ]
+        await until(
+            lambda: _same(_statuses_of(store, parents), {RunStatus.QUEUED: 30}),
+            "every child queued",
+        )
+        await until(lambda: old.stats.claimed >= 1, "the old worker to claim a child")
+        await until(
+            lambda: _same(_statuses_of(store, parents), {RunStatus.QUEUED: 30}),
+            "what it claimed handed back",
+        )
+        release.set()
+        results = await asyncio.wait_for(asyncio.gather(*runs), GUARD)
+        statuses = await _statuses_of(store, parents)
+    assert [r.output for r in results] == [[0, 10, 20]] * 10
+    assert statuses == {RunStatus.COMPLETED: 30}
+    assert old.stats.failed == 0 and old.stats.completed == 0
+
+
+async def test_children_handed_back_fail_once_no_live_worker_can_drive_them(
+    shared: str,
+) -> None:
+    """R3: the old deploy's worker handed the children back to the new deploy's, which then
+    stops before driving them. No live worker of ``kids`` can drive them any more: the old
+    worker claims them again and fails them, naming the graph and the queue, and each
+    parent fails with its child (never waits on a queue nobody can serve)."""
+    new = _rolling(old=False)
+    async with open_store(shared) as store, _deploys(store, new) as (_, old, _release, stop):
+        engine = tr.Engine(store=store)
+        run = asyncio.create_task(engine.run(new, {"count": 2}, run_id="orphaned"))
+        await until(lambda: old.stats.claimed >= 1, "the old worker to claim a child")
+        await until(
+            lambda: _same(_statuses_of(store, ["orphaned"]), {RunStatus.QUEUED: 2}),
+            "what it claimed handed back",
+        )
+        stop.set()  # the new deploy's worker leaves (its slot still held): nobody can drive them
+        with pytest.raises(tr.RunFailed) as failed:
+            await asyncio.wait_for(run, GUARD)
+        children = await store.list_runs(parent="orphaned")
+    assert {c.status for c in children} <= {RunStatus.FAILED, RunStatus.CANCELLED}
+    errors = [c.error or "" for c in children if c.status is RunStatus.FAILED]
+    assert errors and all("nor can any other live worker of queue 'kids'" in e for e in errors)
+    assert "rolling_kid" in str(failed.value)
+
+
+async def _same(counts: Any, want: dict[RunStatus, int]) -> bool:
+    return dict(await counts) == want
+
+
 async def test_a_child_graph_no_worker_has_fails_its_parent_and_never_hangs(shared: str) -> None:
     secret = tr.Graph("secret_kid")  # defined here: no worker has it, no reference imports it
     secret.add_node("work", lambda job: job)

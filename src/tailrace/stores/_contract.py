@@ -822,6 +822,41 @@ class RunStore(abc.ABC):
         check_names(graph_name=row.name, fingerprint=row.fingerprint, graph_ref=row.graph_ref)
         await self._register_graph(row)
 
+    async def register_worker_graphs(
+        self, worker_id: str, graphs: Collection[tuple[str, str]]
+    ) -> None:
+        """Record the graph versions worker ``worker_id`` drives, ``(name, fingerprint)``
+        pairs, replacing what it registered before.
+
+        The fleet reads them (:meth:`worker_graphs`) to tell whether a live worker
+        of a queue can drive a run: a child run its claimant cannot drive goes
+        back to its queue while one can, and is failed otherwise (R3). The
+        registrations of workers whose row is gone (:meth:`workers`) are dropped
+        in the same write once they are an hour old (``STALE_REGISTRATION``).
+        """
+        check_name("worker_id", worker_id)
+        for pair in graphs:
+            if not (
+                isinstance(pair, tuple)
+                and len(pair) == 2
+                and all(isinstance(part, str) and part for part in pair)
+            ):
+                raise ValueError(
+                    f"worker graphs must be (graph name, fingerprint) pairs, got {pair!r}"
+                )
+            check_names(graph_name=pair[0], fingerprint=pair[1])
+        await self._register_worker_graphs(worker_id, sorted(set(graphs)))
+
+    async def worker_graphs(
+        self, worker_ids: Collection[str]
+    ) -> dict[str, frozenset[tuple[str, str]]]:
+        """The graph versions each of ``worker_ids`` registered (:meth:`register_worker_graphs`),
+        by worker; a worker that registered none is absent."""
+        ids = sorted(set(worker_ids))
+        for worker_id in ids:
+            check_name("worker_id", worker_id)
+        return await self._worker_graphs(ids) if ids else {}
+
     async def graphs_named(self, name: str) -> list[GraphRow]:
         """The registrations of graph ``name``, newest first (one per fingerprint)."""
         check_name("graph_name", name)
@@ -1245,6 +1280,14 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     async def _forget_worker(self, worker_id: str) -> None:
         """:meth:`forget_worker`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _register_worker_graphs(self, worker_id: str, graphs: list[tuple[str, str]]) -> None:
+        """:meth:`register_worker_graphs`, called with checked, sorted, distinct pairs."""
+
+    @abc.abstractmethod
+    async def _worker_graphs(self, worker_ids: list[str]) -> dict[str, frozenset[tuple[str, str]]]:
+        """:meth:`worker_graphs`, called with checked, sorted, distinct ids (at least one)."""
 
     @abc.abstractmethod
     async def _run_durations(

@@ -353,6 +353,17 @@ def next_scan(worker: WorkerRow, now: float) -> float:
     return now + SCAN_SHARE * worker.dead_after
 
 
+#: Seconds after which the graph registrations of a worker whose row is gone are dropped
+#: (``register_worker_graphs``): a starting worker registers before its first report.
+STALE_REGISTRATION = 3600.0
+
+
+def is_live(worker: WorkerRow, now: float) -> bool:
+    """Whether ``worker`` counts as alive at ``now``: it reported within its ``dead_after``
+    (the rule by which the fleet finds workers whose heartbeat stopped, ``EXPIRED_WORKERS``)."""
+    return worker.seen_at + worker.dead_after >= now
+
+
 def host_of(worker_id: str) -> str:
     """The host part of a worker id (``host:pid:start:nonce``)."""
     return worker_id.split(":", 1)[0]

@@ -31,7 +31,14 @@ from typing import Any, ClassVar, TypeVar
 
 from .._changes import ChangeHub
 from .._contract import ChangeFeed, RunStore
-from .._queue_rules import graph_from_row, queue_rows, schedule_from_row, worker_params, worker_rows
+from .._queue_rules import (
+    STALE_REGISTRATION,
+    graph_from_row,
+    queue_rows,
+    schedule_from_row,
+    worker_params,
+    worker_rows,
+)
 from .._records import (
     ArtifactVersion,
     ChunkRow,
@@ -60,6 +67,7 @@ from .._records import (
     WorkerRow,
 )
 from . import _transactions as bodies
+from . import _worker_graphs as fleet
 from ._queues import (
     ANSWER_CANDIDATES,
     ANY_QUEUED,
@@ -665,6 +673,18 @@ class SQLStore(RunStore):
     async def _register_graph(self, row: GraphRow) -> None:
         params = (row.name, row.fingerprint, row.graph_ref, row.registered_at)
         await self._write_tx(f"graph {row.name!r}", lambda tx: tx.change_all(UPSERT_GRAPH, params))
+
+    async def _register_worker_graphs(self, worker_id: str, graphs: list[tuple[str, str]]) -> None:
+        now = self._clock()
+        await self._write_tx(
+            f"worker {worker_id!r}",
+            lambda tx: fleet.register_worker_graphs(
+                tx, worker_id, graphs, now, now - STALE_REGISTRATION
+            ),
+        )
+
+    async def _worker_graphs(self, worker_ids: list[str]) -> dict[str, frozenset[tuple[str, str]]]:
+        return await self._read_tx("worker graphs", lambda tx: fleet.worker_graphs(tx, worker_ids))
 
     async def _graphs_named(self, name: str) -> list[GraphRow]:
         return await self._read_tx(

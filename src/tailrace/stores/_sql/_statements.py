@@ -477,6 +477,17 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             "CREATE INDEX IF NOT EXISTS parked_by_run ON parked_items (run_id)",
         ),
     ),
+    (
+        20,
+        (
+            # The graph versions each worker drives (``register_worker_graphs``): a child
+            # run goes back to its queue while a live worker of it can drive it (R3).
+            """CREATE TABLE worker_graphs (
+                worker_id TEXT NOT NULL, graph_name TEXT NOT NULL, fingerprint TEXT NOT NULL,
+                registered_at DOUBLE PRECISION NOT NULL,
+                PRIMARY KEY (worker_id, graph_name, fingerprint)) /*WITHOUT ROWID*/""",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -34,6 +34,7 @@ from .._contract import ChangeFeed, RunStore
 from .._queue_rules import (
     EXPIRED_LIMIT,
     FLEET_SCOPE,
+    STALE_REGISTRATION,
     claim_order,
     dedup_holder,
     free_slots,
@@ -146,6 +147,8 @@ class MemoryStore(RunStore):
         self._paused: set[str] = set()
         self._schedule_rows: dict[str, ScheduleRow] = {}
         self._graph_rows: dict[tuple[str, str], GraphRow] = {}
+        #: The graph versions each worker drives, and when it registered them.
+        self._worker_graph_rows: dict[str, tuple[float, frozenset[tuple[str, str]]]] = {}
         self._worker_rows: dict[str, WorkerRow] = {}
         #: When each scan scope of the pulses is next due (``worker_scans``).
         self._scans: dict[str, float] = {}
@@ -954,6 +957,20 @@ class MemoryStore(RunStore):
     async def _register_graph(self, row: GraphRow) -> None:
         with self._lock:
             self._graph_rows[(row.name, row.fingerprint)] = row
+
+    async def _register_worker_graphs(self, worker_id: str, graphs: list[tuple[str, str]]) -> None:
+        with self._lock:
+            now = self._clock()
+            kept = self._worker_graph_rows
+            for other, (at, _) in list(kept.items()):
+                if at < now - STALE_REGISTRATION and other not in self._worker_rows:
+                    del kept[other]
+            kept[worker_id] = (now, frozenset(graphs))
+
+    async def _worker_graphs(self, worker_ids: list[str]) -> dict[str, frozenset[tuple[str, str]]]:
+        with self._lock:
+            rows = self._worker_graph_rows
+            return {w: rows[w][1] for w in worker_ids if w in rows and rows[w][1]}
 
     async def _graphs_named(self, name: str) -> list[GraphRow]:
         with self._lock:
