@@ -16,7 +16,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +36,8 @@ until = fixtures.until
 @pytest.fixture(params=fixtures.SHARED_STORES)
 async def shared(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
     """The URL of a fresh SQLite file or Postgres schema that several processes can open."""
-    if request.param == "sqlite":
-        yield str(tmp_path / "children.db")
-        return
-    async with fixtures.postgres_schema("children") as schema:
-        dsn = fixtures.POSTGRES_DSN or ""
-        yield f"{dsn}{'&' if '?' in dsn else '?'}schema={schema}"
+    async with fixtures.shared_url(request.param, tmp_path, "children") as url:
+        yield url
 
 
 @contextlib.asynccontextmanager
@@ -612,40 +608,14 @@ def _env(side: Path, **extra: str) -> dict[str, str]:
     return environ
 
 
-class Procs:
-    """Processes a test started, stopped by their own pid at the end."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.tmp_path = tmp_path
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        with (self.tmp_path / f"proc-{len(self.procs)}.log").open("wb") as log:
-            proc = subprocess.Popen(args, stdout=log, stderr=log, env=env, cwd=ROOT)
-        self.procs.append(proc)
-        return proc
-
-    def worker(self, url: str, side: Path, *queues: str, **env: str) -> subprocess.Popen[bytes]:
-        cli = [sys.executable, "-c", "from tailrace.cli import main; main()"]
-        args = [*cli, "worker", "--db", url, "--graphs", str(GRAPHS)]
-        for queue in queues:
-            args += ["--queue", queue]
-        return self.start([*args, "--concurrency", "8"], _env(side, **env))
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+def _worker(
+    procs: fixtures.Procs, url: str, side: Path, *queues: str, **env: str
+) -> subprocess.Popen[bytes]:
+    """A ``tailrace worker`` process with this folder's child graphs, serving ``queues``."""
+    return procs.worker(url, str(GRAPHS), *queues, env=_env(side, **env))
 
 
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    running = Procs(tmp_path)
-    try:
-        yield running
-    finally:
-        running.stop()
+procs = fixtures.procs
 
 
 PARENT_SCRIPT = """
@@ -671,12 +641,12 @@ asyncio.run(main())
 
 @pytest.mark.slow
 async def test_sigkill_of_the_parents_process_leaves_its_children_running_and_it_reattaches(
-    shared: str, tmp_path: Path, procs: Procs
+    shared: str, tmp_path: Path, procs: fixtures.Procs
 ) -> None:
     side = tmp_path / "side.log"
     script = PARENT_SCRIPT.format(root=str(ROOT), graphs=str(GRAPHS), url=shared)
     parent = procs.start([sys.executable, "-c", script], _env(side))
-    procs.worker(shared, side, "kids")
+    _worker(procs, shared, side, "kids")
     async with open_store(shared) as store:
         await until(lambda: _has_children(store, "killed-parent", 4), "the children to start")
         await until(lambda: len(side_starts(side)) == 4, "every child's work to start")
@@ -698,7 +668,7 @@ async def test_sigkill_of_the_parents_process_leaves_its_children_running_and_it
 
 @pytest.mark.slow
 async def test_sigkill_of_a_worker_holding_a_parent_and_the_children_it_took(
-    shared: str, tmp_path: Path, procs: Procs
+    shared: str, tmp_path: Path, procs: fixtures.Procs
 ) -> None:
     """R2/R4: the worker that drove a parent claimed its children as it submitted them, and
     is SIGKILLed while they run. Another worker adopts the children (each child's work runs
@@ -707,14 +677,14 @@ async def test_sigkill_of_a_worker_holding_a_parent_and_the_children_it_took(
     async with open_store(shared) as store:
         engine = tr.Engine(store=store)
         run_id = await engine.submit(graphs.family, {"count": 3, "sleep": 0.5}, queue="parents")
-        doomed = procs.worker(shared, side, "parents", "kids", TAILRACE_TEST_KID_SLEEP="3600")
+        doomed = _worker(procs, shared, side, "parents", "kids", TAILRACE_TEST_KID_SLEEP="3600")
         await until(lambda: len(side_starts(side)) == 3, "the doomed worker to run every child")
         children = await store.list_runs(parent=run_id)
         holder = await _owner_of(store, run_id)
         assert {c.lease_owner for c in children} == {holder}  # taken by the parent's worker
         doomed.send_signal(signal.SIGKILL)
         doomed.wait()  # reaped: provably dead, what it held is adopted at once
-        procs.worker(shared, side, "parents", "kids")
+        _worker(procs, shared, side, "parents", "kids")
         result = await engine.wait(run_id, timeout=GUARD)
         children = await store.list_runs(parent=run_id)
     assert result.output == 30
@@ -725,7 +695,7 @@ async def test_sigkill_of_a_worker_holding_a_parent_and_the_children_it_took(
 
 @pytest.mark.slow
 async def test_sigkill_of_the_worker_driving_an_inline_child_on_a_queue(
-    shared: str, tmp_path: Path, procs: Procs
+    shared: str, tmp_path: Path, procs: fixtures.Procs
 ) -> None:
     """R2/R4: the worker driving a parent and its inline child (stored on the parent's queue,
     working beside its queued grandchild) is SIGKILLed. Another worker of the queue adopts
@@ -736,14 +706,14 @@ async def test_sigkill_of_the_worker_driving_an_inline_child_on_a_queue(
         engine = tr.Engine(store=store)
         run_id = await engine.submit(graphs.inline_slow, {"n": 3, "sleep": 0.2}, queue="parents")
         inline, grandchild = f"{run_id}/child/1", f"{run_id}/child/1/grandchild/1"
-        doomed = procs.worker(shared, side, "parents", TAILRACE_TEST_KID_SLEEP="3600")
+        doomed = _worker(procs, shared, side, "parents", TAILRACE_TEST_KID_SLEEP="3600")
         await until(lambda: side_starts(side)[inline] == 1, "the inline child's work to start")
         await until(lambda: _has_children(store, inline, 1), "the grandchild to be queued")
         assert (await store.get_run(inline)).queue_name == "parents"
         doomed.send_signal(signal.SIGKILL)
         doomed.wait()  # reaped: provably dead, what it held is adopted at once
-        procs.worker(shared, side, "parents")
-        procs.worker(shared, side, "kids")
+        _worker(procs, shared, side, "parents")
+        _worker(procs, shared, side, "kids")
         result = await engine.wait(run_id, timeout=GUARD)
         runs = [await store.get_run(inline), await store.get_run(grandchild)]
     assert result.output == {"grandchild": 30, "slow": 30}
@@ -754,18 +724,18 @@ async def test_sigkill_of_the_worker_driving_an_inline_child_on_a_queue(
 
 @pytest.mark.slow
 async def test_sigkill_of_a_worker_driving_a_child_hands_it_to_another(
-    shared: str, tmp_path: Path, procs: Procs
+    shared: str, tmp_path: Path, procs: fixtures.Procs
 ) -> None:
     side = tmp_path / "side.log"
     async with open_store(shared) as store:
         engine = tr.Engine(store=store)
         run_id = await engine.submit(graphs.family, {"count": 3, "sleep": 0.5}, queue="parents")
-        doomed = procs.worker(shared, side, "kids", TAILRACE_TEST_KID_SLEEP="3600")
-        procs.worker(shared, side, "parents")
+        doomed = _worker(procs, shared, side, "kids", TAILRACE_TEST_KID_SLEEP="3600")
+        _worker(procs, shared, side, "parents")
         await until(lambda: len(side_starts(side)) == 3, "the doomed worker to run every child")
         doomed.send_signal(signal.SIGKILL)
         doomed.wait()  # reaped: provably dead, its children are adopted at once
-        procs.worker(shared, side, "kids")
+        _worker(procs, shared, side, "kids")
         result = await engine.wait(run_id, timeout=GUARD)
     assert result.output == 30
     starts = side_starts(side)
