@@ -7,8 +7,9 @@ of one module: the parents' worker and the new deploy's kids workers import
 one node more). The stale worker claims children it cannot drive and hands them back;
 the new kids worker is SIGKILLed mid-way, after its replacement reported. Every parent
 completes, no child fails or runs on the stale worker, none runs more than twice (the
-killed worker's, again on its adopter). Once no live worker of ``kids`` can drive the new
-kid, the stale worker fails the next parent's children, naming the graph and the queue.
+killed worker's, again on its adopter). Once the replacement leaves too, no live worker of
+``kids`` can drive the new kid: the stale worker fails the next parent's children, naming
+the graph and the queue.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ async def test_a_stale_worker_on_a_childrens_queue_fails_no_child_a_live_worker_
         results = [await engine.wait(run_id, timeout=GUARD) for run_id in parents]
         children = [c for run_id in parents for c in await store.list_runs(parent=run_id)]
         failed = [r.run_id for r in await store.list_runs(status=RunStatus.FAILED)]
-        # The replacement goes too: no live worker of kids can drive the new kid any more.
-        replacement.send_signal(signal.SIGKILL)
+        # The replacement leaves too (drained): no live worker of kids can drive the new kid.
+        replacement.send_signal(signal.SIGTERM)
         replacement.wait()
         last = await engine.submit(new.stale_family, spec, queue="parents")
         with pytest.raises(tr.RunFailed) as refused:

@@ -558,15 +558,15 @@ class Worker:
             raise
 
     async def _driven_elsewhere(self, queue: str, key: tuple[str, str]) -> bool:
-        """Whether another live worker of ``queue`` can drive graph ``key`` (name, fingerprint):
-        it registered that version, or it registered no graph (it drives what it imports)."""
+        """Whether another live worker of ``queue`` (the store's workers, ``is_live``) can drive
+        graph ``key`` (name, fingerprint): it registered that version, or it registered no
+        graph (it drives what it imports)."""
         now = time.time()
         others = [
             w.worker_id
             for w in await self.store.workers()
             if w.worker_id != self.owner and queue in w.queues and is_live(w, now)
-            and not owner_is_dead(w.worker_id)
-        ]  # fmt: skip
+        ]
         registered = await self.store.worker_graphs(others)
         return any(w not in registered or key in registered[w] for w in others)
 
