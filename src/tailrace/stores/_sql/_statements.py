@@ -482,7 +482,7 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
         (
             # The graph versions each worker drives (``register_worker_graphs``): a child
             # run goes back to its queue while a live worker of it can drive it (R3).
-            """CREATE TABLE worker_graphs (
+            """CREATE TABLE IF NOT EXISTS worker_graphs (
                 worker_id TEXT NOT NULL, graph_name TEXT NOT NULL, fingerprint TEXT NOT NULL,
                 registered_at DOUBLE PRECISION NOT NULL,
                 PRIMARY KEY (worker_id, graph_name, fingerprint)) /*WITHOUT ROWID*/""",
