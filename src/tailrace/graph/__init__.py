@@ -12,6 +12,7 @@ from ._node import EXIT as EXIT
 from ._node import ITEM_ERRORS as ITEM_ERRORS
 from ._node import LATE_POLICIES as LATE_POLICIES
 from ._node import MAX_ITEMS as MAX_ITEMS
+from ._node import MAX_PARKS as MAX_PARKS
 from ._node import NODE_OPTIONS as NODE_OPTIONS
 from ._node import Edge as Edge
 from ._node import Handler as Handler
@@ -36,6 +37,7 @@ __all__ = [
     "ITEM_ERRORS",
     "LATE_POLICIES",
     "MAX_ITEMS",
+    "MAX_PARKS",
     "NODE_OPTIONS",
     "Edge",
     "Graph",

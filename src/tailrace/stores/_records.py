@@ -268,7 +268,9 @@ class ParkedRow(NamedTuple):
     ``node_id`` is the map (or the aggregate's input node) it belongs to and
     ``item`` its item index there (-1 for a node); ``value_json`` is what it
     runs on and ``checkpoint_json`` its last checkpoint (None if it saved
-    none). ``claimed_by`` names the map visit that took it (P4).
+    none). ``claimed_by`` names the map visit that took it (P4). ``parks``
+    counts the times the item has been parked, this one included; ``parked_at``
+    is when it was first parked, its place in claim order (P5).
     """
 
     park_id: str
@@ -283,6 +285,7 @@ class ParkedRow(NamedTuple):
     status: str = "parked"
     claimed_by: str | None = None
     claimed_at: float | None = None
+    parks: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
