@@ -9,11 +9,9 @@ the winners, and a SIGKILL while it runs does not change that.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ import tailrace as tr
 from tailrace.stores import RunStatus, RunStore, open_store
 from tests import fixtures
 from tests.durable import park_bound_graphs as graphs
+from tests.durable.test_checkpoints import shared_target
 
 each_store = fixtures.each_store
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +80,9 @@ async def test_below_the_bound_the_straggler_is_parked_again(each_store: RunStor
         ({"max_parks": 2, "late": "park"}, "needs resume_parked=True"),
     ],
 )
-def test_a_bad_max_parks_is_refused_naming_the_map(options: dict[str, object], message: str) -> None:
+def test_a_bad_max_parks_is_refused_naming_the_map(
+    options: dict[str, object], message: str
+) -> None:
     g = tr.Graph("bad")
     with pytest.raises(tr.GraphError, match=message) as caught:
         g.add_node("roll", lambda x: x, "map", required=1, **options)
@@ -104,17 +105,6 @@ def test_max_parks_is_part_of_the_graphs_json_form() -> None:
 # -- a SIGKILL while the pinned item runs -----------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def shared_target(kind: str, tmp_path: Path) -> AsyncIterator[str]:
-    if kind == "sqlite":
-        yield str(tmp_path / "runs.db")
-        return
-    assert fixtures.POSTGRES_DSN is not None
-    async with fixtures.postgres_schema("tailrace_park_bound") as schema:
-        separator = "&" if "?" in fixtures.POSTGRES_DSN else "?"
-        yield f"{fixtures.POSTGRES_DSN}{separator}schema={schema}"
-
-
 @pytest.mark.slow  # a child process per store, SIGKILLed while the pinned item runs
 @pytest.mark.parametrize("kind", fixtures.SHARED_STORES)
 async def test_a_sigkill_while_the_pinned_item_runs_still_waits_for_it(
@@ -123,7 +113,8 @@ async def test_a_sigkill_while_the_pinned_item_runs_still_waits_for_it(
     async with shared_target(kind, tmp_path) as target:
         async with open_store(target) as store:
             await two_rounds(tr.Engine(store=store), graphs.rounds_graph())
-        item_log.unlink()
+        item_log = item_log.with_name("round-3.log")  # round 3 only: the child's, the resume's
+        graphs.LOG[:] = [item_log]
         child = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tests.durable.park_bound_graphs", target, "round-3",
             str(item_log), "f3a", "f3b", cwd=ROOT,
