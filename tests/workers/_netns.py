@@ -61,8 +61,8 @@ API:
   cable), ``"drop"`` makes both ends drop every packet silently (a blackhole
   qdisc each: the link stays up and TCP notices only by its timeouts, as when a
   switch or firewall between them fails). :meth:`Network.restore` undoes it.
-- :meth:`Network.close` (run by :func:`network`) sends SIGTERM to every
-  process it started, SIGKILLs those still there after ``grace`` seconds
+- :meth:`Network.close` (run by :func:`network`) restores the links still
+  cut, sends SIGTERM to every process it started, SIGKILLs those still there after ``grace`` seconds
   (each by its own pid), stops the server (``pg_ctl``, else SIGKILL to its
   postmaster's pid), removes its files and deletes the namespaces it made
   (their veths go with them). It never touches anything it did not make.
@@ -71,6 +71,7 @@ API:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pwd
 import shutil
@@ -118,6 +119,16 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     if check and done.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
     return done
+
+
+def _started(pid: int) -> str | None:
+    """Process ``pid``'s start time (clock ticks since boot); None once it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return None if fields[0] == "Z" else fields[19]
 
 
 def why_not() -> str | None:
@@ -186,6 +197,7 @@ class Network:
         self.spawned: list[subprocess.Popen[bytes]] = []
         self.pg_dir: Path | None = None
         self.target: Any = None  # fleet.Target, once the server runs
+        self._postmaster: tuple[int, str | None] | None = None  # its pid and start time
         self._cuts: dict[int, str] = {}
 
     # -- names --------------------------------------------------------------------------------
@@ -276,6 +288,10 @@ class Network:
             str(PG_BIN / "pg_ctl"), "-D", str(data), "-l", str(self.pg_dir / "server.log"),
             "-w", "-t", "60", "-o", f"-k {self.pg_dir} {options}", "start",
         ), check=False)  # fmt: skip
+        pidfile = data / "postmaster.pid"
+        if pidfile.exists():  # pg_ctl may fail after the server started: stop it all the same
+            pid = int(pidfile.read_text().split()[0])
+            self._postmaster = (pid, _started(pid))
         if started.returncode != 0:
             raise RuntimeError(f"the server did not start: {started.stderr}{self.server_log()}")
         _run(str(PG_BIN / "createdb"), "-h", str(self.pg_dir), "-U", "postgres", "tailrace")
@@ -300,15 +316,17 @@ class Network:
     def _stop_postgres(self) -> None:
         if self.pg_dir is None:
             return
-        data = self.pg_dir / "data"
-        pidfile = data / "postmaster.pid"
-        if pidfile.exists():
-            stopped = _run(*self._as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data),
-                                              "-m", "fast", "-w", "-t", "30", "stop"),
-                           check=False)  # fmt: skip
-            if stopped.returncode != 0 and pidfile.exists():
-                with contextlib.suppress(ProcessLookupError, ValueError, OSError):
-                    os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)  # its postmaster
+        if self._postmaster is not None:
+            _run(*self._as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(self.pg_dir / "data"),
+                                    "-m", "fast", "-w", "-t", "30", "stop"), check=False)  # fmt: skip
+            pid, started = self._postmaster
+            deadline = time.monotonic() + 10
+            while started is not None and _started(pid) == started:
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)  # its own postmaster, by pid and start time
+                    break
+                time.sleep(0.05)  # it removes its pid file, then exits
+            self._postmaster = None
         shutil.rmtree(self.pg_dir, ignore_errors=True)
         self.pg_dir = None
 
@@ -383,7 +401,8 @@ class Network:
         """Stop what it started and delete the namespaces it made; the first error is raised last."""
         errors: list[BaseException] = []
         for step in (
-            lambda: self._stop_processes(grace),
+            *(functools.partial(self.restore, host) for host in sorted(self._cuts)),
+            lambda: self._stop_processes(grace),  # once restored, a worker drains in time
             self._stop_postgres,
             self._delete_namespaces,
         ):
