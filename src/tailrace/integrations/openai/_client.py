@@ -33,15 +33,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Self
 
 from ..._context import NodeContext, current_node
+from ...tail import CHECKPOINT_KEY
 from ._errors import CompletionError, retry_after_seconds
 from ._replicas import Replica, Replicas
 from ._wire import Delta, Prompt, choice_delta, event_delta, request_body, usage_tokens
 
 if TYPE_CHECKING:
     import httpx
-
-#: The key of the client's state in an attempt's checkpoint value.
-CHECKPOINT_KEY = "generation"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
