@@ -359,3 +359,24 @@ def test_a_version_says_which_file_and_attribute_it_is(tmp_path: Path, sqlite_db
     versions = section(page, "other-versions")
     assert "flow_v2.py:flow" in versions and v2.fingerprint()[:8] in versions
     assert "flow_v1.py:flow" in runs
+
+
+def test_a_hostile_source_run_id_is_text_in_the_runs_lists_fork_column(
+    sqlite_db: Factory,
+) -> None:
+    chain = Chain()
+    completed_chain(sqlite_db, chain, scenarios.HOSTILE)
+
+    async def fork(store: RunStore) -> None:
+        await tr.Engine(store=store).fork(
+            scenarios.HOSTILE, at="b", graph=chain.graph, fork_id="fk"
+        )
+
+    run_on(sqlite_db, fork)
+    with dashboard(sqlite_db) as client:
+        runs = client.get(runs_url()).text
+    assert "<script>window.__pwned" not in runs and "<img src=x" not in runs
+    row = runs[runs.index('title="fk"') :]
+    row = row[: row.index("</tr>")]
+    assert f'href="{run_url(scenarios.HOSTILE)}"' in row
+    assert html.escape(scenarios.HOSTILE)[:20] in row

@@ -233,3 +233,33 @@ def test_the_length_distributions_are_quantiles_and_two_step_cdfs_with_the_ks_ga
     ys = [y for _, y in points]
     assert ys == sorted(ys, reverse=True)  # a CDF only climbs (y grows downwards)
     assert len({x for x, _ in points}) == 5  # 0, each distinct length, the right edge
+
+
+def test_a_hostile_node_id_and_parked_origin_are_text_in_the_tail_account(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    node = f"sample{scenarios.HOSTILE}"
+
+    async def run() -> str:
+        async with (
+            BatchingServer(median_tokens=20) as server,
+            ModelClient(server.url, "m") as client,
+            SQLiteStore(db) as store,
+        ):
+            g = tr.Graph("hostile_generations")
+
+            async def sample(prompt: str) -> str:
+                return (await client.complete(prompt, max_tokens=200)).text
+
+            g.add_node(node, sample, "map", required=2, late="park")
+            prompts = [f"{scenarios.HOSTILE} {i}" for i in range(4)]
+            result = await tr.Engine(store=store).run(g, prompts, run_id=scenarios.HOSTILE)
+            return result.run_id
+
+    run_id = asyncio.run(run())
+    with dashboard(scenarios.sqlite_factory(db)) as client:
+        page = client.get(run_url(run_id)).text
+    part = tail_section(page)
+    assert "<script>window.__pwned" not in part and "<img src=x" not in part
+    assert html.escape(node)[:40] in part
+    account = asyncio.run(account_of(db, "hostile_generations", node, run_id))
+    assert measures_of(part) == account.measures()

@@ -5,12 +5,13 @@ Each is usable on its own; the engine's admission policy builds on them.
 adds up the tail of a map of model generations from its stream rows (X4).
 """
 
-from ._accounting import CHECKPOINT_KEY as CHECKPOINT_KEY
 from ._accounting import ItemAccount as ItemAccount
 from ._accounting import ItemStream as ItemStream
 from ._accounting import Round as Round
 from ._accounting import RunStreams as RunStreams
 from ._accounting import TailAccount as TailAccount
+from ._accounting import generation_checkpoint as generation_checkpoint
+from ._accounting import generation_state as generation_state
 from ._accounting import is_usage as is_usage
 from ._accounting import ks_statistic as ks_statistic
 from ._accounting import parked_tokens as parked_tokens
@@ -27,7 +28,6 @@ from ._resume_queue import ResumeItem as ResumeItem
 from ._resume_queue import ResumeQueue as ResumeQueue
 
 __all__ = [
-    "CHECKPOINT_KEY",
     "Cron",
     "DurationEstimator",
     "HedgePolicy",
@@ -40,6 +40,8 @@ __all__ = [
     "TailAccount",
     "TailHooks",
     "fifo_makespan",
+    "generation_checkpoint",
+    "generation_state",
     "is_usage",
     "ks_statistic",
     "list_makespan",

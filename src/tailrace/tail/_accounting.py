@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 #: The key of a generation's state in its attempt's checkpoint value.
-CHECKPOINT_KEY = "generation"
+_GENERATION = "generation"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -215,14 +215,25 @@ class Round:
     parked: Mapping[int, int]
 
 
+def generation_checkpoint(state: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint value that holds a model generation's ``state`` (text, tokens, versions)."""
+    return {_GENERATION: state}
+
+
+def generation_state(value: object) -> dict[str, Any] | None:
+    """The generation's state a checkpoint value holds (see :func:`generation_checkpoint`),
+    or None when it holds none."""
+    state = value.get(_GENERATION) if isinstance(value, dict) else None
+    return state if isinstance(state, dict) else None
+
+
 def parked_tokens(checkpoint_json: str | None) -> int:
     """Tokens in a parked item's checkpoint (0 when it holds no generation)."""
     try:
         value = json.loads(checkpoint_json) if checkpoint_json else None
     except ValueError:  # not a checkpoint the model client wrote: no generation in it
         return 0
-    state = value.get(CHECKPOINT_KEY) if isinstance(value, dict) else None
-    tokens = state.get("tokens", 0) if isinstance(state, dict) else 0
+    tokens = (generation_state(value) or {}).get("tokens", 0)
     return int(tokens) if isinstance(tokens, int | float) else 0
 
 
