@@ -26,8 +26,7 @@ from tailrace.cli._load import load_graphs
 from tailrace.core import make_owner
 from tailrace.stores import EventRow, Harvest, NewRun, RunStatus, RunStore
 from tailrace.ui._links import run_url, runs_url
-from tests import fixtures
-from tests.ui.support import TOKEN, Background, Factory, dashboard, scenarios
+from tests.ui.support import TOKEN, Background, Factory, dashboard, scenarios, submit_and_work
 from tests.ui.test_children import fleet_child, fleet_parent, make_tree, suspend_on_a_queued_child
 from tests.ui.test_hardening import cut, held
 from tests.ui.test_versions_view import Chain, completed_chain, run_on
@@ -57,29 +56,17 @@ def bar_classes(page: str) -> list[str]:
 
 def parent_waits_then_completes(factory: Factory, run_id: str) -> None:
     """``fleet_parent`` on queue ``parents`` with its child on ``kids``: it suspends, then ends."""
+    submit_and_work(
+        factory, fleet_parent, run_id, queues=["parents", "kids"],
+        graphs=[fleet_parent, fleet_child], until=RunStatus.COMPLETED,
+    )  # fmt: skip
 
-    async def run() -> None:
+    async def types() -> list[str]:
         async with scenarios.opened(factory) as store:
-            await tr.Engine(store=store).submit(fleet_parent, "job", run_id=run_id, queue="parents")
-            worker = tr.Worker(
-                store, queues=["parents", "kids"], graphs=[fleet_parent, fleet_child],
-                poll_interval=0.02,
-            )  # fmt: skip
-            stop = asyncio.Event()
-            task = asyncio.create_task(worker.run(stop))
+            return [e.type for e in await store.events(run_id)]
 
-            async def completed() -> bool:
-                return (await store.get_run(run_id)).status is RunStatus.COMPLETED
-
-            try:
-                await fixtures.until(completed, "the parent completes after its child")
-            finally:
-                stop.set()
-                await task
-            types = [e.type for e in await store.events(run_id)]
-            assert "run_suspended" in types and "run_resumed" in types  # it did wait suspended
-
-    asyncio.run(run())
+    seen = asyncio.run(types())
+    assert "run_suspended" in seen and "run_resumed" in seen  # it did wait suspended
 
 
 def test_a_parent_that_suspended_for_its_children_is_drawn_suspended_not_cut(

@@ -28,7 +28,9 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
+
+from .._attempts import ChunkRow
 
 #: The key of a generation's state in its attempt's checkpoint value.
 _GENERATION = "generation"
@@ -141,20 +143,6 @@ def ks_statistic(a: Sequence[float], b: Sequence[float]) -> float:
     return gap
 
 
-class StreamRow(Protocol):
-    """The fields of a stream row the account reads (``tailrace.Chunk`` and
-    ``tailrace.stores.ChunkRow`` have them; ``kind`` is ``chunk``, ``accepted`` or ``discarded``)."""
-
-    @property
-    def node_id(self) -> str: ...
-    @property
-    def item(self) -> int | None: ...
-    @property
-    def attempt(self) -> int: ...
-    @property
-    def kind(self) -> str: ...
-
-
 @dataclass(slots=True)
 class ItemStream:
     """What the stream says of one item: its attempts' usage chunks, streamed tokens and marks."""
@@ -183,8 +171,9 @@ class RunStreams:
         self.nodes: dict[str, dict[int, ItemStream]] = {}
         self.generating: dict[str, None] = {}
 
-    def add(self, row: StreamRow, value: Any) -> None:
-        """Fold ``row``, whose chunk reads back as ``value`` (None for a mark)."""
+    def add(self, row: ChunkRow, value: Any) -> None:
+        """Fold ``row`` (a ``tailrace.Chunk`` or a store's ``ChunkRow``: its ``kind`` is
+        ``chunk``, ``accepted`` or ``discarded``), whose chunk reads back as ``value``."""
         items = self.nodes.setdefault(row.node_id, {})
         entry = items.setdefault(-1 if row.item is None else row.item, ItemStream())
         if row.kind != "chunk":
