@@ -19,6 +19,7 @@ from ._node import Handler as Handler
 from ._node import Node as Node
 from ._node import NodeKind as NodeKind
 from ._node import RetryPolicy as RetryPolicy
+from ._references import FILE_MODULE_PREFIX as FILE_MODULE_PREFIX
 from ._references import callable_reference as callable_reference
 from ._references import file_modules as file_modules
 from ._references import guess_reference as guess_reference
@@ -33,6 +34,7 @@ from ._topology import shape_json as shape_json
 
 __all__ = [
     "EXIT",
+    "FILE_MODULE_PREFIX",
     "GRAPH_FORMAT",
     "ITEM_ERRORS",
     "LATE_POLICIES",

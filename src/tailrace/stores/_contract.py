@@ -200,6 +200,7 @@ class RunStore(abc.ABC):
         graph: str | None = None,
         offset: int = 0,
         parent: str | None = None,
+        top_level: bool = False,
     ) -> list[RunRecord]:
         """Runs newest first (``created_at``, then ``run_id``): a page of them, for listings.
 
@@ -210,11 +211,15 @@ class RunStore(abc.ABC):
             graph: only runs of this graph name.
             offset: skip this many of the matching runs first.
             parent: only the child runs of this run (R1).
+            top_level: only runs that are no run's child (R1); not with ``parent``.
         """
         check_names(queue=queue, graph=graph, parent=parent)
+        if top_level and parent is not None:
+            raise ValueError(f"top_level lists no run's children, so not those of {parent!r}")
         return await self._list_runs(
-            status=status, limit=limit, queue=queue, graph=graph, offset=offset, parent=parent
-        )
+            status=status, limit=limit, queue=queue, graph=graph, offset=offset, parent=parent,
+            top_level=top_level,
+        )  # fmt: skip
 
     async def wake_suspended(self, run_id: str) -> bool:
         """Queue ``run_id`` again if it is suspended on a queue and nobody holds it; True if it was.
@@ -235,9 +240,10 @@ class RunStore(abc.ABC):
         """
         return await self._overdue_runs(now, limit=limit)
 
-    async def run_counts(self) -> list[RunCount]:
-        """How many runs there are per graph name, queue and status (one query: for dashboards)."""
-        return await self._run_counts()
+    async def run_counts(self, *, top_level: bool = False) -> list[RunCount]:
+        """How many runs there are per graph name, queue and status (one query: for dashboards);
+        with ``top_level``, of the runs that are no run's child only (R1)."""
+        return await self._run_counts(top_level=top_level)
 
     async def results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
         """Result rows of a run (of one node if given), by node then visit."""
@@ -953,6 +959,7 @@ class RunStore(abc.ABC):
         graph: str | None = None,
         offset: int = 0,
         parent: str | None = None,
+        top_level: bool = False,
     ) -> list[RunRecord]:
         """:meth:`list_runs`, called with checked arguments."""
 
@@ -975,7 +982,7 @@ class RunStore(abc.ABC):
         """:meth:`overdue_runs`, called with checked arguments."""
 
     @abc.abstractmethod
-    async def _run_counts(self) -> list[RunCount]:
+    async def _run_counts(self, *, top_level: bool = False) -> list[RunCount]:
         """:meth:`run_counts`, called with checked arguments."""
 
     @abc.abstractmethod

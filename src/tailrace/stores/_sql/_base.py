@@ -73,6 +73,7 @@ from ._queues import (
     SELECT_QUEUES,
     SELECT_SCHEDULES,
     SELECT_WORKERS,
+    TOP_LEVEL_RUN_COUNTS,
     UPSERT_GRAPH,
     UPSERT_WORKER,
     list_runs_query,
@@ -249,9 +250,10 @@ class SQLStore(RunStore):
         graph: str | None = None,
         offset: int = 0,
         parent: str | None = None,
+        top_level: bool = False,
     ) -> list[RunRecord]:
         value = None if status is None else status.value
-        sql, params = list_runs_query(value, queue, graph, parent)
+        sql, params = list_runs_query(value, queue, graph, parent, top_level=top_level)
         params += (self._no_limit if limit is None else max(limit, 0), max(offset, 0))
         return await self._read_tx("listing runs", each(sql, params, record_from_row))
 
@@ -296,8 +298,9 @@ class SQLStore(RunStore):
             "finding overdue runs", lambda tx: bodies.overdue_runs(tx, now, limit)
         )
 
-    async def _run_counts(self) -> list[RunCount]:
-        return await self._read_tx("counting runs", selected(RUN_COUNTS, (), run_counts_from_rows))
+    async def _run_counts(self, *, top_level: bool = False) -> list[RunCount]:
+        sql = TOP_LEVEL_RUN_COUNTS if top_level else RUN_COUNTS
+        return await self._read_tx("counting runs", selected(sql, (), run_counts_from_rows))
 
     async def _results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
         return await self._read_tx(

@@ -463,6 +463,7 @@ class MemoryStore(RunStore):
         graph: str | None = None,
         offset: int = 0,
         parent: str | None = None,
+        top_level: bool = False,
     ) -> list[RunRecord]:
         with self._lock:
             runs = [
@@ -472,14 +473,19 @@ class MemoryStore(RunStore):
                 and queue in (None, r.queue_name)
                 and graph in (None, r.graph_name)
                 and parent in (None, r.parent_run_id)
+                and not (top_level and r.parent_run_id is not None)
             ]
         runs.sort(key=lambda r: (r.created_at, r.run_id), reverse=True)
         runs = runs[max(offset, 0) :]
         return runs if limit is None else runs[: max(limit, 0)]
 
-    async def _run_counts(self) -> list[RunCount]:
+    async def _run_counts(self, *, top_level: bool = False) -> list[RunCount]:
         with self._lock:
-            grouped = Counter((r.graph_name, r.queue_name, r.status) for r in self._runs.values())
+            grouped = Counter(
+                (r.graph_name, r.queue_name, r.status)
+                for r in self._runs.values()
+                if not (top_level and r.parent_run_id is not None)
+            )
         counts = [
             RunCount(graph_name=g, queue_name=q, status=s, count=n)
             for (g, q, s), n in grouped.items()
