@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
 import tailrace as tr
+from tests import fixtures
 
 # -- module-level handlers, so that ``module:qualname`` references resolve (G3) --
 
@@ -1002,3 +1006,44 @@ def test_g1_a_generator_function_as_handler_is_refused_naming_the_node(kind: str
         g = tr.Graph("gen")
         with pytest.raises(tr.GraphError, match=r"node 'n'.*is a generator function"):
             g.add_node("n", handler, kind)
+
+
+VERSIONED_FILE = """
+import tailrace as tr
+
+def at_most(k):
+    return lambda n: min(n, k)
+
+kid = tr.Graph("kid")
+kid.add_node("one", lambda x: x)
+
+graph = tr.Graph("versioned")
+graph.add_node("items", lambda x: list(range(x)))
+graph.add_node("each", lambda x: x, "map", required=at_most(3))
+graph.add_node("half", lambda xs: xs, "map", required=lambda n: n // 2)
+graph.add_node("kid", kid)
+graph.chain("items", "each", "half", "kid")
+"""
+
+
+def test_every_process_agrees_on_a_fingerprint_with_code_and_child_graphs_in_it(
+    tmp_path: Path,
+) -> None:
+    """A fingerprint with a callable ``required`` and a child graph in it is the same in every
+    process that loads the same file, whatever its hash seed (V1, V3)."""
+    path = tmp_path / "versioned_graph.py"
+    path.write_text(VERSIONED_FILE)
+    module = fixtures.load_module("versioned_graph", path)
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import versioned_graph; "
+        "print(versioned_graph.graph.fingerprint())"
+    )
+    seen = set()
+    for seed in ("0", "1"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(sys.path)}
+        out = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path)],
+            env=env, capture_output=True, text=True, check=True, timeout=120,
+        )  # fmt: skip
+        seen.add(out.stdout.strip())
+    assert seen == {module.graph.fingerprint()}

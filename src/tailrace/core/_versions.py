@@ -39,7 +39,7 @@ from .._errors import (
     LeaseLost,
     NotResumable,
 )
-from ..graph import Graph, NodeKind, Topology, graph_shape, guess_reference
+from ..graph import Graph, NodeKind, Topology, guess_reference, shape_json
 from ..stores import (
     ChunkRow,
     FrozenInput,
@@ -64,23 +64,27 @@ LIVE = (RunStatus.RUNNING, RunStatus.SUSPENDED)
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """A graph version's structure: per node its kind, ``required`` and in-edges, in definition order."""
+    """A graph version's structure: per node its kind, ``required``, in-edges and, for a node
+    run as a child run, its child graph (name and fingerprint), in definition order."""
 
     ids: tuple[str, ...]
     kinds: dict[str, str]
     required: dict[str, object]
     in_edges: dict[str, frozenset[tuple[str, str | None]]]
+    children: dict[str, object] = field(default_factory=dict)
 
     @classmethod
     def of(cls, graph: Graph) -> Shape:
         """The structure of ``graph``."""
-        return cls.parse(graph_shape(graph), f"graph {graph.name!r}")
+        return cls.parse(json.loads(shape_json(graph)), f"graph {graph.name!r}")
 
     @classmethod
     def parse(cls, data: Any, where: str) -> Shape:
         """The structure ``graph_shape`` wrote (read back from a store); :class:`CorruptRecord` if malformed."""
         try:
-            nodes = [(str(n[0]), str(n[1]), n[2]) for n in data["nodes"]]
+            nodes = [
+                (str(n[0]), str(n[1]), n[2], n[5] if len(n) > 5 else None) for n in data["nodes"]
+            ]
             edges = [
                 (str(e[0]), str(e[1]), None if e[2] is None else str(e[2])) for e in data["edges"]
             ]
@@ -88,16 +92,15 @@ class Shape:
             raise CorruptRecord(
                 f"{where}: stored graph structure does not decode: {exc!r}"
             ) from exc
-        in_edges: dict[str, set[tuple[str, str | None]]] = {
-            node_id: set() for node_id, _, _ in nodes
-        }
+        in_edges: dict[str, set[tuple[str, str | None]]] = {n[0]: set() for n in nodes}
         for source, target, route in edges:
             in_edges.setdefault(target, set()).add((source, route))
         return cls(
-            ids=tuple(node_id for node_id, _, _ in nodes),
-            kinds={node_id: kind for node_id, kind, _ in nodes},
-            required={node_id: required for node_id, _, required in nodes},
+            ids=tuple(n[0] for n in nodes),
+            kinds={n[0]: n[1] for n in nodes},
+            required={n[0]: n[2] for n in nodes},
             in_edges={node_id: frozenset(e) for node_id, e in in_edges.items()},
+            children={n[0]: n[3] for n in nodes if n[3] is not None},
         )
 
 
@@ -105,8 +108,10 @@ def incompatibilities(old: Shape, new: Shape, frontier: Iterable[str]) -> list[I
     """Why ``new`` cannot take over the nodes of ``frontier`` that ``old`` ran (V1), in ``old``'s order.
 
     A node's ``required`` is compared as declared, whatever the kind that
-    declares it (aggregates, maps): a first-k decision made with one ``k``
-    is never continued with another.
+    declares it (aggregates, maps; a function by its name and code): a
+    first-k decision made with one ``k`` is never continued with another. A
+    node run as a child run keeps its child graph (name and version): its
+    child runs were made with it.
     """
     out: list[Incompatibility] = []
     held = set(frontier)
@@ -123,9 +128,21 @@ def incompatibilities(old: Shape, new: Shape, frontier: Iterable[str]) -> list[I
             out.append(Incompatibility(node_id, f"its kind changed from {was} to {now}"))
             continue
         was_k, now_k = old.required.get(node_id), new.required.get(node_id)
-        if was_k != now_k:
+        if not _same_required(was_k, now_k):
             out.append(
-                Incompatibility(node_id, f"its required changed from {was_k!r} to {now_k!r}")
+                Incompatibility(
+                    node_id,
+                    f"its required changed from {_required_text(was_k)} to {_required_text(now_k)}",
+                )
+            )
+        if node_id in old.children and old.children[node_id] != new.children.get(node_id):
+            before_child, after_child = old.children[node_id], new.children.get(node_id)
+            out.append(
+                Incompatibility(
+                    node_id,
+                    f"its child graph changed from {_child_text(before_child)} to "
+                    f"{_child_text(after_child)}",
+                )
             )
         before, after = (
             old.in_edges.get(node_id, frozenset()),
@@ -144,6 +161,26 @@ def incompatibilities(old: Shape, new: Shape, frontier: Iterable[str]) -> list[I
                 )
             )
     return out
+
+
+def _same_required(was: object, now: object) -> bool:
+    """Whether ``required`` stayed the same. A structure stored before a function's code was
+    part of it names the function alone: the same name is taken as the same function."""
+    if isinstance(was, str) and isinstance(now, list) and now:
+        return bool(was == now[0])
+    return was == now
+
+
+def _required_text(value: object) -> str:
+    if isinstance(value, list) and len(value) == 2:
+        return f"{value[0]} (code {value[1]})"
+    return repr(value)
+
+
+def _child_text(value: object) -> str:
+    if isinstance(value, list) and len(value) == 2:
+        return f"graph {value[0]!r} version {value[1]}"
+    return "none (it runs no child graph)"
 
 
 def _edge(source: str, target: str, route: str | None) -> str:
