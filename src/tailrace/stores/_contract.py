@@ -815,13 +815,20 @@ class RunStore(abc.ABC):
         return await self._delete_queue(name)
 
     async def register_graph(self, row: GraphRow) -> None:
-        """Record that a worker can drive the graph ``row`` names (replacing an earlier
-        registration of that name and fingerprint)."""
+        """Record that a worker can drive the graph version ``row`` names.
+
+        A version registered before keeps the time of its first registration
+        (its deploy) and takes ``row``'s reference: a worker of an earlier
+        version that starts again never makes it the newest. A version new to
+        the store is recorded at ``row.registered_at``, or just after the newest
+        version of its name when that clock is behind, so it is the newest.
+        """
         check_names(graph_name=row.name, fingerprint=row.fingerprint, graph_ref=row.graph_ref)
         await self._register_graph(row)
 
     async def graphs_named(self, name: str) -> list[GraphRow]:
-        """The registrations of graph ``name``, newest first (one per fingerprint)."""
+        """The registrations of graph ``name``, the version deployed last first (one per
+        fingerprint); submitting a run by the graph's name takes the first."""
         check_name("graph_name", name)
         return await self._graphs_named(name)
 

@@ -666,7 +666,8 @@ class ScheduleRow:
 class GraphRow:
     """A graph a worker can drive, as it registered it (``register_graph``): what a run
     submitted by the graph's name alone is stored with (``name``, ``fingerprint``,
-    ``graph_ref``); ``registered_at`` is its latest registration."""
+    ``graph_ref``); ``registered_at`` is when that version was first registered (its
+    deploy), never before the versions of its name registered earlier."""
 
     name: str
     fingerprint: str

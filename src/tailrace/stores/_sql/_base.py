@@ -73,7 +73,6 @@ from ._queues import (
     SELECT_QUEUES,
     SELECT_SCHEDULES,
     SELECT_WORKERS,
-    UPSERT_GRAPH,
     UPSERT_WORKER,
     list_runs_query,
     run_counts_from_rows,
@@ -663,8 +662,7 @@ class SQLStore(RunStore):
         )
 
     async def _register_graph(self, row: GraphRow) -> None:
-        params = (row.name, row.fingerprint, row.graph_ref, row.registered_at)
-        await self._write_tx(f"graph {row.name!r}", lambda tx: tx.change_all(UPSERT_GRAPH, params))
+        await self._write_tx(f"graph {row.name!r}", lambda tx: bodies.register_graph(tx, row))
 
     async def _graphs_named(self, name: str) -> list[GraphRow]:
         return await self._read_tx(

@@ -27,6 +27,7 @@ from .._artifacts import stale_version
 from .._queue_rules import (
     EXPIRED_LIMIT,
     FLEET_SCOPE,
+    deployed_at,
     host_of,
     host_scope,
     late_since,
@@ -50,6 +51,7 @@ from .._records import (
     Claim,
     EventRow,
     FrozenInput,
+    GraphRow,
     Harvest,
     ItemRow,
     NewRun,
@@ -96,6 +98,7 @@ from ._queues import (
     FIRST_SCAN_TURN,
     LATE_ON_HOST,
     LIVE_IN_QUEUE,
+    NEWEST_OTHER_GRAPH,
     PAUSE_QUEUE,
     PULSE_PROBES,
     QUEUE_COUNTS,
@@ -109,6 +112,7 @@ from ._queues import (
     SELECT_WORKERS,
     TAKE_SCAN_TURN,
     UNPAUSE_QUEUE,
+    UPSERT_GRAPH,
     UPSERT_QUEUE,
     UPSERT_SCHEDULE,
     UPSERT_WORKER,
@@ -656,6 +660,15 @@ async def delete_queue(tx: Tx, name: str) -> bool:
     if deleted:
         await tx.signal("config")
     return deleted
+
+
+async def register_graph(tx: Tx, row: GraphRow) -> None:
+    """Record that a worker can drive ``row``'s version: a version known already keeps when it
+    was deployed (a stale worker restarting changes nothing), a new one is the newest of its name."""
+    newest = await tx.one(NEWEST_OTHER_GRAPH, (row.name, row.fingerprint))
+    last = None if newest is None or newest[0] is None else float(newest[0])
+    at = deployed_at(row.registered_at, last)
+    await tx.change_all(UPSERT_GRAPH, (row.name, row.fingerprint, row.graph_ref, at))
 
 
 async def declare_schedule(tx: Tx, row: ScheduleRow) -> None:

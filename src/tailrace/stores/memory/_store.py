@@ -36,6 +36,7 @@ from .._queue_rules import (
     FLEET_SCOPE,
     claim_order,
     dedup_holder,
+    deployed_at,
     free_slots,
     holds_slot,
     host_of,
@@ -953,7 +954,14 @@ class MemoryStore(RunStore):
 
     async def _register_graph(self, row: GraphRow) -> None:
         with self._lock:
-            self._graph_rows[(row.name, row.fingerprint)] = row
+            key = (row.name, row.fingerprint)
+            known = self._graph_rows.get(key)
+            if known is not None:  # a version known already keeps when it was deployed
+                self._graph_rows[key] = dataclasses.replace(known, graph_ref=row.graph_ref)
+                return
+            others = [r.registered_at for (n, _), r in self._graph_rows.items() if n == row.name]
+            at = deployed_at(row.registered_at, max(others, default=None))
+            self._graph_rows[key] = dataclasses.replace(row, registered_at=at)
 
     async def _graphs_named(self, name: str) -> list[GraphRow]:
         with self._lock:
