@@ -7,10 +7,12 @@ The stores run on a fake wall clock, so a lease expires when a test says so.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import sys
 import textwrap
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from tests.durable.test_resume import (
     running,
     until,
 )
+from tests.durable.test_versions import gate_graph
 from tests.faults import _faulty as faulty
 
 __all__ = ["backend"]
@@ -123,6 +126,151 @@ async def test_a_store_failing_mid_migration_moves_each_run_whole_or_not(
     for run_id in ids:
         result = await engine(backend).resume(run_id, new)
         assert result.results["extra"] == "extra"
+
+
+# --- a migration racing a resume ------------------------------------------------------------
+
+
+class MigratesFirst(faulty.DelegatingStore):
+    """Forwards everything; ``migrate()`` runs (on the real store) just before the first lease
+    this store is asked for, and just before the first read of the questions of a run that is
+    suspended with nobody holding it: between a resume's first read and its lease, or between
+    a drive's suspension and its settling."""
+
+    def __init__(self, inner: RunStore, migrate: Callable[[], Awaitable[tr.MigrationReport]]):
+        super().__init__(inner)
+        self._migrate: Callable[[], Awaitable[tr.MigrationReport]] | None = migrate
+        self.moved: tr.MigrationReport | None = None
+
+    async def _land(self) -> None:
+        if self._migrate is not None:
+            migrate, self._migrate = self._migrate, None
+            self.moved = await migrate()
+
+    async def acquire_lease(
+        self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
+    ) -> int:
+        """Run the migration, once, then forward."""
+        await self._land()
+        return await super().acquire_lease(run_id, owner, ttl, steal_from=steal_from)
+
+
+class MigratesAfterSuspending(MigratesFirst):
+    async def acquire_lease(
+        self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
+    ) -> int:
+        return await self.inner.acquire_lease(run_id, owner, ttl, steal_from=steal_from)
+
+    async def list_questions(self, **options: Any) -> list[tr.QuestionRow]:
+        """Once the run suspended and was let go of: answer its question, migrate, forward."""
+        run_id = options.get("run_id")
+        if run_id is not None and self._migrate is not None:
+            record = await self.inner.get_run(run_id)
+            if record.status is RunStatus.SUSPENDED and record.lease_owner is None:
+                (question,) = await self.inner.list_questions(run_id=run_id)
+                await self.inner.answer(question.question_id, '"ok"', by="raced")
+                await self._land()
+        return await self.inner.list_questions(**options)
+
+
+def gate_versions(probe: Probe) -> tuple[tr.Graph, tr.Graph]:
+    """``prep`` -> ``review`` (a gate) -> ``ship``; version 2 adds ``ship`` -> ``notify``."""
+    return gate_graph(probe), gate_graph(probe, extra=True)
+
+
+async def test_a_migration_landing_between_a_resumes_read_and_its_lease_is_followed(
+    backend: Backend,
+) -> None:
+    """The resume picks the version from its read under the lease: the run, moved onto
+    version 2 meanwhile, is driven on version 2, whole (V1-V3, D6)."""
+    probe = Probe()
+    v1, v2 = gate_versions(probe)
+    run_id = new_id("raced")
+    assert (await engine(backend).run(v1, "x", run_id=run_id)).status is RunStatus.SUSPENDED
+    (question,) = await backend.store.list_questions(run_id=run_id)
+    await engine(backend).answer(question.question_id, "ok", resume=False)
+    racing = MigratesFirst(backend.store, lambda: engine(backend).migrate(v2, apply=True))
+    resumer = tr.Engine(store=racing, lease_ttl=TTL)
+    resumer.register(v1, v2)
+
+    result = await resumer.resume(run_id)
+
+    assert racing.moved is not None and racing.moved.count(tr.MoveOutcome.MOVED) == 1
+    assert result.status is RunStatus.COMPLETED
+    assert result.results["notify"] == "notified"  # version 2's node ran
+    assert (await backend.store.get_run(run_id)).fingerprint == v2.fingerprint()
+    waited = await engine(backend).wait(run_id, graph=v2)
+    assert waited.output == result.output == "notified"
+
+
+async def test_a_migration_landing_before_a_suspended_drive_settles_is_not_rolled_back(
+    backend: Backend,
+) -> None:
+    """An answer and a migration land between a run's suspension and its driver's settling:
+    the driver applies the answer on the version the run was moved to, never moving it back
+    onto the graph it was started with."""
+    probe = Probe()
+    v1, v2 = gate_versions(probe)
+    run_id = new_id("settled")
+    racing = MigratesAfterSuspending(backend.store, lambda: engine(backend).migrate(v2, apply=True))
+    driver = tr.Engine(store=racing, lease_ttl=TTL)
+    driver.register(v2)
+
+    result = await driver.run(v1, "x", run_id=run_id)
+
+    assert racing.moved is not None and racing.moved.count(tr.MoveOutcome.MOVED) == 1
+    assert result.status is RunStatus.COMPLETED
+    assert result.results["notify"] == "notified"
+    assert (await backend.store.get_run(run_id)).fingerprint == v2.fingerprint()
+
+
+async def test_answers_resuming_runs_while_a_migration_loops_leave_each_run_whole(
+    backend: Backend,
+) -> None:
+    """Real tasks racing: every run waiting on its gate is answered (and resumed) while
+    another engine migrates the live runs onto version 2, then back onto version 1, in a
+    loop. Each run ends on the version it is recorded on: version 2's node ran exactly on
+    the runs recorded on it, and what ``wait`` reads elsewhere is what the resume returned."""
+    probe = Probe()
+    v1, v2 = gate_versions(probe)
+    starter = engine(backend)
+    ids = [new_id(f"run{i}") for i in range(30)]
+    for run_id in ids:
+        assert (await starter.run(v1, "x", run_id=run_id)).status is RunStatus.SUSPENDED
+    questions = [(await backend.store.list_questions(run_id=r))[0] for r in ids]
+    # Its store across a slow link: other engines' writes land between its reads.
+    answerer = tr.Engine(store=faulty.LaggingStore(backend.store, 0.002), lease_ttl=TTL)
+    answerer.register(v1, v2)
+    answered = asyncio.Event()
+    moved = 0
+
+    async def migrating() -> None:
+        nonlocal moved
+        migrator = engine(backend)
+        for version in itertools.cycle((v2, v1)):
+            if answered.is_set():
+                return
+            moved += (await migrator.migrate(version, apply=True)).count(tr.MoveOutcome.MOVED)
+
+    async def answering(n: int, question: tr.QuestionRow) -> tr.RunResult | None:
+        await asyncio.sleep(0.005 * n)  # spread over the migrations' rounds
+        return await answerer.answer(question.question_id, "ok")
+
+    loop = asyncio.create_task(migrating())
+    try:
+        results = await asyncio.gather(*itertools.starmap(answering, enumerate(questions)))
+    finally:
+        answered.set()
+        await loop
+    for run_id, result in zip(ids, results, strict=True):
+        if result is None:  # the migration held the run when its answer tried to resume it
+            result = await answerer.resume(run_id)
+        assert result.status is RunStatus.COMPLETED
+        on_v2 = (await backend.store.get_run(run_id)).fingerprint == v2.fingerprint()
+        assert ("notify" in result.results) == on_v2, run_id
+        waited = await engine(backend).wait(run_id, graph=v2 if on_v2 else v1)
+        assert waited.output == result.output
+    assert moved >= 1
 
 
 async def test_a_fork_cancelled_mid_run_resumes_rerunning_only_what_was_in_flight(
