@@ -7,6 +7,7 @@ The stores run on a fake wall clock, so a lease expires when a test says so.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import signal
@@ -19,13 +20,14 @@ from typing import Any
 import pytest
 
 import tailrace as tr
-from tailrace._errors import LeaseLost, StoreError
+from tailrace._errors import LeaseLost, RunNotFound, StoreError
 from tailrace.stores import RunStatus, RunStore, SQLiteStore
 from tests import fixtures
 from tests.durable.test_resume import (
     Backend,
     Probe,
     backend,
+    committed,
     crash,
     engine,
     fork_graph,
@@ -295,6 +297,122 @@ async def test_a_fork_cancelled_mid_run_resumes_rerunning_only_what_was_in_fligh
     assert probe.executions("a") == 1 and probe.executions("b") == 1 and probe.executions("d") == 1
     assert probe.executions("c") == 3  # the source's, the cancelled one, the resumed one
     assert probe.executions("sink") == 2
+
+
+# --- a fork racing its running source ----------------------------------------------------------
+
+
+class SourceCommitsAfterTheFirstRead(faulty.DelegatingStore):
+    """Forwards everything; just after the first read of run ``source_id`` (a fork reading
+    its source), ``commit()`` lets the source commit more before anything else is read."""
+
+    def __init__(
+        self, inner: RunStore, source_id: str, commit: Callable[[], Awaitable[None]]
+    ) -> None:
+        super().__init__(inner)
+        self.source_id = source_id
+        self.source_commits: Callable[[], Awaitable[None]] | None = commit
+
+    async def _after(self, run_id: str) -> None:
+        if run_id == self.source_id and self.source_commits is not None:
+            commit, self.source_commits = self.source_commits, None
+            await commit()
+
+    async def load_run(self, run_id: str) -> tr.stores.StoredRun:
+        """Forward, then let the source commit (once)."""
+        stored = await super().load_run(run_id)
+        await self._after(run_id)
+        return stored
+
+    async def snapshot(self, run_id: str) -> Any:
+        """Forward, then let the source commit (once)."""
+        taken = await self.inner.snapshot(run_id)
+        await self._after(run_id)
+        return taken
+
+
+def chain_graph(probe: Probe, length: int) -> tr.Graph:
+    """``n0`` -> ``n1`` -> ... each adding 1 to what it is given."""
+    g = tr.Graph("chain")
+    names = [f"n{i}" for i in range(length)]
+    for name in names:
+        g.add_node(name, probe.task(lambda x: x + 1))
+    g.chain(*names)
+    return g
+
+
+async def test_a_fork_made_while_its_source_commits_copies_one_moment_and_completes(
+    backend: Backend,
+) -> None:
+    """The source commits ``n1`` after the fork's first read of it: the fork copies the
+    source as that read saw it (``n1`` running, so it runs again in the fork), never a
+    result of ``n1`` from later, and completes (V4)."""
+    probe = Probe()
+    g = chain_graph(probe, 3)
+    probe.held = {"n1"}
+    source_id = new_id("source")
+    source = asyncio.create_task(engine(backend).run(g, 0, run_id=source_id))
+    await until(running(backend, source_id, "n1"), "the source's n1 running")
+
+    async def source_commits_n1() -> None:
+        probe.release_all()
+        await until(committed(backend, source_id, ("n1", 1)), "the source's n1 committed")
+
+    racing = SourceCommitsAfterTheFirstRead(backend.store, source_id, source_commits_n1)
+    forker = tr.Engine(store=racing, lease_ttl=TTL)
+    fork = await forker.fork(source_id, at="n2", graph=g, input=10)
+
+    assert fork.status is RunStatus.COMPLETED
+    assert fork.results == {"n0": 1, "n1": 2, "n2": 11}
+    assert probe.runs[("n1", 1)] == 2  # the source's, then the fork's own
+    assert (await source).results == {"n0": 1, "n1": 2, "n2": 3}
+    resumed = await engine(backend).wait(fork.run_id, graph=g)
+    assert resumed.results == fork.results
+
+
+async def test_forks_taken_in_a_loop_while_the_source_runs_all_complete(
+    backend: Backend,
+) -> None:
+    """Real tasks racing: a long chain runs while forks of it near its end are taken again
+    and again through a slow link to the store, each reusing what the source ran so far,
+    its running node included; every fork completes with the values the chain gives."""
+    probe = Probe()
+    length = 24
+    g = chain_graph(probe, length)
+    source_id = new_id("source")
+
+    async def paced(x: int) -> int:  # only the source is slow: forks run at once
+        ctx = tr.current_node()
+        if ctx is not None and ctx.run_id == source_id:
+            await asyncio.sleep(0.01)
+        return x + 1
+
+    for node in list(g.nodes.values()):
+        g.nodes[node.id] = dataclasses.replace(node, handler=paced)
+    source = asyncio.create_task(engine(backend).run(g, 0, run_id=source_id))
+    forker = tr.Engine(store=faulty.LaggingStore(backend.store, 0.002), lease_ttl=TTL)
+    forks = 0
+    try:
+        while not source.done():
+            at = length - 1 - forks % 3  # past where the source is: its running node is reused
+            try:
+                fork = await forker.fork(source_id, at=f"n{at}", graph=g, input=100)
+            except RunNotFound:
+                await asyncio.sleep(0.005)  # the source is not stored yet
+                continue
+            assert fork.status is RunStatus.COMPLETED, fork.run_id
+            # What the source had run (or was running) as the fork read it, then the fork's own.
+            ran = sum(1 for i in range(at) if f"n{i}" in fork.results)
+            assert fork.results == {
+                **{f"n{i}": i + 1 for i in range(ran)},
+                **{f"n{i}": 100 + i - at + 1 for i in range(at, length)},
+            }
+            forks += 1
+    finally:
+        if not source.done():
+            await crash(source)
+    assert (await source).results == {f"n{i}": i + 1 for i in range(length)}
+    assert forks >= 2
 
 
 # --- a real process SIGKILLed during a forked run ------------------------------------------

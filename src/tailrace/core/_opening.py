@@ -226,15 +226,16 @@ class RunOpener:
     ) -> RunResult:
         store = self.require_store("fork")
         fork_id = checked_run_id(fork_id)
-        source = await store.load_run(checked_run_id(run_id))
-        known = self.graphs.get(source.run)
-        forked = self.graphs.of(source.run, graph)
-        old = await stored_shape(store, source.run, known)
-        plan = await plan_fork(store, self.codec, source, forked, at, input, old, fork_id)
+        # One moment of the source, which may run on: nothing it commits later is copied.
+        snapshot = await store.snapshot(checked_run_id(run_id))
+        record = snapshot.stored.run
+        forked = self.graphs.of(record, graph)
+        old = await stored_shape(store, record, self.graphs.get(record))
+        plan = await plan_fork(store, self.codec, snapshot, forked, at, input, old, fork_id)
         topo = forked.compile()
         self.executors.plan(topo)
         self.graphs.add(forked, topo.fingerprint)
-        ref = guess_reference(forked) or source.run.graph_ref
+        ref = guess_reference(forked) or record.graph_ref
 
         async def open_loop(writer: RunWriter) -> RunLoop:
             writer.refer(plan.big)

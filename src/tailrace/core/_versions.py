@@ -46,6 +46,7 @@ from ..stores import (
     ItemRow,
     ResultRow,
     RunRecord,
+    RunSnapshot,
     RunStatus,
     RunStore,
     StoredRun,
@@ -53,7 +54,7 @@ from ..stores import (
 from ._lease import Lease
 from ._restore import restore_run
 from ._state import NodeStatus, RunState, switch_edges
-from ._streams import READ_BATCH, ChunkKind
+from ._streams import ChunkKind
 
 #: The statuses of a run that has state to move onto another version (V2).
 LIVE = (RunStatus.RUNNING, RunStatus.SUSPENDED)
@@ -503,15 +504,15 @@ def downstream_of(topo: Topology, start: int) -> set[int]:
 async def plan_fork(
     store: RunStore,
     codec: Codec,
-    source: StoredRun,
+    snapshot: RunSnapshot,
     graph: Graph,
     at: str,
     payload: Any,
     old: Shape | None,
     fork_id: str,
 ) -> ForkPlan:
-    """The starting state of fork ``fork_id`` of ``source`` at node ``at`` on ``graph`` (V4).
-    Reads only.
+    """The starting state of fork ``fork_id`` at node ``at`` on ``graph`` (V4) of the source
+    run as ``snapshot`` holds it: one moment of it, whatever it committed since. Reads only.
 
     Every node not downstream of ``at`` keeps the source's committed state
     (results, visits, first-k decisions, collected inputs); of those, one
@@ -525,6 +526,7 @@ async def plan_fork(
     writes anything (D5); the fork runs with it as it reads back.
     """
     topo = graph.compile()
+    source = snapshot.stored
     run_id = source.run.run_id
     if at not in topo.index:
         raise ValueError(
@@ -536,7 +538,7 @@ async def plan_fork(
     report = compatibility(source.run, reused, graph, old)
     require_compatible(report)
     if payload is None:
-        payload = await _last_payload(store, codec, source, at)
+        payload = _last_payload(codec, snapshot, at)
     else:
         payload = _fork_input(codec, payload, fork_id, run_id, at)
     keep = set(reused)
@@ -553,33 +555,24 @@ async def plan_fork(
     _rerun_unfinished(state, [topo.index[n] for n in reused])
     _redeliver(state, [topo.index[n] for n in reused], fresh - {a})
     state.activate(a, payload)
-    results = [r for r in await store.results(run_id) if r.node_id in keep] if keep else []
-    frozen = [f for f in await store.frozen_inputs(run_id) if f.node_id in keep] if keep else []
-    chunks = await _accepted_streams(store, run_id, keep) if keep else []
     return ForkPlan(
-        state=state, results=results, frozen=frozen, items=items, big=big,
+        state=state, big=big,
+        results=[r for r in snapshot.results if r.node_id in keep],
+        frozen=[f for f in snapshot.frozen if f.node_id in keep],
+        items=items, chunks=_accepted_streams(snapshot.chunks, keep),
         input=_decode(codec, source.run.input_json, run_id, "input"), reused=reused,
-        chunks=chunks,
     )  # fmt: skip
 
 
-async def _accepted_streams(store: RunStore, run_id: str, keep: set[str]) -> list[ChunkRow]:
-    """The stream rows of run ``run_id`` whose attempts, of nodes in ``keep``, were accepted
-    (their chunks and marks, S2), in the source's order, renumbered 1..n as the fork's own.
+def _accepted_streams(chunks: Sequence[ChunkRow], keep: set[str]) -> list[ChunkRow]:
+    """The stream rows among ``chunks`` (a run's, in seq order) whose attempts, of nodes in
+    ``keep``, were accepted (their chunks and marks, S2), renumbered 1..n as the fork's own.
 
     A stream that was discarded or is still open (the source runs on) is left out: what a
     fork carries is what the results it reuses were made with.
     """
-    rows: list[ChunkRow] = []
-    accepted: set[int] = set()
-    after = 0
-    while batch := await store.chunks(run_id, after=after, limit=READ_BATCH):
-        after = batch[-1].seq
-        for row in batch:
-            if row.node_id in keep:
-                rows.append(row)
-                if row.kind == ChunkKind.ACCEPTED:
-                    accepted.add(row.stream)
+    rows = [row for row in chunks if row.node_id in keep]
+    accepted = {row.stream for row in rows if row.kind == ChunkKind.ACCEPTED}
     carried: list[ChunkRow] = []
     first: dict[int, int] = {}  # a source stream -> its first row's seq in the fork
     for row in rows:
@@ -647,10 +640,10 @@ def _kept_meta(codec: Codec, record: RunRecord, keep: set[str]) -> str:
     return codec.encode(meta)
 
 
-async def _last_payload(store: RunStore, codec: Codec, source: StoredRun, at: str) -> Any:
-    """The payload node ``at``'s latest visit ran with in ``source``."""
-    run_id = source.run.run_id
-    row = source.nodes.get(at)
+def _last_payload(codec: Codec, snapshot: RunSnapshot, at: str) -> Any:
+    """The payload node ``at``'s latest visit ran with in the source ``snapshot`` holds."""
+    run_id = snapshot.stored.run.run_id
+    row = snapshot.stored.nodes.get(at)
     data = None if row is None else _decode(codec, row.data_json, run_id, f"node {at!r}")
     if not isinstance(data, dict) or not data.get("visits"):
         raise ValueError(
@@ -660,8 +653,8 @@ async def _last_payload(store: RunStore, codec: Codec, source: StoredRun, at: st
     ref = data.get("payload_ref")
     if ref is None:
         return data.get("payload")
-    for result in await store.results(run_id, str(ref[0])):
-        if result.visit == int(ref[1]):
+    for result in snapshot.results:
+        if (result.node_id, result.visit) == (str(ref[0]), int(ref[1])):
             return _decode(codec, result.value_json, run_id, f"result of {ref[0]!r}")
     raise CorruptRecord(f"run {run_id!r}: node {at!r} refers to a missing result {ref!r}")
 

@@ -45,6 +45,7 @@ from ._records import (
     ResultRow,
     RunCount,
     RunRecord,
+    RunSnapshot,
     RunStatus,
     ScheduleRow,
     StoredRun,
@@ -185,6 +186,15 @@ class RunStore(abc.ABC):
         """Return the run and its node rows; :class:`~tailrace.RunNotFound` if absent."""
         check_name("run_id", run_id)
         return await self._load_run(run_id)
+
+    async def snapshot(self, run_id: str) -> RunSnapshot:
+        """The run as of one moment (one read): its record, node rows and map items' rows,
+        result rows, first-k decisions and stream rows, none written after another was
+        read, while the run may still be running. A fork copies its source from it (V4).
+        :class:`~tailrace.RunNotFound` if absent.
+        """
+        check_name("run_id", run_id)
+        return await self._snapshot(run_id)
 
     async def get_run(self, run_id: str) -> RunRecord:
         """Return the run record alone; :class:`~tailrace.RunNotFound` if absent."""
@@ -945,6 +955,10 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     async def _load_run(self, run_id: str) -> StoredRun:
         """:meth:`load_run`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _snapshot(self, run_id: str) -> RunSnapshot:
+        """:meth:`snapshot`, called with checked arguments."""
 
     @abc.abstractmethod
     async def _get_run(self, run_id: str) -> RunRecord:

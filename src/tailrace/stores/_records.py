@@ -421,6 +421,18 @@ class StoredRun:
     checkpoints: list[CheckpointRow] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSnapshot:
+    """A run as of one moment, as ``snapshot`` returns it: what ``load_run`` returns with
+    the run's result rows (by node, then visit), first-k decisions (by node, then
+    activation) and stream rows (by seq), none written after another was read."""
+
+    stored: StoredRun
+    results: list[ResultRow] = field(default_factory=list)
+    frozen: list[FrozenInput] = field(default_factory=list)
+    chunks: list[ChunkRow] = field(default_factory=list)
+
+
 # --- queues and workers (scale-out: the store is the coordinator) -----------------
 
 #: The largest count a limit may hold: every store keeps limits as 32-bit integers.

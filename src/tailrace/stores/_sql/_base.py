@@ -51,6 +51,7 @@ from .._records import (
     ResultRow,
     RunCount,
     RunRecord,
+    RunSnapshot,
     RunStatus,
     ScheduleRow,
     StoredRun,
@@ -235,6 +236,12 @@ class SQLStore(RunStore):
 
     async def _load_run(self, run_id: str) -> StoredRun:
         return await self._read_tx(f"run {run_id!r}", lambda tx: bodies.load_run(tx, run_id))
+
+    async def _snapshot(self, run_id: str) -> RunSnapshot:
+        no_limit = self._no_limit
+        return await self._read_tx(
+            f"run {run_id!r}", lambda tx: bodies.snapshot(tx, run_id, no_limit), snapshot=True
+        )
 
     async def _get_run(self, run_id: str) -> RunRecord:
         return await self._read_tx(f"run {run_id!r}", lambda tx: bodies.get_run(tx, run_id))

@@ -65,6 +65,7 @@ from .._records import (
     QueueStats,
     ResultRow,
     RunRecord,
+    RunSnapshot,
     RunStatus,
     ScheduleRow,
     StoredRun,
@@ -473,9 +474,22 @@ async def events(tx: Tx, run_id: str, after_seq: int) -> list[EventRow]:
     return [event_from_row(r) for r in rows]
 
 
-async def chunks(tx: Tx, run_id: str, after: int, limit: int) -> list[ChunkRow]:
+async def chunks(tx: Tx, run_id: str, after: int, limit: int | None) -> list[ChunkRow]:
+    """The stream rows of run ``run_id`` past ``after``, at most ``limit`` (the dialect's
+    no-limit value: every one)."""
     rows = await rows_of_run(tx, run_id, SELECT_CHUNKS, (run_id, after, limit))
     return [chunk_from_row(r) for r in rows]
+
+
+async def snapshot(tx: Tx, run_id: str, no_limit: int | None) -> RunSnapshot:
+    """Run ``run_id`` with its results, first-k decisions and stream rows, read in one
+    transaction that sees one moment (``RunStore.snapshot``)."""
+    return RunSnapshot(
+        stored=await load_run(tx, run_id),
+        results=await results(tx, run_id, None),
+        frozen=await frozen_inputs(tx, run_id),
+        chunks=await chunks(tx, run_id, 0, no_limit),
+    )
 
 
 async def stream_tails(tx: Tx, run_id: str, chars: int, limit: int) -> list[StreamTail]:
