@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -1017,12 +1018,16 @@ def at_most(k):
 kid = tr.Graph("kid")
 kid.add_node("one", lambda x: x)
 
+made = {"__name__": "made"}  # a function with no source at hand, a set among its constants
+exec("def quota(n):\\n    return 2 if str(n) in {'1', '2', '3', '4', '5'} else 1", made)
+
 graph = tr.Graph("versioned")
 graph.add_node("items", lambda x: list(range(x)))
 graph.add_node("each", lambda x: x, "map", required=at_most(3))
 graph.add_node("half", lambda xs: xs, "map", required=lambda n: n // 2)
 graph.add_node("kid", kid)
-graph.chain("items", "each", "half", "kid")
+graph.add_node("made", lambda xs: xs, "map", required=made["quota"])
+graph.chain("items", "each", "half", "kid", "made")
 """
 
 
@@ -1039,7 +1044,7 @@ def test_every_process_agrees_on_a_fingerprint_with_code_and_child_graphs_in_it(
         "print(versioned_graph.graph.fingerprint())"
     )
     seen = set()
-    for seed in ("0", "1"):
+    for seed in ("0", "1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(sys.path)}
         out = subprocess.run(
             [sys.executable, "-c", script, str(tmp_path)],
@@ -1047,3 +1052,16 @@ def test_every_process_agrees_on_a_fingerprint_with_code_and_child_graphs_in_it(
         )  # fmt: skip
         seen.add(out.stdout.strip())
     assert seen == {module.graph.fingerprint()}
+
+
+def test_a_required_function_with_no_source_is_versioned_by_its_code() -> None:
+    def versioned(body: str) -> tr.Graph:
+        made: dict[str, Any] = {"__name__": "made"}
+        exec(f"def quota(n):\n    return {body}", made)  # no source file to read
+        g = tr.Graph("made")
+        g.add_node("each", h_task, "map", required=made["quota"])
+        return g
+
+    assert versioned("n").fingerprint() == versioned("n").fingerprint()
+    assert versioned("n").fingerprint() != versioned("1").fingerprint()
+    assert versioned("n // 2").fingerprint() != versioned("n // 3").fingerprint()

@@ -12,6 +12,7 @@ import hashlib
 import inspect
 import json
 import textwrap
+import tokenize
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import CodeType
@@ -293,18 +294,33 @@ def code_digest(fn: Callable[..., Any]) -> str | None:
         return None
     try:
         text = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
+    except (OSError, TypeError, SyntaxError, tokenize.TokenError):  # no source, or unreadable
         text = _code_text(code)
-    cells = [cell.cell_contents for cell in getattr(fn, "__closure__", None) or ()]
+    cells = [_contents(cell) for cell in getattr(fn, "__closure__", None) or ()]
     values = [*cells, *(getattr(fn, "__defaults__", None) or ())]
     keywords = sorted((getattr(fn, "__kwdefaults__", None) or {}).items())
     parts = [text, *map(_plain, values), *(f"{k}={_plain(v)}" for k, v in keywords)]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]
 
 
+def _contents(cell: Any) -> object:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not filled yet
+        return None
+
+
 def _code_text(code: CodeType) -> str:
-    """A code object as text: its bytecode, names and constants, nested code included."""
-    consts = [_code_text(c) if isinstance(c, CodeType) else repr(c) for c in code.co_consts]
+    """A code object as text: its bytecode, names and constants, nested code included (a set's
+    members sorted, so the text does not depend on the hash seed)."""
+    consts = [
+        _code_text(c)
+        if isinstance(c, CodeType)
+        else repr(sorted(map(repr, c)))
+        if isinstance(c, frozenset)
+        else repr(c)
+        for c in code.co_consts
+    ]
     return f"{code.co_code.hex()}|{code.co_names}|{consts}"
 
 
