@@ -1,5 +1,8 @@
-"""Faults around versions and forks: a migration racing a live driver, a store failing
-mid-migration, a fork cancelled or SIGKILLed mid-run then resumed (V2, V4, D3, D6).
+"""Faults around versions and forks: a migration racing a live driver, a migration racing a
+resume (between its read and its lease, between a suspension and its settling, and in a
+loop against answers through a slow link), a store failing mid-migration, a fork racing its
+running source (a commit between the fork's reads, forks in a loop), a fork cancelled or
+SIGKILLed mid-run then resumed (V1-V4, D3, D6).
 
 The stores run on a fake wall clock, so a lease expires when a test says so.
 """
@@ -133,35 +136,37 @@ async def test_a_store_failing_mid_migration_moves_each_run_whole_or_not(
 # --- a migration racing a resume ------------------------------------------------------------
 
 
-class MigratesFirst(faulty.DelegatingStore):
-    """Forwards everything; ``migrate()`` runs (on the real store) just before the first lease
-    this store is asked for, and just before the first read of the questions of a run that is
-    suspended with nobody holding it: between a resume's first read and its lease, or between
-    a drive's suspension and its settling."""
+class Migrates(faulty.DelegatingStore):
+    """Forwards everything; :meth:`land` runs ``migrate()`` (on the real store) once, at the
+    moment a subclass picks."""
 
     def __init__(self, inner: RunStore, migrate: Callable[[], Awaitable[tr.MigrationReport]]):
         super().__init__(inner)
         self._migrate: Callable[[], Awaitable[tr.MigrationReport]] | None = migrate
         self.moved: tr.MigrationReport | None = None
 
-    async def _land(self) -> None:
+    async def land(self) -> None:
+        """Run the migration, the first time only."""
         if self._migrate is not None:
             migrate, self._migrate = self._migrate, None
             self.moved = await migrate()
+
+
+class MigratesBeforeTheFirstLease(Migrates):
+    """The migration lands just before the first lease asked for: between a resume's first
+    read of its run and its lease."""
 
     async def acquire_lease(
         self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
     ) -> int:
         """Run the migration, once, then forward."""
-        await self._land()
+        await self.land()
         return await super().acquire_lease(run_id, owner, ttl, steal_from=steal_from)
 
 
-class MigratesAfterSuspending(MigratesFirst):
-    async def acquire_lease(
-        self, run_id: str, owner: str, ttl: float, *, steal_from: str | None = None
-    ) -> int:
-        return await self.inner.acquire_lease(run_id, owner, ttl, steal_from=steal_from)
+class MigratesAfterSuspending(Migrates):
+    """An answer and the migration land just before the first read of the questions of a run
+    that is suspended with nobody holding it: between a drive's suspension and its settling."""
 
     async def list_questions(self, **options: Any) -> list[tr.QuestionRow]:
         """Once the run suspended and was let go of: answer its question, migrate, forward."""
@@ -171,7 +176,7 @@ class MigratesAfterSuspending(MigratesFirst):
             if record.status is RunStatus.SUSPENDED and record.lease_owner is None:
                 (question,) = await self.inner.list_questions(run_id=run_id)
                 await self.inner.answer(question.question_id, '"ok"', by="raced")
-                await self._land()
+                await self.land()
         return await self.inner.list_questions(**options)
 
 
@@ -191,7 +196,9 @@ async def test_a_migration_landing_between_a_resumes_read_and_its_lease_is_follo
     assert (await engine(backend).run(v1, "x", run_id=run_id)).status is RunStatus.SUSPENDED
     (question,) = await backend.store.list_questions(run_id=run_id)
     await engine(backend).answer(question.question_id, "ok", resume=False)
-    racing = MigratesFirst(backend.store, lambda: engine(backend).migrate(v2, apply=True))
+    racing = MigratesBeforeTheFirstLease(
+        backend.store, lambda: engine(backend).migrate(v2, apply=True)
+    )
     resumer = tr.Engine(store=racing, lease_ttl=TTL)
     resumer.register(v1, v2)
 

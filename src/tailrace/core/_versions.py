@@ -13,10 +13,11 @@ is checked against what a run did without the old code:
 - :func:`move_leased` moves a run it holds the lease of onto the new version,
   re-checked under the lease, in one fenced store write (D6);
   :func:`migrate_runs` does it over the live runs of a graph name.
-- :func:`plan_fork` builds the state of a fork: the source run's committed
-  state for every node not downstream of the fork's node, that node activated
-  afresh, and everything downstream of it fresh (V4), and the streams the
-  reused nodes' accepted attempts wrote, numbered from the fork's cursor 1.
+- :func:`plan_fork` builds the state of a fork from one moment of the source
+  run (a store snapshot): its committed state for every node not downstream
+  of the fork's node, that node activated afresh, and everything downstream
+  of it fresh (V4), and the streams the reused nodes' accepted attempts
+  wrote, numbered from the fork's cursor 1.
 """
 
 from __future__ import annotations
