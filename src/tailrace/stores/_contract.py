@@ -45,6 +45,7 @@ from ._records import (
     ResultRow,
     RunCount,
     RunRecord,
+    RunSnapshot,
     RunStatus,
     ScheduleRow,
     StoredRun,
@@ -185,6 +186,15 @@ class RunStore(abc.ABC):
         """Return the run and its node rows; :class:`~tailrace.RunNotFound` if absent."""
         check_name("run_id", run_id)
         return await self._load_run(run_id)
+
+    async def snapshot(self, run_id: str) -> RunSnapshot:
+        """The run as of one moment (one read): its record, node rows and map items' rows,
+        result rows, first-k decisions and stream rows, none written after another was
+        read, while the run may still be running. A fork copies its source from it (V4).
+        :class:`~tailrace.RunNotFound` if absent.
+        """
+        check_name("run_id", run_id)
+        return await self._snapshot(run_id)
 
     async def get_run(self, run_id: str) -> RunRecord:
         """Return the run record alone; :class:`~tailrace.RunNotFound` if absent."""
@@ -821,13 +831,20 @@ class RunStore(abc.ABC):
         return await self._delete_queue(name)
 
     async def register_graph(self, row: GraphRow) -> None:
-        """Record that a worker can drive the graph ``row`` names (replacing an earlier
-        registration of that name and fingerprint)."""
+        """Record that a worker can drive the graph version ``row`` names.
+
+        A version registered before keeps the time of its first registration
+        (its deploy) and takes ``row``'s reference: a worker of an earlier
+        version that starts again never makes it the newest. A version new to
+        the store is recorded at ``row.registered_at``, or just after the newest
+        version of its name when that clock is behind, so it is the newest.
+        """
         check_names(graph_name=row.name, fingerprint=row.fingerprint, graph_ref=row.graph_ref)
         await self._register_graph(row)
 
     async def graphs_named(self, name: str) -> list[GraphRow]:
-        """The registrations of graph ``name``, newest first (one per fingerprint)."""
+        """The registrations of graph ``name``, the version deployed last first (one per
+        fingerprint); submitting a run by the graph's name takes the first."""
         check_name("graph_name", name)
         return await self._graphs_named(name)
 
@@ -944,6 +961,10 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     async def _load_run(self, run_id: str) -> StoredRun:
         """:meth:`load_run`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _snapshot(self, run_id: str) -> RunSnapshot:
+        """:meth:`snapshot`, called with checked arguments."""
 
     @abc.abstractmethod
     async def _get_run(self, run_id: str) -> RunRecord:

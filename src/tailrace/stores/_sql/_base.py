@@ -51,6 +51,7 @@ from .._records import (
     ResultRow,
     RunCount,
     RunRecord,
+    RunSnapshot,
     RunStatus,
     ScheduleRow,
     StoredRun,
@@ -74,7 +75,6 @@ from ._queues import (
     SELECT_SCHEDULES,
     SELECT_WORKERS,
     TOP_LEVEL_RUN_COUNTS,
-    UPSERT_GRAPH,
     UPSERT_WORKER,
     list_runs_query,
     run_counts_from_rows,
@@ -237,6 +237,12 @@ class SQLStore(RunStore):
 
     async def _load_run(self, run_id: str) -> StoredRun:
         return await self._read_tx(f"run {run_id!r}", lambda tx: bodies.load_run(tx, run_id))
+
+    async def _snapshot(self, run_id: str) -> RunSnapshot:
+        no_limit = self._no_limit
+        return await self._read_tx(
+            f"run {run_id!r}", lambda tx: bodies.snapshot(tx, run_id, no_limit), snapshot=True
+        )
 
     async def _get_run(self, run_id: str) -> RunRecord:
         return await self._read_tx(f"run {run_id!r}", lambda tx: bodies.get_run(tx, run_id))
@@ -666,8 +672,7 @@ class SQLStore(RunStore):
         )
 
     async def _register_graph(self, row: GraphRow) -> None:
-        params = (row.name, row.fingerprint, row.graph_ref, row.registered_at)
-        await self._write_tx(f"graph {row.name!r}", lambda tx: tx.change_all(UPSERT_GRAPH, params))
+        await self._write_tx(f"graph {row.name!r}", lambda tx: bodies.register_graph(tx, row))
 
     async def _graphs_named(self, name: str) -> list[GraphRow]:
         return await self._read_tx(
