@@ -664,13 +664,17 @@ async def declare_schedule(tx: Tx, row: ScheduleRow) -> None:
     await tx.signal("config")
 
 
-async def fire_schedule(tx: Tx, name: str, tick: float, now: float) -> str | None:
-    """Submit schedule ``name``'s run for ``tick`` unless someone did; its run id, or None."""
+async def fire_schedule(tx: Tx, name: str, tick: float, store_now: float, now: float) -> str | None:
+    """Submit schedule ``name``'s run for ``tick`` unless someone did; its run id, or None.
+
+    ``store_now`` is the store's clock the tick is judged by (``tick_is_due``);
+    ``now`` stamps the run.
+    """
     row = await tx.one(SELECT_SCHEDULE, (name,))
     if row is None:
         return None
     schedule = schedule_from_row(row)
-    if not await tx.change(ADVANCE_SCHEDULE, (tick, name, tick)):
+    if not await tx.change(ADVANCE_SCHEDULE, (tick, name, tick, store_now)):
         return None  # another worker submitted this tick (or a later one)
     run, submission = scheduled_run(schedule, tick, now)
     if not await tx.change(INSERT_SCHEDULED_RUN, queued_run_params(run, submission)):

@@ -47,6 +47,7 @@ from .._queue_rules import (
     run_graph_key,
     scheduled_run,
     stats_of,
+    tick_is_due,
 )
 from .._records import (
     LIVE_STATUSES,
@@ -971,10 +972,13 @@ class MemoryStore(RunStore):
         with self._lock:
             return [self._schedule_rows[name] for name in sorted(self._schedule_rows)]
 
-    async def _fire_schedule(self, name: str, tick: float) -> str | None:
+    async def _now(self) -> float:
+        return self._clock()
+
+    async def _fire_schedule(self, name: str, tick: float, now: float) -> str | None:
         with self._lock:
             row = self._schedule_rows.get(name)
-            if row is None or (row.last_tick is not None and row.last_tick >= tick):
+            if row is None or not tick_is_due(row.last_tick, tick, now):
                 return None
             self._schedule_rows[name] = dataclasses.replace(row, last_tick=tick)
             run, submission = scheduled_run(row, tick, self._clock())
