@@ -216,6 +216,53 @@ def test_the_quickstart_session_runs_as_written(tmp_path: Path) -> None:
     assert starts == [("fetch", 1), ("summarise", 2)]
 
 
+# -- the versions page's commands run as printed ---------------------------------------
+
+
+def _section(text: str, heading: str) -> str:
+    found = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert found, f"no section {heading!r}"
+    return found.group(1)
+
+
+@pytest.mark.slow
+def test_the_versions_commands_run_as_printed(tmp_path: Path) -> None:
+    """versions.md's example, then its shell commands in the same folder, as printed: the
+    graph files import their neighbours, and a file of two graphs of one name is named."""
+    assert SCRIPT.is_file(), f"the console script is not installed at {SCRIPT}"
+    text = (DOCS / "versions.md").read_text()
+    for block in blocks(text):
+        if block.language == "python" and block.title:
+            (tmp_path / block.title).write_text(block.code)
+    (main,) = [b for b, _ in examples(text) if b.title is None and "asyncio.run" in b.code]
+    (tmp_path / "example.py").write_text(main.code)
+    env = {**_env(), "PATH": f"{SCRIPT.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    ran = subprocess.run(
+        [sys.executable, "example.py"], cwd=tmp_path, env=_env(), capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    (commands,) = [b for b in blocks(_section(text, "From the command line (V5)"))]
+    lines = [line for line in commands.code.splitlines() if line.strip()]
+    assert len(lines) >= 5, lines
+    for line in lines:
+        done = subprocess.run(
+            ["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        expected = 1 if "# exit 1" in line else 0
+        assert done.returncode == expected, f"$ {line}\n{done.stdout}{done.stderr}"
+        assert "Traceback" not in done.stdout + done.stderr, f"$ {line}\n{done.stderr}"
+        if expected:
+            assert "'review': its kind changed from gate to task" in done.stdout, done.stdout
+    whole = subprocess.run(
+        [str(SCRIPT), "check", "r2", "--graphs", "flow_v2.py"], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert whole.returncode != 0
+    assert "flow_v2.py:graph, flow_v2.py:broken" in " ".join(whole.stderr.split())
+
+
 # -- names and links ------------------------------------------------------------------
 
 

@@ -53,7 +53,15 @@ def schedule_row(row: ScheduleRow, now: float) -> Sequence[str]:
         return (row.name, row.cron, row.graph_name, row.queue, _utc(row.last_tick), str(exc), "")
     wait = upcoming - now
     when = "due now" if wait <= 0 else _span(wait)
-    return (row.name, row.cron, row.graph_name, row.queue, _utc(row.last_tick), _utc(upcoming), when)
+    return (
+        row.name,
+        row.cron,
+        row.graph_name,
+        row.queue,
+        _utc(row.last_tick),
+        _utc(upcoming),
+        when,
+    )
 
 
 def _utc(at: float | None) -> str:
