@@ -146,7 +146,7 @@ def fork(
     """Run a new run that reuses a run's results up to --at NODE and runs NODE and what follows again.
 
     The source run is unchanged; the fork records where it came from
-    (``tailrace show`` prints it).
+    (tailrace show prints it).
     """
     loaded = load_named_graphs(graphs)
     payload = None if input is None else _json_input(input)

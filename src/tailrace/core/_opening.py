@@ -218,7 +218,7 @@ class RunOpener:
         fork_id = checked_run_id(fork_id)
         source = await store.load_run(checked_run_id(run_id))
         known = self.graphs.get(source.run)
-        forked = self.graphs.of(source.run, graph)
+        forked = self.graphs.of(source.run, graph, fork_at=at)
         old = await stored_shape(store, source.run, known)
         plan = await plan_fork(store, self.codec, source, forked, at, input, old, fork_id)
         topo = forked.compile()

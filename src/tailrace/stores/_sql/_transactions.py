@@ -129,6 +129,7 @@ from ._statements import (
     MOVE_RUN,
     OVERDUE_RUNS,
     PRUNE_STREAMS,
+    QUESTION_RUN,
     QUESTION_STATE,
     RELEASE_SUSPENDED,
     RUN_COLUMNS,
@@ -787,7 +788,11 @@ async def answer(
         ANSWER_QUESTION, (status.value, answer_json, by, now, question_id)
     )
     if row is None:  # a question never goes back to open: this state is final enough
-        raise not_open(question_id, (await question_state(tx, question_id))[0])
+        state = (await question_state(tx, question_id))[0]
+        run = await tx.one(QUESTION_RUN, (question_id,))
+        raise not_open(
+            question_id, state, None if run is None else (run[0], parse_status(run[0], run[1]))
+        )
     await tx.signal("answer")
     return question_from_row(row)
 

@@ -647,7 +647,10 @@ class MemoryStore(RunStore):
         with self._lock:
             row = self._question(question_id)
             if row.status is not QuestionStatus.OPEN:
-                raise not_open(question_id, row.status)
+                run = self._runs.get(row.run_id)
+                raise not_open(
+                    question_id, row.status, None if run is None else (run.run_id, run.status)
+                )
             row = dataclasses.replace(
                 row, status=status, answer_json=answer_json, answered_by=by,
                 answered_at=self._clock(),
