@@ -46,7 +46,10 @@ pytestmark = [
     pytest.mark.skipif(
         fixtures.POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set"
     ),
-    pytest.mark.skipif(FAKETIME is None, reason="libfaketime is not installed"),
+    pytest.mark.skipif(
+        FAKETIME is None,
+        reason="no libfaketime: install Debian's package (apt-get install -y libfaketime)",
+    ),
 ]
 
 
