@@ -23,12 +23,14 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import re
 import shlex
 import sqlite3
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,6 +216,45 @@ def test_the_quickstart_session_runs_as_written(tmp_path: Path) -> None:
             ("node_started",),
         ).fetchall()
     assert starts == [("fetch", 1), ("summarise", 2)]
+
+
+# -- the otel page's install line installs what its examples import ---------------------
+
+
+def _distribution_of(module: str) -> str:
+    """The installed distribution that provides ``module`` (namespace packages included)."""
+    top = module.partition(".")[0]
+    path = module.replace(".", "/")
+    for name in importlib.metadata.packages_distributions().get(top, []):
+        files = importlib.metadata.files(name) or []
+        if any(str(f) in (f"{path}/__init__.py", f"{path}.py") for f in files):
+            return name
+    raise AssertionError(f"no installed distribution provides {module}")
+
+
+def _extra(name: str) -> set[str]:
+    """The distributions extra ``name`` of pyproject.toml requires, by their names."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {re.split(r"[<>=!~\[;\s]", req, maxsplit=1)[0].lower()
+            for req in project["optional-dependencies"][name]}  # fmt: skip
+
+
+def test_the_otel_pages_install_line_installs_what_its_examples_import() -> None:
+    text = (DOCS / "otel.md").read_text()
+    (install,) = [
+        line for b in blocks(text) if b.language == "bash" for line in b.code.splitlines()
+        if line.startswith("pip install")
+    ]  # fmt: skip
+    assert shlex.split(install.partition("#")[0])[2:] == ["tailrace[otel]"], install
+    imported = {
+        m.group(1)
+        for b, _ in examples(text)
+        if not b.code.startswith("# not-run")
+        for m in re.finditer(r"^(?:from|import) (opentelemetry[\w.]*)", b.code, re.M)
+    }
+    assert any(m.startswith("opentelemetry.sdk") for m in imported), imported
+    for module in sorted(imported):
+        assert _distribution_of(module).lower() in _extra("otel"), module
 
 
 # -- the versions page's commands run as printed ---------------------------------------
