@@ -218,6 +218,23 @@ def test_the_quickstart_session_runs_as_written(tmp_path: Path) -> None:
     assert starts == [("fetch", 1), ("summarise", 2)]
 
 
+# -- pages say what is, not how it came to be ---------------------------------------------
+
+#: Words of development history: a round of work, an issue, a wave, the release before.
+HISTORY = re.compile(
+    r"\bround[ -]\d|\bissues? \d+|\bfinding \d+|\bwave\b|previous release|DESIGN\.md", re.I
+)
+
+
+@pytest.mark.parametrize("page", ["../README.md", *PAGES])
+def test_a_page_carries_no_development_history(page: str) -> None:
+    """History (rounds, issue numbers, before and after) belongs in CHANGELOG.md, and the
+    design notes the pages were written from do not ship."""
+    text = (DOCS / page).read_text()
+    found = [m.group(0) for m in HISTORY.finditer(text)]
+    assert not found, f"{page} says {found}: move it to CHANGELOG.md"
+
+
 # -- the otel page's install line installs what its examples import ---------------------
 
 
