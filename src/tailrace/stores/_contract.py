@@ -857,7 +857,7 @@ class RunStore(abc.ABC):
                 f"schedule {name!r}: tick {utc_minute(tick)} has not come by the store's clock "
                 f"({utc_minute(now)}); nothing was submitted"
             )
-        return await self._fire_schedule(name, tick, now)
+        return await self._fire_schedule(name, tick)
 
     async def now(self) -> float:
         """The store's clock, in seconds since the epoch: the one clock schedules are judged by (W4).
@@ -1237,8 +1237,9 @@ class RunStore(abc.ABC):
         """:meth:`schedules`."""
 
     @abc.abstractmethod
-    async def _fire_schedule(self, name: str, tick: float, now: float) -> str | None:
-        """:meth:`fire_schedule`, called with checked arguments and the store's clock ``now``."""
+    async def _fire_schedule(self, name: str, tick: float) -> str | None:
+        """:meth:`fire_schedule`, called with checked arguments (``tick`` has come by
+        :meth:`now`, which the compare-and-set reads again: ``tick_is_due``)."""
 
     @abc.abstractmethod
     async def _now(self) -> float:

@@ -682,7 +682,8 @@ class SQLStore(RunStore):
     async def _now(self) -> float:
         return self._clock()
 
-    async def _fire_schedule(self, name: str, tick: float, now: float) -> str | None:
+    async def _fire_schedule(self, name: str, tick: float) -> str | None:
+        now = await self._now()  # the store's clock (Postgres: the server's) judges the tick
         fired: list[str | None] = [None]
 
         async def fire(tx: Tx) -> str | None:

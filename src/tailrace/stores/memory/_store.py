@@ -978,10 +978,10 @@ class MemoryStore(RunStore):
     async def _now(self) -> float:
         return self._clock()
 
-    async def _fire_schedule(self, name: str, tick: float, now: float) -> str | None:
+    async def _fire_schedule(self, name: str, tick: float) -> str | None:
         with self._lock:
             row = self._schedule_rows.get(name)
-            if row is None or not tick_is_due(row.last_tick, tick, now):
+            if row is None or not tick_is_due(row.last_tick, tick, self._clock()):
                 return None
             self._schedule_rows[name] = dataclasses.replace(row, last_tick=tick)
             run, submission = scheduled_run(row, tick, self._clock())
