@@ -47,6 +47,7 @@ from ._parked import register as register_parked
 from ._render import question_table, table_of, text
 from ._rollouts import account_table, run_accounts
 from ._rollouts import register as register_rollouts
+from ._schedules import register as register_schedules
 from ._session import (
     CommandError,
     DbOption,
@@ -626,3 +627,4 @@ register_versions(app)  # check, migrate, fork
 register_parked(app)  # parked, parked drop
 register_rollouts(app)  # rollouts
 register_tail(app)  # tail
+register_schedules(app)  # schedules

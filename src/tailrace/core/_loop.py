@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -867,7 +868,7 @@ class RunLoop:
         self._supersede_waiting()
         if self.cancel_reason == "deadline":  # R6: said in the event and the run's error
             self.emit(EventType.RUN_CANCELLED, reason="deadline", deadline=self.deadline)
-            await self._commit(RunStatus.CANCELLED, f"deadline passed ({self.deadline:.3f})")
+            await self._commit(RunStatus.CANCELLED, f"deadline passed ({_utc(self.deadline)})")
         else:
             self.emit(EventType.RUN_CANCELLED)
             await self._commit(RunStatus.CANCELLED)
@@ -909,3 +910,11 @@ class RunLoop:
         """Whether ``attempt`` is a unit's that holds a slot: a map's own outcome is not, nor a
         child run's attempt once it started."""
         return (attempt.item >= 0 or not self._map[attempt.index]) and not attempt.released
+
+
+def _utc(at: float | None) -> str:
+    """``at`` (seconds since the epoch) as a person reads it: ``2026-12-04 21:47:17.935 UTC``."""
+    if at is None:
+        return "none"
+    moment = datetime.datetime.fromtimestamp(at, datetime.UTC)
+    return moment.isoformat(sep=" ", timespec="milliseconds").replace("+00:00", " UTC")

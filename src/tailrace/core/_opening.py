@@ -229,7 +229,7 @@ class RunOpener:
         # One moment of the source, which may run on: nothing it commits later is copied.
         snapshot = await store.snapshot(checked_run_id(run_id))
         record = snapshot.stored.run
-        forked = self.graphs.of(record, graph)
+        forked = self.graphs.of(record, graph, fork_at=at)
         old = await stored_shape(store, record, self.graphs.get(record))
         plan = await plan_fork(store, self.codec, snapshot, forked, at, input, old, fork_id)
         topo = forked.compile()

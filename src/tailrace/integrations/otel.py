@@ -1,7 +1,7 @@
 """OpenTelemetry tracing for an engine: a span per run, a span per node attempt.
 
 ``instrument(engine)`` traces every run, resume, fork and claimed start of that
-engine (``pip install 'tailrace[otel]'``; bring your own SDK and exporter). It
+engine (``pip install 'tailrace[otel]'``: the API and the SDK; bring your exporter). It
 hooks in as one of the engine's instruments (:class:`~tailrace.Instrument`);
 nothing of the engine is patched::
 

@@ -21,6 +21,8 @@ import urllib.parse
 
 from ._contract import ChangeFeed as ChangeFeed
 from ._contract import RunStore as RunStore
+from ._queue_rules import next_tick as next_tick
+from ._queue_rules import tick_is_due as tick_is_due
 from ._records import CHANGE_KINDS as CHANGE_KINDS
 from ._records import CHUNK_KINDS as CHUNK_KINDS
 from ._records import FORMAT_VERSION as FORMAT_VERSION
@@ -103,7 +105,9 @@ __all__ = [
     "StreamTail",
     "Submission",
     "WorkerRow",
+    "next_tick",
     "open_store",
+    "tick_is_due",
 ]
 
 _POSTGRES_SCHEMES = ("postgresql://", "postgres://")

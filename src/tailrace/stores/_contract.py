@@ -23,7 +23,7 @@ import contextlib
 from collections.abc import AsyncIterator, Collection, Sequence
 
 from ._artifacts import check_expected
-from ._queue_rules import check_claim, check_worker, first_schedule, graph_keys
+from ._queue_rules import check_claim, check_worker, first_schedule, graph_keys, utc_minute
 from ._records import (
     CHANGE_KINDS,
     MAX_LIMIT,
@@ -865,12 +865,32 @@ class RunStore(abc.ABC):
         """Submit schedule ``name``'s run for ``tick`` unless that tick (or a later one) was (W4).
 
         Atomically: the schedule's ``last_tick`` moves to ``tick`` only if it
-        was earlier, and the run (id ``{name}@{tick as YYYY-MM-DDTHH:MMZ}``,
-        queued in the schedule's queue) is stored with it; across every
-        worker, one caller gets the run's id, the others None.
+        was earlier (or later than the store's clock: see :func:`tick_is_due`),
+        and the run (id ``{name}@{tick as YYYY-MM-DDTHH:MMZ}``, queued in the
+        schedule's queue) is stored with it; across every worker, one caller
+        gets the run's id, the others None. A tick later than the store's
+        clock (:meth:`now`) is refused with ``ValueError`` and nothing changes:
+        a caller whose own clock runs ahead cannot submit a tick early.
         """
         check_name("schedule", name)
-        return await self._fire_schedule(name, float(tick))
+        tick = float(tick)
+        now = await self.now()
+        if tick > now:
+            raise ValueError(
+                f"schedule {name!r}: tick {utc_minute(tick)} has not come by the store's clock "
+                f"({utc_minute(now)}); nothing was submitted"
+            )
+        return await self._fire_schedule(name, tick)
+
+    async def now(self) -> float:
+        """The store's clock, in seconds since the epoch: the one clock schedules are judged by (W4).
+
+        The memory and SQLite stores read the clock they were given (``clock=``,
+        the host's by default), which every process on their one host shares;
+        Postgres reads its server's, so workers on hosts whose clocks disagree
+        agree on it.
+        """
+        return await self._now()
 
     async def delete_schedule(self, name: str) -> bool:
         """Drop schedule ``name``; True if it was declared. Runs it submitted stay."""
@@ -1246,7 +1266,12 @@ class RunStore(abc.ABC):
 
     @abc.abstractmethod
     async def _fire_schedule(self, name: str, tick: float) -> str | None:
-        """:meth:`fire_schedule`, called with checked arguments."""
+        """:meth:`fire_schedule`, called with checked arguments (``tick`` has come by
+        :meth:`now`, which the compare-and-set reads again: ``tick_is_due``)."""
+
+    @abc.abstractmethod
+    async def _now(self) -> float:
+        """:meth:`now`."""
 
     @abc.abstractmethod
     async def _delete_schedule(self, name: str) -> bool:

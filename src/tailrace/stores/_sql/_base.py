@@ -687,11 +687,15 @@ class SQLStore(RunStore):
             "listing schedules", each(SELECT_SCHEDULES, (), schedule_from_row)
         )
 
+    async def _now(self) -> float:
+        return self._clock()
+
     async def _fire_schedule(self, name: str, tick: float) -> str | None:
+        now = await self._now()  # the store's clock (Postgres: the server's) judges the tick
         fired: list[str | None] = [None]
 
         async def fire(tx: Tx) -> str | None:
-            fired[0] = await bodies.fire_schedule(tx, name, tick, self._clock())
+            fired[0] = await bodies.fire_schedule(tx, name, tick, now, self._clock())
             return fired[0]
 
         async def landed(tx: Tx) -> str | None:

@@ -94,9 +94,11 @@ UPSERT_SCHEDULE = (
 )
 SELECT_SCHEDULES = f"SELECT {SCHEDULE_COLUMNS} FROM schedules ORDER BY name"
 SELECT_SCHEDULE = f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE name = ?"
-#: Values: tick, name, tick. The compare-and-set that makes one caller submit a tick.
+#: Values: tick, name, tick, the store's clock. The compare-and-set that makes one caller
+#: submit a tick (``tick_is_due``; the caller checked that the tick has come).
 ADVANCE_SCHEDULE = (
-    "UPDATE schedules SET last_tick = ? WHERE name = ? AND (last_tick IS NULL OR last_tick < ?)"
+    "UPDATE schedules SET last_tick = ? WHERE name = ?"
+    " AND (last_tick IS NULL OR last_tick < ? OR last_tick > ?)"
 )
 DELETE_SCHEDULE = "DELETE FROM schedules WHERE name = ?"
 

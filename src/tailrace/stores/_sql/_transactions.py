@@ -134,6 +134,7 @@ from ._statements import (
     MOVE_RUN,
     OVERDUE_RUNS,
     PRUNE_STREAMS,
+    QUESTION_RUN,
     QUESTION_STATE,
     RELEASE_SUSPENDED,
     RUN_COLUMNS,
@@ -691,13 +692,17 @@ async def declare_schedule(tx: Tx, row: ScheduleRow) -> None:
     await tx.signal("config")
 
 
-async def fire_schedule(tx: Tx, name: str, tick: float, now: float) -> str | None:
-    """Submit schedule ``name``'s run for ``tick`` unless someone did; its run id, or None."""
+async def fire_schedule(tx: Tx, name: str, tick: float, store_now: float, now: float) -> str | None:
+    """Submit schedule ``name``'s run for ``tick`` unless someone did; its run id, or None.
+
+    ``store_now`` is the store's clock the tick is judged by (``tick_is_due``);
+    ``now`` stamps the run.
+    """
     row = await tx.one(SELECT_SCHEDULE, (name,))
     if row is None:
         return None
     schedule = schedule_from_row(row)
-    if not await tx.change(ADVANCE_SCHEDULE, (tick, name, tick)):
+    if not await tx.change(ADVANCE_SCHEDULE, (tick, name, tick, store_now)):
         return None  # another worker submitted this tick (or a later one)
     run, submission = scheduled_run(schedule, tick, now)
     if not await tx.change(INSERT_SCHEDULED_RUN, queued_run_params(run, submission)):
@@ -810,7 +815,11 @@ async def answer(
         ANSWER_QUESTION, (status.value, answer_json, by, now, question_id)
     )
     if row is None:  # a question never goes back to open: this state is final enough
-        raise not_open(question_id, (await question_state(tx, question_id))[0])
+        state = (await question_state(tx, question_id))[0]
+        run = await tx.one(QUESTION_RUN, (question_id,))
+        raise not_open(
+            question_id, state, None if run is None else (run[0], parse_status(run[0], run[1]))
+        )
     await tx.signal("answer")
     return question_from_row(row)
 

@@ -48,6 +48,7 @@ from .._queue_rules import (
     run_graph_key,
     scheduled_run,
     stats_of,
+    tick_is_due,
 )
 from .._records import (
     LIVE_STATUSES,
@@ -671,7 +672,10 @@ class MemoryStore(RunStore):
         with self._lock:
             row = self._question(question_id)
             if row.status is not QuestionStatus.OPEN:
-                raise not_open(question_id, row.status)
+                run = self._runs.get(row.run_id)
+                raise not_open(
+                    question_id, row.status, None if run is None else (run.run_id, run.status)
+                )
             row = dataclasses.replace(
                 row, status=status, answer_json=answer_json, answered_by=by,
                 answered_at=self._clock(),
@@ -1003,10 +1007,13 @@ class MemoryStore(RunStore):
         with self._lock:
             return [self._schedule_rows[name] for name in sorted(self._schedule_rows)]
 
+    async def _now(self) -> float:
+        return self._clock()
+
     async def _fire_schedule(self, name: str, tick: float) -> str | None:
         with self._lock:
             row = self._schedule_rows.get(name)
-            if row is None or (row.last_tick is not None and row.last_tick >= tick):
+            if row is None or not tick_is_due(row.last_tick, tick, self._clock()):
                 return None
             self._schedule_rows[name] = dataclasses.replace(row, last_tick=tick)
             run, submission = scheduled_run(row, tick, self._clock())
