@@ -18,7 +18,10 @@ long it takes when it is slow. Each observation therefore also records how it
 compared with the estimate made just before it (``seconds / estimate``), in a
 window of the most recent ones: :meth:`DurationEstimator.quantile` is a high
 quantile of those ratios times the estimate of the cost asked about, which,
-for work of one cost, is that quantile of its observed durations.
+for work of one cost, is that quantile of its observed durations. A ratio
+past ``max_ratio`` is a stall and is recorded as ``max_ratio``: the quantile
+follows how slow work really gets up to there, and stalls, however many,
+never lift it past ``max_ratio`` times the estimate.
 """
 
 from __future__ import annotations
@@ -57,10 +60,12 @@ class DurationEstimator:
         min_samples: How many observations the estimator needs before it fits
             a line rather than answering the mean; at least 1.
         window: How many recent observations :meth:`quantile` reads; at least 1.
+        max_ratio: The largest ratio of an observation to its estimate that
+            :meth:`quantile` records as it is (None: no bound); > 0.
 
     Raises:
-        ValueError: ``prior`` is negative or not finite, ``min_samples < 1`` or
-            ``window < 1``.
+        ValueError: ``prior`` is negative or not finite, ``min_samples < 1``,
+            ``window < 1`` or ``max_ratio <= 0``.
 
     >>> est = DurationEstimator(prior=2.0)
     >>> est.estimate(100.0)
@@ -76,17 +81,26 @@ class DurationEstimator:
     """
 
     __slots__ = (
-        "_lock", "_mean_x", "_mean_y", "_min_samples", "_n", "_prior", "_ratios", "_sorted",
-        "_stale", "_sxx", "_sxy",
+        "_lock", "_max_ratio", "_mean_x", "_mean_y", "_min_samples", "_n", "_prior", "_ratios",
+        "_sorted", "_stale", "_sxx", "_sxy",
     )  # fmt: skip
 
-    def __init__(self, prior: float = 1.0, min_samples: int = 3, window: int = 512) -> None:
+    def __init__(
+        self,
+        prior: float = 1.0,
+        min_samples: int = 3,
+        window: int = 512,
+        max_ratio: float | None = None,
+    ) -> None:
         _require_finite_non_negative("prior", prior)
         if min_samples < 1:
             raise ValueError(f"min_samples must be >= 1, got {min_samples!r}")
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window!r}")
+        if max_ratio is not None and not max_ratio > 0.0:
+            raise ValueError(f"max_ratio must be > 0, got {max_ratio!r}")
         self._lock = threading.Lock()
+        self._max_ratio = math.inf if max_ratio is None else max_ratio
         #: The latest observations' seconds over the estimate made just before each.
         self._ratios: deque[float] = deque(maxlen=window)
         self._sorted: list[float] | None = None  # the ratios sorted, as of ``_stale`` ago
@@ -99,12 +113,15 @@ class DurationEstimator:
         self._sxx = 0.0  # Σ(x - x̄)²
         self._sxy = 0.0  # Σ(x - x̄)(y - ȳ)
 
-    def observe(self, cost: float, seconds: float) -> None:
+    def observe(self, cost: float, seconds: float, *, fit_cap: float | None = None) -> None:
         """Record that work of ``cost`` took ``seconds``.
 
         Args:
             cost: The cost known before the work ran (any finite number).
             seconds: How long it took; finite and >= 0.
+            fit_cap: The most seconds the line learns from this observation
+                (a stall's, so that one stall does not drag the fit off
+                course); the quantile's window still records ``seconds``.
 
         Raises:
             ValueError: ``cost`` is not finite, or ``seconds`` is negative or
@@ -116,8 +133,10 @@ class DurationEstimator:
             if self._n:
                 before = self._estimate(cost)
                 if before > 0.0:
-                    self._ratios.append(seconds / before)
+                    self._ratios.append(min(seconds / before, self._max_ratio))
                     self._stale += 1
+            if fit_cap is not None:
+                seconds = min(seconds, fit_cap)
             self._n += 1
             dx = cost - self._mean_x
             self._mean_x += dx / self._n

@@ -9,8 +9,9 @@ the first of the two to succeed wins and only its result is committed.
 
 The hedge delay adapts to what the key's attempts actually take: the
 ``quantile`` of their observed durations (relative to their estimates, so a
-node with a cost function gets the same quantile at every cost), once
-``min_observations`` have been seen; before that, ``factor x estimate``.
+node with a cost function gets the same quantile at every cost, and at most
+``factor x estimate``), once ``min_observations`` have been seen; before
+that, ``factor x estimate``.
 
 With a :class:`~tailrace.tail.HedgePolicy` (``TailHooks(hedging=...)``) the
 backups of ``hedge=True`` nodes follow it instead: they go ahead of queued
@@ -111,7 +112,9 @@ class TailHooks:
         with self._lock:
             est = self.estimators.get(key)
             if est is None:
-                est = DurationEstimator(prior=self.prior, min_samples=self.min_samples)
+                est = DurationEstimator(
+                    prior=self.prior, min_samples=self.min_samples, max_ratio=self.factor
+                )
                 self.estimators[key] = est
             return est
 
@@ -187,13 +190,15 @@ class TailHooks:
     ) -> None:
         """Record that ``node`` took ``seconds`` on ``payload``.
 
-        ``cap`` bounds the observation: a straggler's duration is recorded as
-        at most its hedge delay, so that one stall does not drag the fit (and
-        every later hedge delay) off course.
+        ``cap`` bounds what the estimate learns from it: a straggler's duration
+        counts as at most its hedge delay, so that one stall does not drag the
+        fit off course. The hedge delay's quantile records it as it was, up to
+        ``factor x estimate``: the delay follows how slow attempts really get,
+        and never exceeds ``factor x estimate``, however many stall.
         """
-        if cap is not None:
-            seconds = min(seconds, cap)
-        self.estimator(node.estimate_key or node.id).observe(self.cost_of(node, payload), seconds)
+        self.estimator(node.estimate_key or node.id).observe(
+            self.cost_of(node, payload), seconds, fit_cap=cap
+        )
 
     # -- the budget (T5) ------------------------------------------------------
 
