@@ -18,6 +18,7 @@ import pytest
 
 import tailrace as tr
 from tailrace.stores import SQLiteStore
+from tests import fixtures
 from tailrace.tail import HedgePolicy, TailHooks
 
 GUARD = 10.0  # seconds; only there so that a bug fails the test instead of hanging it
@@ -395,3 +396,154 @@ async def test_without_a_policy_hedge_nodes_still_wait_for_the_straggler_thresho
         result = await engine.run(g, 0)
     assert (result.output, result.hedges) == (["ok", "ok"], 0)
     assert of(events, tr.EventType.NODE_HEDGED) == []
+
+
+# -- backups ahead of the queue: the paths that end a request (T5) ------------------------
+
+
+def queued_graph(
+    stall: Callable[[Any], Awaitable[str]], blocker: Callable[[Any], Awaitable[str]]
+) -> tr.Graph:
+    """src -> stall (hedge=True), blocker, q -> join: under capacity 2, q waits in the queue."""
+    g = tr.Graph("ahead")
+    g.add_node("src", lambda x: x)
+    g.add_node("join", lambda xs: sorted(map(str, xs)), tr.NodeKind.AGGREGATE)
+    g.add_node("stall", stall, hedge=True)
+    g.add_node("blocker", blocker, estimate_key="w")
+    g.add_node("q", lambda x: "q", estimate_key="w")
+    for name in ("stall", "blocker", "q"):
+        g.add_edge("src", name)
+        g.add_edge(name, "join")
+    return g
+
+
+async def test_a_backup_whose_primary_ends_first_gives_its_token_and_place_back() -> None:
+    # stall's backup waits ahead of q for a slot; stall's primary ends meanwhile. Its
+    # request is withdrawn and its token returned: the slot blocker frees goes to q.
+    policy = HedgePolicy(backup_after=1.0, slack=0.0, tolerance=100.0)
+    hooks = trained(policy, factor=1.5, stall=0.01, w=0.01)
+    engine, events = recorded(tail=hooks, capacity=2)
+    straggled, stall_done = asyncio.Event(), asyncio.Event()
+    engine.bus.subscribe(lambda e: straggled.set(), tr.EventType.NODE_STRAGGLER)
+    engine.bus.subscribe(
+        lambda e: e.node_id == "stall" and stall_done.set(), tr.EventType.NODE_COMPLETED
+    )
+
+    async def stall(x: Any) -> str:
+        await straggled.wait()  # past its hedge delay (its backup waits), then it ends
+        return "stall"
+
+    async def blocker(x: Any) -> str:
+        await stall_done.wait()
+        return "blocker"
+
+    async with asyncio.timeout(GUARD):
+        result = await engine.run(queued_graph(stall, blocker), 0)
+
+    assert result.output == ["blocker", "q", "stall"]
+    assert (result.hedges, result.hedges_refused, hooks.allowed) == (0, 0, 0)
+    assert of(events, tr.EventType.NODE_HEDGED) == []
+    assert hooks.budget is not None and hooks.budget.tokens == policy.burst
+    assert engine.slots is not None
+    assert (engine.slots.in_use, engine.slots.waiting()) == (0, 0)
+
+
+async def test_a_run_cancelled_while_its_backup_waits_ahead_frees_everything() -> None:
+    policy = HedgePolicy(backup_after=1.0, slack=0.0, tolerance=100.0)
+    hooks = trained(policy, factor=1.5, stall=0.01, w=0.01)
+    engine, events = recorded(tail=hooks, capacity=2)
+    straggled = asyncio.Event()
+    engine.bus.subscribe(lambda e: straggled.set(), tr.EventType.NODE_STRAGGLER)
+
+    async def stall(x: Any) -> str:
+        await asyncio.Event().wait()
+        return "stall"
+
+    async def blocker(x: Any) -> str:
+        await asyncio.Event().wait()
+        return "blocker"
+
+    async with asyncio.timeout(GUARD):
+        run = asyncio.ensure_future(engine.run(queued_graph(stall, blocker), 0))
+        await straggled.wait()  # the backup waits ahead of q for a slot
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+
+    assert engine.slots is not None
+    assert (engine.slots.in_use, engine.slots.waiting()) == (0, 0)
+    assert hooks.allowed == 0  # its token came back
+    assert of(events, tr.EventType.NODE_HEDGED) == []
+
+    async def quick(x: Any) -> str:
+        return "done"
+
+    async with asyncio.timeout(GUARD):  # nothing leaked: the engine runs on
+        result = await engine.run(queued_graph(quick, quick), 0)
+    assert result.output == ["done", "done", "q"]
+
+
+@pytest.mark.parametrize("primary_ends_first", [False, True])
+async def test_a_backup_goes_ahead_of_another_runs_queue_and_gives_back_what_it_held(
+    primary_ends_first: bool,
+) -> None:
+    # Engine capacity 2, each run's 2. Run a's "stall" holds one engine slot, run b's "b1"
+    # the other, b's "b2" and "b3" wait. a's backup takes a's second run slot, then waits
+    # for an engine slot ahead of b2 and b3: it gets the one b1 frees. Or a's primary ends
+    # first: the backup's request is withdrawn, and the run slot it held is a's again, so
+    # a's "x" and "y" can run side by side (each waits until both started).
+    policy = HedgePolicy(backup_after=1.0, slack=0.0, tolerance=100.0)
+    hooks = trained(policy, factor=1.5, stall=0.01, w=0.01)
+    engine, events = recorded(tail=hooks, capacity=2, run_capacity=2)
+    straggled, stall_done = asyncio.Event(), asyncio.Event()
+    engine.bus.subscribe(lambda e: straggled.set(), tr.EventType.NODE_STRAGGLER)
+    engine.bus.subscribe(
+        lambda e: e.node_id == "stall" and stall_done.set(), tr.EventType.NODE_COMPLETED
+    )
+    attempts = Attempts()
+    both = asyncio.Barrier(2)
+
+    async def stall(x: Any) -> str:
+        if attempts.first("stall"):
+            await (straggled.wait() if primary_ends_first else asyncio.Event().wait())
+        return "stall"
+
+    async def side(x: Any) -> str:
+        await both.wait()
+        return "side"
+
+    a = tr.Graph("a")
+    a.add_node("stall", stall, hedge=True)
+    a.add_node("x", side, estimate_key="w")
+    a.add_node("y", side, estimate_key="w")
+    a.add_edge("stall", "x")
+    a.add_edge("stall", "y")
+
+    async def b1(x: Any) -> str:
+        await (stall_done.wait() if primary_ends_first else straggled.wait())
+        return "b1"
+
+    b = tr.Graph("b")
+    b.add_node("src", lambda x: x)
+    b.add_node("b1", b1, estimate_key="w")
+    b.add_node("b2", lambda x: "b2", estimate_key="w")
+    b.add_node("b3", lambda x: "b3", estimate_key="w")
+    for name in ("b1", "b2", "b3"):
+        b.add_edge("src", name)
+    async with asyncio.timeout(GUARD):
+        run_a = asyncio.ensure_future(engine.run(a, 0, run_id="a"))
+        await fixtures.until(lambda: of(events, tr.EventType.NODE_STARTED, "stall"), "a started")
+        result_b = await engine.run(b, 0, run_id="b")
+        result_a = await run_a
+
+    assert (result_a.status, result_b.status) == ("completed", "completed")
+    order = [(e.type, e.node_id, bool(e.data.get("hedge"))) for e in events]
+    if primary_ends_first:
+        assert result_a.hedges == 0 and hooks.allowed == 0
+    else:
+        assert result_a.hedges == 1
+        assert order.index((tr.EventType.NODE_STARTED, "stall", True)) < order.index(
+            (tr.EventType.NODE_STARTED, "b2", False)
+        )
+    assert engine.slots is not None
+    assert (engine.slots.in_use, engine.slots.waiting()) == (0, 0)
