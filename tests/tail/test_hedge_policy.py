@@ -18,8 +18,8 @@ import pytest
 
 import tailrace as tr
 from tailrace.stores import SQLiteStore
-from tests import fixtures
 from tailrace.tail import HedgePolicy, TailHooks
+from tests import fixtures
 
 GUARD = 10.0  # seconds; only there so that a bug fails the test instead of hanging it
 
