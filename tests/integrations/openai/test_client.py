@@ -215,13 +215,15 @@ async def test_a_hedged_backup_is_sent_to_the_other_replica_and_its_primary_is_c
     # out. The backup (T5) knows it is one and avoids its primary's replica although the
     # replicas tie (X6): it wins on other, and slow sees the primary's request closed.
     async with (
-        BatchingServer(median_tokens=40, sigma=0.1, step=0.1) as slow,
-        BatchingServer(median_tokens=40, sigma=0.1, step=0.02) as other,
+        BatchingServer(median_tokens=40, sigma=0.1, step=0.25) as slow,
+        BatchingServer(median_tokens=40, sigma=0.1, step=0.04) as other,
         ModelClient([slow.url, other.url], "m") as client,
     ):
         hooks = TailHooks(hedging=HedgePolicy(backup_after=1.0, slack=0.0))
         for _ in range(3):
-            hooks.estimator("gen").observe(1.0, 0.2)  # the backup comes 200 ms in
+            # The backup comes 1 s in, long after the unrelated request went out (and
+            # before it ends, some 40 x 40 ms later).
+            hooks.estimator("gen").observe(1.0, 1.0)
         engine = tr.Engine(tail=hooks, capacity=4)
 
         async def gen(prompt: str) -> dict[str, Any]:
