@@ -19,6 +19,7 @@ from .._attempts import (
     attempts_from_events,
     event_data,
     fold_items,
+    hedge_account,
     last_known,
     map_summaries,
 )
@@ -504,6 +505,8 @@ class RunView:
     forked_at: str | None = None
     #: Its parent and ancestors, its children and the tree of its descendants (R1).
     lineage: Lineage
+    #: The backups it raced: started, won, refused by the hedge budget (T3, T5).
+    hedging: str | None = None
 
 
 class DriverRow(NamedTuple):
@@ -610,7 +613,14 @@ async def run_view(
         forked_from=record.forked_from,
         forked_at=record.forked_at,
         lineage=await lineage_of(store, record, rows, lambda r: shown_status(r, now)),
+        hedging=_hedging(events),
     )
+
+
+def _hedging(events: Sequence[EventRow]) -> str | None:
+    """The run page's line on the backups the run raced, if it raced any (T3, T5)."""
+    account = hedge_account(events)
+    return None if account is None else account.describe()
 
 
 async def _parked_by(
