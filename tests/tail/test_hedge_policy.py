@@ -1,4 +1,5 @@
-"""The hedge policy (T3, issue 13): clones at launch, early backups on idle capacity, a budget.
+"""The hedge policy (T3, T5): backups ahead of queued first attempts within a token bucket,
+clones at launch on idle capacity, adaptive delays.
 
 Estimators are pre-trained, so which attempt is cloned or backed up is decided
 by the estimates alone. Nothing here waits on time: handlers wait on events
@@ -55,6 +56,17 @@ def fan(handlers: dict[str, Callable[[Any], Awaitable[Any]]], key: str | None = 
         g.add_edge("src", name)
         g.add_edge(name, "join")
     return g
+
+
+def straggling(**engine_kwargs: Any) -> tuple[TailHooks, tr.Engine, list[tr.Event], asyncio.Event]:
+    """An engine whose hedge policy backs "stall" up 10 ms in (it straggles at 15 ms), its
+    hooks, its recorded events, and an event set at the first straggler."""
+    policy = HedgePolicy(backup_after=1.0, slack=0.0, tolerance=100.0)
+    hooks = trained(policy, factor=1.5, stall=0.01, w=0.01)
+    engine, events = recorded(tail=hooks, **engine_kwargs)
+    straggled = asyncio.Event()
+    engine.bus.subscribe(lambda e: straggled.set(), tr.EventType.NODE_STRAGGLER)
+    return hooks, engine, events, straggled
 
 
 class Attempts:
@@ -158,11 +170,7 @@ async def test_a_backup_takes_the_next_free_slot_ahead_of_queued_first_attempts(
     # capacity 2: "stall" and "w1" run, "w2" and "w3" wait in the queue. "stall" straggles;
     # its backup asks for a slot ahead of the queue, and gets the one "w1" frees when it
     # ends (w1 is never preempted), before "w2" and "w3" start (T5).
-    policy = HedgePolicy(backup_after=1.0, slack=0.0, tolerance=100.0)
-    hooks = trained(policy, factor=1.5, stall=0.01, w=0.01)
-    engine, events = recorded(tail=hooks, capacity=2)
-    straggled = asyncio.Event()
-    engine.bus.subscribe(lambda e: straggled.set(), tr.EventType.NODE_STRAGGLER)
+    _, engine, events, straggled = straggling(capacity=2)
     attempts = Attempts()
 
     async def stall(x: Any) -> str:
@@ -420,11 +428,8 @@ def queued_graph(
 async def test_a_backup_whose_primary_ends_first_gives_its_token_and_place_back() -> None:
     # stall's backup waits ahead of q for a slot; stall's primary ends meanwhile. Its
     # request is withdrawn and its token returned: the slot blocker frees goes to q.
-    policy = HedgePolicy(backup_after=1.0, slack=0.0, tolerance=100.0)
-    hooks = trained(policy, factor=1.5, stall=0.01, w=0.01)
-    engine, events = recorded(tail=hooks, capacity=2)
-    straggled, stall_done = asyncio.Event(), asyncio.Event()
-    engine.bus.subscribe(lambda e: straggled.set(), tr.EventType.NODE_STRAGGLER)
+    hooks, engine, events, straggled = straggling(capacity=2)
+    stall_done = asyncio.Event()
     engine.bus.subscribe(
         lambda e: e.node_id == "stall" and stall_done.set(), tr.EventType.NODE_COMPLETED
     )
@@ -443,17 +448,13 @@ async def test_a_backup_whose_primary_ends_first_gives_its_token_and_place_back(
     assert result.output == ["blocker", "q", "stall"]
     assert (result.hedges, result.hedges_refused, hooks.allowed) == (0, 0, 0)
     assert of(events, tr.EventType.NODE_HEDGED) == []
-    assert hooks.budget is not None and hooks.budget.tokens == policy.burst
+    assert hooks.budget is not None and hooks.budget.tokens == hooks.budget.burst
     assert engine.slots is not None
     assert (engine.slots.in_use, engine.slots.waiting()) == (0, 0)
 
 
 async def test_a_run_cancelled_while_its_backup_waits_ahead_frees_everything() -> None:
-    policy = HedgePolicy(backup_after=1.0, slack=0.0, tolerance=100.0)
-    hooks = trained(policy, factor=1.5, stall=0.01, w=0.01)
-    engine, events = recorded(tail=hooks, capacity=2)
-    straggled = asyncio.Event()
-    engine.bus.subscribe(lambda e: straggled.set(), tr.EventType.NODE_STRAGGLER)
+    hooks, engine, events, straggled = straggling(capacity=2)
 
     async def stall(x: Any) -> str:
         await asyncio.Event().wait()
@@ -492,11 +493,8 @@ async def test_a_backup_goes_ahead_of_another_runs_queue_and_gives_back_what_it_
     # for an engine slot ahead of b2 and b3: it gets the one b1 frees. Or a's primary ends
     # first: the backup's request is withdrawn, and the run slot it held is a's again, so
     # a's "x" and "y" can run side by side (each waits until both started).
-    policy = HedgePolicy(backup_after=1.0, slack=0.0, tolerance=100.0)
-    hooks = trained(policy, factor=1.5, stall=0.01, w=0.01)
-    engine, events = recorded(tail=hooks, capacity=2, run_capacity=2)
-    straggled, stall_done = asyncio.Event(), asyncio.Event()
-    engine.bus.subscribe(lambda e: straggled.set(), tr.EventType.NODE_STRAGGLER)
+    hooks, engine, events, straggled = straggling(capacity=2, run_capacity=2)
+    stall_done = asyncio.Event()
     engine.bus.subscribe(
         lambda e: e.node_id == "stall" and stall_done.set(), tr.EventType.NODE_COMPLETED
     )
