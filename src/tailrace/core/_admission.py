@@ -286,9 +286,9 @@ class RunAdmission:
     def take_idle(self) -> bool:
         """Take a slot of the engine and of the run if both have one nobody waits for.
 
-        For clones and backups (T3): they use idle capacity only, so they never
+        For clones at launch (T5): they use idle capacity only, so they never
         delay a first attempt; the attempt that gets it is named with
-        :meth:`hold_extra`.
+        :meth:`hold_extra` (or the slot freed with :meth:`give_back`).
         """
         engine_slots, run_slots = self._engine, self._run
         if engine_slots is not None and not engine_slots.try_acquire():
