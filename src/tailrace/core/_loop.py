@@ -218,6 +218,8 @@ class RunLoop:
         finally:
             if self._deadline_timer is not None:
                 self._deadline_timer.cancel()
+            if self.hedger is not None:
+                self.hedger.close()  # no longer waits for the engine's hedge budget
             if self.runner.children is not None:
                 await self.runner.children.close()
 
