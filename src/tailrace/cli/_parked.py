@@ -62,6 +62,7 @@ def parked(
                 "visit",
                 "checkpoint",
                 "parked",
+                "parks",
                 "status",
                 "claimed by",
             ),
@@ -75,6 +76,7 @@ def parked(
                     str(r.visit),
                     "yes" if r.checkpoint_json is not None else "no",
                     _clock(r.parked_at),
+                    str(r.parks),
                     r.status,
                     r.claimed_by or "",
                 )

@@ -378,7 +378,7 @@ class _Reader:
         try:
             k = info["k"]
             items = MapItems(i, ns.visits, values + ns.payload, None if k is None else int(k))
-            items.parked = [r.park_id for r in parked]
+            items.took_parked(parked, self.topo.nodes[i].max_parks)
             for j, r in enumerate(parked):
                 key = (node_id, ns.visits, j)
                 if r.checkpoint_json is not None and key not in state.checkpoints:

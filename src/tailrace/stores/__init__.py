@@ -48,6 +48,7 @@ from ._records import QueueStats as QueueStats
 from ._records import ResultRow as ResultRow
 from ._records import RunCount as RunCount
 from ._records import RunRecord as RunRecord
+from ._records import RunSnapshot as RunSnapshot
 from ._records import RunStatus as RunStatus
 from ._records import ScheduleRow as ScheduleRow
 from ._records import StoredRun as StoredRun
@@ -92,6 +93,7 @@ __all__ = [
     "ResultRow",
     "RunCount",
     "RunRecord",
+    "RunSnapshot",
     "RunStatus",
     "RunStore",
     "SQLiteStore",

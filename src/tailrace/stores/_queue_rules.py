@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
@@ -150,6 +151,15 @@ def first_schedule(row: ScheduleRow) -> ScheduleRow:
         check_name("graph_ref", row.graph_ref)
     cron = Cron(row.cron)
     return dataclasses.replace(row, last_tick=cron.latest_at(row.declared_at))
+
+
+def deployed_at(registered_at: float, newest: float | None) -> float:
+    """When a version new to the store is recorded as deployed: at ``registered_at`` (the
+    registering host's clock), but after ``newest``, the latest of the versions of its name
+    registered before it, so a new version is the newest whatever that host's clock says."""
+    if newest is None or registered_at > newest:
+        return registered_at
+    return math.nextafter(newest, math.inf)
 
 
 def graph_from_row(row: Sequence[Any]) -> GraphRow:

@@ -95,7 +95,7 @@ SELECT_CHECKPOINTS = (
 )
 PARKED_FIELDS = (
     "park_id", "graph_name", "node_id", "run_id", "visit", "item", "value_json",
-    "checkpoint_json", "parked_at", "status", "claimed_by", "claimed_at",
+    "checkpoint_json", "parked_at", "status", "claimed_by", "claimed_at", "parks",
 )  # fmt: skip
 PARKED_COLUMNS = ", ".join(PARKED_FIELDS)
 #: A row parked again (its attempt saved on its way out) updates the checkpoint while unclaimed.
@@ -470,6 +470,14 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             # The items a run parked (P3), read by run (``list_parked(run_id=...)``): the
             # run page reads its own, not every item of its graph's nodes.
             "CREATE INDEX IF NOT EXISTS parked_by_run ON parked_items (run_id)",
+        ),
+    ),
+    (
+        20,
+        (
+            # How many times an item has been parked (P5): one parked that often runs to
+            # completion the next time a map takes it, so no item starves.
+            "ALTER TABLE parked_items ADD COLUMN parks INTEGER NOT NULL DEFAULT 1",
         ),
     ),
 )

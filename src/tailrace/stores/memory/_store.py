@@ -36,6 +36,7 @@ from .._queue_rules import (
     FLEET_SCOPE,
     claim_order,
     dedup_holder,
+    deployed_at,
     free_slots,
     holds_slot,
     host_of,
@@ -72,6 +73,7 @@ from .._records import (
     ResultRow,
     RunCount,
     RunRecord,
+    RunSnapshot,
     RunStatus,
     ScheduleRow,
     StoredRun,
@@ -374,13 +376,30 @@ class MemoryStore(RunStore):
 
     async def _load_run(self, run_id: str) -> StoredRun:
         with self._lock:
-            record = self._run(run_id)
-            check_readable(run_id, record.format_version)
-            items = [row for _, row in sorted(self._items[run_id].items())]
-            checkpoints = [row for _, row in sorted(self._checkpoints[run_id].items())]
-            return StoredRun(
-                run=record, nodes=dict(self._nodes[run_id]), items=items, checkpoints=checkpoints
-            )
+            return self._stored(run_id)
+
+    def _stored(self, run_id: str) -> StoredRun:
+        """What :meth:`load_run` returns; under the lock."""
+        record = self._run(run_id)
+        check_readable(run_id, record.format_version)
+        items = [row for _, row in sorted(self._items[run_id].items())]
+        checkpoints = [row for _, row in sorted(self._checkpoints[run_id].items())]
+        return StoredRun(
+            run=record, nodes=dict(self._nodes[run_id]), items=items, checkpoints=checkpoints
+        )
+
+    async def _snapshot(self, run_id: str) -> RunSnapshot:
+        with self._lock:  # one moment: no commit lands while the lock is held
+            stored = self._stored(run_id)
+            results = list(self._result_rows[run_id].values())
+            frozen = list(self._frozen[run_id].values())
+            chunks = list(self._chunk_rows[run_id])
+        return RunSnapshot(
+            stored=stored,
+            results=sorted(results, key=lambda r: (r.node_id, r.visit)),
+            frozen=sorted(frozen, key=lambda f: (f.node_id, f.activation)),
+            chunks=chunks,
+        )
 
     # -- parked items (P3, P4) ------------------------------------------------------
 
@@ -463,6 +482,7 @@ class MemoryStore(RunStore):
         graph: str | None = None,
         offset: int = 0,
         parent: str | None = None,
+        top_level: bool = False,
     ) -> list[RunRecord]:
         with self._lock:
             runs = [
@@ -472,14 +492,19 @@ class MemoryStore(RunStore):
                 and queue in (None, r.queue_name)
                 and graph in (None, r.graph_name)
                 and parent in (None, r.parent_run_id)
+                and not (top_level and r.parent_run_id is not None)
             ]
         runs.sort(key=lambda r: (r.created_at, r.run_id), reverse=True)
         runs = runs[max(offset, 0) :]
         return runs if limit is None else runs[: max(limit, 0)]
 
-    async def _run_counts(self) -> list[RunCount]:
+    async def _run_counts(self, *, top_level: bool = False) -> list[RunCount]:
         with self._lock:
-            grouped = Counter((r.graph_name, r.queue_name, r.status) for r in self._runs.values())
+            grouped = Counter(
+                (r.graph_name, r.queue_name, r.status)
+                for r in self._runs.values()
+                if not (top_level and r.parent_run_id is not None)
+            )
         counts = [
             RunCount(graph_name=g, queue_name=q, status=s, count=n)
             for (g, q, s), n in grouped.items()
@@ -953,7 +978,14 @@ class MemoryStore(RunStore):
 
     async def _register_graph(self, row: GraphRow) -> None:
         with self._lock:
-            self._graph_rows[(row.name, row.fingerprint)] = row
+            key = (row.name, row.fingerprint)
+            known = self._graph_rows.get(key)
+            if known is not None:  # a version known already keeps when it was deployed
+                self._graph_rows[key] = dataclasses.replace(known, graph_ref=row.graph_ref)
+                return
+            others = [r.registered_at for (n, _), r in self._graph_rows.items() if n == row.name]
+            at = deployed_at(row.registered_at, max(others, default=None))
+            self._graph_rows[key] = dataclasses.replace(row, registered_at=at)
 
     async def _graphs_named(self, name: str) -> list[GraphRow]:
         with self._lock:
