@@ -388,7 +388,7 @@ CLAUSES = [
     *(f"E{i}" for i in range(1, 12)),
     *(f"D{i}" for i in range(1, 7)),
     *(f"Q{i}" for i in range(1, 8)),
-    *(f"T{i}" for i in range(1, 5)),
+    *(f"T{i}" for i in range(1, 6)),
     *(f"M{i}" for i in range(1, 8)),
     *(f"V{i}" for i in range(1, 6)),
     *(f"S{i}" for i in range(1, 5)),

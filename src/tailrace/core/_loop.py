@@ -136,8 +136,8 @@ class RunLoop:
         )  # fmt: skip
         #: Stragglers and hedges of this run, when the engine has tail hooks (T3).
         self.hedger = None if tail is None else Hedger(
-            tail, topo=topo, loop=self.loop, outbox=self.outbox, payload_of=self.payload_of,
-            restart=self._restart, take_idle=self.admission.take_idle, poke=self.poke,
+            tail, topo=topo, loop=self.loop, outbox=self.outbox, admission=self.admission,
+            payload_of=self.payload_of, restart=self._restart, poke=self.poke,
         )  # fmt: skip
         #: Starts attempts as tasks and runs them (E11, R1).
         self.runner = AttemptRunner(
@@ -219,6 +219,8 @@ class RunLoop:
         finally:
             if self._deadline_timer is not None:
                 self._deadline_timer.cancel()
+            if self.hedger is not None:
+                self.hedger.close()  # no longer waits for the engine's hedge budget
             if self.runner.children is not None:
                 await self.runner.children.close()
 
@@ -493,7 +495,7 @@ class RunLoop:
 
     def _restart(self, attempt: Attempt, extra_slot: bool) -> None:
         """Start a hedge of ``attempt``'s node or item (T3, per item for maps, M2); with
-        ``extra_slot`` it holds the idle slot the hedger took for it."""
+        ``extra_slot`` it holds the slot admission gave the hedger for it (T5)."""
         if attempt.item < 0:
             hedge = self.start_attempt(attempt.index, hedge=True)
         else:
@@ -903,6 +905,7 @@ class RunLoop:
             self.run_id, status, self.state, self._durations,
             stragglers=0 if hedger is None else hedger.stragglers,
             hedges=0 if hedger is None else hedger.hedges,
+            hedges_refused=0 if hedger is None else hedger.refused,
             duration=time.monotonic() - self.started_at, parent_run_id=self.parent_run_id,
         )  # fmt: skip
 
