@@ -100,7 +100,7 @@ SELECT_CHECKPOINTS = (
 )
 PARKED_FIELDS = (
     "park_id", "graph_name", "node_id", "run_id", "visit", "item", "value_json",
-    "checkpoint_json", "parked_at", "status", "claimed_by", "claimed_at",
+    "checkpoint_json", "parked_at", "status", "claimed_by", "claimed_at", "parks",
 )  # fmt: skip
 PARKED_COLUMNS = ", ".join(PARKED_FIELDS)
 #: A row parked again (its attempt saved on its way out) updates the checkpoint while unclaimed.
@@ -480,6 +480,14 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
     (
         20,
         (
+            # How many times an item has been parked (P5): one parked that often runs to
+            # completion the next time a map takes it, so no item starves.
+            "ALTER TABLE parked_items ADD COLUMN parks INTEGER NOT NULL DEFAULT 1",
+        ),
+    ),
+    (
+        21,
+        (
             # The graph versions each worker drives (``register_worker_graphs``): a child
             # run goes back to its queue while a live worker of it can drive it (R3).
             """CREATE TABLE IF NOT EXISTS worker_graphs (
@@ -668,6 +676,11 @@ INSERT_QUESTION = f"INSERT INTO questions ({QUESTION_COLUMNS}) VALUES ({_QUESTIO
 SELECT_QUESTION = f"SELECT {QUESTION_COLUMNS} FROM questions WHERE question_id = ?"
 #: What a failed compare-and-set reports: the question's state now (no row: not found).
 QUESTION_STATE = "SELECT status, applied_at FROM questions WHERE question_id = ?"
+#: The run of a question, and its status (what a refused answer is told).
+QUESTION_RUN = (
+    "SELECT r.run_id, r.status FROM questions q JOIN runs r ON r.run_id = q.run_id"
+    " WHERE q.question_id = ?"
+)
 #: Q2: first answer wins. Values: status, answer_json, answered_by, answered_at, question_id.
 ANSWER_QUESTION = (
     "UPDATE questions SET status = ?, answer_json = ?, answered_by = ?, answered_at = ? "
