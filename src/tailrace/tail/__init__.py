@@ -11,6 +11,7 @@ from ._accounting import Round as Round
 from ._accounting import RunStreams as RunStreams
 from ._accounting import TailAccount as TailAccount
 from ._accounting import generation_checkpoint as generation_checkpoint
+from ._accounting import generation_origin as generation_origin
 from ._accounting import generation_state as generation_state
 from ._accounting import is_usage as is_usage
 from ._accounting import ks_statistic as ks_statistic
@@ -41,6 +42,7 @@ __all__ = [
     "TailHooks",
     "fifo_makespan",
     "generation_checkpoint",
+    "generation_origin",
     "generation_state",
     "is_usage",
     "ks_statistic",

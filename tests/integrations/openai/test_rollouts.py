@@ -4,6 +4,7 @@ tail's account of it all, against the batching test server and a SQLite store.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -122,6 +123,62 @@ async def test_parked_items_continue_next_round_from_their_partial_text_under_th
     still = [a for a in account.items if a.outcome == "parked" and a.run_id == two.run_id]
     assert account.waiting == {a.origin: a.rounds + 1 for a in still}
     assert account.max_rounds == 2 if any(a.rounds for a in still) else 1
+
+
+async def test_an_item_parked_after_its_finish_arrived_continues_finished_without_a_request(
+    server, engine
+):
+    """The finish reason goes into the checkpoint as soon as it arrives: an item parked while the
+    end of its answer (usage, ``[DONE]``) is on its way carries its finished text, and the next
+    round returns it without a request, one round waited (X3, X4)."""
+    prompt = next(p for p in (f"f{i}" for i in range(200)) if 3 <= server.length(p, None) <= 12)
+    length = server.length(prompt, None)
+    finished = asyncio.Event()
+    streamed = [0]
+
+    def seen(chunk: tr.Chunk) -> None:  # inside the generation's own stream call
+        if chunk.item == 0 and isinstance(chunk.value, dict):
+            streamed[0] += chunk.value.get("tokens", 0)
+            if streamed[0] == length:
+                finished.set()
+
+    def rounds(client: ModelClient, **options: Any) -> tr.Graph:
+        g = tr.Graph("finished_then_parked")
+
+        async def rollout(prompt: str) -> dict[str, Any]:
+            if prompt == "wins once the other's last token is in":
+                await finished.wait()
+                return {"prompt": prompt}
+            generation = await client.complete(prompt, max_tokens=100)
+            return {"text": generation.text, "salvaged": generation.salvaged_tokens,
+                    "decoded": generation.decoded_tokens, "rounds": generation.rounds}  # fmt: skip
+
+        g.add_node("rollout", rollout, "map", resume_parked=True, **options)
+        return g
+
+    server.hold()  # the finish event comes; the usage and [DONE] do not
+    async with ModelClient(server.url, "m", version="v1", checkpoint_every=1) as client:
+        with engine.on_chunk("first", seen):
+            one = await engine.run(
+                rounds(client, required=1, late="park"),
+                [prompt, "wins once the other's last token is in"],
+                run_id="first",
+            )
+        assert [(x.item, x.reason) for x in one.late_inputs] == [(0, "parked")]
+        assert server.stats.held == 1
+        [row] = await engine.parked("finished_then_parked", "rollout")
+        state = json.loads(row.checkpoint_json or "null")["generation"]
+        assert (state["tokens"], state["finish"]) == (length, "stop")
+        requests = server.stats.requests
+        two = await engine.run(rounds(client), [], run_id="second")
+    [continued] = two.output
+    assert continued == {"text": generated_text(0, length), "salvaged": length, "decoded": 0,
+                         "rounds": 1}  # fmt: skip
+    assert server.stats.requests == requests  # nothing left to decode: no request
+    account = await tail_accounting(engine, "finished_then_parked", "rollout", ["first", "second"])
+    assert (account.launched, account.accepted, account.parked) == (1, 1, 0)
+    assert (account.decoded, account.salvaged, account.wasted) == (length, length, 0)
+    assert account.max_rounds == 1 and account.accepted_lengths == (length,)
 
 
 async def test_a_cut_stream_is_retried_from_its_checkpoint(server, engine):
