@@ -7,6 +7,7 @@ adds up the tail of a map of model generations from its stream rows (X4).
 
 from ._accounting import ItemAccount as ItemAccount
 from ._accounting import ItemStream as ItemStream
+from ._accounting import ParkedItem as ParkedItem
 from ._accounting import Round as Round
 from ._accounting import RunStreams as RunStreams
 from ._accounting import TailAccount as TailAccount
@@ -34,6 +35,7 @@ __all__ = [
     "HedgePolicy",
     "ItemAccount",
     "ItemStream",
+    "ParkedItem",
     "ResumeItem",
     "ResumeQueue",
     "Round",

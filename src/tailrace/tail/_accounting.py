@@ -27,9 +27,9 @@ callers above ``graph/`` read from the node.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .._attempts import ChunkRow
 
@@ -193,6 +193,19 @@ class RunStreams:
         return self.nodes.get(node, {})
 
 
+class ParkedItem(Protocol):
+    """The fields of a parked item the account reads (``tailrace.stores.ParkedRow``)."""
+
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def item(self) -> int: ...
+    @property
+    def checkpoint_json(self) -> str | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Round:
     """One run of a map node, as :func:`tail_account` reads it.
@@ -205,6 +218,17 @@ class Round:
     run_id: str
     items: Mapping[int, ItemStream]
     parked: Mapping[int, int]
+
+    @classmethod
+    def of(cls, run_id: str, node: str, streams: RunStreams, parked: Iterable[ParkedItem]) -> Round:
+        """Run ``run_id`` of map ``node``: its items as ``streams`` (its rows, folded) tell
+        them, and the items it parked among ``parked`` (items of any run and node)."""
+        tokens = {
+            row.item: parked_tokens(row.checkpoint_json)
+            for row in parked
+            if row.run_id == run_id and row.node_id == node
+        }
+        return cls(run_id, streams.items_of(node), tokens)
 
 
 def generation_origin(run_id: str, node_id: str, visit: int, item: int | None) -> str:

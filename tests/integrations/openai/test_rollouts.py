@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("httpx")
 
 import tailrace as tr
+from tailrace.graph import MAX_PARKS
 from tailrace.integrations.openai import (
     BatchingServer,
     CompletionError,
@@ -209,10 +210,44 @@ async def test_an_item_parked_round_after_round_is_counted_against_the_starvatio
         clients["now"] = client
         for n in range(3):  # the slow one, parked, goes first each round, and is parked again
             runs.append((await engine.run(g, quick + ([slow] if n == 0 else []))).run_id)
-    account = await tail_accounting(engine, g, "rollout", runs, starvation_bound=3)
+    account = await tail_accounting(engine, g, "rollout", runs)  # the map's max_parks: 3
     [(origin, waited)] = account.waiting.items()
     assert waited == 3 and account.starving == (origin,) and account.max_rounds == 3
     assert account.launched == 3 * 3 + 1 and account.accepted == 9
+
+
+async def test_the_starvation_bound_is_the_maps_max_parks_and_a_starving_item_finishes_next(
+    server, engine
+):
+    """``starving`` means "runs to completion in the next round that takes it" (P5): the
+    bound defaults to the map's own ``max_parks``, read from the graph, or from the graph the
+    engine ran when it is named; an engine that never saw it uses ``MAX_PARKS``."""
+    lengths = {p: server.length(p, None) for p in (f"q{i}" for i in range(200))}
+    quick = [p for p, n in lengths.items() if n <= 10][:3]
+    slow = max(lengths, key=lengths.__getitem__)
+    clients: dict[str, ModelClient] = {}
+    g = rollouts(clients, required=3, late="park", resume_parked=True, max_parks=2)
+    runs = []
+    async with ModelClient(server.url, "m", version="v1") as client:
+        clients["now"] = client
+        for n in range(2):  # parked twice: it has waited two rounds
+            runs.append((await engine.run(g, quick + ([slow] if n == 0 else []))).run_id)
+        account = await tail_accounting(engine, g, "rollout", runs)
+        [(origin, waited)] = account.waiting.items()
+        assert (waited, account.starvation_bound, account.starving) == (2, 2, (origin,))
+        named = await tail_accounting(engine, "rollouts", "rollout", runs)
+        assert (named.starvation_bound, named.starving) == (2, (origin,))
+        stranger = await tail_accounting(tr.Engine(store=engine.store), "rollouts", "rollout", runs)
+        assert (stranger.starvation_bound, stranger.starving) == (MAX_PARKS, ())
+        patient = await tail_accounting(engine, g, "rollout", runs, starvation_bound=5)
+        assert patient.starving == ()
+        last = await engine.run(g, quick)  # it goes first, and now runs to completion
+        runs.append(last.run_id)
+    assert slow in [r["prompt"] for r in last.output]
+    after = await tail_accounting(engine, g, "rollout", runs)
+    assert after.waiting == {} and after.starving == () and after.max_rounds == 2
+    with pytest.raises(ValueError, match="graph 'rollouts' has no node 'judge'"):
+        await tail_accounting(engine, g, "judge", runs)
 
 
 async def test_each_attempts_span_carries_its_generations_usage(server, engine):
