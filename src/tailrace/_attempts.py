@@ -478,6 +478,62 @@ def _text(value: object) -> str | None:
     return None if value is None else str(value)
 
 
+# -- hedging: a run's backups and its budget (T3, T5) ----------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HedgeAccount:
+    """A run's backups as its events record them (T3, T5).
+
+    ``started`` counts backups and clones started (``node_hedged``), ``won``
+    the completions a backup won, ``refused`` the stragglers whose backup the
+    budget refused (``node_hedge_refused``); ``budget`` is the share of
+    attempts started the hedge policy allows as extra attempts, None when the
+    backups were unbudgeted (no hedge policy).
+    """
+
+    started: int
+    won: int
+    refused: int
+    budget: float | None
+
+    def describe(self) -> str:
+        """One line: ``3 started (2 won), 1 refused by the budget of 5% of attempts started``.
+
+        >>> HedgeAccount(started=3, won=2, refused=1, budget=0.05).describe()
+        '3 started (2 won), 1 refused by the budget of 5% of attempts started'
+        >>> HedgeAccount(started=1, won=1, refused=0, budget=None).describe()
+        '1 started (1 won), unbudgeted (no hedge policy)'
+        """
+        head = f"{self.started} started ({self.won} won)"
+        if self.budget is None:
+            return f"{head}, unbudgeted (no hedge policy)"
+        return (
+            f"{head}, {self.refused} refused by the budget of {self.budget:.0%} of attempts started"
+        )
+
+
+def hedge_account(events: Sequence[EventRow]) -> HedgeAccount | None:
+    """The :class:`HedgeAccount` of a run from its ``events``; None when it raced no backup."""
+    started = won = refused = 0
+    budget: float | None = None
+    for e in events:
+        if e.type not in ("node_hedged", "node_hedge_refused", "node_completed"):
+            continue
+        data = event_data(e)
+        if e.type == "node_completed":
+            won += data.get("hedge") is True
+            continue
+        started += e.type == "node_hedged"
+        refused += e.type == "node_hedge_refused"
+        share = data.get("budget")
+        if isinstance(share, int | float) and not isinstance(share, bool):
+            budget = float(share)
+    if not started and not refused:
+        return None
+    return HedgeAccount(started=started, won=won, refused=refused, budget=budget)
+
+
 # -- map nodes: their items summarised and folded (M2) ------------------------------------
 
 

@@ -544,19 +544,37 @@ async def test_declared_queues_workers_and_stats(backend: Backend) -> None:
     assert await store.workers() == [seen]
 
 
-async def test_registered_graphs_are_listed_by_name_newest_first(store: RunStore) -> None:
+async def test_registered_graphs_are_listed_by_name_the_version_deployed_last_first(
+    store: RunStore,
+) -> None:
     for fingerprint, ref, at in (("fp1", "m:g", 1.0), ("fp2", "m:g", 5.0), ("fp1", "n:g", 9.0)):
         await store.register_graph(
             GraphRow(name="g", fingerprint=fingerprint, graph_ref=ref, registered_at=at)
         )
     await store.register_graph(GraphRow(name="h", fingerprint="x", graph_ref=None, registered_at=2))
+    # fp1 registered again (a worker of that version restarting) takes the new reference
+    # and keeps the time it was first registered: fp2 stays the version deployed last.
     assert await store.graphs_named("g") == [
-        GraphRow(name="g", fingerprint="fp1", graph_ref="n:g", registered_at=9.0),
         GraphRow(name="g", fingerprint="fp2", graph_ref="m:g", registered_at=5.0),
+        GraphRow(name="g", fingerprint="fp1", graph_ref="n:g", registered_at=1.0),
     ]  # fmt: skip
     assert await store.graphs_named("nobody") == []
     with pytest.raises(ValueError, match="graph_name"):
         await store.graphs_named("a\x00b")
+
+
+async def test_a_new_version_is_the_newest_whatever_the_registering_hosts_clock(
+    store: RunStore,
+) -> None:
+    """A version new to the store, registered from a host whose clock is behind, is still
+    the one deployed last (its time is put just after the newest of its name)."""
+    for fingerprint, at in (("fp1", 100.0), ("fp2", 40.0), ("fp2", 500.0), ("fp3", 100.0)):
+        await store.register_graph(
+            GraphRow(name="g", fingerprint=fingerprint, graph_ref="m:g", registered_at=at)
+        )
+    rows = await store.graphs_named("g")
+    assert [r.fingerprint for r in rows] == ["fp3", "fp2", "fp1"]
+    assert rows[2].registered_at == 100.0 < rows[1].registered_at < rows[0].registered_at < 101
 
 
 async def test_a_pulse_reports_the_worker_and_what_is_worth_a_look(backend: Backend) -> None:

@@ -160,6 +160,9 @@ def test_retries_stragglers_hedges_and_cut_attempts_are_drawn_distinctly(
         "o-retried", "o-completed", "o-lost straggler", "o-completed hedge",
     ]  # fmt: skip
     assert "hedged#1 hedge" in tail and "&lt;b&gt;upstream&lt;/b&gt; reset" in tail
+    # The backups it raced (T3): started, won, and no hedge policy to budget them.
+    assert '<dd id="run-hedging">1 started (1 won), unbudgeted (no hedge policy)</dd>' in tail
+    assert 'id="run-hedging"' not in cut
     assert re.findall(r'<g class="bar (o-\w+)">', cut) == ["o-completed", "o-cut", "o-completed"]
     assert "cut by a crash or stop" in cut
 

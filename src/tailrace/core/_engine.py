@@ -245,8 +245,9 @@ class Engine:
         Nodes that were running are re-run; completed results and first-k
         decisions are reused; answers that arrived for waiting gates are
         applied exactly once, and answers to questions no gate waits on any
-        more are marked superseded. ``graph`` defaults to the one the run
-        recorded (by ``module:attribute`` reference). A graph whose structural
+        more are marked superseded. ``graph`` defaults to the version the run
+        is recorded on as read under its lease (a registered graph of that
+        version, else its ``module:attribute`` reference). A graph whose structural
         fingerprint differs is checked against what the run did (V1): a
         compatible one takes the run over (the move is recorded in the store,
         fenced by the lease), an incompatible one is refused with

@@ -210,6 +210,13 @@ class RunWriter:
         self._carried_items.extend(items)
         self._carried_chunks.extend(chunks)
 
+    def reread(self, topo: Topology, record: RunRecord) -> None:
+        """Write for the run as read again under the lease, before anything was written here:
+        on ``topo``, the graph of the version that read records (a migration may have moved
+        the run since this writer was made)."""
+        assert self._writer is None and not self._queued, "reread after a write"
+        self.topo, self.record = topo, record
+
     def refer(self, big: dict[int, tuple[int, Any]]) -> None:
         """Take the large results a restore read back (:func:`~._restore.restore_run`), so
         node rows keep referring to their stored copy instead of repeating them."""

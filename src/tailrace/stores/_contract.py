@@ -23,7 +23,7 @@ import contextlib
 from collections.abc import AsyncIterator, Collection, Sequence
 
 from ._artifacts import check_expected
-from ._queue_rules import check_claim, check_worker, first_schedule, graph_keys
+from ._queue_rules import check_claim, check_worker, first_schedule, graph_keys, utc_minute
 from ._records import (
     CHANGE_KINDS,
     MAX_LIMIT,
@@ -45,6 +45,7 @@ from ._records import (
     ResultRow,
     RunCount,
     RunRecord,
+    RunSnapshot,
     RunStatus,
     ScheduleRow,
     StoredRun,
@@ -185,6 +186,15 @@ class RunStore(abc.ABC):
         """Return the run and its node rows; :class:`~tailrace.RunNotFound` if absent."""
         check_name("run_id", run_id)
         return await self._load_run(run_id)
+
+    async def snapshot(self, run_id: str) -> RunSnapshot:
+        """The run as of one moment (one read): its record, node rows and map items' rows,
+        result rows, first-k decisions and stream rows, none written after another was
+        read, while the run may still be running. A fork copies its source from it (V4).
+        :class:`~tailrace.RunNotFound` if absent.
+        """
+        check_name("run_id", run_id)
+        return await self._snapshot(run_id)
 
     async def get_run(self, run_id: str) -> RunRecord:
         """Return the run record alone; :class:`~tailrace.RunNotFound` if absent."""
@@ -821,13 +831,20 @@ class RunStore(abc.ABC):
         return await self._delete_queue(name)
 
     async def register_graph(self, row: GraphRow) -> None:
-        """Record that a worker can drive the graph ``row`` names (replacing an earlier
-        registration of that name and fingerprint)."""
+        """Record that a worker can drive the graph version ``row`` names.
+
+        A version registered before keeps the time of its first registration
+        (its deploy) and takes ``row``'s reference: a worker of an earlier
+        version that starts again never makes it the newest. A version new to
+        the store is recorded at ``row.registered_at``, or just after the newest
+        version of its name when that clock is behind, so it is the newest.
+        """
         check_names(graph_name=row.name, fingerprint=row.fingerprint, graph_ref=row.graph_ref)
         await self._register_graph(row)
 
     async def graphs_named(self, name: str) -> list[GraphRow]:
-        """The registrations of graph ``name``, newest first (one per fingerprint)."""
+        """The registrations of graph ``name``, the version deployed last first (one per
+        fingerprint); submitting a run by the graph's name takes the first."""
         check_name("graph_name", name)
         return await self._graphs_named(name)
 
@@ -848,12 +865,32 @@ class RunStore(abc.ABC):
         """Submit schedule ``name``'s run for ``tick`` unless that tick (or a later one) was (W4).
 
         Atomically: the schedule's ``last_tick`` moves to ``tick`` only if it
-        was earlier, and the run (id ``{name}@{tick as YYYY-MM-DDTHH:MMZ}``,
-        queued in the schedule's queue) is stored with it; across every
-        worker, one caller gets the run's id, the others None.
+        was earlier (or later than the store's clock: see :func:`tick_is_due`),
+        and the run (id ``{name}@{tick as YYYY-MM-DDTHH:MMZ}``, queued in the
+        schedule's queue) is stored with it; across every worker, one caller
+        gets the run's id, the others None. A tick later than the store's
+        clock (:meth:`now`) is refused with ``ValueError`` and nothing changes:
+        a caller whose own clock runs ahead cannot submit a tick early.
         """
         check_name("schedule", name)
-        return await self._fire_schedule(name, float(tick))
+        tick = float(tick)
+        now = await self.now()
+        if tick > now:
+            raise ValueError(
+                f"schedule {name!r}: tick {utc_minute(tick)} has not come by the store's clock "
+                f"({utc_minute(now)}); nothing was submitted"
+            )
+        return await self._fire_schedule(name, tick)
+
+    async def now(self) -> float:
+        """The store's clock, in seconds since the epoch: the one clock schedules are judged by (W4).
+
+        The memory and SQLite stores read the clock they were given (``clock=``,
+        the host's by default), which every process on their one host shares;
+        Postgres reads its server's, so workers on hosts whose clocks disagree
+        agree on it.
+        """
+        return await self._now()
 
     async def delete_schedule(self, name: str) -> bool:
         """Drop schedule ``name``; True if it was declared. Runs it submitted stay."""
@@ -944,6 +981,10 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     async def _load_run(self, run_id: str) -> StoredRun:
         """:meth:`load_run`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _snapshot(self, run_id: str) -> RunSnapshot:
+        """:meth:`snapshot`, called with checked arguments."""
 
     @abc.abstractmethod
     async def _get_run(self, run_id: str) -> RunRecord:
@@ -1225,7 +1266,12 @@ class RunStore(abc.ABC):
 
     @abc.abstractmethod
     async def _fire_schedule(self, name: str, tick: float) -> str | None:
-        """:meth:`fire_schedule`, called with checked arguments."""
+        """:meth:`fire_schedule`, called with checked arguments (``tick`` has come by
+        :meth:`now`, which the compare-and-set reads again: ``tick_is_due``)."""
+
+    @abc.abstractmethod
+    async def _now(self) -> float:
+        """:meth:`now`."""
 
     @abc.abstractmethod
     async def _delete_schedule(self, name: str) -> bool:

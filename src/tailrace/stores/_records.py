@@ -424,6 +424,18 @@ class StoredRun:
     checkpoints: list[CheckpointRow] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSnapshot:
+    """A run as of one moment, as ``snapshot`` returns it: what ``load_run`` returns with
+    the run's result rows (by node, then visit), first-k decisions (by node, then
+    activation) and stream rows (by seq), none written after another was read."""
+
+    stored: StoredRun
+    results: list[ResultRow] = field(default_factory=list)
+    frozen: list[FrozenInput] = field(default_factory=list)
+    chunks: list[ChunkRow] = field(default_factory=list)
+
+
 # --- queues and workers (scale-out: the store is the coordinator) -----------------
 
 #: The largest count a limit may hold: every store keeps limits as 32-bit integers.
@@ -669,7 +681,8 @@ class ScheduleRow:
 class GraphRow:
     """A graph a worker can drive, as it registered it (``register_graph``): what a run
     submitted by the graph's name alone is stored with (``name``, ``fingerprint``,
-    ``graph_ref``); ``registered_at`` is its latest registration."""
+    ``graph_ref``); ``registered_at`` is when that version was first registered (its
+    deploy), never before the versions of its name registered earlier."""
 
     name: str
     fingerprint: str

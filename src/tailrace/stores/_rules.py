@@ -344,12 +344,20 @@ def question_not_found(question_id: str) -> QuestionNotFound:
     return QuestionNotFound(f"no question {question_id!r} in the store")
 
 
-def not_open(question_id: str, status: QuestionStatus) -> AlreadyAnswered:
+def not_open(
+    question_id: str, status: QuestionStatus, run: tuple[str, RunStatus] | None = None
+) -> AlreadyAnswered:
     """The error for answering question ``question_id`` that is in ``status``, not ``open`` (Q2).
 
-    A superseded question was withdrawn (the run went on without it, Q3, Q7):
-    the message says so rather than that an answer won.
+    ``run`` is the question's run and its status, when known. A superseded
+    question was withdrawn: its run was cancelled, or went on without it
+    (Q3, Q7); the message says which rather than that an answer won.
     """
+    if status is QuestionStatus.SUPERSEDED and run is not None and run[1] is RunStatus.CANCELLED:
+        return AlreadyAnswered(
+            f"question {question_id!r} is superseded: its run {run[0]!r} was cancelled, so "
+            "nothing waits for an answer; nothing was changed"
+        )
     if status is QuestionStatus.SUPERSEDED:
         return AlreadyAnswered(
             f"question {question_id!r} is superseded: it was withdrawn because its run no "

@@ -1,4 +1,4 @@
-"""Long-tail primitives: duration estimates (T1), LPT (T2), hedging (T3), the bounded resume queue (T4).
+"""Long-tail primitives: duration estimates (T1), LPT (T2), hedging (T3, T5), the bounded resume queue (T4).
 
 Each is usable on its own; the engine's admission policy builds on them.
 :class:`Cron` parses the cron expressions of schedules (W4). :func:`tail_account`
@@ -20,7 +20,9 @@ from ._accounting import parked_tokens as parked_tokens
 from ._accounting import tail_account as tail_account
 from ._cron import Cron as Cron
 from ._estimator import DurationEstimator as DurationEstimator
+from ._hedging import HedgeBudget as HedgeBudget
 from ._hedging import HedgePolicy as HedgePolicy
+from ._hooks import HedgeDelay as HedgeDelay
 from ._hooks import TailHooks as TailHooks
 from ._lpt import fifo_makespan as fifo_makespan
 from ._lpt import list_makespan as list_makespan
@@ -32,6 +34,8 @@ from ._resume_queue import ResumeQueue as ResumeQueue
 __all__ = [
     "Cron",
     "DurationEstimator",
+    "HedgeBudget",
+    "HedgeDelay",
     "HedgePolicy",
     "ItemAccount",
     "ItemStream",

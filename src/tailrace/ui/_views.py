@@ -19,6 +19,7 @@ from .._attempts import (
     attempts_from_events,
     event_data,
     fold_items,
+    hedge_account,
     last_known,
     map_summaries,
 )
@@ -542,6 +543,8 @@ class RunView:
     origin: Origin | None = None
     #: The tail account of each map node whose items are model generations (X4).
     tail: tuple[TailPanel, ...] = ()
+    #: The backups it raced: started, won, refused by the hedge budget (T3, T5).
+    hedging: str | None = None
 
 
 class DriverRow(NamedTuple):
@@ -679,7 +682,14 @@ async def run_view(
         tail=await tail_panels(
             store, record.run_id, parked, generations, generating=streams.generating
         ),
+        hedging=_hedging(events),
     )
+
+
+def _hedging(events: Sequence[EventRow]) -> str | None:
+    """The run page's line on the backups the run raced, if it raced any (T3, T5)."""
+    account = hedge_account(events)
+    return None if account is None else account.describe()
 
 
 async def _parked_by(

@@ -51,6 +51,7 @@ from .._records import (
     ResultRow,
     RunCount,
     RunRecord,
+    RunSnapshot,
     RunStatus,
     ScheduleRow,
     StoredRun,
@@ -74,7 +75,6 @@ from ._queues import (
     SELECT_SCHEDULES,
     SELECT_WORKERS,
     TOP_LEVEL_RUN_COUNTS,
-    UPSERT_GRAPH,
     UPSERT_WORKER,
     list_runs_query,
     run_counts_from_rows,
@@ -237,6 +237,12 @@ class SQLStore(RunStore):
 
     async def _load_run(self, run_id: str) -> StoredRun:
         return await self._read_tx(f"run {run_id!r}", lambda tx: bodies.load_run(tx, run_id))
+
+    async def _snapshot(self, run_id: str) -> RunSnapshot:
+        no_limit = self._no_limit
+        return await self._read_tx(
+            f"run {run_id!r}", lambda tx: bodies.snapshot(tx, run_id, no_limit), snapshot=True
+        )
 
     async def _get_run(self, run_id: str) -> RunRecord:
         return await self._read_tx(f"run {run_id!r}", lambda tx: bodies.get_run(tx, run_id))
@@ -666,8 +672,7 @@ class SQLStore(RunStore):
         )
 
     async def _register_graph(self, row: GraphRow) -> None:
-        params = (row.name, row.fingerprint, row.graph_ref, row.registered_at)
-        await self._write_tx(f"graph {row.name!r}", lambda tx: tx.change_all(UPSERT_GRAPH, params))
+        await self._write_tx(f"graph {row.name!r}", lambda tx: bodies.register_graph(tx, row))
 
     async def _graphs_named(self, name: str) -> list[GraphRow]:
         return await self._read_tx(
@@ -682,11 +687,15 @@ class SQLStore(RunStore):
             "listing schedules", each(SELECT_SCHEDULES, (), schedule_from_row)
         )
 
+    async def _now(self) -> float:
+        return self._clock()
+
     async def _fire_schedule(self, name: str, tick: float) -> str | None:
+        now = await self._now()  # the store's clock (Postgres: the server's) judges the tick
         fired: list[str | None] = [None]
 
         async def fire(tx: Tx) -> str | None:
-            fired[0] = await bodies.fire_schedule(tx, name, tick, self._clock())
+            fired[0] = await bodies.fire_schedule(tx, name, tick, now, self._clock())
             return fired[0]
 
         async def landed(tx: Tx) -> str | None:

@@ -69,13 +69,14 @@ REQUEUE_CANCELLED_NODE = (
 )
 
 GRAPH_COLUMNS = "name, fingerprint, graph_ref, registered_at"
-#: A later registration of the same shape refreshes its reference and time.
+#: A later registration of the same version refreshes its reference, never its time (its deploy).
 UPSERT_GRAPH = (
     f"INSERT INTO graphs ({GRAPH_COLUMNS}) VALUES (?, ?, ?, ?) "
-    "ON CONFLICT (name, fingerprint) DO UPDATE SET graph_ref = excluded.graph_ref, "
-    "registered_at = excluded.registered_at"
+    "ON CONFLICT (name, fingerprint) DO UPDATE SET graph_ref = excluded.graph_ref"
 )
-#: Values: name. Newest registration first.
+#: Values: name, fingerprint. When the other versions of a graph name were deployed last.
+NEWEST_OTHER_GRAPH = "SELECT MAX(registered_at) FROM graphs WHERE name = ? AND fingerprint <> ?"
+#: Values: name. The version deployed last first.
 SELECT_GRAPHS_NAMED = (
     f"SELECT {GRAPH_COLUMNS} FROM graphs WHERE name = ? ORDER BY registered_at DESC, fingerprint"
 )
@@ -93,9 +94,11 @@ UPSERT_SCHEDULE = (
 )
 SELECT_SCHEDULES = f"SELECT {SCHEDULE_COLUMNS} FROM schedules ORDER BY name"
 SELECT_SCHEDULE = f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE name = ?"
-#: Values: tick, name, tick. The compare-and-set that makes one caller submit a tick.
+#: Values: tick, name, tick, the store's clock. The compare-and-set that makes one caller
+#: submit a tick (``tick_is_due``; the caller checked that the tick has come).
 ADVANCE_SCHEDULE = (
-    "UPDATE schedules SET last_tick = ? WHERE name = ? AND (last_tick IS NULL OR last_tick < ?)"
+    "UPDATE schedules SET last_tick = ? WHERE name = ?"
+    " AND (last_tick IS NULL OR last_tick < ? OR last_tick > ?)"
 )
 DELETE_SCHEDULE = "DELETE FROM schedules WHERE name = ?"
 

@@ -660,6 +660,11 @@ INSERT_QUESTION = f"INSERT INTO questions ({QUESTION_COLUMNS}) VALUES ({_QUESTIO
 SELECT_QUESTION = f"SELECT {QUESTION_COLUMNS} FROM questions WHERE question_id = ?"
 #: What a failed compare-and-set reports: the question's state now (no row: not found).
 QUESTION_STATE = "SELECT status, applied_at FROM questions WHERE question_id = ?"
+#: The run of a question, and its status (what a refused answer is told).
+QUESTION_RUN = (
+    "SELECT r.run_id, r.status FROM questions q JOIN runs r ON r.run_id = q.run_id"
+    " WHERE q.question_id = ?"
+)
 #: Q2: first answer wins. Values: status, answer_json, answered_by, answered_at, question_id.
 ANSWER_QUESTION = (
     "UPDATE questions SET status = ?, answer_json = ?, answered_by = ?, answered_at = ? "

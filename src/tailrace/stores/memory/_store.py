@@ -36,6 +36,7 @@ from .._queue_rules import (
     FLEET_SCOPE,
     claim_order,
     dedup_holder,
+    deployed_at,
     free_slots,
     holds_slot,
     host_of,
@@ -47,6 +48,7 @@ from .._queue_rules import (
     run_graph_key,
     scheduled_run,
     stats_of,
+    tick_is_due,
 )
 from .._records import (
     LIVE_STATUSES,
@@ -72,6 +74,7 @@ from .._records import (
     ResultRow,
     RunCount,
     RunRecord,
+    RunSnapshot,
     RunStatus,
     ScheduleRow,
     StoredRun,
@@ -374,13 +377,30 @@ class MemoryStore(RunStore):
 
     async def _load_run(self, run_id: str) -> StoredRun:
         with self._lock:
-            record = self._run(run_id)
-            check_readable(run_id, record.format_version)
-            items = [row for _, row in sorted(self._items[run_id].items())]
-            checkpoints = [row for _, row in sorted(self._checkpoints[run_id].items())]
-            return StoredRun(
-                run=record, nodes=dict(self._nodes[run_id]), items=items, checkpoints=checkpoints
-            )
+            return self._stored(run_id)
+
+    def _stored(self, run_id: str) -> StoredRun:
+        """What :meth:`load_run` returns; under the lock."""
+        record = self._run(run_id)
+        check_readable(run_id, record.format_version)
+        items = [row for _, row in sorted(self._items[run_id].items())]
+        checkpoints = [row for _, row in sorted(self._checkpoints[run_id].items())]
+        return StoredRun(
+            run=record, nodes=dict(self._nodes[run_id]), items=items, checkpoints=checkpoints
+        )
+
+    async def _snapshot(self, run_id: str) -> RunSnapshot:
+        with self._lock:  # one moment: no commit lands while the lock is held
+            stored = self._stored(run_id)
+            results = list(self._result_rows[run_id].values())
+            frozen = list(self._frozen[run_id].values())
+            chunks = list(self._chunk_rows[run_id])
+        return RunSnapshot(
+            stored=stored,
+            results=sorted(results, key=lambda r: (r.node_id, r.visit)),
+            frozen=sorted(frozen, key=lambda f: (f.node_id, f.activation)),
+            chunks=chunks,
+        )
 
     # -- parked items (P3, P4) ------------------------------------------------------
 
@@ -652,7 +672,10 @@ class MemoryStore(RunStore):
         with self._lock:
             row = self._question(question_id)
             if row.status is not QuestionStatus.OPEN:
-                raise not_open(question_id, row.status)
+                run = self._runs.get(row.run_id)
+                raise not_open(
+                    question_id, row.status, None if run is None else (run.run_id, run.status)
+                )
             row = dataclasses.replace(
                 row, status=status, answer_json=answer_json, answered_by=by,
                 answered_at=self._clock(),
@@ -959,7 +982,14 @@ class MemoryStore(RunStore):
 
     async def _register_graph(self, row: GraphRow) -> None:
         with self._lock:
-            self._graph_rows[(row.name, row.fingerprint)] = row
+            key = (row.name, row.fingerprint)
+            known = self._graph_rows.get(key)
+            if known is not None:  # a version known already keeps when it was deployed
+                self._graph_rows[key] = dataclasses.replace(known, graph_ref=row.graph_ref)
+                return
+            others = [r.registered_at for (n, _), r in self._graph_rows.items() if n == row.name]
+            at = deployed_at(row.registered_at, max(others, default=None))
+            self._graph_rows[key] = dataclasses.replace(row, registered_at=at)
 
     async def _graphs_named(self, name: str) -> list[GraphRow]:
         with self._lock:
@@ -977,10 +1007,13 @@ class MemoryStore(RunStore):
         with self._lock:
             return [self._schedule_rows[name] for name in sorted(self._schedule_rows)]
 
+    async def _now(self) -> float:
+        return self._clock()
+
     async def _fire_schedule(self, name: str, tick: float) -> str | None:
         with self._lock:
             row = self._schedule_rows.get(name)
-            if row is None or (row.last_tick is not None and row.last_tick >= tick):
+            if row is None or not tick_is_due(row.last_tick, tick, self._clock()):
                 return None
             self._schedule_rows[name] = dataclasses.replace(row, last_tick=tick)
             run, submission = scheduled_run(row, tick, self._clock())
