@@ -130,7 +130,7 @@ async def strategy(name: str, url: str, args: argparse.Namespace, db: Path) -> O
     async with (
         SQLiteStore(db) as store,
         ModelClient(url, "batching", version="v1", stream_tokens=False, checkpoint_every=64,
-                    checkpoint_interval=0.5, timeout=300) as client,
+                    checkpoint_interval=0.5, timeout=300, connect_timeout=60) as client,
     ):  # fmt: skip
         engine = tr.Engine(store=store)
         g = rollout_graph(client, args.max_tokens, **options)

@@ -158,6 +158,35 @@ async def test_a_server_killed_and_restarted_mid_stream_is_retried_and_continued
     assert marks[-1][1] == "accepted" and all(k == "discarded" for _, k in marks[:-1])
 
 
+async def test_a_busy_server_holds_a_rounds_connections_and_then_answers_each() -> None:
+    """A round of rollouts connects by the thousand at once. While the server is busy (here:
+    SIGSTOPped) the kernel holds every connection in its backlog, instead of dropping those
+    past asyncio's default of 100 until their connects time out; once it runs, it answers each.
+    """
+    port = free_port()
+    async with server_process(port) as server:
+        server.send_signal(signal.SIGSTOP)
+        try:
+            async with asyncio.timeout(fixtures.HANG_GUARD):
+                connections = await asyncio.gather(
+                    *(asyncio.open_connection("127.0.0.1", port) for _ in range(1000))
+                )
+        finally:
+            server.send_signal(signal.SIGCONT)
+        request = f"GET /v1/models HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n\r\n".encode()
+
+        async def models(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+            writer.write(request)
+            await writer.drain()
+            status = await reader.readline()
+            writer.close()
+            return status
+
+        async with asyncio.timeout(fixtures.HANG_GUARD):
+            answers = await asyncio.gather(*(models(r, w) for r, w in connections))
+    assert answers == [b"HTTP/1.1 200 X\r\n"] * 1000
+
+
 async def _chunks(db: Path, run_id: str) -> list[tr.Chunk]:
     async with SQLiteStore(db) as store:
         return await tr.Engine(store=store).stored_chunks(run_id, limit=100_000)

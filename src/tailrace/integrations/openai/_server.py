@@ -38,6 +38,9 @@ from typing import Any, Self
 
 GENERATED = " ·"  # the text every generated token starts with
 FIRST_ID = 100_000  # the id of generated token 0
+#: Connections the kernel holds for the server while it decodes: a round of rollouts connects
+#: thousands at once, and asyncio's default (100) drops the rest until their connects time out.
+BACKLOG = 4096
 
 
 @dataclass(slots=True, kw_only=True)
@@ -180,7 +183,9 @@ class BatchingServer:
 
     async def start(self) -> None:
         """Listen, and start the decode loop."""
-        self._server = await asyncio.start_server(self._connection, self.host, self.port)
+        self._server = await asyncio.start_server(
+            self._connection, self.host, self.port, backlog=BACKLOG
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         self._decoder = asyncio.create_task(self._decode())
 
