@@ -130,7 +130,7 @@ async def strategy(name: str, url: str, args: argparse.Namespace, db: Path) -> O
     async with (
         SQLiteStore(db) as store,
         ModelClient(url, "batching", version="v1", stream_tokens=False, checkpoint_every=64,
-                    checkpoint_interval=0.5, timeout=300) as client,
+                    checkpoint_interval=0.5, timeout=300, connect_timeout=60) as client,
     ):  # fmt: skip
         engine = tr.Engine(store=store)
         g = rollout_graph(client, args.max_tokens, **options)
@@ -304,7 +304,7 @@ async def real_model(python: str, gguf: str) -> tuple[Table, list[tuple[str, boo
                     ("real model: probe after cancel <= 1.5x idle", worst <= 1.5, fmt_ratio(worst))
                 )
 
-                runs, salvaged, continued = [], [], []
+                runs, pairs = [], []  # (salvaged text, continued text) of each parked item
                 for _ in range(3):  # three rounds of a park, then its continuation
                     park = llama_graph(
                         "bench_llama_park", client, required=1, late="park", resume_parked=True
@@ -313,27 +313,27 @@ async def real_model(python: str, gguf: str) -> tuple[Table, list[tuple[str, boo
                         (await engine.run(park, [{"max_tokens": 8}, {"max_tokens": 64}])).run_id
                     )
                     rows = await engine.parked(park, "generate")
-                    salvaged += [
-                        json.loads(r.checkpoint_json or "null")["generation"]["text"] for r in rows
-                    ]
                     finish = llama_graph(
                         "bench_llama_park", client, resume_parked=True
                     )  # keeps them all
                     done = await engine.run(finish, [{"max_tokens": 2}])
                     runs.append(done.run_id)
-                    continued += [r["text"] for r in done.output if r["salvaged"]]
+                    # The parked items are the continuation's first items, in parked order.
+                    pairs += [
+                        (json.loads(row.checkpoint_json or "null")["generation"]["text"], r["text"])
+                        for row, r in zip(rows, done.output, strict=False)
+                    ]
                 account = await tail_accounting(engine, "bench_llama_park", "generate", runs)
-                starts = len(continued) == len(salvaged) and all(
-                    any(text.startswith(s) for text in continued) for s in salvaged
-                )
+                starting = sum(text.startswith(salvaged) for salvaged, text in pairs)
+                starts = bool(pairs) and starting == len(pairs)
                 share = account.wasted_share
                 table.add_row(
                     "park and continue, 3 times: decoded / salvaged / wasted tokens",
                     f"{account.decoded} / {account.salvaged} / {account.wasted}",
                 )
                 table.add_row(
-                    "continued texts that start with their salvaged text",
-                    f"{len(continued) if starts else 0}/{len(salvaged)}",
+                    "continued texts that start with their salvaged text (parked with none yet)",
+                    f"{starting}/{len(pairs)} ({sum(not salvaged for salvaged, _ in pairs)})",
                 )
                 targets.append(
                     (

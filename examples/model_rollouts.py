@@ -38,6 +38,8 @@ from tailrace.stores import SQLiteStore
 
 #: Samples kept per step, samples per prompt, and samples launched per step.
 KEEP, SAMPLES, LAUNCH = 24, 4, 32
+#: The longest sample, in tokens.
+MAX_TOKENS = 2048
 
 #: The client of the current step: the step's model version (its weights) changes each step.
 current: dict[str, ModelClient] = {}
@@ -64,12 +66,14 @@ def samples(step: dict[str, Any]) -> list[dict[str, Any]]:
 async def rollout(sample: dict[str, Any]) -> dict[str, Any]:
     """One sample: a generation that streams, checkpoints, and continues where it stopped."""
     generation = await current["client"].complete(
-        sample["prompt"], max_tokens=2048, temperature=1.0, seed=sample["seed"]
+        sample["prompt"], max_tokens=MAX_TOKENS, temperature=1.0, seed=sample["seed"]
     )
     return {
         **sample,
         "tokens": generation.completion_tokens,
         "salvaged": generation.salvaged_tokens,
+        "decoded": generation.decoded_tokens,
+        "rounds": generation.rounds,
         "stale": generation.stale,
         "version": generation.version,
     }

@@ -5,6 +5,7 @@ next step continues those first, under its newer model version."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,15 +36,26 @@ async def test_each_step_keeps_k_and_continues_the_parked_first_under_the_new_ve
         steps = [await example.step(engine, server.url, "m", n) for n in (1, 2, 3)]  # type: ignore[attr-defined]
         runs = [r.run_id for r, _ in steps]
         account = await tail_accounting(engine, example.graph, "rollout", runs)  # type: ignore[attr-defined]
+
+    def whole(sample: dict[str, Any]) -> int:
+        """The length of ``sample``'s whole generation (the server's lengths are fixed)."""
+        return min(server.length(sample["prompt"], sample["seed"]), example.MAX_TOKENS)  # type: ignore[attr-defined]
+
     for number, (result, kept) in enumerate(steps, start=1):
         assert len(kept) == keep and len(result.late_inputs) == launch - keep
         assert all(x.reason == "parked" for x in result.late_inputs)
         assert {s["version"] for s in kept} == {f"v{number}"}
+        assert all(s["tokens"] == whole(s) for s in kept)  # continued or not
         continued = [s for s in kept if s["salvaged"]]
         if number == 1:
             assert not continued
-        else:  # parked samples go first, with a head start: some finish in this step
-            assert continued and all(s["stale"] and s["tokens"] > s["salvaged"] for s in continued)
+            continue
+        # Parked samples go first, with a head start: some finish in this step, under its version.
+        assert continued and all(s["stale"] and s["rounds"] >= 1 for s in continued)
+        assert any(s["decoded"] for s in continued)
+        for s in continued:  # each decodes the rest of its text here, unless its checkpoint held
+            # it all: it finished, then was parked before its result was committed
+            assert s["decoded"] > 0 or s["salvaged"] == whole(s), s
     assert account.accepted == 3 * keep and account.salvaged > 0
     assert account.parked == launch - keep and min(account.waiting.values()) >= 1
     assert account.wasted_share < 0.1  # a parked sample loses only what followed its checkpoint

@@ -25,6 +25,11 @@ Whatever is still open when the run's call returns is ended then (an
 abandoned hedge loser, attempts cut by a cancellation), so no span is left
 open. All of this runs on the engine's event loop, so no lock is needed.
 
+A fourth, the run's stream rows as they are published (each run span's
+:class:`~tailrace.tail.RunStreams`), feeds the tail's account of each map
+node whose items generated, added to the run span as it ends
+(:meth:`SpanTracker.close_run`, X4).
+
 Tracing never changes an outcome: every call into the OpenTelemetry SDK goes
 through a :class:`GuardedSpan` (or :meth:`SpanTracker.start_span`), so a span
 processor or exporter that raises (on start, on end, anywhere) costs that
@@ -45,6 +50,7 @@ from opentelemetry.trace import Link, Span, SpanContext, Status, StatusCode, Tra
 from opentelemetry.util.types import Attributes, AttributeValue
 
 from .._events import Event, EventType
+from ..tail import RunStreams, TailAccount
 
 # Attribute names, documented in the ``otel`` module's docstring.
 RUN_ID = "tailrace.run_id"
@@ -64,6 +70,8 @@ HEDGES_REFUSED = "tailrace.hedges_refused"
 HEDGE_BUDGET = "tailrace.hedge_budget"
 EXECUTOR = "tailrace.executor"
 QUESTION_ID = "tailrace.question_id"
+#: The run span's event that carries the tail's account of one map node of generations (X4).
+TAIL_ACCOUNT = "tailrace.tail_account"
 
 COMPLETED = "completed"
 FAILED = "failed"
@@ -89,15 +97,18 @@ class SdkGuard:
         try:
             return fn()
         except Exception as exc:
-            self.failures += 1
-            if self.failures == 1:
-                logger.warning(
-                    "tracing failed (%s); runs go on, untraced where the tracer fails "
-                    "(logged once)",
-                    what,
-                    exc_info=exc,
-                )
+            self.failed(what, exc)
             return fallback
+
+    def failed(self, what: str, exc: Exception) -> None:
+        """Count a failure of tracing (``what`` failed with ``exc``); log the first."""
+        self.failures += 1
+        if self.failures == 1:
+            logger.warning(
+                "tracing failed (%s); runs go on, untraced where the tracer fails (logged once)",
+                what,
+                exc_info=exc,
+            )
 
 
 class GuardedSpan(Span):
@@ -203,6 +214,8 @@ class RunSpan:
     hedges: int = 0
     refused: int = 0
     budget: float | None = None
+    #: The run's stream rows this call saw published, folded (the tail's account reads them).
+    streams: RunStreams = field(default_factory=RunStreams)
 
     def open_attempts(self) -> Iterator[AttemptSpan]:
         """Every attempt span not ended yet."""
@@ -263,8 +276,16 @@ class SpanTracker:
         self.runs[run_id] = run
         return run
 
-    def close_run(self, run: RunSpan, outcome: str, exc: BaseException | None = None) -> None:
-        """End every span of ``run`` still open, then the run span with ``outcome``."""
+    def close_run(
+        self,
+        run: RunSpan,
+        outcome: str,
+        exc: BaseException | None = None,
+        accounts: Sequence[TailAccount] = (),
+    ) -> None:
+        """End every span of ``run`` still open, then the run span with ``outcome``, after a
+        ``tailrace.tail_account`` event for each of ``accounts`` (one per map node of
+        generations)."""
         if self.runs.get(run.run_id) is run:
             del self.runs[run.run_id]
         now = time.time_ns()
@@ -274,6 +295,8 @@ class SpanTracker:
                 attempt.decided_at = now
             attempt.running = False  # the run is over: nothing may keep its span open
             self._end(run, attempt)
+        for account in accounts:
+            run.span.add_event(TAIL_ACCOUNT, account_attributes(account))
         run.span.set_attribute(OUTCOME, outcome)
         if run.hedges or run.refused:
             run.span.set_attribute(HEDGES, run.hedges)
@@ -518,6 +541,27 @@ class SpanTracker:
             span.set_status(Status(StatusCode.ERROR, attempt.error or attempt.outcome))
         end = attempt.returned_at if attempt.returned_at is not None else attempt.decided_at
         span.end(end_time=end)
+
+
+def account_attributes(account: TailAccount) -> dict[str, AttributeValue]:
+    """The attributes of a ``tailrace.tail_account`` event: ``account``'s totals (X4)."""
+    return {
+        NODE: account.node_id,
+        "tailrace.tail.tokens_decoded": account.decoded,
+        "tailrace.tail.tokens_salvaged": account.salvaged,
+        "tailrace.tail.tokens_wasted": account.wasted,
+        "tailrace.tail.tokens_kept": account.kept,
+        "tailrace.tail.items_launched": account.launched,
+        "tailrace.tail.items_accepted": account.accepted,
+        "tailrace.tail.items_parked": account.parked,
+        "tailrace.tail.items_cancelled": account.cancelled,
+        "tailrace.tail.items_stale": account.stale,
+        "tailrace.tail.ks": account.ks,
+        "tailrace.tail.lengths_censored": account.censored,
+        "tailrace.tail.max_rounds": account.max_rounds,
+        "tailrace.tail.starvation_bound": account.starvation_bound,
+        "tailrace.tail.items_starving": len(account.starving),
+    }
 
 
 def _where(event: Event) -> tuple[Slot, int]:

@@ -33,6 +33,19 @@ Spans, all carrying ``tailrace.run_id``:
   ``late_input`` (an input that arrived after its first-k aggregate fired, E5,
   with ``tailrace.source``), ``aggregate_fired`` and ``run_resumed`` (also
   when a ``run`` call resumes its own suspended run to apply a late answer).
+  As the span ends, one ``tailrace.tail_account`` event per map node whose
+  items generated through :class:`~tailrace.integrations.openai.ModelClient`
+  (X4): the tail's account of what the call drove, as
+  :func:`~tailrace.integrations.openai.tail_accounting` gives it for the run:
+  ``tailrace.node``, ``tailrace.tail.tokens_decoded``, ``tokens_salvaged``,
+  ``tokens_wasted``, ``tokens_kept``, ``items_launched``, ``items_accepted``,
+  ``items_parked``, ``items_cancelled``, ``items_stale`` (accepted under another
+  model version), ``ks`` (accepted against launched lengths),
+  ``lengths_censored``, ``max_rounds``, ``starvation_bound`` (the map's
+  ``max_parks``) and ``items_starving`` (all under ``tailrace.tail.``). It is
+  folded from the run's stream rows as they are published, plus one read of
+  the items the run parked as the call ends; a call cancelled by its caller
+  adds none.
 - ``tailrace.node <node>`` spans one attempt: one try of one node visit (a
   retried node has one span per try, E11) or a hedge's backup (T3).
   ``tailrace.node``, ``tailrace.visit``, ``tailrace.attempt`` (the try),
@@ -84,11 +97,13 @@ from .. import __version__
 from .._errors import LeaseHeld, NotResumable
 from ..core import Instrument, RunCall
 from ..executors import AttemptContext, Executor, LocalExecutor
-from ._otel_tracker import CANCELLED, COMPLETED, FAILED, REFUSED, SpanTracker
+from ..tail import TailAccount
+from ._otel_tracker import CANCELLED, COMPLETED, FAILED, REFUSED, RunSpan, SpanTracker
+from .openai._accounting import run_accounts
 
 if TYPE_CHECKING:
     from ..core import Engine, RunResult
-    from ..graph import Node
+    from ..graph import Graph, Node
 
 __all__ = ["Instrumentation", "OtelExecutor", "instrument"]
 
@@ -187,10 +202,7 @@ class Instrumentation(Instrument):
             call: the engine's call that drives a run.
             proceed: drives it.
         """
-        graph = None if call.graph is None else call.graph.name
-        return await _within_run_span(
-            self.tracker, call.run_id, f"tailrace.{call.kind}", graph, proceed
-        )
+        return await _within_run_span(self.engine, self.tracker, call, proceed)
 
     def wrap_executor(self, executor: Executor, name: str | None) -> Executor:
         """``executor`` in an :class:`OtelExecutor`, so each attempt's span is current in its handler.
@@ -237,19 +249,24 @@ def _kind(executor: Executor) -> str:
 
 
 async def _within_run_span(
+    engine: Engine,
     tracker: SpanTracker,
-    run_id: Any,
-    verb: str,
-    graph: str | None,
-    call: Callable[[], Awaitable[RunResult]],
+    call: RunCall,
+    proceed: Callable[[], Awaitable[RunResult]],
 ) -> RunResult:
-    """Await ``call()`` inside the run span of ``run_id``; end it, and all under it, however it ends."""
-    run = tracker.open_run(str(run_id), verb, graph)
+    """Await ``proceed()`` inside the run span of ``call``; end it, and all under it, however it
+    ends; fold the run's stream rows meanwhile, for the tail's account it ends with."""
+    graph = None if call.graph is None else call.graph.name
+    run = tracker.open_run(str(call.run_id), f"tailrace.{call.kind}", graph)
     if run is None:  # this run is being driven already: the engine refuses the call
-        return await call()
+        return await proceed()
+    streams = run.streams
     try:
-        with trace.use_span(run.span, record_exception=False, set_status_on_exception=False):
-            result = await call()
+        with (
+            trace.use_span(run.span, record_exception=False, set_status_on_exception=False),
+            engine.on_chunk(run.run_id, lambda chunk: streams.add(chunk, chunk.value)),
+        ):
+            result = await proceed()
     except asyncio.CancelledError:
         tracker.close_run(run, CANCELLED)
         raise
@@ -257,8 +274,36 @@ async def _within_run_span(
         run.span.record_exception(exc)
         tracker.close_run(run, REFUSED)
         raise
+    except Exception as exc:
+        tracker.close_run(run, FAILED, exc, await _tail_accounts(engine, tracker, call.graph, run))
+        raise
     except BaseException as exc:
         tracker.close_run(run, FAILED, exc)
         raise
-    tracker.close_run(run, result.status)
+    tracker.close_run(
+        run, result.status, accounts=await _tail_accounts(engine, tracker, call.graph, run)
+    )
     return result
+
+
+async def _tail_accounts(
+    engine: Engine, tracker: SpanTracker, graph: Graph | None, run: RunSpan
+) -> list[TailAccount]:
+    """The tail's account of each map node of generations in what ``run``'s call drove (X4).
+
+    One read of the items the run parked (and of the run's record, when the
+    call named no graph: the engine's own for it gives each map's
+    ``max_parks``); none for a run that generated nothing. A store that fails
+    here costs the accounts, never the run's outcome.
+    """
+    if not run.streams.generating:
+        return []
+    store = engine.store
+    try:
+        parked = [] if store is None else await store.list_parked(run_id=run.run_id, status=None)
+        if graph is None and store is not None:
+            graph = engine.graph_for(await store.get_run(run.run_id))
+        return run_accounts(run.run_id, run.streams, parked, graph)
+    except Exception as exc:
+        tracker.guard.failed("the tail's account", exc)
+        return []

@@ -7,10 +7,12 @@ adds up the tail of a map of model generations from its stream rows (X4).
 
 from ._accounting import ItemAccount as ItemAccount
 from ._accounting import ItemStream as ItemStream
+from ._accounting import ParkedItem as ParkedItem
 from ._accounting import Round as Round
 from ._accounting import RunStreams as RunStreams
 from ._accounting import TailAccount as TailAccount
 from ._accounting import generation_checkpoint as generation_checkpoint
+from ._accounting import generation_origin as generation_origin
 from ._accounting import generation_state as generation_state
 from ._accounting import is_usage as is_usage
 from ._accounting import ks_statistic as ks_statistic
@@ -37,6 +39,7 @@ __all__ = [
     "HedgePolicy",
     "ItemAccount",
     "ItemStream",
+    "ParkedItem",
     "ResumeItem",
     "ResumeQueue",
     "Round",
@@ -45,6 +48,7 @@ __all__ = [
     "TailHooks",
     "fifo_makespan",
     "generation_checkpoint",
+    "generation_origin",
     "generation_state",
     "is_usage",
     "ks_statistic",

@@ -20,15 +20,16 @@ Across the runs it compares the lengths of accepted completions with those of
 every item launched (the final length when one of the runs accepted it, the
 tokens known so far otherwise: such a length is censored) by the two-sample
 Kolmogorov-Smirnov statistic, and counts the rounds each parked item has
-waited against ``starvation_bound``.
+waited against ``starvation_bound``: the map's ``max_parks`` (P5), which the
+callers above ``graph/`` read from the node.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .._attempts import ChunkRow
 
@@ -145,8 +146,10 @@ def ks_statistic(a: Sequence[float], b: Sequence[float]) -> float:
 
 @dataclass(slots=True)
 class ItemStream:
-    """What the stream says of one item: its attempts' usage chunks, streamed tokens and marks."""
+    """What the stream says of one item: its attempts' usage chunks, streamed tokens and marks,
+    and the visit of the node they belong to."""
 
+    visit: int = 1
     usage: dict[int, dict[str, Any]] = field(default_factory=dict)
     #: Tokens of the text chunks of each attempt (what an attempt cut before its usage decoded).
     streamed: dict[int, int] = field(default_factory=dict)
@@ -175,7 +178,7 @@ class RunStreams:
         """Fold ``row`` (a ``tailrace.Chunk`` or a store's ``ChunkRow``: its ``kind`` is
         ``chunk``, ``accepted`` or ``discarded``), whose chunk reads back as ``value``."""
         items = self.nodes.setdefault(row.node_id, {})
-        entry = items.setdefault(-1 if row.item is None else row.item, ItemStream())
+        entry = items.setdefault(-1 if row.item is None else row.item, ItemStream(row.visit))
         if row.kind != "chunk":
             entry.marks[row.attempt] = str(row.kind)
         elif is_usage(value):
@@ -190,6 +193,19 @@ class RunStreams:
         return self.nodes.get(node, {})
 
 
+class ParkedItem(Protocol):
+    """The fields of a parked item the account reads (``tailrace.stores.ParkedRow``)."""
+
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def item(self) -> int: ...
+    @property
+    def checkpoint_json(self) -> str | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Round:
     """One run of a map node, as :func:`tail_account` reads it.
@@ -202,6 +218,27 @@ class Round:
     run_id: str
     items: Mapping[int, ItemStream]
     parked: Mapping[int, int]
+
+    @classmethod
+    def of(cls, run_id: str, node: str, streams: RunStreams, parked: Iterable[ParkedItem]) -> Round:
+        """Run ``run_id`` of map ``node``: its items as ``streams`` (its rows, folded) tell
+        them, and the items it parked among ``parked`` (items of any run and node)."""
+        tokens = {
+            row.item: parked_tokens(row.checkpoint_json)
+            for row in parked
+            if row.run_id == run_id and row.node_id == node
+        }
+        return cls(run_id, streams.items_of(node), tokens)
+
+
+def generation_origin(run_id: str, node_id: str, visit: int, item: int | None) -> str:
+    """Where a generation started: the run, node, visit and item of its first attempt; a
+    parked generation keeps it in its checkpoint, so its rounds are one item in the account.
+
+    >>> generation_origin("r1", "rollout", 1, 7), generation_origin("r1", "judge", 2, None)
+    ('r1/rollout/1/7', 'r1/judge/2/')
+    """
+    return f"{run_id}/{node_id}/{visit}/{'' if item is None else item}"
 
 
 def generation_checkpoint(state: dict[str, Any]) -> dict[str, Any]:
@@ -226,8 +263,11 @@ def parked_tokens(checkpoint_json: str | None) -> int:
     return int(tokens) if isinstance(tokens, int | float) else 0
 
 
-def _item_account(run_id: str, item: int, entry: ItemStream, parked: int | None) -> ItemAccount:
-    """The account of one item: ``parked`` is the token count of its parked checkpoint, if parked."""
+def _item_account(
+    run_id: str, node: str, item: int, entry: ItemStream, parked: int | None
+) -> ItemAccount:
+    """The account of one item of ``node``: ``parked`` is the token count of its parked
+    checkpoint, if parked."""
     attempts = sorted(set(entry.usage) | set(entry.marks) | set(entry.streamed))
     decoded = sum(
         int(entry.usage[a].get("decoded", 0)) if a in entry.usage else entry.streamed.get(a, 0)
@@ -248,8 +288,9 @@ def _item_account(run_id: str, item: int, entry: ItemStream, parked: int | None)
     else:
         outcome, kept = ("cancelled" if last.get("outcome") == "cancelled" else "failed"), 0
     version, salvaged_version = last.get("version"), last.get("salvaged_version")
+    own = generation_origin(run_id, node, entry.visit, item if item >= 0 else None)
     return ItemAccount(
-        run_id=run_id, item=item, origin=str(last.get("origin") or f"{run_id}/{item}"),
+        run_id=run_id, item=item, origin=str(last.get("origin") or own),
         outcome=outcome, attempts=len(attempts), decoded=decoded, salvaged=salvaged,
         carried_in=carried_in, kept=kept, wasted=max(0, decoded + carried_in - kept),
         length=kept if outcome in ("accepted", "parked") else int(last.get("tokens", decoded)),
@@ -257,16 +298,19 @@ def _item_account(run_id: str, item: int, entry: ItemStream, parked: int | None)
     )  # fmt: skip
 
 
-def tail_account(node: str, rounds: Sequence[Round], *, starvation_bound: int = 3) -> TailAccount:
+def tail_account(node: str, rounds: Sequence[Round], *, starvation_bound: int) -> TailAccount:
     """The tail's account of map ``node`` over ``rounds`` (its runs, oldest first) (X4).
 
     Args:
         node: The map node whose items are generations.
         rounds: Each run's items and the items it parked, oldest first.
-        starvation_bound: Rounds of waiting at which a parked item counts as starving.
+        starvation_bound: Rounds of waiting at which a parked item counts as starving: the
+            map's ``max_parks`` (P5; ``tailrace.graph.MAX_PARKS`` unless the node sets its
+            own), so ``starving`` names the items the next round that takes them runs to
+            completion.
     """
     items = [
-        _item_account(r.run_id, item, entry, r.parked.get(item))
+        _item_account(r.run_id, node, item, entry, r.parked.get(item))
         for r in rounds
         for item, entry in sorted(r.items.items())
     ]

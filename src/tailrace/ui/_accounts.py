@@ -22,8 +22,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..graph import MAX_PARKS
 from ..stores import ParkedRow, RunStore
-from ..tail import Round, RunStreams, TailAccount, parked_tokens, tail_account
+from ..tail import Round, RunStreams, TailAccount, tail_account
 from ._format import decode
 
 #: Stream rows read per query.
@@ -121,8 +122,9 @@ async def tail_panels(
     streams = await generations.read(store)
     panels = []
     for node in streams.generating:
-        tokens = {p.item: parked_tokens(p.checkpoint_json) for p in parked if p.node_id == node}
-        account = tail_account(node, [Round(run_id, streams.items_of(node), tokens)])
+        rounds = [Round.of(run_id, node, streams, parked)]
+        # The page has the run's rows, not its graph: the default bound of every map (P5).
+        account = tail_account(node, rounds, starvation_bound=MAX_PARKS)
         panels.append(panel_of(account))
     return tuple(panels)
 

@@ -83,8 +83,9 @@ async def test_each_event_is_a_chunk_and_checkpoints_come_at_a_bounded_rate(serv
         generation = await client.complete("p", seed=3)
     texts = [c for c in recorder.chunks if "text" in c]
     assert "".join(c["text"] for c in texts) == generation.text and len(texts) == length
-    # one save per 5 tokens, and the finished generation once more (X1, P1)
-    expected = [0, *range(5, length + 1, 5)] + ([length] if length % 5 else [])
+    # one save per 5 tokens, the finish as soon as it arrives, and the finished generation once
+    # more, committed (X1, P1)
+    expected = [0, *range(5, length, 5), length, length]
     assert [s["generation"]["tokens"] for s in recorder.saved] == expected
     final = recorder.saved[-1]["generation"]
     assert final["finish"] == "stop" and final["text"] == generation.text

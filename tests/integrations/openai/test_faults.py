@@ -18,10 +18,11 @@ import pytest
 pytest.importorskip("httpx")
 
 import tailrace as tr
-from tailrace.integrations.openai import BatchingServer
+from tailrace.integrations.openai import BatchingServer, ModelClient, tail_accounting
 from tailrace.integrations.openai._server import generated_text
-from tailrace.stores import SQLiteStore
+from tailrace.stores import Harvest, SQLiteStore
 from tests import fixtures
+from tests.faults import _faulty as faulty  # the hang guard
 from tests.integrations.openai import rollout_graphs as graphs
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -157,6 +158,104 @@ async def test_a_server_killed_and_restarted_mid_stream_is_retried_and_continued
     assert marks[-1][1] == "accepted" and all(k == "discarded" for _, k in marks[:-1])
 
 
+async def test_a_busy_server_holds_a_rounds_connections_and_then_answers_each() -> None:
+    """A round of rollouts connects by the thousand at once. While the server is busy (here:
+    SIGSTOPped) the kernel holds every connection in its backlog, instead of dropping those
+    past asyncio's default of 100 until their connects time out; once it runs, it answers each.
+    """
+    port = free_port()
+    async with server_process(port) as server:
+        server.send_signal(signal.SIGSTOP)
+        try:
+            async with asyncio.timeout(fixtures.HANG_GUARD):
+                connections = await asyncio.gather(
+                    *(asyncio.open_connection("127.0.0.1", port) for _ in range(1000))
+                )
+        finally:
+            server.send_signal(signal.SIGCONT)
+        request = f"GET /v1/models HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n\r\n".encode()
+
+        async def models(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+            writer.write(request)
+            await writer.drain()
+            status = await reader.readline()
+            writer.close()
+            return status
+
+        async with asyncio.timeout(fixtures.HANG_GUARD):
+            answers = await asyncio.gather(*(models(r, w) for r, w in connections))
+    assert answers == [b"HTTP/1.1 200 X\r\n"] * 1000
+
+
 async def _chunks(db: Path, run_id: str) -> list[tr.Chunk]:
     async with SQLiteStore(db) as store:
         return await tr.Engine(store=store).stored_chunks(run_id, limit=100_000)
+
+
+class HeldAtTheFinishedCheckpoint(SQLiteStore):
+    """A SQLite store that holds the commit of a finished generation's last checkpoint (the
+    one that carries the answer's usage, saved as the generation returns) until ``release``."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.reached = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def commit(self, run_id: str, token: int, harvest: Harvest) -> bool:
+        finished = [json.loads(c.value_json)["generation"] for c in harvest.checkpoints]
+        if any(g["finish"] and g["prompt_tokens"] for g in finished):
+            self.reached.set()
+            await self.release.wait()
+        return await super().commit(run_id, token, harvest)
+
+
+async def test_an_item_cancelled_while_its_finished_generation_commits_still_reports_its_usage(
+    tmp_path: Path,
+) -> None:
+    """The generation's last checkpoint is committed before it returns; an attempt cancelled
+    (parked) in that wait ends its stream with its usage, so the account has its tokens under
+    the origin its continuation uses, and nothing stays parked in the account (X4)."""
+    async with (
+        BatchingServer(median_tokens=8, step=0.0005) as server,
+        HeldAtTheFinishedCheckpoint(tmp_path / "runs.db") as store,
+    ):
+        engine = tr.Engine(store=store)
+        usage: list[dict[str, object]] = []
+
+        def seen(chunk: tr.Chunk) -> None:
+            if isinstance(chunk.value, dict) and "usage" in chunk.value:
+                usage.append(chunk.value["usage"])
+                store.release.set()  # the cancelled attempt told its usage: let the commit go
+
+        async with ModelClient(server.url, "m", version="v1") as client:
+
+            def rounds(**options: object) -> tr.Graph:
+                g = tr.Graph("cancelled_in_the_commit")
+
+                async def rollout(prompt: str) -> dict[str, object]:
+                    if prompt == "wins while the other waits for its commit":
+                        await store.reached.wait()
+                        return {}
+                    generation = await client.complete(prompt, max_tokens=100)
+                    return {"salvaged": generation.salvaged_tokens, "rounds": generation.rounds}
+
+                g.add_node("rollout", rollout, "map", resume_parked=True, **options)
+                return g
+
+            prompt = "finishes, then waits for its commit"
+            with engine.on_chunk("first", seen):
+                one = await faulty.guarded(engine.run(
+                    rounds(required=1, late="park"),
+                    [prompt, "wins while the other waits for its commit"], run_id="first",
+                ), "the first round")  # fmt: skip
+            assert [(x.item, x.reason) for x in one.late_inputs] == [(0, "parked")]
+            length = server.length(prompt, None)
+            assert [(u["outcome"], u["tokens"], u["finish"]) for u in usage] == [
+                ("cancelled", length, "stop")
+            ]
+            two = await engine.run(rounds(), [], run_id="second")
+        assert two.output == [{"salvaged": length, "rounds": 1}]
+        account = await tail_accounting(engine, "cancelled_in_the_commit", "rollout",
+                                        ["first", "second"])  # fmt: skip
+    assert (account.launched, account.accepted, account.parked) == (1, 1, 0)
+    assert (account.decoded, account.wasted, account.max_rounds) == (length, 0, 1)

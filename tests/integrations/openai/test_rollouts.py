@@ -4,6 +4,7 @@ tail's account of it all, against the batching test server and a SQLite store.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 pytest.importorskip("httpx")
 
 import tailrace as tr
+from tailrace.graph import MAX_PARKS
 from tailrace.integrations.openai import (
     BatchingServer,
     CompletionError,
@@ -124,6 +126,62 @@ async def test_parked_items_continue_next_round_from_their_partial_text_under_th
     assert account.max_rounds == 2 if any(a.rounds for a in still) else 1
 
 
+async def test_an_item_parked_after_its_finish_arrived_continues_finished_without_a_request(
+    server, engine
+):
+    """The finish reason goes into the checkpoint as soon as it arrives: an item parked while the
+    end of its answer (usage, ``[DONE]``) is on its way carries its finished text, and the next
+    round returns it without a request, one round waited (X3, X4)."""
+    prompt = next(p for p in (f"f{i}" for i in range(200)) if 3 <= server.length(p, None) <= 12)
+    length = server.length(prompt, None)
+    finished = asyncio.Event()
+    streamed = [0]
+
+    def seen(chunk: tr.Chunk) -> None:  # inside the generation's own stream call
+        if chunk.item == 0 and isinstance(chunk.value, dict):
+            streamed[0] += chunk.value.get("tokens", 0)
+            if streamed[0] == length:
+                finished.set()
+
+    def rounds(client: ModelClient, **options: Any) -> tr.Graph:
+        g = tr.Graph("finished_then_parked")
+
+        async def rollout(prompt: str) -> dict[str, Any]:
+            if prompt == "wins once the other's last token is in":
+                await finished.wait()
+                return {"prompt": prompt}
+            generation = await client.complete(prompt, max_tokens=100)
+            return {"text": generation.text, "salvaged": generation.salvaged_tokens,
+                    "decoded": generation.decoded_tokens, "rounds": generation.rounds}  # fmt: skip
+
+        g.add_node("rollout", rollout, "map", resume_parked=True, **options)
+        return g
+
+    server.hold()  # the finish event comes; the usage and [DONE] do not
+    async with ModelClient(server.url, "m", version="v1", checkpoint_every=1) as client:
+        with engine.on_chunk("first", seen):
+            one = await engine.run(
+                rounds(client, required=1, late="park"),
+                [prompt, "wins once the other's last token is in"],
+                run_id="first",
+            )
+        assert [(x.item, x.reason) for x in one.late_inputs] == [(0, "parked")]
+        assert server.stats.held == 1
+        [row] = await engine.parked("finished_then_parked", "rollout")
+        state = json.loads(row.checkpoint_json or "null")["generation"]
+        assert (state["tokens"], state["finish"]) == (length, "stop")
+        requests = server.stats.requests
+        two = await engine.run(rounds(client), [], run_id="second")
+    [continued] = two.output
+    assert continued == {"text": generated_text(0, length), "salvaged": length, "decoded": 0,
+                         "rounds": 1}  # fmt: skip
+    assert server.stats.requests == requests  # nothing left to decode: no request
+    account = await tail_accounting(engine, "finished_then_parked", "rollout", ["first", "second"])
+    assert (account.launched, account.accepted, account.parked) == (1, 1, 0)
+    assert (account.decoded, account.salvaged, account.wasted) == (length, length, 0)
+    assert account.max_rounds == 1 and account.accepted_lengths == (length,)
+
+
 async def test_a_cut_stream_is_retried_from_its_checkpoint(server, engine):
     retry = tr.RetryPolicy(attempts=3, resume=True, retry_on=(CompletionError,))
     long_prompt = next(p for p in (f"p{i}" for i in range(100)) if server.length(p, None) > 10)
@@ -152,10 +210,44 @@ async def test_an_item_parked_round_after_round_is_counted_against_the_starvatio
         clients["now"] = client
         for n in range(3):  # the slow one, parked, goes first each round, and is parked again
             runs.append((await engine.run(g, quick + ([slow] if n == 0 else []))).run_id)
-    account = await tail_accounting(engine, g, "rollout", runs, starvation_bound=3)
+    account = await tail_accounting(engine, g, "rollout", runs)  # the map's max_parks: 3
     [(origin, waited)] = account.waiting.items()
     assert waited == 3 and account.starving == (origin,) and account.max_rounds == 3
     assert account.launched == 3 * 3 + 1 and account.accepted == 9
+
+
+async def test_the_starvation_bound_is_the_maps_max_parks_and_a_starving_item_finishes_next(
+    server, engine
+):
+    """``starving`` means "runs to completion in the next round that takes it" (P5): the
+    bound defaults to the map's own ``max_parks``, read from the graph, or from the graph the
+    engine ran when it is named; an engine that never saw it uses ``MAX_PARKS``."""
+    lengths = {p: server.length(p, None) for p in (f"q{i}" for i in range(200))}
+    quick = [p for p, n in lengths.items() if n <= 10][:3]
+    slow = max(lengths, key=lengths.__getitem__)
+    clients: dict[str, ModelClient] = {}
+    g = rollouts(clients, required=3, late="park", resume_parked=True, max_parks=2)
+    runs = []
+    async with ModelClient(server.url, "m", version="v1") as client:
+        clients["now"] = client
+        for n in range(2):  # parked twice: it has waited two rounds
+            runs.append((await engine.run(g, quick + ([slow] if n == 0 else []))).run_id)
+        account = await tail_accounting(engine, g, "rollout", runs)
+        [(origin, waited)] = account.waiting.items()
+        assert (waited, account.starvation_bound, account.starving) == (2, 2, (origin,))
+        named = await tail_accounting(engine, "rollouts", "rollout", runs)
+        assert (named.starvation_bound, named.starving) == (2, (origin,))
+        stranger = await tail_accounting(tr.Engine(store=engine.store), "rollouts", "rollout", runs)
+        assert (stranger.starvation_bound, stranger.starving) == (MAX_PARKS, ())
+        patient = await tail_accounting(engine, g, "rollout", runs, starvation_bound=5)
+        assert patient.starving == ()
+        last = await engine.run(g, quick)  # it goes first, and now runs to completion
+        runs.append(last.run_id)
+    assert slow in [r["prompt"] for r in last.output]
+    after = await tail_accounting(engine, g, "rollout", runs)
+    assert after.waiting == {} and after.starving == () and after.max_rounds == 2
+    with pytest.raises(ValueError, match="graph 'rollouts' has no node 'judge'"):
+        await tail_accounting(engine, g, "judge", runs)
 
 
 async def test_each_attempts_span_carries_its_generations_usage(server, engine):

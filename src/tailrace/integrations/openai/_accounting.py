@@ -2,19 +2,56 @@
 
 The accounting itself is pure and lives in :mod:`tailrace.tail` (the dashboard
 shows it too); this reads a graph's runs through an engine and hands their
-stream rows and parked items to it.
+stream rows and parked items to it, with the node's starvation bound: its
+``max_parks`` (P5), which only the graph knows. The OpenTelemetry
+integration hands it what it saw of one run (:func:`run_accounts`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ...core import Engine
-from ...graph import Graph
-from ...tail import Round, RunStreams, TailAccount, parked_tokens, tail_account
+from ...graph import MAX_PARKS, Graph
+from ...tail import ParkedItem, Round, RunStreams, TailAccount, tail_account
 
 #: Stream rows read per query.
 _PAGE = 1000
+
+
+def map_starvation_bound(graph: Graph | None, node: str) -> int:
+    """Rounds of waiting at which a parked item of map ``node`` of ``graph`` starves: the map's
+    ``max_parks`` (P5), so a starving item runs to completion in the next round that takes
+    it; :data:`~tailrace.graph.MAX_PARKS` when the graph (or the node in it) is not known.
+
+    Args:
+        graph: The graph the map belongs to, if known.
+        node: The map node.
+    """
+    found = None if graph is None else graph.nodes.get(node)
+    return MAX_PARKS if found is None else found.max_parks
+
+
+def run_accounts(
+    run_id: str, streams: RunStreams, parked: Iterable[ParkedItem], graph: Graph | None
+) -> list[TailAccount]:
+    """The account of each map node of run ``run_id`` whose items generated (X4).
+
+    Args:
+        run_id: The run.
+        streams: Its stream rows, folded.
+        parked: The items it parked (items of other runs are left out).
+        graph: Its graph, for each node's starvation bound (None: not known).
+    """
+    rows = tuple(parked)
+    return [
+        tail_account(
+            node,
+            [Round.of(run_id, node, streams, rows)],
+            starvation_bound=map_starvation_bound(graph, node),
+        )
+        for node in streams.generating
+    ]
 
 
 async def tail_accounting(
@@ -23,7 +60,7 @@ async def tail_accounting(
     node: str,
     run_ids: str | Sequence[str],
     *,
-    starvation_bound: int = 3,
+    starvation_bound: int | None = None,
 ) -> TailAccount:
     """The tail's account of map ``node`` over ``run_ids`` (its rounds, oldest first) (X4).
 
@@ -35,9 +72,21 @@ async def tail_accounting(
         graph: The graph (or its name) the runs ran.
         node: The map node whose items are generations.
         run_ids: The runs, oldest first (one id, or several rounds).
-        starvation_bound: Rounds of waiting at which a parked item counts as starving.
+        starvation_bound: Rounds of waiting at which a parked item counts as
+            starving. None: the map's ``max_parks`` (P5), read from ``graph``,
+            or from the graph ``engine`` ran or registered for the last run
+            when ``graph`` is a name; ``tailrace.graph.MAX_PARKS`` when neither
+            is known.
+
+    Raises:
+        ValueError: ``graph`` is a graph without a node ``node``.
     """
     runs = (run_ids,) if isinstance(run_ids, str) else tuple(run_ids)
+    if isinstance(graph, Graph) and node not in graph.nodes:
+        raise ValueError(f"graph {graph.name!r} has no node {node!r} to account for")
+    if starvation_bound is None:
+        known = graph if isinstance(graph, Graph) else await _graph_of(engine, runs)
+        starvation_bound = map_starvation_bound(known, node)
     parked_rows = await engine.parked(graph, node, every=True)
     rounds = []
     for run_id in runs:
@@ -47,10 +96,12 @@ async def tail_accounting(
             after = chunks[-1].seq
             for chunk in chunks:
                 streams.add(chunk, chunk.value)
-        parked = {
-            row.item: parked_tokens(row.checkpoint_json)
-            for row in parked_rows
-            if row.run_id == run_id
-        }
-        rounds.append(Round(run_id, streams.items_of(node), parked))
+        rounds.append(Round.of(run_id, node, streams, parked_rows))
     return tail_account(node, rounds, starvation_bound=starvation_bound)
+
+
+async def _graph_of(engine: Engine, run_ids: Sequence[str]) -> Graph | None:
+    """The graph ``engine`` ran or registered for the last of ``run_ids``, if it has one."""
+    if engine.store is None or not run_ids:
+        return None
+    return engine.graph_for(await engine.store.get_run(run_ids[-1]))

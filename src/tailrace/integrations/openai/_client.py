@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Self
 
 from ..._context import NodeContext, current_node
-from ...tail import generation_checkpoint, generation_state
+from ...tail import generation_checkpoint, generation_origin, generation_state
 from ._errors import CompletionError, retry_after_seconds
 from ._replicas import Replica, Replicas
 from ._wire import Delta, Prompt, choice_delta, event_delta, request_body, usage_tokens
@@ -94,9 +94,7 @@ class _Partial:
         """The partial generation ``ctx`` resumes; a new one when there is none."""
         if ctx is None:
             return cls(origin=None, token_ids=[])
-        origin = (
-            f"{ctx.run_id}/{ctx.node_id}/{ctx.visit}/{ctx.item if ctx.item is not None else ''}"
-        )
+        origin = generation_origin(ctx.run_id, ctx.node_id, ctx.visit, ctx.item)
         saved = ctx.resumed_from
         state = generation_state(saved.value) if saved else None
         if state is None:
@@ -112,8 +110,8 @@ class _Partial:
             finish=state.get("finish"),
             prompt_tokens=state.get("prompt_tokens"),
         )
-        if saved is not None and saved.run_id != ctx.run_id and partial.finish is None:
-            partial.rounds += 1  # it waited a round parked
+        if saved is not None and saved.run_id != ctx.run_id:
+            partial.rounds += 1  # it waited a round parked (finished or not)
             partial.moved = True
         return partial
 
@@ -169,6 +167,11 @@ class _Attempt:
     def delta(self, delta: Delta, partial: _Partial) -> None:
         if self.stream_tokens and delta.text:
             self.publish({"text": delta.text, "tokens": delta.tokens})
+        if delta.finish_reason is not None:
+            # Saved at once: an attempt parked or cut while the rest of the stream (usage,
+            # [DONE]) arrives resumes a finished generation, and sends nothing more.
+            self.save(partial, first=True)
+            return
         due = partial.tokens - self.checkpointed >= self.every
         if due or time.monotonic() - self.saved_at >= self.interval:
             self.save(partial)
@@ -360,18 +363,28 @@ class ModelClient:
         if ctx is not None and (ctx.resumed_from is None or partial.moved):
             attempt.save(partial, first=True)  # parked before its next token, it keeps its story
         salvaged = partial.tokens
-        if partial.finish is None and (max_tokens is None or max_tokens > salvaged):
-            body = request_body(
-                model=self.model, prompt=prompt, messages=messages, prefix=partial.text,
-                prefix_ids=partial.token_ids, options=options,
-                max_tokens=None if max_tokens is None else max_tokens - salvaged,
-            )  # fmt: skip
-            replica: str | None = await self._request(body, messages is not None, partial, attempt)
-        else:
-            partial.finish, replica = partial.finish or "length", None
-        # With its finish reason, committed before the generation returns: a crash from here
-        # on sends nothing again (one commit's wait per generation, none per token).
-        await attempt.save_committed(partial)
+        replica: str | None = None
+        try:
+            if partial.finish is None and (max_tokens is None or max_tokens > salvaged):
+                body = request_body(
+                    model=self.model, prompt=prompt, messages=messages, prefix=partial.text,
+                    prefix_ids=partial.token_ids, options=options,
+                    max_tokens=None if max_tokens is None else max_tokens - salvaged,
+                )  # fmt: skip
+                replica = await self._request(body, messages is not None, partial, attempt)
+            else:
+                partial.finish = partial.finish or "length"
+            # With its finish reason, committed before the generation returns: a crash from
+            # here on sends nothing again (one commit's wait per generation, none per token).
+            await attempt.save_committed(partial)
+        except BaseException as exc:
+            # However the attempt ends (cancelled while it waits for that commit too), its
+            # stream ends with its usage: what it decoded is accounted for (X4).
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            if not cancelled:
+                attempt.save(partial)  # the next try (RetryPolicy(resume=True)) continues it
+            attempt.report(partial, "cancelled" if cancelled else "failed", self.model)
+            raise
         attempt.report(partial, "completed", self.model)
         return Generation(
             text=partial.text, finish_reason=partial.finish or "length",
@@ -401,16 +414,8 @@ class ModelClient:
                 async with self._http.stream("POST", replica.url + path, json=body) as response:
                     await self._check_status(response, replica)
                     await self._read(response, chat, partial, attempt)
-        except BaseException as exc:
-            outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed"
-            if outcome == "failed":
-                attempt.save(partial)  # the next try (RetryPolicy(resume=True)) continues it
-            attempt.report(partial, outcome, self.model)
-            if isinstance(exc, httpx.HTTPError):
-                raise CompletionError(
-                    f"{self.model}: request failed: {exc!r}", retryable=True
-                ) from exc
-            raise
+        except httpx.HTTPError as exc:
+            raise CompletionError(f"{self.model}: request failed: {exc!r}", retryable=True) from exc
         return replica.url
 
     async def _check_status(self, response: httpx.Response, replica: Replica) -> None:
@@ -457,9 +462,10 @@ class ModelClient:
             partial.prompt_tokens = usage_tokens(delta.usage, "prompt_tokens")
         if delta.text or delta.tokens:
             partial.add(delta, self.version)
-            attempt.delta(delta, partial)
         if delta.finish_reason is not None:
             partial.finish = delta.finish_reason
+        if delta.text or delta.tokens or delta.finish_reason is not None:
+            attempt.delta(delta, partial)
 
     async def aclose(self) -> None:
         """Close the client's connections."""

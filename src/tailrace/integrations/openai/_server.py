@@ -17,9 +17,11 @@ token ``k`` and the continued text equals the uninterrupted one.
 Faults for tests: :meth:`BatchingServer.inject` answers the next requests
 with an HTTP status (and ``Retry-After``); :meth:`BatchingServer.cut` ends
 the next streams after some tokens without a finish reason, closing the
-connection. ``python -m tailrace.integrations.openai --port N`` runs
-it in a process of its own; ``POST /admin/inject``, ``POST /admin/cut`` and
-``GET /admin/stats`` reach the same controls there.
+connection; :meth:`BatchingServer.hold` keeps the next streams open after
+their finish event, before their usage and ``[DONE]``.
+``python -m tailrace.integrations.openai --port N`` runs it in a process of
+its own; ``POST /admin/inject``, ``POST /admin/cut``, ``POST /admin/hold``
+and ``GET /admin/stats`` reach the same controls there.
 """
 
 from __future__ import annotations
@@ -36,17 +38,24 @@ from typing import Any, Self
 
 GENERATED = " ·"  # the text every generated token starts with
 FIRST_ID = 100_000  # the id of generated token 0
+#: Connections the kernel holds for the server while it decodes: a round of rollouts connects
+#: thousands at once, and asyncio's default (100) drops the rest until their connects time out.
+BACKLOG = 4096
 
 
 @dataclass(slots=True, kw_only=True)
 class ServerStats:
-    """What the server did: requests, tokens, disconnects, the largest batch, the batch now."""
+    """What the server did: requests, tokens, disconnects, the largest batch, the batch now.
+
+    ``held`` counts the streams held open after their finish event (:meth:`BatchingServer.hold`).
+    """
 
     requests: int = 0
     completed: int = 0
     failed: int = 0
     disconnected: int = 0
     cut: int = 0
+    held: int = 0
     tokens: int = 0
     tokens_disconnected: int = 0
     max_batch: int = 0
@@ -67,6 +76,7 @@ class _Request:
     decoded: int = 0
     pending: list[int] = field(default_factory=list)
     cut_after: int | None = None
+    held: bool = False
 
 
 def generated_text(first: int, count: int) -> str:
@@ -119,6 +129,7 @@ class BatchingServer:
         self._batch: list[_Request] = []
         self._failures: list[tuple[int, float | None]] = []
         self._cuts: list[int] = []
+        self._holds = 0
         self._wake = asyncio.Event()
         self._server: asyncio.Server | None = None
         self._decoder: asyncio.Task[None] | None = None
@@ -160,9 +171,21 @@ class BatchingServer:
         """
         self._cuts.extend([after] * count)
 
+    def hold(self, *, count: int = 1) -> None:
+        """Hold the next ``count`` streams open after their finish event: their usage and
+        ``[DONE]`` never come, and the stream ends when the client closes it (a finished
+        generation whose attempt is cancelled while the end of its answer is on its way).
+
+        Args:
+            count: How many streams are held.
+        """
+        self._holds += count
+
     async def start(self) -> None:
         """Listen, and start the decode loop."""
-        self._server = await asyncio.start_server(self._connection, self.host, self.port)
+        self._server = await asyncio.start_server(
+            self._connection, self.host, self.port, backlog=BACKLOG
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         self._decoder = asyncio.create_task(self._decode())
 
@@ -227,6 +250,9 @@ class BatchingServer:
         self.stats.continued += prefix > 0
         if self._cuts:
             request.cut_after = self._cuts.pop(0)
+        if self._holds:
+            self._holds -= 1
+            request.held = True
         if request.remaining == 0:
             request.events.put_nowait(([], finish))
         else:
@@ -275,6 +301,9 @@ class BatchingServer:
             return await _send_json(writer, 200, {})
         if method == "POST" and path == "/admin/cut":
             self.cut(body["after"], count=body.get("count", 1))
+            return await _send_json(writer, 200, {})
+        if method == "POST" and path == "/admin/hold":
+            self.hold(count=body.get("count", 1))
             return await _send_json(writer, 200, {})
         if method != "POST" or not path.endswith(("/completions", "/chat/completions")):
             return await _send_json(writer, 404, {"error": f"no route {method} {path}"})
@@ -331,6 +360,10 @@ class BatchingServer:
                 if request.cut_after is not None and request.decoded >= request.cut_after:
                     self.stats.cut += 1
                     return False  # the connection closes mid-stream
+            if request.held:
+                self.stats.held += 1
+                await reader.read()  # the client's close (or the server's stop) ends it
+                raise ConnectionResetError("the client closed a held request")
             if body.get("stream_options", {}).get("include_usage"):
                 await _send_chunk(writer, {"choices": [], "usage": self._usage(body, request)})
             await _send_chunk(writer, "[DONE]")
