@@ -840,9 +840,10 @@ def test_parked_items_are_indexed_by_run_in_databases_made_before_the_index(
             pass
 
     asyncio.run(open_store())
+    version = next(v for v, steps in MIGRATIONS if any("parked_by_run" in s for s in steps))
     with sqlite3.connect(path) as conn:  # as a database of the version before the index
         conn.execute("DROP INDEX parked_by_run")
-        conn.execute("DELETE FROM schema_migrations WHERE version = ?", (MIGRATIONS[-1][0],))
+        conn.execute("DELETE FROM schema_migrations WHERE version >= ?", (version,))
     conn.close()
     asyncio.run(open_store())
     with sqlite3.connect(path) as conn:

@@ -12,7 +12,7 @@ import datetime
 import json
 import logging
 from collections import Counter
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from .._errors import QueueNotEmpty
@@ -74,29 +74,57 @@ def free_slots(queue: Queue, *, want: int, active: int, started_recently: int) -
     return max(free, 0)
 
 
-def claim_order(queue: Queue, runs: Iterable[RunRecord], now: float) -> list[RunRecord]:
+#: Runs a claim looks at beyond its ``limit``: room for the rows other claimers hold
+#: now (Postgres's ``SKIP LOCKED`` passes over them).
+CLAIM_ROOM = 64
+
+
+def claim_window(limit: int) -> int:
+    """How many unkeyed queued runs, and how many delayed runs that came due, a claim of
+    ``limit`` runs looks at (see :func:`claim_order`)."""
+    return 4 * max(limit, 0) + CLAIM_ROOM
+
+
+def claim_order(
+    queue: Queue,
+    runs: Iterable[RunRecord],
+    now: float,
+    *,
+    window: int | None = None,
+    drivable: Callable[[RunRecord], bool] | None = None,
+) -> list[RunRecord]:
     """The queued runs of ``queue`` that may start at ``now``, in the order a claim takes them (W2).
 
     ``runs`` are the queue's runs (any status). Within a partition key, runs
     start in submit order, at most ``partition_concurrency`` running or
-    suspended at once and ``partition_limit`` started per ``period``; a run
-    delayed past ``now`` (``not_before``) is not handed out and takes no
-    turn. Across
+    suspended at once and ``partition_limit`` started per ``period``. A run
+    delayed past ``now`` (``not_before``) is not handed out and takes no turn;
+    of the delayed runs that came due, the ``window`` earliest take their turns
+    (all of them without a window), the others wait for a later claim. Across
     keys, a run's *turn* is its place among its partition's queued runs (runs
-    with no key take turns as one partition, in the queue's order): a claim
-    takes by priority, then turn, then the partition served longest ago
-    (never served first), then the queue's order. The SQL stores phrase the
-    same rule as ``_sql._queues.claim_candidates``.
+    with no key take turns as one partition, in the queue's order, counting
+    only those ``drivable`` keeps): a claim takes by priority (a keyed run
+    has its partition's first run's), then turn, then the partition served
+    longest ago (never served first), then the queue's order. The SQL stores
+    phrase the same rule as ``_sql._queues.claim_query``.
     """
     runs = [r for r in runs if r.queue_name == queue.name]
+    queued = [r for r in runs if r.status is RunStatus.QUEUED]
+    due = sorted(
+        (r for r in queued if r.not_before is not None and r.not_before <= now),
+        key=lambda r: (r.not_before or 0.0, r.run_id),
+    )[:window]
     groups: dict[str | None, list[RunRecord]] = {}
-    for run in runs:
-        if run.status is RunStatus.QUEUED and (run.not_before is None or run.not_before <= now):
+    for run in [r for r in queued if r.not_before is None] + due:
+        if run.partition_key is not None or drivable is None or drivable(run):
             groups.setdefault(run.partition_key, []).append(run)
     turn: dict[str, int] = {}
+    head: dict[str, int] = {}
     for key, members in groups.items():
         members.sort(key=(lambda r: claim_key(queue, r)) if key is None else _submit_order)
         turn.update((r.run_id, n) for n, r in enumerate(members, start=1))
+        if key is not None:
+            head[key] = members[0].priority
     served: dict[str, float] = {}
     live: Counter[str] = Counter()
     started: Counter[str] = Counter()
@@ -119,8 +147,10 @@ def claim_order(queue: Queue, runs: Iterable[RunRecord], now: float) -> list[Run
         return queue.partition_limit is None or started[key] + mine <= queue.partition_limit
 
     def order(run: RunRecord) -> tuple[Any, ...]:
-        last = None if run.partition_key is None else served.get(run.partition_key)
-        return (-run.priority, turn[run.run_id], last is not None, last or 0.0,
+        key = run.partition_key
+        last = None if key is None else served.get(key)
+        priority = run.priority if key is None else head[key]
+        return (-priority, turn[run.run_id], last is not None, last or 0.0,
                 *claim_key(queue, run)[1:])  # fmt: skip
 
     return sorted((r for members in groups.values() for r in members if may_start(r)), key=order)

@@ -151,96 +151,193 @@ STARTED_SINCE = "SELECT COUNT(*) FROM runs WHERE queue_name = ? AND started_at >
 
 #: Among runs of one priority and turn, how a queue orders them (see ``claim_key``).
 _TIE = {
-    "fifo": "r.queued_at, r.run_id",
-    "priority": "r.queued_at, r.run_id",
-    "lpt": "COALESCE(r.estimate, 0) DESC, r.queued_at, r.run_id",
+    "fifo": "c.queued_at, c.run_id",
+    "priority": "c.queued_at, c.run_id",
+    "lpt": "COALESCE(c.estimate, 0) DESC, c.queued_at, c.run_id",
 }
-#: How runs with no partition key take their turns: the queue's own order.
-_UNKEYED_TURN = {
-    "fifo": "-{t}.priority, ",
-    "lpt": "-{t}.priority, -COALESCE({t}.estimate, 0), ",
+#: How runs with no partition key take their turns: the queue's own order. Each
+#: matches an index of queued runs (``runs_loose``, ``runs_loose_lpt``) key for key.
+_LOOSE_ORDER = {
+    "fifo": "q.priority DESC, q.queued_at, q.run_id",
+    "priority": "q.priority DESC, q.queued_at, q.run_id",
+    "lpt": "q.priority DESC, COALESCE(q.estimate, 0) DESC, q.queued_at, q.run_id",
 }
+#: The same order over the candidates' columns, to rank them into turns.
+_LOOSE_TURN = {
+    "fifo": "u.prio DESC, u.queued_at, u.run_id",
+    "priority": "u.prio DESC, u.queued_at, u.run_id",
+    "lpt": "u.prio DESC, COALESCE(u.estimate, 0) DESC, u.queued_at, u.run_id",
+}
+#: A partition's first queued run (not delayed) ``{after}`` a place, in submit order:
+#: one probe of the index ``runs_queued_by_partition`` for ``{column}``.
+_KEYED_PROBE = (
+    "(SELECT k.{column} FROM runs k WHERE k.queue_name = ? AND k.status = 'queued' "
+    "AND k.partition_key = {pk} AND k.not_before IS NULL {after}"
+    "ORDER BY k.queued_at, k.run_id LIMIT 1)"
+)
+#: The first partition key of a queued run (not delayed) ``{after}`` one: one probe.
+_NEXT_KEY = (
+    "(SELECT k.partition_key FROM runs k WHERE k.queue_name = ? AND k.status = 'queued' "
+    "AND k.partition_key IS NOT NULL AND k.not_before IS NULL {after}"
+    "ORDER BY k.partition_key LIMIT 1)"
+)
 
 
-def _graph_filters(alias: str, graphs: int | None, skip: int) -> str:
-    """``AND`` clauses keeping runs of those graphs (when given) and none of the skipped ones."""
-    key = f"({alias}.graph_name || '/' || {alias}.fingerprint)"
+def _graph_filters(key: str, graphs: int | None, skip: int) -> str:
+    """``AND`` clauses keeping runs whose ``key`` (``name/fingerprint``) is of those graphs
+    (when given) and none of the skipped ones."""
     return ("" if graphs is None else f"AND {key} IN ({', '.join('?' * graphs)}) ") + (
         "" if not skip else f"AND {key} NOT IN ({', '.join('?' * skip)}) "
     )
 
 
-def claim_candidates(queue: Queue, graphs: int | None = None, skip: int = 0) -> str:
-    """Values: those :func:`candidate_params` lists. Queued runs of the queue that may
-    start now, in claim order (of those graphs only, when given, and none of the
-    skipped ones): ``claim_order`` as a query (W2).
-
-    The subquery ``c`` gives each queued run its turn and, for a keyed run,
-    when its partition last started a run; the outer query keeps a keyed run
-    only while its turn fits its partition's concurrency and rate limit.
-    Keyed runs are ranked within their partitions; unkeyed runs take their
-    turns in the queue's own order, so only the first of them (the claim's
-    ``limit``, with room for rows other claimers hold) are ranked: a claim
-    reads the queue's keyed runs and a few unkeyed ones, not its whole backlog.
-    """
-    turn = _UNKEYED_TURN.get(queue.order, _UNKEYED_TURN["fifo"])
-    keyed = (
-        "SELECT q.run_id, ROW_NUMBER() OVER (PARTITION BY q.partition_key "
-        "ORDER BY q.queued_at, q.run_id) AS turn, "
-        "(SELECT MAX(s.started_at) FROM runs s "
-        "WHERE s.queue_name = q.queue_name AND s.partition_key = q.partition_key "
-        "AND s.started_at IS NOT NULL) AS served "
-        "FROM runs q WHERE q.queue_name = ? AND q.status = 'queued' "
-        "AND q.partition_key IS NOT NULL AND (q.not_before IS NULL OR q.not_before <= ?)"
-    )
-    unkeyed = (
-        f"SELECT u.run_id, ROW_NUMBER() OVER (ORDER BY {turn.format(t='u')}u.queued_at, "
-        "u.run_id) AS turn, NULL AS served FROM (SELECT q.run_id, q.priority, q.estimate, "
-        "q.queued_at FROM runs q WHERE q.queue_name = ? AND q.status = 'queued' "
-        "AND q.partition_key IS NULL AND (q.not_before IS NULL OR q.not_before <= ?) "
-        + _graph_filters("q", graphs, skip)
-        + f"ORDER BY {turn.format(t='q')}q.queued_at, q.run_id LIMIT ?) u"
-    )
-    fits = (
-        "(r.partition_key IS NULL OR (c.turn + (SELECT COUNT(*) FROM runs o "
-        "WHERE o.queue_name = r.queue_name AND o.partition_key = r.partition_key "
-        "AND o.status IN ('running', 'suspended')) <= ?"
-        + (
-            ""
-            if queue.partition_limit is None
-            else " AND c.turn + (SELECT COUNT(*) FROM runs o WHERE o.queue_name = r.queue_name "
-            "AND o.partition_key = r.partition_key AND o.started_at > ?) <= ?"
-        )
-        + ")) "
-    )
-    return (
-        f"SELECT r.run_id FROM runs r JOIN ({keyed} UNION ALL {unkeyed}) c "
-        f"ON c.run_id = r.run_id WHERE r.status = 'queued' AND {fits}"
-        + _graph_filters("r", graphs, skip)
-        + "ORDER BY r.priority DESC, c.turn, (c.served IS NOT NULL), c.served, "
-        + f"{_TIE[queue.order]} LIMIT ?"
-    )
+def _graph_key(alias: str) -> str:
+    return f"({alias}.graph_name || '/' || {alias}.fingerprint)"
 
 
-#: Unkeyed runs ranked per claim beyond its ``limit``: room for the rows other
-#: claimers hold now (``SKIP LOCKED`` passes over them).
-UNKEYED_ROOM = 64
+def _of_run(column: str, wanted: bool) -> str:
+    """``column`` of the run ``c.run_id`` (a primary-key probe), or NULL when not ``wanted``."""
+    if not wanted:
+        return "NULL"
+    return f"(SELECT r.{column} FROM runs r WHERE r.run_id = c.run_id)"
 
 
-def candidate_params(
+def claim_candidates(
     queue: Queue,
     now: float,
-    graphs: Sequence[str] | None,
-    skip: Sequence[str],
-    limit: int,
-) -> tuple[object, ...]:
-    """The values of :func:`claim_candidates`' query for a claim of ``limit`` runs at ``now``."""
-    rate: tuple[object, ...] = ()
-    if queue.partition_limit is not None:
-        rate = (now - queue.period, queue.partition_limit)
-    filters = (*(graphs or ()), *skip)
-    unkeyed = (queue.name, now, *filters, 4 * limit + UNKEYED_ROOM)
-    return (queue.name, now, *unkeyed, queue.partition_concurrency, *rate, *filters, limit)
+    window: int,
+    graphs: Sequence[str] | None = None,
+    skip: Sequence[str] = (),
+) -> tuple[str, tuple[object, ...]]:
+    """The query (and its values) of the first ``window`` queued runs of ``queue`` that may
+    start at ``now``, in claim order (of ``graphs`` only, when given, and none of ``skip``):
+    ``claim_order`` with that window as a query (W2). A claim takes the first of them it
+    can (see ``claim_window``).
+
+    It reads index entries in proportion to the queue's partitions and to
+    ``window``, never to its backlog, and joins no table: every look at
+    ``runs`` is an indexed probe or an index range that stops at a limit.
+
+    - ``walk`` skips through the queued runs in partition order (a loose index
+      scan: one probe per partition key);
+    - ``due``: the delayed runs that came due, earliest first, ``window`` of them;
+    - ``parts``: per partition, the room its concurrency and rate limit leave
+      and when it last started a run;
+    - ``line``: a partition's first runs in submit order, as many as its room;
+    - ``turns`` ranks them with the partition's due runs, each with the
+      priority of its partition's first run; the unkeyed runs are the first
+      ``window`` in the queue's own order with the unkeyed due runs, ranked.
+    """
+    q, order = queue.name, queue.order
+    graph_count = None if graphs is None else len(graphs)
+    kept = (*(graphs or ()), *skip)
+    filtered = bool(kept) or graphs is not None
+    sql = _Query()
+    sql.add(
+        f"WITH RECURSIVE walk(pk) AS (SELECT {_NEXT_KEY.format(after='')} UNION ALL "
+        f"SELECT {_NEXT_KEY.format(after='AND k.partition_key > w.pk ')} FROM walk w "
+        "WHERE w.pk IS NOT NULL), ",
+        q, q,
+    )  # fmt: skip
+    sql.add(
+        "due(run_id, pk, queued_at, prio, estimate, gkey) AS (SELECT d.run_id, "
+        f"d.partition_key, d.queued_at, d.priority, d.estimate, {_graph_key('d')} "
+        "FROM runs d WHERE d.queue_name = ? AND d.status = 'queued' "
+        "AND d.not_before IS NOT NULL AND d.not_before <= ? "
+        "ORDER BY d.not_before, d.run_id LIMIT ?), ",
+        q, now, window,
+    )  # fmt: skip
+    sql.add(
+        "parts(pk, room, rate, served) AS (SELECT s.pk, ? - (SELECT COUNT(*) FROM runs o "
+        "WHERE o.queue_name = ? AND o.partition_key = s.pk "
+        "AND o.status IN ('running', 'suspended')), ",
+        queue.partition_concurrency, q,
+    )  # fmt: skip
+    if queue.partition_limit is None:
+        sql.add("CAST(NULL AS BIGINT), ")
+    else:
+        sql.add(
+            "? - (SELECT COUNT(*) FROM runs o WHERE o.queue_name = ? "
+            "AND o.partition_key = s.pk AND o.started_at > ?), ",
+            queue.partition_limit, q, now - queue.period,
+        )  # fmt: skip
+    sql.add(
+        "(SELECT MAX(o.started_at) FROM runs o WHERE o.queue_name = ? "
+        "AND o.partition_key = s.pk AND o.started_at IS NOT NULL) "
+        "FROM (SELECT pk FROM walk WHERE pk IS NOT NULL "
+        "UNION SELECT pk FROM due WHERE pk IS NOT NULL) s), ",
+        q,
+    )
+    first = {"pk": "p.pk", "after": ""}
+    after = {"pk": "l.pk", "after": "AND (k.queued_at, k.run_id) > (l.queued_at, l.run_id) "}
+    sql.add(
+        "line(pk, turn, queued_at, run_id, room, rate) AS (SELECT p.pk, 1, "
+        f"{_KEYED_PROBE.format(column='queued_at', **first)}, "
+        f"{_KEYED_PROBE.format(column='run_id', **first)}, p.room, p.rate FROM parts p "
+        "WHERE p.room > 0 AND (p.rate IS NULL OR p.rate > 0) UNION ALL "
+        f"SELECT l.pk, l.turn + 1, {_KEYED_PROBE.format(column='queued_at', **after)}, "
+        f"{_KEYED_PROBE.format(column='run_id', **after)}, l.room, l.rate FROM line l "
+        "WHERE l.run_id IS NOT NULL AND l.turn < l.room AND (l.rate IS NULL OR l.turn < l.rate)"
+        "), ",
+        q, q, q, q,
+    )  # fmt: skip
+    sql.add(
+        "keyed(run_id, pk, queued_at, prio, estimate, gkey) AS (SELECT c.run_id, c.pk, "
+        f"c.queued_at, {_of_run('priority', True)}, {_of_run('estimate', order == 'lpt')}, "
+        f"{_of_run('graph_name', filtered)} || '/' || {_of_run('fingerprint', filtered)} "
+        "FROM line c WHERE c.run_id IS NOT NULL UNION ALL "
+        "SELECT run_id, pk, queued_at, prio, estimate, gkey FROM due WHERE pk IS NOT NULL), "
+    )
+    sql.add(
+        "turns(run_id, pk, queued_at, estimate, gkey, turn, prio) AS (SELECT k.run_id, k.pk, "
+        "k.queued_at, k.estimate, k.gkey, "
+        "ROW_NUMBER() OVER (PARTITION BY k.pk ORDER BY k.queued_at, k.run_id), "
+        "FIRST_VALUE(k.prio) OVER (PARTITION BY k.pk ORDER BY k.queued_at, k.run_id) "
+        "FROM keyed k), "
+    )
+    loose = _LOOSE_ORDER[order]
+    sql.add(
+        "loose(run_id, queued_at, prio, estimate, gkey) AS (SELECT * FROM (SELECT q.run_id, "
+        f"q.queued_at, q.priority, q.estimate, {_graph_key('q')} FROM runs q "
+        "WHERE q.queue_name = ? AND q.status = 'queued' AND q.partition_key IS NULL "
+        f"AND q.not_before IS NULL {_graph_filters(_graph_key('q'), graph_count, len(skip))}"
+        f"ORDER BY {loose} LIMIT ?) i UNION ALL SELECT run_id, queued_at, prio, estimate, "
+        "gkey FROM due WHERE pk IS NULL) ",
+        q, *kept, window,
+    )  # fmt: skip
+    sql.add(
+        "SELECT c.run_id FROM (SELECT t.run_id, t.turn, t.prio, p.served, t.queued_at, "
+        "t.estimate, t.gkey FROM turns t JOIN parts p ON p.pk = t.pk "
+        "WHERE t.turn <= p.room AND (p.rate IS NULL OR t.turn <= p.rate) UNION ALL "
+        f"SELECT u.run_id, ROW_NUMBER() OVER (ORDER BY {_LOOSE_TURN[order]}), "
+        "u.prio, NULL, u.queued_at, u.estimate, u.gkey FROM loose u "
+        f"WHERE 1 = 1 {_graph_filters('u.gkey', graph_count, len(skip))}) c "
+        f"WHERE 1 = 1 {_graph_filters('c.gkey', graph_count, len(skip))}"
+        "ORDER BY c.prio DESC, c.turn, (c.served IS NOT NULL), c.served, "
+        f"{_TIE[order]} LIMIT ?",
+        *kept, *kept, window,
+    )  # fmt: skip
+    return sql.text(), sql.values()
+
+
+class _Query:
+    """A statement written piece by piece, each piece with the values of its placeholders."""
+
+    def __init__(self) -> None:
+        self._texts: list[str] = []
+        self._values: list[object] = []
+
+    def add(self, text: str, *values: object) -> None:
+        if text.count("?") != len(values):
+            raise AssertionError(f"{text.count('?')} placeholders, {len(values)} values: {text}")
+        self._texts.append(text)
+        self._values.extend(values)
+
+    def text(self) -> str:
+        return "".join(self._texts)
+
+    def values(self) -> tuple[object, ...]:
+        return tuple(self._values)
 
 
 #: Values: owner, lease_expires, now, now (then what picks the runs). A claim's lease.

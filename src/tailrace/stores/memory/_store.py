@@ -35,6 +35,7 @@ from .._queue_rules import (
     EXPIRED_LIMIT,
     FLEET_SCOPE,
     claim_order,
+    claim_window,
     dedup_holder,
     free_slots,
     holds_slot,
@@ -831,10 +832,15 @@ class MemoryStore(RunStore):
         if queue in self._paused or free <= 0:
             return []
         wanted, skipped = (None if graphs is None else set(graphs)), set(skip)
-        claimed: list[str] = []
-        for run in claim_order(spec, mine, now):
+
+        def drivable(run: RunRecord) -> bool:
             key = run_graph_key(run)
-            if (wanted is not None and key not in wanted) or key in skipped:
+            return (wanted is None or key in wanted) and key not in skipped
+
+        claimed: list[str] = []
+        window = claim_window(free)
+        for run in claim_order(spec, mine, now, window=window, drivable=drivable):
+            if not drivable(run):
                 continue
             self._runs[run.run_id] = dataclasses.replace(
                 run, status=RunStatus.RUNNING, lease_owner=owner, lease_expires=now + ttl,
