@@ -1333,8 +1333,10 @@ class ClaimCell:
     claims_per_s: float
     p50_ms: float
     p99_ms: float
+    load: float  # the 1-minute load average as the claims began
     rows_per_claim: float | None = None  # Postgres: tup_returned + tup_fetched per cycle
     commits_per_claim: float | None = None  # Postgres: xact_commit per cycle
+    server_ms_per_claim: float | None = None  # Postgres: CPU of its backends per cycle
 
 
 def _queued(n: int, partitions: int, tag: str = "r") -> tuple[Any, Any]:
@@ -1351,9 +1353,12 @@ async def _fill(kind: str, dsn: str | None, workdir: Path, backlog: int, partiti
     await store.open()
     batch = 500
     for start in range(0, backlog, batch):
-        await store.submit_runs(
-            [_queued(n, partitions) for n in range(start, min(start + batch, backlog))]
-        )
+        runs = [_queued(n, partitions) for n in range(start, min(start + batch, backlog))]
+        if hasattr(store, "submit_runs"):
+            await store.submit_runs(runs)
+        else:  # an older tailrace, measured against: one submit at a time, 8 at once
+            for at in range(0, len(runs), 8):
+                await asyncio.gather(*(store.submit_run(*r) for r in runs[at : at + 8]))
     return store
 
 
@@ -1365,9 +1370,11 @@ async def _claim_cycles(
     partitions: int,
     claimers: int,
     cycles: int,
+    seconds: float,
 ) -> ClaimCell:
     """``claimers`` concurrent claimers, each in turn claiming one run, finishing it and
-    submitting one more (so the backlog stays at ``backlog``), ``cycles`` times in all."""
+    submitting one more (so the backlog stays at ``backlog``), ``cycles`` times in all
+    (or for ``seconds``, whichever ends first)."""
     import tailrace.stores as stores
 
     store = await _fill(kind, dsn, workdir, backlog, partitions)
@@ -1385,29 +1392,37 @@ async def _claim_cycles(
         done = stores.Harvest
         status = stores.RunStatus.COMPLETED
 
+        stop = time.monotonic() + seconds
+
         async def claimer(k: int) -> None:
-            while next(left) < cycles:
+            while next(left) < cycles and time.monotonic() < stop:
                 t = time.perf_counter()
                 got = await store.claim_runs("q", f"w{k}", 30.0, limit=1)
                 latencies.append(time.perf_counter() - t)
                 for run_id in got:
                     token = (await store.get_run(run_id)).lease_token
                     await store.commit(run_id, token, done(state_json="{}", status=status))
-                    await store.submit_runs([_queued(next(fresh), partitions, "s")])
+                    await store.submit_run(*_queued(next(fresh), partitions, "s"))
 
+        load = os.getloadavg()[0]
+        ticks0 = await asyncio.to_thread(_backend_ticks, dsn) if pg else None
         t0 = time.monotonic()
         await asyncio.gather(*(claimer(k) for k in range(claimers)))
         elapsed = time.monotonic() - t0
+        ticks1 = await asyncio.to_thread(_backend_ticks, dsn) if pg else None
         cell = ClaimCell(
             claims_per_s=len(latencies) / elapsed,
             p50_ms=1000 * percentile(latencies, 0.5),
             p99_ms=1000 * percentile(latencies, 0.99),
+            load=load,
         )
         if pg:
             await store.close()
             c1, r1 = await asyncio.to_thread(_counters, dsn)
             cell.commits_per_claim = (c1 - c0) / len(latencies)
             cell.rows_per_claim = (r1 - r0) / len(latencies)
+            server = _server_seconds(ticks0, ticks1)
+            cell.server_ms_per_claim = None if server is None else 1000 * server / len(latencies)
         return cell
     finally:
         await _dispose(store, dsn)
@@ -1418,23 +1433,28 @@ def run_claims(args: argparse.Namespace) -> None:
     dsn = _ensure_database(args.dsn, CLAIMS_DB) if "postgres" in kinds else None
     backlogs = [int(x) for x in args.backlogs.split(",")]
     partitions = [int(x) for x in args.partitions.split(",")]
-    print(f"claims of one queue by {args.claimers} claimers ({args.claim_cycles} claims a cell, "
+    print(f"claims of one queue by {args.claimers} claimers ({args.claim_cycles} claims a cell "
+          f"or {args.claim_seconds:.0f} s, "
           "one run each; each claimed run then ends and one more is submitted, so the "
-          f"backlog holds; load average {os.getloadavg()[0]:.2f} at the start):")  # fmt: skip
+          "backlog holds; load: the 1-minute load average as a cell began):")  # fmt: skip
     print(f"{'store':>9} {'backlog':>8} {'partitions':>11} {'claims/s':>9} {'p50 ms':>7} "
-          f"{'p99 ms':>7} {'rows/claim':>11} {'commits/claim':>14}")  # fmt: skip
+          f"{'p99 ms':>7} {'rows/claim':>11} {'commits/claim':>14} {'server ms':>10} "
+          f"{'load':>5}")  # fmt: skip
     cells: dict[tuple[str, int, int], ClaimCell] = {}
     with tempfile.TemporaryDirectory(prefix="tailrace-claims-") as tmp:
         for kind in kinds:
             for parts in partitions:
                 for backlog in backlogs:
                     c = asyncio.run(_claim_cycles(kind, dsn, Path(tmp), backlog, parts,
-                                                  args.claimers, args.claim_cycles))  # fmt: skip
+                                                  args.claimers, args.claim_cycles,
+                                                  args.claim_seconds))  # fmt: skip
                     cells[kind, parts, backlog] = c
                     rows = "-" if c.rows_per_claim is None else f"{c.rows_per_claim:.0f}"
                     commits = "-" if c.commits_per_claim is None else f"{c.commits_per_claim:.2f}"
+                    cpu = "-" if c.server_ms_per_claim is None else f"{c.server_ms_per_claim:.2f}"
                     print(f"{kind:>9} {backlog:>8} {parts:>11} {c.claims_per_s:>9.0f} "
-                          f"{c.p50_ms:>7.1f} {c.p99_ms:>7.1f} {rows:>11} {commits:>14}",
+                          f"{c.p50_ms:>7.1f} {c.p99_ms:>7.1f} {rows:>11} {commits:>14} "
+                          f"{cpu:>10} {c.load:>5.1f}",
                           flush=True)  # fmt: skip
     print(
         f"ratios, {max(backlogs)} queued against {min(backlogs)} "
@@ -1539,6 +1559,7 @@ def main() -> int:
     parser.add_argument("--backlogs", default="1000,10000,100000", help="claims: queued runs")
     parser.add_argument("--partitions", default="0,100", help="claims: partition keys")
     parser.add_argument("--claim-cycles", type=int, default=1000, help="claims: claims a cell")
+    parser.add_argument("--claim-seconds", type=float, default=20.0, help="claims: at most")
     parser.add_argument("--chain-runs", type=int, default=200)
     parser.add_argument("--store", default="both", choices=["sqlite", "postgres", "both"])
     parser.add_argument("--dsn", default=os.environ.get("TAILRACE_TEST_POSTGRES_DSN"))

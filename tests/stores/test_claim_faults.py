@@ -38,15 +38,8 @@ KILLS = 8
 @pytest.fixture(params=fixtures.SHARED_STORES)
 def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """The store's URL: a SQLite file, or a fresh Postgres schema dropped afterwards."""
-    if request.param == "sqlite":
-        yield str(tmp_path / "claims.db")
-        return
-    schema = fixtures.new_schema("claimfault")
-    dsn = fixtures.POSTGRES_DSN or ""
-    try:
-        yield f"{dsn}{'&' if '?' in dsn else '?'}schema={schema}"
-    finally:
-        fixtures.drop_schema_sync(schema)
+    with fixtures.shared_database(request.param, tmp_path, "claimfault") as url:
+        yield url
 
 
 def new_run(run_id: str, at: float) -> NewRun:
