@@ -149,11 +149,20 @@ ACTIVE_IN_QUEUE = (
 #: Values: queue, since. Runs claimed after ``since`` (the rate limit's window).
 STARTED_SINCE = "SELECT COUNT(*) FROM runs WHERE queue_name = ? AND started_at > ?"
 
+
+def in_line_at(alias: str) -> str:
+    """When a run took its place in line (``_queue_rules.in_line_at``): its submit time, or
+    its ``not_before`` when later. Written as the indexes ``runs_in_line`` and
+    ``runs_delayed`` hold it, so a query that sorts by it reads them in order."""
+    t = f"{alias}." if alias else ""
+    return f"(CASE WHEN {t}not_before > {t}queued_at THEN {t}not_before ELSE {t}queued_at END)"
+
+
 #: Among runs of one priority and turn, how a queue orders them (see ``claim_key``).
 _TIE = {
-    "fifo": "c.queued_at, c.run_id",
-    "priority": "c.queued_at, c.run_id",
-    "lpt": "COALESCE(c.estimate, 0) DESC, c.queued_at, c.run_id",
+    "fifo": "c.at, c.run_id",
+    "priority": "c.at, c.run_id",
+    "lpt": "COALESCE(c.estimate, 0) DESC, c.at, c.run_id",
 }
 #: How runs with no partition key take their turns: the queue's own order. Each
 #: matches an index of queued runs (``runs_loose``, ``runs_loose_lpt``) key for key.
@@ -164,23 +173,23 @@ _LOOSE_ORDER = {
 }
 #: The same order over the candidates' columns, to rank them into turns.
 _LOOSE_TURN = {
-    "fifo": "u.prio DESC, u.queued_at, u.run_id",
-    "priority": "u.prio DESC, u.queued_at, u.run_id",
-    "lpt": "u.prio DESC, COALESCE(u.estimate, 0) DESC, u.queued_at, u.run_id",
+    "fifo": "u.prio DESC, u.at, u.run_id",
+    "priority": "u.prio DESC, u.at, u.run_id",
+    "lpt": "u.prio DESC, COALESCE(u.estimate, 0) DESC, u.at, u.run_id",
 }
-#: A partition's first queued run (not delayed) ``{after}`` a place, in submit order:
-#: one probe of the index ``runs_queued_by_partition`` for ``{column}``.
-_KEYED_PROBE = (
-    "(SELECT k.{column} FROM runs k WHERE k.queue_name = ? AND k.status = 'queued' "
-    "AND k.partition_key = {pk} AND k.not_before IS NULL {after}"
-    "ORDER BY k.queued_at, k.run_id LIMIT 1)"
+#: A partition's next queued run in line ``{after}`` a place: ``{column}`` of it, from one
+#: probe of the index ``runs_in_line``.
+_NEXT_IN_LINE = (
+    "(SELECT {column} FROM runs k WHERE k.queue_name = ? AND k.status = 'queued' "
+    "AND k.partition_key = {pk} {after}ORDER BY " + in_line_at("k") + ", k.run_id LIMIT 1)"
 )
-#: The first partition key of a queued run (not delayed) ``{after}`` one: one probe.
+#: The first partition key of a queued run ``{after}`` one: one probe of ``runs_in_line``.
 _NEXT_KEY = (
     "(SELECT k.partition_key FROM runs k WHERE k.queue_name = ? AND k.status = 'queued' "
-    "AND k.partition_key IS NOT NULL AND k.not_before IS NULL {after}"
-    "ORDER BY k.partition_key LIMIT 1)"
+    "AND k.partition_key IS NOT NULL {after}ORDER BY k.partition_key LIMIT 1)"
 )
+#: Columns a claim does not read (an index holds what it does), typed for a UNION.
+_NO_NUMBER, _NO_TEXT = "CAST(NULL AS DOUBLE PRECISION)", "CAST(NULL AS TEXT)"
 
 
 def _graph_filters(key: str, graphs: int | None, skip: int) -> str:
@@ -195,10 +204,11 @@ def _graph_key(alias: str) -> str:
     return f"({alias}.graph_name || '/' || {alias}.fingerprint)"
 
 
-def _of_run(column: str, wanted: bool) -> str:
-    """``column`` of the run ``c.run_id`` (a primary-key probe), or NULL when not ``wanted``."""
+def _of_run(column: str, wanted: bool, typed: str) -> str:
+    """``column`` of the run ``c.run_id`` (a primary-key probe), or ``typed`` NULL when not
+    ``wanted`` (the columns a claim does not sort or filter by stay unread)."""
     if not wanted:
-        return "NULL"
+        return typed
     return f"(SELECT r.{column} FROM runs r WHERE r.run_id = c.run_id)"
 
 
@@ -218,15 +228,15 @@ def claim_candidates(
     ``window``, never to its backlog, and joins no table: every look at
     ``runs`` is an indexed probe or an index range that stops at a limit.
 
-    - ``walk`` skips through the queued runs in partition order (a loose index
-      scan: one probe per partition key);
-    - ``due``: the delayed runs that came due, earliest first, ``window`` of them;
+    - ``walk`` skips through the keyed queued runs in partition order (a loose
+      index scan: one probe per partition key);
     - ``parts``: per partition, the room its concurrency and rate limit leave
       and when it last started a run;
-    - ``line``: a partition's first runs in submit order, as many as its room;
-    - ``turns`` ranks them with the partition's due runs, each with the
-      priority of its partition's first run; the unkeyed runs are the first
-      ``window`` in the queue's own order with the unkeyed due runs, ranked.
+    - ``line``: a partition's first runs in line, as many as its room, up to
+      the first still delayed; each with the priority of the partition's first;
+    - ``loose``: the first ``window`` unkeyed runs not delayed, in the queue's
+      order, and the ``window`` unkeyed delayed runs that came due earliest,
+      ranked together into turns.
     """
     q, order = queue.name, queue.order
     graph_count = None if graphs is None else len(graphs)
@@ -238,14 +248,6 @@ def claim_candidates(
         f"SELECT {_NEXT_KEY.format(after='AND k.partition_key > w.pk ')} FROM walk w "
         "WHERE w.pk IS NOT NULL), ",
         q, q,
-    )  # fmt: skip
-    sql.add(
-        "due(run_id, pk, queued_at, prio, estimate, gkey) AS (SELECT d.run_id, "
-        f"d.partition_key, d.queued_at, d.priority, d.estimate, {_graph_key('d')} "
-        "FROM runs d WHERE d.queue_name = ? AND d.status = 'queued' "
-        "AND d.not_before IS NOT NULL AND d.not_before <= ? "
-        "ORDER BY d.not_before, d.run_id LIMIT ?), ",
-        q, now, window,
     )  # fmt: skip
     sql.add(
         "parts(pk, room, rate, served) AS (SELECT s.pk, ? - (SELECT COUNT(*) FROM runs o "
@@ -264,58 +266,56 @@ def claim_candidates(
     sql.add(
         "(SELECT MAX(o.started_at) FROM runs o WHERE o.queue_name = ? "
         "AND o.partition_key = s.pk AND o.started_at IS NOT NULL) "
-        "FROM (SELECT pk FROM walk WHERE pk IS NOT NULL "
-        "UNION SELECT pk FROM due WHERE pk IS NOT NULL) s), ",
+        "FROM walk s WHERE s.pk IS NOT NULL), ",
         q,
     )
+    # A run in line is handed out once due: the next run's id, or NULL while it is delayed.
+    due = f"CASE WHEN k.not_before IS NULL OR {in_line_at('k')} <= ? THEN k.run_id END"
     first = {"pk": "p.pk", "after": ""}
-    after = {"pk": "l.pk", "after": "AND (k.queued_at, k.run_id) > (l.queued_at, l.run_id) "}
+    after = {
+        "pk": "l.pk",
+        "after": f"AND ({in_line_at('k')}, k.run_id) > (l.at, l.run_id) ",
+    }
     sql.add(
-        "line(pk, turn, queued_at, run_id, room, rate) AS (SELECT p.pk, 1, "
-        f"{_KEYED_PROBE.format(column='queued_at', **first)}, "
-        f"{_KEYED_PROBE.format(column='run_id', **first)}, p.room, p.rate FROM parts p "
+        "line(pk, turn, at, run_id, room, rate, served, prio) AS (SELECT p.pk, 1, "
+        f"{_NEXT_IN_LINE.format(column=in_line_at('k'), **first)}, "
+        f"{_NEXT_IN_LINE.format(column=due, **first)}, p.room, p.rate, p.served, "
+        "(SELECT h.priority FROM runs h WHERE h.run_id = "
+        f"{_NEXT_IN_LINE.format(column='k.run_id', **first)}) FROM parts p "
         "WHERE p.room > 0 AND (p.rate IS NULL OR p.rate > 0) UNION ALL "
-        f"SELECT l.pk, l.turn + 1, {_KEYED_PROBE.format(column='queued_at', **after)}, "
-        f"{_KEYED_PROBE.format(column='run_id', **after)}, l.room, l.rate FROM line l "
-        "WHERE l.run_id IS NOT NULL AND l.turn < l.room AND (l.rate IS NULL OR l.turn < l.rate)"
-        "), ",
-        q, q, q, q,
+        f"SELECT l.pk, l.turn + 1, {_NEXT_IN_LINE.format(column=in_line_at('k'), **after)}, "
+        f"{_NEXT_IN_LINE.format(column=due, **after)}, l.room, l.rate, l.served, l.prio "
+        "FROM line l WHERE l.run_id IS NOT NULL AND l.turn < l.room "
+        "AND (l.rate IS NULL OR l.turn < l.rate)), ",
+        q, now, q, q, q, now, q,
     )  # fmt: skip
+    keep_loose = _graph_filters(_graph_key("q"), graph_count, len(skip))
+    estimate = "q.estimate" if order == "lpt" else _NO_NUMBER
+    graph = _graph_key("q") if filtered else _NO_TEXT
     sql.add(
-        "keyed(run_id, pk, queued_at, prio, estimate, gkey) AS (SELECT c.run_id, c.pk, "
-        f"c.queued_at, {_of_run('priority', True)}, {_of_run('estimate', order == 'lpt')}, "
-        f"{_of_run('graph_name', filtered)} || '/' || {_of_run('fingerprint', filtered)} "
+        f"loose(run_id, at, prio, estimate, gkey) AS (SELECT * FROM (SELECT q.run_id, "
+        f"q.queued_at, q.priority, {estimate}, {graph} FROM runs q WHERE q.queue_name = ? "
+        "AND q.status = 'queued' AND q.partition_key IS NULL AND q.not_before IS NULL "
+        f"{keep_loose}ORDER BY {_LOOSE_ORDER[order]} LIMIT ?) i UNION ALL "
+        f"SELECT * FROM (SELECT q.run_id, {in_line_at('q')}, q.priority, {estimate}, {graph} "
+        "FROM runs q WHERE q.queue_name = ? AND q.status = 'queued' "
+        f"AND q.partition_key IS NULL AND q.not_before IS NOT NULL AND {in_line_at('q')} <= ? "
+        f"{keep_loose}ORDER BY {in_line_at('q')}, q.run_id LIMIT ?) d) ",
+        q, *kept, window, q, now, *kept, window,
+    )  # fmt: skip
+    lpt = order == "lpt"
+    sql.add(
+        "SELECT c.run_id FROM (SELECT c.run_id, c.turn, c.prio, c.served, c.at, "
+        f"{_of_run('estimate', lpt, _NO_NUMBER)} AS estimate, "
+        f"{_of_run('graph_name', filtered, _NO_TEXT)} || '/' || "
+        f"{_of_run('fingerprint', filtered, _NO_TEXT)} AS gkey "
         "FROM line c WHERE c.run_id IS NOT NULL UNION ALL "
-        "SELECT run_id, pk, queued_at, prio, estimate, gkey FROM due WHERE pk IS NOT NULL), "
-    )
-    sql.add(
-        "turns(run_id, pk, queued_at, estimate, gkey, turn, prio) AS (SELECT k.run_id, k.pk, "
-        "k.queued_at, k.estimate, k.gkey, "
-        "ROW_NUMBER() OVER (PARTITION BY k.pk ORDER BY k.queued_at, k.run_id), "
-        "FIRST_VALUE(k.prio) OVER (PARTITION BY k.pk ORDER BY k.queued_at, k.run_id) "
-        "FROM keyed k), "
-    )
-    loose = _LOOSE_ORDER[order]
-    sql.add(
-        "loose(run_id, queued_at, prio, estimate, gkey) AS (SELECT * FROM (SELECT q.run_id, "
-        f"q.queued_at, q.priority, q.estimate, {_graph_key('q')} FROM runs q "
-        "WHERE q.queue_name = ? AND q.status = 'queued' AND q.partition_key IS NULL "
-        f"AND q.not_before IS NULL {_graph_filters(_graph_key('q'), graph_count, len(skip))}"
-        f"ORDER BY {loose} LIMIT ?) i UNION ALL SELECT run_id, queued_at, prio, estimate, "
-        "gkey FROM due WHERE pk IS NULL) ",
-        q, *kept, window,
-    )  # fmt: skip
-    sql.add(
-        "SELECT c.run_id FROM (SELECT t.run_id, t.turn, t.prio, p.served, t.queued_at, "
-        "t.estimate, t.gkey FROM turns t JOIN parts p ON p.pk = t.pk "
-        "WHERE t.turn <= p.room AND (p.rate IS NULL OR t.turn <= p.rate) UNION ALL "
-        f"SELECT u.run_id, ROW_NUMBER() OVER (ORDER BY {_LOOSE_TURN[order]}), "
-        "u.prio, NULL, u.queued_at, u.estimate, u.gkey FROM loose u "
-        f"WHERE 1 = 1 {_graph_filters('u.gkey', graph_count, len(skip))}) c "
+        f"SELECT u.run_id, ROW_NUMBER() OVER (ORDER BY {_LOOSE_TURN[order]}), u.prio, "
+        f"CAST(NULL AS DOUBLE PRECISION), u.at, u.estimate, u.gkey FROM loose u) c "
         f"WHERE 1 = 1 {_graph_filters('c.gkey', graph_count, len(skip))}"
         "ORDER BY c.prio DESC, c.turn, (c.served IS NOT NULL), c.served, "
         f"{_TIE[order]} LIMIT ?",
-        *kept, *kept, window,
+        *kept, window,
     )  # fmt: skip
     return sql.text(), sql.values()
 

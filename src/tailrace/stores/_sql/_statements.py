@@ -475,23 +475,25 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
     (
         20,
         (
-            # Claims that do not scan the backlog (W7): each index holds the queued runs
-            # (not delayed) in the order a claim reads them, so a claim reads one entry per
-            # partition and a window of unkeyed runs, however many are queued. A
-            # partition's next run, in partition and submit order (a skip scan walks it).
-            "CREATE INDEX IF NOT EXISTS runs_queued_by_partition ON runs "
-            "(queue_name, partition_key, queued_at, run_id) "
-            "WHERE status = 'queued' AND partition_key IS NOT NULL AND not_before IS NULL",
-            # Unkeyed runs in the queue's order: fifo and priority, then lpt.
+            # Claims that do not scan the backlog: each index holds the queued runs in
+            # the order a claim reads them, so a claim reads a few entries per partition
+            # and a window of unkeyed runs, however many are queued. A partition's runs
+            # in line (``in_line_at``: submit time, or ``not_before`` when later), in
+            # partition order (a skip scan walks it).
+            "CREATE INDEX IF NOT EXISTS runs_in_line ON runs (queue_name, partition_key, "
+            "(CASE WHEN not_before > queued_at THEN not_before ELSE queued_at END), run_id) "
+            "WHERE status = 'queued' AND partition_key IS NOT NULL",
+            # Unkeyed runs not delayed, in the queue's order: fifo and priority, then lpt.
             "CREATE INDEX IF NOT EXISTS runs_loose ON runs "
             "(queue_name, priority DESC, queued_at, run_id) "
             "WHERE status = 'queued' AND partition_key IS NULL AND not_before IS NULL",
             "CREATE INDEX IF NOT EXISTS runs_loose_lpt ON runs "
             "(queue_name, priority DESC, (COALESCE(estimate, 0)) DESC, queued_at, run_id) "
             "WHERE status = 'queued' AND partition_key IS NULL AND not_before IS NULL",
-            # Delayed runs by when they come due.
-            "CREATE INDEX IF NOT EXISTS runs_delayed ON runs (queue_name, not_before, run_id) "
-            "WHERE status = 'queued' AND not_before IS NOT NULL",
+            # Unkeyed delayed runs, by when they come due.
+            "CREATE INDEX IF NOT EXISTS runs_delayed ON runs (queue_name, "
+            "(CASE WHEN not_before > queued_at THEN not_before ELSE queued_at END), run_id) "
+            "WHERE status = 'queued' AND partition_key IS NULL AND not_before IS NOT NULL",
             # A partition's live runs, counted per claim: its finished runs are not in it
             # (the index it replaces held every run of every partition).
             "CREATE INDEX IF NOT EXISTS runs_live_by_partition ON runs "

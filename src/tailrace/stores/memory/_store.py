@@ -838,7 +838,7 @@ class MemoryStore(RunStore):
             return (wanted is None or key in wanted) and key not in skipped
 
         claimed: list[str] = []
-        window = claim_window(free)
+        window = claim_window(free, skipping=False)
         for run in claim_order(spec, mine, now, window=window, drivable=drivable):
             if not drivable(run):
                 continue
