@@ -1,7 +1,8 @@
 """The SQL claim query hands out runs in the order of its Python mirror (W2).
 
-SQLite (the shared SQL of ``stores/_sql``) and the memory store (``claim_order``
-in ``stores/_queue_rules``) get the same random backlog: keyed and unkeyed
+SQLite and Postgres (the shared SQL of ``stores/_sql``, Postgres with its
+``LATERAL`` probes) and the memory store (``claim_order`` in
+``stores/_queue_rules``) get the same random backlog: keyed and unkeyed
 runs, priorities and estimates, runs submitted at the same moment, delayed
 runs (some due, more than a claim's window of them; some not), two graphs, in
 each queue order, with and without a partition rate limit; claimed a few at a
@@ -11,12 +12,22 @@ bite), both hand out the same sequence.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 
 import pytest
 
-from tailrace.stores import MemoryStore, NewRun, Queue, RunStore, SQLiteStore, Submission
+from tailrace.stores import (
+    MemoryStore,
+    NewRun,
+    PostgresStore,
+    Queue,
+    RunStore,
+    SQLiteStore,
+    Submission,
+)
+from tests import fixtures
 from tests.fixtures import FakeClock
 
 RUNS = 220
@@ -56,19 +67,26 @@ async def claim_sequence(store: RunStore, queue: Queue, seed: int, clock: FakeCl
     return [run_id for ids in order for run_id in ids]
 
 
+@pytest.mark.parametrize("sql", ["sqlite", fixtures.POSTGRES])
 @pytest.mark.parametrize("ordering", ["fifo", "priority", "lpt"])
 @pytest.mark.parametrize("rate", [None, 2])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 async def test_sql_claims_follow_the_python_claim_order(
-    tmp_path: Path, ordering: str, rate: int | None, seed: int
+    tmp_path: Path, sql: str, ordering: str, rate: int | None, seed: int
 ) -> None:
     queue = Queue(
         "q", order=ordering, partition_concurrency=2, partition_limit=rate,  # type: ignore[arg-type]
         period=10.0,
     )  # fmt: skip
     sql_clock, memory_clock = FakeClock(), FakeClock()
-    async with SQLiteStore(str(tmp_path / "claims.db"), clock=sql_clock) as sqlite:
-        from_sql = await claim_sequence(sqlite, queue, seed, sql_clock)
+    async with contextlib.AsyncExitStack() as stack:
+        if sql == "sqlite":
+            store: RunStore = SQLiteStore(str(tmp_path / "claims.db"), clock=sql_clock)
+        else:
+            schema = await stack.enter_async_context(fixtures.postgres_schema("claim_order"))
+            store = PostgresStore(fixtures.POSTGRES_DSN or "", schema=schema, clock=sql_clock)
+        await stack.enter_async_context(store)
+        from_sql = await claim_sequence(store, queue, seed, sql_clock)
     memory = MemoryStore(clock=memory_clock)
     await memory.open()
     from_python = await claim_sequence(memory, queue, seed, memory_clock)

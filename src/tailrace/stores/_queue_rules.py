@@ -91,9 +91,9 @@ CLAIM_ROOM = 64
 
 
 def claim_window(limit: int, *, skipping: bool) -> int:
-    """How many unkeyed queued runs, and how many delayed runs that came due, a claim of
-    ``limit`` runs looks at (see :func:`claim_order`): ``limit``, and where the claim
-    ``skipping`` passes over the rows other claims hold, room for those."""
+    """How many candidates a claim of ``limit`` runs looks at: ``limit``, and where the
+    claim, ``skipping``, passes over the rows other claims hold, room for those. (Of the
+    unkeyed delayed runs that came due it looks at ``limit``, see :func:`claim_order`.)"""
     limit = max(limit, 0)
     return 4 * limit + CLAIM_ROOM if skipping else limit
 

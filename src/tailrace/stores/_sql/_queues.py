@@ -215,18 +215,21 @@ def _of_run(column: str, wanted: bool, typed: str) -> str:
 def claim_candidates(
     queue: Queue,
     now: float,
+    limit: int,
     window: int,
     graphs: Sequence[str] | None = None,
     skip: Sequence[str] = (),
+    *,
+    lateral: bool = False,
 ) -> tuple[str, tuple[object, ...]]:
-    """The query (and its values) of the first ``window`` queued runs of ``queue`` that may
-    start at ``now``, in claim order (of ``graphs`` only, when given, and none of ``skip``):
-    ``claim_order`` with that window as a query (W2). A claim takes the first of them it
-    can (see ``claim_window``).
+    """The query (and its values) of the first ``window`` queued runs of ``queue`` that a
+    claim of ``limit`` may take at ``now``, in claim order (of ``graphs`` only, when given,
+    and none of ``skip``): ``claim_order`` as a query (W2). The claim takes the first of
+    them it can (``window`` leaves room for those other claims hold: ``claim_window``).
 
     It reads index entries in proportion to the queue's partitions and to
-    ``window``, never to its backlog, and joins no table: every look at
-    ``runs`` is an indexed probe or an index range that stops at a limit.
+    ``window``, never to its backlog: every look at ``runs`` is an indexed
+    probe or an index range that stops at a limit.
 
     - ``walk`` skips through the keyed queued runs in partition order (a loose
       index scan: one probe per partition key);
@@ -235,60 +238,20 @@ def claim_candidates(
     - ``line``: a partition's first runs in line, as many as its room, up to
       the first still delayed; each with the priority of the partition's first;
     - ``loose``: the first ``window`` unkeyed runs not delayed, in the queue's
-      order, and the ``window`` unkeyed delayed runs that came due earliest,
+      order, and the ``limit`` unkeyed delayed runs that came due earliest,
       ranked together into turns.
+
+    With ``lateral`` (Postgres), one probe of the walk reads a partition's key
+    and its first run in line together, and each next run in line is one
+    probe; without it (SQLite, in process), each column is a probe of its own.
     """
-    q, order = queue.name, queue.order
-    graph_count = None if graphs is None else len(graphs)
-    kept = (*(graphs or ()), *skip)
-    filtered = bool(kept) or graphs is not None
     sql = _Query()
-    sql.add(
-        f"WITH RECURSIVE walk(pk) AS (SELECT {_NEXT_KEY.format(after='')} UNION ALL "
-        f"SELECT {_NEXT_KEY.format(after='AND k.partition_key > w.pk ')} FROM walk w "
-        "WHERE w.pk IS NOT NULL), ",
-        q, q,
-    )  # fmt: skip
-    sql.add(
-        "parts(pk, room, rate, served) AS (SELECT s.pk, ? - (SELECT COUNT(*) FROM runs o "
-        "WHERE o.queue_name = ? AND o.partition_key = s.pk "
-        "AND o.status IN ('running', 'suspended')), ",
-        queue.partition_concurrency, q,
-    )  # fmt: skip
-    if queue.partition_limit is None:
-        sql.add("CAST(NULL AS BIGINT), ")
-    else:
-        sql.add(
-            "? - (SELECT COUNT(*) FROM runs o WHERE o.queue_name = ? "
-            "AND o.partition_key = s.pk AND o.started_at > ?), ",
-            queue.partition_limit, q, now - queue.period,
-        )  # fmt: skip
-    sql.add(
-        "(SELECT MAX(o.started_at) FROM runs o WHERE o.queue_name = ? "
-        "AND o.partition_key = s.pk AND o.started_at IS NOT NULL) "
-        "FROM walk s WHERE s.pk IS NOT NULL), ",
-        q,
+    (_lateral_line if lateral else _scalar_line)(sql, queue, now)
+    order, kept = queue.order, (*(graphs or ()), *skip)
+    graph_count, filtered = (
+        (None if graphs is None else len(graphs)),
+        graphs is not None or bool(kept),
     )
-    # A run in line is handed out once due: the next run's id, or NULL while it is delayed.
-    due = f"CASE WHEN k.not_before IS NULL OR {in_line_at('k')} <= ? THEN k.run_id END"
-    first = {"pk": "p.pk", "after": ""}
-    after = {
-        "pk": "l.pk",
-        "after": f"AND ({in_line_at('k')}, k.run_id) > (l.at, l.run_id) ",
-    }
-    sql.add(
-        "line(pk, turn, at, run_id, room, rate, served, prio) AS (SELECT p.pk, 1, "
-        f"{_NEXT_IN_LINE.format(column=in_line_at('k'), **first)}, "
-        f"{_NEXT_IN_LINE.format(column=due, **first)}, p.room, p.rate, p.served, "
-        "(SELECT h.priority FROM runs h WHERE h.run_id = "
-        f"{_NEXT_IN_LINE.format(column='k.run_id', **first)}) FROM parts p "
-        "WHERE p.room > 0 AND (p.rate IS NULL OR p.rate > 0) UNION ALL "
-        f"SELECT l.pk, l.turn + 1, {_NEXT_IN_LINE.format(column=in_line_at('k'), **after)}, "
-        f"{_NEXT_IN_LINE.format(column=due, **after)}, l.room, l.rate, l.served, l.prio "
-        "FROM line l WHERE l.run_id IS NOT NULL AND l.turn < l.room "
-        "AND (l.rate IS NULL OR l.turn < l.rate)), ",
-        q, now, q, q, q, now, q,
-    )  # fmt: skip
     keep_loose = _graph_filters(_graph_key("q"), graph_count, len(skip))
     estimate = "q.estimate" if order == "lpt" else _NO_NUMBER
     graph = _graph_key("q") if filtered else _NO_TEXT
@@ -301,12 +264,11 @@ def claim_candidates(
         "FROM runs q WHERE q.queue_name = ? AND q.status = 'queued' "
         f"AND q.partition_key IS NULL AND q.not_before IS NOT NULL AND {in_line_at('q')} <= ? "
         f"{keep_loose}ORDER BY {in_line_at('q')}, q.run_id LIMIT ?) d) ",
-        q, *kept, window, q, now, *kept, window,
+        queue.name, *kept, window, queue.name, now, *kept, limit,
     )  # fmt: skip
-    lpt = order == "lpt"
     sql.add(
         "SELECT c.run_id FROM (SELECT c.run_id, c.turn, c.prio, c.served, c.at, "
-        f"{_of_run('estimate', lpt, _NO_NUMBER)} AS estimate, "
+        f"{_of_run('estimate', order == 'lpt', _NO_NUMBER)} AS estimate, "
         f"{_of_run('graph_name', filtered, _NO_TEXT)} || '/' || "
         f"{_of_run('fingerprint', filtered, _NO_TEXT)} AS gkey "
         "FROM line c WHERE c.run_id IS NOT NULL UNION ALL "
@@ -318,6 +280,101 @@ def claim_candidates(
         *kept, window,
     )  # fmt: skip
     return sql.text(), sql.values()
+
+
+def _parts(sql: _Query, queue: Queue, now: float, *heads: object) -> None:
+    """``parts``: each partition ``walk`` found, the room its concurrency (and rate limit)
+    leave, when it last started a run, and ``heads``: more columns of ``walk s`` (text,
+    then the values of its placeholders)."""
+    q = queue.name
+    sql.add(
+        "parts AS MATERIALIZED (SELECT s.pk, ? - (SELECT COUNT(*) FROM runs o WHERE o.queue_name = ? "
+        "AND o.partition_key = s.pk AND o.status IN ('running', 'suspended')) AS room, ",
+        queue.partition_concurrency, q,
+    )  # fmt: skip
+    if queue.partition_limit is None:
+        sql.add("CAST(NULL AS BIGINT) AS rate, ")
+    else:
+        sql.add(
+            "? - (SELECT COUNT(*) FROM runs o WHERE o.queue_name = ? "
+            "AND o.partition_key = s.pk AND o.started_at > ?) AS rate, ",
+            queue.partition_limit, q, now - queue.period,
+        )  # fmt: skip
+    text, *values = heads or ("",)
+    sql.add(
+        "(SELECT MAX(o.started_at) FROM runs o WHERE o.queue_name = ? "
+        f"AND o.partition_key = s.pk AND o.started_at IS NOT NULL) AS served{text} "
+        "FROM walk s WHERE s.pk IS NOT NULL), ",
+        q, *values,
+    )  # fmt: skip
+
+
+def _if_due(alias: str, at: str | None = None) -> str:
+    """A run in line is handed out once due: its id, or NULL while it is still delayed
+    (``at``: its place in line, when a column holds it)."""
+    place = at or in_line_at(alias)
+    return f"CASE WHEN {alias}.not_before IS NULL OR {place} <= ? THEN {alias}.run_id END"
+
+
+#: The partition's line goes on while it has room (and rate) left for one more.
+_ROOM_LEFT = "l.run_id IS NOT NULL AND l.turn < l.room AND (l.rate IS NULL OR l.turn < l.rate)"
+_ROOM = "p.room > 0 AND (p.rate IS NULL OR p.rate > 0)"
+
+
+def _scalar_line(sql: _Query, queue: Queue, now: float) -> None:
+    """``walk``, ``parts`` and ``line`` with a scalar subquery per probe (any dialect)."""
+    q = queue.name
+    sql.add(
+        f"WITH RECURSIVE walk(pk) AS (SELECT {_NEXT_KEY.format(after='')} UNION ALL "
+        f"SELECT {_NEXT_KEY.format(after='AND k.partition_key > w.pk ')} FROM walk w "
+        "WHERE w.pk IS NOT NULL), ",
+        q, q,
+    )  # fmt: skip
+    _parts(sql, queue, now)
+    first = {"pk": "p.pk", "after": ""}
+    after = {"pk": "l.pk", "after": f"AND ({in_line_at('k')}, k.run_id) > (l.at, l.run_id) "}
+    sql.add(
+        "line(pk, turn, at, run_id, room, rate, served, prio) AS (SELECT p.pk, 1, "
+        f"{_NEXT_IN_LINE.format(column=in_line_at('k'), **first)}, "
+        f"{_NEXT_IN_LINE.format(column=_if_due('k'), **first)}, p.room, p.rate, p.served, "
+        "(SELECT h.priority FROM runs h WHERE h.run_id = "
+        f"{_NEXT_IN_LINE.format(column='k.run_id', **first)}) FROM parts p WHERE {_ROOM} "
+        f"UNION ALL SELECT l.pk, l.turn + 1, "
+        f"{_NEXT_IN_LINE.format(column=in_line_at('k'), **after)}, "
+        f"{_NEXT_IN_LINE.format(column=_if_due('k'), **after)}, l.room, l.rate, l.served, "
+        f"l.prio FROM line l WHERE {_ROOM_LEFT}), ",
+        q, now, q, q, q, now, q,
+    )  # fmt: skip
+
+
+def _lateral_line(sql: _Query, queue: Queue, now: float) -> None:
+    """``walk``, ``parts`` and ``line`` with ``LATERAL`` probes that read whole rows
+    (Postgres): one probe per partition for its key and first run in line."""
+    q = queue.name
+    head = (
+        f"SELECT k.partition_key, {in_line_at('k')}, k.run_id, k.not_before, k.priority "
+        "FROM runs k WHERE k.queue_name = ? AND k.status = 'queued' "
+        "AND k.partition_key IS NOT NULL {after}"
+        f"ORDER BY k.partition_key, {in_line_at('k')}, k.run_id LIMIT 1"
+    )
+    sql.add(
+        f"WITH RECURSIVE walk(pk, at, run_id, not_before, prio) AS (SELECT * FROM "
+        f"({head.format(after='')}) f UNION ALL SELECT f.* FROM walk w CROSS JOIN LATERAL "
+        f"({head.format(after='AND k.partition_key > w.pk ')}) f), ",
+        q, q,
+    )  # fmt: skip
+    _parts(sql, queue, now, f", s.at, {_if_due('s', 's.at')} AS run_id, s.prio", now)
+    sql.add(
+        "line(pk, turn, at, run_id, room, rate, served, prio) AS (SELECT p.pk, 1, p.at, "
+        f"p.run_id, p.room, p.rate, p.served, p.prio FROM parts p WHERE {_ROOM} UNION ALL "
+        f"SELECT l.pk, l.turn + 1, n.at, {_if_due('n', 'n.at')}, l.room, l.rate, l.served, "
+        "l.prio "
+        f"FROM line l CROSS JOIN LATERAL (SELECT {in_line_at('k')} AS at, k.run_id, "
+        "k.not_before FROM runs k WHERE k.queue_name = ? AND k.status = 'queued' "
+        f"AND k.partition_key = l.pk AND ({in_line_at('k')}, k.run_id) > (l.at, l.run_id) "
+        f"ORDER BY {in_line_at('k')}, k.run_id LIMIT 1) n WHERE {_ROOM_LEFT}), ",
+        now, q,
+    )  # fmt: skip
 
 
 class _Query:

@@ -35,7 +35,6 @@ from .._queue_rules import (
     EXPIRED_LIMIT,
     FLEET_SCOPE,
     claim_order,
-    claim_window,
     dedup_holder,
     free_slots,
     holds_slot,
@@ -838,8 +837,7 @@ class MemoryStore(RunStore):
             return (wanted is None or key in wanted) and key not in skipped
 
         claimed: list[str] = []
-        window = claim_window(free, skipping=False)
-        for run in claim_order(spec, mine, now, window=window, drivable=drivable):
+        for run in claim_order(spec, mine, now, window=free, drivable=drivable):
             if not drivable(run):
                 continue
             self._runs[run.run_id] = dataclasses.replace(

@@ -147,7 +147,8 @@ async def claim_queued(
     free = free_slots(spec, want=limit, active=active, started_recently=started)
     if free <= 0:
         return [], None
-    query, params = claim_candidates(spec, now, claim_window(free, skipping=True), graphs, skip)
+    window = claim_window(free, skipping=True)
+    query, params = claim_candidates(spec, now, free, window, graphs, skip, lateral=True)
     cur = await conn.execute(pg(query), params, prepare=True)
     candidates = [r[0] for r in await cur.fetchall()]
     if not candidates:

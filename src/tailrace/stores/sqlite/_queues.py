@@ -82,7 +82,8 @@ def claim_queued(
     free = free_slots(spec, want=limit, active=active, started_recently=started)
     if free <= 0:
         return []
-    query, params = claim_candidates(spec, now, claim_window(free, skipping=False), graphs, skip)
+    window = claim_window(free, skipping=False)
+    query, params = claim_candidates(spec, now, free, window, graphs, skip)
     ids = [row[0] for row in conn.execute(query, params)]
     for run_id in ids:
         conn.execute(CLAIM_RUN, (owner, now + ttl, now, now, run_id))
