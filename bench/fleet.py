@@ -1347,9 +1347,12 @@ def _queued(n: int, partitions: int, tag: str = "r") -> tuple[Any, Any]:
     return run, Submission(queue="q", partition=f"p{n % partitions:03}" if partitions else None)
 
 
-async def _fill(kind: str, dsn: str | None, workdir: Path, backlog: int, partitions: int) -> Any:
-    """A store whose queue ``q`` holds ``backlog`` queued runs (``partitions`` keys, or none)."""
-    store = _bench_store(kind, dsn, workdir, f"claims{backlog}p{partitions}", max_size=8)
+async def _fill(
+    kind: str, dsn: str | None, workdir: Path, backlog: int, partitions: int, name: str = "fill"
+) -> Any:
+    """A store ``name`` whose queue ``q`` holds ``backlog`` queued runs (``partitions`` keys,
+    or none)."""
+    store = _bench_store(kind, dsn, workdir, name, max_size=8)
     await store.open()
     batch = 500
     for start in range(0, backlog, batch):
@@ -1377,7 +1380,8 @@ async def _claim_cycles(
     (or for ``seconds``, whichever ends first)."""
     import tailrace.stores as stores
 
-    store = await _fill(kind, dsn, workdir, backlog, partitions)
+    name = f"claims{backlog}p{partitions}_{uuid.uuid4().hex[:6]}"  # a fresh file each time
+    store = await _fill(kind, dsn, workdir, backlog, partitions, name)
     schema = getattr(store, "schema", None)
     pg = kind == "postgres"
     try:
@@ -1426,6 +1430,26 @@ async def _claim_cycles(
         return cell
     finally:
         await _dispose(store, dsn)
+        await asyncio.to_thread(_remove_files, workdir, name)
+
+
+def _remove_files(workdir: Path, name: str) -> None:
+    """Remove store ``name``'s SQLite file and its WAL, if any."""
+    for path in workdir.glob(f"{name}.db*"):
+        path.unlink()
+
+
+def _median_cell(cells: list[ClaimCell]) -> ClaimCell:
+    """Each field's median over repeated measurements of one cell."""
+
+    def median(values: list[float | None]) -> float | None:
+        known = sorted(v for v in values if v is not None)
+        return known[len(known) // 2] if known else None
+
+    fields = {
+        f.name: median([getattr(c, f.name) for c in cells]) for f in dataclasses.fields(ClaimCell)
+    }
+    return ClaimCell(**fields)  # type: ignore[arg-type]
 
 
 def run_claims(args: argparse.Namespace) -> None:
@@ -1436,7 +1460,9 @@ def run_claims(args: argparse.Namespace) -> None:
     print(f"claims of one queue by {args.claimers} claimers ({args.claim_cycles} claims a cell "
           f"or {args.claim_seconds:.0f} s, "
           "one run each; each claimed run then ends and one more is submitted, so the "
-          "backlog holds; load: the 1-minute load average as a cell began):")  # fmt: skip
+          f"backlog holds), the median of {args.claim_reps} measurements, the backlogs "
+          "taken in turn, forwards then backwards; load: the 1-minute load average as a "
+          "cell began:")  # fmt: skip
     print(f"{'store':>9} {'backlog':>8} {'partitions':>11} {'claims/s':>9} {'p50 ms':>7} "
           f"{'p99 ms':>7} {'rows/claim':>11} {'commits/claim':>14} {'server ms':>10} "
           f"{'load':>5}")  # fmt: skip
@@ -1444,11 +1470,16 @@ def run_claims(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="tailrace-claims-") as tmp:
         for kind in kinds:
             for parts in partitions:
+                seen: dict[int, list[ClaimCell]] = {b: [] for b in backlogs}
+                for rep in range(args.claim_reps):
+                    for backlog in backlogs if rep % 2 == 0 else backlogs[::-1]:
+                        seen[backlog].append(
+                            asyncio.run(_claim_cycles(kind, dsn, Path(tmp), backlog, parts,
+                                                      args.claimers, args.claim_cycles,
+                                                      args.claim_seconds))
+                        )  # fmt: skip
                 for backlog in backlogs:
-                    c = asyncio.run(_claim_cycles(kind, dsn, Path(tmp), backlog, parts,
-                                                  args.claimers, args.claim_cycles,
-                                                  args.claim_seconds))  # fmt: skip
-                    cells[kind, parts, backlog] = c
+                    c = cells[kind, parts, backlog] = _median_cell(seen[backlog])
                     rows = "-" if c.rows_per_claim is None else f"{c.rows_per_claim:.0f}"
                     commits = "-" if c.commits_per_claim is None else f"{c.commits_per_claim:.2f}"
                     cpu = "-" if c.server_ms_per_claim is None else f"{c.server_ms_per_claim:.2f}"
@@ -1560,6 +1591,7 @@ def main() -> int:
     parser.add_argument("--partitions", default="0,100", help="claims: partition keys")
     parser.add_argument("--claim-cycles", type=int, default=1000, help="claims: claims a cell")
     parser.add_argument("--claim-seconds", type=float, default=20.0, help="claims: at most")
+    parser.add_argument("--claim-reps", type=int, default=3, help="claims: measurements a cell")
     parser.add_argument("--chain-runs", type=int, default=200)
     parser.add_argument("--store", default="both", choices=["sqlite", "postgres", "both"])
     parser.add_argument("--dsn", default=os.environ.get("TAILRACE_TEST_POSTGRES_DSN"))
