@@ -61,7 +61,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -252,7 +252,13 @@ def tailrace_command() -> list[str]:
 
 
 class WorkerProcess:
-    """One ``tailrace worker`` process; its output goes to a log file."""
+    """One ``tailrace worker`` process; its output goes to a log file.
+
+    ``env`` adds to the environment it inherits (less any ``TAILRACE_*``
+    variable of this process); ``prefix`` is a command it runs under, which
+    must exec it in place (``ip netns exec NAME``), so ``proc.pid`` stays the
+    worker's own pid.
+    """
 
     def __init__(
         self,
@@ -260,11 +266,15 @@ class WorkerProcess:
         graph_file: Path,
         name: str,
         queues: Sequence[str] = (QUEUE,),
+        *,
+        env: Mapping[str, str] | None = None,
+        prefix: Sequence[str] = (),
         **options: Any,
     ) -> None:
         self.name = name
         self.log = target.workdir / f"{name}.log"
-        args = [*tailrace_command(), "worker", "--db", target.url, "--graphs", str(graph_file)]
+        args = [*prefix, *tailrace_command(), "worker", "--db", target.url]
+        args += ["--graphs", str(graph_file)]
         for queue in queues:
             args += ["--queue", queue]
         for key, value in options.items():
@@ -273,11 +283,12 @@ class WorkerProcess:
                 args.append(f"--{flag}" if value else f"--no-{flag}")
             else:
                 args += [f"--{flag}", str(value)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TAILRACE_")}
-        env[SIDE_ENV] = str(target.workdir / "side.log")
-        env["COLUMNS"] = "300"
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("TAILRACE_")}
+        environ[SIDE_ENV] = str(target.workdir / "side.log")
+        environ["COLUMNS"] = "300"
+        environ.update(env or {})
         with self.log.open("a") as out:
-            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=environ)
 
     def ready(self) -> bool:
         """Whether it printed its banner (its store is open and it is serving)."""

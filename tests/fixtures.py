@@ -34,6 +34,7 @@ import contextlib
 import importlib.util
 import os
 import sqlite3
+import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -156,6 +157,18 @@ async def postgres_schema(prefix: str = "tailrace_test") -> AsyncIterator[str]:
         yield schema
     finally:
         await drop_schema(schema)
+
+
+@contextlib.asynccontextmanager
+async def shared_url(kind: str, tmp_path: Path, prefix: str) -> AsyncIterator[str]:
+    """The URL of a fresh SQLite file under ``tmp_path`` (``kind`` ``"sqlite"``) or Postgres
+    schema (named after ``prefix``) that several processes can open."""
+    if kind == "sqlite":
+        yield str(tmp_path / f"{prefix}.db")
+        return
+    async with postgres_schema(prefix) as schema:
+        dsn = POSTGRES_DSN or ""
+        yield f"{dsn}{'&' if '?' in dsn else '?'}schema={schema}"
 
 
 # --- opened stores ---------------------------------------------------------------------
@@ -454,6 +467,55 @@ async def until(
         if loop.time() > deadline:
             pytest.fail(f"timed out waiting for {what}")
         await asyncio.sleep(every)
+
+
+# --- processes ----------------------------------------------------------------------------
+
+#: The repository's root: where test processes run, so ``tests`` imports in them.
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Procs:
+    """Processes a test started, each one's output in ``tmp_path``; stopped by their own pid
+    at the end (SIGKILLed if still running), never by name."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """Start ``args`` in the repository's root with ``env``."""
+        with (self.tmp_path / f"proc-{len(self.procs)}.log").open("wb") as log:
+            proc = subprocess.Popen(args, stdout=log, stderr=log, env=env, cwd=ROOT)
+        self.procs.append(proc)
+        return proc
+
+    def worker(
+        self, url: str, graphs: str, *queues: str, env: dict[str, str], concurrency: int = 8
+    ) -> subprocess.Popen[bytes]:
+        """A ``tailrace worker`` process on store ``url`` with ``--graphs graphs``, serving ``queues``."""
+        cli = [sys.executable, "-c", "from tailrace.cli import main; main()"]
+        args = [*cli, "worker", "--db", url, "--graphs", graphs]
+        for queue in queues:
+            args += ["--queue", queue]
+        return self.start([*args, "--concurrency", str(concurrency)], env)
+
+    def stop(self) -> None:
+        """Kill what still runs and reap every process."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    """A :class:`Procs` for the test, stopped when it ends."""
+    running = Procs(tmp_path)
+    try:
+        yield running
+    finally:
+        running.stop()
 
 
 async def seed_parked(

@@ -59,6 +59,23 @@ def test_test_command_follows_its_marker() -> None:
     assert lines[at + 3] == "```"
 
 
+def test_the_test_commands_paragraph_names_each_system_package_tests_skip_without() -> None:
+    """A test skipped for want of a system package says which (``apt-get install -y NAME``);
+    the paragraph before the test command names every such package."""
+    lines = README.read_text().splitlines()
+    at = lines.index("<!-- test-command -->")
+    start = max(i for i in range(at) if not lines[i].strip() and i < at - 1)
+    paragraph = " ".join(lines[start:at])
+    needed = {
+        name
+        for path in (ROOT / "tests").rglob("*.py")
+        for name in re.findall(r"apt-get install -y ([a-z0-9][a-z0-9.+-]*)", path.read_text())
+    }
+    assert {"chromium", "libfaketime"} <= needed, needed
+    for name in sorted(needed):
+        assert f"`{name}`" in paragraph, f"README's test paragraph does not name {name}"
+
+
 def test_main_job_command_runs_the_research_example() -> None:
     commands = _code_blocks(_section(README.read_text(), "Two commands"), "bash")
     main_job = commands[0].strip()

@@ -13,6 +13,12 @@ never disagree on how an attempt ended:
 - ``node_straggler`` marks the running attempt it flagged (T3);
 - a gate's attempt ends when its question opens (``asked``) and a ``waiting``
   segment runs until the answer is applied (Q1, Q3);
+- a run that suspends to wait for its child runs (``run_suspended`` with
+  reason ``children``, R4) ends the attempts it stopped ``suspended``, and a
+  ``children`` segment of each runs until the run is woken (``run_resumed``):
+  the node's next try re-attaches to its child, nothing was cut;
+- an item or input cancelled to be parked (``node_cancelled`` with reason
+  ``parked``, P3) ends ``parked``: a later run can continue it;
 - the end of a run (``run_cancelled``, ``run_failed``, ``run_completed``)
   ends what is still running or waiting as ``cancelled``;
 - an attempt still open when the run was resumed was cut by a crash or a stop:
@@ -108,6 +114,12 @@ class Outcome(enum.StrEnum):
     RUNNING = "running"
     ASKED = "asked"
     WAITING = "waiting"
+    #: Stopped when its run suspended to wait for its child runs (R4); not cut.
+    SUSPENDED = "suspended"
+    #: A node's wait for its child runs while its run was suspended (R4).
+    CHILDREN = "children"
+    #: Cancelled to be parked with its checkpoint (P3): a later run can continue it.
+    PARKED = "parked"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -173,6 +185,8 @@ class _Walk:
 
     open: dict[_Key, list[_Open]] = field(default_factory=dict)
     waiting: dict[_Key, float] = field(default_factory=dict)
+    #: Node visits waiting for their child runs while the run is suspended (R4), since when.
+    children: dict[_Key, float] = field(default_factory=dict)
     done: list[Attempt] = field(default_factory=list)
     #: The highest try of a visit cut by a crash or a stop, until its re-run starts.
     cut_tries: dict[_Key, int] = field(default_factory=dict)
@@ -248,6 +262,21 @@ class _Walk:
                         outcome=outcome, item=key[2])
             )  # fmt: skip
 
+    def suspend(self, ts: float) -> None:
+        """The run suspended for its child runs: what ran stopped there, and waits (R4)."""
+        for key in list(self.open):
+            self.close_all(key, ts, Outcome.SUSPENDED, Outcome.SUSPENDED)
+            self.children[key] = ts
+
+    def wake(self, end: float, outcome: Outcome = Outcome.CHILDREN) -> None:
+        """The suspended run was woken (or ended): every wait for children ends at ``end``."""
+        for key, start in self.children.items():
+            self.done.append(
+                Attempt(node_id=key[0], visit=key[1], attempt=None, start=start,
+                        end=max(end, start), outcome=outcome, item=key[2])
+            )  # fmt: skip
+        self.children.clear()
+
 
 def event_data(event: EventRow) -> dict[str, Any]:
     """The event's data as a dict; ``{}`` when it does not decode to one."""
@@ -294,6 +323,7 @@ def attempts_from_events(
             else:
                 walk.close(key, item, walk.cut_end(key, item, end), Outcome.CUT)
     wait_end = now if now is not None else last
+    walk.wake(wait_end)  # still suspended: the children are waited for until now
     for key, start in walk.waiting.items():
         walk.done.append(
             Attempt(node_id=key[0], visit=key[1], attempt=None, start=start,
@@ -348,13 +378,18 @@ def _later(known: dict[SeenKey, float], key: SeenKey, ts: float) -> None:
 
 def _step(walk: _Walk, e: EventRow) -> None:
     if e.type == "run_resumed":
+        walk.wake(e.ts)
         walk.cut(walk.last_ts if walk.last_ts is not None else e.ts)
+        return
+    if e.type == "run_suspended" and event_data(e).get("reason") == "children":
+        walk.suspend(e.ts)
         return
     if e.type in _RUN_ENDS:  # nothing still running or waiting goes on once the run ended
         for still in list(walk.open):
             walk.close_all(still, e.ts, Outcome.CANCELLED, Outcome.CANCELLED)
         for waits in list(walk.waiting):
             walk.close_wait(waits, e.ts, Outcome.CANCELLED)
+        walk.wake(e.ts, Outcome.CANCELLED)
         return
     if e.node_id is None:
         return
@@ -376,7 +411,8 @@ def _step(walk: _Walk, e: EventRow) -> None:
         error = data.get("error")
         walk.close_all(key, e.ts, Outcome.FAILED, Outcome.LOST, error=_text(error))
     elif e.type == "node_cancelled":
-        walk.close_all(key, e.ts, Outcome.CANCELLED, Outcome.CANCELLED)
+        ended = Outcome.PARKED if data.get("reason") == "parked" else Outcome.CANCELLED
+        walk.close_all(key, e.ts, ended, ended)
         walk.close_wait(key, e.ts, Outcome.CANCELLED)
     elif e.type == "question_opened":
         walk.close_all(key, e.ts, Outcome.ASKED, Outcome.LOST)
@@ -442,6 +478,62 @@ def _text(value: object) -> str | None:
     return None if value is None else str(value)
 
 
+# -- hedging: a run's backups and its budget (T3, T5) ----------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HedgeAccount:
+    """A run's backups as its events record them (T3, T5).
+
+    ``started`` counts backups and clones started (``node_hedged``), ``won``
+    the completions a backup won, ``refused`` the stragglers whose backup the
+    budget refused (``node_hedge_refused``); ``budget`` is the share of
+    attempts started the hedge policy allows as extra attempts, None when the
+    backups were unbudgeted (no hedge policy).
+    """
+
+    started: int
+    won: int
+    refused: int
+    budget: float | None
+
+    def describe(self) -> str:
+        """One line: ``3 started (2 won), 1 refused by the budget of 5% of attempts started``.
+
+        >>> HedgeAccount(started=3, won=2, refused=1, budget=0.05).describe()
+        '3 started (2 won), 1 refused by the budget of 5% of attempts started'
+        >>> HedgeAccount(started=1, won=1, refused=0, budget=None).describe()
+        '1 started (1 won), unbudgeted (no hedge policy)'
+        """
+        head = f"{self.started} started ({self.won} won)"
+        if self.budget is None:
+            return f"{head}, unbudgeted (no hedge policy)"
+        return (
+            f"{head}, {self.refused} refused by the budget of {self.budget:.0%} of attempts started"
+        )
+
+
+def hedge_account(events: Sequence[EventRow]) -> HedgeAccount | None:
+    """The :class:`HedgeAccount` of a run from its ``events``; None when it raced no backup."""
+    started = won = refused = 0
+    budget: float | None = None
+    for e in events:
+        if e.type not in ("node_hedged", "node_hedge_refused", "node_completed"):
+            continue
+        data = event_data(e)
+        if e.type == "node_completed":
+            won += data.get("hedge") is True
+            continue
+        started += e.type == "node_hedged"
+        refused += e.type == "node_hedge_refused"
+        share = data.get("budget")
+        if isinstance(share, int | float) and not isinstance(share, bool):
+            budget = float(share)
+    if not started and not refused:
+        return None
+    return HedgeAccount(started=started, won=won, refused=refused, budget=budget)
+
+
 # -- map nodes: their items summarised and folded (M2) ------------------------------------
 
 
@@ -464,6 +556,8 @@ class MapSummary:
     cancelled: int
     running: int
     slowest: tuple[tuple[int, float], ...]
+    #: Items parked with their checkpoint (P3), apart from those cancelled.
+    parked: int = 0
 
 
 def map_summaries(events: Sequence[EventRow], attempts: Sequence[Attempt]) -> list[MapSummary]:
@@ -501,6 +595,7 @@ def map_summaries(events: Sequence[EventRow], attempts: Sequence[Attempt]) -> li
                 cancelled=sum(a.outcome is Outcome.CANCELLED for a in ended),
                 running=sum(a.outcome is Outcome.RUNNING for a in ended),
                 slowest=tuple(sorted(longest.items(), key=lambda kv: (-kv[1], kv[0]))[:3]),
+                parked=sum(a.outcome is Outcome.PARKED for a in ended),
             )
         )  # fmt: skip
     return out

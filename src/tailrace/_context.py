@@ -64,6 +64,10 @@ class NodeContext:
     for any other node. ``resumed_from`` is the checkpoint this attempt
     continues from (P2): set when it starts again after a crash, an adoption,
     a retry with ``RetryPolicy(resume=True)`` or an unpark; None otherwise.
+    ``backup_of`` is, for a hedge's backup or clone (T3, T5), the attempt
+    of the primary it races (the backup keeps that number, as its stream
+    chunks and events do); None for a primary. A backup can take another
+    replica, another seed or a cheaper path than its primary.
     """
 
     run_id: str
@@ -72,9 +76,15 @@ class NodeContext:
     attempt: int
     item: int | None = None
     resumed_from: Checkpoint | None = None
+    backup_of: int | None = None
     _sink: CheckpointSink | None = field(default=None, repr=False, compare=False)
     _streams: StreamSink | None = field(default=None, repr=False, compare=False)
     _handle: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def backup(self) -> bool:
+        """Whether this attempt is a hedge's backup (or clone) of attempt :attr:`backup_of`."""
+        return self.backup_of is not None
 
     def checkpoint(self, value: Any) -> None:
         """Save ``value`` (JSON) as this attempt's latest checkpoint (P1).
@@ -146,10 +156,14 @@ class NodeContext:
 
 
 #: What the engine stores per attempt: (run id, node id, visit, attempt), plus the
-#: item index for an item of a map node, then the attempt's checkpoint sink, the
-#: checkpoint it resumes from, the stream sink and the engine's handle on the attempt.
-_Full = tuple[str, str, int, int, int | None, CheckpointSink, Checkpoint | None, StreamSink, Any]
-Where = tuple[str, str, int, int] | tuple[str, str, int, int, int] | _Full
+#: item index for an item of a map node and the attempt a backup races (None: it is
+#: no backup), then the attempt's checkpoint sink, the checkpoint it resumes from,
+#: the stream sink and the engine's handle on the attempt.
+_Full = tuple[
+    str, str, int, int, int | None, CheckpointSink, Checkpoint | None, StreamSink, Any, int | None
+]
+_Short = tuple[str, str, int, int, int | None, int | None]
+Where = tuple[str, str, int, int] | tuple[str, str, int, int, int] | _Short | _Full
 
 # The engine stores a plain tuple per attempt; NodeContext is built on demand,
 # which keeps the per-node cost of the engine low.
@@ -188,19 +202,24 @@ def current_node(*, required: bool = False) -> NodeContext | None:
         if required:
             raise RuntimeError(_OUTSIDE)
         return None
-    if len(raw) == 9:
+    if len(raw) == 10:
         full = cast("_Full", raw)
-        run_id, node_id, visit, attempt, item, sink, resumed, streams, handle = full
+        run_id, node_id, visit, attempt, item, sink, resumed, streams, handle, backup_of = full
         return NodeContext(
             run_id=run_id, node_id=node_id, visit=visit, attempt=attempt, item=item,
-            resumed_from=resumed, _sink=sink, _streams=streams, _handle=handle,
+            resumed_from=resumed, backup_of=backup_of, _sink=sink, _streams=streams,
+            _handle=handle,
         )  # fmt: skip
-    item = raw[4] if len(raw) == 5 else None
-    return NodeContext(run_id=raw[0], node_id=raw[1], visit=raw[2], attempt=raw[3], item=item)
+    item = raw[4] if len(raw) >= 5 else None
+    backup_of = raw[5] if len(raw) == 6 else None
+    return NodeContext(
+        run_id=raw[0], node_id=raw[1], visit=raw[2], attempt=raw[3], item=item,
+        backup_of=backup_of,
+    )  # fmt: skip
 
 
 def set_current(raw: Where) -> None:
-    """Set (run id, node id, visit, attempt[, item[, sink, resumed, streams, handle]]) for the
-    current task; the
-    engine does this per attempt."""
+    """Set (run id, node id, visit, attempt[, item[, backup_of]]), or the engine's whole
+    record of the attempt (with its sinks and handle), for the current task; the engine
+    does this per attempt."""
     _current.set(raw)

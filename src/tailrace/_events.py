@@ -33,6 +33,7 @@ class EventType(enum.StrEnum):
     NODE_LATE_INPUT = "node_late_input"
     NODE_STRAGGLER = "node_straggler"
     NODE_HEDGED = "node_hedged"
+    NODE_HEDGE_REFUSED = "node_hedge_refused"
     AGGREGATE_FIRED = "aggregate_fired"
     QUESTION_OPENED = "question_opened"
     QUESTION_ANSWERED = "question_answered"

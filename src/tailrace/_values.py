@@ -42,6 +42,10 @@ def revive(data: dict[str, Any]) -> Any:
     return data
 
 
+#: The longest run id every store keys on (child run ids included).
+MAX_RUN_ID_CHARS = 512
+
+
 def checked_run_id(run_id: Any) -> str:
     """``run_id`` if it is text every store can key on; else a ``ValueError`` naming it."""
     if not isinstance(run_id, str) or not run_id:
@@ -50,8 +54,11 @@ def checked_run_id(run_id: Any) -> str:
         raise ValueError(
             f"run id {run_id!r} holds a NUL or a lone surrogate; no store can key on it"
         )
-    if len(run_id) > 512:
-        raise ValueError(f"run id {run_id[:40]!r}... is {len(run_id)} characters long; at most 512")
+    if len(run_id) > MAX_RUN_ID_CHARS:
+        raise ValueError(
+            f"run id {run_id[:40]!r}... is {len(run_id)} characters long; "
+            f"at most {MAX_RUN_ID_CHARS}"
+        )
     return run_id
 
 

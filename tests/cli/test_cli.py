@@ -147,6 +147,7 @@ def test_show_prints_nodes_and_a_timeline_with_bars(research_run: tuple[Path, Re
     result = invoke("show", "r1", "--db", db)
     assert result.exit_code == 0, result.output
     assert "run r1 graph research status completed" in result.stdout
+    assert "backups:" not in result.stdout  # it raced none
     rows = table_rows(result.stdout)
     assert rows["node"] == ["node", "status", "visits"]
     assert {node: rows[node][1:] for node in NODES} == {
@@ -220,6 +221,46 @@ def test_input_that_is_not_json_is_a_usage_error_naming_input(tmp_path: Path) ->
     assert_says(result, "Invalid value for '--input': not JSON: Expecting value: line 1 column 1")
     assert "run failed" not in result.output  # nothing ran
     assert not db.exists()
+
+
+def test_show_counts_the_backups_a_run_raced_and_those_its_budget_refused(
+    tmp_path: Path,
+) -> None:
+    # One token in the engine's hedge budget and nothing to refill it: of two stalled
+    # nodes, one is backed up (its backup wins), the other's backup is refused (T5).
+    import tailrace as tr
+    from tailrace.tail import HedgePolicy, TailHooks
+
+    db = tmp_path / "t.db"
+    policy = HedgePolicy(budget=0.0, burst=1.0, backup_after=1.0, slack=0.0, tolerance=100.0)
+    hooks = TailHooks(hedging=policy)
+    for _ in range(3):
+        hooks.estimator("stall").observe(1.0, 0.01)
+
+    async def run() -> None:
+        hedged = asyncio.Event()
+
+        async def stall(x: str) -> str:
+            if not tr.current_node(required=True).backup:
+                await hedged.wait()  # the first backup lets every primary go on
+            return x
+
+        g = tr.Graph("budgeted")
+        g.add_node("src", lambda x: x)
+        for name in ("a", "b"):
+            g.add_node(name, stall, hedge=True, estimate_key="stall")
+            g.add_edge("src", name)
+        async with SQLiteStore(db) as store:
+            engine = tr.Engine(store=store, tail=hooks)
+            engine.bus.subscribe(lambda e: hedged.set(), tr.EventType.NODE_HEDGED)
+            await asyncio.wait_for(engine.run(g, "x", run_id="budgeted"), 30)
+
+    asyncio.run(run())
+    shown = invoke("show", "budgeted", "--db", db)
+    assert shown.exit_code == 0, shown.output
+    assert_says(
+        shown, "backups: 1 started (1 won), 1 refused by the budget of 0% of attempts started"
+    )
 
 
 def test_a_failing_handler_fails_the_run_and_show_says_why(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ task is refused, naming the gate. On SQLite, and on Postgres when available.
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,3 +120,44 @@ def test_v5_check_migrate_and_fork_from_the_command_line(db: str, tmp_path: Path
     assert bad.exit_code == 1 and "no such node" in bad.output
     other = invoke("check", "r1", "--graphs", files["v2"].with_name("none.py"), "--db", db)
     assert other.exit_code != 0
+
+
+@pytest.fixture
+def _imports_kept(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Undo what loading graph files does to this process: its folders on ``sys.path``, the
+    neighbour modules they import."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name in ("v1", "v2", "broken"):
+            del sys.modules[name]
+
+
+@pytest.mark.usefixtures("_imports_kept")
+def test_two_graphs_of_one_name_in_a_file_are_named_not_guessed(tmp_path: Path) -> None:
+    """A file that defines two versions of one graph: check, migrate and fork name both and
+    run nothing; ``FILE:GRAPH`` picks one. The same graph under two names is one graph."""
+    db = str(tmp_path / "runs.db")
+    files = graphs(tmp_path)
+    both = tmp_path / "both.py"
+    both.write_text(
+        "from v2 import graph\nfrom broken import graph as broken\nalias = graph\n"
+    )  # its neighbours import, as under ``python both.py``
+    started = invoke("run", f"{files['v1']}:graph", "--db", db, "--run-id", "r1")
+    assert started.exit_code == 0, started.output
+    for args in (
+        ("check", "r1"),
+        ("migrate", "--apply"),
+        ("fork", "r1", "--at", "ship", "--fork-id", "f1"),
+    ):
+        refused = invoke(*args, "--graphs", both, "--db", db)
+        assert refused.exit_code != 0, refused.output
+        said = flat(refused.output)
+        assert flat(f"2 graphs are named 'deploy' ({both}:graph, {both}:broken)") in said, said
+        assert "alias" not in said  # one graph under two names
+    assert "r1" in invoke("runs", "--db", db, "--graph", "deploy").output
+    assert "f1" not in invoke("runs", "--db", db).output  # no fork was made
+    moved = invoke("migrate", "--apply", "--graphs", f"{both}:graph", "--db", db)
+    assert moved.exit_code == 0, moved.output
+    assert "1 moved" in moved.output

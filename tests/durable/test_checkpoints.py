@@ -274,8 +274,11 @@ async def test_sigkill_between_checkpoints_resumes_from_the_last_committed_one(
 # -- P3, P4: parking ---------------------------------------------------------------------------
 
 
-def rollouts(log: list[tuple[str, int, Any]], late: str = "park") -> tr.Graph:
-    """Six rollouts per round, four kept; rollouts 4 and 5 are slow, park and continue later."""
+def rollouts(
+    log: list[tuple[str, int, Any]], late: str = "park", max_parks: int = tr.graph.MAX_PARKS
+) -> tr.Graph:
+    """Six rollouts per round, four kept; rollouts 4 and 5 are slow, park and continue later
+    (each at most ``max_parks`` times: then it runs to completion, P5)."""
     g = tr.Graph("parked_rollouts")
 
     @g.task()
@@ -294,7 +297,7 @@ def rollouts(log: list[tuple[str, int, Any]], late: str = "park") -> tr.Graph:
             await asyncio.sleep(0.2 if slow else 0.001)
         return {"prompt": prompt, "from": start}
 
-    g.add_node("roll", roll, "map", required=4, late=late, resume_parked=True)
+    g.add_node("roll", roll, "map", required=4, late=late, resume_parked=True, max_parks=max_parks)
     g.chain("prompts", "roll")
     return g
 
@@ -384,7 +387,7 @@ async def test_racing_claimers_each_get_distinct_parked_items(tmp_path: Path) ->
             log: list[tuple[str, int, Any]] = []
             async with open_store(target) as store:
                 engine = tr.Engine(store=store)
-                g = rollouts(log)
+                g = rollouts(log, max_parks=100)  # every straggler stays parked (no P5)
                 for r in range(10):
                     await engine.run(g, r, run_id=f"seed-{r}")
                 before = {r.park_id for r in await engine.parked(g)}

@@ -8,6 +8,8 @@ checked against it, resumed on it, migrated onto it, or forked from it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -140,6 +142,150 @@ async def test_v1_required_and_edges_into_the_frontier_are_checked_new_nodes_are
     report = await eng.check(run_id, free)
     assert report.compatible and not report.same_version
     assert set(report.frontier) == {"a", "x", "y", "z", "agg", "out"}
+
+
+def quota_graph(probe: Probe, required: Callable[[int], int]) -> tr.Graph:
+    """``items`` (a list of ``x`` numbers) -> ``each`` (a map, first ``required(n)``) -> ``out``."""
+    g = tr.Graph("quota")
+    g.add_node("items", probe.task(lambda x: list(range(x))))
+    g.add_node("each", probe.task(), "map", required=required)
+    g.add_node("out", probe.task(len))
+    g.chain("items", "each", "out")
+    return g
+
+
+async def crashed_at_out(
+    backend: Backend, probe: Probe, graph: tr.Graph, input: Any, node: str = "out"
+) -> str:
+    """A run of ``graph`` crashed while its ``node`` ran (everything before it committed)."""
+    probe.held = {node}
+    run_id = new_id(graph.name)
+    task = asyncio.create_task(engine(backend).run(graph, input, run_id=run_id))
+    await until(running(backend, run_id, node), f"{node} running")
+    await crash(task)
+    probe.held.clear()
+    return run_id
+
+
+async def test_v1_a_maps_required_function_is_part_of_the_version_by_its_code(
+    backend: Backend,
+) -> None:
+    probe = Probe()
+    every = quota_graph(probe, lambda n: n)
+    one = quota_graph(probe, lambda n: 1)
+    assert every.fingerprint() != one.fingerprint()  # one name (<lambda>), other code
+    assert quota_graph(probe, every.nodes["each"].required).fingerprint() == every.fingerprint()
+    run_id = await crashed_at_out(backend, probe, every, 4)
+
+    report = await engine(backend).check(run_id, one)
+
+    assert not report.compatible and not report.same_version
+    ((node, reason),) = report.incompatible
+    assert node == "each" and reason.startswith("its required changed from ")
+    assert f"{__name__}:test_v1_a_maps_required_function_is_part" in reason
+    dry = await engine(backend).migrate(one)
+    assert [m.outcome for m in dry.runs] == [tr.MoveOutcome.INCOMPATIBLE]
+    with pytest.raises(GraphMismatch, match="'each': its required changed"):
+        await engine(backend).resume(run_id, one)
+    assert (await engine(backend).resume(run_id, every)).results["out"] == 4
+
+
+def made_with(k: int) -> Callable[[int], int]:
+    return lambda n: min(n, k)
+
+
+def test_v1_a_required_function_made_by_a_factory_differs_by_what_it_closes_over() -> None:
+    probe = Probe()
+    two, three = quota_graph(probe, made_with(2)), quota_graph(probe, made_with(3))
+    assert two.fingerprint() != three.fingerprint()
+    assert quota_graph(probe, made_with(2)).fingerprint() == two.fingerprint()
+
+
+def parent_graph(probe: Probe, child: tr.Graph) -> tr.Graph:
+    """``prep`` -> ``kid`` (runs ``child`` as a child run) -> ``out``."""
+    g = tr.Graph("parent")
+    g.add_node("prep", probe.task())
+    g.add_node("kid", child)
+    g.add_node("out", probe.task())
+    g.chain("prep", "kid", "out")
+    return g
+
+
+def child_graph(probe: Probe, name: str, *steps: str) -> tr.Graph:
+    g = tr.Graph(name)
+    for step in steps:
+        g.add_node(step, probe.task(lambda x, step=step: f"{step}({x})"))
+    g.chain(*steps)
+    return g
+
+
+async def test_v1_a_child_nodes_graph_is_part_of_the_version(backend: Backend) -> None:
+    probe = Probe()
+    v1 = parent_graph(probe, child_graph(probe, "kid", "one"))
+    swapped = parent_graph(probe, child_graph(probe, "other", "one"))
+    grown = parent_graph(probe, child_graph(probe, "kid", "one", "two"))
+    assert len({v1.fingerprint(), swapped.fingerprint(), grown.fingerprint()}) == 3
+    run_id = await crashed_at_out(backend, probe, v1, "x")
+    kid = v1.nodes["kid"].handler.fingerprint()  # type: ignore[union-attr]
+
+    for changed, to in ((swapped, "'other'"), (grown, "'kid'")):
+        report = await engine(backend).check(run_id, changed)
+        assert [i.node_id for i in report.incompatible] == ["kid"], report.describe()
+        assert report.incompatible[0].reason.startswith(
+            f"its child graph changed from graph 'kid' version {kid} to graph {to} version "
+        )
+        dry = await engine(backend).migrate(changed)
+        assert [m.outcome for m in dry.runs] == [tr.MoveOutcome.INCOMPATIBLE]
+
+    early = await crashed_at_out(backend, probe, v1, "x", "prep")  # its child node has not run
+    report = await engine(backend).check(early, grown)
+    assert report.compatible and not report.same_version
+
+
+async def stored_before_digests(backend: Backend, run_id: str) -> None:
+    """Make run ``run_id`` look as an older tailrace stored it: its version's structure names
+    a callable ``required`` by reference alone and holds no child graphs (another fingerprint)."""
+    record = await backend.store.get_run(run_id)
+    text = await backend.store.graph_shape(record.graph_name, record.fingerprint)
+    assert text is not None
+    shape = json.loads(text)
+    for node in shape["nodes"]:
+        del node[5:]
+        if isinstance(node[2], list):
+            node[2] = node[2][0]
+    old, fingerprint = json.dumps(shape, separators=(",", ":")), "0ld" + record.fingerprint[3:]
+    if backend.execute is None:
+        store: Any = backend.store
+        store._runs[run_id] = dataclasses.replace(record, fingerprint=fingerprint)
+        store._shapes[(record.graph_name, fingerprint)] = old
+        return
+    m = backend.mark
+    await backend.execute(
+        f"UPDATE runs SET fingerprint = {m} WHERE run_id = {m}", (fingerprint, run_id)
+    )
+    await backend.execute(
+        f"INSERT INTO graph_shapes (graph_name, fingerprint, shape_json, created_at) "
+        f"VALUES ({m}, {m}, {m}, 0)",
+        (record.graph_name, fingerprint, old),
+    )
+
+
+async def test_v1_a_run_stored_before_code_and_child_graphs_were_versioned_continues(
+    backend: Backend,
+) -> None:
+    probe = Probe()
+    quota = quota_graph(probe, lambda n: n)
+    parent = parent_graph(probe, child_graph(probe, "kid", "one"))
+    ids = [await crashed_at_out(backend, probe, g, i) for g, i in ((quota, 3), (parent, "x"))]
+    for run_id in ids:
+        await stored_before_digests(backend, run_id)
+
+    for run_id, graph in zip(ids, (quota, parent), strict=True):
+        report = await engine(backend).check(run_id, graph)
+        assert report.compatible and not report.same_version, report.describe()
+        result = await engine(backend).resume(run_id, graph)
+        assert result.status is RunStatus.COMPLETED
+        assert (await backend.store.get_run(run_id)).fingerprint == graph.fingerprint()
 
 
 # --- V2: check writes nothing and needs no old code --------------------------------------------

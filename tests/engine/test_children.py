@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import random
+import string
 from collections import Counter
 from typing import Any
 
@@ -426,3 +428,88 @@ async def test_a_late_child_input_that_completed_before_its_cancel_is_late_fired
     assert [e for e in events if e.type == "node_cancelled"] == []
     logged = [json.loads(e.data_json) for e in events if e.type == "node_late_input"]
     assert [(d["source"], d["reason"]) for d in logged] == [("slow", "fired")]
+
+
+# --- child ids: their own namespace, bounded like run ids (R1) -------------------------------
+
+echo = tr.Graph("echo")
+echo.add_node("same", lambda value: value)
+
+
+async def test_a_run_id_shaped_like_a_child_runs_id_is_refused_so_the_parent_owns_it(
+    each_store: RunStore,
+) -> None:
+    """A run the user names ``victim/kid/1`` would take the id of run ``victim``'s child at
+    node ``kid``: it is refused, naming it, by run, submit and fork alike, and ``victim``'s
+    child gets its id."""
+    engine = tr.Engine(store=each_store)
+    victim = tr.Graph("victim")
+    victim.add_node("kid", echo)
+    for refused in ("victim/kid/1", "victim/kid/1/0", "a/b/c/kid/12"):
+        with pytest.raises(ValueError, match="child run") as caught:
+            await engine.run(echo, 1, run_id=refused)
+        assert repr(refused) in str(caught.value)
+    with pytest.raises(ValueError, match="'victim/kid/1'"):
+        await engine.submit(echo, 1, run_id="victim/kid/1", queue="q")
+    await engine.run(echo, 1, run_id="source")
+    with pytest.raises(ValueError, match="'victim/kid/1'"):
+        await engine.fork("source", at="same", fork_id="victim/kid/1")
+    for allowed in ("HumanEval/0", "reports/2024/q1", "a/b/c", "a/1/2/3"):
+        assert (await engine.run(echo, 2, run_id=allowed)).output == 2
+    assert (await engine.run(victim, 7, run_id="victim")).output == 7
+    assert [r.run_id for r in await each_store.list_runs(parent="victim")] == ["victim/kid/1"]
+
+
+async def test_a_child_node_named_like_a_maps_item_gets_a_child_id_of_its_own(
+    each_store: RunStore,
+) -> None:
+    """Node ``b/1`` (a child node) and item 1 of map ``b`` both ran ``.../b/1/1``: each child
+    id now names one node, visit and item (a ``/`` or ``%`` in a node id is escaped)."""
+    g = tr.Graph("slashes")
+    g.add_node("plan", lambda n: list(range(n)))
+    g.add_node("b", echo, "map")
+    g.add_node("b/1", echo)
+    g.add_node("7", echo)  # a node id of digits alone
+    g.add_node("50%", echo)
+    for node in ("b", "b/1", "7", "50%"):
+        g.add_edge("plan", node)
+    result = await tr.Engine(store=each_store).run(g, 2, run_id="p")
+    assert result.status is RunStatus.COMPLETED
+    assert result.results == {
+        "plan": [0, 1], "b": [0, 1], "b/1": [0, 1], "7": [0, 1], "50%": [0, 1]
+    }  # fmt: skip
+    ids = sorted(r.run_id for r in await each_store.list_runs(parent="p"))
+    assert ids == ["p/%37/1", "p/50%25/1", "p/b%2F1/1", "p/b/1/0", "p/b/1/1"]
+
+
+def test_a_node_id_no_store_can_key_on_is_refused_as_the_graph_is_built() -> None:
+    """G1: a 3,000-character node id (Postgres refused its rows, and the run was left
+    running) is refused by ``add_node``, naming the node and the bound."""
+    node = "".join(random.Random(37).choices(string.ascii_letters, k=3000))
+    g = tr.Graph("long")
+    with pytest.raises(tr.GraphError, match="at most 200") as caught:
+        g.add_node(node, echo)
+    assert node[:40] in str(caught.value) and "3000 characters" in str(caught.value)
+    g.add_node(node[:200], echo)  # the longest node id is taken
+
+
+async def test_a_child_id_longer_than_a_run_id_fails_its_node_naming_node_and_run(
+    each_store: RunStore,
+) -> None:
+    """R1: a child's id is bounded like a run id (512 characters). A long node id under a
+    long parent fails that node with an error naming node and run, on every store alike;
+    the parent ends failed (never left running) and no child is stored."""
+    # Text that does not compress: Postgres refuses such a key sooner than a repeated letter.
+    node = "".join(random.Random(37).choices(string.ascii_letters, k=200))
+    g = tr.Graph("long")
+    g.add_node(node, echo)
+    parent = "p" * 500
+    engine = tr.Engine(store=each_store)
+    with pytest.raises(ValueError, match="child run") as caught:
+        await engine.run(g, 1, run_id=parent)
+    message = str(caught.value).replace("'", "")
+    assert f"run {parent[:20]}" in message and f"node {node[:20]}" in message
+    assert "703 characters" in message and "at most 512" in message
+    record = await each_store.get_run(parent)
+    assert record.status is RunStatus.FAILED
+    assert await each_store.list_runs(parent=parent) == []

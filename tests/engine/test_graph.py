@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 import tailrace as tr
+from tests import fixtures
 
 # -- module-level handlers, so that ``module:qualname`` references resolve (G3) --
 
@@ -1002,3 +1007,61 @@ def test_g1_a_generator_function_as_handler_is_refused_naming_the_node(kind: str
         g = tr.Graph("gen")
         with pytest.raises(tr.GraphError, match=r"node 'n'.*is a generator function"):
             g.add_node("n", handler, kind)
+
+
+VERSIONED_FILE = """
+import tailrace as tr
+
+def at_most(k):
+    return lambda n: min(n, k)
+
+kid = tr.Graph("kid")
+kid.add_node("one", lambda x: x)
+
+made = {"__name__": "made"}  # a function with no source at hand, a set among its constants
+exec("def quota(n):\\n    return 2 if str(n) in {'1', '2', '3', '4', '5'} else 1", made)
+
+graph = tr.Graph("versioned")
+graph.add_node("items", lambda x: list(range(x)))
+graph.add_node("each", lambda x: x, "map", required=at_most(3))
+graph.add_node("half", lambda xs: xs, "map", required=lambda n: n // 2)
+graph.add_node("kid", kid)
+graph.add_node("made", lambda xs: xs, "map", required=made["quota"])
+graph.chain("items", "each", "half", "kid", "made")
+"""
+
+
+def test_every_process_agrees_on_a_fingerprint_with_code_and_child_graphs_in_it(
+    tmp_path: Path,
+) -> None:
+    """A fingerprint with a callable ``required`` and a child graph in it is the same in every
+    process that loads the same file, whatever its hash seed (V1, V3)."""
+    path = tmp_path / "versioned_graph.py"
+    path.write_text(VERSIONED_FILE)
+    module = fixtures.load_module("versioned_graph", path)
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import versioned_graph; "
+        "print(versioned_graph.graph.fingerprint())"
+    )
+    seen = set()
+    for seed in ("0", "1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(sys.path)}
+        out = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path)],
+            env=env, capture_output=True, text=True, check=True, timeout=120,
+        )  # fmt: skip
+        seen.add(out.stdout.strip())
+    assert seen == {module.graph.fingerprint()}
+
+
+def test_a_required_function_with_no_source_is_versioned_by_its_code() -> None:
+    def versioned(body: str) -> tr.Graph:
+        made: dict[str, Any] = {"__name__": "made"}
+        exec(f"def quota(n):\n    return {body}", made)  # no source file to read
+        g = tr.Graph("made")
+        g.add_node("each", h_task, "map", required=made["quota"])
+        return g
+
+    assert versioned("n").fingerprint() == versioned("n").fingerprint()
+    assert versioned("n").fingerprint() != versioned("1").fingerprint()
+    assert versioned("n // 2").fingerprint() != versioned("n // 3").fingerprint()

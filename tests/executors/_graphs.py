@@ -192,7 +192,8 @@ def hedged(directory: str) -> tr.Graph:
     async def h(x: Any) -> str:
         if claim(directory, "primary"):
             return await until_cancelled(directory, "primary")
-        return f"backup:{x}"
+        node = tr.current_node(required=True)  # the backup knows it is one, wherever it runs
+        return f"backup:{x}" if node.backup and node.backup_of == 1 else f"no backup? {node}"
 
     g.add_node("h", h, hedge=True)
     return g

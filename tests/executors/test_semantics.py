@@ -198,9 +198,9 @@ async def test_t3_hedge_backup_wins_loser_cancelled_one_result_committed(
         assert len(await harness.stored_events("hedge", tr.EventType.NODE_COMPLETED, "h")) == 1
         assert await harness.committed("hedge", "h") == ["backup:1"]
     if isinstance(executor, PassThrough):
-        assert [(c.node_id, c.visit, c.attempt, c.hedge) for c in executor.seen] == [
-            ("h", 1, 1, False),
-            ("h", 1, 1, True),
+        assert [(c.node_id, c.visit, c.attempt, c.hedge, c.backup_of) for c in executor.seen] == [
+            ("h", 1, 1, False, None),
+            ("h", 1, 1, True, 1),
         ]
 
 

@@ -5,7 +5,8 @@ Imported by the test modules as ``from tests.faults import _faulty as faulty``.
 - The stores under test (each backend on a fresh database) come from
   :mod:`tests.fixtures`: the modules bind ``fixtures.each_store`` as their ``store``.
 - :class:`DelegatingStore` forwards every method of the :class:`RunStore`
-  contract to a real store; :class:`CancellingStore` cancels a task just
+  contract to a real store; :class:`LaggingStore` makes each call late;
+  :class:`CancellingStore` cancels a task just
   before forwarding its N-th call; :class:`FailingStore` makes its ``commit`` raise
   from the ``fail_at``-th call on, and lets handlers pace themselves on what its
   successful commits wrote, so a run makes a known least number of writes.
@@ -46,6 +47,7 @@ def _delegate(name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
 
     async def method(self: DelegatingStore, *args: Any, **kwargs: Any) -> Any:
         self.before(public)
+        await self.on_the_way(public)
         return await getattr(self.inner, public)(*args, **kwargs)
 
     method.__name__ = name
@@ -78,6 +80,23 @@ class DelegatingStore(_Forwarding):
 
     def before(self, name: str) -> None:
         """Called before each forwarded call of method ``name``; a hook for subclasses."""
+
+    async def on_the_way(self, name: str) -> None:
+        """Awaited after :meth:`before`, before the call reaches the wrapped store: where a
+        subclass makes the way to the database slow."""
+
+
+class LaggingStore(DelegatingStore):
+    """Forwards everything, each call ``lag`` seconds late: a database across a slow link,
+    so what other processes do lands between the calls of one step."""
+
+    def __init__(self, inner: RunStore, lag: float) -> None:
+        super().__init__(inner)
+        self.lag = lag
+
+    async def on_the_way(self, name: str) -> None:
+        """Wait ``lag`` seconds."""
+        await asyncio.sleep(self.lag)
 
 
 class CancellingStore(DelegatingStore):

@@ -26,6 +26,7 @@ import tailrace as tr
 from tailrace.executors import LocalExecutor
 from tailrace.integrations.otel import Instrumentation, OtelExecutor, instrument
 from tailrace.stores import SQLiteStore
+from tailrace.tail import HedgePolicy
 from tailrace.tail._hooks import TailHooks
 
 GUARD = 10.0  # seconds; only there so that a bug fails the test instead of hanging it
@@ -285,6 +286,46 @@ async def test_hedge_has_two_attempt_spans_and_the_loser_is_cancelled(
     assert attrs(backup)["tailrace.hedged"] is True
     assert attrs(backup)["tailrace.straggler"] is False
     assert primary.status.status_code is StatusCode.UNSET  # cancelled on purpose, not an error
+    assert (attrs(root)["tailrace.hedges"], attrs(root)["tailrace.hedges_refused"]) == (1, 0)
+    assert "tailrace.hedge_budget" not in attrs(root)  # no hedge policy: unbudgeted
+
+
+async def test_a_run_span_counts_the_backups_its_budget_allowed_and_refused(
+    traces: Traces, engine_store: Any
+) -> None:
+    # One token, nothing refills it: "a" is backed up, "b" waits for a token until its
+    # primary ends. The run span counts both; b's span says its backup was refused (T5).
+    hooks = TailHooks(
+        hedging=HedgePolicy(budget=0.0, burst=1.0, backup_after=1.0, slack=0.0, tolerance=9.0)
+    )
+    for _ in range(3):
+        hooks.estimator("stall").observe(1.0, FAST)
+    hedged = asyncio.Event()
+
+    async def stall(x: Any) -> str:
+        if not tr.current_node(required=True).backup:
+            await hedged.wait()
+        return "done"
+
+    g = tr.Graph("budgeted")
+    for name in ("a", "b"):
+        g.add_node(name, stall, hedge=True, estimate_key="stall")
+    engine = tr.Engine(store=engine_store, tail=hooks)
+    engine.bus.subscribe(lambda e: hedged.set(), tr.EventType.NODE_HEDGED)
+    instrument(engine, tracer_provider=traces.provider)
+    async with asyncio.timeout(GUARD):
+        result = await engine.run(g, 0)
+
+    assert (result.hedges, result.hedges_refused) == (1, 1)
+    assert traces.left_open() == []
+    root = traces.one("tailrace.run budgeted")
+    assert {k: v for k, v in attrs(root).items() if "hedge" in k} == {
+        "tailrace.hedges": 1,
+        "tailrace.hedges_refused": 1,
+        "tailrace.hedge_budget": 0.0,
+    }
+    refused = [s for s in traces.children(root) if events_named(s, "hedge_refused")]
+    assert len(refused) == 1 and not attrs(refused[0])["tailrace.backup"]
 
 
 async def test_a_timed_out_try_is_retried_and_its_span_says_why(

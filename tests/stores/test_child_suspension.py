@@ -145,6 +145,33 @@ async def test_a_child_ending_while_its_parent_suspends_is_counted(
     assert (parent.status, parent.lease_owner) == (RunStatus.QUEUED, None)
 
 
+async def test_a_run_created_on_a_queue_is_queued_again_when_its_children_end(
+    store: RunStore,
+) -> None:
+    """R4 at depth: an inline child of a run on a queue is created ``running`` on its
+    parent's queue (no claim); suspended on a child of its own, it is queued again by that
+    child's end, and any worker of the queue claims it."""
+    inline = NewRun(
+        run_id="p/inline/1", graph_name="inline", graph_ref=None, fingerprint="fp",
+        input_json="0", created_at=1.0, parent_run_id="p", queue_name="parents",
+    )  # fmt: skip
+    await store.create_run(inline)
+    record = await store.get_run("p/inline/1")
+    assert (record.status, record.queue_name, record.started_at) == (
+        RunStatus.RUNNING, "parents", None,
+    )  # fmt: skip
+    assert await store.claim_runs("parents", "w0", TTL, limit=1) == []  # running: not claimable
+    token = await store.acquire_lease("p/inline/1", "w0", TTL)
+    await store.submit_runs([run("p/inline/1/kid/1", "p/inline/1")])
+    waiting = Harvest(
+        state_json="{}", status=RunStatus.SUSPENDED, wake_after=1, waiting_on=["p/inline/1/kid/1"]
+    )
+    await store.commit("p/inline/1", token, waiting)
+    await end(store, "p/inline/1/kid/1")
+    assert (await store.get_run("p/inline/1")).status is RunStatus.QUEUED
+    assert await store.claim_runs("parents", "w2", TTL, limit=1) == ["p/inline/1"]
+
+
 async def test_completed_childrens_outputs_are_read_in_one_call(store: RunStore) -> None:
     """``outputs``: what each completed child's final commit stored; a child still running,
     a failed one, an unknown id and a run that stored none are left out."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+import tailrace as tr
 import tailrace.stores as stores
 from tailrace._errors import (
     AlreadyAnswered,
@@ -741,3 +742,26 @@ async def test_questions_are_counted_by_status_and_listed_by_page(store: RunStor
     assert [q.question_id for q in tail] == [f"q{n:02}" for n in range(20, 25)]
     with pytest.raises(ValueError, match="offset must be an integer >= 0"):
         await store.list_questions(offset=-1)
+
+
+async def test_answering_a_cancelled_runs_question_says_the_run_was_cancelled(
+    backend: Backend,
+) -> None:
+    """A cancelled run's questions are superseded; an answer to one is refused, saying the
+    run was cancelled (not that its consumers went on without it), and changes nothing."""
+    gated = tr.Graph("cancelled_gate")
+
+    @gated.gate()
+    async def approve(x: int) -> str:
+        return f"approve {x}?"
+
+    engine = tr.Engine(store=backend.store)
+    result = await engine.run(gated, 1, run_id="c1")
+    (asked,) = result.questions
+    assert await engine.cancel("c1") == "cancelled"
+    with pytest.raises(AlreadyAnswered, match="its run 'c1' was cancelled") as refused:
+        await engine.answer(asked.question_id, "yes")
+    assert "went on without it" not in str(refused.value)
+    row = await backend.store.get_question(asked.question_id)
+    assert (row.status, row.answer_json) == (QuestionStatus.SUPERSEDED, None)
+    assert (await backend.store.get_run("c1")).status is RunStatus.CANCELLED

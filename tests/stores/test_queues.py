@@ -569,19 +569,37 @@ async def test_declared_queues_workers_and_stats(backend: Backend) -> None:
     assert await store.workers() == [seen]
 
 
-async def test_registered_graphs_are_listed_by_name_newest_first(store: RunStore) -> None:
+async def test_registered_graphs_are_listed_by_name_the_version_deployed_last_first(
+    store: RunStore,
+) -> None:
     for fingerprint, ref, at in (("fp1", "m:g", 1.0), ("fp2", "m:g", 5.0), ("fp1", "n:g", 9.0)):
         await store.register_graph(
             GraphRow(name="g", fingerprint=fingerprint, graph_ref=ref, registered_at=at)
         )
     await store.register_graph(GraphRow(name="h", fingerprint="x", graph_ref=None, registered_at=2))
+    # fp1 registered again (a worker of that version restarting) takes the new reference
+    # and keeps the time it was first registered: fp2 stays the version deployed last.
     assert await store.graphs_named("g") == [
-        GraphRow(name="g", fingerprint="fp1", graph_ref="n:g", registered_at=9.0),
         GraphRow(name="g", fingerprint="fp2", graph_ref="m:g", registered_at=5.0),
+        GraphRow(name="g", fingerprint="fp1", graph_ref="n:g", registered_at=1.0),
     ]  # fmt: skip
     assert await store.graphs_named("nobody") == []
     with pytest.raises(ValueError, match="graph_name"):
         await store.graphs_named("a\x00b")
+
+
+async def test_a_new_version_is_the_newest_whatever_the_registering_hosts_clock(
+    store: RunStore,
+) -> None:
+    """A version new to the store, registered from a host whose clock is behind, is still
+    the one deployed last (its time is put just after the newest of its name)."""
+    for fingerprint, at in (("fp1", 100.0), ("fp2", 40.0), ("fp2", 500.0), ("fp3", 100.0)):
+        await store.register_graph(
+            GraphRow(name="g", fingerprint=fingerprint, graph_ref="m:g", registered_at=at)
+        )
+    rows = await store.graphs_named("g")
+    assert [r.fingerprint for r in rows] == ["fp3", "fp2", "fp1"]
+    assert rows[2].registered_at == 100.0 < rows[1].registered_at < rows[0].registered_at < 101
 
 
 async def test_a_pulse_reports_the_worker_and_what_is_worth_a_look(backend: Backend) -> None:
@@ -692,3 +710,36 @@ async def test_a_quiet_feed_waits_out_its_timeout(store: RunStore) -> None:
     async with store.changes() as feed:
         await feed.wait(0.0)  # whatever the set-up left behind
         assert await feed.wait(0.05) == frozenset()
+
+
+async def test_a_workers_graph_versions_are_kept_by_worker_and_replaced_whole(
+    backend: Backend,
+) -> None:
+    """R3: each worker's registered graph versions, read by worker (none registered:
+    absent); a registration replaces the worker's earlier one; those of a worker whose
+    row is gone are dropped by a later registration once an hour old, not sooner."""
+    store, clock = backend.store, backend.clock
+    seen = WorkerRow(
+        worker_id="w1", queues=("kids",), concurrency=1, started_at=clock.now, seen_at=clock.now
+    )
+    await store.worker_seen(seen)
+    await store.register_worker_graphs("w1", [("kid", "fp1"), ("family", "fp9")])
+    await store.register_worker_graphs("w2", [("kid", "fp2")])  # no row of its own yet
+    await store.register_worker_graphs("w3", [])
+    both = {"w1": frozenset({("kid", "fp1"), ("family", "fp9")}), "w2": frozenset({("kid", "fp2")})}
+    assert await store.worker_graphs(["w1", "w2", "w3", "w4"]) == both
+    await store.register_worker_graphs("w1", [("kid", "fp3")])
+    assert await store.worker_graphs(["w1"]) == {"w1": frozenset({("kid", "fp3")})}
+    assert await store.worker_graphs([]) == {}
+    clock.advance(3599.0)
+    await store.register_worker_graphs("w5", [("kid", "fp3")])
+    assert set(await store.worker_graphs(["w1", "w2"])) == {"w1", "w2"}  # w2 may still report
+    clock.advance(2.0)
+    await store.register_worker_graphs("w5", [("kid", "fp3")])
+    assert set(await store.worker_graphs(["w1", "w2", "w5"])) == {"w1", "w5"}  # w1 has a row
+    with pytest.raises(ValueError, match="worker_id"):
+        await store.register_worker_graphs("a\x00b", [("kid", "fp")])
+    with pytest.raises(ValueError, match="graph_name"):
+        await store.register_worker_graphs("w1", [("a\x00b", "fp")])
+    with pytest.raises(ValueError, match="pairs, got 'kid'"):
+        await store.register_worker_graphs("w1", ["kid"])  # type: ignore[list-item]

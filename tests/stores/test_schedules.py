@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import time
 from typing import TYPE_CHECKING
 
 import pytest
 
-from tailrace.stores import NewRun, RunStatus, ScheduleRow, Submission
+from tailrace.stores import NewRun, RunStatus, ScheduleRow, Submission, next_tick
+from tailrace.tail import Cron
 from tests.stores.test_queues import finish
 
 if TYPE_CHECKING:
@@ -99,6 +101,7 @@ async def test_a_schedule_is_declared_checked_and_its_first_tick_follows_the_dec
     backend: Backend,
 ) -> None:
     store = backend.store
+    backend.clock.now = minute(11, 0)  # the memory and SQLite stores' clock; Postgres's is later
     with pytest.raises(ValueError, match="minute 61 is outside"):
         await store.declare_schedule(schedule(minute(10, 7), cron="61 * * * *"))
     with pytest.raises(ValueError, match="schedule"):
@@ -128,6 +131,7 @@ async def test_a_schedule_is_declared_checked_and_its_first_tick_follows_the_dec
 
 
 async def test_racing_callers_submit_each_tick_once(backend: Backend) -> None:
+    backend.clock.now = minute(10, 0)
     if backend.sibling is None:
         stores = [backend.store] * 4
     else:
@@ -147,3 +151,45 @@ async def test_racing_callers_submit_each_tick_once(backend: Backend) -> None:
                 await other.close()
     runs = await backend.store.list_runs(queue="reports", limit=10)
     assert len(runs) == 3
+
+
+async def test_a_tick_is_judged_by_the_stores_clock(backend: Backend) -> None:
+    """A tick that has not come by the store's clock is refused, whatever the caller's clock
+    says, and nothing moves; on Postgres that clock is the server's, not the store's ``clock=``."""
+    store = backend.store
+    now = await store.now()
+    if backend.name == "postgres":
+        assert abs(now - time.time()) < 60  # the server's clock (same host), not the fake one
+    else:
+        assert now == backend.clock.now
+    every_minute = Cron("* * * * *")
+    await store.declare_schedule(schedule(now - 600, cron="* * * * *"))
+    (before,) = await store.schedules()
+    an_hour_ahead = every_minute.latest_at(now + 3600)
+    assert an_hour_ahead is not None
+    with pytest.raises(ValueError, match="has not come by the store's clock"):
+        await store.fire_schedule("nightly", an_hour_ahead)
+    assert await store.schedules() == [before]
+    assert await store.list_runs(queue="reports", limit=10) == []
+    latest = every_minute.latest_at(now)
+    assert latest is not None
+    assert await store.fire_schedule("nightly", latest) is not None
+
+
+async def test_a_last_tick_ahead_of_the_stores_clock_holds_no_tick_back(backend: Backend) -> None:
+    """A schedule stamped by a clock an hour ahead (declared then, or its last tick moved
+    there) still submits the ticks that come meanwhile, each once."""
+    store = backend.store
+    now = await store.now()
+    every_minute = Cron("* * * * *")
+    await store.declare_schedule(schedule(now + 3600, cron="* * * * *"))
+    (row,) = await store.schedules()
+    assert row.last_tick is not None and row.last_tick > now
+    latest = every_minute.latest_at(now)
+    assert latest is not None
+    fired = await store.fire_schedule("nightly", latest)
+    assert fired is not None
+    assert await store.fire_schedule("nightly", latest) is None  # once per tick, still
+    (row,) = await store.schedules()
+    assert row.last_tick == latest
+    assert next_tick(row, now) == every_minute.next_after(now)

@@ -14,7 +14,17 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tailrace._errors import GraphMismatch, LeaseLost, NotResumable, RunNotFound
-from tailrace.stores import Harvest, NewRun, NodeRow, RunStatus, Submission
+from tailrace.stores import (
+    ChunkRow,
+    FrozenInput,
+    Harvest,
+    NewRun,
+    NodeRow,
+    ResultRow,
+    RunSnapshot,
+    RunStatus,
+    Submission,
+)
 
 if TYPE_CHECKING:
     from tests.fixtures import Backend
@@ -113,3 +123,39 @@ async def test_v2_frontiers_lists_the_nodes_with_rows_of_live_runs_in_one_read(
     assert await store.frontiers("g") == {"live": ("a", "b")}
     assert await store.frontiers("h") == {"other": ("a", "b")}
     assert await store.frontiers("none") == {}
+
+
+async def test_v4_a_snapshot_holds_a_run_with_its_results_decisions_and_streams(
+    backend: Backend,
+) -> None:
+    """What a fork copies, read in one go: what ``load_run``, ``results``, ``frozen_inputs``
+    and ``chunks`` return, none of it written after another part was read."""
+    store = backend.store
+    await store.create_run(new_run("src"))
+    token = await store.acquire_lease("src", "me", TTL)
+    for visit, status in ((1, "completed"), (2, "running")):
+        nodes = [NodeRow(node_id="a", status=status, visits=visit, data_json="{}")]
+        chunk = ChunkRow(
+            seq=visit, stream=1, node_id="a", visit=1, item=None, attempt=1, hedge=0,
+            kind="chunk" if visit == 1 else "accepted", data_json='"x"' if visit == 1 else None,
+            ts=1.0,
+        )  # fmt: skip
+        harvest = Harvest(
+            state_json="{}", nodes=nodes, chunks=[chunk],
+            results=[ResultRow(node_id="a", visit=visit, value_json=str(visit))],
+            frozen=[FrozenInput(node_id="agg", activation=visit, payload_json="[]")],
+        )  # fmt: skip
+        await store.commit("src", token, harvest)
+
+    taken = await store.snapshot("src")
+
+    assert isinstance(taken, RunSnapshot)
+    assert taken.stored == await store.load_run("src")
+    assert taken.results == await store.results("src")
+    assert [r.visit for r in taken.results] == [1, 2]
+    assert taken.frozen == await store.frozen_inputs("src")
+    assert taken.chunks == await store.chunks("src") and len(taken.chunks) == 2
+    with pytest.raises(RunNotFound):
+        await store.snapshot("absent")
+    with pytest.raises(ValueError, match="run_id"):
+        await store.snapshot("a\x00b")

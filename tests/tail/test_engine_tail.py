@@ -455,6 +455,113 @@ async def test_t3_hedge_backup_failing_in_the_primarys_harvest_is_ignored() -> N
     assert of(events, tr.EventType.NODE_FAILED) == []
 
 
+@pytest.mark.parametrize("path", ["direct", "retry", "map item"])
+async def test_t5_current_node_tells_a_backup_which_attempt_it_backs_up(path: str) -> None:
+    # The primary hangs; its backup sees that it is one, and of which attempt, on each
+    # path an attempt takes (the short path, retries and timeouts, a map's item), while
+    # its stream chunks and events keep the primary's attempt number and the hedge flag.
+    engine, events = recorded({"tail": trained(h=FAST)})
+    seen: list[tuple[int, bool, int | None, int | None]] = []
+
+    async def h(x: Any) -> str:
+        ctx = tr.current_node(required=True)
+        seen.append((ctx.attempt, ctx.backup, ctx.backup_of, ctx.item))
+        ctx.stream("backup" if ctx.backup else "primary")
+        if not ctx.backup:
+            await hang()
+        return f"{x} by the backup of attempt {ctx.backup_of}"
+
+    g = tr.Graph("visible")
+    if path == "map item":
+        g.add_node("h", h, tr.NodeKind.MAP, hedge=True)
+        item: int | None = 0
+    else:
+        retry = tr.RetryPolicy(attempts=2) if path == "retry" else None
+        g.add_node("h", h, hedge=True, retry=retry)
+        item = None
+    chunks: list[tr.Chunk] = []
+    with engine.on_chunk("visible", chunks.append):
+        async with asyncio.timeout(GUARD):
+            result = await engine.run(g, ["x"] if path == "map item" else "x", run_id="visible")
+
+    expected = "x by the backup of attempt 1"
+    assert result.output == ([expected] if path == "map item" else expected)
+    assert seen == [(1, False, None, item), (1, True, 1, item)]
+    tagged = [(c.attempt, c.hedge, c.value) for c in chunks if not c.terminal]
+    assert tagged == [(1, False, "primary"), (1, True, "backup")]
+    [completed] = [
+        e for e in of(events, tr.EventType.NODE_COMPLETED, "h") if e.data.get("item") == item
+    ]
+    assert completed.data["hedge"] is True  # the winner, recorded with the result
+
+
+async def test_t3_the_hedge_delay_is_a_high_quantile_of_observed_durations() -> None:
+    # 40 observations of 10 ms and one of 40 ms: the 97th percentile is 10 ms, far below
+    # factor x estimate (500 ms); with fewer observations, factor x estimate it is.
+    hooks = TailHooks(factor=50.0, quantile=0.97, min_observations=30)
+    for _ in range(40):
+        hooks.estimator("slow").observe(1.0, 0.01)
+    hooks.estimator("slow").observe(1.0, 0.04)
+    engine, events = recorded({"tail": hooks})
+    seen = asyncio.Event()
+    engine.bus.subscribe(lambda e: seen.set(), tr.EventType.NODE_STRAGGLER)
+
+    async def slow(x: Any) -> str:
+        await seen.wait()
+        return "done"
+
+    g = tr.Graph("adaptive")
+    g.add_node("slow", slow)
+    async with asyncio.timeout(GUARD):
+        await engine.run(g, 0)
+    [straggler] = of(events, tr.EventType.NODE_STRAGGLER, "slow")
+    estimate = straggler.data["estimate"]
+    assert straggler.data["quantile"] == 0.97
+    assert straggler.data["delay"] == pytest.approx(estimate)  # ratio 1.0 at the 97th
+    assert straggler.data["delay"] < hooks.factor * estimate / 10
+
+    fresh = TailHooks(factor=5.0, min_observations=30)
+    for _ in range(3):
+        fresh.estimator("slow").observe(1.0, 0.01)
+    engine, events = recorded({"tail": fresh})
+    seen = asyncio.Event()
+    engine.bus.subscribe(lambda e: seen.set(), tr.EventType.NODE_STRAGGLER)
+    async with asyncio.timeout(GUARD):
+        await engine.run(g, 0)
+    [straggler] = of(events, tr.EventType.NODE_STRAGGLER, "slow")
+    assert "quantile" not in straggler.data
+    assert straggler.data["delay"] == pytest.approx(5.0 * 0.01)
+
+
+async def test_t3_the_engine_learns_its_hedge_delay_from_the_attempts_it_runs() -> None:
+    # A map of 30 quick items teaches the engine the items' durations; in the next run
+    # the stalled item's backup comes at the learned quantile, which is far below
+    # factor x estimate, so the straggler event says so.
+    hooks = TailHooks(factor=1000.0, min_observations=20)
+    engine, events = recorded({"tail": hooks})
+    stall = asyncio.Event()
+
+    async def item(j: int) -> int:
+        ctx = tr.current_node(required=True)
+        if j == 0 and stall.is_set() and not ctx.backup:
+            await hang()
+        await asyncio.sleep(0.001)
+        return j
+
+    g = tr.Graph("learned")
+    g.add_node("each", item, tr.NodeKind.MAP, hedge=True)
+    async with asyncio.timeout(GUARD):
+        await engine.run(g, list(range(30)))
+        stall.set()
+        result = await engine.run(g, list(range(30)))
+
+    assert result.output == list(range(30))
+    assert result.hedges >= 1
+    stalled = [e for e in of(events, tr.EventType.NODE_STRAGGLER) if e.data["item"] == 0]
+    assert stalled and stalled[-1].data["quantile"] == hooks.quantile
+    assert stalled[-1].data["delay"] < 10 * stalled[-1].data["estimate"]  # not 1000x
+
+
 @pytest.fixture(params=["memory", "sqlite"])
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
     backend: RunStore = (

@@ -51,6 +51,33 @@ def dashboard(factory: Factory, **options: Any) -> Iterator[TestClient]:
         yield client
 
 
+def submit_and_work(
+    factory: Factory, graph: Any, run_id: str, *, queues: list[str], graphs: list[Any],
+    until: Any,
+) -> None:  # fmt: skip
+    """Submit ``graph`` as ``run_id`` to ``queues[0]``, then work ``queues`` with a worker
+    holding ``graphs`` until the run's status is ``until``."""
+    import tailrace as tr
+
+    async def run() -> None:
+        async with scenarios.opened(factory) as store:
+            await tr.Engine(store=store).submit(graph, "job", run_id=run_id, queue=queues[0])
+            worker = tr.Worker(store, queues=queues, graphs=graphs, poll_interval=0.02)
+            stop = asyncio.Event()
+            task = asyncio.create_task(worker.run(stop))
+
+            async def reached() -> bool:
+                return (await store.get_run(run_id)).status is until
+
+            try:
+                await fixtures.until(reached, f"run {run_id} is {until}")
+            finally:
+                stop.set()
+                await task
+
+    asyncio.run(run())
+
+
 def resumer_of(client: TestClient) -> Any:
     """The app's background resumer (to wait for a resume it started)."""
     return client.app.state.ui.resumer  # type: ignore[attr-defined]

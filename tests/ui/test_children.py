@@ -21,8 +21,7 @@ import tailrace as tr
 from tailrace.stores import RunStatus
 from tailrace.ui._layout import layout, shape_of_graph
 from tailrace.ui._links import run_url, runs_url
-from tests import fixtures
-from tests.ui.support import Factory, dashboard, scenarios
+from tests.ui.support import Factory, dashboard, scenarios, submit_and_work
 
 leaf = tr.Graph("leaf")
 
@@ -78,23 +77,10 @@ def make_tree(factory: Factory, run_id: str) -> None:
 
 
 def suspend_on_a_queued_child(factory: Factory, run_id: str) -> None:
-    async def run() -> None:
-        async with scenarios.opened(factory) as store:
-            await tr.Engine(store=store).submit(fleet_parent, "job", run_id=run_id, queue="parents")
-            worker = tr.Worker(store, queues=["parents"], graphs=[fleet_parent], poll_interval=0.05)
-            stop = asyncio.Event()
-            task = asyncio.create_task(worker.run(stop))
-
-            async def suspended() -> bool:
-                return (await store.get_run(run_id)).status is RunStatus.SUSPENDED
-
-            try:
-                await fixtures.until(suspended, "the parent suspends on its queued child")
-            finally:
-                stop.set()
-                await task
-
-    asyncio.run(run())
+    submit_and_work(
+        factory, fleet_parent, run_id, queues=["parents"], graphs=[fleet_parent],
+        until=RunStatus.SUSPENDED,
+    )  # fmt: skip
 
 
 def section(page: str, element_id: str) -> str:

@@ -102,7 +102,14 @@ async def test_the_runs_page_reads_one_page_of_runs_not_all_of_them() -> None:
     assert [r.run_id for r in view.rows] == [f"r{n:02}" for n in range(29, 19, -1)]
     # Every read of a page asks for one page; only the running runs are read whole.
     paged = [o for o in asked if o.get("status") is not RunStatus.RUNNING]
-    assert paged == [{"status": None, "graph": None, "queue": None, "limit": 10, "offset": 20}]
+    page = {"status": None, "graph": None, "queue": None, "limit": 10, "offset": 20}
+    assert paged == [{**page, "top_level": False}]
+    asked.clear()  # hiding the child runs reads one page of top-level runs as well
+    view = await runs_page(store, status=None, graph=None, queue=None, page=3, page_size=10,
+                           now=100.0, hide_children=True)  # fmt: skip
+    assert [o for o in asked if o.get("status") is not RunStatus.RUNNING] == [
+        {**page, "top_level": True}
+    ]
 
 
 def test_an_orphaned_run_is_shown_and_filtered_as_such(sqlite_db: Factory) -> None:
@@ -153,6 +160,9 @@ def test_retries_stragglers_hedges_and_cut_attempts_are_drawn_distinctly(
         "o-retried", "o-completed", "o-lost straggler", "o-completed hedge",
     ]  # fmt: skip
     assert "hedged#1 hedge" in tail and "&lt;b&gt;upstream&lt;/b&gt; reset" in tail
+    # The backups it raced (T3): started, won, and no hedge policy to budget them.
+    assert '<dd id="run-hedging">1 started (1 won), unbudgeted (no hedge policy)</dd>' in tail
+    assert 'id="run-hedging"' not in cut
     assert re.findall(r'<g class="bar (o-\w+)">', cut) == ["o-completed", "o-cut", "o-completed"]
     assert "cut by a crash or stop" in cut
 

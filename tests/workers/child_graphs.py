@@ -104,3 +104,23 @@ for _i in range(4):
     fan.add_node(f"k{_i}", kid, queue="kids")
     fan.add_edge("plan", f"k{_i}")
     fan.add_edge(f"k{_i}", "join")
+
+#: Inline children (no ``queue=``) whose own node is a queued grandchild on ``kids``: a
+#: parent on a queue runs ``inline_1`` (one inline level) or ``inline_2`` (two), each
+#: waiting, through its inline child, on a ``kid`` in the fleet.
+inner = tr.Graph("inner")
+inner.add_node("grandchild", kid, queue="kids")
+middle = tr.Graph("middle")
+middle.add_node("inner", inner)
+inline_1 = tr.Graph("inline_1")
+inline_1.add_node("child", inner)
+inline_2 = tr.Graph("inline_2")
+inline_2.add_node("child", middle)
+
+#: An inline child that works itself (``slow``, a kid's task: it logs and sleeps) beside its
+#: queued grandchild, so it cannot suspend while ``slow`` runs.
+inner_slow = tr.Graph("inner_slow")
+inner_slow.add_node("grandchild", kid, queue="kids")
+inner_slow.add_node("slow", work)
+inline_slow = tr.Graph("inline_slow")
+inline_slow.add_node("child", inner_slow)

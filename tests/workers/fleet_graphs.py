@@ -137,8 +137,17 @@ async def warm(x: int) -> int:
 
 @slow.task()
 async def crawl(x: int) -> int:
+    """Sleeps ``$TAILRACE_TEST_CRAWL`` seconds (an hour by default), or, when
+    ``$TAILRACE_TEST_CRAWL_UNTIL`` names a file, until that file exists."""
     _log()
-    await asyncio.sleep(float(os.environ.get("TAILRACE_TEST_CRAWL", "3600")))
+    until = os.environ.get("TAILRACE_TEST_CRAWL_UNTIL")
+    if until:
+        while True:
+            if await asyncio.to_thread(os.path.exists, until):
+                break
+            await asyncio.sleep(0.02)
+    else:
+        await asyncio.sleep(float(os.environ.get("TAILRACE_TEST_CRAWL", "3600")))
     return x + 1
 
 

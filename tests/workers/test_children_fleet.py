@@ -16,7 +16,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +36,8 @@ until = fixtures.until
 @pytest.fixture(params=fixtures.SHARED_STORES)
 async def shared(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
     """The URL of a fresh SQLite file or Postgres schema that several processes can open."""
-    if request.param == "sqlite":
-        yield str(tmp_path / "children.db")
-        return
-    async with fixtures.postgres_schema("children") as schema:
-        dsn = fixtures.POSTGRES_DSN or ""
-        yield f"{dsn}{'&' if '?' in dsn else '?'}schema={schema}"
+    async with fixtures.shared_url(request.param, tmp_path, "children") as url:
+        yield url
 
 
 @contextlib.asynccontextmanager
@@ -110,6 +106,34 @@ async def test_parents_waiting_on_children_never_deadlock_a_fleet_of_single_slot
     assert {c.queue_name for c in children} == {"kids"}
     starts = side_starts(side)
     assert len(starts) == 60 and set(starts.values()) == {1}  # no child started twice (R2)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+async def test_inline_children_of_queued_parents_never_deadlock_a_fleet_of_single_slots(
+    shared: str, depth: int
+) -> None:
+    """R4 at any depth: a parent on a queue runs an inline child (no ``queue=``) whose node
+    is a queued grandchild (``depth`` inline levels between them); two workers of one slot
+    each serve both queues, two parents. The inline children, stored on their parent's
+    queue, suspend as their parents do, so no slot waits on the grandchildren."""
+    graph = graphs.inline_1 if depth == 1 else graphs.inline_2
+    async with open_store(shared) as store, workers(store, 2, graphs=[graph]):
+        engine = tr.Engine(store=store)
+        ids = [await engine.submit(graph, {"n": n, "sleep": 0.01}, queue="parents") for n in (1, 2)]
+        results = [await engine.wait(run_id, timeout=GUARD) for run_id in ids]
+        tree = [r for run_id in ids for r in await _descendants(store, run_id)]
+    assert [r.output for r in results] == [10, 20]
+    assert len(tree) == 2 * (depth + 1) and {r.status for r in tree} == {RunStatus.COMPLETED}
+    inline = [r for r in tree if r.graph_name != "kid"]
+    assert {r.queue_name for r in inline} == {"parents"}  # on their parent's queue
+
+
+async def _descendants(store: RunStore, run_id: str) -> list[Any]:
+    """Every run below ``run_id``, at any depth."""
+    found = []
+    for child in await store.list_runs(parent=run_id):
+        found += [child, *await _descendants(store, child.run_id)]
+    return found
 
 
 async def _owner_of(store: RunStore, run_id: str) -> str:
@@ -410,6 +434,131 @@ async def test_a_childs_question_is_listed_for_its_parent_and_answering_finishes
     assert result.results["ask"] == "done yes"
 
 
+def _rolling(old: bool) -> tr.Graph:
+    """A parent whose map's children go to ``kids``, as the previous deploy had it (``old``:
+    its kid has one more node) or the new one. Made here, so no worker imports either by
+    reference: a worker drives only the version it was given."""
+    kid = tr.Graph("rolling_kid")
+    kid.add_node("work", graphs.work)
+    if old:
+        kid.add_node("extra", lambda n: n)
+        kid.add_edge("work", "extra")
+    parent = tr.Graph("rolling")
+    parent.add_node("plan", graphs.jobs)
+    parent.add_node("each", kid, "map", queue="kids")
+    parent.add_edge("plan", "each")
+    return parent
+
+
+@contextlib.asynccontextmanager
+async def _deploys(
+    store: RunStore, new: tr.Graph
+) -> AsyncIterator[tuple[tr.Worker, tr.Worker, asyncio.Event, asyncio.Event]]:
+    """A worker of the new deploy on ``kids`` whose one slot a run holds until ``release``
+    is set, and a worker of the previous deploy on ``kids`` with slots free: it claims the
+    children first. ``stop_new`` stops the new one."""
+    release, stop_new, stop_old = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    blocker = tr.Graph("blocker")
+
+    @blocker.task()
+    async def hold(_: Any) -> int:
+        await release.wait()
+        return 0
+
+    new_worker = tr.Worker(
+        store, queues=["kids"], concurrency=1, graphs=[new, blocker], heartbeat=0.2,
+        take_children=False, grace=0.2,
+    )  # fmt: skip
+    old_worker = tr.Worker(
+        store, queues=["kids"], concurrency=8, graphs=[_rolling(old=True)], heartbeat=0.2
+    )
+    running = [asyncio.create_task(new_worker.run(stop_new))]
+    try:
+        held = await tr.Engine(store=store).submit(blocker, None, queue="kids")
+        await until(
+            lambda: _status_is(store, held, RunStatus.RUNNING), "the new worker's slot held"
+        )
+        running.append(asyncio.create_task(old_worker.run(stop_old)))
+        yield new_worker, old_worker, release, stop_new
+    finally:
+        release.set()
+        stop_new.set()
+        stop_old.set()
+        await asyncio.wait_for(asyncio.gather(*running), GUARD)
+
+
+async def _status_is(store: RunStore, run_id: str, status: RunStatus) -> bool:
+    return (await store.get_run(run_id)).status is status
+
+
+async def _statuses_of(store: RunStore, parents: list[str]) -> collections.Counter[RunStatus]:
+    counts: collections.Counter[RunStatus] = collections.Counter()
+    for parent in parents:
+        counts.update(c.status for c in await store.list_runs(parent=parent))
+    return counts
+
+
+async def test_a_worker_of_the_previous_deploy_hands_children_back_to_one_that_can_drive_them(
+    shared: str,
+) -> None:
+    """R3 in a rolling deploy: a worker of the previous deploy (its kid has one more node)
+    claims children it cannot drive while the new deploy's worker is busy. It hands them
+    back, since a live worker of ``kids`` registered their version, and claims no more;
+    the new worker drives every one, and all 10 parents complete."""
+    new = _rolling(old=False)
+    async with open_store(shared) as store, _deploys(store, new) as (_, old, release, _stop):
+        engine = tr.Engine(store=store)
+        parents = [f"rolling-{n}" for n in range(10)]
+        runs = [
+            asyncio.create_task(engine.run(new, {"count": 3}, run_id=run_id)) for run_id in parents
+        ]
+        await until(
+            lambda: _same(_statuses_of(store, parents), {RunStatus.QUEUED: 30}),
+            "every child queued",
+        )
+        await until(lambda: old.stats.claimed >= 1, "the old worker to claim a child")
+        await until(
+            lambda: _same(_statuses_of(store, parents), {RunStatus.QUEUED: 30}),
+            "what it claimed handed back",
+        )
+        release.set()
+        results = await asyncio.wait_for(asyncio.gather(*runs), GUARD)
+        statuses = await _statuses_of(store, parents)
+    assert [r.output for r in results] == [[0, 10, 20]] * 10
+    assert statuses == {RunStatus.COMPLETED: 30}
+    assert old.stats.failed == 0 and old.stats.completed == 0
+
+
+async def test_children_handed_back_fail_once_no_live_worker_can_drive_them(
+    shared: str,
+) -> None:
+    """R3: the old deploy's worker handed the children back to the new deploy's, which then
+    stops before driving them. No live worker of ``kids`` can drive them any more: the old
+    worker claims them again and fails them, naming the graph and the queue, and each
+    parent fails with its child (never waits on a queue nobody can serve)."""
+    new = _rolling(old=False)
+    async with open_store(shared) as store, _deploys(store, new) as (_, old, _release, stop):
+        engine = tr.Engine(store=store)
+        run = asyncio.create_task(engine.run(new, {"count": 2}, run_id="orphaned"))
+        await until(lambda: old.stats.claimed >= 1, "the old worker to claim a child")
+        await until(
+            lambda: _same(_statuses_of(store, ["orphaned"]), {RunStatus.QUEUED: 2}),
+            "what it claimed handed back",
+        )
+        stop.set()  # the new deploy's worker leaves (its slot still held): nobody can drive them
+        with pytest.raises(tr.RunFailed) as failed:
+            await asyncio.wait_for(run, GUARD)
+        children = await store.list_runs(parent="orphaned")
+    assert {c.status for c in children} <= {RunStatus.FAILED, RunStatus.CANCELLED}
+    errors = [c.error or "" for c in children if c.status is RunStatus.FAILED]
+    assert errors and all("nor can any other live worker of queue 'kids'" in e for e in errors)
+    assert "rolling_kid" in str(failed.value)
+
+
+async def _same(counts: Any, want: dict[RunStatus, int]) -> bool:
+    return dict(await counts) == want
+
+
 async def test_a_child_graph_no_worker_has_fails_its_parent_and_never_hangs(shared: str) -> None:
     secret = tr.Graph("secret_kid")  # defined here: no worker has it, no reference imports it
     secret.add_node("work", lambda job: job)
@@ -459,40 +608,14 @@ def _env(side: Path, **extra: str) -> dict[str, str]:
     return environ
 
 
-class Procs:
-    """Processes a test started, stopped by their own pid at the end."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.tmp_path = tmp_path
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        with (self.tmp_path / f"proc-{len(self.procs)}.log").open("wb") as log:
-            proc = subprocess.Popen(args, stdout=log, stderr=log, env=env, cwd=ROOT)
-        self.procs.append(proc)
-        return proc
-
-    def worker(self, url: str, side: Path, *queues: str, **env: str) -> subprocess.Popen[bytes]:
-        cli = [sys.executable, "-c", "from tailrace.cli import main; main()"]
-        args = [*cli, "worker", "--db", url, "--graphs", str(GRAPHS)]
-        for queue in queues:
-            args += ["--queue", queue]
-        return self.start([*args, "--concurrency", "8"], _env(side, **env))
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+def _worker(
+    procs: fixtures.Procs, url: str, side: Path, *queues: str, **env: str
+) -> subprocess.Popen[bytes]:
+    """A ``tailrace worker`` process with this folder's child graphs, serving ``queues``."""
+    return procs.worker(url, str(GRAPHS), *queues, env=_env(side, **env))
 
 
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    running = Procs(tmp_path)
-    try:
-        yield running
-    finally:
-        running.stop()
+procs = fixtures.procs
 
 
 PARENT_SCRIPT = """
@@ -518,12 +641,12 @@ asyncio.run(main())
 
 @pytest.mark.slow
 async def test_sigkill_of_the_parents_process_leaves_its_children_running_and_it_reattaches(
-    shared: str, tmp_path: Path, procs: Procs
+    shared: str, tmp_path: Path, procs: fixtures.Procs
 ) -> None:
     side = tmp_path / "side.log"
     script = PARENT_SCRIPT.format(root=str(ROOT), graphs=str(GRAPHS), url=shared)
     parent = procs.start([sys.executable, "-c", script], _env(side))
-    procs.worker(shared, side, "kids")
+    _worker(procs, shared, side, "kids")
     async with open_store(shared) as store:
         await until(lambda: _has_children(store, "killed-parent", 4), "the children to start")
         await until(lambda: len(side_starts(side)) == 4, "every child's work to start")
@@ -545,7 +668,7 @@ async def test_sigkill_of_the_parents_process_leaves_its_children_running_and_it
 
 @pytest.mark.slow
 async def test_sigkill_of_a_worker_holding_a_parent_and_the_children_it_took(
-    shared: str, tmp_path: Path, procs: Procs
+    shared: str, tmp_path: Path, procs: fixtures.Procs
 ) -> None:
     """R2/R4: the worker that drove a parent claimed its children as it submitted them, and
     is SIGKILLed while they run. Another worker adopts the children (each child's work runs
@@ -554,14 +677,14 @@ async def test_sigkill_of_a_worker_holding_a_parent_and_the_children_it_took(
     async with open_store(shared) as store:
         engine = tr.Engine(store=store)
         run_id = await engine.submit(graphs.family, {"count": 3, "sleep": 0.5}, queue="parents")
-        doomed = procs.worker(shared, side, "parents", "kids", TAILRACE_TEST_KID_SLEEP="3600")
+        doomed = _worker(procs, shared, side, "parents", "kids", TAILRACE_TEST_KID_SLEEP="3600")
         await until(lambda: len(side_starts(side)) == 3, "the doomed worker to run every child")
         children = await store.list_runs(parent=run_id)
         holder = await _owner_of(store, run_id)
         assert {c.lease_owner for c in children} == {holder}  # taken by the parent's worker
         doomed.send_signal(signal.SIGKILL)
         doomed.wait()  # reaped: provably dead, what it held is adopted at once
-        procs.worker(shared, side, "parents", "kids")
+        _worker(procs, shared, side, "parents", "kids")
         result = await engine.wait(run_id, timeout=GUARD)
         children = await store.list_runs(parent=run_id)
     assert result.output == 30
@@ -571,19 +694,48 @@ async def test_sigkill_of_a_worker_holding_a_parent_and_the_children_it_took(
 
 
 @pytest.mark.slow
+async def test_sigkill_of_the_worker_driving_an_inline_child_on_a_queue(
+    shared: str, tmp_path: Path, procs: fixtures.Procs
+) -> None:
+    """R2/R4: the worker driving a parent and its inline child (stored on the parent's queue,
+    working beside its queued grandchild) is SIGKILLed. Another worker of the queue adopts
+    both; the inline child's work runs again, its grandchild is re-attached to (never
+    submitted twice), and the parent completes."""
+    side = tmp_path / "side.log"
+    async with open_store(shared) as store:
+        engine = tr.Engine(store=store)
+        run_id = await engine.submit(graphs.inline_slow, {"n": 3, "sleep": 0.2}, queue="parents")
+        inline, grandchild = f"{run_id}/child/1", f"{run_id}/child/1/grandchild/1"
+        doomed = _worker(procs, shared, side, "parents", TAILRACE_TEST_KID_SLEEP="3600")
+        await until(lambda: side_starts(side)[inline] == 1, "the inline child's work to start")
+        await until(lambda: _has_children(store, inline, 1), "the grandchild to be queued")
+        assert (await store.get_run(inline)).queue_name == "parents"
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()  # reaped: provably dead, what it held is adopted at once
+        _worker(procs, shared, side, "parents")
+        _worker(procs, shared, side, "kids")
+        result = await engine.wait(run_id, timeout=GUARD)
+        runs = [await store.get_run(inline), await store.get_run(grandchild)]
+    assert result.output == {"grandchild": 30, "slow": 30}
+    assert {r.status for r in runs} == {RunStatus.COMPLETED}
+    starts = side_starts(side)
+    assert (starts[inline], starts[grandchild]) == (2, 1)  # killed and adopted; once
+
+
+@pytest.mark.slow
 async def test_sigkill_of_a_worker_driving_a_child_hands_it_to_another(
-    shared: str, tmp_path: Path, procs: Procs
+    shared: str, tmp_path: Path, procs: fixtures.Procs
 ) -> None:
     side = tmp_path / "side.log"
     async with open_store(shared) as store:
         engine = tr.Engine(store=store)
         run_id = await engine.submit(graphs.family, {"count": 3, "sleep": 0.5}, queue="parents")
-        doomed = procs.worker(shared, side, "kids", TAILRACE_TEST_KID_SLEEP="3600")
-        procs.worker(shared, side, "parents")
+        doomed = _worker(procs, shared, side, "kids", TAILRACE_TEST_KID_SLEEP="3600")
+        _worker(procs, shared, side, "parents")
         await until(lambda: len(side_starts(side)) == 3, "the doomed worker to run every child")
         doomed.send_signal(signal.SIGKILL)
         doomed.wait()  # reaped: provably dead, its children are adopted at once
-        procs.worker(shared, side, "kids")
+        _worker(procs, shared, side, "kids")
         result = await engine.wait(run_id, timeout=GUARD)
     assert result.output == 30
     starts = side_starts(side)

@@ -53,3 +53,34 @@ async def test_v3_a_worker_with_two_versions_drives_each_run_on_its_own(
 
 async def _completed(db: fixtures.Database, run_id: str) -> bool:
     return (await (await db.store()).get_run(run_id)).status is RunStatus.COMPLETED
+
+
+async def test_a_stale_worker_restarting_never_rolls_back_a_submit_by_name(
+    db: fixtures.Database,
+) -> None:
+    """Submit by name takes the version deployed last: a worker of an earlier version that
+    starts again re-registers it without making it the newest (it keeps its first time)."""
+    v1, v2 = version("v1", extra=False), version("v2", extra=True)
+    store = await db.store()
+    # The v1 deploy, the v2 deploy, then one v1 worker restarting.
+    for deployed in (v1, v2, v1):
+        fingerprint = deployed.fingerprint()
+        async with working(await worker_on(db, graphs=[deployed])):
+            await fixtures.until(
+                lambda fp=fingerprint: _registered(db, fp), "the worker's registration"
+            )
+    assert [r.fingerprint for r in await store.graphs_named("versioned")] == [
+        v2.fingerprint(),
+        v1.fingerprint(),
+    ]
+    engine = await engine_on(db)
+    run_id = await engine.submit("versioned", "c")
+    assert (await store.get_run(run_id)).fingerprint == v2.fingerprint()
+    async with working(await worker_on(db, graphs=[v2])):
+        waiting = await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
+    assert waiting.results["step"] == "v2:c"
+
+
+async def _registered(db: fixtures.Database, fingerprint: str) -> bool:
+    rows = await (await db.store()).graphs_named("versioned")
+    return any(r.fingerprint == fingerprint for r in rows)

@@ -23,13 +23,14 @@ from tailrace._codec import DEFAULT_CODEC
 from tailrace._errors import GraphError, NotResumable
 from tailrace.core import stretches_of
 from tailrace.core._queued import estimates_of
-from tailrace.stores import NewRun, QuestionStatus, Queue, RunStatus
+from tailrace.stores import NewRun, QuestionStatus, Queue, RunStatus, RunStore
 from tailrace.workers import DuplicateRun, RunFailed, Worker
 from tailrace.workers._schedules import ScheduleTicker
 from tests import fixtures
 
 graphs = fixtures.load_module("fleet_graphs", Path(__file__).with_name("fleet_graphs.py"))
 until = fixtures.until
+UTC = datetime.UTC
 
 
 @pytest.fixture(params=fixtures.ALL_STORES)
@@ -299,8 +300,10 @@ async def test_schedules_submit_each_tick_once_across_workers_and_one_catch_up(
     were missed (no worker ran), only the latest is submitted."""
     store = await db.store()
     nightly = Schedule(graphs.chain, "*/5 * * * *", 4, name="every5", queue="q")
-    # Ahead of the real clock, so the worker's own ticker (real time) finds nothing due.
-    start = datetime.datetime(2100, 12, 2, 10, 7, tzinfo=datetime.UTC).timestamp()
+    # Two days ago by the store's clock: every tick below has come.
+    day = datetime.datetime.fromtimestamp(await store.now(), UTC) - datetime.timedelta(days=2)
+    at = day.replace(hour=10, minute=7, second=0, microsecond=0)
+    start = at.timestamp()
     await store.declare_schedule(nightly.row(DEFAULT_CODEC, start))
     tickers = [ScheduleTicker(await db.store(), refresh=0.0) for _ in range(3)]
     for now in (start, start + 60, start + 200, start + 500):  # 10:07, :08, :10:20, :15:20
@@ -309,16 +312,27 @@ async def test_schedules_submit_each_tick_once_across_workers_and_one_catch_up(
     # No worker for an hour: eleven ticks missed, one catch-up run (the latest).
     await asyncio.gather(*(t.tick(start + 500 + 3600) for t in tickers))
     ids = sorted(r.run_id for r in await store.list_runs(queue="q", limit=10))
-    assert ids == ["every5@2100-12-02T10:10Z", "every5@2100-12-02T10:15Z",
-                   "every5@2100-12-02T11:15Z"]  # fmt: skip
+    stamp = at.strftime("%Y-%m-%d")
+    assert ids == [f"every5@{stamp}T10:10Z", f"every5@{stamp}T10:15Z", f"every5@{stamp}T11:15Z"]
     later = ScheduleTicker(store, refresh=600.0)  # the next look: the next tick, 11:20
     assert await later.tick(start + 500 + 3600) == pytest.approx(4 * 60 + 40)
     async with working(await worker_on(db, queues=["q"], schedules=[nightly])):
         results = [await Engine(store=store).wait(r, timeout=fixtures.HANG_GUARD) for r in ids]
+        # Its declaration kept the ticks submitted, so its own ticker submits the latest tick
+        # by the store's clock: the catch-up of the two days.
+        caught_up = await until(lambda: _runs_after(store, ids), "the catch-up of two days")
     assert {r.output for r in results} == {(4 + 1) * 2}
     (row,) = await store.schedules()
-    eleven_fifteen = datetime.datetime(2100, 12, 2, 11, 15, tzinfo=datetime.UTC)
-    assert row.last_tick == eleven_fifteen.timestamp()  # the worker's declaration kept it
+    assert row.last_tick is not None and row.last_tick > at.replace(hour=11, minute=15).timestamp()
+    assert caught_up == [
+        f"every5@{datetime.datetime.fromtimestamp(row.last_tick, UTC):%Y-%m-%dT%H:%MZ}"
+    ]
+
+
+async def _runs_after(store: RunStore, ids: list[str]) -> list[str]:
+    return sorted(
+        r.run_id for r in await store.list_runs(queue="q", limit=10) if r.run_id not in ids
+    )
 
 
 async def test_a_cancelled_run_continues_where_it_stopped_only_when_asked(

@@ -23,7 +23,7 @@ import typer
 from rich.table import Column
 from rich.text import Text
 
-from .._attempts import attempts_from_events, event_data, last_known
+from .._attempts import attempts_from_events, event_data, hedge_account, last_known
 from .._errors import GraphError, LeaseHeld, NotResumable, RunNotFound
 from .._events import EventType
 from .._lineage import child_place
@@ -47,6 +47,7 @@ from ._parked import register as register_parked
 from ._render import question_table, table_of, text
 from ._rollouts import account_table, run_accounts
 from ._rollouts import register as register_rollouts
+from ._schedules import register as register_schedules
 from ._session import (
     CommandError,
     DbOption,
@@ -385,8 +386,9 @@ def show(
     ] = False,
 ) -> None:
     """Show a run's nodes, a timeline of every node attempt, and where a failed node raised;
-    for a map of model generations, the tail's account of it (tokens decoded, salvaged and
-    wasted, the KS distance of kept lengths, rounds parked)."""
+    the backups it raced (started, won, refused by the hedge budget); for a map of model
+    generations, the tail's account of it (tokens decoded, salvaged and wasted, the KS
+    distance of kept lengths, rounds parked)."""
 
     async def gather(
         store: RunStore,
@@ -447,6 +449,9 @@ def show(
     maps = map_table(events, seen)
     if maps is not None:
         console.print(maps)
+    hedging = hedge_account(events)
+    if hedging is not None:  # backups it raced, and those its hedge budget refused (T3, T5)
+        console.print(text(f"backups: {hedging.describe()}"), soft_wrap=True)
     if parked:  # the stragglers this run parked (P3) and what became of them
         console.print(
             table_of(
@@ -626,3 +631,4 @@ register_versions(app)  # check, migrate, fork
 register_parked(app)  # parked, parked drop
 register_rollouts(app)  # rollouts
 register_tail(app)  # tail
+register_schedules(app)  # schedules

@@ -189,12 +189,7 @@ def evolve_demo(
 ) -> None:
     """Evolve keyword-routing rules on a synthetic heavy-tailed domain and print the learning curve.
 
-    Options: ``mode`` (async or sync), ``tasks``, ``workers``, ``rollouts``
-    (budget), ``seed``, ``latency`` (base seconds per rollout), ``target``
-    (held-out reward to stop at), ``quality`` (report time and cost to this
-    held-out reward), ``selection`` (head or pareto), ``db`` (a store
-    location: running again with the same ``db`` resumes the evolution) and
-    ``save`` (a JSON result file).
+    Running it again with the same --db resumes the evolution kept there.
     """
     console = Console()
     if mode not in ("async", "sync"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shlex
 import signal
 import time
 import uuid
@@ -34,6 +35,7 @@ from ._session import (
     closing_executors,
     console,
     db_location,
+    errors,
     executors_from,
     flag,
     shown_location,
@@ -50,6 +52,8 @@ LeaseTtlOption = Annotated[
         "another worker adopts it (a dead worker on this host is replaced at once).",
     ),
 ]
+#: The queue a submit goes to unless told; known to every store.
+DEFAULT_QUEUE = "default"
 LangGraphOption = Annotated[
     list[str] | None,
     typer.Option(
@@ -100,7 +104,7 @@ def submit(
         ),
     ],
     input: Annotated[str, typer.Option("--input", "-i", help="Run input as JSON.")] = "null",
-    queue: Annotated[str, typer.Option("--queue", "-q", help="The queue.")] = "default",
+    queue: Annotated[str, typer.Option("--queue", "-q", help="The queue.")] = DEFAULT_QUEUE,
     db: DbOption = None,
     run_id: Annotated[str | None, typer.Option(help="Name the run (default: random).")] = None,
     priority: Annotated[int, typer.Option(help="Higher first, in a priority queue.")] = 0,
@@ -155,6 +159,15 @@ def submit(
             not_before=not_before,
             deadline=None if deadline is None else time.time() + deadline,
         )  # fmt: skip
+        if await queue_is_paused(store, queue):
+            errors.print(
+                text(
+                    ("note:", "yellow"),
+                    f" queue {queue} is paused: no worker starts run {stored} until it is "
+                    f"resumed (tailrace queues resume {shlex.quote(queue)})",
+                ),
+                soft_wrap=True,
+            )
         if not wait:
             return stored, None
         try:
@@ -261,7 +274,7 @@ def worker(
     claims, runs in flight get --grace seconds, then are stopped where they
     are and their leases released, so another worker adopts them at once.
     """
-    specs = queue or ["default"]
+    specs = queue or [DEFAULT_QUEUE]
     queues = [_load_queue(spec) for spec in specs]
     loaded = load_graphs(graphs)
     pollers = load_pollers(poller)
@@ -421,20 +434,48 @@ def queues(
 QueueName = Annotated[str, typer.Argument(help="The queue's name.")]
 
 
+async def queue_is_paused(store: RunStore, name: str) -> bool:
+    """Whether queue ``name`` is paused (its queued runs wait until it is resumed)."""
+    return any(s.name == name and s.paused for s in await store.queue_stats(time.time()))
+
+
+async def known_queue(store: RunStore, name: str) -> None:
+    """Refuse a queue nobody knows: not declared, holding no runs, served by no worker that
+    reported itself, and not ``default`` (a :class:`CommandError` listing the queues there are)."""
+    names = {s.name for s in await store.queue_stats(time.time())}
+    names.update(queue for worker in await store.workers() for queue in worker.queues)
+    if name in names or name == DEFAULT_QUEUE:
+        return
+    known = ", ".join(sorted(names | {DEFAULT_QUEUE}))
+    raise CommandError(
+        f"no queue named {name!r}: none is declared, holds runs or is served by a worker; "
+        f"the queues are: {known}. Nothing was changed."
+    )
+
+
 def pause(name: QueueName, db: DbOption = None) -> None:
     """Pause a queue: workers claim none of its queued runs until it is resumed.
 
     Submits are still stored and runs already started go on; a worker's own
-    declaration of the queue keeps the pause.
+    declaration of the queue keeps the pause. A queue nobody knows is refused.
     """
-    with_store(db, lambda store: store.pause_queue(name))
+
+    async def work(store: RunStore) -> None:
+        await known_queue(store, name)
+        await store.pause_queue(name)
+
+    with_store(db, work)
     console.print(text(f"queue {name} paused"), soft_wrap=True)
 
 
 def resume_queue(name: QueueName, db: DbOption = None) -> None:
     """Resume a paused queue: workers claim its runs again at once."""
-    lifted = with_store(db, lambda store: store.resume_queue(name))
-    shown = "resumed" if lifted else "was not paused"
+
+    async def work(store: RunStore) -> bool:
+        await known_queue(store, name)
+        return await store.resume_queue(name)
+
+    shown = "resumed" if with_store(db, work) else "was not paused"
     console.print(text(f"queue {name} {shown}"), soft_wrap=True)
 
 
@@ -443,8 +484,12 @@ def delete_queue(name: QueueName, db: DbOption = None) -> None:
 
     Finished runs keep the queue's name; a queue nobody declared has nothing to delete.
     """
-    deleted = with_store(db, lambda store: store.delete_queue(name))
-    shown = "deleted" if deleted else "was not declared; nothing to delete"
+
+    async def work(store: RunStore) -> bool:
+        await known_queue(store, name)
+        return await store.delete_queue(name)
+
+    shown = "deleted" if with_store(db, work) else "was not declared; nothing to delete"
     console.print(text(f"queue {name} {shown}"), soft_wrap=True)
 
 

@@ -10,6 +10,8 @@ code 2) that names the spec as the user typed it, never an internal module.
 from __future__ import annotations
 
 import importlib
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ def _import(module: str, spec: str, hint: str) -> Any:
         raise _bad(f"cannot load {spec!r}: no such file {module}", hint)
     try:
         if is_file_spec(module):
-            return load_file_module(str(Path(module).resolve()))
+            return _import_file(Path(module).resolve())
         return importlib.import_module(module)
     except ImportError as exc:  # a missing module, or a missing import inside the file
         raise _bad(f"cannot load {spec!r}: {exc}", hint) from exc
@@ -42,6 +44,15 @@ def _import(module: str, spec: str, hint: str) -> Any:
         raise _bad(
             f"cannot load {spec!r}: {module} raised {type(exc).__name__}: {exc}", hint
         ) from exc
+
+
+def _import_file(path: Path) -> Any:
+    """Import the file at ``path`` as ``python FILE`` runs it: its folder first on ``sys.path``,
+    so the modules beside it import (``from flow_v1 import draft``)."""
+    folder = str(path.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return load_file_module(str(path))
 
 
 def _attribute(module_obj: Any, module: str, attr_path: str, spec: str, hint: str) -> Any:
@@ -87,23 +98,46 @@ def load_graph(spec: str) -> tuple[Graph, str]:
 def load_graphs(specs: list[str] | None) -> list[Graph]:
     """The graphs ``--graphs`` names: each spec is ``FILE_OR_MODULE`` (its module-level
     graphs) or ``FILE_OR_MODULE:GRAPH`` (that one)."""
-    graphs: list[Graph] = []
+    return [graph for graph, _ in load_named_graphs(specs)]
+
+
+def load_named_graphs(specs: list[str] | None) -> list[tuple[Graph, str]]:
+    """The graphs ``--graphs`` names (see :func:`load_graphs`), each with where it was found
+    (``SPEC:ATTRIBUTE`` as the user would type it), each graph once."""
+    graphs: list[tuple[Graph, str]] = []
     for spec in specs or []:
         module, sep, attr = spec.rpartition(":")
         if sep and module and attr:
-            found = [load_object(spec, hint="--graphs", form="FILE_OR_MODULE[:GRAPH]")[0]]
+            found = [(load_object(spec, hint="--graphs", form="FILE_OR_MODULE[:GRAPH]")[0], spec)]
         else:
             module_obj = _import(spec, spec, "--graphs")
-            found = [v for v in vars(module_obj).values() if isinstance(v, Graph)]
+            found = [
+                (v, f"{spec}:{k}") for k, v in vars(module_obj).items() if isinstance(v, Graph)
+            ]
             if not found:
                 raise _bad(f"{spec} defines no tailrace Graph at module level", "--graphs")
-        for graph in found:
+        for graph, where in found:
             if not isinstance(graph, Graph):
                 raise _bad(
                     f"{spec!r} is a {type(graph).__name__}, not a tailrace Graph", "--graphs"
                 )
-            graphs.append(_valid(graph, spec, "--graphs"))
+            if not any(graph is seen for seen, _ in graphs):  # one graph, several names
+                graphs.append((_valid(graph, spec, "--graphs"), where))
     return graphs
+
+
+def one_graph_named(graphs: Sequence[tuple[Graph, str]], name: str) -> Graph | None:
+    """The graph named ``name`` among ``graphs`` (see :func:`load_named_graphs`), None if none;
+    a usage error naming each when there are several, since only one can be meant."""
+    found = [(graph, where) for graph, where in graphs if graph.name == name]
+    if len(found) > 1:
+        places = ", ".join(where for _, where in found)
+        raise _bad(
+            f"{len(found)} graphs are named {name!r} ({places}): name the one to use, "
+            f"e.g. --graphs {found[0][1]}",
+            "--graphs",
+        )
+    return found[0][0] if found else None
 
 
 def load_pollers(specs: list[str] | None) -> dict[str, Any]:

@@ -62,6 +62,7 @@ def parked(
                 "visit",
                 "checkpoint",
                 "parked",
+                "parks",
                 "status",
                 "claimed by",
             ),
@@ -75,6 +76,7 @@ def parked(
                     str(r.visit),
                     "yes" if r.checkpoint_json is not None else "no",
                     _clock(r.parked_at),
+                    str(r.parks),
                     r.status,
                     r.claimed_by or "",
                 )
@@ -89,14 +91,32 @@ def drop(
     park_id: Annotated[str, typer.Argument(help="The parked item to drop (see tailrace parked).")],
     db: DbOption = None,
 ) -> None:
-    """Drop a parked item: no map will claim it. Exits 1 if it is no longer parked."""
+    """Drop a parked item: no map will claim it. Exits 1 if it is no longer parked, saying
+    whether a map claimed it (and which), it was dropped before, or there is no such item."""
 
-    async def work(store: RunStore) -> bool:
-        return await store.drop_parked(park_id)
+    async def work(store: RunStore) -> tuple[bool, ParkedRow | None]:
+        if await store.drop_parked(park_id):
+            return True, None
+        rows = await store.list_parked(status=None)  # it is not parked: what became of it
+        return False, next((r for r in rows if r.park_id == park_id), None)
 
-    if not with_store(db, work):
-        fail(f"parked item {park_id!r} is not parked (claimed, dropped or unknown)")
+    dropped, row = with_store(db, work)
+    if not dropped:
+        fail(not_dropped(park_id, row))
     console.print(text(f"dropped parked item {park_id}"))
+
+
+def not_dropped(park_id: str, row: ParkedRow | None) -> str:
+    """Why parked item ``park_id`` (stored as ``row``, or None) could not be dropped."""
+    if row is None:
+        return f"no parked item {park_id!r} in the store (tailrace parked --all lists them all)"
+    if row.status == ParkedStatus.CLAIMED:
+        when = "" if row.claimed_at is None else f" at {_clock(row.claimed_at)}"
+        return (
+            f"parked item {park_id!r} was claimed by {row.claimed_by or 'a map'}{when}: that map "
+            "runs it again from its checkpoint; nothing was dropped"
+        )
+    return f"parked item {park_id!r} was dropped already; nothing changed"
 
 
 def _clock(ts: float) -> str:

@@ -16,6 +16,7 @@ from rich.table import Table
 from ..core import Engine
 from ..integrations.openai import TailAccount, tail_accounting
 from ..stores import RunStore
+from ..tail import is_usage
 from ._render import table_of, text
 from ._session import DbOption, console, with_store
 
@@ -54,17 +55,9 @@ def rollouts(
 
 def account_table(account: TailAccount, title: str | None = None) -> Table:
     """The measures of ``account``, one a row (``title``, if any, is shown literally)."""
-    share = f"{100 * account.wasted_share:.1f}%"
-    rows = [
-        ("items launched / accepted / parked / cancelled",
-         f"{account.launched} / {account.accepted} / {account.parked} / {account.cancelled}"),
-        ("tokens decoded / salvaged / wasted", f"{account.decoded} / {account.salvaged} / {account.wasted} ({share})"),
-        ("accepted under another model version", str(account.stale)),
-        ("KS(accepted, launched lengths)", f"{account.ks:.3f} ({account.censored} lengths not final)"),
-        ("most rounds waited", f"{account.max_rounds} (bound {account.starvation_bound})"),
-        ("starving parked items", ", ".join(account.starving) or "none"),
-    ]  # fmt: skip
-    return table_of(("measure", "value"), rows, title=None if title is None else text(title))
+    return table_of(
+        ("measure", "value"), account.measures(), title=None if title is None else text(title)
+    )
 
 
 async def generation_nodes(engine: Engine, run_id: str) -> list[str]:
@@ -74,14 +67,9 @@ async def generation_nodes(engine: Engine, run_id: str) -> list[str]:
     while chunks := await engine.stored_chunks(run_id, after=after, limit=_PAGE):
         after = chunks[-1].seq
         for chunk in chunks:  # a map item's usage chunk: its generation's end
-            if chunk.item is not None and _is_usage(chunk.value):
+            if chunk.item is not None and is_usage(chunk.value):
                 nodes[chunk.node_id] = None
     return list(nodes)
-
-
-def _is_usage(value: object) -> bool:
-    """Whether a chunk's value is the usage a model generation's attempt ends with."""
-    return isinstance(value, dict) and isinstance(value.get("usage"), dict)
 
 
 async def run_accounts(store: RunStore, run_id: str, graph_name: str) -> list[TailAccount]:

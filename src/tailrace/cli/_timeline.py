@@ -34,6 +34,9 @@ _STYLES = {
     Outcome.RUNNING: "blue",
     Outcome.ASKED: "magenta",
     Outcome.WAITING: "grey70",
+    Outcome.SUSPENDED: "magenta",
+    Outcome.CHILDREN: "grey70",
+    Outcome.PARKED: "cyan",
 }
 
 
@@ -122,6 +125,7 @@ def map_table(
         "late",
         "failed",
         "cancelled",
+        "parked",
         "winners",
         "slowest",
     )
@@ -144,6 +148,7 @@ def _map_row(m: MapSummary) -> tuple[str, ...]:
         str(m.late),
         str(m.failed),
         str(m.cancelled),
+        str(m.parked),
         winners,
         slowest,
     )

@@ -82,9 +82,9 @@ def ui(
     """Serve a web dashboard: runs, a live Gantt of every attempt, questions to answer, evolutions.
 
     Open the printed address. On 127.0.0.1 reading needs nothing; beyond
-    loopback (``--host 0.0.0.0``) reading needs the token too. Answering,
-    resuming and cancelling are POSTs that need the token (``--token``, or
-    one generated and printed here); log in at ``/login`` with it once and
+    loopback (--host 0.0.0.0) reading needs the token too. Answering,
+    resuming and cancelling are POSTs that need the token (--token, or
+    one generated and printed here); log in at /login with it once and
     the browser remembers it (an HttpOnly cookie).
     An answered question's run resumes in this process when its graph is
     importable or named with --graphs, and a LangGraph thread's when its

@@ -16,7 +16,7 @@ from rich.table import Column
 from ..core import Compatibility, Engine, MigrationReport, MoveOutcome, RunResult
 from ..graph import Graph
 from ..stores import RunStore
-from ._load import load_graphs
+from ._load import load_named_graphs, one_graph_named
 from ._render import table_of, text
 from ._session import CommandError, DbOption, console, flag, print_result, with_store
 
@@ -36,13 +36,16 @@ def register(app: typer.Typer) -> None:
     app.command("fork")(fork)
 
 
-def _named(graphs: Sequence[Graph], name: str, what: str) -> Graph:
+def _named(graphs: Sequence[tuple[Graph, str]], name: str, what: str) -> Graph:
     """The one graph of ``graphs`` named ``name``; an error naming what was given otherwise."""
-    found = [g for g in graphs if g.name == name]
-    if not found:
-        names = ", ".join(repr(g.name) for g in graphs) or "none"
+    try:
+        found = one_graph_named(graphs, name)
+    except typer.BadParameter as exc:  # decided once the store said which graph: exit 1
+        raise CommandError(exc.format_message()) from exc
+    if found is None:
+        names = ", ".join(sorted({repr(g.name) for g, _ in graphs})) or "none"
         raise CommandError(f"{what} is of graph {name!r}; --graphs defines {names}")
-    return found[-1]
+    return found
 
 
 # --- check ---------------------------------------------------------------------------------
@@ -58,7 +61,7 @@ def check(
     Lists each node that ran or holds state and that the new graph changed
     incompatibly, and why. Exits 1 when the run cannot move.
     """
-    loaded = load_graphs(graphs)
+    loaded = load_named_graphs(graphs)
 
     async def work(store: RunStore) -> Compatibility:
         record = await store.get_run(run_id)
@@ -94,14 +97,15 @@ def migrate(
     with each node and why (listed; --all lists every run). Each move is one
     fenced write.
     """
-    loaded = load_graphs(graphs)
-    chosen = [g for g in loaded if graph is None or g.name == graph]
-    if not chosen:
+    loaded = load_named_graphs(graphs)
+    names = sorted({g.name for g, _ in loaded if graph is None or g.name == graph})
+    if not names:
         raise typer.BadParameter(f"--graphs defines no graph named {graph!r}", param_hint="--graph")
+    chosen = [one_graph_named(loaded, name) for name in names]
 
     async def work(store: RunStore) -> list[MigrationReport]:
         engine = Engine(store=store)
-        return [await engine.migrate(g, apply=apply) for g in chosen]
+        return [await engine.migrate(g, apply=apply) for g in chosen if g is not None]
 
     for report in with_store(db, work, read_only=not apply):
         headers = (Column("run", no_wrap=True), "status", "from version", "outcome", "why")
@@ -142,15 +146,15 @@ def fork(
     """Run a new run that reuses a run's results up to --at NODE and runs NODE and what follows again.
 
     The source run is unchanged; the fork records where it came from
-    (``tailrace show`` prints it).
+    (tailrace show prints it).
     """
-    loaded = load_graphs(graphs)
+    loaded = load_named_graphs(graphs)
     payload = None if input is None else _json_input(input)
 
     async def work(store: RunStore) -> RunResult:
         record = await store.get_run(run_id)
         engine = Engine(store=store)
-        engine.register(*loaded)
+        engine.register(*(g for g, _ in loaded))
         chosen = _named(loaded, record.graph_name, f"run {run_id!r}") if loaded else None
         return await engine.fork(run_id, at=at, graph=chosen, input=payload, fork_id=fork_id)
 

@@ -5,13 +5,17 @@ grants a slot at once (calling ``grant`` synchronously) or queues the ticket
 by the policy's key; ``release`` hands the freed slot to the best live
 ticket. Tickets are cancelled lazily, so a cancelled waiter never blocks the
 queue. Only queued nodes are reordered: a node that got a slot keeps it.
+A backup's ticket (``submit_ahead``, T5) waits in a lane of its own that
+every freed slot serves first, so a backup starts ahead of queued first
+attempts; it never takes a slot from running work.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol, runtime_checkable
 
 from ..graph import Node
@@ -96,9 +100,10 @@ class Ticket:
 
 
 class SlotQueue:
-    """``capacity`` slots (None: unlimited) and a priority queue of waiting tickets."""
+    """``capacity`` slots (None: unlimited), a priority queue of waiting tickets, and the lane
+    of backups' tickets ahead of it (T5)."""
 
-    __slots__ = ("_counter", "_heap", "capacity", "in_use")
+    __slots__ = ("_ahead", "_counter", "_heap", "capacity", "in_use")
 
     def __init__(self, capacity: int | None) -> None:
         if capacity is not None and capacity < 1:
@@ -106,44 +111,75 @@ class SlotQueue:
         self.capacity = capacity
         self.in_use = 0
         self._heap: list[tuple[AdmissionKey, int, Ticket]] = []
+        #: Backups' tickets, first come first served, ahead of every ticket in the heap.
+        self._ahead: deque[Ticket] = deque()
         self._counter = itertools.count()
 
     def submit(self, key: AdmissionKey, ticket: Ticket) -> None:
         """Grant ``ticket`` now if a slot is free and nobody waits, else queue it by ``key``."""
         self._drop_dead()
-        if not self._heap and (self.capacity is None or self.in_use < self.capacity):
+        if (
+            not self._heap
+            and not self._ahead
+            and (self.capacity is None or self.in_use < self.capacity)
+        ):
             self.in_use += 1
             ticket.alive = False
             ticket.grant()
             return
         heapq.heappush(self._heap, (key, next(self._counter), ticket))
 
+    def submit_ahead(self, ticket: Ticket) -> None:
+        """Grant ``ticket`` now if a slot is free, else queue it ahead of every ticket queued
+        by key (a backup, T5): the next slot freed is its, unless an earlier one waits."""
+        self._drop_dead()
+        if not self._ahead and (self.capacity is None or self.in_use < self.capacity):
+            self.in_use += 1
+            ticket.alive = False
+            ticket.grant()
+            return
+        self._ahead.append(ticket)
+
     def try_acquire(self) -> bool:
         """Take a slot if one is free and nobody waits for it (idle capacity); never queues."""
         self._drop_dead()
-        if self._heap or (self.capacity is not None and self.in_use >= self.capacity):
+        if (
+            self._heap
+            or self._ahead
+            or (self.capacity is not None and self.in_use >= self.capacity)
+        ):
             return False
         self.in_use += 1
         return True
 
     def release(self) -> None:
-        """Free one slot and grant it to the best live ticket, if any."""
+        """Free one slot and grant it to the first live backup's ticket, else the best live
+        ticket, if any."""
         self.in_use -= 1
         self._drop_dead()
-        if self._heap and (self.capacity is None or self.in_use < self.capacity):
+        if self.capacity is not None and self.in_use >= self.capacity:
+            return
+        if self._ahead:
+            ticket = self._ahead.popleft()
+        elif self._heap:
             _, _, ticket = heapq.heappop(self._heap)
-            self.in_use += 1
-            ticket.alive = False
-            ticket.grant()
+        else:
+            return
+        self.in_use += 1
+        ticket.alive = False
+        ticket.grant()
 
     def waiting(self) -> int:
-        """Live tickets in the queue."""
-        return sum(t.alive for _, _, t in self._heap)
+        """Live tickets in the queue (backups' included)."""
+        return sum(t.alive for _, _, t in self._heap) + sum(t.alive for t in self._ahead)
 
     def _drop_dead(self) -> None:
         heap = self._heap
         while heap and not heap[0][2].alive:
             heapq.heappop(heap)
+        ahead = self._ahead
+        while ahead and not ahead[0].alive:
+            ahead.popleft()
 
 
 #: What admission queues: (node index, item index), the item -1 for a node's own attempt.
@@ -169,13 +205,16 @@ class RunAdmission:
     back once, through :meth:`release`, whichever path ends it: a harvest, a
     hedge that lost, a child run that started (it holds no slot, R4), a late
     input or item cancelled or parked, a failure or the run's end. A backup
-    or clone on idle capacity (T3) holds an extra slot of its own until it
-    ends (:meth:`release_extra`). Releasing is idempotent, and
+    (T5, asked for ahead of queued units with :meth:`ask_ahead`) or a clone
+    on idle capacity (:meth:`take_idle`) holds an extra slot of its own until
+    it ends (:meth:`release_extra`). Releasing is idempotent, and
     :meth:`release_all` frees whatever is still held when the run stops, so a
     slot can neither leak nor be freed twice.
     """
 
-    __slots__ = ("_engine", "_extra", "_held", "_run", "bounded", "policy", "tickets")
+    __slots__ = (
+        "_asked", "_engine", "_extra", "_halfway", "_held", "_run", "bounded", "policy", "tickets",
+    )  # fmt: skip
 
     def __init__(
         self, engine_slots: SlotQueue | None, run_capacity: int | None, policy: AdmissionPolicy
@@ -189,6 +228,10 @@ class RunAdmission:
         self.tickets: dict[Unit, Ticket] = {}
         self._held: dict[HeldUnit, None] = {}
         self._extra: dict[_Slotted, None] = {}
+        #: Backups' requests waiting ahead of the queue, by what names them (T5).
+        self._asked: dict[Hashable, Ticket] = {}
+        #: Those of them that hold the run's slot while they wait for the engine's.
+        self._halfway: dict[Hashable, None] = {}
 
     def admit(self, unit: Unit, key: AdmissionKey, granted: Callable[[Unit], None]) -> None:
         """Ask for a slot of the run, then of the engine, for ``unit``; ``granted(unit)`` starts
@@ -243,9 +286,9 @@ class RunAdmission:
     def take_idle(self) -> bool:
         """Take a slot of the engine and of the run if both have one nobody waits for.
 
-        For clones and backups (T3): they use idle capacity only, so they never
+        For clones at launch (T5): they use idle capacity only, so they never
         delay a first attempt; the attempt that gets it is named with
-        :meth:`hold_extra`.
+        :meth:`hold_extra` (or the slot freed with :meth:`give_back`).
         """
         engine_slots, run_slots = self._engine, self._run
         if engine_slots is not None and not engine_slots.try_acquire():
@@ -255,6 +298,56 @@ class RunAdmission:
                 engine_slots.release()
             return False
         return True
+
+    def ask_ahead(self, request: Hashable, granted: Callable[[], None]) -> None:
+        """Ask for a slot of the run, then of the engine, ahead of every queued unit, for a
+        backup (T5): ``granted()`` is called once both are held (at once when both are
+        free); it never takes a slot a running unit holds.
+
+        ``request`` names the request for :meth:`withdraw`. Once granted, the
+        slot is the caller's: named with :meth:`hold_extra` when the backup
+        starts, or freed with :meth:`give_back` when it does not.
+        """
+        engine_slots, run_slots = self._engine, self._run
+        if engine_slots is None and run_slots is None:
+            granted()
+            return
+
+        def granted_by_engine() -> None:
+            self._asked.pop(request, None)
+            self._halfway.pop(request, None)
+            granted()
+
+        def granted_by_run() -> None:
+            if engine_slots is None:
+                granted_by_engine()
+                return
+            self._halfway[request] = None
+            ticket = Ticket(granted_by_engine)
+            self._asked[request] = ticket
+            engine_slots.submit_ahead(ticket)
+
+        if run_slots is None:
+            granted_by_run()
+            return
+        ticket = Ticket(granted_by_run)
+        self._asked[request] = ticket
+        run_slots.submit_ahead(ticket)
+
+    def withdraw(self, request: Hashable) -> None:
+        """Withdraw the backup's request ``request`` if it still waits (its straggler ended)."""
+        ticket = self._asked.pop(request, None)
+        if ticket is None:
+            return
+        ticket.cancel()
+        if request in self._halfway:  # it held the run's slot while it waited for the engine's
+            del self._halfway[request]
+            if self._run is not None:
+                self._run.release()
+
+    def give_back(self) -> None:
+        """Free the slot :meth:`ask_ahead` granted for a backup that did not start after all."""
+        self._free()
 
     def hold_extra(self, attempt: _Slotted) -> None:
         """``attempt`` holds the slot :meth:`take_idle` took, until it ends."""
@@ -279,10 +372,15 @@ class RunAdmission:
             self.tickets.pop(unit).cancel()
 
     def cancel_all(self) -> list[Unit]:
-        """Withdraw every ticket; the units that waited."""
+        """Withdraw every ticket, backups' included; the units that waited."""
         tickets, self.tickets = self.tickets, {}
         for ticket in tickets.values():
             ticket.cancel()
+        asked = list(self._asked)
+        for ticket in self._asked.values():  # all first: no run slot freed below goes to one
+            ticket.cancel()
+        for request in asked:
+            self.withdraw(request)
         return list(tickets)
 
     def release_all(self) -> list[HeldUnit]:

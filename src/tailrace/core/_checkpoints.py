@@ -255,10 +255,19 @@ class Checkpoints:
     # -- parking (P3, P4) ----------------------------------------------------------
 
     def park(
-        self, graph_name: str, node_id: str, visit: int, item: int | None, value: Any
+        self,
+        graph_name: str,
+        node_id: str,
+        visit: int,
+        item: int | None,
+        value: Any,
+        *,
+        origin: tuple[int, float] | None = None,
     ) -> ParkedRow | None:
         """A straggler of ``node_id`` as it is parked (P3): what it runs on and its checkpoint;
         None when it cannot be kept (no store, or a value the codec refuses: it is cancelled).
+        ``origin`` is the parked row's it continued, as (parks, first parked at): it is
+        parked once more and keeps its place in claim order (P5).
 
         Its attempt, cancelled at the park, may save a checkpoint on its way out (in an
         ``except CancelledError``): the row is then parked again with it (``repark``).
@@ -274,7 +283,9 @@ class Checkpoints:
         row = self._parking[key_of(node_id, visit, item)] = ParkedRow(
             park_id=uuid.uuid4().hex, graph_name=graph_name, node_id=node_id,
             run_id=self.run_id, visit=visit, item=-1 if item is None else item,
-            value_json=value_json, checkpoint_json=checkpoint_json, parked_at=time.time(),
+            value_json=value_json, checkpoint_json=checkpoint_json,
+            parked_at=time.time() if origin is None else origin[1],
+            parks=1 if origin is None else origin[0] + 1,
         )  # fmt: skip
         return row
 

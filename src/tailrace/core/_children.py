@@ -1,7 +1,8 @@
 """Child runs (R1-R6): a node whose handler is a :class:`~tailrace.Graph` runs it as a run of its own.
 
 A child run's id is deterministic, ``{parent}/{node}/{visit}`` (plus
-``/{item}`` for a map's item), so the attempt that runs it is idempotent: it
+``/{item}`` for a map's item, the node id escaped: ``_lineage.child_run_id``),
+so the attempt that runs it is idempotent: it
 starts the child when no run has that id, and otherwise re-attaches to it
 where it is (R2). Without ``queue=`` the child runs in this process, driven
 by the same engine; with ``queue=`` it is submitted to that queue and any
@@ -11,9 +12,13 @@ While a child runs, the node's attempt holds no admission slot (its child's
 nodes take their own). An attempt that only waits for its child to end says
 so (:attr:`Attempt.waiting`); a run whose attempts all wait so suspends when
 it is on a queue, holding no worker slot, and the child's final commit queues
-it again (the store's ``wake_suspended``). A run not on a queue waits here,
-woken by the store's change feed, unless its children wait on people: then
-it suspends too, and the engine that ends the child resumes it.
+it again (the store's ``wake_suspended``). An inline child of a run on a
+queue is stored on that queue too (never claimed: it starts here), so it
+suspends on its own children as its parent does, its parent then suspends on
+it, and any worker of the queue continues it once its children end: a slot
+never waits on queued work, however deep (R4). A run not on a queue waits
+here, woken by the store's change feed, unless its children wait on people:
+then it suspends too, and the engine that ends the child resumes it.
 
 A cancellation of the attempt on purpose (the run cancelled or failing, a
 first-k loser) cancels the child; one that only stops this process driving
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .._errors import LeaseHeld, RunFailed, RunNotFound
+from .._lineage import child_run_id
 from ..stores import (
     TERMINAL_STATUSES,
     Claim,
@@ -65,16 +71,6 @@ QUEUED_RUNS_KEPT = 4096
 #: :attr:`Attempt.waiting` values: not waiting, waiting on a live child, on a
 #: child that is itself suspended (waiting on people).
 NOT_WAITING, ON_CHILD, ON_SUSPENDED_CHILD = 0, 1, 2
-
-
-def child_run_id(parent: str, node_id: str, visit: int, item: int | None) -> str:
-    """The child run's id: ``{parent}/{node}/{visit}``, plus ``/{item}`` in a map (R1).
-
-    >>> child_run_id("r1", "review", 1, None), child_run_id("r1", "review", 1, 3)
-    ('r1/review/1', 'r1/review/1/3')
-    """
-    base = f"{parent}/{node_id}/{visit}"
-    return base if item is None else f"{base}/{item}"
 
 
 def checked_deadline(value: float | datetime.datetime | datetime.timedelta | None) -> float | None:
@@ -129,8 +125,9 @@ class ChildRunner:
     """What the engine lends child runs: how to start, submit, resume, cancel and read one."""
 
     store: RunStore | None
-    #: start(graph, input, run_id, parent, deadline): run it here to its end or suspension.
-    start: Callable[[Graph, Any, str, str, float | None], Awaitable[RunResult]]
+    #: start(graph, input, run_id, parent, deadline, queue): run it here to its end or
+    #: suspension, stored on ``queue`` (its parent's) when given (R4).
+    start: Callable[[Graph, Any, str, str, float | None, str | None], Awaitable[RunResult]]
     #: submit(children): store them queued in one write; per child the error that kept it out.
     submit: Callable[[list[ChildSubmit]], Awaitable[list[Exception | None]]]
     #: resume(run_id, graph): drive a child that exists here (LeaseHeld if held).
@@ -146,8 +143,9 @@ class ChildRunner:
 class Children:
     """The child runs of one run while it is driven: started, re-attached, awaited (R1-R5).
 
-    ``queued`` says the run is on a queue, so it suspends while it only waits
-    on children (R4); ``deadline`` is the run's, which its children inherit.
+    ``queue`` is the queue the run is on, if any: it then suspends while it
+    only waits on children, and its inline children are stored on it too
+    (R4); ``deadline`` is the run's, which its children inherit.
     """
 
     def __init__(
@@ -155,13 +153,14 @@ class Children:
         runner: ChildRunner,
         run_id: str,
         *,
-        queued: bool,
+        queue: str | None,
         deadline: float | None,
         poke: Callable[[], None],
     ) -> None:
         self.runner = runner
         self.run_id = run_id
-        self.queued = queued
+        self.queue = queue
+        self.queued = queue is not None
         self.deadline = deadline
         self._poke = poke
         #: Set while the run suspends: its attempts stop, their children run on.
@@ -184,9 +183,13 @@ class Children:
 
     # -- one attempt ------------------------------------------------------------------
 
-    def child_id(self, node_id: str, visit: int, item: int | None) -> str:
-        """The id of the child run of ``node_id``'s visit (and item) in this run (R1)."""
-        return child_run_id(self.run_id, node_id, visit, item)
+    def child_id(self, node_id: str, visit: int, item: int | None) -> str | None:
+        """The id of the child run of ``node_id``'s visit (and item) in this run (R1); None when
+        it would be no run id (too long): the attempt fails saying so (:meth:`run`)."""
+        try:
+            return child_run_id(self.run_id, node_id, visit, item)
+        except ValueError:
+            return None
 
     async def run(self, node: Node, payload: Any, attempt: Attempt) -> Any:
         """The attempt of child node ``node`` on ``payload``: its child's output (R1, R3)."""
@@ -210,9 +213,14 @@ class Children:
         record = await self._record(child_id)
         result: RunResult | None
         if record is None:
-            result = await self.runner.start(graph, payload, child_id, self.run_id, self.deadline)
+            result = await self.runner.start(
+                graph, payload, child_id, self.run_id, self.deadline, self.queue
+            )
         elif record.status in TERMINAL_STATUSES:
             return await self._ended(record, graph)
+        elif record.queue_name is not None:
+            # It suspended on its own children: the workers of its queue continue it (R4).
+            return await self._wait(child_id, graph, attempt)
         else:
             result = await self._attach(child_id, graph)
         if result is None:

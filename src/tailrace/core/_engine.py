@@ -21,6 +21,7 @@ from typing import Any
 from .._codec import DEFAULT_CODEC, Codec
 from .._errors import EncodeError, LeaseHeld, NotResumable
 from .._events import EventBus
+from .._lineage import own_run_id
 from .._values import checked_cursor, checked_run_id
 from ..executors import Executor
 from ..executors._base import ExecutorTable
@@ -210,7 +211,8 @@ class Engine:
     ) -> RunResult:
         """Run ``graph`` on ``input`` and return its :class:`RunResult`.
 
-        ``run_id`` names the run (default: a fresh uuid); ``graph_ref``
+        ``run_id`` names the run (default: a fresh uuid; an id that ends as a child
+        run's does, ``/node/1``, is kept for child runs and refused); ``graph_ref``
         (``module:attribute``) tells another process where to find the graph
         to resume it; ``durability`` overrides the engine's for this run
         (``"async"`` or ``"sync"``). A handler's exception is re-raised
@@ -222,7 +224,7 @@ class Engine:
         run_id = uuid.uuid4().hex if run_id is None else run_id
 
         async def call() -> RunResult:
-            checked = checked_run_id(run_id)
+            checked = own_run_id(run_id)
             when = checked_deadline(deadline)
             if durability is not None:
                 self._drivers.durability[checked] = _checked_durability(durability)
@@ -245,8 +247,9 @@ class Engine:
         Nodes that were running are re-run; completed results and first-k
         decisions are reused; answers that arrived for waiting gates are
         applied exactly once, and answers to questions no gate waits on any
-        more are marked superseded. ``graph`` defaults to the one the run
-        recorded (by ``module:attribute`` reference). A graph whose structural
+        more are marked superseded. ``graph`` defaults to the version the run
+        is recorded on as read under its lease (a registered graph of that
+        version, else its ``module:attribute`` reference). A graph whose structural
         fingerprint differs is checked against what the run did (V1): a
         compatible one takes the run over (the move is recorded in the store,
         fenced by the lease), an incompatible one is refused with
@@ -349,7 +352,8 @@ class Engine:
                 changed one is checked against the reused part (V1).
             input: the payload ``at`` runs with (None: the one its latest visit
                 in the source ran with).
-            fork_id: the fork's run id (default: a fresh uuid).
+            fork_id: the fork's run id (default: a fresh uuid; one shaped like a child
+                run's id is refused, as by :meth:`run`).
 
         Every node not downstream of ``at`` keeps its result, visits and
         first-k decisions; one that was running, waiting or failed runs
@@ -496,7 +500,7 @@ class Engine:
     def _child_runner(self) -> ChildRunner:
         return ChildRunner(
             store=self.store,
-            start=self._opener.start,
+            start=self._opener.start_child,
             submit=self._submit_children,
             resume=self._resume_child,
             cancel=self.cancel,
@@ -580,7 +584,8 @@ class Engine:
                 by ``graph_ref`` or because they were given it.
             input: the run's input (encoded now: a bad one fails here).
             queue: the queue's name.
-            run_id: names the run (default: a fresh uuid).
+            run_id: names the run (default: a fresh uuid; one shaped like a child run's
+                id is refused, as by :meth:`run`).
             priority: a ``priority`` queue hands out higher values first.
             partition: runs with the same key start one at a time, in submit order.
             dedup_key: while a run of this queue with this key is live

@@ -27,6 +27,7 @@ class Attempt:
 
     __slots__ = (
         "abandoned",
+        "backup_of",
         "backup_timer",
         "error",
         "finished",
@@ -66,6 +67,9 @@ class Attempt:
         self.started = started
         self.hedge = hedge
         self.tries = tries
+        #: A backup's: the try of the primary it backs up (its own try number, as streams and
+        #: events tag it); None for a primary (T5).
+        self.backup_of = tries if hedge else None
         #: Set when the engine cancels it (a hedge loser): its end is not a failure.
         self.abandoned = False
         #: The straggler threshold (seconds) once this attempt crossed it (T3).

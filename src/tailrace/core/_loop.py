@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -135,8 +136,8 @@ class RunLoop:
         )  # fmt: skip
         #: Stragglers and hedges of this run, when the engine has tail hooks (T3).
         self.hedger = None if tail is None else Hedger(
-            tail, topo=topo, loop=self.loop, outbox=self.outbox, payload_of=self.payload_of,
-            restart=self._restart, take_idle=self.admission.take_idle, poke=self.poke,
+            tail, topo=topo, loop=self.loop, outbox=self.outbox, admission=self.admission,
+            payload_of=self.payload_of, restart=self._restart, poke=self.poke,
         )  # fmt: skip
         #: Starts attempts as tasks and runs them (E11, R1).
         self.runner = AttemptRunner(
@@ -218,6 +219,8 @@ class RunLoop:
         finally:
             if self._deadline_timer is not None:
                 self._deadline_timer.cancel()
+            if self.hedger is not None:
+                self.hedger.close()  # no longer waits for the engine's hedge budget
             if self.runner.children is not None:
                 await self.runner.children.close()
 
@@ -492,7 +495,7 @@ class RunLoop:
 
     def _restart(self, attempt: Attempt, extra_slot: bool) -> None:
         """Start a hedge of ``attempt``'s node or item (T3, per item for maps, M2); with
-        ``extra_slot`` it holds the idle slot the hedger took for it."""
+        ``extra_slot`` it holds the slot admission gave the hedger for it (T5)."""
         if attempt.item < 0:
             hedge = self.start_attempt(attempt.index, hedge=True)
         else:
@@ -867,7 +870,7 @@ class RunLoop:
         self._supersede_waiting()
         if self.cancel_reason == "deadline":  # R6: said in the event and the run's error
             self.emit(EventType.RUN_CANCELLED, reason="deadline", deadline=self.deadline)
-            await self._commit(RunStatus.CANCELLED, f"deadline passed ({self.deadline:.3f})")
+            await self._commit(RunStatus.CANCELLED, f"deadline passed ({_utc(self.deadline)})")
         else:
             self.emit(EventType.RUN_CANCELLED)
             await self._commit(RunStatus.CANCELLED)
@@ -902,6 +905,7 @@ class RunLoop:
             self.run_id, status, self.state, self._durations,
             stragglers=0 if hedger is None else hedger.stragglers,
             hedges=0 if hedger is None else hedger.hedges,
+            hedges_refused=0 if hedger is None else hedger.refused,
             duration=time.monotonic() - self.started_at, parent_run_id=self.parent_run_id,
         )  # fmt: skip
 
@@ -909,3 +913,11 @@ class RunLoop:
         """Whether ``attempt`` is a unit's that holds a slot: a map's own outcome is not, nor a
         child run's attempt once it started."""
         return (attempt.item >= 0 or not self._map[attempt.index]) and not attempt.released
+
+
+def _utc(at: float | None) -> str:
+    """``at`` (seconds since the epoch) as a person reads it: ``2026-12-04 21:47:17.935 UTC``."""
+    if at is None:
+        return "none"
+    moment = datetime.datetime.fromtimestamp(at, datetime.UTC)
+    return moment.isoformat(sep=" ", timespec="milliseconds").replace("+00:00", " UTC")

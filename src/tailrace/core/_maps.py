@@ -120,7 +120,7 @@ class MapNodes:
                 return []
             items = state.expand(i, values, k, now)
             if parked:
-                items.parked = [row.park_id for row in parked]
+                items.took_parked(parked, node.max_parks)
                 self._checkpoints.unpark(node.id, items.visit, parked)
                 state.dirty[i] = None
             self._outbox.emit(EventType.NODE_STARTED, i, ns.visits, ns.attempts, items=len(values))
@@ -327,7 +327,10 @@ class MapNodes:
                 continue  # its attempt tells how its child ended (its harvest, or settle)
             row = None
             if park:
-                row = self._checkpoints.park(graph_name, node_id, items.visit, j, items.values[j])
+                row = self._checkpoints.park(
+                    graph_name, node_id, items.visit, j, items.values[j],
+                    origin=items.parks[j] if j < len(items.parks) else None,
+                )  # fmt: skip
             if row is not None:
                 self._outbox.parked.append(row)
             self._cancelled(items, j, parked=row is not None)

@@ -22,6 +22,7 @@ from typing import Any
 from .._codec import Codec
 from .._errors import GraphError, GraphMismatch, LeaseHeld, NotResumable, TailraceError
 from .._events import EventBus, EventType
+from .._lineage import own_run_id
 from .._values import checked_run_id
 from ..executors._base import ExecutorTable
 from ..executors._threads import HandlerThreads
@@ -58,6 +59,16 @@ from ._versions import check_stored, move_leased, plan_fork, require_compatible,
 from ._writer import RunWriter
 
 logger = logging.getLogger("tailrace.children")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Version:
+    """The graph a stored run is driven on, compiled, and whether resuming moves the run onto
+    it (its fingerprint is not the one the run is recorded on, and the move is not forced off)."""
+
+    graph: Graph
+    topo: Topology
+    moving: bool
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -146,8 +157,10 @@ class RunOpener:
         parent: str | None,
         deadline: float | None,
         graph_ref: str | None = None,
+        queue: str | None = None,
     ) -> RunResult:
-        """Run a new run (a child of ``parent`` when given) to its end or suspension."""
+        """Run a new run (a child of ``parent`` when given; on ``queue`` when given: an inline
+        child of a run on a queue, R4) to its end or suspension."""
         topo = graph.compile()
         self.executors.plan(topo)  # an unknown executor name fails here, before any write
         if self.store is None and any(n.queue is not None for n in topo.nodes):
@@ -156,9 +169,22 @@ class RunOpener:
             )
         self.graphs.add(graph, topo.fingerprint)
         begin = functools.partial(
-            self.begin_new, graph, topo, input, run_id, graph_ref, parent, deadline
+            self.begin_new, graph, topo, input, run_id, graph_ref, parent, deadline, queue
         )
         return await self.drive(run_id, graph, begin)
+
+    async def start_child(
+        self,
+        graph: Graph,
+        input: Any,
+        run_id: str,
+        parent: str,
+        deadline: float | None,
+        queue: str | None,
+    ) -> RunResult:
+        """Run a new inline child run of ``parent`` here (R1), on ``queue`` when its parent's
+        drive suspends on children (R4): see :meth:`start`."""
+        return await self.start(graph, input, run_id, parent, deadline, queue=queue)
 
     async def drive(
         self,
@@ -215,16 +241,17 @@ class RunOpener:
         self, run_id: str, at: str, graph: Graph | None, input: Any, fork_id: str
     ) -> RunResult:
         store = self.require_store("fork")
-        fork_id = checked_run_id(fork_id)
-        source = await store.load_run(checked_run_id(run_id))
-        known = self.graphs.get(source.run)
-        forked = self.graphs.of(source.run, graph)
-        old = await stored_shape(store, source.run, known)
-        plan = await plan_fork(store, self.codec, source, forked, at, input, old, fork_id)
+        fork_id = own_run_id(fork_id)
+        # One moment of the source, which may run on: nothing it commits later is copied.
+        snapshot = await store.snapshot(checked_run_id(run_id))
+        record = snapshot.stored.run
+        forked = self.graphs.of(record, graph, fork_at=at)
+        old = await stored_shape(store, record, self.graphs.get(record))
+        plan = await plan_fork(store, self.codec, snapshot, forked, at, input, old, fork_id)
         topo = forked.compile()
         self.executors.plan(topo)
         self.graphs.add(forked, topo.fingerprint)
-        ref = guess_reference(forked) or source.run.graph_ref
+        ref = guess_reference(forked) or record.graph_ref
 
         async def open_loop(writer: RunWriter) -> RunLoop:
             writer.refer(plan.big)
@@ -261,6 +288,7 @@ class RunOpener:
         graph_ref: str | None,
         parent: str | None,
         deadline: float | None,
+        queue: str | None = None,
     ) -> RunResult:
         """Store and drive a new run of ``graph`` on ``input`` (in memory with no store)."""
         state = RunState(topo)
@@ -274,11 +302,13 @@ class RunOpener:
             return await loop.drive()
         writer = await RunWriter.create(
             self.store, self.codec, run_id, graph, topo, input,
-            graph_ref or guess_reference(graph), parent=parent, deadline=deadline,
+            graph_ref or guess_reference(graph), parent=parent, deadline=deadline, queue=queue,
         )  # fmt: skip
 
         async def open_loop() -> RunLoop:
-            loop = self.loop_for(run_id, state, writer, deadline=deadline, parent=parent)
+            loop = self.loop_for(
+                run_id, state, writer, deadline=deadline, parent=parent, queue=queue
+            )
             self._announce(loop, graph)
             return loop
 
@@ -312,46 +342,66 @@ class RunOpener:
         force: bool,
         patch: Any,
         claimed: StoredRun | None = None,
+        *,
+        moves: bool = True,
     ) -> RunResult:
         """Resume ``run_id``; ``claimed``: as read under the lease a claim of this engine's
-        owner took (not read again, nor leased again)."""
+        owner took (not read again, nor leased again).
+
+        The version is picked from the read made under the lease: a run continues on the
+        version it is recorded on then (V3), or moves onto ``graph`` if that fits (V1). With
+        ``moves`` false, ``graph`` is only the one to drive the run on while it is on that
+        version: a drive's own continuation never moves a run back from where a migration put it.
+        """
         store = self.require_store("resume")
         stored = await store.load_run(run_id) if claimed is None else claimed
         self.queued.note(stored.run)
         check_resumable(stored.run)
-        graph = self.graphs.of(stored.run, graph)
-        topo = graph.compile()
-        moving = topo.fingerprint != stored.run.fingerprint and not force
-        if moving:  # V1: continue on a changed graph only if it fits what the run did
+        version = self._version(stored.run, graph, force, moves)
+        if version.moving:  # V1: refused before any write unless it fits what the run did
             known = self.graphs.get(stored.run)
-            require_compatible(await check_stored(store, stored, graph, known))
-        self.executors.plan(topo)  # an unknown executor name fails here, before any write
+            require_compatible(await check_stored(store, stored, version.graph, known))
         lease = self.lease(run_id)
         if claimed is not None:
             lease = lease.held(claimed.run)
         if not lease.continues_claim:  # D4: refuse unreadable rows before writing anything
-            await restore_run(store, self.codec, topo, stored, [])
-        writer = RunWriter(store, self.codec, run_id, topo, stored.run)
+            await restore_run(store, self.codec, version.topo, stored, [])
+        writer = RunWriter(store, self.codec, run_id, version.topo, stored.run)
 
         async def reopen() -> RunLoop | RunResult:
-            nonlocal stored
+            nonlocal stored, version
             if not lease.continues_claim:
                 stored = await store.load_run(run_id)  # re-read under the lease
                 check_resumable(stored.run)
-            if moving:  # re-checked as it stands under the lease, then moved (V2, D6)
+                # Picked again from this read: a migration may have moved the run meanwhile.
+                version = self._version(stored.run, graph, force, moves)
+                writer.reread(version.topo, stored.run)
+            if version.moving:  # re-checked as it stands under the lease, then moved (V2, D6)
                 known = self.graphs.get(stored.run)
-                await move_leased(store, stored, graph, self.owner, writer.token, known)
+                await move_leased(store, stored, version.graph, self.owner, writer.token, known)
             late = await late_inputs(store, self.codec, run_id)
-            restored = await restore_run(store, self.codec, topo, stored, late)
+            restored = await restore_run(store, self.codec, version.topo, stored, late)
             writer.refer(restored.big)
             if restored.durability is not None:
                 self.drivers.durability.setdefault(run_id, restored.durability)
             loop = self.loop_for(
                 run_id, restored.state, writer, restored.event_seq, restored.turn, record=stored.run
             )
-            return await self._reopened(loop, restored.state, stored.run, graph, patch)
+            return await self._reopened(loop, restored.state, stored.run, version.graph, patch)
 
         return await self.under_lease(writer, lease, reopen)
+
+    def _version(
+        self, record: RunRecord, graph: Graph | None, force: bool, moves: bool
+    ) -> _Version:
+        """The graph to drive the stored run ``record`` on, and whether resuming moves it (V1, V3)."""
+        kept = moves or force or graph is None or graph.compile().fingerprint == record.fingerprint
+        if not kept:
+            graph = None  # the run was moved off this graph: it goes on on the version it is on
+        found = self.graphs.of(record, graph)
+        topo = found.compile()
+        self.executors.plan(topo)  # an unknown executor name fails here, before any write
+        return _Version(found, topo, topo.fingerprint != record.fingerprint and not force)
 
     async def _reopened(
         self, loop: RunLoop, state: RunState, record: RunRecord, graph: Graph, patch: Any
@@ -402,7 +452,7 @@ class RunOpener:
                 return result
             seen |= pending
             try:
-                result = await self.resume(result.run_id, graph, force, None)
+                result = await self.resume(result.run_id, graph, force, None, moves=False)
             except LeaseHeld:
                 return result  # its holder re-checks in turn
         return result
@@ -473,10 +523,11 @@ class RunOpener:
         record: RunRecord | None = None,
         deadline: float | None = None,
         parent: str | None = None,
+        queue: str | None = None,
     ) -> RunLoop:
         """The loop that drives ``run_id`` from ``state`` (``record``: the stored run's)."""
-        if record is not None:  # a stored run: its deadline and parent are stored with it
-            deadline, parent = record.deadline, record.parent_run_id
+        if record is not None:  # a stored run: its deadline, parent and queue are stored with it
+            deadline, parent, queue = record.deadline, record.parent_run_id, record.queue_name
         loop = RunLoop(
             run_id=run_id,
             state=state,
@@ -494,10 +545,8 @@ class RunOpener:
         loop.runner.threads = self.threads
         if any(n.child for n in state.topo.nodes):
             loop.runner.children = Children(
-                self._child_runner(), run_id,
-                queued=record is not None and record.queue_name is not None,
-                deadline=deadline, poke=loop.poke,
-            )  # fmt: skip
+                self._child_runner(), run_id, queue=queue, deadline=deadline, poke=loop.poke
+            )
         self.drivers.attach(run_id, loop)
         return loop
 

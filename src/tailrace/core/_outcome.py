@@ -34,7 +34,10 @@ class RunResult:
     open questions of a suspended run; ``status`` is a
     :class:`~tailrace.stores.RunStatus` (a ``str`` enum: ``result.status is
     RunStatus.COMPLETED``, and it still equals ``"completed"``); ``preempted`` is true when the run
-    was suspended by ``Engine.preempt`` at a turn boundary.
+    was suspended by ``Engine.preempt`` at a turn boundary. ``stragglers`` counts
+    the attempts that ran past their hedge delay (T3), ``hedges`` the backups and
+    clones started, and ``hedges_refused`` the stragglers whose backup the hedge
+    budget refused (they ended while waiting for a token, T5).
     """
 
     run_id: str
@@ -45,6 +48,7 @@ class RunResult:
     late_inputs: tuple[LateInput, ...] = ()
     stragglers: int = 0
     hedges: int = 0
+    hedges_refused: int = 0
     questions: tuple[Any, ...] = ()
     duration: float = 0.0
     output: Any = None
@@ -63,6 +67,7 @@ def result_of(
     *,
     stragglers: int,
     hedges: int,
+    hedges_refused: int,
     duration: float,
     parent_run_id: str | None,
 ) -> RunResult:
@@ -79,5 +84,5 @@ def result_of(
     return RunResult(
         run_id=run_id, status=status, results=results, visits=visits, nodes=reports,
         late_inputs=tuple(state.late), stragglers=stragglers, hedges=hedges,
-        duration=duration, output=state.output(), parent_run_id=parent_run_id,
+        hedges_refused=hedges_refused, duration=duration, output=state.output(), parent_run_id=parent_run_id,
     )  # fmt: skip

@@ -53,7 +53,7 @@ from .._errors import (
     TailraceError,
 )
 from .._events import EventType
-from .._values import checked_run_id
+from .._lineage import own_run_id
 from ..graph import Graph, guess_reference, shape_json
 from ..stores import (
     TERMINAL_STATUSES,
@@ -242,7 +242,7 @@ async def submit_run(
     estimate = _checked_number("estimate", estimate)
     delay = checked_time("not_before", not_before)
     name, fingerprint, graph_ref = await _what_to_run(queueing, graph, graph_ref)
-    run_id = uuid.uuid4().hex if run_id is None else checked_run_id(run_id)
+    run_id = uuid.uuid4().hex if run_id is None else own_run_id(run_id)
     try:
         input_json = queueing.codec.encode(input)
     except (TypeError, ValueError) as exc:

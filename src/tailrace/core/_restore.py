@@ -11,6 +11,7 @@ module reference.
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,28 +41,36 @@ class Restored:
     big: dict[int, tuple[int, Any]] = field(default_factory=dict)
 
 
-def find_graph(record: RunRecord) -> Graph:
+def find_graph(record: RunRecord, *, fork_at: str | None = None) -> Graph:
     """Import the graph a run recorded, by module reference only (``package.module:attr``).
 
     ``record`` is the stored run. Its ``graph_ref`` is data anyone with
     write access to the store could have written, so a file reference
     (``path/to/file.py:graph``) is never executed here (trust model,
     ``docs/trust.md``): the reader opts in by passing or registering the graph.
+    ``fork_at`` names the node a fork of the run is made at: the hints of an
+    error then say how to fork it, else how to resume it.
     """
     ref, run_id = record.graph_ref, record.run_id
+    if fork_at is None:
+        passing = "engine.resume(run_id, graph)"
+        command = f"tailrace resume {shlex.quote(run_id)}"
+    else:
+        passing = f"engine.fork(run_id, at={fork_at!r}, graph=graph)"
+        command = f"tailrace fork {shlex.quote(run_id)} --at {shlex.quote(fork_at)}"
     if not ref:
         raise GraphError(
             f"run {run_id!r} recorded no graph reference; pass the graph "
-            f"(engine.resume(run_id, graph)) or register it (engine.register(graph))"
+            f"({passing}) or register it (engine.register(graph))"
         )
     if is_file_reference(ref):
-        path = ref.rpartition(":")[0]
+        path = shlex.quote(ref.rpartition(":")[0])
+        serve = "" if fork_at is not None else f" (or tailrace serve --graphs {path})"
         raise GraphError(
             f"run {run_id!r} names its graph by the file reference {ref!r}; a stored "
-            "reference is never executed as a file. Opt in by passing the graph "
-            "(engine.resume(run_id, graph)) or registering it (engine.register(graph)), "
-            f"or on the command line: tailrace resume {run_id} --graphs {path} "
-            f"(or tailrace serve --graphs {path})"
+            f"reference is never executed as a file. Opt in by passing the graph ({passing}) "
+            "or registering it (engine.register(graph)), or on the command line: "
+            f"{command} --graphs {path}{serve}"
         )
     try:
         graph = resolve_reference(ref)
@@ -101,12 +110,13 @@ class Graphs:
         """Whether a graph of ``fingerprint`` (and ``name``, when given) is known."""
         return any(fp == fingerprint and name in (None, known) for known, fp in self._known)
 
-    def of(self, record: RunRecord, graph: Graph | None) -> Graph:
-        """The graph to drive ``record`` with: ``graph``, a known one, or its reference.
+    def of(self, record: RunRecord, graph: Graph | None, *, fork_at: str | None = None) -> Graph:
+        """The graph to drive ``record`` with: ``graph``, a known one, or its reference
+        (``fork_at``: for a fork at that node, see :func:`find_graph`).
 
         A graph of another name is refused whatever its shape (GraphMismatch).
         """
-        graph = graph or self.get(record) or find_graph(record)
+        graph = graph or self.get(record) or find_graph(record, fork_at=fork_at)
         if graph.name != record.graph_name:
             raise GraphMismatch(
                 f"run {record.run_id!r} is a run of graph {record.graph_name!r}, not of "
@@ -378,7 +388,7 @@ class _Reader:
         try:
             k = info["k"]
             items = MapItems(i, ns.visits, values + ns.payload, None if k is None else int(k))
-            items.parked = [r.park_id for r in parked]
+            items.took_parked(parked, self.topo.nodes[i].max_parks)
             for j, r in enumerate(parked):
                 key = (node_id, ns.visits, j)
                 if r.checkpoint_json is not None and key not in state.checkpoints:

@@ -114,10 +114,9 @@ class AttemptRunner:
             coro = self._run_child(node, payload, attempt)
             if self.children is not None:
                 item = None if attempt.item < 0 else attempt.item
-                data = {
-                    **(data or {}),
-                    "child": self.children.child_id(node.id, attempt.visit, item),
-                }
+                child = self.children.child_id(node.id, attempt.visit, item)
+                if child is not None:
+                    data = {**(data or {}), "child": child}
         else:
             coro = self._run_attempt(node, self._async[i], payload, attempt)
         # Written out (InFlight.add, Outbox.put): this is every attempt's start.
@@ -134,8 +133,6 @@ class AttemptRunner:
             )  # fmt: skip
         hedger = self._hedger
         if hedger is not None:
-            if not attempt.hedge:
-                hedger.first_attempts += 1
             hedger.watch(attempt)
 
     async def _run_direct(self, node: Node, payload: Any, attempt: Attempt) -> None:
@@ -148,7 +145,7 @@ class AttemptRunner:
             resumed = cps.resumed(node.id, attempt.visit, item, attempt)
         set_current(
             (self.run_id, node.id, attempt.visit, attempt.tries, item, cps, resumed,
-             self.streams, attempt)
+             self.streams, attempt, attempt.backup_of)
         )  # fmt: skip
         try:
             attempt.value = await node.handler(payload)
@@ -191,7 +188,7 @@ class AttemptRunner:
         item = None if attempt.item < 0 else attempt.item
         return (
             self.run_id, node.id, attempt.visit, tries, item, self.checkpoints, resumed,
-            self.streams, attempt,
+            self.streams, attempt, attempt.backup_of,
         )  # fmt: skip
 
     def _resumed(self, node: Node, attempt: Attempt) -> Checkpoint | None:
@@ -305,6 +302,7 @@ class AttemptRunner:
                     visit=attempt.visit,
                     attempt=attempt.tries,
                     item=None if attempt.item < 0 else attempt.item,
+                    backup_of=attempt.backup_of,
                     hedge=attempt.hedge,
                 )
                 current_threads.set(self.threads)  # a LocalExecutor runs a def handler there

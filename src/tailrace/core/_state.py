@@ -26,6 +26,7 @@ from typing import Any
 from .._context import Checkpoint
 from .._errors import GraphError, MapError, RouteError
 from ..graph import EXIT, MAX_ITEMS, Node, NodeKind, OutEdge, Topology
+from ..stores import ParkedRow
 
 
 class NodeStatus(enum.StrEnum):
@@ -537,6 +538,8 @@ class MapItems:
         "node",
         "open",
         "parked",
+        "parks",
+        "pinned",
         "results",
         "retry_due",
         "seq",
@@ -570,9 +573,21 @@ class MapItems:
         self.dirty: dict[int, None] = {}
         #: The parked items this visit took first (P4): their ids, in item order.
         self.parked: list[str] = []
+        #: Each of those: how often it was parked, and when first (P5).
+        self.parks: list[tuple[int, float]] = []
+        #: Items that run to completion: parked ``max_parks`` times (P5). The
+        #: decision waits for them and they are among the winners.
+        self.pinned: frozenset[int] = frozenset()
 
     def __len__(self) -> int:
         return len(self.values)
+
+    def took_parked(self, rows: Sequence[ParkedRow], max_parks: int) -> None:
+        """Its first items are the parked ``rows`` (P4), in order; those parked ``max_parks``
+        times or more run to completion (P5)."""
+        self.parked = [row.park_id for row in rows]
+        self.parks = [(row.parks, row.parked_at) for row in rows]
+        self.pinned = frozenset(j for j, row in enumerate(rows) if row.parks >= max_parks)
 
     def start(self, j: int) -> None:
         """Item ``j`` is admitted: its attempt starts now."""
@@ -641,11 +656,14 @@ class MapItems:
             self.failed += 1
 
     def decidable(self) -> bool:
-        """Whether the decision can be made: k successes, or (k None) nothing open."""
+        """Whether the decision can be made: k successes and no pinned item open (P5), or
+        (k None) nothing open."""
         if self.winners is not None:
             return False
         if self.k is None:
             return self.open == 0 and self.succeeded > 0
+        if self.pinned and any(self.status[j] in OPEN_ITEMS for j in self.pinned):
+            return False
         return self.succeeded >= self.k
 
     def hopeless(self) -> bool:
@@ -657,12 +675,14 @@ class MapItems:
         return self.succeeded + self.open < self.k
 
     def decide(self) -> list[Any]:
-        """Freeze the winners: the k earliest to succeed, listed in item order (M3)."""
+        """Freeze the winners: the k earliest to succeed, listed in item order (M3); pinned
+        items that succeeded are among them, before the earliest others (P5)."""
         done = [j for j, st in enumerate(self.status) if st is _ITEM_COMPLETED]
         k = len(done) if self.k is None else self.k
         if len(done) > k:
-            done.sort(key=self.seq.__getitem__)
-            done = sorted(done[:k])
+            pinned = self.pinned
+            done.sort(key=lambda j: (j not in pinned, self.seq[j]))
+            done = sorted(done[: max(k, len(pinned.intersection(done)))])
         self.winners = tuple(done)
         return [self.results[j] for j in done]
 

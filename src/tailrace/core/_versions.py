@@ -13,10 +13,11 @@ is checked against what a run did without the old code:
 - :func:`move_leased` moves a run it holds the lease of onto the new version,
   re-checked under the lease, in one fenced store write (D6);
   :func:`migrate_runs` does it over the live runs of a graph name.
-- :func:`plan_fork` builds the state of a fork: the source run's committed
-  state for every node not downstream of the fork's node, that node activated
-  afresh, and everything downstream of it fresh (V4), and the streams the
-  reused nodes' accepted attempts wrote, numbered from the fork's cursor 1.
+- :func:`plan_fork` builds the state of a fork from one moment of the source
+  run (a store snapshot): its committed state for every node not downstream
+  of the fork's node, that node activated afresh, and everything downstream
+  of it fresh (V4), and the streams the reused nodes' accepted attempts
+  wrote, numbered from the fork's cursor 1.
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ from .._errors import (
     LeaseLost,
     NotResumable,
 )
-from ..graph import Graph, NodeKind, Topology, graph_shape, guess_reference
+from ..graph import Graph, NodeKind, Topology, guess_reference, shape_json
 from ..stores import (
     ChunkRow,
     FrozenInput,
     ItemRow,
     ResultRow,
     RunRecord,
+    RunSnapshot,
     RunStatus,
     RunStore,
     StoredRun,
@@ -53,7 +55,7 @@ from ..stores import (
 from ._lease import Lease
 from ._restore import restore_run
 from ._state import NodeStatus, RunState, switch_edges
-from ._streams import READ_BATCH, ChunkKind
+from ._streams import ChunkKind
 
 #: The statuses of a run that has state to move onto another version (V2).
 LIVE = (RunStatus.RUNNING, RunStatus.SUSPENDED)
@@ -64,23 +66,27 @@ LIVE = (RunStatus.RUNNING, RunStatus.SUSPENDED)
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """A graph version's structure: per node its kind, ``required`` and in-edges, in definition order."""
+    """A graph version's structure: per node its kind, ``required``, in-edges and, for a node
+    run as a child run, its child graph (name and fingerprint), in definition order."""
 
     ids: tuple[str, ...]
     kinds: dict[str, str]
     required: dict[str, object]
     in_edges: dict[str, frozenset[tuple[str, str | None]]]
+    children: dict[str, object] = field(default_factory=dict)
 
     @classmethod
     def of(cls, graph: Graph) -> Shape:
         """The structure of ``graph``."""
-        return cls.parse(graph_shape(graph), f"graph {graph.name!r}")
+        return cls.parse(json.loads(shape_json(graph)), f"graph {graph.name!r}")
 
     @classmethod
     def parse(cls, data: Any, where: str) -> Shape:
         """The structure ``graph_shape`` wrote (read back from a store); :class:`CorruptRecord` if malformed."""
         try:
-            nodes = [(str(n[0]), str(n[1]), n[2]) for n in data["nodes"]]
+            nodes = [
+                (str(n[0]), str(n[1]), n[2], n[5] if len(n) > 5 else None) for n in data["nodes"]
+            ]
             edges = [
                 (str(e[0]), str(e[1]), None if e[2] is None else str(e[2])) for e in data["edges"]
             ]
@@ -88,16 +94,15 @@ class Shape:
             raise CorruptRecord(
                 f"{where}: stored graph structure does not decode: {exc!r}"
             ) from exc
-        in_edges: dict[str, set[tuple[str, str | None]]] = {
-            node_id: set() for node_id, _, _ in nodes
-        }
+        in_edges: dict[str, set[tuple[str, str | None]]] = {n[0]: set() for n in nodes}
         for source, target, route in edges:
             in_edges.setdefault(target, set()).add((source, route))
         return cls(
-            ids=tuple(node_id for node_id, _, _ in nodes),
-            kinds={node_id: kind for node_id, kind, _ in nodes},
-            required={node_id: required for node_id, _, required in nodes},
+            ids=tuple(n[0] for n in nodes),
+            kinds={n[0]: n[1] for n in nodes},
+            required={n[0]: n[2] for n in nodes},
             in_edges={node_id: frozenset(e) for node_id, e in in_edges.items()},
+            children={n[0]: n[3] for n in nodes if n[3] is not None},
         )
 
 
@@ -105,8 +110,10 @@ def incompatibilities(old: Shape, new: Shape, frontier: Iterable[str]) -> list[I
     """Why ``new`` cannot take over the nodes of ``frontier`` that ``old`` ran (V1), in ``old``'s order.
 
     A node's ``required`` is compared as declared, whatever the kind that
-    declares it (aggregates, maps): a first-k decision made with one ``k``
-    is never continued with another.
+    declares it (aggregates, maps; a function by its name and code): a
+    first-k decision made with one ``k`` is never continued with another. A
+    node run as a child run keeps its child graph (name and version): its
+    child runs were made with it.
     """
     out: list[Incompatibility] = []
     held = set(frontier)
@@ -123,9 +130,21 @@ def incompatibilities(old: Shape, new: Shape, frontier: Iterable[str]) -> list[I
             out.append(Incompatibility(node_id, f"its kind changed from {was} to {now}"))
             continue
         was_k, now_k = old.required.get(node_id), new.required.get(node_id)
-        if was_k != now_k:
+        if not _same_required(was_k, now_k):
             out.append(
-                Incompatibility(node_id, f"its required changed from {was_k!r} to {now_k!r}")
+                Incompatibility(
+                    node_id,
+                    f"its required changed from {_required_text(was_k)} to {_required_text(now_k)}",
+                )
+            )
+        if node_id in old.children and old.children[node_id] != new.children.get(node_id):
+            before_child, after_child = old.children[node_id], new.children.get(node_id)
+            out.append(
+                Incompatibility(
+                    node_id,
+                    f"its child graph changed from {_child_text(before_child)} to "
+                    f"{_child_text(after_child)}",
+                )
             )
         before, after = (
             old.in_edges.get(node_id, frozenset()),
@@ -144,6 +163,26 @@ def incompatibilities(old: Shape, new: Shape, frontier: Iterable[str]) -> list[I
                 )
             )
     return out
+
+
+def _same_required(was: object, now: object) -> bool:
+    """Whether ``required`` stayed the same. A structure stored before a function's code was
+    part of it names the function alone: the same name is taken as the same function."""
+    if isinstance(was, str) and isinstance(now, list) and now:
+        return bool(was == now[0])
+    return was == now
+
+
+def _required_text(value: object) -> str:
+    if isinstance(value, list) and len(value) == 2:
+        return f"{value[0]} (code {value[1]})"
+    return repr(value)
+
+
+def _child_text(value: object) -> str:
+    if isinstance(value, list) and len(value) == 2:
+        return f"graph {value[0]!r} version {value[1]}"
+    return "none (it runs no child graph)"
 
 
 def _edge(source: str, target: str, route: str | None) -> str:
@@ -466,15 +505,15 @@ def downstream_of(topo: Topology, start: int) -> set[int]:
 async def plan_fork(
     store: RunStore,
     codec: Codec,
-    source: StoredRun,
+    snapshot: RunSnapshot,
     graph: Graph,
     at: str,
     payload: Any,
     old: Shape | None,
     fork_id: str,
 ) -> ForkPlan:
-    """The starting state of fork ``fork_id`` of ``source`` at node ``at`` on ``graph`` (V4).
-    Reads only.
+    """The starting state of fork ``fork_id`` at node ``at`` on ``graph`` (V4) of the source
+    run as ``snapshot`` holds it: one moment of it, whatever it committed since. Reads only.
 
     Every node not downstream of ``at`` keeps the source's committed state
     (results, visits, first-k decisions, collected inputs); of those, one
@@ -488,6 +527,7 @@ async def plan_fork(
     writes anything (D5); the fork runs with it as it reads back.
     """
     topo = graph.compile()
+    source = snapshot.stored
     run_id = source.run.run_id
     if at not in topo.index:
         raise ValueError(
@@ -499,7 +539,7 @@ async def plan_fork(
     report = compatibility(source.run, reused, graph, old)
     require_compatible(report)
     if payload is None:
-        payload = await _last_payload(store, codec, source, at)
+        payload = _last_payload(codec, snapshot, at)
     else:
         payload = _fork_input(codec, payload, fork_id, run_id, at)
     keep = set(reused)
@@ -516,33 +556,24 @@ async def plan_fork(
     _rerun_unfinished(state, [topo.index[n] for n in reused])
     _redeliver(state, [topo.index[n] for n in reused], fresh - {a})
     state.activate(a, payload)
-    results = [r for r in await store.results(run_id) if r.node_id in keep] if keep else []
-    frozen = [f for f in await store.frozen_inputs(run_id) if f.node_id in keep] if keep else []
-    chunks = await _accepted_streams(store, run_id, keep) if keep else []
     return ForkPlan(
-        state=state, results=results, frozen=frozen, items=items, big=big,
+        state=state, big=big,
+        results=[r for r in snapshot.results if r.node_id in keep],
+        frozen=[f for f in snapshot.frozen if f.node_id in keep],
+        items=items, chunks=_accepted_streams(snapshot.chunks, keep),
         input=_decode(codec, source.run.input_json, run_id, "input"), reused=reused,
-        chunks=chunks,
     )  # fmt: skip
 
 
-async def _accepted_streams(store: RunStore, run_id: str, keep: set[str]) -> list[ChunkRow]:
-    """The stream rows of run ``run_id`` whose attempts, of nodes in ``keep``, were accepted
-    (their chunks and marks, S2), in the source's order, renumbered 1..n as the fork's own.
+def _accepted_streams(chunks: Sequence[ChunkRow], keep: set[str]) -> list[ChunkRow]:
+    """The stream rows among ``chunks`` (a run's, in seq order) whose attempts, of nodes in
+    ``keep``, were accepted (their chunks and marks, S2), renumbered 1..n as the fork's own.
 
     A stream that was discarded or is still open (the source runs on) is left out: what a
     fork carries is what the results it reuses were made with.
     """
-    rows: list[ChunkRow] = []
-    accepted: set[int] = set()
-    after = 0
-    while batch := await store.chunks(run_id, after=after, limit=READ_BATCH):
-        after = batch[-1].seq
-        for row in batch:
-            if row.node_id in keep:
-                rows.append(row)
-                if row.kind == ChunkKind.ACCEPTED:
-                    accepted.add(row.stream)
+    rows = [row for row in chunks if row.node_id in keep]
+    accepted = {row.stream for row in rows if row.kind == ChunkKind.ACCEPTED}
     carried: list[ChunkRow] = []
     first: dict[int, int] = {}  # a source stream -> its first row's seq in the fork
     for row in rows:
@@ -610,10 +641,10 @@ def _kept_meta(codec: Codec, record: RunRecord, keep: set[str]) -> str:
     return codec.encode(meta)
 
 
-async def _last_payload(store: RunStore, codec: Codec, source: StoredRun, at: str) -> Any:
-    """The payload node ``at``'s latest visit ran with in ``source``."""
-    run_id = source.run.run_id
-    row = source.nodes.get(at)
+def _last_payload(codec: Codec, snapshot: RunSnapshot, at: str) -> Any:
+    """The payload node ``at``'s latest visit ran with in the source ``snapshot`` holds."""
+    run_id = snapshot.stored.run.run_id
+    row = snapshot.stored.nodes.get(at)
     data = None if row is None else _decode(codec, row.data_json, run_id, f"node {at!r}")
     if not isinstance(data, dict) or not data.get("visits"):
         raise ValueError(
@@ -623,8 +654,8 @@ async def _last_payload(store: RunStore, codec: Codec, source: StoredRun, at: st
     ref = data.get("payload_ref")
     if ref is None:
         return data.get("payload")
-    for result in await store.results(run_id, str(ref[0])):
-        if result.visit == int(ref[1]):
+    for result in snapshot.results:
+        if (result.node_id, result.visit) == (str(ref[0]), int(ref[1])):
             return _decode(codec, result.value_json, run_id, f"result of {ref[0]!r}")
     raise CorruptRecord(f"run {run_id!r}: node {at!r} refers to a missing result {ref!r}")
 

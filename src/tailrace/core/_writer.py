@@ -165,12 +165,14 @@ class RunWriter:
         *,
         parent: str | None = None,
         deadline: float | None = None,
+        queue: str | None = None,
     ) -> RunWriter:
         """Store a new run (its input encoded, D5) and return its writer.
 
         ``origin`` is a fork's (source run id, node it re-runs from), stored
         with the run (V4); ``parent`` the run it is a child run of (R1);
-        ``deadline`` when it is cancelled if unfinished (R6).
+        ``deadline`` when it is cancelled if unfinished (R6); ``queue`` the
+        queue an inline child of a run on a queue is on (R4).
         """
         try:
             input_json = codec.encode(input)
@@ -189,6 +191,7 @@ class RunWriter:
             forked_at=None if origin is None else origin[1],
             parent_run_id=parent,
             deadline=deadline,
+            queue_name=queue,
         )
         await store.create_run(new)
         writer = cls(store, codec, run_id, topo, await store.get_run(run_id))
@@ -209,6 +212,13 @@ class RunWriter:
         self._carried.extend(frozen)
         self._carried_items.extend(items)
         self._carried_chunks.extend(chunks)
+
+    def reread(self, topo: Topology, record: RunRecord) -> None:
+        """Write for the run as read again under the lease, before anything was written here:
+        on ``topo``, the graph of the version that read records (a migration may have moved
+        the run since this writer was made)."""
+        assert self._writer is None and not self._queued, "reread after a write"
+        self.topo, self.record = topo, record
 
     def refer(self, big: dict[int, tuple[int, Any]]) -> None:
         """Take the large results a restore read back (:func:`~._restore.restore_run`), so

@@ -153,9 +153,11 @@ class RayExecutor:
                 f"run {context.run_id!r}: node {node.id!r}: its input cannot be sent to Ray "
                 f"as JSON: {exc}"
             ) from exc
-        where: Where = (context.run_id, context.node_id, context.visit, context.attempt)
-        if context.item is not None:  # a map's item: current_node().item in the worker too
-            where = (*where, context.item)
+        # A map's item and a backup's primary: current_node().item and .backup_of in the worker too.
+        where: Where = (
+            context.run_id, context.node_id, context.visit, context.attempt, context.item,
+            context.backup_of,
+        )  # fmt: skip
         ref = self._function_for(node).remote(text, where)
         try:
             result = await ref

@@ -12,12 +12,14 @@ from ._node import EXIT as EXIT
 from ._node import ITEM_ERRORS as ITEM_ERRORS
 from ._node import LATE_POLICIES as LATE_POLICIES
 from ._node import MAX_ITEMS as MAX_ITEMS
+from ._node import MAX_PARKS as MAX_PARKS
 from ._node import NODE_OPTIONS as NODE_OPTIONS
 from ._node import Edge as Edge
 from ._node import Handler as Handler
 from ._node import Node as Node
 from ._node import NodeKind as NodeKind
 from ._node import RetryPolicy as RetryPolicy
+from ._references import FILE_MODULE_PREFIX as FILE_MODULE_PREFIX
 from ._references import callable_reference as callable_reference
 from ._references import file_modules as file_modules
 from ._references import guess_reference as guess_reference
@@ -32,10 +34,12 @@ from ._topology import shape_json as shape_json
 
 __all__ = [
     "EXIT",
+    "FILE_MODULE_PREFIX",
     "GRAPH_FORMAT",
     "ITEM_ERRORS",
     "LATE_POLICIES",
     "MAX_ITEMS",
+    "MAX_PARKS",
     "NODE_OPTIONS",
     "Edge",
     "Graph",

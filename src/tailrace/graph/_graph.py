@@ -20,6 +20,7 @@ from .._errors import GraphError
 from ._checks import _json_copy
 from ._codec import GRAPH_FORMAT, graph_from_dict
 from ._node import (
+    MAX_PARKS,
     NODE_OPTIONS,
     Edge,
     Handler,
@@ -33,6 +34,9 @@ from ._references import is_generator_callable
 from ._topology import Topology
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: The longest node id: stores key node rows on it with a run id of up to 512 characters.
+MAX_NODE_ID_CHARS = 200
 
 
 @dataclass(slots=True)
@@ -79,6 +83,7 @@ class Graph:
         errors: str = "fail",
         max_items: int | None = None,
         resume_parked: bool = False,
+        max_parks: int = MAX_PARKS,
         queue: str | None = None,
     ) -> Node:
         """Add a node and return it.
@@ -118,7 +123,9 @@ class Graph:
         ``late="park"`` (maps and aggregates) cancels the stragglers and stores
         them as parked items (P3); a map with ``resume_parked`` takes the parked
         items of its graph name and node first, and runs them from their last
-        checkpoint (P4).
+        checkpoint (P4); an item it takes that has been parked ``max_parks``
+        times (default 3) runs to completion: the decision waits for it and it
+        is among the winners, so no item starves (P5).
 
         A ``handler`` that is a :class:`Graph` runs as a child run (R1): a task
         runs one, a map one per item (first-k over the children, late ones
@@ -130,6 +137,11 @@ class Graph:
         """
         if not isinstance(name, str) or not name:
             raise GraphError(f"node name must be a non-empty string, got {name!r}")
+        if len(name) > MAX_NODE_ID_CHARS:
+            raise GraphError(
+                f"node {name[:40]!r}... is {len(name)} characters long; a node id holds at most "
+                f"{MAX_NODE_ID_CHARS} (every store keys its rows on it, with the run's id)"
+            )
         try:
             node_kind = NodeKind(kind)
         except ValueError:
@@ -164,6 +176,7 @@ class Graph:
             "errors": errors,
             "max_items": max_items,
             "resume_parked": resume_parked,
+            "max_parks": max_parks,
             "queue": queue,
         }
         _check_option_types(name, **options)
@@ -377,9 +390,15 @@ def _check_kind_options(name: str, kind: NodeKind, options: dict[str, Any]) -> N
         raise GraphError(f"aggregate {name!r}: required= must be an integer")
     if kind is NodeKind.MAP and isinstance(required, int) and required < 1:
         raise GraphError(f"map {name!r}: required={required} must be >= 1")
-    for option, default in (("errors", "fail"), ("max_items", None), ("resume_parked", False)):
+    for option, default in (
+        ("errors", "fail"), ("max_items", None), ("resume_parked", False), ("max_parks", MAX_PARKS)
+    ):  # fmt: skip
         if options[option] != default and kind is not NodeKind.MAP:
             raise GraphError(f"node {name!r}: {option}= applies to maps only")
+    if options["max_parks"] != MAX_PARKS and not options["resume_parked"]:
+        raise GraphError(
+            f"map {name!r}: max_parks= bounds the parked items it takes; it needs resume_parked=True"
+        )
     if kind is NodeKind.MAP and options["any_of"]:
         raise GraphError(f"map {name!r}: a map takes one input list; it cannot be any_of")
 
@@ -392,6 +411,7 @@ _COMPILING: list[Graph] = []
 _CHILD_REFUSED = (
     ("retry", None), ("timeout", None), ("hedge", False), ("executor", None),
     ("resources", None), ("runtime_env", None), ("resume_parked", False),
+    ("max_parks", MAX_PARKS),
 )  # fmt: skip
 
 

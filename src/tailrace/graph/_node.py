@@ -57,6 +57,10 @@ ITEM_ERRORS = ("fail", "skip")
 #: A map's ``max_items`` unless the node sets its own (M1).
 MAX_ITEMS = 10_000
 
+#: How many times an item may be parked before the next map that takes it runs it to
+#: completion (P5), unless the node sets its own ``max_parks``.
+MAX_PARKS = 3
+
 #: A map's ``required``: a count, or a function of the item count (M3).
 Required = int | Callable[[int], int]
 
@@ -167,6 +171,8 @@ class Node:
     errors: str = "fail"
     max_items: int | None = None
     resume_parked: bool = False
+    #: Parks after which a parked item taken by this map runs to completion (P5).
+    max_parks: int = MAX_PARKS
     #: The queue a child run is submitted to (None: run in this process) (R4).
     queue: str | None = None
     #: Whether ``handler`` is a :class:`~tailrace.Graph` run as a child run (R1).
@@ -224,6 +230,7 @@ class Node:
             "errors": None if self.errors == "fail" else self.errors,
             "max_items": self.max_items,
             "resume_parked": self.resume_parked or None,
+            "max_parks": None if self.max_parks == MAX_PARKS else self.max_parks,
             "queue": self.queue,
         }
         data.update({k: v for k, v in optional.items() if v is not None})
@@ -267,6 +274,7 @@ NODE_OPTIONS = frozenset(
         "errors",
         "max_items",
         "resume_parked",
+        "max_parks",
         "queue",
     }
 )
@@ -302,6 +310,7 @@ _OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "errors": (lambda v: v in ITEM_ERRORS, " or ".join(map(repr, ITEM_ERRORS))),
     "max_items": (_optional(lambda v: _is_int(v) and v >= 1), "an integer >= 1"),
     "resume_parked": (lambda v: isinstance(v, bool), "True or False"),
+    "max_parks": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "queue": (_optional(lambda v: isinstance(v, str) and 0 < len(v) <= 200), "a queue name"),
 }
 

@@ -150,18 +150,41 @@ def is_async_callable(fn: Callable[..., Any]) -> bool:
 
 
 def guess_reference(graph: Graph) -> str | None:
-    """``module:name`` of the graph, looked up in the modules that define its handlers."""
+    """``module:name`` of the graph, looked up in the modules that define its handlers (and
+    its child graphs' handlers).
+
+    A graph of a file loaded by :func:`load_file_module` is named by the file
+    (``/path/to/file.py:name``, as ``tailrace run path.py:graph`` names it),
+    never by the module name that hashes its path.
+    """
     seen: set[str] = set()
-    for node in graph.nodes.values():
-        module_name = getattr(node.handler, "__module__", None) or ""
+    for module_name in _handler_modules(graph, []):
         if module_name in seen or module_name == "__main__":
             continue
         seen.add(module_name)
         module = sys.modules.get(module_name)
         for attr, value in vars(module).items() if module is not None else ():
             if value is graph:
-                return f"{module_name}:{attr}"
+                return f"{_module_reference(module_name, module)}:{attr}"
     return None
+
+
+def _handler_modules(graph: Graph, visited: list[Graph]) -> list[str]:
+    """The modules of ``graph``'s handlers, then of its child graphs', each graph read once."""
+    visited.append(graph)
+    names = [getattr(node.handler, "__module__", None) or "" for node in graph.nodes.values()]
+    for child in graph.child_graphs():
+        if not any(child is g for g in visited):
+            names += _handler_modules(child, visited)
+    return names
+
+
+def _module_reference(name: str, module: ModuleType | None) -> str:
+    """How a reference names module ``name``: a file's path for a module loaded from a file."""
+    path = getattr(module, "__file__", None)
+    if name.startswith(FILE_MODULE_PREFIX) and path:
+        return str(path)
+    return name
 
 
 def is_generator_callable(fn: Callable[..., Any]) -> bool:

@@ -9,10 +9,14 @@ rather than on hashed strings (which keeps E2 ordering independent of
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
-from collections.abc import Sequence
+import textwrap
+import tokenize
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from types import CodeType
+from typing import TYPE_CHECKING, Any
 
 from .._errors import GraphError
 from ._node import NodeKind
@@ -99,6 +103,8 @@ class Topology:
     has_gates: bool
     #: Gates, parking or parked items: the run needs a store, if only one in memory.
     needs_ledger: bool
+    #: :func:`graph_shape` as compact JSON: what :attr:`fingerprint` hashes and a store keeps.
+    shape_json: str
     fingerprint: str
 
     @classmethod
@@ -136,6 +142,7 @@ class Topology:
             node.max_visits if node.max_visits is not None else (None if cyclic[i] else 1)
             for i, node in enumerate(nodes)
         )
+        shape = json.dumps(graph_shape(graph), separators=(",", ":"))
         return cls(
             graph=graph,
             ids=ids,
@@ -155,7 +162,8 @@ class Topology:
                 node.kind is NodeKind.GATE or node.late == "park" or node.resume_parked
                 for node in nodes
             ),
-            fingerprint=_fingerprint(graph),
+            shape_json=shape,
+            fingerprint=hashlib.sha256(shape.encode()).hexdigest()[:16],
         )
 
     def in_loop(self, source: str, target: str) -> bool:
@@ -236,30 +244,88 @@ def _check_switches(nodes: Sequence[Node], out: Sequence[Sequence[OutEdge]]) -> 
 def graph_shape(graph: Graph) -> dict[str, list[list[object]]]:
     """The structure a graph's fingerprint is taken over, as JSON-ready lists.
 
-    ``nodes`` holds ``[id, kind, required, max_visits, any_of]`` per node and
-    ``edges`` ``[source, target, route]`` per edge, in definition order. A
-    store keeps it with a graph's runs, so a changed graph can be checked
-    against what a run did without the old code (V1).
+    ``nodes`` holds ``[id, kind, required, max_visits, any_of]`` per node, and
+    a node that runs a child run (R1) adds ``[child graph's name, its
+    fingerprint]``; ``edges`` holds ``[source, target, route]`` per edge, in
+    definition order. A callable ``required`` is ``[its reference, a digest
+    of its code]`` (see :func:`code_digest`). A store keeps the structure with
+    a graph's runs, so a changed graph can be checked against what a run did
+    without the old code (V1).
     """
     return {
-        "nodes": [
-            [n.id, n.kind.value, _quorum_shape(n), n.max_visits, n.any_of]
-            for n in graph.nodes.values()
-        ],
+        "nodes": [_node_shape(n) for n in graph.nodes.values()],
         "edges": [[e.source, e.target, e.route] for e in graph.edges],
     }
 
 
 def shape_json(graph: Graph) -> str:
     """:func:`graph_shape` as compact JSON: the text a fingerprint hashes and a store keeps."""
-    return json.dumps(graph_shape(graph), separators=(",", ":"))
+    return str(graph.compile().shape_json)
 
 
-def _fingerprint(graph: Graph) -> str:
-    return hashlib.sha256(shape_json(graph).encode()).hexdigest()[:16]
+def _node_shape(node: Node) -> list[object]:
+    shape = [node.id, node.kind.value, _quorum_shape(node), node.max_visits, node.any_of]
+    if node.child:  # compiled before its parent (G1), so its fingerprint is at hand
+        child: Any = node.handler
+        shape.append([child.name, child.compile().fingerprint])
+    return shape
 
 
 def _quorum_shape(node: Node) -> object:
-    """A node's ``required`` as the fingerprint sees it: a count, or a map's function by name."""
+    """A node's ``required`` as the fingerprint sees it: a count, or a map's function by name
+    and code (two lambdas share a name, not what they compute)."""
     required = node.required
-    return callable_reference(required, node.id) if callable(required) else required
+    if not callable(required):
+        return required
+    return [callable_reference(required, node.id), code_digest(required)]
+
+
+def code_digest(fn: Callable[..., Any]) -> str | None:
+    """A digest of what the function ``fn`` computes; None for one with no Python code.
+
+    It hashes the source lines that define ``fn`` (dedented), so every process
+    of one deploy agrees on it, whatever its Python version, and the plain
+    values (numbers, strings, None) it closes over or has as defaults, so a
+    factory's functions differ by what they were made with. Code whose source
+    is not at hand (``exec``, a REPL) is hashed by its code object instead.
+    """
+    code = getattr(fn, "__code__", None)
+    if not isinstance(code, CodeType):
+        return None
+    try:
+        text = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError, SyntaxError, tokenize.TokenError):  # no source, or unreadable
+        text = _code_text(code)
+    cells = [_contents(cell) for cell in getattr(fn, "__closure__", None) or ()]
+    values = [*cells, *(getattr(fn, "__defaults__", None) or ())]
+    keywords = sorted((getattr(fn, "__kwdefaults__", None) or {}).items())
+    parts = [text, *map(_plain, values), *(f"{k}={_plain(v)}" for k, v in keywords)]
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]
+
+
+def _contents(cell: Any) -> object:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not filled yet
+        return None
+
+
+def _code_text(code: CodeType) -> str:
+    """A code object as text: its bytecode, names and constants, nested code included (a set's
+    members sorted, so the text does not depend on the hash seed)."""
+    consts = [
+        _code_text(c)
+        if isinstance(c, CodeType)
+        else repr(sorted(map(repr, c)))
+        if isinstance(c, frozenset)
+        else repr(c)
+        for c in code.co_consts
+    ]
+    return f"{code.co_code.hex()}|{code.co_names}|{consts}"
+
+
+def _plain(value: object) -> str:
+    """A value's text when it reads the same in every process; else only its type's name."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return repr(value)
+    return type(value).__qualname__

@@ -10,7 +10,7 @@ Three sources tell a :class:`SpanTracker` about a run, in no fixed order:
 - the run's events (:meth:`SpanTracker.on_event`), published after each
   commit, decide an attempt's outcome (completed, failed, cancelled,
   retrying) and flag stragglers and hedges (T3), late inputs (E5) and gates
-  (Q1);
+  (Q1), and count the backups a run started and those its budget refused (T5);
 - the tracing executor (:meth:`SpanTracker.begin_attempt`,
   :meth:`SpanTracker.finish_attempt`) runs inside the attempt's task, so it
   knows the attempt's exact start and end, the exception it raised, and makes
@@ -58,6 +58,10 @@ OUTCOME = "tailrace.outcome"
 STRAGGLER = "tailrace.straggler"
 HEDGED = "tailrace.hedged"
 BACKUP = "tailrace.backup"
+#: On a run span: the backups it started, those its budget refused, and the budget (T5).
+HEDGES = "tailrace.hedges"
+HEDGES_REFUSED = "tailrace.hedges_refused"
+HEDGE_BUDGET = "tailrace.hedge_budget"
 EXECUTOR = "tailrace.executor"
 QUESTION_ID = "tailrace.question_id"
 
@@ -195,6 +199,10 @@ class RunSpan:
     #: The span's name holds its graph (a resume learns it from RUN_RESUMED).
     named: bool
     attempts: dict[Slot, list[AttemptSpan]] = field(default_factory=dict)
+    #: Backups started, backups the budget refused, and the budget's share (T5).
+    hedges: int = 0
+    refused: int = 0
+    budget: float | None = None
 
     def open_attempts(self) -> Iterator[AttemptSpan]:
         """Every attempt span not ended yet."""
@@ -267,6 +275,11 @@ class SpanTracker:
             attempt.running = False  # the run is over: nothing may keep its span open
             self._end(run, attempt)
         run.span.set_attribute(OUTCOME, outcome)
+        if run.hedges or run.refused:
+            run.span.set_attribute(HEDGES, run.hedges)
+            run.span.set_attribute(HEDGES_REFUSED, run.refused)
+            if run.budget is not None:
+                run.span.set_attribute(HEDGE_BUDGET, run.budget)
         if exc is not None and outcome == FAILED:
             run.span.record_exception(exc)
             run.span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
@@ -352,9 +365,24 @@ class SpanTracker:
             )
 
     def _hedged(self, run: RunSpan, event: Event) -> None:
+        run.hedges += 1
+        self._budget(run, event)
         primary = self._primary(run, event)
         if primary is not None:
             primary.span.set_attribute(HEDGED, True)
+
+    def _hedge_refused(self, run: RunSpan, event: Event) -> None:
+        run.refused += 1
+        self._budget(run, event)
+        primary = self._primary(run, event)
+        if primary is not None:  # the straggler that waited for a token until it ended
+            primary.span.add_event("hedge_refused", timestamp=_ns(event.ts))
+
+    @staticmethod
+    def _budget(run: RunSpan, event: Event) -> None:
+        share = event.data.get("budget")
+        if isinstance(share, int | float) and not isinstance(share, bool):
+            run.budget = float(share)
 
     def _retrying(self, run: RunSpan, event: Event) -> None:
         slot, tries = _where(event)
@@ -533,6 +561,7 @@ _HANDLERS: dict[EventType, Any] = {
     EventType.NODE_STARTED: SpanTracker._node_started,
     EventType.NODE_STRAGGLER: SpanTracker._straggler,
     EventType.NODE_HEDGED: SpanTracker._hedged,
+    EventType.NODE_HEDGE_REFUSED: SpanTracker._hedge_refused,
     EventType.NODE_RETRYING: SpanTracker._retrying,
     EventType.NODE_COMPLETED: SpanTracker._completed,
     EventType.NODE_FAILED: SpanTracker._failed,

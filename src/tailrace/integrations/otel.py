@@ -1,7 +1,7 @@
 """OpenTelemetry tracing for an engine: a span per run, a span per node attempt.
 
 ``instrument(engine)`` traces every run, resume, fork and claimed start of that
-engine (``pip install 'tailrace[otel]'``; bring your own SDK and exporter). It
+engine (``pip install 'tailrace[otel]'``: the API and the SDK; bring your exporter). It
 hooks in as one of the engine's instruments (:class:`~tailrace.Instrument`);
 nothing of the engine is patched::
 
@@ -24,6 +24,10 @@ Spans, all carrying ``tailrace.run_id``:
   ``completed``, ``suspended`` (open gates, or preempted), ``failed`` (status
   error, the exception recorded), ``cancelled`` (the caller cancelled it) or
   ``refused`` (the engine would not drive it: ``LeaseHeld``, ``NotResumable``).
+  A run that raced backups (T3, T5) carries ``tailrace.hedges`` (backups
+  and clones started), ``tailrace.hedges_refused`` (stragglers whose backup
+  its hedge budget refused) and ``tailrace.hedge_budget`` (the budget's
+  share of attempts started; absent for unbudgeted backups).
   Its events: ``question_opened`` and ``question_answered`` (gates, Q1-Q3, with
   ``tailrace.question_id``, ``tailrace.node``, ``tailrace.visit``),
   ``late_input`` (an input that arrived after its first-k aggregate fired, E5,
@@ -35,7 +39,8 @@ Spans, all carrying ``tailrace.run_id``:
   ``tailrace.executor`` (``local``, or the name a node's ``executor=`` uses),
   ``tailrace.straggler`` (it ran past its straggler threshold; a
   ``straggler`` event says when), ``tailrace.hedged`` (a backup raced it, or it
-  is the backup), ``tailrace.backup`` (it is the backup) and
+  is the backup; a ``hedge_refused`` event when the budget refused it one),
+  ``tailrace.backup`` (it is the backup) and
   ``tailrace.outcome``: ``completed``, ``failed`` (status error, the handler's
   exception recorded), ``cancelled`` (a hedge loser, a sibling of a failure,
   a cancelled run) or ``retrying`` (it failed and another try follows; status

@@ -21,6 +21,8 @@ import urllib.parse
 
 from ._contract import ChangeFeed as ChangeFeed
 from ._contract import RunStore as RunStore
+from ._queue_rules import next_tick as next_tick
+from ._queue_rules import tick_is_due as tick_is_due
 from ._records import CHANGE_KINDS as CHANGE_KINDS
 from ._records import CHUNK_KINDS as CHUNK_KINDS
 from ._records import FORMAT_VERSION as FORMAT_VERSION
@@ -48,6 +50,7 @@ from ._records import QueueStats as QueueStats
 from ._records import ResultRow as ResultRow
 from ._records import RunCount as RunCount
 from ._records import RunRecord as RunRecord
+from ._records import RunSnapshot as RunSnapshot
 from ._records import RunStatus as RunStatus
 from ._records import ScheduleRow as ScheduleRow
 from ._records import StoredRun as StoredRun
@@ -92,6 +95,7 @@ __all__ = [
     "ResultRow",
     "RunCount",
     "RunRecord",
+    "RunSnapshot",
     "RunStatus",
     "RunStore",
     "SQLiteStore",
@@ -101,7 +105,9 @@ __all__ = [
     "StreamTail",
     "Submission",
     "WorkerRow",
+    "next_tick",
     "open_store",
+    "tick_is_due",
 ]
 
 _POSTGRES_SCHEMES = ("postgresql://", "postgres://")

@@ -23,7 +23,7 @@ import contextlib
 from collections.abc import AsyncIterator, Collection, Sequence
 
 from ._artifacts import check_expected
-from ._queue_rules import check_claim, check_worker, first_schedule, graph_keys
+from ._queue_rules import check_claim, check_worker, first_schedule, graph_keys, utc_minute
 from ._records import (
     CHANGE_KINDS,
     MAX_LIMIT,
@@ -45,6 +45,7 @@ from ._records import (
     ResultRow,
     RunCount,
     RunRecord,
+    RunSnapshot,
     RunStatus,
     ScheduleRow,
     StoredRun,
@@ -151,13 +152,15 @@ class RunStore(abc.ABC):
 
         Its graph's structure (``run.shape_json``) is kept with it unless that
         version's is kept already; a fork's origin (``forked_from``,
-        ``forked_at``) is stored with the run (V4).
+        ``forked_at``) is stored with the run (V4); ``queue_name``, when
+        given, puts it on that queue (never claimed: it is running), so once
+        it suspends on its children, their ends queue it again (R4).
         """
         check_new_format(run)
         check_names(
             run_id=run.run_id, graph_name=run.graph_name, graph_ref=run.graph_ref,
             fingerprint=run.fingerprint, forked_from=run.forked_from, forked_at=run.forked_at,
-            parent_run_id=run.parent_run_id,
+            parent_run_id=run.parent_run_id, queue_name=run.queue_name,
         )  # fmt: skip
         await self._create_run(run)
 
@@ -186,6 +189,15 @@ class RunStore(abc.ABC):
         check_name("run_id", run_id)
         return await self._load_run(run_id)
 
+    async def snapshot(self, run_id: str) -> RunSnapshot:
+        """The run as of one moment (one read): its record, node rows and map items' rows,
+        result rows, first-k decisions and stream rows, none written after another was
+        read, while the run may still be running. A fork copies its source from it (V4).
+        :class:`~tailrace.RunNotFound` if absent.
+        """
+        check_name("run_id", run_id)
+        return await self._snapshot(run_id)
+
     async def get_run(self, run_id: str) -> RunRecord:
         """Return the run record alone; :class:`~tailrace.RunNotFound` if absent."""
         check_name("run_id", run_id)
@@ -200,6 +212,7 @@ class RunStore(abc.ABC):
         graph: str | None = None,
         offset: int = 0,
         parent: str | None = None,
+        top_level: bool = False,
     ) -> list[RunRecord]:
         """Runs newest first (``created_at``, then ``run_id``): a page of them, for listings.
 
@@ -210,11 +223,15 @@ class RunStore(abc.ABC):
             graph: only runs of this graph name.
             offset: skip this many of the matching runs first.
             parent: only the child runs of this run (R1).
+            top_level: only runs that are no run's child (R1); not with ``parent``.
         """
         check_names(queue=queue, graph=graph, parent=parent)
+        if top_level and parent is not None:
+            raise ValueError(f"top_level lists no run's children, so not those of {parent!r}")
         return await self._list_runs(
-            status=status, limit=limit, queue=queue, graph=graph, offset=offset, parent=parent
-        )
+            status=status, limit=limit, queue=queue, graph=graph, offset=offset, parent=parent,
+            top_level=top_level,
+        )  # fmt: skip
 
     async def wake_suspended(self, run_id: str) -> bool:
         """Queue ``run_id`` again if it is suspended on a queue and nobody holds it; True if it was.
@@ -235,9 +252,10 @@ class RunStore(abc.ABC):
         """
         return await self._overdue_runs(now, limit=limit)
 
-    async def run_counts(self) -> list[RunCount]:
-        """How many runs there are per graph name, queue and status (one query: for dashboards)."""
-        return await self._run_counts()
+    async def run_counts(self, *, top_level: bool = False) -> list[RunCount]:
+        """How many runs there are per graph name, queue and status (one query: for dashboards);
+        with ``top_level``, of the runs that are no run's child only (R1)."""
+        return await self._run_counts(top_level=top_level)
 
     async def results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
         """Result rows of a run (of one node if given), by node then visit."""
@@ -815,13 +833,55 @@ class RunStore(abc.ABC):
         return await self._delete_queue(name)
 
     async def register_graph(self, row: GraphRow) -> None:
-        """Record that a worker can drive the graph ``row`` names (replacing an earlier
-        registration of that name and fingerprint)."""
+        """Record that a worker can drive the graph version ``row`` names.
+
+        A version registered before keeps the time of its first registration
+        (its deploy) and takes ``row``'s reference: a worker of an earlier
+        version that starts again never makes it the newest. A version new to
+        the store is recorded at ``row.registered_at``, or just after the newest
+        version of its name when that clock is behind, so it is the newest.
+        """
         check_names(graph_name=row.name, fingerprint=row.fingerprint, graph_ref=row.graph_ref)
         await self._register_graph(row)
 
+    async def register_worker_graphs(
+        self, worker_id: str, graphs: Collection[tuple[str, str]]
+    ) -> None:
+        """Record the graph versions worker ``worker_id`` drives, ``(name, fingerprint)``
+        pairs, replacing what it registered before.
+
+        The fleet reads them (:meth:`worker_graphs`) to tell whether a live worker
+        of a queue can drive a run: a child run its claimant cannot drive goes
+        back to its queue while one can, and is failed otherwise (R3). The
+        registrations of workers whose row is gone (:meth:`workers`) are dropped
+        in the same write once they are an hour old (``STALE_REGISTRATION``).
+        """
+        check_name("worker_id", worker_id)
+        for pair in graphs:
+            if not (
+                isinstance(pair, tuple)
+                and len(pair) == 2
+                and all(isinstance(part, str) and part for part in pair)
+            ):
+                raise ValueError(
+                    f"worker graphs must be (graph name, fingerprint) pairs, got {pair!r}"
+                )
+            check_names(graph_name=pair[0], fingerprint=pair[1])
+        await self._register_worker_graphs(worker_id, sorted(set(graphs)))
+
+    async def worker_graphs(
+        self, worker_ids: Collection[str]
+    ) -> dict[str, frozenset[tuple[str, str]]]:
+        """The graph versions each of ``worker_ids`` registered (:meth:`register_worker_graphs`),
+        by worker; a worker that registered none is absent."""
+        ids = sorted(set(worker_ids))
+        for worker_id in ids:
+            check_name("worker_id", worker_id)
+        return await self._worker_graphs(ids) if ids else {}
+
     async def graphs_named(self, name: str) -> list[GraphRow]:
-        """The registrations of graph ``name``, newest first (one per fingerprint)."""
+        """The registrations of graph ``name``, the version deployed last first (one per
+        fingerprint); submitting a run by the graph's name takes the first."""
         check_name("graph_name", name)
         return await self._graphs_named(name)
 
@@ -842,12 +902,32 @@ class RunStore(abc.ABC):
         """Submit schedule ``name``'s run for ``tick`` unless that tick (or a later one) was (W4).
 
         Atomically: the schedule's ``last_tick`` moves to ``tick`` only if it
-        was earlier, and the run (id ``{name}@{tick as YYYY-MM-DDTHH:MMZ}``,
-        queued in the schedule's queue) is stored with it; across every
-        worker, one caller gets the run's id, the others None.
+        was earlier (or later than the store's clock: see :func:`tick_is_due`),
+        and the run (id ``{name}@{tick as YYYY-MM-DDTHH:MMZ}``, queued in the
+        schedule's queue) is stored with it; across every worker, one caller
+        gets the run's id, the others None. A tick later than the store's
+        clock (:meth:`now`) is refused with ``ValueError`` and nothing changes:
+        a caller whose own clock runs ahead cannot submit a tick early.
         """
         check_name("schedule", name)
-        return await self._fire_schedule(name, float(tick))
+        tick = float(tick)
+        now = await self.now()
+        if tick > now:
+            raise ValueError(
+                f"schedule {name!r}: tick {utc_minute(tick)} has not come by the store's clock "
+                f"({utc_minute(now)}); nothing was submitted"
+            )
+        return await self._fire_schedule(name, tick)
+
+    async def now(self) -> float:
+        """The store's clock, in seconds since the epoch: the one clock schedules are judged by (W4).
+
+        The memory and SQLite stores read the clock they were given (``clock=``,
+        the host's by default), which every process on their one host shares;
+        Postgres reads its server's, so workers on hosts whose clocks disagree
+        agree on it.
+        """
+        return await self._now()
 
     async def delete_schedule(self, name: str) -> bool:
         """Drop schedule ``name``; True if it was declared. Runs it submitted stay."""
@@ -940,6 +1020,10 @@ class RunStore(abc.ABC):
         """:meth:`load_run`, called with checked arguments."""
 
     @abc.abstractmethod
+    async def _snapshot(self, run_id: str) -> RunSnapshot:
+        """:meth:`snapshot`, called with checked arguments."""
+
+    @abc.abstractmethod
     async def _get_run(self, run_id: str) -> RunRecord:
         """:meth:`get_run`, called with checked arguments."""
 
@@ -953,6 +1037,7 @@ class RunStore(abc.ABC):
         graph: str | None = None,
         offset: int = 0,
         parent: str | None = None,
+        top_level: bool = False,
     ) -> list[RunRecord]:
         """:meth:`list_runs`, called with checked arguments."""
 
@@ -975,7 +1060,7 @@ class RunStore(abc.ABC):
         """:meth:`overdue_runs`, called with checked arguments."""
 
     @abc.abstractmethod
-    async def _run_counts(self) -> list[RunCount]:
+    async def _run_counts(self, *, top_level: bool = False) -> list[RunCount]:
         """:meth:`run_counts`, called with checked arguments."""
 
     @abc.abstractmethod
@@ -1218,7 +1303,12 @@ class RunStore(abc.ABC):
 
     @abc.abstractmethod
     async def _fire_schedule(self, name: str, tick: float) -> str | None:
-        """:meth:`fire_schedule`, called with checked arguments."""
+        """:meth:`fire_schedule`, called with checked arguments (``tick`` has come by
+        :meth:`now`, which the compare-and-set reads again: ``tick_is_due``)."""
+
+    @abc.abstractmethod
+    async def _now(self) -> float:
+        """:meth:`now`."""
 
     @abc.abstractmethod
     async def _delete_schedule(self, name: str) -> bool:
@@ -1243,6 +1333,14 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     async def _forget_worker(self, worker_id: str) -> None:
         """:meth:`forget_worker`, called with checked arguments."""
+
+    @abc.abstractmethod
+    async def _register_worker_graphs(self, worker_id: str, graphs: list[tuple[str, str]]) -> None:
+        """:meth:`register_worker_graphs`, called with checked, sorted, distinct pairs."""
+
+    @abc.abstractmethod
+    async def _worker_graphs(self, worker_ids: list[str]) -> dict[str, frozenset[tuple[str, str]]]:
+        """:meth:`worker_graphs`, called with checked, sorted, distinct ids (at least one)."""
 
     @abc.abstractmethod
     async def _run_durations(

@@ -12,6 +12,7 @@ import datetime
 import itertools
 import json
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
@@ -215,6 +216,36 @@ def first_schedule(row: ScheduleRow) -> ScheduleRow:
     return dataclasses.replace(row, last_tick=cron.latest_at(row.declared_at))
 
 
+def deployed_at(registered_at: float, newest: float | None) -> float:
+    """When a version new to the store is recorded as deployed: at ``registered_at`` (the
+    registering host's clock), but after ``newest``, the latest of the versions of its name
+    registered before it, so a new version is the newest whatever that host's clock says."""
+    if newest is None or registered_at > newest:
+        return registered_at
+    return math.nextafter(newest, math.inf)
+
+
+def tick_is_due(last_tick: float | None, tick: float, now: float) -> bool:
+    """Whether a schedule whose last submitted tick is ``last_tick`` may submit ``tick`` at
+    ``now``, the store's clock (W4).
+
+    A tick is due once it has come and when it is later than the last one; a
+    last tick later than ``now`` (stamped by a clock running ahead) holds
+    none back, so one host's clock cannot silence a schedule.
+    """
+    return tick <= now and (last_tick is None or last_tick < tick or last_tick > now)
+
+
+def next_tick(row: ScheduleRow, now: float) -> float:
+    """The tick schedule ``row`` submits next at ``now``, the store's clock: its latest tick
+    while that one is due (the next look of any worker submits it), else the next to come."""
+    cron = Cron(row.cron)
+    latest = cron.latest_at(now)
+    if latest is not None and tick_is_due(row.last_tick, latest, now):
+        return latest
+    return cron.next_after(now)
+
+
 def graph_from_row(row: Sequence[Any]) -> GraphRow:
     """Decode a ``graphs`` row selected with ``GRAPH_COLUMNS``."""
     name, fingerprint, graph_ref, registered_at = row
@@ -243,11 +274,15 @@ def schedule_from_row(row: Sequence[Any]) -> ScheduleRow:
     )  # fmt: skip
 
 
+def utc_minute(at: float) -> str:
+    """``at`` (seconds since the epoch) as ``YYYY-MM-DDTHH:MMZ``, as a scheduled run's id has it."""
+    return datetime.datetime.fromtimestamp(at, datetime.UTC).strftime("%Y-%m-%dT%H:%MZ")
+
+
 def scheduled_run(row: ScheduleRow, tick: float, now: float) -> tuple[NewRun, Submission]:
     """The run schedule ``row`` submits for ``tick``; its id names both, so a tick is one run."""
-    stamp = datetime.datetime.fromtimestamp(tick, datetime.UTC)
     run = NewRun(
-        run_id=f"{row.name}@{stamp.strftime('%Y-%m-%dT%H:%MZ')}", graph_name=row.graph_name,
+        run_id=f"{row.name}@{utc_minute(tick)}", graph_name=row.graph_name,
         graph_ref=row.graph_ref, fingerprint=row.fingerprint, input_json=row.input_json,
         created_at=now,
     )  # fmt: skip
@@ -414,6 +449,17 @@ def host_scope(worker_id: str) -> str:
 def next_scan(worker: WorkerRow, now: float) -> float:
     """When the scopes a pulse of ``worker`` scans at ``now`` are next due."""
     return now + SCAN_SHARE * worker.dead_after
+
+
+#: Seconds after which the graph registrations of a worker whose row is gone are dropped
+#: (``register_worker_graphs``): a starting worker registers before its first report.
+STALE_REGISTRATION = 3600.0
+
+
+def is_live(worker: WorkerRow, now: float) -> bool:
+    """Whether ``worker`` counts as alive at ``now``: it reported within its ``dead_after``
+    (the rule by which the fleet finds workers whose heartbeat stopped, ``EXPIRED_WORKERS``)."""
+    return worker.seen_at + worker.dead_after >= now
 
 
 def host_of(worker_id: str) -> str:

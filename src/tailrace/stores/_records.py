@@ -151,6 +151,9 @@ class NewRun:
     #: is cancelled at if it has not finished (R6), seconds since the epoch.
     parent_run_id: str | None = None
     deadline: float | None = None
+    #: The queue a run created ``running`` is on: an inline child of a run on a queue
+    #: is on its parent's, so it suspends on its own children as its parent does (R4).
+    queue_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -268,7 +271,9 @@ class ParkedRow(NamedTuple):
     ``node_id`` is the map (or the aggregate's input node) it belongs to and
     ``item`` its item index there (-1 for a node); ``value_json`` is what it
     runs on and ``checkpoint_json`` its last checkpoint (None if it saved
-    none). ``claimed_by`` names the map visit that took it (P4).
+    none). ``claimed_by`` names the map visit that took it (P4). ``parks``
+    counts the times the item has been parked, this one included; ``parked_at``
+    is when it was first parked, its place in claim order (P5).
     """
 
     park_id: str
@@ -283,6 +288,7 @@ class ParkedRow(NamedTuple):
     status: str = "parked"
     claimed_by: str | None = None
     claimed_at: float | None = None
+    parks: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -419,6 +425,18 @@ class StoredRun:
     items: list[ItemRow] = field(default_factory=list)
     #: The latest checkpoint of each node visit (or item) that saved one (P1).
     checkpoints: list[CheckpointRow] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSnapshot:
+    """A run as of one moment, as ``snapshot`` returns it: what ``load_run`` returns with
+    the run's result rows (by node, then visit), first-k decisions (by node, then
+    activation) and stream rows (by seq), none written after another was read."""
+
+    stored: StoredRun
+    results: list[ResultRow] = field(default_factory=list)
+    frozen: list[FrozenInput] = field(default_factory=list)
+    chunks: list[ChunkRow] = field(default_factory=list)
 
 
 # --- queues and workers (scale-out: the store is the coordinator) -----------------
@@ -666,7 +684,8 @@ class ScheduleRow:
 class GraphRow:
     """A graph a worker can drive, as it registered it (``register_graph``): what a run
     submitted by the graph's name alone is stored with (``name``, ``fingerprint``,
-    ``graph_ref``); ``registered_at`` is its latest registration."""
+    ``graph_ref``); ``registered_at`` is when that version was first registered (its
+    deploy), never before the versions of its name registered earlier."""
 
     name: str
     fingerprint: str

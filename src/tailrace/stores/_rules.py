@@ -239,7 +239,8 @@ def new_run_record(run: NewRun, q: Submission | None) -> RunRecord:
         input_json=run.input_json, state_json=EMPTY_STATE_JSON, error=None,
         created_at=run.created_at, updated_at=run.created_at, finished_at=None, nodes_done=0,
         lease_owner=None, lease_expires=None, lease_token=0, format_version=run.format_version,
-        queue_name=None if q is None else q.queue, priority=0 if q is None else q.priority,
+        queue_name=run.queue_name if q is None else q.queue,
+        priority=0 if q is None else q.priority,
         partition_key=None if q is None else q.partition,
         dedup_key=None if q is None else q.dedup_key, cost=None if q is None else q.cost,
         estimate=None if q is None else q.estimate,
@@ -344,12 +345,20 @@ def question_not_found(question_id: str) -> QuestionNotFound:
     return QuestionNotFound(f"no question {question_id!r} in the store")
 
 
-def not_open(question_id: str, status: QuestionStatus) -> AlreadyAnswered:
+def not_open(
+    question_id: str, status: QuestionStatus, run: tuple[str, RunStatus] | None = None
+) -> AlreadyAnswered:
     """The error for answering question ``question_id`` that is in ``status``, not ``open`` (Q2).
 
-    A superseded question was withdrawn (the run went on without it, Q3, Q7):
-    the message says so rather than that an answer won.
+    ``run`` is the question's run and its status, when known. A superseded
+    question was withdrawn: its run was cancelled, or went on without it
+    (Q3, Q7); the message says which rather than that an answer won.
     """
+    if status is QuestionStatus.SUPERSEDED and run is not None and run[1] is RunStatus.CANCELLED:
+        return AlreadyAnswered(
+            f"question {question_id!r} is superseded: its run {run[0]!r} was cancelled, so "
+            "nothing waits for an answer; nothing was changed"
+        )
     if status is QuestionStatus.SUPERSEDED:
         return AlreadyAnswered(
             f"question {question_id!r} is superseded: it was withdrawn because its run no "

@@ -34,6 +34,9 @@ _SAYS = {
     Outcome.RUNNING: "running",
     Outcome.ASKED: "asked a question",
     Outcome.WAITING: "waiting for an answer",
+    Outcome.SUSPENDED: "suspended for its child runs (the run held no slot while they ran)",
+    Outcome.CHILDREN: "waiting for its child runs, the run suspended",
+    Outcome.PARKED: "parked with its last checkpoint (a later run can continue it)",
 }
 
 

@@ -40,11 +40,14 @@ def runs_url(
     page: int = 1,
     queue: str | None = None,
     parent: str | None = None,
+    hide_children: bool = False,
 ) -> str:
-    """The runs list, filtered by ``status``, ``graph``, ``queue`` and ``parent`` run, at ``page``."""
+    """The runs list, filtered by ``status``, ``graph``, ``queue`` and ``parent`` run, at ``page``;
+    child runs left out with ``hide_children``."""
     return "/runs" + _query(
-        status=status, graph=graph, queue=queue, parent=parent, page=page if page > 1 else None
-    )
+        status=status, graph=graph, queue=queue, parent=parent,
+        children="hide" if hide_children else None, page=page if page > 1 else None,
+    )  # fmt: skip
 
 
 def run_url(run_id: str) -> str:
@@ -52,9 +55,10 @@ def run_url(run_id: str) -> str:
     return "/runs/" + _quoted(run_id)
 
 
-def stream_url(run_id: str, after: int) -> str:
-    """A run's server-sent events, starting after event ``after``."""
-    return "/stream/runs/" + _quoted(run_id) + _query(after=after)
+def stream_url(run_id: str, after: int, shown: str | None = None) -> str:
+    """A run's server-sent events, starting after event ``after``, for a page whose steady
+    parts have the digests ``shown`` (``tailrace.ui._stream.shown_param``)."""
+    return "/stream/runs/" + _quoted(run_id) + _query(after=after, shown=shown)
 
 
 def resume_url(run_id: str) -> str:

@@ -27,7 +27,7 @@ from ._fleet import fleet_view
 from ._links import artifact_url, run_url, stream_url
 from ._pages import Auth, Pages
 from ._security import TOKEN_COOKIE, TOKEN_FIELD, TOKEN_HEADER, local_path, token_matches
-from ._stream import run_updates
+from ._stream import parse_shown, run_updates, shown_param, steady_parts
 from ._versions import forkable, versions_view
 from ._views import (
     RUN_FILTERS,
@@ -187,10 +187,14 @@ def _text_field(form: FormData, name: str) -> str | None:
 
 
 async def runs(request: Request) -> Response:
-    """The runs list: filter by status, graph, queue and parent run, newest first, paginated."""
+    """The runs list: filter by status, graph, queue and parent run, newest first, paginated;
+    ``children=hide`` leaves child runs out."""
     status = request.query_params.get("status") or None
     if status is not None and status not in RUN_FILTERS:
         raise HTTPException(400, f"unknown status {status!r}; one of {', '.join(RUN_FILTERS)}")
+    children = request.query_params.get("children") or "show"
+    if children not in ("show", "hide"):
+        raise HTTPException(400, f"children {children[:20]!r} is not 'show' or 'hide'")
     try:
         number = int(request.query_params.get("page", "1"))
     except ValueError:
@@ -200,6 +204,7 @@ async def runs(request: Request) -> Response:
         state.reader, status=status, graph=query_name(request, "graph"),
         queue=query_name(request, "queue"), page=number,
         page_size=state.config.page_size, now=time.time(), parent=query_name(request, "parent"),
+        hide_children=children == "hide", catalog=state.catalog,
     )  # fmt: skip
     return await page(request, "runs.html", section="runs", view=view)
 
@@ -225,7 +230,9 @@ async def run(request: Request) -> Response:
     found = await state.catalog.find(stored.run)
     versions = await versions_view(state.reader, state.catalog, stored, found)
     finished = view.status in {s.value for s in TERMINAL_STATUSES}
-    data = {"run_id": run_id, "stream": None if finished else stream_url(run_id, view.last_seq)}
+    shown = shown_param(steady_parts(pages_of(request), view, versions, auth_of(request)))
+    data = {"run_id": run_id,
+            "stream": None if finished else stream_url(run_id, view.last_seq, shown=shown)}  # fmt: skip
     answered = request.query_params.get("answered")
     cancelled = request.query_params.get("cancelled")
     flash = f"Your answer to question {answered} was recorded." if answered else None
@@ -244,7 +251,8 @@ async def stream(request: Request) -> Response:
         after = int(request.headers.get("last-event-id") or request.query_params.get("after", "0"))
     except ValueError:
         after = 0
-    updates = run_updates(state, pages_of(request), run_id, after, auth_of(request))
+    shown = parse_shown(request.query_params.get("shown"))
+    updates = run_updates(state, pages_of(request), run_id, after, auth_of(request), shown)
     return StreamingResponse(
         updates,
         media_type="text/event-stream",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..core import check_stored
 from ..graph import Graph
 from ..stores import RunStatus, RunStore, StoredRun
-from ._catalog import Found, GraphCatalog
+from ._catalog import Found, GraphCatalog, Origin
 
 #: Characters of a fingerprint the page shows (the whole one is in its tooltip).
 SHORT = 8
@@ -51,6 +51,8 @@ class OtherVersion:
     short: str
     compatible: bool
     reasons: tuple[Reason, ...]
+    #: Where the dashboard loaded it from (file or module, and attribute), if known.
+    origin: Origin | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +72,8 @@ class VersionsView:
     forkable: tuple[str, ...]
     #: Why no fork can start here (the dashboard does not hold the run's version), if so.
     no_fork: str | None
+    #: Where the run's version comes from (file or module, and attribute), if known.
+    origin: Origin | None = None
 
 
 async def versions_view(
@@ -93,6 +97,7 @@ async def versions_view(
                 short=short(fingerprint),
                 compatible=report.compatible,
                 reasons=tuple(Reason(node=i.node_id, reason=i.reason) for i in report.incompatible),
+                origin=catalog.origin_of(graph),
             )
         )
     return VersionsView(
@@ -105,6 +110,7 @@ async def versions_view(
         others=tuple(others),
         forkable=() if found.graph is None else forkable(found.graph, stored),
         no_fork=None if found.graph is not None else found.reason,
+        origin=catalog.origin(record),
     )
 
 

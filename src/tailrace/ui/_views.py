@@ -19,6 +19,7 @@ from .._attempts import (
     attempts_from_events,
     event_data,
     fold_items,
+    hedge_account,
     last_known,
     map_summaries,
 )
@@ -36,9 +37,10 @@ from ..stores import (
     RunStore,
     StoredRun,
 )
-from ._catalog import GraphCatalog
+from ._accounts import Generations, TailPanel, tail_panels
+from ._catalog import GraphCatalog, Origin
 from ._children import Lineage, lineage_of
-from ._chunks import Streams, read_streams
+from ._chunks import AttemptKey, Streams, read_streams
 from ._curve import Curve, VersionRow, reward_curve, version_rows
 from ._format import clock, decode, event_text, pretty, preview, seconds
 from ._gantt import Gantt, gantt
@@ -129,6 +131,17 @@ class RunRow:
     waited: str | None = None
     #: The run whose node runs this one, for a child run (R1).
     parent: str | None = None
+    #: Its graph's version (fingerprint) and where that version comes from, if known.
+    fingerprint: str = ""
+    origin: Origin | None = None
+    #: A fork's origin: the run and node it was forked from (V4).
+    forked_from: str | None = None
+    forked_at: str | None = None
+
+    @property
+    def version(self) -> str:
+        """The short form of its version's fingerprint."""
+        return self.fingerprint[:8]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -148,11 +161,18 @@ class RunsPage:
     pages: int
     #: Only the child runs of this run, when the list is filtered so (R1).
     parent: str | None = None
+    #: Whether child runs are left out (only runs that are no run's child are listed).
+    hide_children: bool = False
 
     @property
     def has_parents(self) -> bool:
         """Whether a row of this page is a child run (the list then shows a parent column)."""
         return any(r.parent is not None for r in self.rows)
+
+    @property
+    def has_forks(self) -> bool:
+        """Whether a row of this page is a fork (the list then shows a forked-from column)."""
+        return any(r.forked_from is not None for r in self.rows)
 
 
 async def runs_page(
@@ -165,9 +185,11 @@ async def runs_page(
     page_size: int,
     now: float,
     parent: str | None = None,
+    hide_children: bool = False,
+    catalog: GraphCatalog | None = None,
 ) -> RunsPage:
     """Runs filtered by ``status`` (one of :data:`RUN_FILTERS`), ``graph``, ``queue`` and
-    ``parent``, paginated.
+    ``parent``, paginated; child runs left out with ``hide_children``.
 
     Args:
         store: where the runs are.
@@ -178,17 +200,21 @@ async def runs_page(
         page_size: runs per page.
         now: wall clock deciding which leases are live.
         parent: only the child runs of this run (R1); None for all runs.
+        hide_children: only the runs that are no run's child (not with ``parent``).
+        catalog: says where each run's version comes from (the graphs the dashboard holds).
     """
     everything = await store.run_counts()
+    hide_children = hide_children and parent is None
     if parent is not None:
         counts, total, window, page, pages = await _children_window(
             store, parent, status=status, graph=graph, queue=queue,
             page=page, page_size=page_size, now=now,
         )  # fmt: skip
     else:
+        shown = await store.run_counts(top_level=True) if hide_children else everything
         counts, total, window, page, pages = await _runs_window(
-            store, everything, status=status, graph=graph, queue=queue,
-            page=page, page_size=page_size, now=now,
+            store, shown, status=status, graph=graph, queue=queue,
+            page=page, page_size=page_size, now=now, top_level=hide_children,
         )  # fmt: skip
     open_by_run = {  # the page's runs only: a store with 10,000 open questions reads none else
         r.run_id: len(await store.list_questions(run_id=r.run_id, status=QuestionStatus.OPEN))
@@ -204,6 +230,10 @@ async def runs_page(
             nodes_done=r.nodes_done,
             questions=open_by_run.get(r.run_id, 0),
             parent=r.parent_run_id,
+            fingerprint=r.fingerprint,
+            origin=None if catalog is None else catalog.origin(r),
+            forked_from=r.forked_from,
+            forked_at=r.forked_at,
         )
         for r, s in window
     )
@@ -220,6 +250,7 @@ async def runs_page(
         page=page,
         pages=pages,
         parent=parent,
+        hide_children=hide_children,
     )
 
 
@@ -251,15 +282,18 @@ async def _children_window(
 
 async def _runs_window(
     store: RunStore, everything: Sequence[RunCount], *, status: str | None, graph: str | None,
-    queue: str | None, page: int, page_size: int, now: float,
+    queue: str | None, page: int, page_size: int, now: float, top_level: bool = False,
 ) -> _Window:  # fmt: skip
-    """The counts and page of all runs, counted and paged by the store."""
+    """The counts and page of all runs (``top_level``: of those that are no run's child),
+    counted and paged by the store."""
     # A page reads one page of runs, whatever the total. Only the running runs are
     # read whole, to tell live ones from orphans (D6).
     tallies = [
         c for c in everything if graph in (None, c.graph_name) and queue in (None, c.queue_name)
     ]
-    running = await store.list_runs(status=RunStatus.RUNNING, graph=graph, queue=queue)
+    running = await store.list_runs(
+        status=RunStatus.RUNNING, graph=graph, queue=queue, top_level=top_level
+    )
     shown_running = [(r, shown_status(r, now)) for r in running]
     counts = Counter[str]()
     for c in tallies:
@@ -274,8 +308,9 @@ async def _runs_window(
     else:
         stored = None if status is None else RunStatus(status)
         records = await store.list_runs(
-            status=stored, graph=graph, queue=queue, limit=page_size, offset=first
-        )
+            status=stored, graph=graph, queue=queue, limit=page_size, offset=first,
+            top_level=top_level,
+        )  # fmt: skip
         window = [(r, shown_status(r, now)) for r in records]
     return counts, total, window, page, pages
 
@@ -504,26 +539,54 @@ class RunView:
     forked_at: str | None = None
     #: Its parent and ancestors, its children and the tree of its descendants (R1).
     lineage: Lineage
+    #: Where its version comes from (the file or module and attribute), if known.
+    origin: Origin | None = None
+    #: The tail account of each map node whose items are model generations (X4).
+    tail: tuple[TailPanel, ...] = ()
+    #: The backups it raced: started, won, refused by the hedge budget (T3, T5).
+    hedging: str | None = None
 
 
 class DriverRow(NamedTuple):
-    """One stretch of a run on its page: the owner that drove it, from when, for how long."""
+    """One stretch of a run on its page: the owner that drove it, from when, for how long;
+    ``now`` marks the stretch being driven now (it runs until now)."""
 
     owner: str
     how: str
     at: str
     duration: str
     events: int
+    now: bool = False
 
 
-def driver_rows(events: Sequence[EventRow]) -> tuple[DriverRow, ...]:
-    """The run page's rows of who drove the run (W6)."""
+def driver_rows(
+    events: Sequence[EventRow], *, driven_until: float | None = None
+) -> tuple[DriverRow, ...]:
+    """The run page's rows of who drove the run (W6); ``driven_until`` is now while a live
+    process drives it: its last stretch goes on until then, not its last event."""
+    stretches = stretches_of(events)
+    last = len(stretches) - 1
     return tuple(
         DriverRow(
             owner=s.owner or "unrecorded", how=s.how, at=clock(s.started_at),
-            duration=seconds(s.ended_at - s.started_at), events=s.events,
+            duration=seconds(
+                (driven_until if driven_until is not None and n == last else s.ended_at)
+                - s.started_at
+            ),
+            events=s.events, now=driven_until is not None and n == last,
         )
-        for s in stretches_of(events)
+        for n, s in enumerate(stretches)
+    )  # fmt: skip
+
+
+def parked_attempts(events: Sequence[EventRow]) -> frozenset[AttemptKey]:
+    """The attempts cancelled to be parked (P3), as their stream rows name them."""
+    return frozenset(
+        (e.node_id, e.visit, item if isinstance(item, int) else None, e.attempt)
+        for e in events
+        if e.type == "node_cancelled" and e.node_id is not None and e.visit is not None
+        and e.attempt is not None and (data := event_data(e)).get("reason") == "parked"
+        for item in (data.get("item"),)
     )  # fmt: skip
 
 
@@ -535,8 +598,10 @@ async def run_view(
     now: float,
     events: Sequence[EventRow] | None = None,
     stored: StoredRun | None = None,
+    generations: Generations | None = None,
 ) -> RunView:
-    """Read ``run_id`` and build its page; ``events``/``stored`` reuse what a stream already read.
+    """Read ``run_id`` and build its page; ``events``/``stored``/``generations`` reuse what a
+    stream already read.
 
     Args:
         store: where the run is.
@@ -545,6 +610,7 @@ async def run_view(
         now: wall clock: where running attempts end, which leases are live.
         events: the run's events when already read (all of them).
         stored: the run and its node rows when already read.
+        generations: the run's stream rows folded so far for its tail account (a live page's).
     """
     stored = stored if stored is not None else await store.load_run(run_id)
     events = events if events is not None else await store.events(run_id)
@@ -568,6 +634,8 @@ async def run_view(
         lambda after, limit: store.chunks(record.run_id, after=after, limit=limit),
     )
     attempts = attempts_from_events(events, live=live, now=None if ended else now, seen=seen)
+    parked = await _parked_by(store, record.graph_name, record.run_id, events)
+    streams = await read_streams(store, record.run_id, parked_attempts(events))
     return RunView(
         run_id=record.run_id,
         graph_name=record.graph_name,
@@ -589,7 +657,7 @@ async def run_view(
                 for c in stored.checkpoints
             },
         ),
-        parked=await _parked_by(store, record.graph_name, record.run_id, events),
+        parked=parked,
         maps=tuple(map_summaries(events, attempts)),
         late=late_inputs(events),
         events=tuple(event_lines(events[-EVENT_LIMIT:], record.created_at)),
@@ -604,13 +672,24 @@ async def run_view(
         cancel_requested=None
         if record.cancel_requested_at is None
         else clock(record.cancel_requested_at),
-        drivers=driver_rows(events),
+        drivers=driver_rows(events, driven_until=now if live else None),
         recoveries=record.recoveries,
-        streams=await read_streams(store, record.run_id),
+        streams=streams,
         forked_from=record.forked_from,
         forked_at=record.forked_at,
         lineage=await lineage_of(store, record, rows, lambda r: shown_status(r, now)),
+        origin=catalog.origin(record),
+        tail=await tail_panels(
+            store, record.run_id, parked, generations, generating=streams.generating
+        ),
+        hedging=_hedging(events),
     )
+
+
+def _hedging(events: Sequence[EventRow]) -> str | None:
+    """The run page's line on the backups the run raced, if it raced any (T3, T5)."""
+    account = hedge_account(events)
+    return None if account is None else account.describe()
 
 
 async def _parked_by(

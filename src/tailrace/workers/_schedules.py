@@ -13,6 +13,10 @@ Missed ticks: while no worker runs, nothing is submitted. A worker that
 starts (or wakes) after ticks went by submits only the latest of them, once:
 one catch-up run, not a burst of the backlog; the earlier missed ticks are
 skipped. Ticks before a schedule was first declared are never due.
+
+One clock: ticks are judged by the store's (``RunStore.now``: on Postgres
+the server's), never by a worker's own, so a host whose clock runs ahead
+can neither submit a tick early nor hold the others' ticks back.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 from .._codec import DEFAULT_CODEC, Codec
 from ..gates._daemon import nap
 from ..graph import Graph, guess_reference
-from ..stores import RunStore, ScheduleRow
+from ..stores import RunStore, ScheduleRow, tick_is_due
 from ..tail import Cron
 
 logger = logging.getLogger("tailrace.workers")
@@ -90,9 +94,9 @@ class Schedule:
         )  # fmt: skip
 
     async def declare(self, store: RunStore, codec: Codec = DEFAULT_CODEC) -> None:
-        """Declare this schedule on ``store`` (see :meth:`RunStore.declare_schedule`), its input
-        encoded with ``codec``."""
-        await store.declare_schedule(self.row(codec, time.time()))
+        """Declare this schedule on ``store`` (see :meth:`RunStore.declare_schedule`) at the
+        store's clock, its input encoded with ``codec``."""
+        await store.declare_schedule(self.row(codec, await store.now()))
 
 
 class ScheduleTicker:
@@ -120,7 +124,8 @@ class ScheduleTicker:
         self._wake.set()
 
     async def tick(self, now: float) -> float:
-        """Submit every tick due at ``now`` (the latest one per schedule); seconds until the next look."""
+        """Submit every tick due at ``now``, the store's clock (the latest one per schedule);
+        seconds until the next look."""
         if time.monotonic() - self._read_at >= self.refresh:
             self._rows = await self.store.schedules()
             self._read_at = time.monotonic()
@@ -130,13 +135,13 @@ class ScheduleTicker:
             if cron is None:
                 continue
             due = cron.latest_at(now)
-            if due is not None and (row.last_tick is None or due > row.last_tick):
+            if due is not None and tick_is_due(row.last_tick, due, now):
                 run_id = await self.store.fire_schedule(row.name, due)
                 if run_id is not None:
                     self.fired += 1
                     logger.info("schedule %s: submitted run %s", row.name, run_id)
-                self._rows[n] = row = dataclasses.replace(row, last_tick=due)
-            soonest = min(soonest, cron.next_after(max(now, row.last_tick or now)) - now)
+                self._rows[n] = dataclasses.replace(row, last_tick=due)
+            soonest = min(soonest, cron.next_after(now) - now)
         return max(soonest, 0.0)
 
     def _cron(self, row: ScheduleRow) -> Cron | None:
@@ -158,7 +163,7 @@ class ScheduleTicker:
         while not closing.is_set():
             self._wake.clear()  # before the tick: a change during it wakes the nap
             try:
-                wait = await self.tick(time.time())
+                wait = await self.tick(await self.store.now())
                 delay = 1.0
             except Exception:
                 logger.exception("schedule tick failed; trying again in %.3g s", delay)

@@ -58,6 +58,7 @@ from ..stores import (
     RunStore,
     WorkerRow,
 )
+from ..stores._queue_rules import is_live
 from ..stores._records import check_limit
 from ._schedules import Schedule, ScheduleTicker
 
@@ -244,6 +245,11 @@ class Worker:
         self._here: set[str] = set()
         #: Graphs (name, fingerprint) of runs this worker found it cannot drive.
         self._not_here: set[tuple[str, str]] = set()
+        #: Of those, the graphs of child runs it handed back, with the queues it did so on:
+        #: claimed again (and failed) once no other live worker there can drive them (R3).
+        self._handed_back: dict[tuple[str, str], set[str]] = {}
+        #: When to look again whether those still have a driver elsewhere.
+        self._recheck_at = 0.0
         #: Held by a claim round and by a hand-back, so no round in flight claims a run
         #: again between its hand-back and its graph joining ``_not_here``.
         self._claiming = asyncio.Lock()
@@ -277,13 +283,19 @@ class Worker:
             await self.store.declare_queue(queue)
         for schedule in self.schedules:
             await schedule.declare(self.store, self.engine.codec or DEFAULT_CODEC)
-        for graph in _with_children(self.graphs):
+        drives = _with_children(self.graphs)
+        for graph in drives:
             await self.store.register_graph(
                 GraphRow(
                     name=graph.name, fingerprint=graph.compile().fingerprint,
                     graph_ref=guess_reference(graph), registered_at=time.time(),
                 )
             )  # fmt: skip
+        # What this worker drives, so the fleet knows whether a child it hands back waits
+        # for a worker that can drive it (R3).
+        await self.store.register_worker_graphs(
+            self.owner, [(g.name, g.compile().fingerprint) for g in drives]
+        )
         await self._refresh_queues()
         try:
             async with self.store.changes() as feed, asyncio.TaskGroup() as jobs:
@@ -415,6 +427,7 @@ class Worker:
             back.add_done_callback(self._giving_back.discard)
 
     async def _claim(self, group: asyncio.TaskGroup) -> None:
+        await self._recheck_handed_back()
         # Rotate the start so one busy queue does not starve the others.
         start = self.stats.rounds % len(self.queues) if self.queues else 0
         for queue in self.queues[start:] + self.queues[:start]:
@@ -501,22 +514,31 @@ class Worker:
 
         A run this worker cannot drive (its graph, or an executor it names, is
         not at hand here: another deploy's) goes back to its queue for a worker
-        that can, and this worker claims no more runs of that graph.
+        that can, and this worker claims no more runs of that graph. A child run
+        goes back so while another live worker of its queue can drive it (it
+        registered that version, or registered none); otherwise it is failed,
+        and its parent's node with it (R3). Such a graph is claimed again once
+        no other live worker of the queue can drive it.
         """
         try:
             return await self.engine.start_claimed(run_id, cancel_first=True)
         except (GraphError, GraphMismatch) as exc:
             record = await self.store.get_run(run_id)
-            if record.parent_run_id is not None:
-                # A child run is not handed back: its parent's node fails with the reason
-                # rather than wait on a queue nobody can serve (R3).
-                await self.engine.fail_run(
-                    run_id, f"worker {self.owner} cannot drive graph {record.graph_name!r} of this child run: "
-                    f"{describe(exc)}",
-                )  # fmt: skip
-                raise
-            # This worker claims no more runs of that graph, from the next claim round on.
             key = (record.graph_name, record.fingerprint)
+            queue = record.queue_name
+            if record.parent_run_id is not None and queue is not None:
+                # A child run waits for a worker that can drive it only while one is live;
+                # otherwise its parent's node fails with the reason, rather than wait on a
+                # queue nobody can serve (R3).
+                if not await self._driven_elsewhere(queue, key):
+                    await self.engine.fail_run(
+                        run_id, f"worker {self.owner} cannot drive graph {record.graph_name!r} "
+                        f"of this child run, nor can any other live worker of queue {queue!r}: "
+                        f"{describe(exc)}",
+                    )  # fmt: skip
+                    raise
+                self._handed_back.setdefault(key, set()).add(queue)
+            # This worker claims no more runs of that graph, from the next claim round on.
             first = key not in self._not_here
             self._not_here.add(key)
             async with self._claiming:
@@ -534,6 +556,33 @@ class Worker:
         except UNRESUMABLE as exc:
             await self.engine.fail_run(run_id, f"cannot be started: {describe(exc)}")
             raise
+
+    async def _driven_elsewhere(self, queue: str, key: tuple[str, str]) -> bool:
+        """Whether another live worker of ``queue`` (the store's workers, ``is_live``) can drive
+        graph ``key`` (name, fingerprint): it registered that version, or it registered no
+        graph (it drives what it imports)."""
+        now = time.time()
+        others = [
+            w.worker_id
+            for w in await self.store.workers()
+            if w.worker_id != self.owner and queue in w.queues and is_live(w, now)
+        ]
+        registered = await self.store.worker_graphs(others)
+        return any(w not in registered or key in registered[w] for w in others)
+
+    async def _recheck_handed_back(self) -> None:
+        """Claim again, at most once a poll interval, the graphs of child runs this worker
+        handed back that no other live worker of their queue can drive any more: the next
+        such child claimed here is failed (R3)."""
+        if not self._handed_back or time.monotonic() < self._recheck_at:
+            return
+        self._recheck_at = time.monotonic() + self.poll_interval
+        for key, queues in list(self._handed_back.items()):
+            for queue in sorted(queues):
+                if not await self._driven_elsewhere(queue, key):
+                    del self._handed_back[key]
+                    self._not_here.discard(key)
+                    break
 
     # -- answers, orphans, cancels ----------------------------------------------------------
 

@@ -6,6 +6,7 @@ so a continued generation is compared with the uninterrupted one exactly.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,10 +14,13 @@ import pytest
 
 pytest.importorskip("httpx")
 
+import tailrace as tr
 from tailrace._context import Checkpoint, set_current
 from tailrace.integrations.openai import BatchingServer, CompletionError, ModelClient
 from tailrace.integrations.openai._replicas import Replicas
 from tailrace.integrations.openai._server import generated_text
+from tailrace.tail import HedgePolicy, TailHooks
+from tests import fixtures
 
 
 class Recorder:
@@ -48,7 +52,7 @@ def attempt(recorder: Recorder, resumed: Any = None, run_id: str = "r1") -> None
             value=resumed, run_id="r0" if run_id == "r1" else "r1", node_id="gen", visit=1,
             item=0, saved_at=0.0,
         )  # fmt: skip
-    set_current((run_id, "gen", 1, 1, 0, recorder, checkpoint, recorder, None))
+    set_current((run_id, "gen", 1, 1, 0, recorder, checkpoint, recorder, None, None))
 
 
 @pytest.fixture
@@ -203,6 +207,47 @@ def test_least_outstanding_first_and_a_unit_avoids_its_own_replica():
     assert replicas.pick() == (b, 2.0)  # all wait: the soonest free, and how long
     now[0] = 3.0
     assert replicas.pick()[0] is b
+
+
+async def test_a_hedged_backup_is_sent_to_the_other_replica_and_its_primary_is_closed():
+    # Two replicas of one model: "slow" (listed first) and "other". The primary goes to
+    # slow (both idle); an unrelated request then goes to other, so both have one request
+    # out. The backup (T5) knows it is one and avoids its primary's replica although the
+    # replicas tie (X6): it wins on other, and slow sees the primary's request closed.
+    async with (
+        BatchingServer(median_tokens=40, sigma=0.1, step=0.25) as slow,
+        BatchingServer(median_tokens=40, sigma=0.1, step=0.04) as other,
+        ModelClient([slow.url, other.url], "m") as client,
+    ):
+        hooks = TailHooks(hedging=HedgePolicy(backup_after=1.0, slack=0.0))
+        for _ in range(3):
+            # The backup comes 1 s in, long after the unrelated request went out (and
+            # before it ends, some 40 x 40 ms later).
+            hooks.estimator("gen").observe(1.0, 1.0)
+        engine = tr.Engine(tail=hooks, capacity=4)
+
+        async def gen(prompt: str) -> dict[str, Any]:
+            ctx = tr.current_node(required=True)
+            generation = await client.complete(prompt, seed=1)
+            return {"replica": generation.replica, "backup_of": ctx.backup_of,
+                    "text": generation.text}  # fmt: skip
+
+        g = tr.Graph("replicas")
+        g.add_node("gen", gen, hedge=True)
+        run = asyncio.ensure_future(engine.run(g, "hello"))
+        await fixtures.until(lambda: slow.stats.running == 1, "the primary at slow")
+        unrelated = asyncio.ensure_future(client.complete("unrelated", seed=2))
+        await fixtures.until(lambda: other.stats.running == 1, "the unrelated request at other")
+        async with asyncio.timeout(fixtures.HANG_GUARD):
+            result = await run
+            await unrelated
+        await fixtures.until(lambda: slow.stats.disconnected == 1, "the primary closed at slow")
+
+    assert result.output["replica"] == other.url + "/"
+    assert result.output["backup_of"] == 1
+    assert result.output["text"] == generated_text(0, other.length("hello", 1))
+    assert result.hedges == 1
+    assert (slow.stats.completed, other.stats.completed) == (0, 2)
 
 
 def test_the_facade_documents_every_parameter_of_its_callables():

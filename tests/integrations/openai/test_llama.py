@@ -183,7 +183,10 @@ async def test_a_parked_generation_continues_next_round_from_its_text_under_a_ne
 
     async def generate(spec: dict) -> dict:
         if spec.get("wait"):
-            await loser_decoded.wait()  # the loser has checkpoints when the first k is decided
+            # The winner: it returns as soon as the loser has checkpoints, without a request
+            # of its own (one would race the loser's last tokens on a loaded machine).
+            await loser_decoded.wait()
+            return {"text": "", "salvaged": 0, "stale": False, "finish": "stop"}
         generation = await clients[spec["replica"]].complete(
             COUNTING, max_tokens=spec["max_tokens"], temperature=0.0
         )

@@ -24,9 +24,9 @@ Needs ``pip install 'tailrace[openai]'`` (httpx)::
         return generation.text
 """
 
-from ._accounting import ItemAccount as ItemAccount
-from ._accounting import TailAccount as TailAccount
-from ._accounting import ks_statistic as ks_statistic
+from ...tail import ItemAccount as ItemAccount
+from ...tail import TailAccount as TailAccount
+from ...tail import ks_statistic as ks_statistic
 from ._accounting import tail_accounting as tail_accounting
 from ._client import Generation as Generation
 from ._client import ModelClient as ModelClient

@@ -33,15 +33,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Self
 
 from ..._context import NodeContext, current_node
+from ...tail import generation_checkpoint, generation_state
 from ._errors import CompletionError, retry_after_seconds
 from ._replicas import Replica, Replicas
 from ._wire import Delta, Prompt, choice_delta, event_delta, request_body, usage_tokens
 
 if TYPE_CHECKING:
     import httpx
-
-#: The key of the client's state in an attempt's checkpoint value.
-CHECKPOINT_KEY = "generation"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,8 +98,8 @@ class _Partial:
             f"{ctx.run_id}/{ctx.node_id}/{ctx.visit}/{ctx.item if ctx.item is not None else ''}"
         )
         saved = ctx.resumed_from
-        state = saved.value.get(CHECKPOINT_KEY) if saved and isinstance(saved.value, dict) else None
-        if not isinstance(state, dict):
+        state = generation_state(saved.value) if saved else None
+        if state is None:
             return cls(origin=origin, token_ids=[])
         ids = state.get("token_ids")
         partial = cls(
@@ -144,7 +142,7 @@ class _Partial:
         }  # fmt: skip
         if self.token_ids is not None:
             state["token_ids"] = self.token_ids
-        return {CHECKPOINT_KEY: state}
+        return generation_checkpoint(state)
 
 
 class _Attempt:

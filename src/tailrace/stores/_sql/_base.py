@@ -31,7 +31,14 @@ from typing import Any, ClassVar, TypeVar
 
 from .._changes import ChangeHub
 from .._contract import ChangeFeed, RunStore
-from .._queue_rules import graph_from_row, queue_rows, schedule_from_row, worker_params, worker_rows
+from .._queue_rules import (
+    STALE_REGISTRATION,
+    graph_from_row,
+    queue_rows,
+    schedule_from_row,
+    worker_params,
+    worker_rows,
+)
 from .._records import (
     ArtifactVersion,
     ChunkRow,
@@ -51,6 +58,7 @@ from .._records import (
     ResultRow,
     RunCount,
     RunRecord,
+    RunSnapshot,
     RunStatus,
     ScheduleRow,
     StoredRun,
@@ -60,6 +68,7 @@ from .._records import (
     WorkerRow,
 )
 from . import _transactions as bodies
+from . import _worker_graphs as fleet
 from ._queues import (
     ANSWER_CANDIDATES,
     ANY_QUEUED,
@@ -73,7 +82,7 @@ from ._queues import (
     SELECT_QUEUES,
     SELECT_SCHEDULES,
     SELECT_WORKERS,
-    UPSERT_GRAPH,
+    TOP_LEVEL_RUN_COUNTS,
     UPSERT_WORKER,
     list_runs_query,
     run_counts_from_rows,
@@ -237,6 +246,12 @@ class SQLStore(RunStore):
     async def _load_run(self, run_id: str) -> StoredRun:
         return await self._read_tx(f"run {run_id!r}", lambda tx: bodies.load_run(tx, run_id))
 
+    async def _snapshot(self, run_id: str) -> RunSnapshot:
+        no_limit = self._no_limit
+        return await self._read_tx(
+            f"run {run_id!r}", lambda tx: bodies.snapshot(tx, run_id, no_limit), snapshot=True
+        )
+
     async def _get_run(self, run_id: str) -> RunRecord:
         return await self._read_tx(f"run {run_id!r}", lambda tx: bodies.get_run(tx, run_id))
 
@@ -249,9 +264,10 @@ class SQLStore(RunStore):
         graph: str | None = None,
         offset: int = 0,
         parent: str | None = None,
+        top_level: bool = False,
     ) -> list[RunRecord]:
         value = None if status is None else status.value
-        sql, params = list_runs_query(value, queue, graph, parent)
+        sql, params = list_runs_query(value, queue, graph, parent, top_level=top_level)
         params += (self._no_limit if limit is None else max(limit, 0), max(offset, 0))
         return await self._read_tx("listing runs", each(sql, params, record_from_row))
 
@@ -296,8 +312,9 @@ class SQLStore(RunStore):
             "finding overdue runs", lambda tx: bodies.overdue_runs(tx, now, limit)
         )
 
-    async def _run_counts(self) -> list[RunCount]:
-        return await self._read_tx("counting runs", selected(RUN_COUNTS, (), run_counts_from_rows))
+    async def _run_counts(self, *, top_level: bool = False) -> list[RunCount]:
+        sql = TOP_LEVEL_RUN_COUNTS if top_level else RUN_COUNTS
+        return await self._read_tx("counting runs", selected(sql, (), run_counts_from_rows))
 
     async def _results(self, run_id: str, node_id: str | None = None) -> list[ResultRow]:
         return await self._read_tx(
@@ -663,8 +680,19 @@ class SQLStore(RunStore):
         )
 
     async def _register_graph(self, row: GraphRow) -> None:
-        params = (row.name, row.fingerprint, row.graph_ref, row.registered_at)
-        await self._write_tx(f"graph {row.name!r}", lambda tx: tx.change_all(UPSERT_GRAPH, params))
+        await self._write_tx(f"graph {row.name!r}", lambda tx: bodies.register_graph(tx, row))
+
+    async def _register_worker_graphs(self, worker_id: str, graphs: list[tuple[str, str]]) -> None:
+        now = self._clock()
+        await self._write_tx(
+            f"worker {worker_id!r}",
+            lambda tx: fleet.register_worker_graphs(
+                tx, worker_id, graphs, now, now - STALE_REGISTRATION
+            ),
+        )
+
+    async def _worker_graphs(self, worker_ids: list[str]) -> dict[str, frozenset[tuple[str, str]]]:
+        return await self._read_tx("worker graphs", lambda tx: fleet.worker_graphs(tx, worker_ids))
 
     async def _graphs_named(self, name: str) -> list[GraphRow]:
         return await self._read_tx(
@@ -679,11 +707,15 @@ class SQLStore(RunStore):
             "listing schedules", each(SELECT_SCHEDULES, (), schedule_from_row)
         )
 
+    async def _now(self) -> float:
+        return self._clock()
+
     async def _fire_schedule(self, name: str, tick: float) -> str | None:
+        now = await self._now()  # the store's clock (Postgres: the server's) judges the tick
         fired: list[str | None] = [None]
 
         async def fire(tx: Tx) -> str | None:
-            fired[0] = await bodies.fire_schedule(tx, name, tick, self._clock())
+            fired[0] = await bodies.fire_schedule(tx, name, tick, now, self._clock())
             return fired[0]
 
         async def landed(tx: Tx) -> str | None:

@@ -69,13 +69,14 @@ REQUEUE_CANCELLED_NODE = (
 )
 
 GRAPH_COLUMNS = "name, fingerprint, graph_ref, registered_at"
-#: A later registration of the same shape refreshes its reference and time.
+#: A later registration of the same version refreshes its reference, never its time (its deploy).
 UPSERT_GRAPH = (
     f"INSERT INTO graphs ({GRAPH_COLUMNS}) VALUES (?, ?, ?, ?) "
-    "ON CONFLICT (name, fingerprint) DO UPDATE SET graph_ref = excluded.graph_ref, "
-    "registered_at = excluded.registered_at"
+    "ON CONFLICT (name, fingerprint) DO UPDATE SET graph_ref = excluded.graph_ref"
 )
-#: Values: name. Newest registration first.
+#: Values: name, fingerprint. When the other versions of a graph name were deployed last.
+NEWEST_OTHER_GRAPH = "SELECT MAX(registered_at) FROM graphs WHERE name = ? AND fingerprint <> ?"
+#: Values: name. The version deployed last first.
 SELECT_GRAPHS_NAMED = (
     f"SELECT {GRAPH_COLUMNS} FROM graphs WHERE name = ? ORDER BY registered_at DESC, fingerprint"
 )
@@ -93,9 +94,11 @@ UPSERT_SCHEDULE = (
 )
 SELECT_SCHEDULES = f"SELECT {SCHEDULE_COLUMNS} FROM schedules ORDER BY name"
 SELECT_SCHEDULE = f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE name = ?"
-#: Values: tick, name, tick. The compare-and-set that makes one caller submit a tick.
+#: Values: tick, name, tick, the store's clock. The compare-and-set that makes one caller
+#: submit a tick (``tick_is_due``; the caller checked that the tick has come).
 ADVANCE_SCHEDULE = (
-    "UPDATE schedules SET last_tick = ? WHERE name = ? AND (last_tick IS NULL OR last_tick < ?)"
+    "UPDATE schedules SET last_tick = ? WHERE name = ?"
+    " AND (last_tick IS NULL OR last_tick < ? OR last_tick > ?)"
 )
 DELETE_SCHEDULE = "DELETE FROM schedules WHERE name = ?"
 
@@ -467,13 +470,15 @@ QUEUE_COUNTS = (
 
 
 def list_runs_query(
-    status: str | None, queue: str | None, graph: str | None, parent: str | None = None
-) -> tuple[str, tuple[object, ...]]:
-    """``list_runs``'s query, newest first, filtered by ``status``, ``queue``, ``graph`` and ``parent``.
+    status: str | None, queue: str | None, graph: str | None, parent: str | None = None,
+    *, top_level: bool = False,
+) -> tuple[str, tuple[object, ...]]:  # fmt: skip
+    """``list_runs``'s query, newest first, filtered by ``status``, ``queue``, ``graph`` and
+    ``parent`` (or to the runs that are no run's child: ``top_level``).
 
     It ends in ``LIMIT ? OFFSET ?``, whose values the caller appends.
     """
-    where: list[str] = []
+    where: list[str] = ["parent_run_id IS NULL"] if top_level else []
     params: list[object] = []
     filters = (
         ("status", status), ("queue_name", queue), ("graph_name", graph),
@@ -493,6 +498,8 @@ RUN_COUNTS = (
     "SELECT graph_name, queue_name, status, COUNT(*) FROM runs "
     "GROUP BY graph_name, queue_name, status"
 )
+#: The same, of the runs that are no run's child (R1).
+TOP_LEVEL_RUN_COUNTS = RUN_COUNTS.replace("FROM runs ", "FROM runs WHERE parent_run_id IS NULL ")
 
 
 def run_counts_from_rows(rows: Iterable[Sequence[Any]]) -> list[RunCount]:

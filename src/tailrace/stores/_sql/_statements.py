@@ -44,8 +44,13 @@ EVENT_COLUMNS = ", ".join(EVENT_FIELDS)
 
 #: Where a run comes from: a fork's origin (V4), a child's parent (R1), its deadline (R6).
 _ORIGIN_FIELDS = ("forked_from", "forked_at", "parent_run_id", "deadline")
-#: The columns a run is created with: those of migration 1 and its origin (others default).
-_CREATED_FIELDS = (*RUN_FIELDS[: RUN_FIELDS.index("format_version") + 1], *_ORIGIN_FIELDS)
+#: The columns a run is created with: those of migration 1, its queue (an inline child
+#: of a run on a queue, R4) and its origin (others default).
+_CREATED_FIELDS = (
+    *RUN_FIELDS[: RUN_FIELDS.index("format_version") + 1],
+    "queue_name",
+    *_ORIGIN_FIELDS,
+)
 #: The columns of a run submitted to a queue: those of migration 5, its recoveries
 #: (W3), when it may start (W4) and its origin.
 _QUEUED_FIELDS = (
@@ -95,7 +100,7 @@ SELECT_CHECKPOINTS = (
 )
 PARKED_FIELDS = (
     "park_id", "graph_name", "node_id", "run_id", "visit", "item", "value_json",
-    "checkpoint_json", "parked_at", "status", "claimed_by", "claimed_at",
+    "checkpoint_json", "parked_at", "status", "claimed_by", "claimed_at", "parks",
 )  # fmt: skip
 PARKED_COLUMNS = ", ".join(PARKED_FIELDS)
 #: A row parked again (its attempt saved on its way out) updates the checkpoint while unclaimed.
@@ -475,6 +480,25 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
     (
         20,
         (
+            # How many times an item has been parked (P5): one parked that often runs to
+            # completion the next time a map takes it, so no item starves.
+            "ALTER TABLE parked_items ADD COLUMN parks INTEGER NOT NULL DEFAULT 1",
+        ),
+    ),
+    (
+        21,
+        (
+            # The graph versions each worker drives (``register_worker_graphs``): a child
+            # run goes back to its queue while a live worker of it can drive it (R3).
+            """CREATE TABLE IF NOT EXISTS worker_graphs (
+                worker_id TEXT NOT NULL, graph_name TEXT NOT NULL, fingerprint TEXT NOT NULL,
+                registered_at DOUBLE PRECISION NOT NULL,
+                PRIMARY KEY (worker_id, graph_name, fingerprint)) /*WITHOUT ROWID*/""",
+        ),
+    ),
+    (
+        22,
+        (
             # Claims that do not scan the backlog: each index holds the queued runs in
             # the order a claim reads them, so a claim reads a few entries per partition
             # and a window of unkeyed runs, however many are queued. A partition's runs
@@ -581,7 +605,7 @@ def _origin(run: NewRun) -> tuple[object, ...]:
 
 def new_run_params(run: NewRun) -> tuple[object, ...]:
     """Values of the fresh ``runs`` row for ``run``, for :data:`INSERT_RUN` (status ``running``)."""
-    return (*_created(run, RunStatus.RUNNING), *_origin(run))
+    return (*_created(run, RunStatus.RUNNING), run.queue_name, *_origin(run))
 
 
 def shape_params(run: NewRun) -> tuple[object, ...] | None:
@@ -682,6 +706,11 @@ INSERT_QUESTION = f"INSERT INTO questions ({QUESTION_COLUMNS}) VALUES ({_QUESTIO
 SELECT_QUESTION = f"SELECT {QUESTION_COLUMNS} FROM questions WHERE question_id = ?"
 #: What a failed compare-and-set reports: the question's state now (no row: not found).
 QUESTION_STATE = "SELECT status, applied_at FROM questions WHERE question_id = ?"
+#: The run of a question, and its status (what a refused answer is told).
+QUESTION_RUN = (
+    "SELECT r.run_id, r.status FROM questions q JOIN runs r ON r.run_id = q.run_id"
+    " WHERE q.question_id = ?"
+)
 #: Q2: first answer wins. Values: status, answer_json, answered_by, answered_at, question_id.
 ANSWER_QUESTION = (
     "UPDATE questions SET status = ?, answer_json = ?, answered_by = ?, answered_at = ? "

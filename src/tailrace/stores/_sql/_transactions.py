@@ -27,6 +27,7 @@ from .._artifacts import stale_version
 from .._queue_rules import (
     EXPIRED_LIMIT,
     FLEET_SCOPE,
+    deployed_at,
     host_of,
     host_scope,
     late_since,
@@ -50,6 +51,7 @@ from .._records import (
     Claim,
     EventRow,
     FrozenInput,
+    GraphRow,
     Harvest,
     ItemRow,
     NewRun,
@@ -63,6 +65,7 @@ from .._records import (
     QueueStats,
     ResultRow,
     RunRecord,
+    RunSnapshot,
     RunStatus,
     ScheduleRow,
     StoredRun,
@@ -96,6 +99,7 @@ from ._queues import (
     FIRST_SCAN_TURN,
     LATE_ON_HOST,
     LIVE_IN_QUEUE,
+    NEWEST_OTHER_GRAPH,
     PAUSE_QUEUE,
     PULSE_PROBES,
     QUEUE_COUNTS,
@@ -109,6 +113,7 @@ from ._queues import (
     SELECT_WORKERS,
     TAKE_SCAN_TURN,
     UNPAUSE_QUEUE,
+    UPSERT_GRAPH,
     UPSERT_QUEUE,
     UPSERT_SCHEDULE,
     UPSERT_WORKER,
@@ -129,6 +134,7 @@ from ._statements import (
     MOVE_RUN,
     OVERDUE_RUNS,
     PRUNE_STREAMS,
+    QUESTION_RUN,
     QUESTION_STATE,
     RELEASE_SUSPENDED,
     RUN_COLUMNS,
@@ -469,9 +475,22 @@ async def events(tx: Tx, run_id: str, after_seq: int) -> list[EventRow]:
     return [event_from_row(r) for r in rows]
 
 
-async def chunks(tx: Tx, run_id: str, after: int, limit: int) -> list[ChunkRow]:
+async def chunks(tx: Tx, run_id: str, after: int, limit: int | None) -> list[ChunkRow]:
+    """The stream rows of run ``run_id`` past ``after``, at most ``limit`` (the dialect's
+    no-limit value: every one)."""
     rows = await rows_of_run(tx, run_id, SELECT_CHUNKS, (run_id, after, limit))
     return [chunk_from_row(r) for r in rows]
+
+
+async def snapshot(tx: Tx, run_id: str, no_limit: int | None) -> RunSnapshot:
+    """Run ``run_id`` with its results, first-k decisions and stream rows, read in one
+    transaction that sees one moment (``RunStore.snapshot``)."""
+    return RunSnapshot(
+        stored=await load_run(tx, run_id),
+        results=await results(tx, run_id, None),
+        frozen=await frozen_inputs(tx, run_id),
+        chunks=await chunks(tx, run_id, 0, no_limit),
+    )
 
 
 async def stream_tails(tx: Tx, run_id: str, chars: int, limit: int) -> list[StreamTail]:
@@ -658,19 +677,32 @@ async def delete_queue(tx: Tx, name: str) -> bool:
     return deleted
 
 
+async def register_graph(tx: Tx, row: GraphRow) -> None:
+    """Record that a worker can drive ``row``'s version: a version known already keeps when it
+    was deployed (a stale worker restarting changes nothing), a new one is the newest of its name."""
+    newest = await tx.one(NEWEST_OTHER_GRAPH, (row.name, row.fingerprint))
+    last = None if newest is None or newest[0] is None else float(newest[0])
+    at = deployed_at(row.registered_at, last)
+    await tx.change_all(UPSERT_GRAPH, (row.name, row.fingerprint, row.graph_ref, at))
+
+
 async def declare_schedule(tx: Tx, row: ScheduleRow) -> None:
     """Store schedule ``row`` (checked, first tick set), keeping the ticks already submitted."""
     await tx.change(UPSERT_SCHEDULE, schedule_params(row))
     await tx.signal("config")
 
 
-async def fire_schedule(tx: Tx, name: str, tick: float, now: float) -> str | None:
-    """Submit schedule ``name``'s run for ``tick`` unless someone did; its run id, or None."""
+async def fire_schedule(tx: Tx, name: str, tick: float, store_now: float, now: float) -> str | None:
+    """Submit schedule ``name``'s run for ``tick`` unless someone did; its run id, or None.
+
+    ``store_now`` is the store's clock the tick is judged by (``tick_is_due``);
+    ``now`` stamps the run.
+    """
     row = await tx.one(SELECT_SCHEDULE, (name,))
     if row is None:
         return None
     schedule = schedule_from_row(row)
-    if not await tx.change(ADVANCE_SCHEDULE, (tick, name, tick)):
+    if not await tx.change(ADVANCE_SCHEDULE, (tick, name, tick, store_now)):
         return None  # another worker submitted this tick (or a later one)
     run, submission = scheduled_run(schedule, tick, now)
     if not await tx.change(INSERT_SCHEDULED_RUN, queued_run_params(run, submission)):
@@ -783,7 +815,11 @@ async def answer(
         ANSWER_QUESTION, (status.value, answer_json, by, now, question_id)
     )
     if row is None:  # a question never goes back to open: this state is final enough
-        raise not_open(question_id, (await question_state(tx, question_id))[0])
+        state = (await question_state(tx, question_id))[0]
+        run = await tx.one(QUESTION_RUN, (question_id,))
+        raise not_open(
+            question_id, state, None if run is None else (run[0], parse_status(run[0], run[1]))
+        )
     await tx.signal("answer")
     return question_from_row(row)
 

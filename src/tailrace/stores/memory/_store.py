@@ -34,8 +34,10 @@ from .._contract import ChangeFeed, RunStore
 from .._queue_rules import (
     EXPIRED_LIMIT,
     FLEET_SCOPE,
+    STALE_REGISTRATION,
     claim_order,
     dedup_holder,
+    deployed_at,
     free_slots,
     holds_slot,
     host_of,
@@ -47,6 +49,7 @@ from .._queue_rules import (
     run_graph_key,
     scheduled_run,
     stats_of,
+    tick_is_due,
 )
 from .._records import (
     LIVE_STATUSES,
@@ -72,6 +75,7 @@ from .._records import (
     ResultRow,
     RunCount,
     RunRecord,
+    RunSnapshot,
     RunStatus,
     ScheduleRow,
     StoredRun,
@@ -146,6 +150,8 @@ class MemoryStore(RunStore):
         self._paused: set[str] = set()
         self._schedule_rows: dict[str, ScheduleRow] = {}
         self._graph_rows: dict[tuple[str, str], GraphRow] = {}
+        #: The graph versions each worker drives, and when it registered them.
+        self._worker_graph_rows: dict[str, tuple[float, frozenset[tuple[str, str]]]] = {}
         self._worker_rows: dict[str, WorkerRow] = {}
         #: When each scan scope of the pulses is next due (``worker_scans``).
         self._scans: dict[str, float] = {}
@@ -374,13 +380,30 @@ class MemoryStore(RunStore):
 
     async def _load_run(self, run_id: str) -> StoredRun:
         with self._lock:
-            record = self._run(run_id)
-            check_readable(run_id, record.format_version)
-            items = [row for _, row in sorted(self._items[run_id].items())]
-            checkpoints = [row for _, row in sorted(self._checkpoints[run_id].items())]
-            return StoredRun(
-                run=record, nodes=dict(self._nodes[run_id]), items=items, checkpoints=checkpoints
-            )
+            return self._stored(run_id)
+
+    def _stored(self, run_id: str) -> StoredRun:
+        """What :meth:`load_run` returns; under the lock."""
+        record = self._run(run_id)
+        check_readable(run_id, record.format_version)
+        items = [row for _, row in sorted(self._items[run_id].items())]
+        checkpoints = [row for _, row in sorted(self._checkpoints[run_id].items())]
+        return StoredRun(
+            run=record, nodes=dict(self._nodes[run_id]), items=items, checkpoints=checkpoints
+        )
+
+    async def _snapshot(self, run_id: str) -> RunSnapshot:
+        with self._lock:  # one moment: no commit lands while the lock is held
+            stored = self._stored(run_id)
+            results = list(self._result_rows[run_id].values())
+            frozen = list(self._frozen[run_id].values())
+            chunks = list(self._chunk_rows[run_id])
+        return RunSnapshot(
+            stored=stored,
+            results=sorted(results, key=lambda r: (r.node_id, r.visit)),
+            frozen=sorted(frozen, key=lambda f: (f.node_id, f.activation)),
+            chunks=chunks,
+        )
 
     # -- parked items (P3, P4) ------------------------------------------------------
 
@@ -463,6 +486,7 @@ class MemoryStore(RunStore):
         graph: str | None = None,
         offset: int = 0,
         parent: str | None = None,
+        top_level: bool = False,
     ) -> list[RunRecord]:
         with self._lock:
             runs = [
@@ -472,14 +496,19 @@ class MemoryStore(RunStore):
                 and queue in (None, r.queue_name)
                 and graph in (None, r.graph_name)
                 and parent in (None, r.parent_run_id)
+                and not (top_level and r.parent_run_id is not None)
             ]
         runs.sort(key=lambda r: (r.created_at, r.run_id), reverse=True)
         runs = runs[max(offset, 0) :]
         return runs if limit is None else runs[: max(limit, 0)]
 
-    async def _run_counts(self) -> list[RunCount]:
+    async def _run_counts(self, *, top_level: bool = False) -> list[RunCount]:
         with self._lock:
-            grouped = Counter((r.graph_name, r.queue_name, r.status) for r in self._runs.values())
+            grouped = Counter(
+                (r.graph_name, r.queue_name, r.status)
+                for r in self._runs.values()
+                if not (top_level and r.parent_run_id is not None)
+            )
         counts = [
             RunCount(graph_name=g, queue_name=q, status=s, count=n)
             for (g, q, s), n in grouped.items()
@@ -646,7 +675,10 @@ class MemoryStore(RunStore):
         with self._lock:
             row = self._question(question_id)
             if row.status is not QuestionStatus.OPEN:
-                raise not_open(question_id, row.status)
+                run = self._runs.get(row.run_id)
+                raise not_open(
+                    question_id, row.status, None if run is None else (run.run_id, run.status)
+                )
             row = dataclasses.replace(
                 row, status=status, answer_json=answer_json, answered_by=by,
                 answered_at=self._clock(),
@@ -957,7 +989,28 @@ class MemoryStore(RunStore):
 
     async def _register_graph(self, row: GraphRow) -> None:
         with self._lock:
-            self._graph_rows[(row.name, row.fingerprint)] = row
+            key = (row.name, row.fingerprint)
+            known = self._graph_rows.get(key)
+            if known is not None:  # a version known already keeps when it was deployed
+                self._graph_rows[key] = dataclasses.replace(known, graph_ref=row.graph_ref)
+                return
+            others = [r.registered_at for (n, _), r in self._graph_rows.items() if n == row.name]
+            at = deployed_at(row.registered_at, max(others, default=None))
+            self._graph_rows[key] = dataclasses.replace(row, registered_at=at)
+
+    async def _register_worker_graphs(self, worker_id: str, graphs: list[tuple[str, str]]) -> None:
+        with self._lock:
+            now = self._clock()
+            kept = self._worker_graph_rows
+            for other, (at, _) in list(kept.items()):
+                if at < now - STALE_REGISTRATION and other not in self._worker_rows:
+                    del kept[other]
+            kept[worker_id] = (now, frozenset(graphs))
+
+    async def _worker_graphs(self, worker_ids: list[str]) -> dict[str, frozenset[tuple[str, str]]]:
+        with self._lock:
+            rows = self._worker_graph_rows
+            return {w: rows[w][1] for w in worker_ids if w in rows and rows[w][1]}
 
     async def _graphs_named(self, name: str) -> list[GraphRow]:
         with self._lock:
@@ -975,10 +1028,13 @@ class MemoryStore(RunStore):
         with self._lock:
             return [self._schedule_rows[name] for name in sorted(self._schedule_rows)]
 
+    async def _now(self) -> float:
+        return self._clock()
+
     async def _fire_schedule(self, name: str, tick: float) -> str | None:
         with self._lock:
             row = self._schedule_rows.get(name)
-            if row is None or (row.last_tick is not None and row.last_tick >= tick):
+            if row is None or not tick_is_due(row.last_tick, tick, self._clock()):
                 return None
             self._schedule_rows[name] = dataclasses.replace(row, last_tick=tick)
             run, submission = scheduled_run(row, tick, self._clock())

@@ -53,6 +53,8 @@ from ._tx import PostgresTx
 
 #: Opens a read that sees one moment (``_read_tx(snapshot=True)``).
 SNAPSHOT = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"
+#: The server's clock (seconds since the epoch): what every worker of a fleet reads alike.
+SERVER_CLOCK = "SELECT EXTRACT(EPOCH FROM clock_timestamp())::float8"
 
 
 class PostgresStore(SQLStore):
@@ -65,6 +67,7 @@ class PostgresStore(SQLStore):
         schema: schema holding the tables; created on ``open`` if missing.
         clock: wall clock for lease expiry, seconds since the epoch. Engines on
             several hosts need clocks in step within a small part of the ttl.
+            Schedules' ticks are judged by the server's clock instead (:meth:`now`).
         connect_timeout: seconds to wait for the server when connecting
             (libpq's rule: whole seconds, at least 2); ``open`` fails after
             that with the driver's reason.
@@ -116,6 +119,11 @@ class PostgresStore(SQLStore):
         within ``connect_timeout`` with the driver's reason; then the pool opens.
         """
         await self._db.open()
+
+    async def _now(self) -> float:
+        row = await self._read_tx("reading the server's clock", lambda tx: tx.one(SERVER_CLOCK, ()))
+        assert row is not None
+        return float(row[0])
 
     async def _read_tx(self, context: str, body: Body[T], *, snapshot: bool = False) -> T:
         channel, schema = self._channel, self._db.schema
