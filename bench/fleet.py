@@ -6,7 +6,7 @@ Run as::
     python bench/fleet.py bench [--store sqlite|postgres|both] [--workers 1,2,4,8] [--dbos]
     python bench/fleet.py idle [--fleet 10,100,1000]     # idle commits/s and rows read/s
     python bench/fleet.py fairness                       # a lone partition behind a busy one
-    python bench/fleet.py claims [--claimers 1,2,...,64] # claims/s as claimers grow
+    python bench/fleet.py claims [--backlogs 1000,10000,100000] [--partitions 0,100]
     python bench/fleet.py per-run                        # a 5-node run's commits, statements, CPU
 
 (Postgres from ``--dsn`` or ``TAILRACE_TEST_POSTGRES_DSN``; each session gets a
@@ -1334,55 +1334,179 @@ async def _dispose(store: Any, dsn: str | None) -> None:
         _drop_schema(dsn, schema)
 
 
-async def _claims(
-    kind: str, dsn: str | None, workdir: Path, claimers: int, total: int
-) -> tuple[float, float | None]:
-    """Claims/s of ``claimers`` concurrent claimers draining ``total`` queued runs, and
-    (Postgres) commits per claim."""
+CLAIMS_DB = "tailrace_claims_bench"
+
+
+@dataclass
+class ClaimCell:
+    """One measurement of ``claims``: a queue holding ``backlog`` queued runs throughout."""
+
+    claims_per_s: float
+    p50_ms: float
+    p99_ms: float
+    load: float  # the 1-minute load average as the claims began
+    rows_per_claim: float | None = None  # Postgres: tup_returned + tup_fetched per cycle
+    commits_per_claim: float | None = None  # Postgres: xact_commit per cycle
+    server_ms_per_claim: float | None = None  # Postgres: CPU of its backends per cycle
+
+
+def _queued(n: int, partitions: int, tag: str = "r") -> tuple[Any, Any]:
     from tailrace.stores import NewRun, Submission
 
-    store = _bench_store(kind, dsn, workdir, f"claim{claimers}", max_size=max(claimers, 2))
+    run = NewRun(run_id=f"{tag}{n:07}", graph_name="g", graph_ref=None, fingerprint="fp",
+                 input_json="null", created_at=float(n))  # fmt: skip
+    return run, Submission(queue="q", partition=f"p{n % partitions:03}" if partitions else None)
+
+
+async def _fill(
+    kind: str, dsn: str | None, workdir: Path, backlog: int, partitions: int, name: str = "fill"
+) -> Any:
+    """A store ``name`` whose queue ``q`` holds ``backlog`` queued runs (``partitions`` keys,
+    or none)."""
+    store = _bench_store(kind, dsn, workdir, name, max_size=8)
     await store.open()
+    batch = 500
+    for start in range(0, backlog, batch):
+        runs = [_queued(n, partitions) for n in range(start, min(start + batch, backlog))]
+        if hasattr(store, "submit_runs"):
+            await store.submit_runs(runs)
+        else:  # an older tailrace, measured against: one submit at a time, 8 at once
+            for at in range(0, len(runs), 8):
+                await asyncio.gather(*(store.submit_run(*r) for r in runs[at : at + 8]))
+    return store
+
+
+async def _claim_cycles(
+    kind: str,
+    dsn: str | None,
+    workdir: Path,
+    backlog: int,
+    partitions: int,
+    claimers: int,
+    cycles: int,
+    seconds: float,
+) -> ClaimCell:
+    """``claimers`` concurrent claimers, each in turn claiming one run, finishing it and
+    submitting one more (so the backlog stays at ``backlog``), ``cycles`` times in all
+    (or for ``seconds``, whichever ends first)."""
+    import tailrace.stores as stores
+
+    name = f"claims{backlog}p{partitions}_{uuid.uuid4().hex[:6]}"  # a fresh file each time
+    store = await _fill(kind, dsn, workdir, backlog, partitions, name)
+    schema = getattr(store, "schema", None)
+    pg = kind == "postgres"
     try:
-        for n in range(total):
-            run = NewRun(run_id=f"r{n:05}", graph_name="g", graph_ref=None, fingerprint="fp",
-                         input_json="null", created_at=float(n))  # fmt: skip
-            await store.submit_run(run, Submission(queue="q"))
-        claimed = 0
+        if pg:  # a closed backend publishes its counters at once: the fill is out of the reading
+            await store.close()
+            store = stores.PostgresStore(dsn, schema=schema, max_size=claimers + 1)
+            await store.open()
+        c0, r0 = await asyncio.to_thread(_counters, dsn) if pg else (0, 0)
+        latencies: list[float] = []
+        left = itertools.count()
+        fresh = itertools.count(backlog)
+        done = stores.Harvest
+        status = stores.RunStatus.COMPLETED
+
+        stop = time.monotonic() + seconds
 
         async def claimer(k: int) -> None:
-            nonlocal claimed
-            while True:
+            while next(left) < cycles and time.monotonic() < stop:
+                t = time.perf_counter()
                 got = await store.claim_runs("q", f"w{k}", 30.0, limit=1)
-                if not got:
-                    return
-                claimed += len(got)
+                latencies.append(time.perf_counter() - t)
+                for run_id in got:
+                    token = (await store.get_run(run_id)).lease_token
+                    await store.commit(run_id, token, done(state_json="{}", status=status))
+                    await store.submit_run(*_queued(next(fresh), partitions, "s"))
 
-        if kind == "postgres":
-            await asyncio.sleep(STATS_LAG)  # the submits' commits are published
-        c0 = (await asyncio.to_thread(_counters, dsn))[0] if kind == "postgres" else 0
+        load = os.getloadavg()[0]
+        ticks0 = await asyncio.to_thread(_backend_ticks, dsn) if pg else None
         t0 = time.monotonic()
         await asyncio.gather(*(claimer(k) for k in range(claimers)))
         elapsed = time.monotonic() - t0
-        if kind != "postgres":
-            return claimed / elapsed, None
-        await asyncio.sleep(STATS_LAG)
-        c1, _ = await asyncio.to_thread(_counters, dsn)
-        return claimed / elapsed, (c1 - c0) / max(claimed, 1)
+        ticks1 = await asyncio.to_thread(_backend_ticks, dsn) if pg else None
+        cell = ClaimCell(
+            claims_per_s=len(latencies) / elapsed,
+            p50_ms=1000 * percentile(latencies, 0.5),
+            p99_ms=1000 * percentile(latencies, 0.99),
+            load=load,
+        )
+        if pg:
+            await store.close()
+            c1, r1 = await asyncio.to_thread(_counters, dsn)
+            cell.commits_per_claim = (c1 - c0) / len(latencies)
+            cell.rows_per_claim = (r1 - r0) / len(latencies)
+            server = _server_seconds(ticks0, ticks1)
+            cell.server_ms_per_claim = None if server is None else 1000 * server / len(latencies)
+        return cell
     finally:
         await _dispose(store, dsn)
+        await asyncio.to_thread(_remove_files, workdir, name)
+
+
+def _remove_files(workdir: Path, name: str) -> None:
+    """Remove store ``name``'s SQLite file and its WAL, if any."""
+    for path in workdir.glob(f"{name}.db*"):
+        path.unlink()
+
+
+def _median_cell(cells: list[ClaimCell]) -> ClaimCell:
+    """Each field's median over repeated measurements of one cell."""
+
+    def median(values: list[float | None]) -> float | None:
+        known = sorted(v for v in values if v is not None)
+        return known[len(known) // 2] if known else None
+
+    fields = {
+        f.name: median([getattr(c, f.name) for c in cells]) for f in dataclasses.fields(ClaimCell)
+    }
+    return ClaimCell(**fields)  # type: ignore[arg-type]
 
 
 def run_claims(args: argparse.Namespace) -> None:
-    dsn = _ensure_database(args.dsn, args.database) if "postgres" in stores_of(args) else None
-    print(f"claims/s of one queue ({args.claim_runs} runs, one run per claim):")
-    print(f"{'store':>9} {'claimers':>9} {'claims/s':>9} {'commits/claim':>14}")
+    kinds = stores_of(args)
+    dsn = _ensure_database(args.dsn, CLAIMS_DB) if "postgres" in kinds else None
+    backlogs = [int(x) for x in args.backlogs.split(",")]
+    partitions = [int(x) for x in args.partitions.split(",")]
+    print(f"claims of one queue by {args.claimers} claimers ({args.claim_cycles} claims a cell "
+          f"or {args.claim_seconds:.0f} s, "
+          "one run each; each claimed run then ends and one more is submitted, so the "
+          f"backlog holds), the median of {args.claim_reps} measurements, the backlogs "
+          "taken in turn, forwards then backwards; load: the 1-minute load average as a "
+          "cell began:")  # fmt: skip
+    print(f"{'store':>9} {'backlog':>8} {'partitions':>11} {'claims/s':>9} {'p50 ms':>7} "
+          f"{'p99 ms':>7} {'rows/claim':>11} {'commits/claim':>14} {'server ms':>10} "
+          f"{'load':>5}")  # fmt: skip
+    cells: dict[tuple[str, int, int], ClaimCell] = {}
     with tempfile.TemporaryDirectory(prefix="tailrace-claims-") as tmp:
-        for kind in stores_of(args):
-            for n in (int(x) for x in args.claimers.split(",")):
-                rate, per = asyncio.run(_claims(kind, dsn, Path(tmp), n, args.claim_runs))
-                shown = "-" if per is None else f"{per:.2f}"
-                print(f"{kind:>9} {n:>9} {rate:>9.0f} {shown:>14}")
+        for kind in kinds:
+            for parts in partitions:
+                seen: dict[int, list[ClaimCell]] = {b: [] for b in backlogs}
+                for rep in range(args.claim_reps):
+                    for backlog in backlogs if rep % 2 == 0 else backlogs[::-1]:
+                        seen[backlog].append(
+                            asyncio.run(_claim_cycles(kind, dsn, Path(tmp), backlog, parts,
+                                                      args.claimers, args.claim_cycles,
+                                                      args.claim_seconds))
+                        )  # fmt: skip
+                for backlog in backlogs:
+                    c = cells[kind, parts, backlog] = _median_cell(seen[backlog])
+                    rows = "-" if c.rows_per_claim is None else f"{c.rows_per_claim:.0f}"
+                    commits = "-" if c.commits_per_claim is None else f"{c.commits_per_claim:.2f}"
+                    cpu = "-" if c.server_ms_per_claim is None else f"{c.server_ms_per_claim:.2f}"
+                    print(f"{kind:>9} {backlog:>8} {parts:>11} {c.claims_per_s:>9.0f} "
+                          f"{c.p50_ms:>7.1f} {c.p99_ms:>7.1f} {rows:>11} {commits:>14} "
+                          f"{cpu:>10} {c.load:>5.1f}",
+                          flush=True)  # fmt: skip
+    print(
+        f"ratios, {max(backlogs)} queued against {min(backlogs)} "
+        "(targets: claims/s >= 0.8, p99 <= 2):"
+    )
+    for kind in kinds:
+        for parts in partitions:
+            low, high = cells[kind, parts, min(backlogs)], cells[kind, parts, max(backlogs)]
+            print(f"{kind:>9} {parts:>3} partitions: claims/s x{high.claims_per_s / low.claims_per_s:.2f}"
+                  f", p99 x{high.p99_ms / low.p99_ms:.2f}")  # fmt: skip
 
 
 @dataclass
@@ -1473,8 +1597,12 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=30.0, help="idle: seconds measured")
     parser.add_argument("--warmup", type=float, default=20.0, help="idle: seconds before")
     parser.add_argument("--database", default=IDLE_DB, help="idle: a database of its own")
-    parser.add_argument("--claimers", default="1,2,4,8,16,32,64")
-    parser.add_argument("--claim-runs", type=int, default=2000)
+    parser.add_argument("--claimers", type=int, default=4, help="claims: concurrent claimers")
+    parser.add_argument("--backlogs", default="1000,10000,100000", help="claims: queued runs")
+    parser.add_argument("--partitions", default="0,100", help="claims: partition keys")
+    parser.add_argument("--claim-cycles", type=int, default=1000, help="claims: claims a cell")
+    parser.add_argument("--claim-seconds", type=float, default=20.0, help="claims: at most")
+    parser.add_argument("--claim-reps", type=int, default=3, help="claims: measurements a cell")
     parser.add_argument("--chain-runs", type=int, default=200)
     parser.add_argument("--store", default="both", choices=["sqlite", "postgres", "both"])
     parser.add_argument("--dsn", default=os.environ.get("TAILRACE_TEST_POSTGRES_DSN"))

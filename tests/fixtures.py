@@ -15,7 +15,8 @@ pytest finds it under that name.
   :class:`~tailrace.stores.MemoryStore`, a real SQLite file under ``tmp_path``,
   or Postgres in a schema of its own (:func:`postgres_schema`), dropped afterwards.
 - :func:`database` hands out a :class:`Database`: many store instances on one
-  fresh database, all closed afterwards.
+  fresh database, all closed afterwards; :func:`shared_database` gives the URL
+  of a fresh database other processes open (a SQLite file, a Postgres schema).
 - :class:`Backend` and the fixtures ``backend``, ``pg_backend`` and ``store``:
   the store contract suite's backends, each on a :class:`FakeClock`, with the
   back doors the contract tests need.
@@ -131,6 +132,21 @@ def drop_schema_sync(schema: str) -> None:
 
     with psycopg.connect(_dsn(), autocommit=True) as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+@contextlib.contextmanager
+def shared_database(kind: str, tmp_path: Path, name: str) -> Iterator[str]:
+    """The URL of a store other processes can open (``kind``: ``"sqlite"`` or Postgres): a
+    SQLite file under ``tmp_path``, or a fresh schema prefixed ``name``, dropped on the way out."""
+    if kind == "sqlite":
+        yield str(tmp_path / f"{name}.db")
+        return
+    schema = new_schema(name)
+    dsn = _dsn()
+    try:
+        yield f"{dsn}{'&' if '?' in dsn else '?'}schema={schema}"
+    finally:
+        drop_schema_sync(schema)
 
 
 @contextlib.asynccontextmanager

@@ -354,3 +354,46 @@ def across_nodes(directory: str) -> tr.Graph:
     g.add_node("after", after)
     g.chain("first", "work", "after")
     return g
+
+
+def spread_across_nodes(directory: str, quick: int) -> tr.Graph:
+    """items -> spread (a map on Ray, one CPU an item) -> total.
+
+    Each try of an item marks ``spread.<item>.<try>`` with its Ray node's id.
+    The first ``quick`` items return at once; the others wait for
+    ``directory/go`` (the test removes a node while they wait). Items are
+    retried on :class:`ExecutorLost`.
+    """
+    g = tr.Graph("spread-across-nodes")
+
+    def items(n: Any) -> list[int]:
+        return list(range(int(n)))
+
+    def spread(item: int) -> dict[str, Any]:
+        import ray  # the extra: only ever imported where this runs on Ray
+
+        node = tr.current_node()
+        assert node is not None and node.item == item
+        here = ray.get_runtime_context().get_node_id()
+        mark(directory, f"spread.{item}.{node.attempt}", here)
+        deadline = time.monotonic() + DEADLINE
+        while item >= quick and not marked(directory, "go") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return {"item": item, "node": here, "try": node.attempt}
+
+    g.add_node("items", items)
+    g.add_node(
+        "spread", spread, "map", resources={"num_cpus": 1},
+        retry=tr.RetryPolicy(attempts=3, retry_on=(ExecutorLost,)),
+    )  # fmt: skip
+    g.add_node("total", lambda results: {"items": len(results)})
+    g.chain("items", "spread", "total")
+    return g
+
+
+def tries(directory: str, item: int) -> dict[int, str]:
+    """The tries of ``spread``'s ``item`` that started, each with the Ray node it ran on."""
+    found = {}
+    for path in Path(directory).glob(f"spread.{item}.*"):
+        found[int(path.name.rsplit(".", 1)[1])] = path.read_text()
+    return found

@@ -60,12 +60,14 @@ def ray_session(graphs: ModuleType) -> Iterator[Any]:
 
 
 @pytest.fixture
-def ray_cluster(graphs: ModuleType) -> Iterator[Any]:
-    """A local Ray cluster: a head with no CPUs and two worker raylets of one CPU each.
+def ray_cluster(request: pytest.FixtureRequest, graphs: ModuleType) -> Iterator[Any]:
+    """A local Ray cluster: a head with no CPUs and two worker raylets of one CPU each
+    (or of as many as the test's indirect parameter says).
 
     Yields the ``ray.cluster_utils.Cluster``, this process connected to it as
-    the driver: tasks run on the worker nodes only, one at a time on each.
+    the driver: tasks run on the worker nodes only, one CPU each.
     """
+    cpus = getattr(request, "param", 1)
     ray = _ray_or_skip()
     from ray import cloudpickle
     from ray.cluster_utils import Cluster
@@ -82,7 +84,7 @@ def ray_cluster(graphs: ModuleType) -> Iterator[Any]:
     )
     try:
         for _ in range(2):
-            cluster.add_node(num_cpus=1, **small)
+            cluster.add_node(num_cpus=cpus, **small)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         yield cluster

@@ -53,15 +53,8 @@ SEED = int(os.environ.get("TAILRACE_RACE_SEED", "20261202"))
 @pytest.fixture(params=fixtures.SHARED_STORES)
 def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """The store's URL: a SQLite file, or a fresh Postgres schema dropped afterwards."""
-    if request.param == "sqlite":
-        yield str(tmp_path / "race.db")
-        return
-    schema = fixtures.new_schema("race")
-    dsn = fixtures.POSTGRES_DSN or ""
-    try:
-        yield f"{dsn}{'&' if '?' in dsn else '?'}schema={schema}"
-    finally:
-        fixtures.drop_schema_sync(schema)
+    with fixtures.shared_database(request.param, tmp_path, "race") as url:
+        yield url
 
 
 def spawn(args: list[str], log: Path, side: Path) -> subprocess.Popen[bytes]:

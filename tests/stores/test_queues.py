@@ -302,6 +302,31 @@ async def test_a_partition_starts_one_run_at_a_time_in_submit_order(store: RunSt
     assert await store.claim_runs("q", "w", TTL, limit=9) == ["a2"]
 
 
+async def test_a_partitions_runs_start_in_submit_order_whatever_their_priority(
+    store: RunStore,
+) -> None:
+    """With room for two runs of a partition, its later run of a higher priority still starts
+    after its earlier one: a keyed run goes by its partition's first run's priority (W2)."""
+    await store.declare_queue(Queue("q", order="priority", partition_concurrency=2))
+    await submit(store, "a1", at=1.0, partition="A")
+    await submit(store, "a2", at=2.0, partition="A", priority=9)
+    await submit(store, "b1", at=3.0, partition="B", priority=5)
+    claimed = [await store.claim_runs("q", "w", TTL, limit=1) for _ in range(4)]
+    assert claimed == [["b1"], ["a1"], ["a2"], []]
+
+
+async def test_runs_submitted_at_one_moment_take_their_partitions_turns_by_id(
+    store: RunStore,
+) -> None:
+    await store.declare_queue(Queue("q", partition_concurrency=3))
+    for run_id in ("c", "a", "d", "b"):
+        await submit(store, run_id, at=1.0, partition="A")
+    assert await store.claim_runs("q", "w", TTL, limit=2) == ["a", "b"]
+    assert await store.claim_runs("q", "w", TTL, limit=5) == ["c"]  # room for three
+    await finish(store, "b", "w")
+    assert await store.claim_runs("q", "w", TTL, limit=5) == ["d"]
+
+
 async def test_a_suspended_run_blocks_its_partition(store: RunStore) -> None:
     await submit(store, "a1", at=1.0, partition="A")
     await submit(store, "a2", at=2.0, partition="A")

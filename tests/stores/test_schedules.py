@@ -59,6 +59,44 @@ async def test_a_delayed_run_waits_and_holds_no_turn_of_its_partition(backend: B
     assert await store.claim_runs("q", "w", TTL, limit=5) == ["later"]
 
 
+async def test_a_delayed_run_joins_its_partitions_line_when_it_comes_due(
+    backend: Backend,
+) -> None:
+    """Its place in line is its ``not_before``: a run submitted while it was delayed, and
+    waiting when it came due, goes first (W2, W4)."""
+    store, now = backend.store, backend.clock.now
+    await store.submit_run(new_run("busy", now - 3), Submission(queue="q", partition="A"))
+    assert await store.claim_runs("q", "w", TTL, limit=5) == ["busy"]
+    delayed = Submission(queue="q", partition="A", not_before=now + 10)
+    await store.submit_run(new_run("delayed", now - 2), delayed)
+    await store.submit_run(new_run("meanwhile", now + 5), Submission(queue="q", partition="A"))
+    backend.clock.advance(20)  # both wait behind the busy run, the delayed one came due
+    await finish(store, "busy", "w")
+    assert await store.claim_runs("q", "w", TTL, limit=5) == ["meanwhile"]
+    await finish(store, "meanwhile", "w")
+    assert await store.claim_runs("q", "w", TTL, limit=5) == ["delayed"]
+
+
+async def test_runs_come_due_in_a_busy_partition_hold_up_no_other(backend: Backend) -> None:
+    """However many delayed runs came due behind a partition's running run, the claim still
+    reaches the due runs of other partitions and the unkeyed ones."""
+    store, now = backend.store, backend.clock.now
+    await store.submit_run(new_run("busy", now - 9), Submission(queue="q", partition="A"))
+    assert await store.claim_runs("q", "w", TTL, limit=5) == ["busy"]
+    behind = [
+        (new_run(f"a{n:03}", now - 8), Submission(queue="q", partition="A", not_before=now + 1))
+        for n in range(150)
+    ]
+    await store.submit_runs(behind)
+    await store.submit_run(
+        new_run("b", now - 1), Submission(queue="q", partition="B", not_before=now + 2)
+    )
+    await store.submit_run(new_run("loose", now - 1), Submission(queue="q", not_before=now + 3))
+    backend.clock.advance(5)
+    claimed = [await store.claim_runs("q", "w", TTL, limit=1) for _ in range(3)]
+    assert sorted(claimed) == [[], ["b"], ["loose"]]
+
+
 async def test_a_schedule_is_declared_checked_and_its_first_tick_follows_the_declaration(
     backend: Backend,
 ) -> None:

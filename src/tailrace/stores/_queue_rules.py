@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import json
 import logging
 import math
 from collections import Counter
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from .._errors import QueueNotEmpty
@@ -40,13 +41,23 @@ def claim_key(queue: Queue, run: RunRecord) -> tuple[Any, ...]:
     """Sort key of a queued ``run`` in ``queue``: smaller is handed out first.
 
     A higher ``priority`` goes first in every queue (as DBOS does); among runs
-    of equal priority, ``fifo`` and ``priority`` take submit time, then id, and
-    ``lpt`` the larger ``estimate`` first (none counts as 0).
+    of equal priority, ``fifo`` and ``priority`` take the run's place in line
+    (:func:`in_line_at`), then id, and ``lpt`` the larger ``estimate`` first
+    (none counts as 0).
     """
-    tie = (run.queued_at or 0.0, run.run_id)
+    tie = (in_line_at(run), run.run_id)
     if queue.order == "lpt":
         return (-run.priority, -(run.estimate or 0.0), *tie)
     return (-run.priority, *tie)
+
+
+def in_line_at(run: RunRecord) -> float:
+    """When ``run`` took its place in its queue's line: its submit time, or, for a run
+    delayed past it, its ``not_before`` (a delayed run joins the line when it comes due)."""
+    queued = run.queued_at or 0.0
+    if run.not_before is not None and run.not_before > queued:
+        return run.not_before
+    return queued
 
 
 def holds_slot(run: RunRecord, now: float) -> bool:
@@ -75,28 +86,73 @@ def free_slots(queue: Queue, *, want: int, active: int, started_recently: int) -
     return max(free, 0)
 
 
-def claim_order(queue: Queue, runs: Iterable[RunRecord], now: float) -> list[RunRecord]:
+#: Runs a claim looks at beyond its ``limit`` where it passes over rows other claims
+#: hold (Postgres's ``SKIP LOCKED``): room for those.
+CLAIM_ROOM = 64
+
+
+def claim_window(limit: int, *, skipping: bool) -> int:
+    """How many candidates a claim of ``limit`` runs looks at: ``limit``, and where the
+    claim, ``skipping``, passes over the rows other claims hold, room for those. (Of the
+    unkeyed delayed runs that came due it looks at ``limit``, see :func:`claim_order`.)"""
+    limit = max(limit, 0)
+    return 4 * limit + CLAIM_ROOM if skipping else limit
+
+
+def claim_order(
+    queue: Queue,
+    runs: Iterable[RunRecord],
+    now: float,
+    *,
+    window: int | None = None,
+    drivable: Callable[[RunRecord], bool] | None = None,
+) -> list[RunRecord]:
     """The queued runs of ``queue`` that may start at ``now``, in the order a claim takes them (W2).
 
-    ``runs`` are the queue's runs (any status). Within a partition key, runs
-    start in submit order, at most ``partition_concurrency`` running or
-    suspended at once and ``partition_limit`` started per ``period``; a run
-    delayed past ``now`` (``not_before``) is not handed out and takes no
-    turn. Across
-    keys, a run's *turn* is its place among its partition's queued runs (runs
-    with no key take turns as one partition, in the queue's order): a claim
-    takes by priority, then turn, then the partition served longest ago
-    (never served first), then the queue's order. The SQL stores phrase the
-    same rule as ``_sql._queues.claim_candidates``.
+    ``runs`` are the queue's runs (any status). A run takes its place in line
+    when it is submitted, or, delayed (``not_before``), when it comes due
+    (:func:`in_line_at`); until then it is not handed out and takes no turn.
+    Within a partition key, runs start in that order, at most
+    ``partition_concurrency`` running or suspended at once and
+    ``partition_limit`` started per ``period`` (a partition whose next run is
+    still delayed waits for it). Across keys, a run's *turn* is its place
+    among its partition's queued runs; runs with no key take turns as one
+    partition, in the queue's order, counting only those ``drivable`` keeps,
+    of which a claim looks at the first ``window`` not delayed and the
+    ``window`` that came due earliest (all of them without a window). A claim
+    takes by priority (a keyed run has its partition's first run's), then
+    turn, then the partition served longest ago (never served first), then
+    the queue's order. The SQL stores phrase the same rule as
+    ``_sql._queues.claim_candidates``.
     """
     runs = [r for r in runs if r.queue_name == queue.name]
+    queued = [r for r in runs if r.status is RunStatus.QUEUED]
     groups: dict[str | None, list[RunRecord]] = {}
-    for run in runs:
-        if run.status is RunStatus.QUEUED and (run.not_before is None or run.not_before <= now):
-            groups.setdefault(run.partition_key, []).append(run)
+    for run in sorted(queued, key=_line_order):
+        if run.partition_key is None and drivable is not None and not drivable(run):
+            continue
+        groups.setdefault(run.partition_key, []).append(run)
+    due = [r for r in groups.pop(None, []) if r.not_before is not None and _due(r, now)]
+    loose = sorted(
+        (
+            r
+            for r in queued
+            if r.partition_key is None
+            and r.not_before is None
+            and (drivable is None or drivable(r))
+        ),
+        key=lambda r: claim_key(queue, r),
+    )
+    if window is not None:
+        due, loose = due[:window], loose[:window]
+    if due or loose:
+        groups[None] = sorted(loose + due, key=lambda r: claim_key(queue, r))
     turn: dict[str, int] = {}
+    head: dict[str, int] = {}
     for key, members in groups.items():
-        members.sort(key=(lambda r: claim_key(queue, r)) if key is None else _submit_order)
+        if key is not None:  # its runs in line up to the first still delayed
+            members[:] = list(itertools.takewhile(lambda r: _due(r, now), members))
+            head[key] = members[0].priority if members else 0
         turn.update((r.run_id, n) for n, r in enumerate(members, start=1))
     served: dict[str, float] = {}
     live: Counter[str] = Counter()
@@ -120,15 +176,22 @@ def claim_order(queue: Queue, runs: Iterable[RunRecord], now: float) -> list[Run
         return queue.partition_limit is None or started[key] + mine <= queue.partition_limit
 
     def order(run: RunRecord) -> tuple[Any, ...]:
-        last = None if run.partition_key is None else served.get(run.partition_key)
-        return (-run.priority, turn[run.run_id], last is not None, last or 0.0,
+        key = run.partition_key
+        last = None if key is None else served.get(key)
+        priority = run.priority if key is None else head[key]
+        return (-priority, turn[run.run_id], last is not None, last or 0.0,
                 *claim_key(queue, run)[1:])  # fmt: skip
 
     return sorted((r for members in groups.values() for r in members if may_start(r)), key=order)
 
 
-def _submit_order(run: RunRecord) -> tuple[float, str]:
-    return (run.queued_at or 0.0, run.run_id)
+def _line_order(run: RunRecord) -> tuple[float, str]:
+    return (in_line_at(run), run.run_id)
+
+
+def _due(run: RunRecord, now: float) -> bool:
+    """Whether ``run`` may be handed out at ``now``: not delayed, or its place in line came."""
+    return run.not_before is None or in_line_at(run) <= now
 
 
 def queue_not_empty(name: str, live: int) -> QueueNotEmpty:

@@ -152,98 +152,252 @@ ACTIVE_IN_QUEUE = (
 #: Values: queue, since. Runs claimed after ``since`` (the rate limit's window).
 STARTED_SINCE = "SELECT COUNT(*) FROM runs WHERE queue_name = ? AND started_at > ?"
 
+
+def in_line_at(alias: str) -> str:
+    """When a run took its place in line (``_queue_rules.in_line_at``): its submit time, or
+    its ``not_before`` when later. Written as the indexes ``runs_in_line`` and
+    ``runs_delayed`` hold it, so a query that sorts by it reads them in order."""
+    t = f"{alias}." if alias else ""
+    return f"(CASE WHEN {t}not_before > {t}queued_at THEN {t}not_before ELSE {t}queued_at END)"
+
+
 #: Among runs of one priority and turn, how a queue orders them (see ``claim_key``).
 _TIE = {
-    "fifo": "r.queued_at, r.run_id",
-    "priority": "r.queued_at, r.run_id",
-    "lpt": "COALESCE(r.estimate, 0) DESC, r.queued_at, r.run_id",
+    "fifo": "c.at, c.run_id",
+    "priority": "c.at, c.run_id",
+    "lpt": "COALESCE(c.estimate, 0) DESC, c.at, c.run_id",
 }
-#: How runs with no partition key take their turns: the queue's own order.
-_UNKEYED_TURN = {
-    "fifo": "-{t}.priority, ",
-    "lpt": "-{t}.priority, -COALESCE({t}.estimate, 0), ",
+#: How runs with no partition key take their turns: the queue's own order. Each
+#: matches an index of queued runs (``runs_loose``, ``runs_loose_lpt``) key for key.
+_LOOSE_ORDER = {
+    "fifo": "q.priority DESC, q.queued_at, q.run_id",
+    "priority": "q.priority DESC, q.queued_at, q.run_id",
+    "lpt": "q.priority DESC, COALESCE(q.estimate, 0) DESC, q.queued_at, q.run_id",
 }
+#: The same order over the candidates' columns, to rank them into turns.
+_LOOSE_TURN = {
+    "fifo": "u.prio DESC, u.at, u.run_id",
+    "priority": "u.prio DESC, u.at, u.run_id",
+    "lpt": "u.prio DESC, COALESCE(u.estimate, 0) DESC, u.at, u.run_id",
+}
+#: A partition's next queued run in line ``{after}`` a place: ``{column}`` of it, from one
+#: probe of the index ``runs_in_line``.
+_NEXT_IN_LINE = (
+    "(SELECT {column} FROM runs k WHERE k.queue_name = ? AND k.status = 'queued' "
+    "AND k.partition_key = {pk} {after}ORDER BY " + in_line_at("k") + ", k.run_id LIMIT 1)"
+)
+#: The first partition key of a queued run ``{after}`` one: one probe of ``runs_in_line``.
+_NEXT_KEY = (
+    "(SELECT k.partition_key FROM runs k WHERE k.queue_name = ? AND k.status = 'queued' "
+    "AND k.partition_key IS NOT NULL {after}ORDER BY k.partition_key LIMIT 1)"
+)
+#: Columns a claim does not read (an index holds what it does), typed for a UNION.
+_NO_NUMBER, _NO_TEXT = "CAST(NULL AS DOUBLE PRECISION)", "CAST(NULL AS TEXT)"
 
 
-def _graph_filters(alias: str, graphs: int | None, skip: int) -> str:
-    """``AND`` clauses keeping runs of those graphs (when given) and none of the skipped ones."""
-    key = f"({alias}.graph_name || '/' || {alias}.fingerprint)"
+def _graph_filters(key: str, graphs: int | None, skip: int) -> str:
+    """``AND`` clauses keeping runs whose ``key`` (``name/fingerprint``) is of those graphs
+    (when given) and none of the skipped ones."""
     return ("" if graphs is None else f"AND {key} IN ({', '.join('?' * graphs)}) ") + (
         "" if not skip else f"AND {key} NOT IN ({', '.join('?' * skip)}) "
     )
 
 
-def claim_candidates(queue: Queue, graphs: int | None = None, skip: int = 0) -> str:
-    """Values: those :func:`candidate_params` lists. Queued runs of the queue that may
-    start now, in claim order (of those graphs only, when given, and none of the
-    skipped ones): ``claim_order`` as a query (W2).
-
-    The subquery ``c`` gives each queued run its turn and, for a keyed run,
-    when its partition last started a run; the outer query keeps a keyed run
-    only while its turn fits its partition's concurrency and rate limit.
-    Keyed runs are ranked within their partitions; unkeyed runs take their
-    turns in the queue's own order, so only the first of them (the claim's
-    ``limit``, with room for rows other claimers hold) are ranked: a claim
-    reads the queue's keyed runs and a few unkeyed ones, not its whole backlog.
-    """
-    turn = _UNKEYED_TURN.get(queue.order, _UNKEYED_TURN["fifo"])
-    keyed = (
-        "SELECT q.run_id, ROW_NUMBER() OVER (PARTITION BY q.partition_key "
-        "ORDER BY q.queued_at, q.run_id) AS turn, "
-        "(SELECT MAX(s.started_at) FROM runs s "
-        "WHERE s.queue_name = q.queue_name AND s.partition_key = q.partition_key "
-        "AND s.started_at IS NOT NULL) AS served "
-        "FROM runs q WHERE q.queue_name = ? AND q.status = 'queued' "
-        "AND q.partition_key IS NOT NULL AND (q.not_before IS NULL OR q.not_before <= ?)"
-    )
-    unkeyed = (
-        f"SELECT u.run_id, ROW_NUMBER() OVER (ORDER BY {turn.format(t='u')}u.queued_at, "
-        "u.run_id) AS turn, NULL AS served FROM (SELECT q.run_id, q.priority, q.estimate, "
-        "q.queued_at FROM runs q WHERE q.queue_name = ? AND q.status = 'queued' "
-        "AND q.partition_key IS NULL AND (q.not_before IS NULL OR q.not_before <= ?) "
-        + _graph_filters("q", graphs, skip)
-        + f"ORDER BY {turn.format(t='q')}q.queued_at, q.run_id LIMIT ?) u"
-    )
-    fits = (
-        "(r.partition_key IS NULL OR (c.turn + (SELECT COUNT(*) FROM runs o "
-        "WHERE o.queue_name = r.queue_name AND o.partition_key = r.partition_key "
-        "AND o.status IN ('running', 'suspended')) <= ?"
-        + (
-            ""
-            if queue.partition_limit is None
-            else " AND c.turn + (SELECT COUNT(*) FROM runs o WHERE o.queue_name = r.queue_name "
-            "AND o.partition_key = r.partition_key AND o.started_at > ?) <= ?"
-        )
-        + ")) "
-    )
-    return (
-        f"SELECT r.run_id FROM runs r JOIN ({keyed} UNION ALL {unkeyed}) c "
-        f"ON c.run_id = r.run_id WHERE r.status = 'queued' AND {fits}"
-        + _graph_filters("r", graphs, skip)
-        + "ORDER BY r.priority DESC, c.turn, (c.served IS NOT NULL), c.served, "
-        + f"{_TIE[queue.order]} LIMIT ?"
-    )
+def _graph_key(alias: str) -> str:
+    return f"({alias}.graph_name || '/' || {alias}.fingerprint)"
 
 
-#: Unkeyed runs ranked per claim beyond its ``limit``: room for the rows other
-#: claimers hold now (``SKIP LOCKED`` passes over them).
-UNKEYED_ROOM = 64
+def _of_run(column: str, wanted: bool, typed: str) -> str:
+    """``column`` of the run ``c.run_id`` (a primary-key probe), or ``typed`` NULL when not
+    ``wanted`` (the columns a claim does not sort or filter by stay unread)."""
+    if not wanted:
+        return typed
+    return f"(SELECT r.{column} FROM runs r WHERE r.run_id = c.run_id)"
 
 
-def candidate_params(
+def claim_candidates(
     queue: Queue,
     now: float,
-    graphs: Sequence[str] | None,
-    skip: Sequence[str],
     limit: int,
-) -> tuple[object, ...]:
-    """The values of :func:`claim_candidates`' query for a claim of ``limit`` runs at ``now``."""
-    rate: tuple[object, ...] = ()
-    if queue.partition_limit is not None:
-        rate = (now - queue.period, queue.partition_limit)
-    filters = (*(graphs or ()), *skip)
-    unkeyed = (queue.name, now, *filters, 4 * limit + UNKEYED_ROOM)
-    return (queue.name, now, *unkeyed, queue.partition_concurrency, *rate, *filters, limit)
+    window: int,
+    graphs: Sequence[str] | None = None,
+    skip: Sequence[str] = (),
+    *,
+    lateral: bool = False,
+) -> tuple[str, tuple[object, ...]]:
+    """The query (and its values) of the first ``window`` queued runs of ``queue`` that a
+    claim of ``limit`` may take at ``now``, in claim order (of ``graphs`` only, when given,
+    and none of ``skip``): ``claim_order`` as a query (W2). The claim takes the first of
+    them it can (``window`` leaves room for those other claims hold: ``claim_window``).
+
+    It reads index entries in proportion to the queue's partitions and to
+    ``window``, never to its backlog: every look at ``runs`` is an indexed
+    probe or an index range that stops at a limit.
+
+    - ``walk`` skips through the keyed queued runs in partition order (a loose
+      index scan: one probe per partition key);
+    - ``parts``: per partition, the room its concurrency and rate limit leave
+      and when it last started a run;
+    - ``line``: a partition's first runs in line, as many as its room, up to
+      the first still delayed; each with the priority of the partition's first;
+    - ``loose``: the first ``window`` unkeyed runs not delayed, in the queue's
+      order, and the ``limit`` unkeyed delayed runs that came due earliest,
+      ranked together into turns.
+
+    With ``lateral`` (Postgres), one probe of the walk reads a partition's key
+    and its first run in line together, and each next run in line is one
+    probe; without it (SQLite, in process), each column is a probe of its own.
+    """
+    sql = _Query()
+    (_lateral_line if lateral else _scalar_line)(sql, queue, now)
+    order, kept = queue.order, (*(graphs or ()), *skip)
+    graph_count, filtered = (
+        (None if graphs is None else len(graphs)),
+        graphs is not None or bool(kept),
+    )
+    keep_loose = _graph_filters(_graph_key("q"), graph_count, len(skip))
+    estimate = "q.estimate" if order == "lpt" else _NO_NUMBER
+    graph = _graph_key("q") if filtered else _NO_TEXT
+    sql.add(
+        f"loose(run_id, at, prio, estimate, gkey) AS (SELECT * FROM (SELECT q.run_id, "
+        f"q.queued_at, q.priority, {estimate}, {graph} FROM runs q WHERE q.queue_name = ? "
+        "AND q.status = 'queued' AND q.partition_key IS NULL AND q.not_before IS NULL "
+        f"{keep_loose}ORDER BY {_LOOSE_ORDER[order]} LIMIT ?) i UNION ALL "
+        f"SELECT * FROM (SELECT q.run_id, {in_line_at('q')}, q.priority, {estimate}, {graph} "
+        "FROM runs q WHERE q.queue_name = ? AND q.status = 'queued' "
+        f"AND q.partition_key IS NULL AND q.not_before IS NOT NULL AND {in_line_at('q')} <= ? "
+        f"{keep_loose}ORDER BY {in_line_at('q')}, q.run_id LIMIT ?) d) ",
+        queue.name, *kept, window, queue.name, now, *kept, limit,
+    )  # fmt: skip
+    sql.add(
+        "SELECT c.run_id FROM (SELECT c.run_id, c.turn, c.prio, c.served, c.at, "
+        f"{_of_run('estimate', order == 'lpt', _NO_NUMBER)} AS estimate, "
+        f"{_of_run('graph_name', filtered, _NO_TEXT)} || '/' || "
+        f"{_of_run('fingerprint', filtered, _NO_TEXT)} AS gkey "
+        "FROM line c WHERE c.run_id IS NOT NULL UNION ALL "
+        f"SELECT u.run_id, ROW_NUMBER() OVER (ORDER BY {_LOOSE_TURN[order]}), u.prio, "
+        f"CAST(NULL AS DOUBLE PRECISION), u.at, u.estimate, u.gkey FROM loose u) c "
+        f"WHERE 1 = 1 {_graph_filters('c.gkey', graph_count, len(skip))}"
+        "ORDER BY c.prio DESC, c.turn, (c.served IS NOT NULL), c.served, "
+        f"{_TIE[order]} LIMIT ?",
+        *kept, window,
+    )  # fmt: skip
+    return sql.text(), sql.values()
+
+
+def _parts(sql: _Query, queue: Queue, now: float, *heads: object) -> None:
+    """``parts``: each partition ``walk`` found, the room its concurrency (and rate limit)
+    leave, when it last started a run, and ``heads``: more columns of ``walk s`` (text,
+    then the values of its placeholders)."""
+    q = queue.name
+    sql.add(
+        "parts AS MATERIALIZED (SELECT s.pk, ? - (SELECT COUNT(*) FROM runs o WHERE o.queue_name = ? "
+        "AND o.partition_key = s.pk AND o.status IN ('running', 'suspended')) AS room, ",
+        queue.partition_concurrency, q,
+    )  # fmt: skip
+    if queue.partition_limit is None:
+        sql.add("CAST(NULL AS BIGINT) AS rate, ")
+    else:
+        sql.add(
+            "? - (SELECT COUNT(*) FROM runs o WHERE o.queue_name = ? "
+            "AND o.partition_key = s.pk AND o.started_at > ?) AS rate, ",
+            queue.partition_limit, q, now - queue.period,
+        )  # fmt: skip
+    text, *values = heads or ("",)
+    sql.add(
+        "(SELECT MAX(o.started_at) FROM runs o WHERE o.queue_name = ? "
+        f"AND o.partition_key = s.pk AND o.started_at IS NOT NULL) AS served{text} "
+        "FROM walk s WHERE s.pk IS NOT NULL), ",
+        q, *values,
+    )  # fmt: skip
+
+
+def _if_due(alias: str, at: str | None = None) -> str:
+    """A run in line is handed out once due: its id, or NULL while it is still delayed
+    (``at``: its place in line, when a column holds it)."""
+    place = at or in_line_at(alias)
+    return f"CASE WHEN {alias}.not_before IS NULL OR {place} <= ? THEN {alias}.run_id END"
+
+
+#: The partition's line goes on while it has room (and rate) left for one more.
+_ROOM_LEFT = "l.run_id IS NOT NULL AND l.turn < l.room AND (l.rate IS NULL OR l.turn < l.rate)"
+_ROOM = "p.room > 0 AND (p.rate IS NULL OR p.rate > 0)"
+
+
+def _scalar_line(sql: _Query, queue: Queue, now: float) -> None:
+    """``walk``, ``parts`` and ``line`` with a scalar subquery per probe (any dialect)."""
+    q = queue.name
+    sql.add(
+        f"WITH RECURSIVE walk(pk) AS (SELECT {_NEXT_KEY.format(after='')} UNION ALL "
+        f"SELECT {_NEXT_KEY.format(after='AND k.partition_key > w.pk ')} FROM walk w "
+        "WHERE w.pk IS NOT NULL), ",
+        q, q,
+    )  # fmt: skip
+    _parts(sql, queue, now)
+    first = {"pk": "p.pk", "after": ""}
+    after = {"pk": "l.pk", "after": f"AND ({in_line_at('k')}, k.run_id) > (l.at, l.run_id) "}
+    sql.add(
+        "line(pk, turn, at, run_id, room, rate, served, prio) AS (SELECT p.pk, 1, "
+        f"{_NEXT_IN_LINE.format(column=in_line_at('k'), **first)}, "
+        f"{_NEXT_IN_LINE.format(column=_if_due('k'), **first)}, p.room, p.rate, p.served, "
+        "(SELECT h.priority FROM runs h WHERE h.run_id = "
+        f"{_NEXT_IN_LINE.format(column='k.run_id', **first)}) FROM parts p WHERE {_ROOM} "
+        f"UNION ALL SELECT l.pk, l.turn + 1, "
+        f"{_NEXT_IN_LINE.format(column=in_line_at('k'), **after)}, "
+        f"{_NEXT_IN_LINE.format(column=_if_due('k'), **after)}, l.room, l.rate, l.served, "
+        f"l.prio FROM line l WHERE {_ROOM_LEFT}), ",
+        q, now, q, q, q, now, q,
+    )  # fmt: skip
+
+
+def _lateral_line(sql: _Query, queue: Queue, now: float) -> None:
+    """``walk``, ``parts`` and ``line`` with ``LATERAL`` probes that read whole rows
+    (Postgres): one probe per partition for its key and first run in line."""
+    q = queue.name
+    head = (
+        f"SELECT k.partition_key, {in_line_at('k')}, k.run_id, k.not_before, k.priority "
+        "FROM runs k WHERE k.queue_name = ? AND k.status = 'queued' "
+        "AND k.partition_key IS NOT NULL {after}"
+        f"ORDER BY k.partition_key, {in_line_at('k')}, k.run_id LIMIT 1"
+    )
+    sql.add(
+        f"WITH RECURSIVE walk(pk, at, run_id, not_before, prio) AS (SELECT * FROM "
+        f"({head.format(after='')}) f UNION ALL SELECT f.* FROM walk w CROSS JOIN LATERAL "
+        f"({head.format(after='AND k.partition_key > w.pk ')}) f), ",
+        q, q,
+    )  # fmt: skip
+    _parts(sql, queue, now, f", s.at, {_if_due('s', 's.at')} AS run_id, s.prio", now)
+    sql.add(
+        "line(pk, turn, at, run_id, room, rate, served, prio) AS (SELECT p.pk, 1, p.at, "
+        f"p.run_id, p.room, p.rate, p.served, p.prio FROM parts p WHERE {_ROOM} UNION ALL "
+        f"SELECT l.pk, l.turn + 1, n.at, {_if_due('n', 'n.at')}, l.room, l.rate, l.served, "
+        "l.prio "
+        f"FROM line l CROSS JOIN LATERAL (SELECT {in_line_at('k')} AS at, k.run_id, "
+        "k.not_before FROM runs k WHERE k.queue_name = ? AND k.status = 'queued' "
+        f"AND k.partition_key = l.pk AND ({in_line_at('k')}, k.run_id) > (l.at, l.run_id) "
+        f"ORDER BY {in_line_at('k')}, k.run_id LIMIT 1) n WHERE {_ROOM_LEFT}), ",
+        now, q,
+    )  # fmt: skip
+
+
+class _Query:
+    """A statement written piece by piece, each piece with the values of its placeholders."""
+
+    def __init__(self) -> None:
+        self._texts: list[str] = []
+        self._values: list[object] = []
+
+    def add(self, text: str, *values: object) -> None:
+        if text.count("?") != len(values):
+            raise AssertionError(f"{text.count('?')} placeholders, {len(values)} values: {text}")
+        self._texts.append(text)
+        self._values.extend(values)
+
+    def text(self) -> str:
+        return "".join(self._texts)
+
+    def values(self) -> tuple[object, ...]:
+        return tuple(self._values)
 
 
 #: Values: owner, lease_expires, now, now (then what picks the runs). A claim's lease.

@@ -496,6 +496,36 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
                 PRIMARY KEY (worker_id, graph_name, fingerprint)) /*WITHOUT ROWID*/""",
         ),
     ),
+    (
+        22,
+        (
+            # Claims that do not scan the backlog: each index holds the queued runs in
+            # the order a claim reads them, so a claim reads a few entries per partition
+            # and a window of unkeyed runs, however many are queued. A partition's runs
+            # in line (``in_line_at``: submit time, or ``not_before`` when later), in
+            # partition order (a skip scan walks it).
+            "CREATE INDEX IF NOT EXISTS runs_in_line ON runs (queue_name, partition_key, "
+            "(CASE WHEN not_before > queued_at THEN not_before ELSE queued_at END), run_id) "
+            "WHERE status = 'queued' AND partition_key IS NOT NULL",
+            # Unkeyed runs not delayed, in the queue's order: fifo and priority, then lpt.
+            "CREATE INDEX IF NOT EXISTS runs_loose ON runs "
+            "(queue_name, priority DESC, queued_at, run_id) "
+            "WHERE status = 'queued' AND partition_key IS NULL AND not_before IS NULL",
+            "CREATE INDEX IF NOT EXISTS runs_loose_lpt ON runs "
+            "(queue_name, priority DESC, (COALESCE(estimate, 0)) DESC, queued_at, run_id) "
+            "WHERE status = 'queued' AND partition_key IS NULL AND not_before IS NULL",
+            # Unkeyed delayed runs, by when they come due.
+            "CREATE INDEX IF NOT EXISTS runs_delayed ON runs (queue_name, "
+            "(CASE WHEN not_before > queued_at THEN not_before ELSE queued_at END), run_id) "
+            "WHERE status = 'queued' AND partition_key IS NULL AND not_before IS NOT NULL",
+            # A partition's live runs, counted per claim: its finished runs are not in it
+            # (the index it replaces held every run of every partition).
+            "CREATE INDEX IF NOT EXISTS runs_live_by_partition ON runs "
+            "(queue_name, partition_key) "
+            "WHERE partition_key IS NOT NULL AND status IN ('running', 'suspended')",
+            "DROP INDEX IF EXISTS runs_by_partition",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

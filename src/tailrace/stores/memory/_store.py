@@ -863,10 +863,14 @@ class MemoryStore(RunStore):
         if queue in self._paused or free <= 0:
             return []
         wanted, skipped = (None if graphs is None else set(graphs)), set(skip)
-        claimed: list[str] = []
-        for run in claim_order(spec, mine, now):
+
+        def drivable(run: RunRecord) -> bool:
             key = run_graph_key(run)
-            if (wanted is not None and key not in wanted) or key in skipped:
+            return (wanted is None or key in wanted) and key not in skipped
+
+        claimed: list[str] = []
+        for run in claim_order(spec, mine, now, window=free, drivable=drivable):
+            if not drivable(run):
                 continue
             self._runs[run.run_id] = dataclasses.replace(
                 run, status=RunStatus.RUNNING, lease_owner=owner, lease_expires=now + ttl,

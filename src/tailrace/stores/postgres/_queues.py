@@ -1,13 +1,16 @@
 """The Postgres store's queues, claims, workers and wake-ups.
 
-Claims select candidate rows with ``FOR UPDATE OF r SKIP LOCKED``, so
-workers claiming at once never wait on, nor take, each other's rows. A queue
-whose limits need counting (``concurrency``, a rate limit) is claimed under a
-transaction-scoped advisory lock on the queue's name: the count and the claim
-are then one step, and READ COMMITTED lets the next claimer's count see the
-runs the previous one marked. Partitions need no lock: a run qualifies only
-while no run of its partition is live or older, and a concurrent claimer's
-uncommitted claim still reads as ``queued`` and older.
+A claim looks first (``claim_candidates``, which locks nothing: a window of
+runs in claim order), then leases the first of them still queued with ``FOR
+UPDATE SKIP LOCKED``, so workers claiming at once never wait on, nor take,
+each other's rows. A queue whose limits need counting (``concurrency``, a
+rate limit) is claimed under a transaction-scoped advisory lock on the
+queue's name: the count and the claim are then one step, and READ COMMITTED
+lets the next claimer's count see the runs the previous one marked.
+Partitions need no lock: a run is a candidate only while its turn fits its
+partition's room, and a concurrent claimer's uncommitted claim still reads
+as ``queued`` and earlier in turn, so the two never exceed the room between
+them (a run another claim took meanwhile no longer reads as queued).
 
 A claim whose COMMIT answer was lost returns the runs it marked (they are
 known before COMMIT); a cancelled claim releases what it leased, shielded,
@@ -27,6 +30,7 @@ import logging
 from collections.abc import Callable
 
 from .._queue_rules import (
+    claim_window,
     claimable_queue,
     declared_queue,
     free_slots,
@@ -41,7 +45,6 @@ from .._sql._queues import (
     LEASE_FOR_ANSWER,
     SELECT_QUEUE,
     STARTED_SINCE,
-    candidate_params,
     claim_candidates,
 )
 from .._sql._statements import INSERT_QUEUED_RUN
@@ -58,10 +61,26 @@ SKIP_LOCKED = " FOR UPDATE OF r SKIP LOCKED"
 INSERT_QUEUED = (
     f"{pg(INSERT_QUEUED_RUN)} ON CONFLICT DO NOTHING RETURNING pg_current_xact_id()::text"
 )
-#: Values: owner, lease_expires, now, now, run ids. ``CLAIM_RUN`` for every run a claim
-#: locked, in one statement that also gives the transaction's id (its first write): a
-#: claim that finds nothing writes nothing and commits read-only.
-CLAIM_RUNS = pg(CLAIM_SET) + f"WHERE run_id = ANY(%s) AND status = 'queued' RETURNING run_id, {XID}"
+#: The candidates' query is planned once per connection, not per claim: its plan is the
+#: same whatever the values (one indexed probe per partition, index ranges that stop at
+#: a limit), and planning it costs more than running it. The transaction's claims use
+#: the prepared statement's generic plan.
+GENERIC_PLANS = "SET LOCAL plan_cache_mode = force_generic_plan"
+#: Values: the candidates, how many to take, owner, lease_expires, now, now. Leases
+#: the first candidates (in their order) that are still queued and that no other claim
+#: holds (``SKIP LOCKED`` passes over them), in one statement that also gives the
+#: transaction's id (its first write). The candidates come from a look that locks nothing:
+#: only the rows taken are locked, and a row another claim took meanwhile no longer reads
+#: as queued.
+CLAIM_FIRST = (
+    "WITH picked AS (SELECT l.run_id FROM (SELECT c.run_id, c.n FROM unnest(%s::text[]) "
+    "WITH ORDINALITY AS c(run_id, n) ORDER BY c.n) c CROSS JOIN LATERAL (SELECT r.run_id "
+    "FROM runs r WHERE r.run_id = c.run_id AND r.status = 'queued' FOR UPDATE SKIP LOCKED) l "
+    "LIMIT %s) "
+    + pg(CLAIM_SET)
+    + f"FROM picked WHERE runs.run_id = picked.run_id AND runs.status = 'queued' "
+    f"RETURNING runs.run_id, {XID}"
+)
 
 
 def notify_channel(schema: str) -> str:
@@ -76,12 +95,6 @@ async def declared(conn: Conn, name: str) -> Queue | None:
     """The declared limits of queue ``name`` (defaults if never declared; None: unusable)."""
     cur = await conn.execute(pg(SELECT_QUEUE), (name,))
     return declared_queue(name, await cur.fetchone())
-
-
-async def claimable(conn: Conn, name: str) -> Queue | None:
-    """The limits a claim on queue ``name`` keeps; None while it is paused or unusable."""
-    cur = await conn.execute(pg(SELECT_QUEUE), (name,))
-    return claimable_queue(name, await cur.fetchone())
 
 
 async def count_rows(conn: Conn, query: str, params: tuple[object, ...]) -> int:
@@ -117,7 +130,10 @@ async def claim_queued(
     """Claim up to ``limit`` runs of ``queue`` within its limits, in the transaction of
     ``conn``: (the ids, in claim order; the transaction's id, None when nothing was
     claimed and nothing written)."""
-    spec = await claimable(conn, queue)
+    async with conn.pipeline():  # one round trip
+        await conn.execute(GENERIC_PLANS)
+        cur = await conn.execute(pg(SELECT_QUEUE), (queue,))
+    spec = claimable_queue(queue, await cur.fetchone())
     if spec is None:
         return [], None  # paused, or its row cannot be used (said once): nothing is claimed
     active = started = 0
@@ -131,19 +147,19 @@ async def claim_queued(
     free = free_slots(spec, want=limit, active=active, started_recently=started)
     if free <= 0:
         return [], None
-    query = claim_candidates(spec, None if graphs is None else len(graphs), len(skip))
-    params = candidate_params(spec, now, graphs, skip, free)
-    cur = await conn.execute(pg(query) + SKIP_LOCKED, params)
-    ids = [r[0] for r in await cur.fetchall()]
-    if not ids:
+    window = claim_window(free, skipping=True)
+    query, params = claim_candidates(spec, now, free, window, graphs, skip, lateral=True)
+    cur = await conn.execute(pg(query), params, prepare=True)
+    candidates = [r[0] for r in await cur.fetchall()]
+    if not candidates:
         return [], None
     # Stamped after the look: a run of a partition then never starts
     # "before" the finish of the one it waited for (same clock).
     stamp = max(now, clock())
-    cur = await conn.execute(CLAIM_RUNS, (owner, stamp + ttl, stamp, stamp, ids))
+    cur = await conn.execute(CLAIM_FIRST, (candidates, free, owner, stamp + ttl, stamp, stamp))
     rows = await cur.fetchall()
     won = {r[0] for r in rows}
-    return [run_id for run_id in ids if run_id in won], (str(rows[0][1]) if rows else None)
+    return [run_id for run_id in candidates if run_id in won], (str(rows[0][1]) if rows else None)
 
 
 async def lease_answers(

@@ -24,6 +24,7 @@ from typing import TypeVar
 
 from .._changes import ChangeHub, Stop
 from .._queue_rules import (
+    claim_window,
     claimable_queue,
     declared_queue,
     free_slots,
@@ -40,7 +41,6 @@ from .._sql._queues import (
     SELECT_QUEUE,
     SELECT_SIGNALS,
     STARTED_SINCE,
-    candidate_params,
     claim_candidates,
 )
 
@@ -82,8 +82,8 @@ def claim_queued(
     free = free_slots(spec, want=limit, active=active, started_recently=started)
     if free <= 0:
         return []
-    query = claim_candidates(spec, None if graphs is None else len(graphs), len(skip))
-    params = candidate_params(spec, now, graphs, skip, free)
+    window = claim_window(free, skipping=False)
+    query, params = claim_candidates(spec, now, free, window, graphs, skip)
     ids = [row[0] for row in conn.execute(query, params)]
     for run_id in ids:
         conn.execute(CLAIM_RUN, (owner, now + ttl, now, now, run_id))
