@@ -38,11 +38,16 @@ from collections.abc import Awaitable, Callable, Iterator
 from types import TracebackType
 
 from .._codec import DEFAULT_CODEC
-from .._errors import LeaseHeld, LeaseLost, StoreError
+from .._errors import LeaseHeld, LeaseLapsed, LeaseLost, StoreError
 from .._events import EventType
 from ..stores import EventRow, Harvest, QuestionStatus, RunRecord, RunStatus, RunStore
 
 logger = logging.getLogger("tailrace.persist")
+
+#: The share of a lease's ttl by which its holder stops the run before the lease could
+#: expire, when the store does not answer its renewals (a cut): whoever adopts the run
+#: after the expiry is then its only driver.
+LAPSE_SHARE = 1 / 6
 
 
 class Lease:
@@ -55,7 +60,12 @@ class Lease:
     acquires the lease (``token`` is its fencing token); leaving releases it,
     shielded from cancellation. If a heartbeat finds the lease taken over,
     the holding task is cancelled and the ``async with`` raises
-    :class:`~tailrace.LeaseLost` instead of the cancellation.
+    :class:`~tailrace.LeaseLost` instead of the cancellation. If the store
+    does not answer the renewals until a sixth of the ttl before the lease
+    could expire (:data:`LAPSE_SHARE`, counted from when the last renewal
+    was sent), the holding task is cancelled likewise and the ``async with``
+    raises :class:`~tailrace.LeaseLapsed` (W7): a holder cut off from the
+    store stops driving before anyone may adopt the run.
     """
 
     def __init__(
@@ -85,6 +95,8 @@ class Lease:
         #: while such a commit is in flight.
         self._released = False
         self._releasing = False
+        #: When (monotonic) the lease lapses here unless renewed, and when it last was.
+        self._lapses_at = self._renewed_at = time.monotonic()
 
     def held(self, record: RunRecord) -> Lease:
         """Take the lease as ``record`` shows it held, if by this owner for a while yet.
@@ -98,6 +110,7 @@ class Lease:
         remaining = (record.lease_expires or 0.0) - time.time()
         if record.lease_owner == self.owner and remaining > self.ttl / 2:
             self._claimed = record.lease_token
+            self._renewed(time.monotonic(), remaining)
         return self
 
     @property
@@ -109,7 +122,9 @@ class Lease:
         if self._claimed is not None:
             self.token = self._claimed
         else:
+            sent = time.monotonic()
             self.token = await acquire_lease(self.store, self.run_id, self.owner, self.ttl)
+            self._renewed(sent, self.ttl)
         self._holder = asyncio.current_task()
         assert self._holder is not None
         self._beat = asyncio.create_task(self._heartbeat(), name=f"lease:{self.run_id}")
@@ -169,32 +184,67 @@ class Lease:
             self._on_cancel_request()
 
     async def _heartbeat(self) -> None:
+        pause = self.ttl / 3
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), self.ttl / 3)
+                await asyncio.wait_for(self._stop.wait(), min(pause, self._left()))
             if self._stop.is_set():
                 return
+            if self._left() <= 0:
+                self._lose(self._lapsed())
+                return
+            sent = time.monotonic()
             try:
-                await self.store.heartbeat(self.run_id, self.owner, self.token, self.ttl)
-                if not self._heard and self._on_cancel_request is not None:
-                    # A run that commits nothing for a while (a long handler) hears
-                    # a cancel request from another process here, within a beat.
-                    record = await self.store.get_run(self.run_id)
-                    if record.cancel_requested_at is not None:
-                        self.cancel_requested()
+                async with asyncio.timeout(self._left()):
+                    await self.store.heartbeat(self.run_id, self.owner, self.token, self.ttl)
+                    self._renewed(sent, self.ttl)
+                    pause = self.ttl / 3
+                    await self._hear_cancel_request()
+            except TimeoutError:
+                continue  # the store did not answer before the lease could lapse
             except LeaseLost as exc:
                 if self._released:
                     return  # a beat sent as the commit let go
                 if self._releasing:
                     continue  # the commit in flight let go: it tells whether that landed
-                self.lost = exc
-                assert self._holder is not None
-                self._holder.cancel()
+                self._lose(exc)
                 return
             except StoreError:
-                # A hiccup: the next beat may land before the lease expires; a
-                # lease really lost shows up as LeaseLost on a beat or a commit.
+                # A hiccup: a beat may still land before the lease lapses (beats go
+                # more often meanwhile); a lease really lost shows up as LeaseLost.
                 logger.warning("heartbeat of run %s failed; retrying", self.run_id, exc_info=True)
+                pause = self.ttl / 12
+
+    async def _hear_cancel_request(self) -> None:
+        """A run that commits nothing for a while (a long handler) hears a cancel request
+        from another process here, within a beat."""
+        if not self._heard and self._on_cancel_request is not None:
+            record = await self.store.get_run(self.run_id)
+            if record.cancel_requested_at is not None:
+                self.cancel_requested()
+
+    def _renewed(self, sent: float, remaining: float) -> None:
+        """The lease runs ``remaining`` seconds from ``sent`` (monotonic): it lapses here a
+        share of the ttl sooner (:data:`LAPSE_SHARE`), before anyone may take it over."""
+        self._lapses_at = sent + remaining - LAPSE_SHARE * self.ttl
+        self._renewed_at = sent
+
+    def _left(self) -> float:
+        return self._lapses_at - time.monotonic()
+
+    def _lapsed(self) -> LeaseLapsed:
+        ago = time.monotonic() - self._renewed_at
+        return LeaseLapsed(
+            f"run {self.run_id!r}: the store did not answer in time to renew the lease of "
+            f"{self.owner!r} (renewed {ago:.3g} s ago, ttl {self.ttl:g} s): the run stopped "
+            "before the lease could expire; another owner adopts it"
+        )
+
+    def _lose(self, exc: LeaseLost) -> None:
+        """The lease is lost (taken over, or lapsed here): the holding task is cancelled."""
+        self.lost = exc
+        assert self._holder is not None
+        self._holder.cancel()
 
 
 async def acquire_lease(store: RunStore, run_id: str, owner: str, ttl: float) -> int:

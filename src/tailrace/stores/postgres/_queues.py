@@ -26,12 +26,14 @@ import hashlib
 import logging
 from collections.abc import Callable
 
+from .._presence import RING_PREFIX
 from .._queue_rules import (
     claimable_queue,
     declared_queue,
     free_slots,
 )
 from .._records import (
+    CHANGE_KINDS,
     Queue,
 )
 from .._sql._queues import (
@@ -62,6 +64,15 @@ INSERT_QUEUED = (
 #: locked, in one statement that also gives the transaction's id (its first write): a
 #: claim that finds nothing writes nothing and commits read-only.
 CLAIM_RUNS = pg(CLAIM_SET) + f"WHERE run_id = ANY(%s) AND status = 'queued' RETURNING run_id, {XID}"
+
+
+def change_kinds(payload: str) -> frozenset[str]:
+    """The change kinds a notification's ``payload`` names; every kind for one it does not
+    (a newer writer's). A ring change names the session it is for (``ring:<session>``)."""
+    kinds = frozenset(
+        k for k in payload.split(",") if k in CHANGE_KINDS or k.startswith(RING_PREFIX)
+    )
+    return kinds or CHANGE_KINDS
 
 
 def notify_channel(schema: str) -> str:
