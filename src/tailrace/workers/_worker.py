@@ -443,9 +443,12 @@ class Worker:
         counted = any(q.concurrency is not None or q.limit is not None for q in self.queues)
         if kinds & {"submit", "slot", "dead"} or ("release" in kinds and counted):
             await self._claim(group)
-        if kinds & {"release", "slot"} and time.monotonic() >= self._next_orphan_scan:
-            self._next_orphan_scan = time.monotonic() + min(self.poll_interval, 0.25)
-            await self._adopt_orphans(group)
+        if kinds & {"release", "slot"}:
+            if time.monotonic() >= self._next_orphan_scan:
+                self._next_orphan_scan = time.monotonic() + min(self.poll_interval, 0.25)
+                await self._adopt_orphans(group)
+            else:  # scanned a moment ago: scan again once that moment has passed
+                self._look_at = min(self._look_at, self._next_orphan_scan)
 
     # -- claiming -----------------------------------------------------------------------
 
