@@ -97,6 +97,7 @@ class Lease:
         self._releasing = False
         #: When (monotonic) the lease lapses here unless renewed, and when it last was.
         self._lapses_at = self._renewed_at = time.monotonic()
+        self._stray: asyncio.Future[None] | None = None
 
     def held(self, record: RunRecord) -> Lease:
         """Take the lease as ``record`` shows it held, if by this owner for a while yet.
@@ -151,6 +152,8 @@ class Lease:
         self._stop.set()
         if self._beat is not None:
             await asyncio.gather(self._beat, return_exceptions=True)
+        if self._stray is not None:  # a beat the store never answered, cancelled
+            await asyncio.gather(self._stray, return_exceptions=True)
         if self.lost is None and not self._released:
             await release_quietly(self.store, self.run_id, self.owner, self.token)
 
@@ -191,17 +194,20 @@ class Lease:
             if self._stop.is_set():
                 return
             if self._left() <= 0:
-                self._lose(self._lapsed())
+                self._lose(OUTAGES.lapsed(self.owner, self._lapsed()))
                 return
-            sent = time.monotonic()
+            # Not cut short by a timeout around the call: a driver may hold a cancellation
+            # back for seconds (psycopg first asks the server to cancel the query).
+            beat = asyncio.ensure_future(self._beat_once(time.monotonic()))
+            done, _ = await asyncio.wait((beat,), timeout=max(self._left(), 0.0))
+            if not done:  # the store did not answer before the lease could lapse
+                beat.cancel()
+                self._stray = beat
+                self._lose(OUTAGES.lapsed(self.owner, self._lapsed()))
+                return
             try:
-                async with asyncio.timeout(self._left()):
-                    await self.store.heartbeat(self.run_id, self.owner, self.token, self.ttl)
-                    self._renewed(sent, self.ttl)
-                    pause = self.ttl / 3
-                    await self._hear_cancel_request()
-            except TimeoutError:
-                continue  # the store did not answer before the lease could lapse
+                beat.result()
+                pause = self.ttl / 3
             except LeaseLost as exc:
                 if self._released:
                     return  # a beat sent as the commit let go
@@ -214,6 +220,11 @@ class Lease:
                 # more often meanwhile); a lease really lost shows up as LeaseLost.
                 logger.warning("heartbeat of run %s failed; retrying", self.run_id, exc_info=True)
                 pause = self.ttl / 12
+
+    async def _beat_once(self, sent: float) -> None:
+        await self.store.heartbeat(self.run_id, self.owner, self.token, self.ttl)
+        self._renewed(sent, self.ttl)
+        await self._hear_cancel_request()
 
     async def _hear_cancel_request(self) -> None:
         """A run that commits nothing for a while (a long handler) hears a cancel request
@@ -228,6 +239,7 @@ class Lease:
         share of the ttl sooner (:data:`LAPSE_SHARE`), before anyone may take it over."""
         self._lapses_at = sent + remaining - LAPSE_SHARE * self.ttl
         self._renewed_at = sent
+        OUTAGES.answered(self.owner)
 
     def _left(self) -> float:
         return self._lapses_at - time.monotonic()
@@ -245,6 +257,45 @@ class Lease:
         self.lost = exc
         assert self._holder is not None
         self._holder.cancel()
+
+
+class Outages:
+    """The owners of this process cut off from the store: each says so once per outage.
+
+    A lease that lapses (the store did not answer its renewals) tells its
+    owner's outage; the first one of an outage is logged as a warning that
+    the owner stops every run it drives, the others quietly. A lease of that
+    owner renewed or acquired again ends the outage, which is said too.
+    """
+
+    def __init__(self) -> None:
+        self._since: dict[str, float] = {}
+
+    def lapsed(self, owner: str, exc: LeaseLapsed) -> LeaseLapsed:
+        """``owner``'s lease lapsed with ``exc`` (returned); said once per outage."""
+        if owner in self._since:
+            logger.info("%s", exc)
+            return exc
+        self._since[owner] = time.monotonic()
+        logger.warning(
+            "%s is cut off from the store: %s. It stops every run it drives before the run's "
+            "lease can expire (another owner adopts it), and takes runs again once the store "
+            "answers", owner, exc,
+        )  # fmt: skip
+        return exc
+
+    def answered(self, owner: str) -> None:
+        """A lease of ``owner`` was renewed or acquired: its outage, if any, is over."""
+        since = self._since.pop(owner, None)
+        if since is not None:
+            logger.warning(
+                "%s: the store answers again, %.3g s after it stopped a run for want of an "
+                "answer", owner, time.monotonic() - since,
+            )  # fmt: skip
+
+
+#: This process's owners cut off from the store (see :class:`Outages`).
+OUTAGES = Outages()
 
 
 async def acquire_lease(store: RunStore, run_id: str, owner: str, ttl: float) -> int:

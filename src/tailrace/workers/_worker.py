@@ -15,7 +15,8 @@ what a fleet needs besides:
   that this worker and others adopt their runs at once; runs whose lease
   expired (a host cut off from the store) are adopted too (D6);
 - stops driving a run whose lease the store did not renew in time (cut off
-  from it), before anyone may adopt it, and says so once (``LeaseLapsed``);
+  from it), before anyone may adopt it; the lease says so, once per outage
+  (``LeaseLapsed``);
 - cancels the runs it drives that someone asked to cancel.
 
 It sleeps on the store's change feed (``LISTEN/NOTIFY`` on Postgres, a
@@ -277,10 +278,9 @@ class Worker:
         self._poll_at = 0.0
         #: When to look at the queues again without a wake-up (a rate window may open).
         self._look_at = float("inf")
-        #: When (monotonic) the next pulse is due sooner than a heartbeat away.
+        #: When (monotonic) the next pulse is due sooner than a heartbeat away, and the last.
         self._pulse_at = float("inf")
-        #: Since when (monotonic) the store has not answered this worker in time (W7).
-        self._cut_off_since: float | None = None
+        self._pulsed_at = 0.0
         self._started_at = time.time()
         #: Slots lent to a child submit in flight (``reserve`` .. ``settle``), per queue.
         self._lent: Counter[str] = Counter()
@@ -377,27 +377,21 @@ class Worker:
             logger.warning(
                 "worker %s: its store session ended (%s) and the fleet took it for gone before "
                 "it was back (%.3g s later): the leases of its runs were expired and fenced, so "
-                "it stops the %d runs it drove (other workers adopt them) and goes on",
+                "it stops the %d run(s) it drove (the fleet adopts them) and goes on",
                 self.owner, lapse.reason, lapse.seconds, len(jobs),
             )  # fmt: skip
             self.stats.lapsed += len(jobs)
             for task in jobs:
                 task.cancel()
 
-    def _cut_off(self, exc: LeaseLapsed) -> None:
-        """A run stopped because the store did not answer in time: said once per outage."""
-        if self._cut_off_since is not None:
-            logger.debug("%s", exc)
-            return
-        self._cut_off_since = time.monotonic()
-        logger.warning(
-            "worker %s is cut off from the store: %s. It stops each run it drives before the "
-            "run's lease can expire (other workers adopt them), and claims again once the store "
-            "answers", self.owner, exc,
-        )  # fmt: skip
-
     def _until_pulse(self) -> float:
-        return self._pulse_at - time.monotonic()
+        """Seconds until the next pulse is due: what the last one said comes due, and, while
+        this worker drives runs, half a lease ttl after it (a lapsed lease of another worker
+        cut off from the store is found as soon as it expires)."""
+        due = self._pulse_at
+        if self._jobs:
+            due = min(due, self._pulsed_at + self.engine.lease_ttl / 2)
+        return due - time.monotonic()
 
     async def _forward(self, feed: Any, closing: asyncio.Event) -> None:
         while not closing.is_set():
@@ -553,9 +547,8 @@ class Worker:
         logger.info("run %s: %s%s", job.run_id, _STARTED[job.kind], where)
         try:
             result = await work
-        except LeaseLapsed as exc:
-            self.stats.lapsed += 1
-            self._cut_off(exc)
+        except LeaseLapsed:
+            self.stats.lapsed += 1  # the lease said so, once per outage (W7)
         except (LeaseHeld, LeaseLost, NotResumable, RunNotFound) as exc:
             self.stats.busy += 1
             logger.debug("run %s: %s (another owner has it, or it ended)", job.run_id, exc)
@@ -669,13 +662,8 @@ class Worker:
     async def _heartbeat(self) -> int:
         """One pulse: report this worker, and look (cheaply) at what may need a round."""
         self._pulse_at = float("inf")
+        self._pulsed_at = time.monotonic()
         pulse = await self.store.pulse(self._row())
-        if self._cut_off_since is not None:
-            logger.warning(
-                "worker %s: the store answers again (%.3g s after it stopped a run for want "
-                "of an answer)", self.owner, time.monotonic() - self._cut_off_since,
-            )  # fmt: skip
-            self._cut_off_since = None
         self._beats += 1
         if pulse.due_at is not None:  # a lease expiry, a delayed run, a deadline: look then
             self._pulse_at = time.monotonic() + max(pulse.due_at - time.time(), 0.0) + DUE_SLACK
