@@ -4,6 +4,7 @@ Run as::
 
     python bench/fleet.py torture [--store sqlite|postgres|both] [--runs 400] [--kills 60]
     python bench/fleet.py bench [--store sqlite|postgres|both] [--workers 1,2,4,8] [--dbos]
+    python bench/fleet.py adoption [--adopt-kills 5]     # a SIGKILLed worker's runs adopted
     python bench/fleet.py idle [--fleet 10,100,1000]     # idle commits/s and rows read/s
     python bench/fleet.py fairness                       # a lone partition behind a busy one
     python bench/fleet.py claims [--claimers 1,2,...,64] # claims/s as claimers grow
@@ -177,6 +178,25 @@ async def after(answer):
 
 
 probe.chain("ask", "wait_here", "after")
+
+# The adoption measure's run: a quick step, then one that holds its worker until cancelled.
+adopt = tr.Graph("fleet_adopt")
+
+
+@adopt.task()
+async def warm(x):
+    _log(tr.current_node())
+    return x
+
+
+@adopt.task()
+async def hold(x):
+    _log(tr.current_node())
+    await asyncio.sleep(3600)
+    return x
+
+
+adopt.chain("warm", "hold")
 '''.replace("@SIDE_ENV@", SIDE_ENV)
 
 
@@ -257,14 +277,16 @@ class WorkerProcess:
     def __init__(
         self,
         target: Target,
-        graph_file: Path,
+        graph_file: Path | None,
         name: str,
         queues: Sequence[str] = (QUEUE,),
         **options: Any,
     ) -> None:
         self.name = name
         self.log = target.workdir / f"{name}.log"
-        args = [*tailrace_command(), "worker", "--db", target.url, "--graphs", str(graph_file)]
+        args = [*tailrace_command(), "worker", "--db", target.url]
+        if graph_file is not None:
+            args += ["--graphs", str(graph_file)]
         for queue in queues:
             args += ["--queue", queue]
         for key, value in options.items():
@@ -1078,6 +1100,140 @@ def run_torture(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+# --- adoption after SIGKILL -----------------------------------------------------------------------
+
+
+@dataclass
+class Kill:
+    """One SIGKILL of the adoption measure: the runs it orphaned, and when each had a new owner."""
+
+    orphans: int
+    seconds: float
+
+
+def machine_load() -> str:
+    """The 1, 5 and 15 minute load averages, as ``/proc/loadavg`` has them."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def _owners(conn: Any, kind: str, ids: Sequence[str]) -> dict[str, str | None]:
+    mark = "?" if kind == "sqlite" else "%s"
+    query = f"SELECT run_id, lease_owner FROM runs WHERE run_id IN ({', '.join([mark] * len(ids))})"
+    return {str(r[0]): r[1] for r in conn.execute(query, tuple(ids)).fetchall()}
+
+
+def _pid_of(owner: str | None) -> int | None:
+    """The process id in a lease owner's name (``host:pid:start:nonce``)."""
+    parts = (owner or "").rsplit(":", 3)
+    return int(parts[1]) if len(parts) == 4 and parts[1].isdigit() else None
+
+
+async def adoption(
+    kind: str, *, workdir: Path, dsn: str | None, kills: int, workers: int = 3, per_worker: int = 2
+) -> list[Kill]:
+    """``kills`` times: ``workers`` workers hold ``per_worker`` runs each (with as many slots
+    free: the survivors have room); the one holding most is SIGKILLed; how long until a
+    live worker leases every run it held (polled every 2 ms), then a fresh worker takes its
+    place and the round's runs are cancelled."""
+    import tailrace as tr
+
+    target = Target(kind, workdir, dsn)
+    graph_file = write_graph(workdir)
+    module = load_graphs(graph_file)
+    slots = 2 * per_worker
+    fleet = [WorkerProcess(target, graph_file, f"w{n}", concurrency=slots) for n in range(workers)]
+    measured: list[Kill] = []
+    try:
+        wait_ready(fleet)
+        async with open_target(target) as store:
+            engine = tr.Engine(store=store)
+            for k in range(kills):
+                ids = [
+                    await engine.submit(module.adopt, n, queue=QUEUE, run_id=f"a{k}-{n}")
+                    for n in range(workers * per_worker)
+                ]
+                with target.sql() as conn:
+                    owners = await _until_owned(conn, kind, ids)
+                pids = {p.proc.pid: p for p in fleet}
+                held: dict[int, list[str]] = {}
+                for run_id, owner in owners.items():
+                    held.setdefault(_pid_of(owner) or -1, []).append(run_id)
+                victim_pid = max((p for p in held if p in pids), key=lambda p: len(held[p]))
+                victim = pids[victim_pid]
+                orphans = held[victim_pid]
+                seconds = await asyncio.to_thread(_kill_and_watch, target, victim, orphans)
+                measured.append(Kill(orphans=len(orphans), seconds=seconds))
+                fleet[fleet.index(victim)] = WorkerProcess(
+                    target, graph_file, f"{victim.name}-{k}", concurrency=slots
+                )
+                for run_id in ids:
+                    await engine.cancel(run_id)
+                await _until_ended(store, ids)
+                wait_ready(fleet)
+    finally:
+        for proc in fleet:
+            proc.stop(timeout=30)
+        target.drop()
+    return measured
+
+
+def _kill_and_watch(target: Target, victim: WorkerProcess, orphans: Sequence[str]) -> float:
+    """SIGKILL ``victim``; seconds until a live worker leases each of ``orphans`` (2 ms polls)."""
+    with target.sql() as conn:
+        killed = time.monotonic()
+        victim.kill()
+        while True:
+            now = _owners(conn, target.kind, orphans)
+            if all(o is not None and _pid_of(o) != victim.proc.pid for o in now.values()):
+                return time.monotonic() - killed
+            if time.monotonic() - killed > 120:
+                raise RuntimeError(f"the runs of worker {victim.name} were never adopted")
+            time.sleep(0.002)
+
+
+async def _until_owned(conn: Any, kind: str, ids: Sequence[str]) -> dict[str, str | None]:
+    deadline = time.monotonic() + START_GUARD
+    while time.monotonic() < deadline:
+        owners = _owners(conn, kind, ids)
+        if all(o is not None for o in owners.values()) and len(owners) == len(ids):
+            return owners
+        await asyncio.sleep(0.02)
+    raise RuntimeError("the workers did not claim the round's runs")
+
+
+async def _until_ended(store: Any, ids: Sequence[str]) -> None:
+    from tailrace.stores import TERMINAL_STATUSES
+
+    deadline = time.monotonic() + START_GUARD
+    while time.monotonic() < deadline:
+        statuses = [(await store.get_run(r)).status for r in ids]
+        if all(status in TERMINAL_STATUSES for status in statuses):
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError("the round's runs were not cancelled")
+
+
+def run_adoption(args: argparse.Namespace) -> None:
+    import tailrace
+
+    print(f"adoption after SIGKILL ({tailrace.__file__}); machine load {machine_load()}")
+    print(f"{'store':>9} {'kills':>6} {'orphans':>8} {'p50 s':>8} {'max s':>8} {'<= 1 s':>7}")
+    for kind in stores_of(args):
+        with tempfile.TemporaryDirectory(prefix="tailrace-adopt-") as tmp:
+            kills = asyncio.run(
+                adoption(kind, workdir=Path(tmp), dsn=args.dsn, kills=args.adopt_kills)
+            )
+        times = sorted(k.seconds for k in kills)
+        print(f"{kind:>9} {len(kills):>6} {sum(k.orphans for k in kills):>8} "
+              f"{percentile(times, 0.5):>8.3f} {times[-1]:>8.3f} "
+              f"{sum(t <= 1.0 for t in times):>4}/{len(times)}")  # fmt: skip
+        print("          each:", ", ".join(f"{k.seconds:.3f} s ({k.orphans} runs)" for k in kills))
+    print(f"machine load after: {machine_load()}")
+
+
 # --- idle cost, fairness, claim scaling, statements per run (one Postgres) ---------------------
 
 IDLE_DB = "tailrace_fleet_bench"
@@ -1456,7 +1612,8 @@ def run_per_run(args: argparse.Namespace) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "what", choices=["torture", "bench", "idle", "fairness", "claims", "per-run"]
+        "what",
+        choices=["torture", "bench", "adoption", "idle", "fairness", "claims", "per-run"],
     )
     parser.add_argument("--fleet", default="10,100,1000", help="idle: worker counts")
     parser.add_argument("--window", type=float, default=30.0, help="idle: seconds measured")
@@ -1470,6 +1627,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=20261201)
     parser.add_argument("--runs", type=int, default=1000)
     parser.add_argument("--kills", type=int, default=100)
+    parser.add_argument("--adopt-kills", type=int, default=5, help="adoption: SIGKILLs per store")
     parser.add_argument("--workers", default="1,2,4,8")
     parser.add_argument("--runs-per-worker", type=int, default=40)
     parser.add_argument("--per-worker", type=int, default=1, help="runs one worker drives at once")
@@ -1480,6 +1638,7 @@ def main() -> int:
     if args.what == "torture":
         return run_torture(args)
     measures = {"idle": run_idle, "fairness": run_fairness, "claims": run_claims}
+    measures["adoption"] = run_adoption
     measures["per-run"] = run_per_run
     measures.get(args.what, run_bench)(args)
     return 0
