@@ -5,7 +5,7 @@ Run as::
     python bench/fleet.py torture [--store sqlite|postgres|both] [--runs 400] [--kills 60]
     python bench/fleet.py bench [--store sqlite|postgres|both] [--workers 1,2,4,8] [--dbos]
     python bench/fleet.py adoption [--adopt-kills 5]     # a SIGKILLed worker's runs adopted
-    python bench/fleet.py idle [--fleet 10,100,1000]     # idle commits/s and rows read/s
+    python bench/fleet.py idle [--fleet 10,100] [--simulate 1000]  # idle commits/s, rows read/s
     python bench/fleet.py fairness                       # a lone partition behind a busy one
     python bench/fleet.py claims [--claimers 1,2,...,64] # claims/s as claimers grow
     python bench/fleet.py per-run                        # a 5-node run's commits, statements, CPU
@@ -329,8 +329,8 @@ class WorkerProcess:
             return self.proc.wait()
 
 
-def wait_ready(workers: Sequence[WorkerProcess]) -> None:
-    deadline = time.monotonic() + START_GUARD
+def wait_ready(workers: Sequence[WorkerProcess], guard: float = START_GUARD) -> None:
+    deadline = time.monotonic() + guard
     while not all(w.ready() for w in workers):
         for w in workers:
             if w.proc.poll() is not None:
@@ -1283,15 +1283,131 @@ def _ensure_database(dsn: str, dbname: str) -> str:
     return _db_dsn(dsn, dbname)
 
 
-#: The start of the statements that scan the ``workers`` table (stopped, late workers).
-WORKER_SCANS = "SELECT worker_id FROM workers WHERE"
+def _background(dsn: str, window: float) -> tuple[float, float]:
+    """The database's own commits/s and rows/s with no worker (autovacuum, the measuring)."""
+    c0, r0 = _counters(dsn)
+    time.sleep(window)
+    c1, r1 = _counters(dsn)
+    return (c1 - c0) / window, (r1 - r0) / window
 
 
-async def _idle_fleet(
+def run_idle(args: argparse.Namespace) -> None:
+    """Idle workers' cost: ``--fleet`` real worker processes, then ``--simulate`` workers as
+    tasks of this process, on a Postgres of the measure's own (or ``--shared-server``)."""
+    import tailrace
+
+    server = contextlib.nullcontext(args.dsn) if args.shared_server else PrivateServer()
+    with server as dsn:
+        dsn = _ensure_database(dsn, args.database)
+        base_c, base_r = _background(dsn, args.window)
+        print(
+            f"idle workers ({tailrace.__file__}) on one Postgres, "
+            f"{'shared' if args.shared_server else 'of their own'}; {args.window:g} s windows "
+            f"after {args.warmup:g} s; the database's background ({base_c:.2f} commits/s, "
+            f"{base_r:.0f} rows/s) subtracted; machine load {machine_load()}"
+        )
+        print(f"{'workers':>8} {'as':>9} {'commits/s':>10} {'per worker':>11} "
+              f"{'rows read/s':>12} {'per worker':>11} {'own rows/s':>11} {'per worker':>11} "
+              f"{'per commit':>11} {'conns/worker':>13}")  # fmt: skip
+        sizes = [("processes", int(x)) for x in args.fleet.split(",") if x]
+        sizes += [("tasks", int(x)) for x in args.simulate.split(",") if x]
+        for mode, n in sizes:
+            measure = _idle_processes if mode == "processes" else _idle_tasks
+            idle = measure(dsn, n, args.window, args.warmup)
+            commits, rows = max(idle.commits - base_c, 0.0), max(idle.rows - base_r, 0.0)
+            per_commit = idle.own_rows / commits if commits else 0.0
+            print(f"{n:>8} {mode:>9} {commits:>10.2f} {commits / n:>11.4f} {rows:>12.1f} "
+                  f"{rows / n:>11.3f} {idle.own_rows:>11.2f} {idle.own_rows / n:>11.4f} "
+                  f"{per_commit:>11.2f} {idle.connections / n:>13.2f}")  # fmt: skip
+        print(f"machine load after: {machine_load()}")
+
+
+def _connections(dsn: str) -> int:
+    """Sessions on the DSN's database, besides the one asking."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchone()
+    return int(row[0]) if row is not None else 0
+
+
+def _schema_reads(dsn: str, schema: str) -> int:
+    """Rows and index entries read from ``schema``'s tables so far (sequential scans' rows,
+    index scans' entries): the workers' own reads, without the catalogs' (autovacuum's
+    table picks, the measure's own queries)."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT COALESCE((SELECT SUM(seq_tup_read) FROM pg_stat_user_tables "
+            "WHERE schemaname = %s), 0) + COALESCE((SELECT SUM(idx_tup_read) "
+            "FROM pg_stat_user_indexes WHERE schemaname = %s), 0)",
+            (schema, schema),
+        ).fetchone()
+    return int(row[0]) if row is not None else 0
+
+
+@dataclass
+class Idle:
+    """What idle workers cost, per second: commits, rows read (the database's, and their own
+    tables' alone), and the connections they hold."""
+
+    commits: float
+    rows: float
+    own_rows: float
+    connections: int
+
+
+def _window(dsn: str, schema: str, window: float) -> Idle:
+    """What the DSN's database did over ``window`` seconds (see :class:`Idle`)."""
+    connections = _connections(dsn)
+    c0, r0 = _counters(dsn)
+    o0 = _schema_reads(dsn, schema)
+    t0 = time.monotonic()
+    time.sleep(window)
+    c1, r1 = _counters(dsn)
+    o1 = _schema_reads(dsn, schema)
+    elapsed = time.monotonic() - t0
+    return Idle((c1 - c0 - 2) / elapsed, (r1 - r0) / elapsed, (o1 - o0) / elapsed, connections)
+
+
+def _idle_processes(
     dsn: str, workers: int, window: float, warmup: float
-) -> tuple[float, float, float, float]:
-    """Commits/s, rows read/s, statements/s and ``workers``-table scans/s of ``workers`` idle
-    workers (real ``Worker`` objects as tasks)."""
+) -> tuple[float, float, int]:
+    """Commits/s, rows read/s and connections of ``workers`` idle ``tailrace worker`` processes."""
+    with tempfile.TemporaryDirectory(prefix="tailrace-idle-") as tmp:
+        target = Target("postgres", Path(tmp), dsn, schema=f"idle_{uuid.uuid4().hex[:8]}")
+        fleet: list[WorkerProcess] = []
+        try:
+            fleet.append(WorkerProcess(target, None, "idle0", queues=("idle",), concurrency=1))
+            wait_ready(fleet)  # the first one makes the schema
+            fleet += [
+                WorkerProcess(target, None, f"idle{n}", queues=("idle",), concurrency=1)
+                for n in range(1, workers)
+            ]
+            wait_ready(fleet, guard=START_GUARD + 3 * workers)
+            time.sleep(warmup)
+            idle = _window(dsn, target.schema, window)
+        finally:
+            for proc in fleet:
+                proc.proc.send_signal(signal.SIGTERM)
+            for proc in fleet:
+                proc.stop()
+            target.drop()
+    return idle
+
+
+def _idle_tasks(dsn: str, workers: int, window: float, warmup: float) -> Idle:
+    """Commits/s, rows read/s and connections of ``workers`` idle ``Worker`` objects, tasks of
+    this process sharing one store (a pool of 16)."""
+    return asyncio.run(_idle_fleet(dsn, workers, window, warmup))
+
+
+async def _idle_fleet(dsn: str, workers: int, window: float, warmup: float) -> Idle:
     from tailrace.stores import PostgresStore
     from tailrace.workers import Worker
 
@@ -1303,44 +1419,59 @@ async def _idle_fleet(
     tasks = [asyncio.create_task(w.run(stop)) for w in fleet]
     try:
         await asyncio.sleep(warmup)
-        c0, r0 = await asyncio.to_thread(_counters, dsn)
-        t0 = time.monotonic()
-        with Statements() as sent:
-            await asyncio.sleep(window)
-        c1, r1 = await asyncio.to_thread(_counters, dsn)
-        elapsed = time.monotonic() - t0
+        idle = await asyncio.to_thread(_window, dsn, schema, window)
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await store.close()
         _drop_schema(dsn, schema)
-    scans = sent.starting(WORKER_SCANS)
-    return (c1 - c0 - 1) / elapsed, (r1 - r0) / elapsed, sent.count / elapsed, scans / elapsed
+    return idle
 
 
-def _background(dsn: str, window: float) -> tuple[float, float]:
-    """The database's own commits/s and rows/s with no worker (autovacuum, the measuring)."""
-    c0, r0 = _counters(dsn)
-    time.sleep(window)
-    c1, r1 = _counters(dsn)
-    return (c1 - c0) / window, (r1 - r0) / window
+class PrivateServer:
+    """A throwaway PostgreSQL of the measure's own: ``initdb`` into a temporary directory,
+    a unix socket there only, room for a thousand connections, fsync off; run as the
+    ``postgres`` user when we are root. Entering starts it and gives its DSN."""
 
+    def __init__(self, max_connections: int = 1200) -> None:
+        self.bindir = Path(os.environ.get("TAILRACE_PG_BINDIR", "/usr/lib/postgresql/15/bin"))
+        self.max_connections = max_connections
+        self.directory = Path(tempfile.mkdtemp(prefix="tailrace-pgidle-"))
 
-def run_idle(args: argparse.Namespace) -> None:
-    dsn = _ensure_database(args.dsn, args.database)
-    base_c, base_r = _background(dsn, args.window)
-    print(
-        f"idle workers on one Postgres ({args.window:g} s windows after {args.warmup:g} s; "
-        f"the database's background, {base_c:.2f} commits/s and {base_r:.0f} rows/s, "
-        "subtracted):"
-    )
-    print(f"{'workers':>8} {'commits/s':>10} {'per worker':>11} {'rows read/s':>12} "
-          f"{'per worker':>11} {'statements/s':>13} {'worker scans/s':>15}")  # fmt: skip
-    for n in (int(x) for x in args.fleet.split(",")):
-        commits, rows, sent, scans = asyncio.run(_idle_fleet(dsn, n, args.window, args.warmup))
-        commits, rows = max(commits - base_c, 0.0), max(rows - base_r, 0.0)
-        print(f"{n:>8} {commits:>10.1f} {commits / n:>11.3f} {rows:>12.0f} {rows / n:>11.1f} "
-              f"{sent:>13.1f} {scans:>15.2f}")  # fmt: skip
+    def _as_owner(self, *argv: str) -> list[str]:
+        return ["runuser", "-u", "postgres", "--", *argv] if os.geteuid() == 0 else list(argv)
+
+    def __enter__(self) -> str:
+        import shutil
+
+        if os.geteuid() == 0:
+            shutil.chown(self.directory, "postgres", "postgres")
+        data = self.directory / "data"
+        subprocess.run(
+            self._as_owner(str(self.bindir / "initdb"), "-D", str(data), "-U", "postgres",
+                           "-A", "trust", "-E", "UTF8", "--no-sync"),
+            check=True, capture_output=True,
+        )  # fmt: skip
+        options = (
+            f"-k {self.directory} -c listen_addresses='' -c fsync=off "
+            f"-c max_connections={self.max_connections} -c shared_buffers=128MB"
+        )
+        subprocess.run(
+            self._as_owner(str(self.bindir / "pg_ctl"), "-D", str(data), "-o", options,
+                           "-l", str(self.directory / "server.log"), "-w", "start"),
+            check=True, capture_output=True,
+        )  # fmt: skip
+        return f"postgresql://postgres@/postgres?host={self.directory}"
+
+    def __exit__(self, *exc: object) -> None:
+        import shutil
+
+        subprocess.run(
+            self._as_owner(str(self.bindir / "pg_ctl"), "-D", str(self.directory / "data"),
+                           "-m", "fast", "-w", "stop"),
+            capture_output=True,
+        )  # fmt: skip
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 async def _fairness(dsn: str, slots: int) -> int:
@@ -1615,9 +1746,13 @@ def main() -> int:
         "what",
         choices=["torture", "bench", "adoption", "idle", "fairness", "claims", "per-run"],
     )
-    parser.add_argument("--fleet", default="10,100,1000", help="idle: worker counts")
-    parser.add_argument("--window", type=float, default=30.0, help="idle: seconds measured")
-    parser.add_argument("--warmup", type=float, default=20.0, help="idle: seconds before")
+    parser.add_argument("--fleet", default="10,100", help="idle: worker processes")
+    parser.add_argument("--simulate", default="1000", help="idle: workers as tasks")
+    parser.add_argument("--window", type=float, default=120.0, help="idle: seconds measured")
+    parser.add_argument("--warmup", type=float, default=40.0, help="idle: seconds before")
+    parser.add_argument(
+        "--shared-server", action="store_true", help="idle: --dsn's server, not one of its own"
+    )
     parser.add_argument("--database", default=IDLE_DB, help="idle: a database of its own")
     parser.add_argument("--claimers", default="1,2,4,8,16,32,64")
     parser.add_argument("--claim-runs", type=int, default=2000)

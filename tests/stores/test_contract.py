@@ -45,7 +45,7 @@ from tailrace.stores import (
     open_store,
 )
 from tailrace.stores._floor import postgres_raw_commit_rate, sqlite_raw_commit_rate
-from tailrace.stores._sql._statements import MIGRATIONS
+from tailrace.stores._sql._statements import CREATE_MIGRATIONS_TABLE, MIGRATIONS
 from tests.fixtures import POSTGRES_DSN
 
 if TYPE_CHECKING:
@@ -834,16 +834,20 @@ def test_parked_items_are_indexed_by_run_in_databases_made_before_the_index(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "old.db"
+    index = next(v for v, statements in MIGRATIONS if "parked_by_run" in " ".join(statements))
+    with sqlite3.connect(path) as conn:  # a database of the version before the index
+        conn.execute(CREATE_MIGRATIONS_TABLE)
+        for version, statements in MIGRATIONS:
+            if version < index:
+                for statement in statements:
+                    conn.execute(statement.replace("/*WITHOUT ROWID*/", "WITHOUT ROWID"))
+                conn.execute("INSERT INTO schema_migrations VALUES (?, 0)", (version,))
+    conn.close()
 
     async def open_store() -> None:
         async with stores.SQLiteStore(path):
             pass
 
-    asyncio.run(open_store())
-    with sqlite3.connect(path) as conn:  # as a database of the version before the index
-        conn.execute("DROP INDEX parked_by_run")
-        conn.execute("DELETE FROM schema_migrations WHERE version = ?", (MIGRATIONS[-1][0],))
-    conn.close()
     asyncio.run(open_store())
     with sqlite3.connect(path) as conn:
         plan = conn.execute(

@@ -152,7 +152,7 @@ class Lease:
         self._stop.set()
         if self._beat is not None:
             await asyncio.gather(self._beat, return_exceptions=True)
-        if self._stray is not None:  # a beat the store never answered, cancelled
+        if self._stray is not None:  # a beat still in flight (cancelled if the lease lapsed)
             await asyncio.gather(self._stray, return_exceptions=True)
         if self.lost is None and not self._released:
             await release_quietly(self.store, self.run_id, self.owner, self.token)
@@ -199,11 +199,17 @@ class Lease:
             # Not cut short by a timeout around the call: a driver may hold a cancellation
             # back for seconds (psycopg first asks the server to cancel the query).
             beat = asyncio.ensure_future(self._beat_once(time.monotonic()))
-            done, _ = await asyncio.wait((beat,), timeout=max(self._left(), 0.0))
-            if not done:  # the store did not answer before the lease could lapse
-                beat.cancel()
-                self._stray = beat
-                self._lose(OUTAGES.lapsed(self.owner, self._lapsed()))
+            stopping = asyncio.ensure_future(self._stop.wait())
+            await asyncio.wait(
+                (beat, stopping), timeout=max(self._left(), 0.0),
+                return_when=asyncio.FIRST_COMPLETED,
+            )  # fmt: skip
+            stopping.cancel()
+            if not beat.done():
+                self._stray = beat  # awaited on the way out (a beat mid-query finishes it)
+                if not self._stop.is_set():  # the lease could lapse before the store answers
+                    beat.cancel()
+                    self._lose(OUTAGES.lapsed(self.owner, self._lapsed()))
                 return
             try:
                 beat.result()
