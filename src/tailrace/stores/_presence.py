@@ -267,17 +267,9 @@ class Sessions:
                 pause = min(pause * 2, _LONGEST_PAUSE)
 
     async def _outlive(self, session: str, feed: ChangeFeed) -> None:
-        """Bury ``session`` once it is gone, unless the ring changes first."""
-        burying = asyncio.create_task(self._bury_when_gone(session))
-        news = asyncio.create_task(self._ring_news(feed))
-        try:
-            await asyncio.wait((burying, news), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (burying, news):
-                task.cancel()
-            await asyncio.gather(burying, news, return_exceptions=True)
-        if burying.done() and not burying.cancelled():
-            burying.result()  # a failure of the watch (the caller logs it and watches again)
+        """Bury ``session`` once it is gone, unless the ring changes first (a failure of the
+        watch is raised: the caller logs it and watches again)."""
+        await first_of(self._bury_when_gone(session), self._ring_news(feed))
 
     async def _bury_when_gone(self, session: str) -> None:
         async with self._tokens.outlive(session) as gone:
@@ -306,6 +298,20 @@ class Sessions:
             self._present.clear()
             if self._held is not None or self._tasks:
                 await self._close()
+
+
+async def first_of(work: Awaitable[T], other: Awaitable[object]) -> T | None:
+    """What ``work`` gives (or raises), or None if ``other`` ends first; the one still
+    running is cancelled and awaited."""
+    task = asyncio.ensure_future(work)
+    rival = asyncio.ensure_future(other)
+    try:
+        await asyncio.wait((task, rival), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, rival):
+            pending.cancel()
+        await asyncio.gather(task, rival, return_exceptions=True)
+    return task.result() if task.done() and not task.cancelled() else None
 
 
 async def patiently(call: Callable[[], Awaitable[T]], what: str) -> T:

@@ -41,7 +41,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from .._codec import DEFAULT_CODEC
 from .._errors import (
@@ -74,11 +74,11 @@ from ..stores import (
     RunStore,
     WorkerRow,
 )
+from ..stores._presence import first_of
 from ..stores._records import check_limit
 from ._schedules import Schedule, ScheduleTicker
 
 logger = logging.getLogger("tailrace.workers")
-T = TypeVar("T")
 
 #: The most overdue runs one look cancels.
 OVERDUE_BATCH = 50
@@ -363,7 +363,7 @@ class Worker:
         """Each time the store session lapses and is taken back: say so, and stop what this
         worker drives if the fleet buried the session meanwhile (its leases are fenced)."""
         while not closing.is_set():
-            lapse = await first_of(presence.lapse(), closing)
+            lapse = await first_of(presence.lapse(), closing.wait())
             if lapse is None:
                 return
             if not lapse.buried:
@@ -750,19 +750,6 @@ def _with_children(graphs: Sequence[Graph]) -> list[Graph]:
         found.append(graph)
         todo.extend(graph.child_graphs())
     return found
-
-
-async def first_of(work: Awaitable[T], closing: asyncio.Event) -> T | None:
-    """What ``work`` gives, or None if ``closing`` is set first (``work`` is then cancelled)."""
-    task = asyncio.ensure_future(work)
-    stopping = asyncio.ensure_future(closing.wait())
-    try:
-        await asyncio.wait((task, stopping), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for pending in (task, stopping):
-            pending.cancel()
-        await asyncio.gather(task, stopping, return_exceptions=True)
-    return task.result() if task.done() and not task.cancelled() else None
 
 
 def _seconds(value: object) -> bool:
