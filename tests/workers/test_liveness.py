@@ -17,12 +17,9 @@ Real workers on a real Postgres. Two ways to lose the store:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -31,6 +28,7 @@ from tailrace import Engine
 from tailrace.stores import PostgresStore, RunStore
 from tailrace.workers import Worker
 from tests import fixtures
+from tests.workers.test_worker import working
 
 pytestmark = [
     pytest.mark.postgres,
@@ -79,41 +77,22 @@ def fresh() -> None:
     GO = asyncio.Event()
 
 
-class Cable:
-    """A unix-socket proxy in front of the server, which can be cut and mended.
+class Cable(fixtures.SocketProxy):
+    """A proxy in front of the server's socket, which can be cut and mended.
 
-    Cut, it passes no byte either way and closes nothing (new connections
-    wait too): what a client sends is never answered, as when a cable is
-    pulled. Mended, the bytes held back flow again.
+    Cut, it passes no byte either way and closes nothing: what a client sends
+    is never answered, as when a cable is pulled. Mended, the bytes held back
+    flow again.
     """
 
     def __init__(self, target: str, directory: Path) -> None:
-        self.target = target
-        self.directory = directory
+        super().__init__(target, directory)
         self._flowing = asyncio.Event()
         self._flowing.set()
-        self._server: asyncio.Server | None = None
-        self._links: set[asyncio.Task[None]] = set()
-
-    @property
-    def dsn(self) -> str:
-        from psycopg.conninfo import make_conninfo
-
-        assert fixtures.POSTGRES_DSN is not None
-        return make_conninfo(fixtures.POSTGRES_DSN, host=str(self.directory), port="5432")
-
-    async def __aenter__(self) -> Cable:
-        path = self.directory / ".s.PGSQL.5432"
-        self._server = await asyncio.start_unix_server(self._serve, path=str(path))
-        return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        assert self._server is not None
-        self._server.close()
         self.mend()
-        for task in list(self._links):
-            task.cancel()
-        await asyncio.gather(*self._links, return_exceptions=True)
+        await super().__aexit__(*exc_info)
 
     def cut(self) -> None:
         self._flowing.clear()
@@ -121,25 +100,11 @@ class Cable:
     def mend(self) -> None:
         self._flowing.set()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._links.add(task)
-        up_writer: asyncio.StreamWriter | None = None
-        try:
-            await self._flowing.wait()
-            up_reader, up_writer = await asyncio.open_unix_connection(self.target)
-            async with asyncio.TaskGroup() as group:
-                group.create_task(self._pump(up_reader, writer))
-                await self._pump(reader, up_writer)
-                up_writer.write_eof()
-        except* (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            pass
-        finally:
-            for w in (writer, up_writer):
-                if w is not None:
-                    w.close()
-            self._links.discard(task)
+    async def link(self, client: fixtures.Ends, server: fixtures.Ends) -> None:
+        (reader, writer), (up_reader, up_writer) = client, server
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._pump(up_reader, writer))
+            await self._pump(reader, up_writer)
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while chunk := await reader.read(65536):
@@ -147,17 +112,6 @@ class Cable:
             writer.write(chunk)
             await writer.drain()
         writer.close()
-
-
-@contextlib.asynccontextmanager
-async def working(worker: Worker) -> AsyncIterator[asyncio.Task[Any]]:
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
-    try:
-        yield task
-    finally:
-        stop.set()
-        await task
 
 
 async def owner_of(store: RunStore, run_id: str) -> str | None:
@@ -236,16 +190,13 @@ async def _terminate_session(store: RunStore, schema: str, worker_id: str) -> No
 async def test_a_worker_cut_off_from_the_store_stops_before_its_lease_can_expire_and_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from psycopg.conninfo import conninfo_to_dict
-
     caplog.set_level(logging.INFO)
-    params = conninfo_to_dict(fixtures.POSTGRES_DSN or "")
-    socket = f"{params.get('host', '/tmp')}/.s.PGSQL.{params.get('port', '5432')}"
+    dsn = fixtures.POSTGRES_DSN or ""
     async with (
         fixtures.postgres_schema("liveness") as schema,
-        Cable(socket, tmp_path) as cable,
-        PostgresStore(fixtures.POSTGRES_DSN or "", schema=schema) as observer,
-        PostgresStore(cable.dsn, schema=schema, retry_budget=60.0) as mine,
+        Cable.before(dsn, tmp_path) as cable,
+        PostgresStore(dsn, schema=schema) as observer,
+        PostgresStore(cable.dsn(dsn), schema=schema, retry_budget=60.0) as mine,
     ):
         engine = Engine(store=observer)
         ids = [await engine.submit(cut_graph, n) for n in (1, 2)]
