@@ -4,7 +4,8 @@ Run as::
 
     python bench/fleet.py torture [--store sqlite|postgres|both] [--runs 400] [--kills 60]
     python bench/fleet.py bench [--store sqlite|postgres|both] [--workers 1,2,4,8] [--dbos]
-    python bench/fleet.py idle [--fleet 10,100,1000]     # idle commits/s and rows read/s
+    python bench/fleet.py adoption [--adopt-kills 5]     # a SIGKILLed worker's runs adopted
+    python bench/fleet.py idle [--fleet 10,100] [--simulate 1000]  # idle commits/s, rows read/s
     python bench/fleet.py fairness                       # a lone partition behind a busy one
     python bench/fleet.py claims [--backlogs 1000,10000,100000] [--partitions 0,100]
     python bench/fleet.py per-run                        # a 5-node run's commits, statements, CPU
@@ -177,6 +178,25 @@ async def after(answer):
 
 
 probe.chain("ask", "wait_here", "after")
+
+# The adoption measure's run: a quick step, then one that holds its worker until cancelled.
+adopt = tr.Graph("fleet_adopt")
+
+
+@adopt.task()
+async def warm(x):
+    _log(tr.current_node())
+    return x
+
+
+@adopt.task()
+async def hold(x):
+    _log(tr.current_node())
+    await asyncio.sleep(3600)
+    return x
+
+
+adopt.chain("warm", "hold")
 '''.replace("@SIDE_ENV@", SIDE_ENV)
 
 
@@ -263,7 +283,7 @@ class WorkerProcess:
     def __init__(
         self,
         target: Target,
-        graph_file: Path,
+        graph_file: Path | None,
         name: str,
         queues: Sequence[str] = (QUEUE,),
         *,
@@ -274,7 +294,8 @@ class WorkerProcess:
         self.name = name
         self.log = target.workdir / f"{name}.log"
         args = [*prefix, *tailrace_command(), "worker", "--db", target.url]
-        args += ["--graphs", str(graph_file)]
+        if graph_file is not None:
+            args += ["--graphs", str(graph_file)]
         for queue in queues:
             args += ["--queue", queue]
         for key, value in options.items():
@@ -318,8 +339,8 @@ class WorkerProcess:
             return self.proc.wait()
 
 
-def wait_ready(workers: Sequence[WorkerProcess]) -> None:
-    deadline = time.monotonic() + START_GUARD
+def wait_ready(workers: Sequence[WorkerProcess], guard: float = START_GUARD) -> None:
+    deadline = time.monotonic() + guard
     while not all(w.ready() for w in workers):
         for w in workers:
             if w.proc.poll() is not None:
@@ -1089,6 +1110,140 @@ def run_torture(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+# --- adoption after SIGKILL -----------------------------------------------------------------------
+
+
+@dataclass
+class Kill:
+    """One SIGKILL of the adoption measure: the runs it orphaned, and when each had a new owner."""
+
+    orphans: int
+    seconds: float
+
+
+def machine_load() -> str:
+    """The 1, 5 and 15 minute load averages, as ``/proc/loadavg`` has them."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def _owners(conn: Any, kind: str, ids: Sequence[str]) -> dict[str, str | None]:
+    mark = "?" if kind == "sqlite" else "%s"
+    query = f"SELECT run_id, lease_owner FROM runs WHERE run_id IN ({', '.join([mark] * len(ids))})"
+    return {str(r[0]): r[1] for r in conn.execute(query, tuple(ids)).fetchall()}
+
+
+def _pid_of(owner: str | None) -> int | None:
+    """The process id in a lease owner's name (``host:pid:start:nonce``)."""
+    parts = (owner or "").rsplit(":", 3)
+    return int(parts[1]) if len(parts) == 4 and parts[1].isdigit() else None
+
+
+async def adoption(
+    kind: str, *, workdir: Path, dsn: str | None, kills: int, workers: int = 3, per_worker: int = 2
+) -> list[Kill]:
+    """``kills`` times: ``workers`` workers hold ``per_worker`` runs each (with as many slots
+    free: the survivors have room); the one holding most is SIGKILLed; how long until a
+    live worker leases every run it held (polled every 2 ms), then a fresh worker takes its
+    place and the round's runs are cancelled."""
+    import tailrace as tr
+
+    target = Target(kind, workdir, dsn)
+    graph_file = write_graph(workdir)
+    module = load_graphs(graph_file)
+    slots = 2 * per_worker
+    fleet = [WorkerProcess(target, graph_file, f"w{n}", concurrency=slots) for n in range(workers)]
+    measured: list[Kill] = []
+    try:
+        wait_ready(fleet)
+        async with open_target(target) as store:
+            engine = tr.Engine(store=store)
+            for k in range(kills):
+                ids = [
+                    await engine.submit(module.adopt, n, queue=QUEUE, run_id=f"a{k}-{n}")
+                    for n in range(workers * per_worker)
+                ]
+                with target.sql() as conn:
+                    owners = await _until_owned(conn, kind, ids)
+                pids = {p.proc.pid: p for p in fleet}
+                held: dict[int, list[str]] = {}
+                for run_id, owner in owners.items():
+                    held.setdefault(_pid_of(owner) or -1, []).append(run_id)
+                victim_pid = max((p for p in held if p in pids), key=lambda p: len(held[p]))
+                victim = pids[victim_pid]
+                orphans = held[victim_pid]
+                seconds = await asyncio.to_thread(_kill_and_watch, target, victim, orphans)
+                measured.append(Kill(orphans=len(orphans), seconds=seconds))
+                fleet[fleet.index(victim)] = WorkerProcess(
+                    target, graph_file, f"{victim.name}-{k}", concurrency=slots
+                )
+                for run_id in ids:
+                    await engine.cancel(run_id)
+                await _until_ended(store, ids)
+                wait_ready(fleet)
+    finally:
+        for proc in fleet:
+            proc.stop(timeout=30)
+        target.drop()
+    return measured
+
+
+def _kill_and_watch(target: Target, victim: WorkerProcess, orphans: Sequence[str]) -> float:
+    """SIGKILL ``victim``; seconds until a live worker leases each of ``orphans`` (2 ms polls)."""
+    with target.sql() as conn:
+        killed = time.monotonic()
+        victim.kill()
+        while True:
+            now = _owners(conn, target.kind, orphans)
+            if all(o is not None and _pid_of(o) != victim.proc.pid for o in now.values()):
+                return time.monotonic() - killed
+            if time.monotonic() - killed > 120:
+                raise RuntimeError(f"the runs of worker {victim.name} were never adopted")
+            time.sleep(0.002)
+
+
+async def _until_owned(conn: Any, kind: str, ids: Sequence[str]) -> dict[str, str | None]:
+    deadline = time.monotonic() + START_GUARD
+    while time.monotonic() < deadline:
+        owners = _owners(conn, kind, ids)
+        if all(o is not None for o in owners.values()) and len(owners) == len(ids):
+            return owners
+        await asyncio.sleep(0.02)
+    raise RuntimeError("the workers did not claim the round's runs")
+
+
+async def _until_ended(store: Any, ids: Sequence[str]) -> None:
+    from tailrace.stores import TERMINAL_STATUSES
+
+    deadline = time.monotonic() + START_GUARD
+    while time.monotonic() < deadline:
+        statuses = [(await store.get_run(r)).status for r in ids]
+        if all(status in TERMINAL_STATUSES for status in statuses):
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError("the round's runs were not cancelled")
+
+
+def run_adoption(args: argparse.Namespace) -> None:
+    import tailrace
+
+    print(f"adoption after SIGKILL ({tailrace.__file__}); machine load {machine_load()}")
+    print(f"{'store':>9} {'kills':>6} {'orphans':>8} {'p50 s':>8} {'max s':>8} {'<= 1 s':>7}")
+    for kind in stores_of(args):
+        with tempfile.TemporaryDirectory(prefix="tailrace-adopt-") as tmp:
+            kills = asyncio.run(
+                adoption(kind, workdir=Path(tmp), dsn=args.dsn, kills=args.adopt_kills)
+            )
+        times = sorted(k.seconds for k in kills)
+        print(f"{kind:>9} {len(kills):>6} {sum(k.orphans for k in kills):>8} "
+              f"{percentile(times, 0.5):>8.3f} {times[-1]:>8.3f} "
+              f"{sum(t <= 1.0 for t in times):>4}/{len(times)}")  # fmt: skip
+        print("          each:", ", ".join(f"{k.seconds:.3f} s ({k.orphans} runs)" for k in kills))
+    print(f"machine load after: {machine_load()}")
+
+
 # --- idle cost, fairness, claim scaling, statements per run (one Postgres) ---------------------
 
 IDLE_DB = "tailrace_fleet_bench"
@@ -1138,15 +1293,131 @@ def _ensure_database(dsn: str, dbname: str) -> str:
     return _db_dsn(dsn, dbname)
 
 
-#: The start of the statements that scan the ``workers`` table (stopped, late workers).
-WORKER_SCANS = "SELECT worker_id FROM workers WHERE"
+def _background(dsn: str, window: float) -> tuple[float, float]:
+    """The database's own commits/s and rows/s with no worker (autovacuum, the measuring)."""
+    c0, r0 = _counters(dsn)
+    time.sleep(window)
+    c1, r1 = _counters(dsn)
+    return (c1 - c0) / window, (r1 - r0) / window
 
 
-async def _idle_fleet(
+def run_idle(args: argparse.Namespace) -> None:
+    """Idle workers' cost: ``--fleet`` real worker processes, then ``--simulate`` workers as
+    tasks of this process, on a Postgres of the measure's own (or ``--shared-server``)."""
+    import tailrace
+
+    server = contextlib.nullcontext(args.dsn) if args.shared_server else PrivateServer()
+    with server as dsn:
+        dsn = _ensure_database(dsn, args.database)
+        base_c, base_r = _background(dsn, args.window)
+        print(
+            f"idle workers ({tailrace.__file__}) on one Postgres, "
+            f"{'shared' if args.shared_server else 'of their own'}; {args.window:g} s windows "
+            f"after {args.warmup:g} s; the database's background ({base_c:.2f} commits/s, "
+            f"{base_r:.0f} rows/s) subtracted; machine load {machine_load()}"
+        )
+        print(f"{'workers':>8} {'as':>9} {'commits/s':>10} {'per worker':>11} "
+              f"{'rows read/s':>12} {'per worker':>11} {'own rows/s':>11} {'per worker':>11} "
+              f"{'per commit':>11} {'conns/worker':>13}")  # fmt: skip
+        sizes = [("processes", int(x)) for x in args.fleet.split(",") if x]
+        sizes += [("tasks", int(x)) for x in args.simulate.split(",") if x]
+        for mode, n in sizes:
+            measure = _idle_processes if mode == "processes" else _idle_tasks
+            idle = measure(dsn, n, args.window, args.warmup)
+            commits, rows = max(idle.commits - base_c, 0.0), max(idle.rows - base_r, 0.0)
+            per_commit = idle.own_rows / commits if commits else 0.0
+            print(f"{n:>8} {mode:>9} {commits:>10.2f} {commits / n:>11.4f} {rows:>12.1f} "
+                  f"{rows / n:>11.3f} {idle.own_rows:>11.2f} {idle.own_rows / n:>11.4f} "
+                  f"{per_commit:>11.2f} {idle.connections / n:>13.2f}")  # fmt: skip
+        print(f"machine load after: {machine_load()}")
+
+
+def _connections(dsn: str) -> int:
+    """Sessions on the DSN's database, besides the one asking."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchone()
+    return int(row[0]) if row is not None else 0
+
+
+def _schema_reads(dsn: str, schema: str) -> int:
+    """Rows and index entries read from ``schema``'s tables so far (sequential scans' rows,
+    index scans' entries): the workers' own reads, without the catalogs' (autovacuum's
+    table picks, the measure's own queries)."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT COALESCE((SELECT SUM(seq_tup_read) FROM pg_stat_user_tables "
+            "WHERE schemaname = %s), 0) + COALESCE((SELECT SUM(idx_tup_read) "
+            "FROM pg_stat_user_indexes WHERE schemaname = %s), 0)",
+            (schema, schema),
+        ).fetchone()
+    return int(row[0]) if row is not None else 0
+
+
+@dataclass
+class Idle:
+    """What idle workers cost, per second: commits, rows read (the database's, and their own
+    tables' alone), and the connections they hold."""
+
+    commits: float
+    rows: float
+    own_rows: float
+    connections: int
+
+
+def _window(dsn: str, schema: str, window: float) -> Idle:
+    """What the DSN's database did over ``window`` seconds (see :class:`Idle`)."""
+    connections = _connections(dsn)
+    c0, r0 = _counters(dsn)
+    o0 = _schema_reads(dsn, schema)
+    t0 = time.monotonic()
+    time.sleep(window)
+    c1, r1 = _counters(dsn)
+    o1 = _schema_reads(dsn, schema)
+    elapsed = time.monotonic() - t0
+    return Idle((c1 - c0 - 2) / elapsed, (r1 - r0) / elapsed, (o1 - o0) / elapsed, connections)
+
+
+def _idle_processes(
     dsn: str, workers: int, window: float, warmup: float
-) -> tuple[float, float, float, float]:
-    """Commits/s, rows read/s, statements/s and ``workers``-table scans/s of ``workers`` idle
-    workers (real ``Worker`` objects as tasks)."""
+) -> tuple[float, float, int]:
+    """Commits/s, rows read/s and connections of ``workers`` idle ``tailrace worker`` processes."""
+    with tempfile.TemporaryDirectory(prefix="tailrace-idle-") as tmp:
+        target = Target("postgres", Path(tmp), dsn, schema=f"idle_{uuid.uuid4().hex[:8]}")
+        fleet: list[WorkerProcess] = []
+        try:
+            fleet.append(WorkerProcess(target, None, "idle0", queues=("idle",), concurrency=1))
+            wait_ready(fleet)  # the first one makes the schema
+            fleet += [
+                WorkerProcess(target, None, f"idle{n}", queues=("idle",), concurrency=1)
+                for n in range(1, workers)
+            ]
+            wait_ready(fleet, guard=START_GUARD + 3 * workers)
+            time.sleep(warmup)
+            idle = _window(dsn, target.schema, window)
+        finally:
+            for proc in fleet:
+                proc.proc.send_signal(signal.SIGTERM)
+            for proc in fleet:
+                proc.stop()
+            target.drop()
+    return idle
+
+
+def _idle_tasks(dsn: str, workers: int, window: float, warmup: float) -> Idle:
+    """Commits/s, rows read/s and connections of ``workers`` idle ``Worker`` objects, tasks of
+    this process sharing one store (a pool of 16)."""
+    return asyncio.run(_idle_fleet(dsn, workers, window, warmup))
+
+
+async def _idle_fleet(dsn: str, workers: int, window: float, warmup: float) -> Idle:
     from tailrace.stores import PostgresStore
     from tailrace.workers import Worker
 
@@ -1158,44 +1429,59 @@ async def _idle_fleet(
     tasks = [asyncio.create_task(w.run(stop)) for w in fleet]
     try:
         await asyncio.sleep(warmup)
-        c0, r0 = await asyncio.to_thread(_counters, dsn)
-        t0 = time.monotonic()
-        with Statements() as sent:
-            await asyncio.sleep(window)
-        c1, r1 = await asyncio.to_thread(_counters, dsn)
-        elapsed = time.monotonic() - t0
+        idle = await asyncio.to_thread(_window, dsn, schema, window)
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await store.close()
         _drop_schema(dsn, schema)
-    scans = sent.starting(WORKER_SCANS)
-    return (c1 - c0 - 1) / elapsed, (r1 - r0) / elapsed, sent.count / elapsed, scans / elapsed
+    return idle
 
 
-def _background(dsn: str, window: float) -> tuple[float, float]:
-    """The database's own commits/s and rows/s with no worker (autovacuum, the measuring)."""
-    c0, r0 = _counters(dsn)
-    time.sleep(window)
-    c1, r1 = _counters(dsn)
-    return (c1 - c0) / window, (r1 - r0) / window
+class PrivateServer:
+    """A throwaway PostgreSQL of the measure's own: ``initdb`` into a temporary directory,
+    a unix socket there only, room for a thousand connections, fsync off; run as the
+    ``postgres`` user when we are root. Entering starts it and gives its DSN."""
 
+    def __init__(self, max_connections: int = 1200) -> None:
+        self.bindir = Path(os.environ.get("TAILRACE_PG_BINDIR", "/usr/lib/postgresql/15/bin"))
+        self.max_connections = max_connections
+        self.directory = Path(tempfile.mkdtemp(prefix="tailrace-pgidle-"))
 
-def run_idle(args: argparse.Namespace) -> None:
-    dsn = _ensure_database(args.dsn, args.database)
-    base_c, base_r = _background(dsn, args.window)
-    print(
-        f"idle workers on one Postgres ({args.window:g} s windows after {args.warmup:g} s; "
-        f"the database's background, {base_c:.2f} commits/s and {base_r:.0f} rows/s, "
-        "subtracted):"
-    )
-    print(f"{'workers':>8} {'commits/s':>10} {'per worker':>11} {'rows read/s':>12} "
-          f"{'per worker':>11} {'statements/s':>13} {'worker scans/s':>15}")  # fmt: skip
-    for n in (int(x) for x in args.fleet.split(",")):
-        commits, rows, sent, scans = asyncio.run(_idle_fleet(dsn, n, args.window, args.warmup))
-        commits, rows = max(commits - base_c, 0.0), max(rows - base_r, 0.0)
-        print(f"{n:>8} {commits:>10.1f} {commits / n:>11.3f} {rows:>12.0f} {rows / n:>11.1f} "
-              f"{sent:>13.1f} {scans:>15.2f}")  # fmt: skip
+    def _as_owner(self, *argv: str) -> list[str]:
+        return ["runuser", "-u", "postgres", "--", *argv] if os.geteuid() == 0 else list(argv)
+
+    def __enter__(self) -> str:
+        import shutil
+
+        if os.geteuid() == 0:
+            shutil.chown(self.directory, "postgres", "postgres")
+        data = self.directory / "data"
+        subprocess.run(
+            self._as_owner(str(self.bindir / "initdb"), "-D", str(data), "-U", "postgres",
+                           "-A", "trust", "-E", "UTF8", "--no-sync"),
+            check=True, capture_output=True,
+        )  # fmt: skip
+        options = (
+            f"-k {self.directory} -c listen_addresses='' -c fsync=off "
+            f"-c max_connections={self.max_connections} -c shared_buffers=128MB"
+        )
+        subprocess.run(
+            self._as_owner(str(self.bindir / "pg_ctl"), "-D", str(data), "-o", options,
+                           "-l", str(self.directory / "server.log"), "-w", "start"),
+            check=True, capture_output=True,
+        )  # fmt: skip
+        return f"postgresql://postgres@/postgres?host={self.directory}"
+
+    def __exit__(self, *exc: object) -> None:
+        import shutil
+
+        subprocess.run(
+            self._as_owner(str(self.bindir / "pg_ctl"), "-D", str(self.directory / "data"),
+                           "-m", "fast", "-w", "stop"),
+            capture_output=True,
+        )  # fmt: skip
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 async def _fairness(dsn: str, slots: int) -> int:
@@ -1591,11 +1877,16 @@ def run_per_run(args: argparse.Namespace) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "what", choices=["torture", "bench", "idle", "fairness", "claims", "per-run"]
+        "what",
+        choices=["torture", "bench", "adoption", "idle", "fairness", "claims", "per-run"],
     )
-    parser.add_argument("--fleet", default="10,100,1000", help="idle: worker counts")
-    parser.add_argument("--window", type=float, default=30.0, help="idle: seconds measured")
-    parser.add_argument("--warmup", type=float, default=20.0, help="idle: seconds before")
+    parser.add_argument("--fleet", default="10,100", help="idle: worker processes")
+    parser.add_argument("--simulate", default="1000", help="idle: workers as tasks")
+    parser.add_argument("--window", type=float, default=120.0, help="idle: seconds measured")
+    parser.add_argument("--warmup", type=float, default=40.0, help="idle: seconds before")
+    parser.add_argument(
+        "--shared-server", action="store_true", help="idle: --dsn's server, not one of its own"
+    )
     parser.add_argument("--database", default=IDLE_DB, help="idle: a database of its own")
     parser.add_argument("--claimers", type=int, default=4, help="claims: concurrent claimers")
     parser.add_argument("--backlogs", default="1000,10000,100000", help="claims: queued runs")
@@ -1609,6 +1900,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=20261201)
     parser.add_argument("--runs", type=int, default=1000)
     parser.add_argument("--kills", type=int, default=100)
+    parser.add_argument("--adopt-kills", type=int, default=5, help="adoption: SIGKILLs per store")
     parser.add_argument("--workers", default="1,2,4,8")
     parser.add_argument("--runs-per-worker", type=int, default=40)
     parser.add_argument("--per-worker", type=int, default=1, help="runs one worker drives at once")
@@ -1619,6 +1911,7 @@ def main() -> int:
     if args.what == "torture":
         return run_torture(args)
     measures = {"idle": run_idle, "fairness": run_fairness, "claims": run_claims}
+    measures["adoption"] = run_adoption
     measures["per-run"] = run_per_run
     measures.get(args.what, run_bench)(args)
     return 0

@@ -426,6 +426,75 @@ async def store(backend: Backend) -> RunStore:
     return backend.store
 
 
+# --- a proxy in front of the server -------------------------------------------------------
+
+
+#: A connection's reading and writing ends.
+Ends = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class SocketProxy:
+    """A unix-socket proxy in ``directory`` in front of the Postgres socket ``target``.
+
+    Entering listens; each connection gets one to the server, and a subclass
+    passes the bytes (:meth:`link`). Leaving stops listening and ends every
+    link. :meth:`dsn` is a DSN through it.
+    """
+
+    def __init__(self, target: str, directory: Path) -> None:
+        self.target = target
+        self.directory = directory
+        self._server: asyncio.Server | None = None
+        self._links: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def before(cls, dsn: str, directory: Path) -> Any:
+        """A proxy in ``directory`` in front of the server ``dsn`` reaches by its socket."""
+        from psycopg.conninfo import conninfo_to_dict
+
+        params = conninfo_to_dict(dsn)
+        host = str(params.get("host", "/tmp"))
+        return cls(f"{host}/.s.PGSQL.{params.get('port', '5432')}", directory)
+
+    def dsn(self, dsn: str) -> str:
+        """``dsn`` through this proxy."""
+        from psycopg.conninfo import make_conninfo
+
+        return make_conninfo(dsn, host=str(self.directory), port="5432")
+
+    async def __aenter__(self) -> Any:
+        path = self.directory / ".s.PGSQL.5432"
+        self._server = await asyncio.start_unix_server(self._serve, path=str(path))
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in list(self._links):
+            task.cancel()
+        await asyncio.gather(*self._links, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._links.add(task)
+        up_writer: asyncio.StreamWriter | None = None
+        try:
+            up_reader, up_writer = await asyncio.open_unix_connection(self.target)
+            await self.link((reader, writer), (up_reader, up_writer))
+        except* (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            for w in (writer, up_writer):
+                if w is not None:
+                    w.close()
+            self._links.discard(task)
+
+    async def link(self, client: Ends, server: Ends) -> None:
+        """Pass one connection's bytes between the client's ends and the server's."""
+        raise NotImplementedError
+
+
 # --- time and waiting ------------------------------------------------------------------
 
 

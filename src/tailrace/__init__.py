@@ -17,6 +17,7 @@ from ._errors import GraphMismatch as GraphMismatch
 from ._errors import Incompatibility as Incompatibility
 from ._errors import LeaseError as LeaseError
 from ._errors import LeaseHeld as LeaseHeld
+from ._errors import LeaseLapsed as LeaseLapsed
 from ._errors import LeaseLost as LeaseLost
 from ._errors import MapError as MapError
 from ._errors import NotResumable as NotResumable
@@ -97,6 +98,7 @@ __all__ = [
     "LateInput",
     "LeaseError",
     "LeaseHeld",
+    "LeaseLapsed",
     "LeaseLost",
     "MapError",
     "MigrationReport",

@@ -28,6 +28,7 @@ callers are expected to handle get their own class::
     ├── LeaseError
     │   ├── LeaseHeld                    another live engine owns the run (D6)
     │   └── LeaseLost                    our lease was taken over; writes are fenced (D6)
+    │       └── LeaseLapsed              the store did not answer in time to renew it (W7)
     └── QuestionError
         ├── QuestionNotFound (KeyError)
         └── AlreadyAnswered              first answer won (Q2)
@@ -218,6 +219,11 @@ class LeaseHeld(LeaseError):
 
 class LeaseLost(LeaseError):
     """This engine's lease was taken over; its writes are rejected by the fencing token."""
+
+
+class LeaseLapsed(LeaseLost):
+    """The store did not answer in time to renew this engine's lease: the run stopped before
+    the lease could expire, so that whoever adopts it next is its only driver (D6, W7)."""
 
 
 class QuestionError(TailraceError):

@@ -38,6 +38,7 @@ from tailrace.stores import (
     RunStatus,
     Submission,
 )
+from tests import fixtures
 from tests.fixtures import POSTGRES_DSN
 
 HANG_GUARD = 20.0
@@ -51,7 +52,7 @@ pytestmark = [
 if POSTGRES_DSN is not None:
     import psycopg
     from psycopg import sql
-    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+    from psycopg.conninfo import make_conninfo
 
     from tailrace.stores import PostgresStore
 
@@ -176,7 +177,7 @@ async def assert_applied_once(store: PostgresStore, run_id: str = "r1") -> None:
 # --- a proxy that loses the answer to a COMMIT ------------------------------------------
 
 
-class CommitCutter:
+class CommitCutter(fixtures.SocketProxy):
     """A unix-socket proxy in front of the server that can cut a connection at its next COMMIT.
 
     Armed with ``after=True``, it forwards the COMMIT, waits for the server's
@@ -186,46 +187,21 @@ class CommitCutter:
     """
 
     def __init__(self, target: str, directory: Path) -> None:
-        self.target = target
-        self.directory = directory
+        super().__init__(target, directory)
         self.armed: bool | None = None
         self.cuts = 0
         self._drop_next = False
-        self._server: asyncio.Server | None = None
-        self._links: set[asyncio.Task[None]] = set()
-
-    async def __aenter__(self) -> CommitCutter:
-        path = self.directory / ".s.PGSQL.5432"
-        self._server = await asyncio.start_unix_server(self._serve, path=str(path))
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._links):
-            task.cancel()
-        await asyncio.gather(*self._links, return_exceptions=True)
 
     def arm(self, *, after: bool) -> None:
         self.armed = after
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._links.add(task)
-        up_reader, up_writer = await asyncio.open_unix_connection(self.target)
+    async def link(self, client: fixtures.Ends, server: fixtures.Ends) -> None:
+        (reader, writer), (up_reader, up_writer) = client, server
         answer = asyncio.Event()
-        try:
-            async with asyncio.TaskGroup() as group:
-                down = group.create_task(self._pump(up_reader, writer, answer))
-                await self._client_to_server(reader, up_writer, answer)
-                down.cancel()
-        except* (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            for w in (writer, up_writer):
-                w.close()
-            self._links.discard(task)
+        async with asyncio.TaskGroup() as group:
+            down = group.create_task(self._pump(up_reader, writer, answer))
+            await self._client_to_server(reader, up_writer, answer)
+            down.cancel()
 
     async def _client_to_server(
         self,
@@ -261,15 +237,12 @@ class CommitCutter:
 
 @pytest.fixture
 async def cutter(pg: Pg, tmp_path: Path) -> AsyncIterator[CommitCutter]:
-    params = conninfo_to_dict(pg.dsn)
-    host = str(params.get("host", "/tmp"))
-    port = str(params.get("port", "5432"))
-    async with CommitCutter(f"{host}/.s.PGSQL.{port}", tmp_path) as proxy:
+    async with CommitCutter.before(pg.dsn, tmp_path) as proxy:
         yield proxy
 
 
 def through(pg: Pg, proxy: CommitCutter) -> str:
-    return make_conninfo(pg.dsn, host=str(proxy.directory), port="5432")
+    return proxy.dsn(pg.dsn)
 
 
 # --- finding 9: a lost COMMIT answer, lost connections, deadlocks ------------------------------

@@ -10,6 +10,7 @@ store object on the same database.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
@@ -602,64 +603,48 @@ async def test_a_new_version_is_the_newest_whatever_the_registering_hosts_clock(
     assert rows[2].registered_at == 100.0 < rows[1].registered_at < rows[0].registered_at < 101
 
 
+def worker(worker_id: str, seen: float, queues: tuple[str, ...] = ("q",)) -> WorkerRow:
+    return WorkerRow(worker_id=worker_id, queues=queues, concurrency=4, started_at=seen,
+                     seen_at=seen, dead_after=30.0)  # fmt: skip
+
+
 async def test_a_pulse_reports_the_worker_and_what_is_worth_a_look(backend: Backend) -> None:
-    """The idle heartbeat: one call, the report written, each thing probed (W3)."""
+    """The idle heartbeat: one call, the report written, each thing probed, and when the next
+    thing no change announces comes due (W3, W7)."""
     store, now = backend.store, backend.clock.now
-
-    def worker(worker_id: str, seen: float, queues: tuple[str, ...] = ("q",)) -> WorkerRow:
-        return WorkerRow(worker_id=worker_id, queues=queues, concurrency=4, started_at=seen,
-                         seen_at=seen, dead_after=30.0)  # fmt: skip
-
     me = worker("box:1:0:a", now)
-    assert await store.pulse(me) == Pulse()  # nothing to do, nobody else
+    assert await store.pulse(me) == Pulse()  # nothing to do, nothing coming
     assert await store.workers() == [me]
-    backend.clock.advance(3.0)  # that pulse took both scans: the next are due 3 s (0.1 x 30) on
-    await store.worker_seen(worker("box:2:0:b", now - 10))  # same host, alive
-    await store.worker_seen(worker("far:3:0:c", now - 31))  # another host, silent too long
-    await store.worker_seen(worker("far:4:0:d", now - 40))
     await submit(store, "r1", "q", at=1.0)
     await submit(store, "r2", "q", at=2.0)
+    await submit(store, "later", "q", at=3.0, not_before=now + 50)
+    await submit(store, "elsewhere", "other", at=4.0, not_before=now + 5)
     assert await store.claim_runs("q", "box:1:0:a", TTL, limit=1) == ["r1"]
     await store.request_cancel("r1")
-    pulse = await store.pulse(me)
-    assert pulse.kinds == {"submit", "cancel"}
-    assert (pulse.expired, pulse.here, pulse.gates) == (
-        ("far:4:0:d", "far:3:0:c"),
-        ("box:2:0:b",),
-        False,
-    )
-    assert (await store.pulse(worker("box:1:0:a", now, queues=("other",)))).kinds == {"cancel"}
-    backend.clock.advance(TTL + 1)  # r1's lease expires: an orphan
-    assert "release" in (await store.pulse(worker("box:1:0:a", backend.clock.now))).kinds
+    # r1's lease expires first; the delayed run of another queue is not this worker's.
+    assert await store.pulse(me) == Pulse(kinds=frozenset({"submit", "cancel"}), due_at=now + TTL)
+    theirs = await store.pulse(worker("box:1:0:a", now, queues=("other",)))
+    assert theirs == Pulse(kinds=frozenset({"submit", "cancel"}), due_at=now + 5)
+    backend.clock.advance(TTL + 1)  # r1's lease expired: an orphan; the delayed run comes next
+    pulse = await store.pulse(worker("box:1:0:a", backend.clock.now))
+    assert "release" in pulse.kinds and pulse.due_at == now + 50
 
 
-async def test_pulses_take_turns_at_the_scans_for_stopped_and_late_workers(
-    backend: Backend,
-) -> None:
-    """One pulse of the fleet per tenth of ``dead_after`` scans for stopped workers, and one
-    per host for late ones: a heartbeat reads O(1) rows however many workers beat (W3)."""
-    store = backend.store
-
-    def worker(worker_id: str, seen: float) -> WorkerRow:
-        return WorkerRow(worker_id=worker_id, queues=("q",), concurrency=1, started_at=seen,
-                         seen_at=seen, dead_after=30.0)  # fmt: skip
-
-    now = backend.clock.now
-    await store.worker_seen(worker("box:2:0:b", now - 10))  # late on box
-    await store.worker_seen(worker("far:3:0:c", now - 31))  # stopped
-    first = await store.pulse(worker("box:1:0:a", now))
-    assert (first.expired, first.here) == (("far:3:0:c",), ("box:2:0:b",))
-    # The same moment: the fleet's scan and box's were taken; another host's is due.
-    assert (await store.pulse(worker("box:4:0:d", now))).expired == ()
-    assert (await store.pulse(worker("box:4:0:d", now))).here == ()
-    elsewhere = await store.pulse(worker("far:5:0:e", now))
-    assert (elsewhere.expired, elsewhere.here) == ((), ("far:3:0:c",))
-    backend.clock.advance(2.9)
-    assert await store.pulse(worker("box:4:0:d", backend.clock.now)) == Pulse()
-    backend.clock.advance(0.2)  # 3.1 s on: both of box's scopes are due again, once
-    again = await store.pulse(worker("box:4:0:d", backend.clock.now))
-    assert (again.expired, again.here) == (("far:3:0:c",), ("box:2:0:b",))
-    assert await store.pulse(worker("box:1:0:a", backend.clock.now)) == Pulse()
+async def test_a_pulse_says_when_a_waiting_run_passes_its_deadline(backend: Backend) -> None:
+    """R6: a queued or suspended run's deadline comes due (``due_at``), then is ``overdue``;
+    a finished run's deadline is no one's business (it is not even read)."""
+    store, now = backend.store, backend.clock.now
+    ended = dataclasses.replace(new_run("ended", at=1.0), deadline=now + 2)
+    await store.submit_run(ended, Submission(queue="q"))
+    await store.claim_runs("q", "w1", TTL, limit=1)
+    await finish(store, "ended")
+    waiting = dataclasses.replace(new_run("waiting", at=2.0), deadline=now + 20)
+    await store.submit_run(waiting, Submission(queue="q"))
+    me = worker("box:1:0:a", now, queues=("none",))
+    assert await store.pulse(me) == Pulse(due_at=now + 20)
+    backend.clock.advance(21)
+    assert await store.pulse(me) == Pulse(overdue=True)
+    assert await store.overdue_runs(backend.clock.now, limit=10) == ["waiting"]
 
 
 async def test_run_durations_feed_the_estimator(backend: Backend) -> None:

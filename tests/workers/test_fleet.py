@@ -15,6 +15,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import pytest
 
 from tailrace import Engine
 from tailrace.core import stretches_of
-from tailrace.stores import QuestionStatus, RunStatus, open_store
+from tailrace.stores import QuestionStatus, RunStatus, RunStore, open_store
 from tests import fixtures
 
 pytestmark = pytest.mark.slow  # fleets of worker processes, SIGKILLed and restarted
@@ -217,6 +218,54 @@ async def test_a_dead_workers_run_is_adopted_at_once_not_after_its_lease(
     shown = await show(fleet_of, run_id)
     assert "driven by (2 stretches, taken over 1 time)" in shown.stdout
     assert drivers[0].owner in shown.stdout and drivers[1].owner in shown.stdout
+
+
+async def test_a_sigkilled_workers_runs_are_adopted_by_a_live_worker_within_seconds(
+    fleet_of: Fleet,
+) -> None:
+    """W7: three workers; the one holding runs is SIGKILLed; its store session ends with it,
+    the session watching it buries it, and a survivor owns every run long before the 30 s
+    leases could expire (the default heartbeat, 30 s, plays no part); each run completes,
+    its committed visit never run again."""
+    async with engine(fleet_of) as submitter:
+        assert submitter.store is not None
+        store = submitter.store
+        doomed = fleet_of.start("--concurrency", 2, env={"TAILRACE_TEST_CRAWL": "3600"})
+        ids = [await submitter.submit(graphs.slow, n) for n in range(2)]
+
+        async def crawling() -> bool:
+            started = fleet_of.starts()
+            warmed = [await store.results(r, "warm") for r in ids]
+            return all((r, "crawl", 1) in started for r in ids) and all(warmed)
+
+        await until(crawling, "the doomed worker to crawl both runs, warm committed")
+        survivors = [fleet_of.start(env={"TAILRACE_TEST_CRAWL": "0.2"}) for _ in range(2)]
+        await until(lambda: _present(store, 3), "three workers present")
+        doomed.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        await asyncio.to_thread(doomed.wait)
+
+        async def adopted() -> bool:
+            owners = [(await store.get_run(r)).lease_owner for r in ids]
+            return all(o is not None and f":{doomed.pid}:" not in o for o in owners)
+
+        await until(adopted, "a survivor to own every orphaned run")
+        adoption = time.monotonic() - killed_at
+        results = [await submitter.wait(r, timeout=fixtures.HANG_GUARD) for r in ids]
+        drivers = {r: stretches_of(await store.events(r)) for r in ids}
+    assert adoption < 10.0, adoption  # leases of 30 s; measured: well under a second
+    assert [(r.status, r.output) for r in results] == [("completed", 1), ("completed", 2)]
+    starts = fleet_of.starts()
+    survivor_pids = {f":{p.pid}:" for p in survivors}
+    for run_id in ids:
+        assert starts[(run_id, "warm", 1)] == 1  # committed before the kill: never run again
+        assert starts[(run_id, "crawl", 1)] == 2  # cut short by the kill, then the adopter's
+        assert [d.how for d in drivers[run_id]] == ["started", "resumed"]
+        assert any(pid in (drivers[run_id][1].owner or "") for pid in survivor_pids)
+
+
+async def _present(store: RunStore, count: int) -> bool:
+    return sum(w.session is not None for w in await store.workers()) >= count
 
 
 async def test_sigterm_drains_releases_the_lease_and_another_worker_finishes(

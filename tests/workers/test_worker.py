@@ -510,6 +510,25 @@ async def test_a_stopped_worker_lets_go_of_its_runs_and_another_adopts_them(
     assert types.count("run_started") == 1 and "run_resumed" in types
 
 
+async def test_an_orphan_released_just_after_a_scan_is_adopted_without_waiting_a_heartbeat(
+    db: fixtures.Database,
+) -> None:
+    """Orphan scans are at most four a second: a release heard within that is scanned for
+    once the quarter second has passed, not dropped until the next heartbeat (an hour)."""
+    engine, store = await engine_on(db), await db.store()
+    first, second = [await engine.submit(graphs.chain, n) for n in (1, 2)]
+    assert await store.claim_runs("default", "ghost", 3600.0, limit=2) == [first, second]
+    tokens = {r: (await store.get_run(r)).lease_token for r in (first, second)}
+    async with working(await worker_on(db, heartbeat=3600.0, poll_interval=None)) as worker:
+        await until(lambda: worker.stats.rounds > 0, "the worker's first round")
+        await store.release_lease(first, "ghost", tokens[first])  # an orphan: adopted at once
+        await engine.wait(first, timeout=fixtures.HANG_GUARD)
+        await store.release_lease(second, "ghost", tokens[second])  # a moment after that scan
+        result = await engine.wait(second, timeout=fixtures.HANG_GUARD)
+    assert (result.status, result.output) == ("completed", 6)
+    assert worker.stats.adopted == 2
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
 async def test_a_bad_max_recoveries_is_refused_naming_it(bad: object) -> None:
     from tailrace.stores import MemoryStore

@@ -38,11 +38,16 @@ from collections.abc import Awaitable, Callable, Iterator
 from types import TracebackType
 
 from .._codec import DEFAULT_CODEC
-from .._errors import LeaseHeld, LeaseLost, StoreError
+from .._errors import LeaseHeld, LeaseLapsed, LeaseLost, StoreError
 from .._events import EventType
 from ..stores import EventRow, Harvest, QuestionStatus, RunRecord, RunStatus, RunStore
 
 logger = logging.getLogger("tailrace.persist")
+
+#: The share of a lease's ttl by which its holder stops the run before the lease could
+#: expire, when the store does not answer its renewals (a cut): whoever adopts the run
+#: after the expiry is then its only driver.
+LAPSE_SHARE = 1 / 6
 
 
 class Lease:
@@ -55,7 +60,12 @@ class Lease:
     acquires the lease (``token`` is its fencing token); leaving releases it,
     shielded from cancellation. If a heartbeat finds the lease taken over,
     the holding task is cancelled and the ``async with`` raises
-    :class:`~tailrace.LeaseLost` instead of the cancellation.
+    :class:`~tailrace.LeaseLost` instead of the cancellation. If the store
+    does not answer the renewals until a sixth of the ttl before the lease
+    could expire (:data:`LAPSE_SHARE`, counted from when the last renewal
+    was sent), the holding task is cancelled likewise and the ``async with``
+    raises :class:`~tailrace.LeaseLapsed` (W7): a holder cut off from the
+    store stops driving before anyone may adopt the run.
     """
 
     def __init__(
@@ -85,6 +95,9 @@ class Lease:
         #: while such a commit is in flight.
         self._released = False
         self._releasing = False
+        #: When (monotonic) the lease lapses here unless renewed, and when it last was.
+        self._lapses_at = self._renewed_at = time.monotonic()
+        self._stray: asyncio.Future[None] | None = None
 
     def held(self, record: RunRecord) -> Lease:
         """Take the lease as ``record`` shows it held, if by this owner for a while yet.
@@ -98,6 +111,7 @@ class Lease:
         remaining = (record.lease_expires or 0.0) - time.time()
         if record.lease_owner == self.owner and remaining > self.ttl / 2:
             self._claimed = record.lease_token
+            self._renewed(time.monotonic(), remaining)
         return self
 
     @property
@@ -109,7 +123,9 @@ class Lease:
         if self._claimed is not None:
             self.token = self._claimed
         else:
+            sent = time.monotonic()
             self.token = await acquire_lease(self.store, self.run_id, self.owner, self.ttl)
+            self._renewed(sent, self.ttl)
         self._holder = asyncio.current_task()
         assert self._holder is not None
         self._beat = asyncio.create_task(self._heartbeat(), name=f"lease:{self.run_id}")
@@ -136,6 +152,8 @@ class Lease:
         self._stop.set()
         if self._beat is not None:
             await asyncio.gather(self._beat, return_exceptions=True)
+        if self._stray is not None:  # a beat still in flight (cancelled if the lease lapsed)
+            await asyncio.gather(self._stray, return_exceptions=True)
         if self.lost is None and not self._released:
             await release_quietly(self.store, self.run_id, self.owner, self.token)
 
@@ -169,32 +187,121 @@ class Lease:
             self._on_cancel_request()
 
     async def _heartbeat(self) -> None:
+        pause = self.ttl / 3
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), self.ttl / 3)
+                await asyncio.wait_for(self._stop.wait(), min(pause, self._left()))
             if self._stop.is_set():
                 return
+            if self._left() <= 0:
+                self._lose(OUTAGES.lapsed(self.owner, self._lapsed()))
+                return
+            # Not cut short by a timeout around the call: a driver may hold a cancellation
+            # back for seconds (psycopg first asks the server to cancel the query).
+            beat = asyncio.ensure_future(self._beat_once(time.monotonic()))
+            stopping = asyncio.ensure_future(self._stop.wait())
+            await asyncio.wait(
+                (beat, stopping), timeout=max(self._left(), 0.0),
+                return_when=asyncio.FIRST_COMPLETED,
+            )  # fmt: skip
+            stopping.cancel()
+            if not beat.done():
+                self._stray = beat  # awaited on the way out (a beat mid-query finishes it)
+                if not self._stop.is_set():  # the lease could lapse before the store answers
+                    beat.cancel()
+                    self._lose(OUTAGES.lapsed(self.owner, self._lapsed()))
+                return
             try:
-                await self.store.heartbeat(self.run_id, self.owner, self.token, self.ttl)
-                if not self._heard and self._on_cancel_request is not None:
-                    # A run that commits nothing for a while (a long handler) hears
-                    # a cancel request from another process here, within a beat.
-                    record = await self.store.get_run(self.run_id)
-                    if record.cancel_requested_at is not None:
-                        self.cancel_requested()
+                beat.result()
+                pause = self.ttl / 3
             except LeaseLost as exc:
                 if self._released:
                     return  # a beat sent as the commit let go
                 if self._releasing:
                     continue  # the commit in flight let go: it tells whether that landed
-                self.lost = exc
-                assert self._holder is not None
-                self._holder.cancel()
+                self._lose(exc)
                 return
             except StoreError:
-                # A hiccup: the next beat may land before the lease expires; a
-                # lease really lost shows up as LeaseLost on a beat or a commit.
+                # A hiccup: a beat may still land before the lease lapses (beats go
+                # more often meanwhile); a lease really lost shows up as LeaseLost.
                 logger.warning("heartbeat of run %s failed; retrying", self.run_id, exc_info=True)
+                pause = self.ttl / 12
+
+    async def _beat_once(self, sent: float) -> None:
+        await self.store.heartbeat(self.run_id, self.owner, self.token, self.ttl)
+        self._renewed(sent, self.ttl)
+        await self._hear_cancel_request()
+
+    async def _hear_cancel_request(self) -> None:
+        """A run that commits nothing for a while (a long handler) hears a cancel request
+        from another process here, within a beat."""
+        if not self._heard and self._on_cancel_request is not None:
+            record = await self.store.get_run(self.run_id)
+            if record.cancel_requested_at is not None:
+                self.cancel_requested()
+
+    def _renewed(self, sent: float, remaining: float) -> None:
+        """The lease runs ``remaining`` seconds from ``sent`` (monotonic): it lapses here a
+        share of the ttl sooner (:data:`LAPSE_SHARE`), before anyone may take it over."""
+        self._lapses_at = sent + remaining - LAPSE_SHARE * self.ttl
+        self._renewed_at = sent
+        OUTAGES.answered(self.owner)
+
+    def _left(self) -> float:
+        return self._lapses_at - time.monotonic()
+
+    def _lapsed(self) -> LeaseLapsed:
+        ago = time.monotonic() - self._renewed_at
+        return LeaseLapsed(
+            f"run {self.run_id!r}: the store did not answer in time to renew the lease of "
+            f"{self.owner!r} (renewed {ago:.3g} s ago, ttl {self.ttl:g} s): the run stopped "
+            "before the lease could expire; another owner adopts it"
+        )
+
+    def _lose(self, exc: LeaseLost) -> None:
+        """The lease is lost (taken over, or lapsed here): the holding task is cancelled."""
+        self.lost = exc
+        assert self._holder is not None
+        self._holder.cancel()
+
+
+class Outages:
+    """The owners of this process cut off from the store: each says so once per outage.
+
+    A lease that lapses (the store did not answer its renewals) tells its
+    owner's outage; the first one of an outage is logged as a warning that
+    the owner stops every run it drives, the others quietly. A lease of that
+    owner renewed or acquired again ends the outage, which is said too.
+    """
+
+    def __init__(self) -> None:
+        self._since: dict[str, float] = {}
+
+    def lapsed(self, owner: str, exc: LeaseLapsed) -> LeaseLapsed:
+        """``owner``'s lease lapsed with ``exc`` (returned); said once per outage."""
+        if owner in self._since:
+            logger.info("%s", exc)
+            return exc
+        self._since[owner] = time.monotonic()
+        logger.warning(
+            "%s is cut off from the store: %s. It stops every run it drives before the run's "
+            "lease can expire (another owner adopts it), and takes runs again once the store "
+            "answers", owner, exc,
+        )  # fmt: skip
+        return exc
+
+    def answered(self, owner: str) -> None:
+        """A lease of ``owner`` was renewed or acquired: its outage, if any, is over."""
+        since = self._since.pop(owner, None)
+        if since is not None:
+            logger.warning(
+                "%s: the store answers again, %.3g s after it stopped a run for want of an "
+                "answer", owner, time.monotonic() - since,
+            )  # fmt: skip
+
+
+#: This process's owners cut off from the store (see :class:`Outages`).
+OUTAGES = Outages()
 
 
 async def acquire_lease(store: RunStore, run_id: str, owner: str, ttl: float) -> int:

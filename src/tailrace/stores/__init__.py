@@ -20,6 +20,7 @@ import typing
 import urllib.parse
 
 from ._contract import ChangeFeed as ChangeFeed
+from ._contract import Presence as Presence
 from ._contract import RunStore as RunStore
 from ._queue_rules import next_tick as next_tick
 from ._queue_rules import tick_is_due as tick_is_due
@@ -38,6 +39,7 @@ from ._records import FrozenInput as FrozenInput
 from ._records import GraphRow as GraphRow
 from ._records import Harvest as Harvest
 from ._records import ItemRow as ItemRow
+from ._records import Lapse as Lapse
 from ._records import NewRun as NewRun
 from ._records import NodeRow as NodeRow
 from ._records import ParkedRow as ParkedRow
@@ -81,12 +83,14 @@ __all__ = [
     "GraphRow",
     "Harvest",
     "ItemRow",
+    "Lapse",
     "MemoryStore",
     "NewRun",
     "NodeRow",
     "ParkedRow",
     "ParkedStatus",
     "PostgresStore",
+    "Presence",
     "Pulse",
     "QuestionRow",
     "QuestionStatus",

@@ -34,6 +34,7 @@ from ._records import (
     FrozenInput,
     GraphRow,
     Harvest,
+    Lapse,
     NewRun,
     ParkedRow,
     ParkedStatus,
@@ -90,6 +91,25 @@ class PollingFeed(ChangeFeed):
         """Sleep ``min(seconds, interval)``, then report every kind (or none if ``seconds`` was shorter)."""
         await asyncio.sleep(max(0.0, min(seconds, self.interval)))
         return CHANGE_KINDS if seconds >= self.interval else frozenset()
+
+
+class Presence(abc.ABC):
+    """A worker's presence in the fleet (:meth:`RunStore.presence`, W7).
+
+    ``session`` is the store session the worker is alive with: one per store
+    object, held while any worker of it is present.
+    """
+
+    session: str
+
+    @abc.abstractmethod
+    async def lapse(self) -> Lapse:
+        """Wait until the session ended while the worker was present and was taken back.
+
+        The :class:`~tailrace.stores.Lapse` says whether the fleet buried the
+        session meanwhile: then the worker's leases were expired and fenced,
+        and what it still drives must stop (its runs are adopted elsewhere).
+        """
 
 
 class RunStore(abc.ABC):
@@ -973,6 +993,33 @@ class RunStore(abc.ABC):
         """Every worker that reported itself and was not forgotten, by id."""
         return await self._workers()
 
+    def presence(self, worker: WorkerRow) -> contextlib.AbstractAsyncContextManager[Presence]:
+        """``worker`` present in the fleet while the ``async with`` lasts (W7).
+
+        A worker is alive while its *store session* is: one per store object,
+        held while any of its workers is present, whose token the database or
+        the host gives up by itself when the process dies (Postgres: a
+        session-level advisory lock on a connection of its own; SQLite: a
+        lock file held with ``flock``; memory: the store object). Holding it
+        costs no write and no read. Entering takes the session (on the first
+        worker) and writes ``worker``'s row naming it; leaving removes the
+        row (and gives the session up with the last worker).
+
+        Each session watches the next one in the ring of sessions (ordered by
+        id) and, the moment its token is free, *buries* it in one
+        transaction: the leases of the running and suspended runs its workers
+        hold expire at once with a new fencing token (their writes are
+        refused from then on, D6; a takeover counts as a recovery, W3), its
+        rows go, and the ``release`` change wakes the fleet to adopt the
+        runs. A joining session is watched from its first commit on. A
+        session lost while its process lives is taken back, and its workers
+        learn whether it was buried meanwhile (:meth:`Presence.lapse`). A
+        session cut off from the database keeps its token until the database
+        sees it dead: leases are the fallback (D6). A read-only store refuses.
+        """
+        check_worker(worker)
+        return self._presence(worker)
+
     async def forget_worker(self, worker_id: str) -> None:
         """Drop ``worker_id``'s report (it stopped, or died and its runs were adopted)."""
         check_name("worker_id", worker_id)
@@ -1341,6 +1388,27 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     async def _worker_graphs(self, worker_ids: list[str]) -> dict[str, frozenset[tuple[str, str]]]:
         """:meth:`worker_graphs`, called with checked, sorted, distinct ids (at least one)."""
+
+    @abc.abstractmethod
+    def _presence(self, worker: WorkerRow) -> contextlib.AbstractAsyncContextManager[Presence]:
+        """:meth:`presence`, called with a checked worker."""
+
+    @abc.abstractmethod
+    async def _join_session(self, session: str, workers: list[WorkerRow], *, again: bool) -> bool:
+        """``workers`` join store session ``session`` in one transaction (W7): their rows name
+        it, rows that hold no session and stopped reporting go, and the session before it
+        in the ring is told (``ring:<session>``). ``again`` after the session was lost:
+        returns whether all its rows were still there (it was not buried)."""
+
+    @abc.abstractmethod
+    async def _bury_session(self, session: str) -> int:
+        """Session ``session`` is gone (its token is free): in one transaction, the running and
+        suspended runs its workers lease expire now with a new token, its rows go, and the
+        fleet is woken (``release``, ``answer``); the number of runs whose leases expired."""
+
+    @abc.abstractmethod
+    async def _ring_next(self, session: str) -> str | None:
+        """The session after ``session`` in the ring (by id, wrapping round; None alone)."""
 
     @abc.abstractmethod
     async def _run_durations(

@@ -23,6 +23,7 @@ from ._records import (
     LIVE_STATUSES,
     GraphRow,
     NewRun,
+    Pulse,
     Queue,
     QueueStats,
     RunCount,
@@ -424,31 +425,43 @@ def worker_params(worker: WorkerRow) -> tuple[object, ...]:
     )  # fmt: skip
 
 
-#: Stopped workers one heartbeat reports at most.
-EXPIRED_LIMIT = 8
+def join_params(worker: WorkerRow, session: str) -> tuple[object, ...]:
+    """Values of the ``workers`` row of ``worker`` joining store session ``session`` (W7)."""
+    return (*worker_params(worker), session)
 
 
-#: The part of a silence, as a share of ``dead_after``, after which a worker on the
-#: same host is looked at (is its process gone?): two heartbeats at least.
-LATE_SHARE = 0.2
+def pulse_of(
+    kinds: Iterable[str],
+    *,
+    gates: bool,
+    now: float,
+    deadline: float | None,
+    due: Iterable[float | None],
+) -> Pulse:
+    """The :class:`Pulse` of a heartbeat at ``now`` from what its probes found: ``deadline``
+    the earliest deadline of a queued or suspended run, ``due`` the other times that come
+    due (a running run's next lease expiry, each queue's next delayed run)."""
+    times = [t for t in (*due, deadline) if t is not None and t > now]
+    return Pulse(
+        kinds=frozenset(kinds), gates=gates, overdue=deadline is not None and deadline <= now,
+        due_at=min(times, default=None),
+    )  # fmt: skip
 
 
-#: The part of ``dead_after`` between two scans of one scope (the fleet's stopped workers,
-#: one host's late ones): one heartbeat of the fleet scans, however many beat (a
-#: heartbeat at most every tenth of ``dead_after``, the worker's own rule).
-SCAN_SHARE = 0.1
-#: The scope of the scan for workers whose heartbeat stopped, anywhere.
-FLEET_SCOPE = "fleet"
+def left_behind(worker: WorkerRow, now: float) -> bool:
+    """Whether ``worker``'s row holds no session and stopped reporting (removed as one joins)."""
+    return worker.session is None and worker.seen_at + worker.dead_after < now
 
 
-def host_scope(worker_id: str) -> str:
-    """The scope of the scan for late workers on ``worker_id``'s host."""
-    return f"host:{host_of(worker_id)}"
-
-
-def next_scan(worker: WorkerRow, now: float) -> float:
-    """When the scopes a pulse of ``worker`` scans at ``now`` are next due."""
-    return now + SCAN_SHARE * worker.dead_after
+def ring_neighbour(sessions: Iterable[str], session: str, *, after: bool) -> str | None:
+    """The session next ``after`` (else before) ``session`` in the ring of ``sessions`` (sorted,
+    wrapping round), or None when ``session`` is alone (the memory store's way)."""
+    others = sorted(set(sessions) - {session})
+    if not others:
+        return None
+    if after:
+        return next((s for s in others if s > session), others[0])
+    return next((s for s in reversed(others) if s < session), others[-1])
 
 
 #: Seconds after which the graph registrations of a worker whose row is gone are dropped
@@ -467,14 +480,9 @@ def host_of(worker_id: str) -> str:
     return worker_id.split(":", 1)[0]
 
 
-def late_since(worker: WorkerRow) -> float:
-    """Before when ``worker``'s neighbours on its host last reported, to be looked at."""
-    return worker.seen_at - LATE_SHARE * worker.dead_after
-
-
 def worker_from_row(row: Sequence[Any]) -> WorkerRow:
     """Decode a ``workers`` row selected with ``WORKER_COLUMNS``."""
-    worker_id, queues, concurrency, started_at, seen_at, running, dead_after = row
+    worker_id, queues, concurrency, started_at, seen_at, running, dead_after, session = row
     names = json.loads(queues)
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise ValueError(f"queues_json is not a list of names: {queues!r}")
@@ -491,6 +499,7 @@ def worker_from_row(row: Sequence[Any]) -> WorkerRow:
     return WorkerRow(
         worker_id=worker_id, queues=tuple(names), concurrency=concurrency,
         started_at=started_at, seen_at=seen_at, running=running, dead_after=float(dead_after),
+        session=None if session is None else str(session),
     )  # fmt: skip
 
 

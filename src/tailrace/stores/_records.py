@@ -622,12 +622,15 @@ class QueueStats:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerRow:
-    """A worker process as it last reported itself (``worker_seen``).
+    """A worker process as it last reported itself (``worker_seen``, ``pulse``).
 
     ``worker_id`` is its lease owner name (``host:pid:start:nonce``);
     ``queues`` the queues it claims from; ``running`` how many runs it drove
-    at ``seen_at``; ``dead_after`` the seconds after ``seen_at`` from which
-    other workers count it gone (its heartbeat stopped).
+    at ``seen_at``; ``dead_after`` the seconds after ``seen_at`` from which a
+    row that holds no session counts as left behind (it is removed as a
+    worker joins). ``session`` is the store session the worker is present in
+    (``RunStore.presence``, W7): the worker is alive while that session is;
+    None for a row written without one.
     """
 
     worker_id: str
@@ -637,6 +640,7 @@ class WorkerRow:
     seen_at: float
     running: int = 0
     dead_after: float = 60.0
+    session: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -647,15 +651,33 @@ class Pulse:
     one of the worker's queues; ``answer``: an answer due; ``release``: a
     running run whose lease expired; ``cancel``: a cancel request for a run
     the worker drives); ``gates`` whether an open question has a poller or
-    a deadline; ``expired`` workers whose heartbeat stopped (oldest first, a
-    few); ``here`` the late workers on the worker's host (both only from the
-    pulse whose turn the scan was, see ``RunStore.pulse``).
+    a deadline; ``overdue`` whether a queued or suspended run is past its
+    deadline (R6); ``due_at`` the earliest time after the pulse at which
+    something no change announces comes due (a running run's lease expires,
+    a delayed run of the worker's queues may start, a waiting run's deadline
+    passes), None when nothing will.
     """
 
     kinds: frozenset[str] = frozenset()
     gates: bool = False
-    expired: tuple[str, ...] = ()
-    here: tuple[str, ...] = ()
+    overdue: bool = False
+    due_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Lapse:
+    """A store session of workers that ended while they were present, and was taken back (W7).
+
+    ``reason`` says how it ended (the driver's words); ``seconds`` how long
+    the workers were without it; ``buried`` whether the fleet found the
+    session gone meanwhile: its workers' leases were then expired (and
+    fenced: their writes are refused, D6) so that other workers adopt their
+    runs, and what they still drive must stop.
+    """
+
+    reason: str
+    seconds: float
+    buried: bool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -696,5 +718,6 @@ class GraphRow:
 #: What a change feed reports: a run was submitted, a question answered, a
 #: lease released (a run finished, suspended, or let go), a cancel requested, a
 #: queue or schedule declared, paused, resumed or deleted (``config``), stream rows
-#: committed (``stream``).
-CHANGE_KINDS = frozenset({"submit", "answer", "release", "cancel", "config", "stream"})
+#: committed (``stream``), a store session joined the fleet's ring of watchers (``ring``,
+#: W7; on Postgres, addressed to the session that should look: ``ring:<session>``).
+CHANGE_KINDS = frozenset({"submit", "answer", "release", "cancel", "config", "stream", "ring"})

@@ -9,8 +9,14 @@ what a fleet needs besides:
   worker, so N workers never read and fight over the same answers) and
   applies the answers through the resume worker (Q3, exactly once);
 - polls machine gates and fires deadlines (Q5), as serve does;
-- adopts runs whose owner died (D6): at once when the owner is provably dead
-  (a worker on this host whose process is gone), else when its lease expires;
+- is alive while its store session is (W7): it is present in the fleet
+  (``RunStore.presence``), whose sessions watch each other and, the moment
+  one is gone (its process died, on any host), expire its workers' leases so
+  that this worker and others adopt their runs at once; runs whose lease
+  expired (a host cut off from the store) are adopted too (D6);
+- stops driving a run whose lease the store did not renew in time (cut off
+  from it), before anyone may adopt it; the lease says so, once per outage
+  (``LeaseLapsed``);
 - cancels the runs it drives that someone asked to cancel.
 
 It sleeps on the store's change feed (``LISTEN/NOTIFY`` on Postgres, a
@@ -38,8 +44,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._codec import DEFAULT_CODEC
-from .._errors import GraphError, GraphMismatch, LeaseHeld, LeaseLost, NotResumable, RunNotFound
-from ..core import Engine, RunResult, cancel_undriven, owner_is_dead
+from .._errors import (
+    GraphError,
+    GraphMismatch,
+    LeaseHeld,
+    LeaseLapsed,
+    LeaseLost,
+    NotResumable,
+    RunNotFound,
+    StoreError,
+)
+from ..core import Engine, RunResult, cancel_undriven
 from ..executors import Executor
 from ..gates import Outcome, Poller, Resumable, ResumeWorker
 from ..gates._daemon import Beside, Daemon, Loop
@@ -52,25 +67,28 @@ from ..stores import (
     CHANGE_KINDS,
     Claim,
     GraphRow,
+    Presence,
     QuestionRow,
     Queue,
     RunStatus,
     RunStore,
     WorkerRow,
 )
+from ..stores._presence import first_of
 from ..stores._queue_rules import is_live
 from ..stores._records import check_limit
 from ._schedules import Schedule, ScheduleTicker
 
 logger = logging.getLogger("tailrace.workers")
 
-#: Every this many heartbeats a worker looks for runs past their deadline (R6).
-DEADLINE_EVERY = 5
 #: The most overdue runs one look cancels.
 OVERDUE_BATCH = 50
 
-#: Default seconds between two heartbeats of a worker (see ``Worker``'s ``heartbeat``).
-HEARTBEAT = 6.0
+#: Default seconds between two heartbeats of a worker (see ``Worker``'s ``heartbeat``): at
+#: most 0.05 transactions a second for an idle worker, whatever the fleet's size.
+HEARTBEAT = 30.0
+#: Seconds after a pulse's ``due_at`` at which the next pulse looks (past the moment).
+DUE_SLACK = 0.05
 #: Most seconds between two readings of the queues' limits with no news of a change.
 REFRESH = 600.0
 #: The change a commit carrying stream rows sends: nothing for a worker to do.
@@ -87,7 +105,9 @@ class WorkerStats:
     answers it applied;
     ``adopted`` runs it took over from a dead owner; ``completed``,
     ``suspended``, ``failed`` and ``cancelled`` how the runs it drove ended;
-    ``busy`` claims or adoptions another owner won (``failed`` counts dead letters too); ``polled`` machine-gate
+    ``busy`` claims or adoptions another owner won (``failed`` counts dead letters too);
+    ``lapsed`` runs it stopped because it could not keep their leases (the store did not
+    answer in time to renew them, or the fleet took its session for gone, W7); ``polled`` machine-gate
     polls, ``poll_timeouts`` those cut by the time limit, ``expired`` gate
     deadlines that fired (Q5); ``errors`` failed rounds, jobs and polls
     (logged); ``outcomes`` every answer's outcome by name.
@@ -102,6 +122,7 @@ class WorkerStats:
     failed: int = 0
     cancelled: int = 0
     busy: int = 0
+    lapsed: int = 0
     polled: int = 0
     poll_timeouts: int = 0
     expired: int = 0
@@ -147,11 +168,13 @@ class Worker:
         heartbeat: seconds between two heartbeats: one transaction that
             reports this worker (``tailrace queues`` shows it) and looks, one
             indexed probe each, for queued runs, due answers, expired leases,
-            cancel requests, machine gates and stopped workers
-            (``RunStore.pulse``). Give every worker of a fleet the same one; a
-            worker silent for ``max(60, 10 * heartbeat)`` seconds counts as
-            gone. Changes (submits, answers, releases, declarations) wake
-            workers at once through the store's change feed, not the heartbeat.
+            cancel requests, machine gates and overdue runs
+            (``RunStore.pulse``); the next one comes sooner when the pulse
+            says something comes due sooner (a lease expiry, a delayed run, a
+            deadline). Liveness needs no heartbeat: a worker is alive while
+            its store session is (W7). Changes (submits, answers, releases,
+            declarations) wake workers at once through the store's change
+            feed, not the heartbeat.
         executors: the default engine's executors by the names nodes use
             (``executor="ray"``: ``{"ray": RayExecutor(address)}``); a run
             naming one this worker lacks goes back to its queue for a worker
@@ -261,8 +284,9 @@ class Worker:
         self._poll_at = 0.0
         #: When to look at the queues again without a wake-up (a rate window may open).
         self._look_at = float("inf")
-        #: Workers on this host whose process is gone while they still hold runs.
-        self._dead: set[str] = set()
+        #: When (monotonic) the next pulse is due sooner than a heartbeat away, and the last.
+        self._pulse_at = float("inf")
+        self._pulsed_at = 0.0
         self._started_at = time.time()
         #: Slots lent to a child submit in flight (``reserve`` .. ``settle``), per queue.
         self._lent: Counter[str] = Counter()
@@ -298,7 +322,12 @@ class Worker:
         )
         await self._refresh_queues()
         try:
-            async with self.store.changes() as feed, asyncio.TaskGroup() as jobs:
+            async with (
+                self.store.changes() as feed,
+                contextlib.AsyncExitStack() as present,
+                asyncio.TaskGroup() as jobs,
+            ):
+                presence = await self._be_present(present)
                 self._group = jobs
                 work = Loop(
                     "worker round", functools.partial(self._work_round, jobs),
@@ -307,7 +336,7 @@ class Worker:
                 )  # fmt: skip
                 heartbeat = Loop(
                     "worker heartbeat", self._heartbeat, interval=self.poll_interval,
-                    stats=self.stats, logger=logger,
+                    stats=self.stats, logger=logger, due=self._until_pulse,
                 )  # fmt: skip
                 gates = Loop(
                     "worker gate tick", self._gate_tick, interval=0.05,
@@ -320,6 +349,8 @@ class Worker:
                     "worker:heartbeat": heartbeat.run,
                     "worker:schedules": self.ticker.run,
                 }
+                if presence is not None:
+                    beside["worker:session"] = functools.partial(self._mind_session, presence)
                 await Daemon(work, beside, drain=self._drain).run(stop)
         finally:
             self._group = None  # its task group is closed: no child is taken any more
@@ -327,6 +358,52 @@ class Worker:
             with contextlib.suppress(Exception):
                 await self.store.forget_worker(self.owner)
         return self.stats
+
+    async def _be_present(self, stack: contextlib.AsyncExitStack) -> Presence | None:
+        """Join the fleet's ring of store sessions (W7); without a session (the store cannot
+        hold one here), the fleet finds this worker dead only as its leases expire."""
+        try:
+            return await stack.enter_async_context(self.store.presence(self._row()))
+        except StoreError as exc:
+            logger.warning(
+                "worker %s holds no store session (%s): if it dies, its runs are adopted "
+                "only as their leases expire", self.owner, describe(exc),
+            )  # fmt: skip
+            return None
+
+    async def _mind_session(self, presence: Presence, closing: asyncio.Event) -> None:
+        """Each time the store session lapses and is taken back: say so, and stop what this
+        worker drives if the fleet buried the session meanwhile (its leases are fenced)."""
+        while not closing.is_set():
+            lapse = await first_of(presence.lapse(), closing.wait())
+            if lapse is None:
+                return
+            if not lapse.buried:
+                logger.warning(
+                    "worker %s: its store session ended (%s) and was taken back %.3g s later; "
+                    "the fleet had not taken it for gone, so its runs go on",
+                    self.owner, lapse.reason, lapse.seconds,
+                )  # fmt: skip
+                continue
+            jobs = list(self._jobs)
+            logger.warning(
+                "worker %s: its store session ended (%s) and the fleet took it for gone before "
+                "it was back (%.3g s later): the leases of its runs were expired and fenced, so "
+                "it stops the %d run(s) it drove (the fleet adopts them) and goes on",
+                self.owner, lapse.reason, lapse.seconds, len(jobs),
+            )  # fmt: skip
+            self.stats.lapsed += len(jobs)
+            for task in jobs:
+                task.cancel()
+
+    def _until_pulse(self) -> float:
+        """Seconds until the next pulse is due: what the last one said comes due, and, while
+        this worker drives runs, half a lease ttl after it (a lapsed lease of another worker
+        cut off from the store is found as soon as it expires)."""
+        due = self._pulse_at
+        if self._jobs:
+            due = min(due, self._pulsed_at + self.engine.lease_ttl / 2)
+        return due - time.monotonic()
 
     async def _forward(self, feed: Any, closing: asyncio.Event) -> None:
         while not closing.is_set():
@@ -372,11 +449,12 @@ class Worker:
         counted = any(q.concurrency is not None or q.limit is not None for q in self.queues)
         if kinds & {"submit", "slot", "dead"} or ("release" in kinds and counted):
             await self._claim(group)
-        if kinds & {"release", "slot"} and time.monotonic() >= self._next_orphan_scan:
-            self._next_orphan_scan = time.monotonic() + min(self.poll_interval, 0.25)
-            await self._adopt_orphans(group)
-        if self._dead and self._free() > 0:
-            await self._adopt_from_dead(group)
+        if kinds & {"release", "slot"}:
+            if time.monotonic() >= self._next_orphan_scan:
+                self._next_orphan_scan = time.monotonic() + min(self.poll_interval, 0.25)
+                await self._adopt_orphans(group)
+            else:  # scanned a moment ago: scan again once that moment has passed
+                self._look_at = min(self._look_at, self._next_orphan_scan)
 
     # -- claiming -----------------------------------------------------------------------
 
@@ -482,6 +560,8 @@ class Worker:
         logger.info("run %s: %s%s", job.run_id, _STARTED[job.kind], where)
         try:
             result = await work
+        except LeaseLapsed:
+            self.stats.lapsed += 1  # the lease said so, once per outage (W7)
         except (LeaseHeld, LeaseLost, NotResumable, RunNotFound) as exc:
             self.stats.busy += 1
             logger.debug("run %s: %s (another owner has it, or it ended)", job.run_id, exc)
@@ -611,18 +691,6 @@ class Worker:
             room=lambda: self._free() > 0, skip=self._here,
         )  # fmt: skip
 
-    async def _adopt_from_dead(self, group: asyncio.TaskGroup) -> None:
-        """Adopt the runs of workers on this host whose process is gone, without waiting out their leases."""
-        now = time.time()
-        for owner in sorted(self._dead):
-            if self._free() <= 0:
-                return
-            await self.orphans.adopt(
-                await self.store.runs_leased_by(owner, limit=self._free() * 4),
-                functools.partial(self._take, group), now=now,
-                room=lambda: self._free() > 0, skip=self._here,
-            )  # fmt: skip
-
     async def _take(self, group: asyncio.TaskGroup, orphan: Orphan) -> None:
         """Drive an orphan as a job: cancel it if asked, start it if it never started, else adopt it."""
         record = orphan.record
@@ -642,8 +710,12 @@ class Worker:
 
     async def _heartbeat(self) -> int:
         """One pulse: report this worker, and look (cheaply) at what may need a round."""
+        self._pulse_at = float("inf")
+        self._pulsed_at = time.monotonic()
         pulse = await self.store.pulse(self._row())
         self._beats += 1
+        if pulse.due_at is not None:  # a lease expiry, a delayed run, a deadline: look then
+            self._pulse_at = time.monotonic() + max(pulse.due_at - time.time(), 0.0) + DUE_SLACK
         kinds = set(pulse.kinds)
         if self._beats % self._refresh_every == 0:
             kinds.add("config")  # the fallback for a lost notification of new limits
@@ -652,8 +724,7 @@ class Worker:
         if pulse.gates and not self._gates_on:
             self._gate_wake.set()
         self._gates_on = pulse.gates
-        await self._bury_dead(pulse.expired, pulse.here)
-        if self._beats % DEADLINE_EVERY == 1:
+        if pulse.overdue:
             await self._cancel_overdue()
         if kinds:
             self._kick(kinds)
@@ -662,8 +733,8 @@ class Worker:
     async def _cancel_overdue(self) -> None:
         """Cancel queued and suspended runs past their deadline, with their children (R6).
 
-        Nobody drives them, so no run loop's own timer does it. One indexed
-        query, which finds nothing on most beats.
+        Nobody drives them, so no run loop's own timer does it: a pulse says
+        when one is overdue (and when the next one will be), and this finds them.
         """
         for run_id in await self.store.overdue_runs(time.time(), limit=OVERDUE_BATCH):
             status = await self.engine.cancel(run_id)
@@ -689,22 +760,6 @@ class Worker:
             concurrency=self.concurrency, started_at=self._started_at, seen_at=time.time(),
             running=len(self._jobs), dead_after=max(60.0, 10 * self.heartbeat),
         )  # fmt: skip
-
-    async def _bury_dead(self, expired: Sequence[str], here: Sequence[str]) -> None:
-        """Forget workers that are gone; a dead one's runs are adopted now rather than after their ttl.
-
-        ``here`` are the other workers on this host: one whose process is gone
-        is provably dead (its runs are adopted at once, W3); ``expired`` those
-        whose heartbeat stopped anywhere (their runs are adopted as their
-        leases expire).
-        """
-        for worker_id in sorted({*expired, *(w for w in here if owner_is_dead(w))}):
-            if owner_is_dead(worker_id) and await self.store.runs_leased_by(worker_id, limit=1):
-                self._dead.add(worker_id)
-                self._kick({"dead"})  # the work loop adopts them: the lease steals from the dead
-                continue
-            self._dead.discard(worker_id)
-            await self.store.forget_worker(worker_id)
 
     # -- stopping -------------------------------------------------------------------------
 

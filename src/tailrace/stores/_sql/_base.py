@@ -30,7 +30,8 @@ from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from .._changes import ChangeHub
-from .._contract import ChangeFeed, RunStore
+from .._contract import ChangeFeed, Presence, RunStore
+from .._presence import Sessions
 from .._queue_rules import (
     STALE_REGISTRATION,
     graph_from_row,
@@ -67,6 +68,7 @@ from .._records import (
     Submission,
     WorkerRow,
 )
+from .._rules import read_only_refusal
 from . import _transactions as bodies
 from . import _worker_graphs as fleet
 from ._queues import (
@@ -191,6 +193,8 @@ class SQLStore(RunStore):
 
     _clock: Callable[[], float]
     _hub: ChangeHub
+    #: This store object's session in the fleet (W7), with the backend's tokens.
+    _sessions: Sessions
     #: The ``LIMIT`` value that means no limit: SQLite's ``-1``, Postgres's ``NULL``.
     _no_limit: ClassVar[int | None]
     #: Queues whose last claim here got all it asked for, whose next claim skips the
@@ -747,6 +751,29 @@ class SQLStore(RunStore):
     async def _forget_worker(self, worker_id: str) -> None:
         await self._write_tx(
             f"worker {worker_id!r}", lambda tx: tx.change_all(DELETE_WORKER, (worker_id,))
+        )
+
+    def _presence(self, worker: WorkerRow) -> contextlib.AbstractAsyncContextManager[Presence]:
+        if self.read_only:
+            raise read_only_refusal(type(self).__name__, f"worker {worker.worker_id!r}")
+        return self._sessions.present(worker)
+
+    async def _join_session(self, session: str, workers: list[WorkerRow], *, again: bool) -> bool:
+        return await self._write_tx(
+            f"store session {session!r}",
+            lambda tx: bodies.join_session(tx, session, workers, self._clock(), again=again),
+        )
+
+    async def _bury_session(self, session: str) -> int:
+        return await self._write_tx(
+            f"store session {session!r}",
+            lambda tx: bodies.bury_session(tx, session, self._clock()),
+        )
+
+    async def _ring_next(self, session: str) -> str | None:
+        return await self._read_tx(
+            f"store session {session!r}",
+            lambda tx: bodies.ring_neighbour_of(tx, session, after=True),
         )
 
     async def _run_durations(

@@ -25,7 +25,9 @@ QUEUE_COLUMNS = (
     "name, concurrency, worker_concurrency, rate_limit, rate_period, ordering, "
     "partition_concurrency, partition_rate_limit"
 )
-WORKER_COLUMNS = "worker_id, queues_json, concurrency, started_at, seen_at, running, dead_after"
+WORKER_COLUMNS = (
+    "worker_id, queues_json, concurrency, started_at, seen_at, running, dead_after, session"
+)
 
 UPSERT_QUEUE = (
     f"INSERT INTO queues ({QUEUE_COLUMNS}, declared_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
@@ -102,31 +104,47 @@ ADVANCE_SCHEDULE = (
 )
 DELETE_SCHEDULE = "DELETE FROM schedules WHERE name = ?"
 
+_REPORT = "worker_id, queues_json, concurrency, started_at, seen_at, running, dead_after, host"
+#: A worker's report (a heartbeat). ``session`` is left as it is: only joining a session
+#: sets it, so a report can never put back the row of a session the fleet buried. No
+#: index covers what a report rewrites, so Postgres updates the row in place (HOT).
 UPSERT_WORKER = (
-    f"INSERT INTO workers ({WORKER_COLUMNS}, host) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+    f"INSERT INTO workers ({_REPORT}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
     "ON CONFLICT (worker_id) DO UPDATE SET queues_json = excluded.queues_json, "
     "concurrency = excluded.concurrency, started_at = excluded.started_at, "
     "seen_at = excluded.seen_at, running = excluded.running, dead_after = excluded.dead_after, "
     "host = excluded.host"
 )
-#: Values: now, limit. Workers whose heartbeat stopped, oldest first (``workers_by_expiry``).
-EXPIRED_WORKERS = (
-    "SELECT worker_id FROM workers WHERE seen_at + dead_after < ? "
-    "ORDER BY seen_at + dead_after LIMIT ?"
+#: A worker joins a store session (W7): its report, and the session it is alive with.
+JOIN_WORKER = (
+    f"INSERT INTO workers ({_REPORT}, session) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (worker_id) DO UPDATE SET queues_json = excluded.queues_json, "
+    "concurrency = excluded.concurrency, started_at = excluded.started_at, "
+    "seen_at = excluded.seen_at, running = excluded.running, dead_after = excluded.dead_after, "
+    "host = excluded.host, session = excluded.session"
 )
-#: Values: host, late. The workers of one host that have not reported since ``late``
-#: (``workers_by_host``): a worker whose process is gone stops reporting.
-LATE_ON_HOST = "SELECT worker_id FROM workers WHERE host = ? AND seen_at < ?"
-#: Values: scope, scope. When a pulse's two scans are next due (``worker_scans``).
-SCAN_TURNS = "SELECT scope, due_at FROM worker_scans WHERE scope IN (?, ?)"
-#: Values: scope, due_at. A scope's first scan: the pulse that inserts it takes it.
-FIRST_SCAN_TURN = (
-    "INSERT INTO worker_scans (scope, due_at) VALUES (?, ?) ON CONFLICT (scope) DO NOTHING"
+#: Values: session. How many workers a session holds.
+SESSION_WORKERS = "SELECT COUNT(*) FROM workers WHERE session = ?"
+#: Values: session. The ring of sessions (``workers_by_session``), one index entry each:
+#: the next one after a session, the first, the previous one, the last.
+NEXT_SESSION = "SELECT MIN(session) FROM workers WHERE session > ?"
+FIRST_SESSION = "SELECT MIN(session) FROM workers WHERE session IS NOT NULL"
+PREVIOUS_SESSION = "SELECT MAX(session) FROM workers WHERE session < ?"
+LAST_SESSION = "SELECT MAX(session) FROM workers WHERE session IS NOT NULL"
+#: Values: now, session. The leases of a session that is gone expire now, fenced (a new
+#: token: its workers' writes are refused from now on, D6), for the fleet to adopt.
+BURY_LEASES = (
+    "UPDATE runs SET lease_expires = ?, lease_token = lease_token + 1 "
+    "WHERE lease_owner IN (SELECT worker_id FROM workers WHERE session = ?) "
+    "AND status IN ('running', 'suspended')"
 )
-#: Values: due_at, scope, now. The compare-and-set that gives one pulse a due scan.
-TAKE_SCAN_TURN = "UPDATE worker_scans SET due_at = ? WHERE scope = ? AND due_at <= ?"
-#: Values: now, now. One row per heartbeat: what is worth a look (see ``Pulse``); each
-#: probe is an indexed look at one row at most.
+#: Values: session.
+DELETE_SESSION = "DELETE FROM workers WHERE session = ?"
+#: Values: now. Rows that hold no session and stopped reporting (a worker of a release
+#: without sessions): removed as a worker joins (an indexed look at rows without one).
+LEFT_BEHIND = "DELETE FROM workers WHERE session IS NULL AND seen_at + dead_after < ?"
+#: Values: now, now, now. One row per heartbeat: what is worth a look and what comes
+#: due (see ``Pulse``); each probe is an indexed look at one row at most.
 PULSE_PROBES = (
     "SELECT (SELECT 1 FROM questions q JOIN runs r ON r.run_id = q.run_id "
     "WHERE (q.status = 'answered' OR (q.status = 'expired' AND q.applied_at IS NULL)) "
@@ -134,7 +152,15 @@ PULSE_PROBES = (
     "(SELECT 1 FROM runs WHERE status = 'running' AND (lease_owner IS NULL "
     "OR lease_expires IS NULL OR lease_expires < ?) LIMIT 1), "
     "(SELECT 1 FROM questions WHERE status = 'open' "
-    "AND (poller IS NOT NULL OR deadline IS NOT NULL) LIMIT 1)"
+    "AND (poller IS NOT NULL OR deadline IS NOT NULL) LIMIT 1), "
+    "(SELECT MIN(lease_expires) FROM runs WHERE status = 'running' AND lease_expires >= ?), "
+    "(SELECT MIN(deadline) FROM runs WHERE deadline IS NOT NULL "
+    "AND status IN ('queued', 'suspended'))"
+)
+#: Values: queue, now. When the queue's next delayed run may start (``runs_by_not_before``).
+NEXT_NOT_BEFORE = (
+    "SELECT MIN(not_before) FROM runs WHERE queue_name = ? AND status = 'queued' "
+    "AND not_before IS NOT NULL AND not_before > ?"
 )
 #: Values: owner.
 ANY_CANCEL_REQUEST = (

@@ -526,6 +526,29 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             "DROP INDEX IF EXISTS runs_by_partition",
         ),
     ),
+    (
+        23,
+        (
+            # Liveness without writes (W7): a worker is alive while its store session is
+            # (a Postgres session holding an advisory lock, a SQLite process holding a
+            # lock file); each session watches the next one in ``session`` order. A
+            # heartbeat rewrites ``seen_at``: no index may cover it (Postgres then
+            # updates the row in place), and no heartbeat scans for silent workers.
+            "DROP INDEX IF EXISTS workers_by_expiry",
+            "DROP INDEX IF EXISTS workers_by_host",
+            "DROP TABLE IF EXISTS worker_scans",
+            "ALTER TABLE workers ADD COLUMN session TEXT",
+            "CREATE INDEX workers_by_session ON workers (session)",
+            "INSERT INTO signals (kind, n) VALUES ('ring', 0)",
+            # What a heartbeat finds due, one index entry each: a queue's next delayed
+            # run, the next deadline of a run nobody drives (finished runs left out).
+            "CREATE INDEX runs_by_not_before ON runs (queue_name, not_before) "
+            "WHERE status = 'queued' AND not_before IS NOT NULL",
+            "DROP INDEX IF EXISTS runs_by_deadline",
+            "CREATE INDEX runs_by_deadline ON runs (deadline) "
+            "WHERE deadline IS NOT NULL AND status IN ('queued', 'suspended')",
+        ),
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -25,14 +25,10 @@ from typing import Any, Protocol, TypeVar
 from ..._errors import RunExists, RunNotFound
 from .._artifacts import stale_version
 from .._queue_rules import (
-    EXPIRED_LIMIT,
-    FLEET_SCOPE,
     deployed_at,
-    host_of,
-    host_scope,
-    late_since,
-    next_scan,
+    join_params,
     paused_names,
+    pulse_of,
     queue_not_empty,
     queue_params,
     queue_rows,
@@ -92,26 +88,31 @@ from ._queues import (
     ADVANCE_SCHEDULE,
     ANY_CANCEL_REQUEST,
     ANY_QUEUED,
+    BURY_LEASES,
     CANCEL_QUEUED,
     DEDUP_HOLDER,
     DELETE_QUEUE,
-    EXPIRED_WORKERS,
-    FIRST_SCAN_TURN,
-    LATE_ON_HOST,
+    DELETE_SESSION,
+    FIRST_SESSION,
+    JOIN_WORKER,
+    LAST_SESSION,
+    LEFT_BEHIND,
     LIVE_IN_QUEUE,
     NEWEST_OTHER_GRAPH,
+    NEXT_NOT_BEFORE,
+    NEXT_SESSION,
     PAUSE_QUEUE,
+    PREVIOUS_SESSION,
     PULSE_PROBES,
     QUEUE_COUNTS,
     REOPEN_CANCELLED,
     REQUEST_CANCEL,
     REQUEUE_CANCELLED_NODE,
     RETURN_CLAIM,
-    SCAN_TURNS,
     SELECT_QUEUES,
     SELECT_SCHEDULE,
     SELECT_WORKERS,
-    TAKE_SCAN_TURN,
+    SESSION_WORKERS,
     UNPAUSE_QUEUE,
     UPSERT_GRAPH,
     UPSERT_QUEUE,
@@ -236,6 +237,16 @@ class Tx(Protocol):
 
     async def signal(self, kind: str) -> None:
         """Wake watchers with a change of ``kind`` when this transaction commits."""
+
+    async def lock_ring(self) -> None:
+        """Hold the ring of store sessions until the transaction ends (W7): joins and burials
+        take turns, so a session that joins is always watched (SQLite's ``BEGIN
+        IMMEDIATE`` already takes turns; Postgres takes an advisory lock)."""
+
+    async def ring(self, session: str) -> None:
+        """Tell store session ``session``, when this transaction commits, that the session it
+        watches changed (Postgres addresses it: ``ring:<session>``; SQLite wakes every
+        watcher with ``ring``)."""
 
     async def insert_queued(
         self, runs: Sequence[tuple[NewRun, Submission]], *, wake: bool
@@ -583,45 +594,62 @@ async def pulse(tx: Tx, worker: WorkerRow, now: float) -> Pulse:
         if await tx.one(ANY_QUEUED, (name,)) is not None:
             kinds.add("submit")
             break
-    probes = await tx.one(PULSE_PROBES, (now, now))
-    answer, orphan, gates = probes if probes is not None else (None, None, None)
+    probes = await tx.one(PULSE_PROBES, (now, now, now))
+    answer, orphan, gates, expiry, deadline = probes or (None,) * 5
     if answer is not None:
         kinds.add("answer")
     if orphan is not None:
         kinds.add("release")
     if await tx.one(ANY_CANCEL_REQUEST, (worker.worker_id,)) is not None:
         kinds.add("cancel")
-    turns = await scan_turns(tx, worker, now)
-    expired: list[str] = []
-    if FLEET_SCOPE in turns:
-        expired = [str(r[0]) for r in await tx.all(EXPIRED_WORKERS, (now, EXPIRED_LIMIT))]
-    here: list[str] = []
-    if host_scope(worker.worker_id) in turns:
-        late = (host_of(worker.worker_id), late_since(worker))
-        here = [str(r[0]) for r in await tx.all(LATE_ON_HOST, late)]
-    return Pulse(
-        kinds=frozenset(kinds), gates=gates is not None, expired=tuple(expired),
-        here=tuple(w for w in here if w != worker.worker_id),
-    )  # fmt: skip
+    delayed = [await tx.one(NEXT_NOT_BEFORE, (name, now)) for name in worker.queues]
+    due = [expiry, *(row[0] for row in delayed if row is not None)]
+    return pulse_of(kinds, gates=gates is not None, now=now, deadline=deadline, due=due)
 
 
-async def scan_turns(tx: Tx, worker: WorkerRow, now: float) -> set[str]:
-    """The scopes (``FLEET_SCOPE``, the worker's host) this pulse scans: those due, each
-    won by one pulse of the fleet (a compare-and-set on its ``worker_scans`` row)."""
-    scopes = (FLEET_SCOPE, host_scope(worker.worker_id))
-    due = {str(r[0]): float(r[1]) for r in await tx.all(SCAN_TURNS, scopes)}
-    then = next_scan(worker, now)
-    turns = set()
-    for scope in scopes:
-        if scope not in due:
-            won = await tx.change(FIRST_SCAN_TURN, (scope, then))
-        elif due[scope] <= now:
-            won = await tx.change(TAKE_SCAN_TURN, (then, scope, now))
-        else:
-            won = False
-        if won:
-            turns.add(scope)
-    return turns
+# --- store sessions: liveness without writes (W7) ----------------------------------------
+
+
+async def join_session(
+    tx: Tx, session: str, workers: Sequence[WorkerRow], now: float, *, again: bool
+) -> bool:
+    """``workers`` join ``session`` (again, after it lapsed): their rows name it, rows left
+    behind go, and the session before it in the ring is told to watch it. Returns whether
+    the fleet left the session alone meanwhile (its rows all there; always True at first)."""
+    await tx.lock_ring()
+    kept = True
+    if again:
+        row = await tx.one(SESSION_WORKERS, (session,))
+        kept = row is not None and int(row[0]) >= len(workers)
+    await tx.change_all(LEFT_BEHIND, (now,))
+    for worker in workers:
+        await tx.change_all(JOIN_WORKER, join_params(worker, session))
+    before = await ring_neighbour_of(tx, session, after=False)
+    if before is not None:
+        await tx.ring(before)
+    return kept
+
+
+async def bury_session(tx: Tx, session: str, now: float) -> int:
+    """Session ``session`` is gone: its workers' leases expire now, fenced, and their rows
+    go; wake the fleet to adopt. Returns how many runs' leases expired."""
+    await tx.lock_ring()
+    expired = await tx.change_all(BURY_LEASES, (now, session))
+    await tx.change_all(DELETE_SESSION, (session,))
+    if expired:
+        await tx.signal("release")
+        await tx.signal("answer")  # a suspended run leased for an answer is due again
+    return expired
+
+
+async def ring_neighbour_of(tx: Tx, session: str, *, after: bool) -> str | None:
+    """The session after (else before) ``session`` in the ring, wrapping round; None alone."""
+    near, far = (NEXT_SESSION, FIRST_SESSION) if after else (PREVIOUS_SESSION, LAST_SESSION)
+    row = await tx.one(near, (session,))
+    if row is None or row[0] is None:
+        row = await tx.one(far, ())
+    found = None if row is None or row[0] is None else str(row[0])
+    return None if found == session else found
 
 
 # --- queues (W2) ------------------------------------------------------------------------

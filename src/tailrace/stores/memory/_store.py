@@ -21,7 +21,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
-import math
 import threading
 import time
 from collections import Counter
@@ -30,21 +29,19 @@ from collections.abc import Callable, Iterator, Sequence
 from ..._errors import RunExists, RunNotFound, StoreError
 from .._artifacts import ArtifactLedger
 from .._changes import ChangeHub
-from .._contract import ChangeFeed, RunStore
+from .._contract import ChangeFeed, Presence, RunStore
+from .._presence import MemoryTokens, Sessions, ring_change
 from .._queue_rules import (
-    EXPIRED_LIMIT,
-    FLEET_SCOPE,
     STALE_REGISTRATION,
     claim_order,
     dedup_holder,
     deployed_at,
     free_slots,
     holds_slot,
-    host_of,
-    host_scope,
-    late_since,
-    next_scan,
+    left_behind,
+    pulse_of,
     queue_not_empty,
+    ring_neighbour,
     run_count_order,
     run_graph_key,
     scheduled_run,
@@ -153,15 +150,15 @@ class MemoryStore(RunStore):
         #: The graph versions each worker drives, and when it registered them.
         self._worker_graph_rows: dict[str, tuple[float, frozenset[tuple[str, str]]]] = {}
         self._worker_rows: dict[str, WorkerRow] = {}
-        #: When each scan scope of the pulses is next due (``worker_scans``).
-        self._scans: dict[str, float] = {}
         self._hub = ChangeHub()
+        self._sessions = Sessions(self, MemoryTokens(), "memory store")
 
     async def open(self) -> None:
         """Nothing to connect; kept for the contract. Idempotent."""
 
     async def close(self) -> None:
         """Nothing to flush; data is kept for a later ``open``. Idempotent."""
+        await self._sessions.close()
 
     def _run(self, run_id: str) -> RunRecord:
         check_name("run_id", run_id)
@@ -1085,12 +1082,18 @@ class MemoryStore(RunStore):
 
     async def _worker_seen(self, worker: WorkerRow) -> None:
         with self._lock:
-            self._worker_rows[worker.worker_id] = worker
+            self._report(worker)
+
+    def _report(self, worker: WorkerRow) -> None:
+        """Keep ``worker``'s report; the session its row names stays (lock held)."""
+        held = self._worker_rows.get(worker.worker_id)
+        session = None if held is None else held.session
+        self._worker_rows[worker.worker_id] = dataclasses.replace(worker, session=session)
 
     async def _pulse(self, worker: WorkerRow) -> Pulse:
         with self._lock:
             now = self._clock()
-            self._worker_rows[worker.worker_id] = worker
+            self._report(worker)
             runs = list(self._runs.values())
             kinds: set[str] = set()
             mine = set(worker.queues)
@@ -1115,32 +1118,18 @@ class MemoryStore(RunStore):
                 q.status is QuestionStatus.OPEN and (q.poller is not None or q.deadline is not None)
                 for q in self._questions.values()
             )
-            turns = self._scan_turns(worker, now)
-            gone = sorted(
-                (w.seen_at + w.dead_after, w.worker_id)
-                for w in self._worker_rows.values()
-                if w.seen_at + w.dead_after < now and FLEET_SCOPE in turns
-            )
-            host, late = host_of(worker.worker_id), late_since(worker)
-            here = sorted(
-                w.worker_id
-                for w in self._worker_rows.values()
-                if host_of(w.worker_id) == host and w.seen_at < late
-                and host_scope(worker.worker_id) in turns
-            )  # fmt: skip
-        return Pulse(
-            kinds=frozenset(kinds), gates=gates,
-            expired=tuple(w for _, w in gone[:EXPIRED_LIMIT]), here=tuple(here),
-        )  # fmt: skip
-
-    def _scan_turns(self, worker: WorkerRow, now: float) -> set[str]:
-        """The due scopes a pulse of ``worker`` takes (as ``worker_scans`` does); lock held."""
-        turns = set()
-        for scope in (FLEET_SCOPE, host_scope(worker.worker_id)):
-            if self._scans.get(scope, -math.inf) <= now:
-                self._scans[scope] = next_scan(worker, now)
-                turns.add(scope)
-        return turns
+        waiting = (RunStatus.QUEUED, RunStatus.SUSPENDED)
+        deadlines = [r.deadline for r in runs if r.deadline is not None and r.status in waiting]
+        due_at = [
+            r.lease_expires for r in runs if r.status is RunStatus.RUNNING
+            and r.lease_expires is not None and r.lease_expires >= now
+        ] + [
+            r.not_before for r in runs if r.status is RunStatus.QUEUED and r.queue_name in mine
+            and r.not_before is not None
+        ]  # fmt: skip
+        return pulse_of(
+            kinds, gates=gates, now=now, deadline=min(deadlines, default=None), due=due_at
+        )
 
     async def _workers(self) -> list[WorkerRow]:
         with self._lock:
@@ -1149,6 +1138,50 @@ class MemoryStore(RunStore):
     async def _forget_worker(self, worker_id: str) -> None:
         with self._lock:
             self._worker_rows.pop(worker_id, None)
+
+    # -- store sessions (W7): one per store object, never another one to watch ----------
+
+    def _presence(self, worker: WorkerRow) -> contextlib.AbstractAsyncContextManager[Presence]:
+        return self._sessions.present(worker)
+
+    async def _join_session(self, session: str, workers: list[WorkerRow], *, again: bool) -> bool:
+        with self._lock:
+            now = self._clock()
+            held = sum(1 for w in self._worker_rows.values() if w.session == session)
+            for worker_id, row in list(self._worker_rows.items()):
+                if left_behind(row, now):
+                    del self._worker_rows[worker_id]
+            for worker in workers:
+                self._worker_rows[worker.worker_id] = dataclasses.replace(worker, session=session)
+            sessions = {w.session for w in self._worker_rows.values() if w.session is not None}
+        before = ring_neighbour(sessions, session, after=False)
+        if before is not None:
+            self._hub.deliver(frozenset({ring_change(before)}))
+        return not again or held >= len(workers)
+
+    async def _bury_session(self, session: str) -> int:
+        with self._lock:
+            now = self._clock()
+            gone = {w for w, row in self._worker_rows.items() if row.session == session}
+            expired = 0
+            for run_id, record in list(self._runs.items()):
+                if record.lease_owner in gone and record.status in (
+                    RunStatus.RUNNING, RunStatus.SUSPENDED
+                ):  # fmt: skip
+                    self._runs[run_id] = dataclasses.replace(
+                        record, lease_expires=now, lease_token=record.lease_token + 1
+                    )
+                    expired += 1
+            for worker_id in gone:
+                del self._worker_rows[worker_id]
+        if expired:
+            self._hub.deliver(frozenset({"release", "answer"}))
+        return expired
+
+    async def _ring_next(self, session: str) -> str | None:
+        with self._lock:
+            sessions = {w.session for w in self._worker_rows.values() if w.session is not None}
+        return ring_neighbour(sessions, session, after=True)
 
     async def _run_durations(
         self, fingerprint: str, *, limit: int = 200

@@ -29,6 +29,7 @@ import hashlib
 import logging
 from collections.abc import Callable
 
+from .._presence import RING_PREFIX
 from .._queue_rules import (
     claim_window,
     claimable_queue,
@@ -36,6 +37,7 @@ from .._queue_rules import (
     free_slots,
 )
 from .._records import (
+    CHANGE_KINDS,
     Queue,
 )
 from .._sql._queues import (
@@ -81,6 +83,15 @@ CLAIM_FIRST = (
     + f"FROM picked WHERE runs.run_id = picked.run_id AND runs.status = 'queued' "
     f"RETURNING runs.run_id, {XID}"
 )
+
+
+def change_kinds(payload: str) -> frozenset[str]:
+    """The change kinds a notification's ``payload`` names; every kind for one it does not
+    (a newer writer's). A ring change names the session it is for (``ring:<session>``)."""
+    kinds = frozenset(
+        k for k in payload.split(",") if k in CHANGE_KINDS or k.startswith(RING_PREFIX)
+    )
+    return kinds or CHANGE_KINDS
 
 
 def notify_channel(schema: str) -> str:

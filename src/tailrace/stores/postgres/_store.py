@@ -39,12 +39,15 @@ import psycopg
 from psycopg import sql
 
 from .._changes import ChangeHub, Stop
-from .._records import CHANGE_KINDS, StoredRun
+from .._presence import Sessions
+from .._records import StoredRun
 from .._sql import _transactions as bodies
 from .._sql._base import Body, SQLStore, Texts, Undo
 from ._connections import Attempt, Conn, Landed, PostgresConnections, T
+from ._presence import PostgresTokens
 from ._queues import (
     FALLBACK_POLL,
+    change_kinds,
     logger,
     notify_channel,
 )
@@ -101,6 +104,8 @@ class PostgresStore(SQLStore):
         self._channel = notify_channel(schema)
         self._hub = ChangeHub(self._listen)
         self._full_queues = set()
+        where = f"Postgres store (schema {schema!r})"
+        self._sessions = Sessions(self, PostgresTokens(self._db.connect, schema, where), where)
 
     @property
     def schema(self) -> str:
@@ -227,8 +232,7 @@ class PostgresStore(SQLStore):
                         hub.deliver_all()  # back after an outage: what was missed meanwhile
                     ready.set()
                     async for note in conn.notifies():
-                        kinds = frozenset(note.payload.split(",")) & CHANGE_KINDS
-                        hub.deliver(kinds or CHANGE_KINDS)
+                        hub.deliver(change_kinds(note.payload))
             except (psycopg.Error, OSError) as exc:
                 logger.warning("listening for changes failed (%s); polling meanwhile", exc)
             ready.set()
@@ -236,6 +240,8 @@ class PostgresStore(SQLStore):
             await asyncio.sleep(FALLBACK_POLL)
 
     async def close(self) -> None:
-        """Stop listening, finish cleanups left by cancelled callers, close the pool. Idempotent."""
+        """Give the session up, stop listening, finish cleanups left by cancelled callers, close
+        the pool. Idempotent."""
+        await self._sessions.close()
         await self._hub.close()
         await self._db.close()

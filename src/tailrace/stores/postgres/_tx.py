@@ -11,6 +11,7 @@ from .._records import Claim, Harvest, NewRun, Submission
 from .._sql._statements import queued_run_params
 from .._sql._transactions import Clock, Keys, Params, Row, keep_shapes
 from ._connections import Attempt, Conn
+from ._presence import lock_ring, ring_change
 from ._queues import INSERT_QUEUED, claim_queued, lease_answers, transaction_id
 from ._sql import changing, locking, notify, returning_too, spelled, write_harvest
 
@@ -81,6 +82,12 @@ class PostgresTx:
 
     async def signal(self, kind: str) -> None:
         await notify(self.conn, self.channel, kind)
+
+    async def lock_ring(self) -> None:
+        await lock_ring(self.conn, self.schema)
+
+    async def ring(self, session: str) -> None:
+        await notify(self.conn, self.channel, ring_change(session))
 
     async def insert_queued(
         self, runs: Sequence[tuple[NewRun, Submission]], *, wake: bool

@@ -28,11 +28,13 @@ from typing import Literal, TypeVar
 
 from ..._errors import StoreError
 from .._changes import ChangeHub
+from .._presence import Sessions
 from .._rules import read_only_refusal
 from .._sql._base import Body, SQLStore, Texts, Undo
 from .._sql._transactions import run_now
 from ._errors import mapped_errors
 from ._files import prepare_for_writing, read_only_connection, read_only_uri
+from ._presence import FileTokens
 from ._queues import DataVersionWatch
 from ._threads import Checkpointer, Readers, Writer, finish_despite_cancellation
 from ._threads import Undo as ConnUndo
@@ -112,6 +114,8 @@ class SQLiteStore(SQLStore):
         self._checkpointer: Checkpointer | None = None
         self._readers: Readers | None = None
         self._hub = ChangeHub(lambda hub: DataVersionWatch(self._connect).start(hub))
+        where = f"SQLite store {self._path!r}"
+        self._sessions = Sessions(self, FileTokens(self._path, where), where)
 
     @property
     def path(self) -> str:
@@ -168,6 +172,7 @@ class SQLiteStore(SQLStore):
         (the cancellation is re-raised afterwards), so no thread or connection
         is left behind.
         """
+        await self._sessions.close()
         await self._hub.close()
         writer, readers, checkpointer = self._writer, self._readers, self._checkpointer
         self._writer = self._readers = self._checkpointer = None

@@ -88,6 +88,12 @@ class SQLiteTx:
     async def signal(self, kind: str) -> None:
         bump(self.conn, kind)
 
+    async def lock_ring(self) -> None:
+        pass  # the writer's BEGIN IMMEDIATE holds the whole database already
+
+    async def ring(self, session: str) -> None:
+        bump(self.conn, "ring")  # every watcher looks at its ring again (one local read)
+
     async def insert_queued(
         self, runs: Sequence[tuple[NewRun, Submission]], *, wake: bool
     ) -> list[str]:

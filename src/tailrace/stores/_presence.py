@@ -1,0 +1,346 @@
+"""Store sessions: a worker is alive while its store session is, and the fleet sees it die (W7).
+
+Every store object that has a worker present holds one *session* (an id of
+its own, ``host:pid:nonce``) and a *token* for it that its database or its
+host gives up by itself when the process dies: on Postgres, a session-level
+advisory lock held by a connection of its own (the server drops it when the
+connection ends, and a SIGKILLed process's sockets are closed by the
+kernel); on SQLite, a lock file held with ``flock`` (the kernel drops it with
+the process). Holding a token costs no write and no read.
+
+The sessions form a ring in the order of their ids (the ``session`` column
+of ``workers``), and each watches the next one: it waits until that
+session's token is free (Postgres: a blocking ``pg_advisory_lock_shared``,
+which the server grants the moment the holder's connection ends; SQLite: the
+lock file probed every :data:`PROBE` seconds, a local system call), then
+*buries* it while holding its token: in one transaction, the leases of the
+runs its workers hold expire at once with a new fencing token (D6: their
+writes are refused from then on) and its rows go; the ``release`` wake-up
+sends the fleet to adopt the runs. Then it watches the next one. So a
+dead worker's runs are adopted in a few milliseconds of its death, and an
+idle fleet watches itself without a single transaction.
+
+Joining the ring tells the session before the newcomer to watch the
+newcomer instead (``ring:<session>``: a Postgres notification addressed to
+it; on SQLite every watcher looks again, one local read); joins and burials
+take turns (``Tx.lock_ring``), so a session that joins is always watched. A
+watcher also looks at the ring again every :data:`RING_REREAD` seconds,
+whatever it was told.
+
+A session that ends while its process lives (its connection was terminated,
+the server restarted) is taken back by its store: the same token, once the
+database gives it. If the fleet buried the session meanwhile (its rows are
+gone), its workers are told (:class:`~tailrace.stores.Lapse`): their leases
+were fenced, their runs adopted elsewhere. A session whose process is cut
+off from the database keeps its token on the server until the server sees
+the connection dead; leases are the fallback then (D6, W3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol, TypeVar
+
+from .._errors import StoreError
+from ._contract import ChangeFeed, Presence
+from ._records import Lapse, WorkerRow
+
+logger = logging.getLogger("tailrace.stores.sessions")
+
+T = TypeVar("T")
+
+#: Seconds after which a watcher looks at the ring again, whatever it was told.
+RING_REREAD = 600.0
+#: Seconds between two looks at a lock file (SQLite) whose holder is alive.
+PROBE = 0.05
+#: The first and the longest pause before taking a lost session back, or watching again.
+_FIRST_PAUSE, _LONGEST_PAUSE = 0.05, 2.0
+
+
+def new_session() -> str:
+    """A fresh session id: ``host:pid:nonce`` (its order places it in the ring)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+
+#: How a ring change addressed to one session begins (Postgres notifications).
+RING_PREFIX = "ring:"
+
+
+def ring_change(session: str) -> str:
+    """The change kind that tells ``session`` that the session it watches changed."""
+    return RING_PREFIX + session
+
+
+class Held(Protocol):
+    """A session's token, held."""
+
+    async def lost(self) -> str:
+        """Wait until the token is lost while held (its connection ended); the reason."""
+
+    async def release(self) -> None:
+        """Give the token up (the session leaves)."""
+
+
+class Tokens(Protocol):
+    """A backend's session tokens."""
+
+    async def hold(self, session: str) -> Held:
+        """Take ``session``'s token (``StoreError`` if the database cannot give it now)."""
+
+    def outlive(self, session: str) -> AbstractAsyncContextManager[bool]:
+        """Wait until ``session``'s token is free, and hold it for the body (``True``); the
+        body gets ``False`` when the wait ran out first (look at the ring again)."""
+
+    async def close(self) -> None:
+        """Let go of what watching holds (a connection)."""
+
+
+class Ring(Protocol):
+    """The store's side of the ring: the shared transactions (see ``_sql._transactions``)."""
+
+    async def _join_session(
+        self, session: str, workers: list[WorkerRow], *, again: bool
+    ) -> bool: ...
+
+    async def _bury_session(self, session: str) -> int: ...
+
+    async def _ring_next(self, session: str) -> str | None: ...
+
+    async def _forget_worker(self, worker_id: str) -> None: ...
+
+    def changes(self) -> AbstractAsyncContextManager[ChangeFeed]: ...
+
+
+class _Forever:
+    """A token nothing outside the process can take: the memory store's."""
+
+    async def lost(self) -> str:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def release(self) -> None:
+        """Nothing to give up."""
+
+
+class MemoryTokens:
+    """The memory store's tokens: its one session lives as long as the store object."""
+
+    async def hold(self, session: str) -> Held:
+        return _Forever()
+
+    @contextlib.asynccontextmanager
+    async def outlive(self, session: str) -> AsyncIterator[bool]:
+        yield True  # no session but this store's own exists in memory
+
+    async def close(self) -> None:
+        """Nothing is held open."""
+
+
+class _Presence(Presence):
+    """One worker's presence: its lapses, queued for it."""
+
+    def __init__(self, session: str, worker: WorkerRow) -> None:
+        self.session = session
+        self.worker = worker
+        self._lapses: asyncio.Queue[Lapse] = asyncio.Queue()
+
+    async def lapse(self) -> Lapse:
+        return await self._lapses.get()
+
+    def post(self, lapse: Lapse) -> None:
+        self._lapses.put_nowait(lapse)
+
+
+class Sessions:
+    """A store object's session: held while any worker of it is present, and its watch.
+
+    ``ring`` is the store (its shared transactions and its change feed);
+    ``tokens`` the backend's tokens; ``where`` names the store in logs.
+    """
+
+    def __init__(self, ring: Ring, tokens: Tokens, where: str) -> None:
+        self.session = new_session()
+        self._ring = ring
+        self._tokens = tokens
+        self._where = where
+        self._present: dict[str, _Presence] = {}
+        self._held: Held | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._guard = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def present(self, worker: WorkerRow) -> AsyncIterator[Presence]:
+        """``worker`` present in this store's session while the ``async with`` lasts."""
+        handle = _Presence(self.session, dataclasses.replace(worker, session=self.session))
+        async with self._guard:
+            if not self._present:
+                await self._open()
+            self._present[worker.worker_id] = handle
+        try:
+            await self._ring._join_session(self.session, [handle.worker], again=False)
+            yield handle
+        finally:
+            async with self._guard:
+                self._present.pop(worker.worker_id, None)
+                try:
+                    await finish(self._ring._forget_worker(worker.worker_id))
+                finally:
+                    if not self._present:
+                        await finish(self._close())
+
+    async def _open(self) -> None:
+        self._held = await self._tokens.hold(self.session)
+        self._tasks = [
+            asyncio.create_task(self._keep(), name=f"tailrace-session:{self.session}"),
+            asyncio.create_task(self._watch(), name=f"tailrace-ring:{self.session}"),
+        ]
+
+    async def _close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        held, self._held = self._held, None
+        try:
+            if held is not None:
+                await held.release()
+        finally:
+            await self._tokens.close()
+
+    # -- keeping the session ----------------------------------------------------------
+
+    async def _keep(self) -> None:
+        """Take the session back each time it is lost, and tell the workers what happened."""
+        while True:
+            assert self._held is not None
+            reason = await self._held.lost()
+            lost_at = time.monotonic()
+            logger.warning(
+                "%s: store session %s ended (%s); taking it back", self._where, self.session, reason
+            )
+            self._held = await patiently(
+                functools.partial(self._tokens.hold, self.session),
+                f"taking session {self.session} back",
+            )
+            workers = [
+                dataclasses.replace(p.worker, seen_at=time.time()) for p in self._present.values()
+            ]
+            kept = await patiently(
+                functools.partial(self._ring._join_session, self.session, workers, again=True),
+                f"joining session {self.session} again",
+            )
+            lapse = Lapse(reason=reason, seconds=time.monotonic() - lost_at, buried=not kept)
+            for presence in self._present.values():
+                presence.post(lapse)
+
+    # -- watching the next session ------------------------------------------------------
+
+    async def _watch(self) -> None:
+        """Watch the next session of the ring, bury it when it is gone, then the next."""
+        pause = _FIRST_PAUSE
+        async with self._ring.changes() as feed:
+            while True:
+                try:
+                    after = await self._ring._ring_next(self.session)
+                    if after is None:
+                        await self._ring_news(feed)
+                    else:
+                        await self._outlive(after, feed)
+                    pause = _FIRST_PAUSE
+                except StoreError as exc:
+                    logger.warning("%s: watching the ring: %s", self._where, exc)
+                except Exception:  # never stop watching: the fleet relies on it
+                    logger.exception("%s: watching the ring failed", self._where)
+                else:
+                    continue
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, _LONGEST_PAUSE)
+
+    async def _outlive(self, session: str, feed: ChangeFeed) -> None:
+        """Bury ``session`` once it is gone, unless the ring changes first (a failure of the
+        watch is raised: the caller logs it and watches again)."""
+        await first_of(self._bury_when_gone(session), self._ring_news(feed))
+
+    async def _bury_when_gone(self, session: str) -> None:
+        async with self._tokens.outlive(session) as gone:
+            if gone:
+                # Held to its end, token and all: the session cannot be taken back (and
+                # find itself whole) between its token coming free and its burial.
+                expired = await finish(self._ring._bury_session(session))
+                logger.info(
+                    "%s: store session %s is gone; the leases of its %d runs expired for the "
+                    "fleet to adopt",
+                    self._where, session, expired,
+                )  # fmt: skip
+
+    async def _ring_news(self, feed: ChangeFeed) -> None:
+        """Return when the ring changed for this session, or after :data:`RING_REREAD` seconds."""
+        mine = ring_change(self.session)
+        deadline = time.monotonic() + RING_REREAD
+        while (left := deadline - time.monotonic()) > 0:
+            kinds = await feed.wait(left)
+            if "ring" in kinds or mine in kinds:
+                return
+
+    async def close(self) -> None:
+        """The store closes: stop watching and give the session up."""
+        async with self._guard:
+            self._present.clear()
+            if self._held is not None or self._tasks:
+                await self._close()
+
+
+async def first_of(work: Awaitable[T], other: Awaitable[object]) -> T | None:
+    """What ``work`` gives (or raises), or None if ``other`` ends first; the one still
+    running is cancelled and awaited."""
+    task = asyncio.ensure_future(work)
+    rival = asyncio.ensure_future(other)
+    try:
+        await asyncio.wait((task, rival), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, rival):
+            pending.cancel()
+        await asyncio.gather(task, rival, return_exceptions=True)
+    return task.result() if task.done() and not task.cancelled() else None
+
+
+async def patiently(call: Callable[[], Awaitable[T]], what: str) -> T:
+    """``call()`` until it succeeds, pausing longer after each ``StoreError`` (logged once)."""
+    pause = _FIRST_PAUSE
+    told = False
+    while True:
+        try:
+            return await call()
+        except StoreError as exc:
+            if not told:
+                logger.warning("%s: %s; trying again until it answers", what, exc)
+                told = True
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, _LONGEST_PAUSE)
+
+
+async def finish(work: Awaitable[T]) -> T:
+    """Await ``work`` to its end even if the caller is cancelled meanwhile (then re-raised)."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result

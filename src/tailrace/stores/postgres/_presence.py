@@ -1,0 +1,183 @@
+"""The Postgres store's session tokens (W7): advisory locks the server drops with the connection.
+
+A session's token is a session-level advisory lock on a 64-bit key made of
+the schema and the session id, held by a connection of its own that does
+nothing else: the server releases it the moment that connection ends (a
+SIGKILLed process's sockets are closed by its kernel; a terminated backend;
+a restart). The holder waits on the connection's socket (``notifies()``
+with nothing listened to), so it learns at once when the server ended it.
+
+A watcher waits for the next session's lock in ``SHARE`` mode on a
+connection of its own: a blocking ``pg_advisory_lock_shared`` that the
+server grants when the holder's connection ends, and that costs nothing
+while it waits (no transaction ends, no row is read). It holds no lock of
+its own while it waits: the holders never wait, so the waits can never form
+a cycle. ``lock_timeout`` ends a wait after ``RING_REREAD`` seconds (the
+watcher looks at the ring again), and ``client_connection_check_interval``
+(Postgres 14 and newer) lets the server end the wait of a watcher that died.
+
+A session taken back after its connection ended may find its lock still
+held by the server's end of that connection, when the server has not yet
+seen it gone (a network cut): that backend is ours, so it is terminated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import psycopg
+
+from ..._errors import StoreError
+from .._presence import RING_REREAD, ring_change
+from ._connections import Conn, one_line
+
+#: First key of the transaction-level advisory lock that makes joins and burials of
+#: the ring of sessions take turns ("tw").
+RING_LOCK = 0x7477
+#: Seconds a session taken back waits for its old connection's lock to be dropped.
+RETAKE = 10.0
+#: A lock held by another backend, as ``pg_locks`` shows a 64-bit advisory key.
+OUR_OLD_BACKEND = (
+    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+    "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = 1 "
+    "AND mode = 'ExclusiveLock' AND granted AND pid <> pg_backend_pid()"
+)
+#: Settings a holder's and a watcher's connections keep, whatever the role's defaults
+#: are (an idle session timeout would end a holder's session, a statement timeout a wait).
+_SETTINGS = (
+    ("statement_timeout", "0"),
+    ("idle_in_transaction_session_timeout", "0"),
+    ("idle_session_timeout", "0"),  # Postgres 14 and newer
+)
+_WATCHING = (
+    ("lock_timeout", f"{int(RING_REREAD * 1000)}"),
+    ("client_connection_check_interval", "10000"),  # Postgres 14 and newer
+)
+
+__all__ = ["RING_LOCK", "PostgresTokens", "lock_ring", "ring_change", "session_key"]
+
+
+def session_key(schema: str, session: str) -> int:
+    """The advisory lock key of ``session`` in ``schema``'s store: 64 bits, signed."""
+    digest = hashlib.sha256(f"tailrace\0{schema}\0{session}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+async def lock_ring(conn: Conn, schema: str) -> None:
+    """Take the ring's turn for this transaction (joins and burials, see ``Tx.lock_ring``)."""
+    await conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (RING_LOCK, schema))
+
+
+async def _settle(conn: Conn, settings: tuple[tuple[str, str], ...]) -> None:
+    for name, value in settings:
+        with contextlib.suppress(psycopg.errors.UndefinedObject):  # an older server's lack
+            await conn.execute("SELECT set_config(%s, %s, false)", (name, value))
+
+
+class _Held:
+    """A session's lock, held by ``conn``."""
+
+    def __init__(self, conn: Conn) -> None:
+        self._conn = conn
+
+    async def lost(self) -> str:
+        try:
+            async for _ in self._conn.notifies():
+                pass  # nothing is listened to: the wait ends only with the connection
+        except psycopg.Error as exc:
+            return one_line(exc)
+        return "the connection ended"
+
+    async def release(self) -> None:
+        with contextlib.suppress(psycopg.Error):
+            await self._conn.close()  # the server drops the lock with the session
+
+
+class PostgresTokens:
+    """Sessions' advisory locks on ``connect``'s connections to ``schema``."""
+
+    def __init__(self, connect: Callable[[], Awaitable[Conn]], schema: str, where: str) -> None:
+        self._connect = connect
+        self._schema = schema
+        self._where = where
+        self._watcher: Conn | None = None
+        #: A wait was cut short: a lock may have been granted as it was cancelled.
+        self._unsure = False
+
+    async def _connection(self, what: str, settings: tuple[tuple[str, str], ...]) -> Conn:
+        try:
+            conn = await self._connect()
+            await _settle(conn, settings)
+        except psycopg.Error as exc:
+            raise StoreError(f"{self._where}: {what}: {one_line(exc)}") from exc
+        return conn
+
+    async def hold(self, session: str) -> _Held:
+        conn = await self._connection(f"holding session {session!r}", _SETTINGS)
+        key = session_key(self._schema, session)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RETAKE
+        try:
+            while True:
+                cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
+                row = await cur.fetchone()
+                if row is not None and row[0]:
+                    return _Held(conn)
+                if loop.time() > deadline:
+                    break
+                # Held by the server's end of our own lost connection (or by a watcher
+                # burying it for a moment): end the former, wait for the latter.
+                await conn.execute(OUR_OLD_BACKEND, ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF))
+                await asyncio.sleep(0.1)
+        except psycopg.Error as exc:
+            await conn.close()
+            raise StoreError(
+                f"{self._where}: holding session {session!r}: {one_line(exc)}"
+            ) from exc
+        await conn.close()
+        raise StoreError(f"{self._where}: session {session!r} is held elsewhere after {RETAKE:g} s")
+
+    @contextlib.asynccontextmanager
+    async def outlive(self, session: str) -> AsyncIterator[bool]:
+        key = session_key(self._schema, session)
+        conn = await self._watching()
+        try:
+            if self._unsure:
+                await conn.execute("SELECT pg_advisory_unlock_all()")
+                self._unsure = False
+            await conn.execute("SELECT pg_advisory_lock_shared(%s)", (key,))
+        except psycopg.errors.LockNotAvailable:
+            gone = False  # lock_timeout: look at the ring again
+        except asyncio.CancelledError:
+            self._unsure = True
+            raise
+        except psycopg.Error as exc:
+            await self.close()
+            raise StoreError(
+                f"{self._where}: watching session {session!r}: {one_line(exc)}"
+            ) from exc
+        else:
+            gone = True
+        try:
+            yield gone
+        finally:
+            if gone:
+                try:
+                    await conn.execute("SELECT pg_advisory_unlock_shared(%s)", (key,))
+                except psycopg.Error:
+                    await self.close()  # the lock goes with the connection
+
+    async def _watching(self) -> Conn:
+        if self._watcher is None or self._watcher.closed:
+            self._watcher = await self._connection("watching the ring", _SETTINGS + _WATCHING)
+        return self._watcher
+
+    async def close(self) -> None:
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            with contextlib.suppress(psycopg.Error):
+                await watcher.close()

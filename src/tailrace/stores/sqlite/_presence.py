@@ -1,0 +1,122 @@
+"""The SQLite store's session tokens (W7): lock files the kernel drops with the process.
+
+The processes sharing a SQLite file share a host. A session's token is a
+file in ``<database>-sessions/`` held with ``flock(LOCK_EX)`` for as long as
+the session lasts: the kernel drops the lock the moment the process dies,
+however it dies. A lock file rather than the process id: no process table is
+read (``/proc`` or its absence), a pid reused by another process can never
+pass for the dead one, and processes in other pid namespaces (containers
+sharing the database's volume) see each other's locks as the database's own
+locks do.
+
+A watcher probes the next session's file with ``flock(LOCK_SH | LOCK_NB)``
+every :data:`~tailrace.stores._presence.PROBE` seconds: a system call, no
+database read. A session that leaves removes its file; a burier removes the
+dead session's. Where ``fcntl`` is missing (Windows), sessions are refused
+and leases stay the only way a dead worker's runs are found (D6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from ..._errors import StoreError
+from .._presence import PROBE, RING_REREAD
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None  # type: ignore[assignment]
+
+
+def sessions_dir(path: str) -> Path:
+    """Where the lock files of the sessions on database ``path`` live."""
+    return Path(f"{path}-sessions")
+
+
+class _Held:
+    """A session's lock file, held open and locked."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self._fd = fd
+        self._path = path
+
+    async def lost(self) -> str:
+        await asyncio.Event().wait()  # the lock lasts as long as the process
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def release(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path.unlink()
+        os.close(self._fd)
+
+
+class FileTokens:
+    """Sessions' lock files next to the SQLite database ``path``."""
+
+    def __init__(self, path: str, where: str) -> None:
+        self._dir = sessions_dir(path)
+        self._where = where
+
+    def _file(self, session: str) -> Path:
+        return self._dir / f"{hashlib.sha256(session.encode()).hexdigest()[:32]}.lock"
+
+    async def hold(self, session: str) -> _Held:
+        if fcntl is None:  # pragma: no cover - not POSIX
+            raise StoreError(f"{self._where}: sessions need fcntl (a POSIX system)")
+        path = self._file(session)
+        try:
+            self._dir.mkdir(exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StoreError(f"{self._where}: cannot hold session {session!r}: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            raise StoreError(f"{self._where}: session {session!r} is held: {exc}") from exc
+        return _Held(fd, path)
+
+    @contextlib.asynccontextmanager
+    async def outlive(self, session: str) -> AsyncIterator[bool]:
+        path = self._file(session)
+        fd: int | None = None
+        deadline = time.monotonic() + RING_REREAD
+        try:
+            while True:
+                if fd is None:
+                    try:
+                        fd = os.open(path, os.O_RDONLY)
+                    except FileNotFoundError:
+                        break  # its holder let go and removed it
+                if self._free(fd):
+                    break
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                await asyncio.sleep(PROBE)
+            yield True
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # the session is buried: its file goes
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    @staticmethod
+    def _free(fd: int) -> bool:
+        """Whether the lock on ``fd``'s file is free (then this process holds it shared)."""
+        assert fcntl is not None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Nothing is held open between two watches."""

@@ -1,0 +1,178 @@
+"""Store sessions: a worker is alive while its store session is, and the fleet sees it die (W7).
+
+Run against every backend that other processes share. A process present in
+the fleet (``tests/stores/session_holder.py``) claims runs and is SIGKILLed
+for real; the session watching it finds its token free (the Postgres server
+drops the advisory lock with the connection, the kernel the SQLite lock
+file) and buries it: its leases expire at once with a new fencing token,
+its row goes. Nothing here waits out a lease: leases are an hour long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tailrace._errors import LeaseLost
+from tailrace.stores import RunStore, SQLiteStore
+from tests import fixtures
+from tests.stores.test_queues import TTL, submit, worker
+
+if TYPE_CHECKING:
+    from tests.fixtures import Backend
+
+HOLDER = Path(__file__).with_name("session_holder.py")
+until = fixtures.until
+
+
+def url_of(store: RunStore) -> str:
+    """Where another process opens ``store``'s database."""
+    if isinstance(store, SQLiteStore):
+        return store.path
+    assert fixtures.POSTGRES_DSN is not None
+    sep = "&" if "?" in fixtures.POSTGRES_DSN else "?"
+    return f"{fixtures.POSTGRES_DSN}{sep}schema={store.schema}"
+
+
+@contextlib.contextmanager
+def holder(
+    store: RunStore, worker_id: str, runs: int
+) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
+    """A process present as ``worker_id`` holding ``runs`` claimed runs: (it, its session, the runs)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TAILRACE_")}
+    environ["PYTHONPATH"] = os.pathsep.join(sys.path)
+    proc = subprocess.Popen(
+        [sys.executable, str(HOLDER), url_of(store), worker_id, str(runs)],
+        stdout=subprocess.PIPE, text=True, env=environ,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().split()
+        assert line and line[0] == "ready", line
+        yield proc, line[1], line[2:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def shared(backend: Backend) -> RunStore:
+    if backend.sibling is None:
+        pytest.skip("a memory store is one process's own")
+    return backend.store
+
+
+async def test_a_present_worker_names_its_session_and_its_row_goes_with_it(
+    backend: Backend,
+) -> None:
+    store, now = backend.store, backend.clock.now
+    async with store.presence(worker("w1", now)) as presence:
+        assert [(w.worker_id, w.session) for w in await store.workers()] == [
+            ("w1", presence.session)
+        ]
+        await store.pulse(worker("w1", now + 1))  # a heartbeat keeps the session it names
+        assert [w.session for w in await store.workers()] == [presence.session]
+        async with store.presence(worker("w2", now)) as second:
+            assert second.session == presence.session  # one session per store object
+    assert await store.workers() == []
+
+
+async def test_a_killed_sessions_leases_expire_fenced_at_once_and_its_row_goes(
+    backend: Backend,
+) -> None:
+    store = shared(backend)
+    for n in range(3):
+        await submit(store, f"r{n}", at=float(n + 1))
+    async with store.presence(worker("watcher", backend.clock.now, queues=("none",))) as mine:
+        with holder(store, "doomed:1:0:x", 2) as (proc, theirs, claimed):
+            assert claimed == ["r0", "r1"]
+            sessions = {w.worker_id: w.session for w in await store.workers()}
+            assert sessions == {"watcher": mine.session, "doomed:1:0:x": theirs}
+            tokens = {r: (await store.get_run(r)).lease_token for r in claimed}
+            proc.kill()
+            proc.wait()
+
+            async def fenced() -> bool:
+                runs = [await store.get_run(r) for r in claimed]
+                return all(r.lease_token == tokens[r.run_id] + 1 for r in runs)
+
+            await until(fenced, "the killed session's leases to be expired and fenced")
+        for run_id in claimed:
+            record = await store.get_run(run_id)
+            assert (record.lease_owner, record.lease_expires) == ("doomed:1:0:x", backend.clock.now)
+            with pytest.raises(LeaseLost):  # its writes are refused from now on (D6)
+                await store.heartbeat(run_id, "doomed:1:0:x", tokens[run_id], TTL)
+        assert [w.worker_id for w in await store.workers()] == ["watcher"]
+        backend.clock.advance(0.001)
+        assert await store.expired_leases(backend.clock.now, limit=10) == claimed
+        # Taking one over counts as a recovery of a run its owner died holding (W3).
+        await store.acquire_lease("r0", "watcher", TTL)
+        assert (await store.get_run("r0")).recoveries == 1
+        assert (await store.get_run("r2")).lease_owner is None  # never claimed: untouched
+
+
+async def test_a_session_that_joins_buries_the_dead_one_it_watches(backend: Backend) -> None:
+    """Nobody watched the session when it died: the next session to join finds it gone."""
+    store = shared(backend)
+    await submit(store, "r0", at=1.0)
+    with holder(store, "doomed:1:0:x", 1) as (proc, _, claimed):
+        proc.kill()
+        proc.wait()
+    token = (await store.get_run("r0")).lease_token
+    assert claimed == ["r0"] and [w.worker_id for w in await store.workers()] == ["doomed:1:0:x"]
+    async with store.presence(worker("late", backend.clock.now, queues=("none",))):
+
+        async def fenced() -> bool:
+            return (await store.get_run("r0")).lease_token == token + 1
+
+        await until(fenced, "the dead session to be buried by the one that joined")
+        assert [w.worker_id for w in await store.workers()] == ["late"]
+
+
+async def _terminate_session(backend: Backend, session: str) -> None:
+    """End ``session``'s Postgres connection from the server's side, as an admin would."""
+    from tailrace.stores.postgres._presence import session_key
+
+    assert backend.execute is not None
+    key = session_key(backend.store.schema, session)
+    rows = await backend.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+        "AND classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = 1 AND granted",
+        ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF),
+    )
+    assert rows == [(True,)], rows
+
+
+@pytest.mark.parametrize("watched", [True, False], ids=["watched", "alone"])
+async def test_a_session_ended_by_the_server_is_taken_back_and_told_if_it_was_buried(
+    pg_backend: Backend, watched: bool
+) -> None:
+    """Its process lives: the session comes back; its workers learn whether the fleet buried
+    it meanwhile (then their leases were fenced: they must stop what they drive)."""
+    store, now = pg_backend.store, pg_backend.clock.now
+    await submit(store, "r0", at=1.0)
+    async with contextlib.AsyncExitStack() as stack:
+        if watched:
+            other = await stack.enter_async_context(pg_backend.sibling())  # type: ignore[misc]
+            await stack.enter_async_context(other.presence(worker("watcher", now, ("none",))))
+        mine = await stack.enter_async_context(store.presence(worker("w1", now)))
+        assert await store.claim_runs("q", "w1", TTL, limit=1) == ["r0"]
+        token = (await store.get_run("r0")).lease_token
+        await _terminate_session(pg_backend, mine.session)
+        lapse = await asyncio.wait_for(mine.lapse(), fixtures.HANG_GUARD)
+        assert lapse.buried is watched
+        assert "terminat" in lapse.reason or "closed" in lapse.reason, lapse.reason
+        record = await store.get_run("r0")
+        assert record.lease_token == token + (1 if watched else 0)
+        # Back in the ring, with its row, either way.
+        assert [w.session for w in await store.workers() if w.worker_id == "w1"] == [mine.session]

@@ -1,0 +1,229 @@
+"""A worker cut off from the store stops driving before the fleet can adopt its runs, and says so (W7).
+
+Real workers on a real Postgres. Two ways to lose the store:
+
+- its store session ends while its process lives (an admin terminates the
+  backend with ``pg_terminate_backend``): the session watching it buries it,
+  its leases are fenced and another worker adopts the run at once; the
+  worker takes its session back, learns it was buried, stops the run (its
+  handler is cancelled) and says so, once;
+- the network to the server is cut (:class:`Cable`, a proxy in front of the
+  server's socket that stops passing bytes without closing anything, as a
+  pulled cable does): nothing it sends is answered, so the lease it holds
+  cannot be renewed; it stops the run before the lease could expire and
+  says so, once, then says when the store answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+import tailrace as tr
+from tailrace import Engine
+from tailrace.stores import PostgresStore, RunStore
+from tailrace.workers import Worker
+from tests import fixtures
+from tests.workers.test_worker import working
+
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.skipif(
+        fixtures.POSTGRES_DSN is None, reason="TAILRACE_TEST_POSTGRES_DSN is not set"
+    ),
+]
+
+until = fixtures.until
+TTL = 3.0
+
+#: What the handler of the run under test saw, per test.
+STARTED: list[tuple[str, float]] = []
+STOPPED: list[tuple[str, float]] = []
+GO = asyncio.Event()
+
+cut_graph = tr.Graph("liveness_cut")
+
+
+@cut_graph.task()
+async def warm(x: int) -> int:
+    return x
+
+
+@cut_graph.task()
+async def long(x: int) -> int:
+    """Runs until the test says ``GO``; records when it started and when it was stopped."""
+    run_id = tr.current_node().run_id
+    STARTED.append((run_id, time.time()))
+    try:
+        await GO.wait()
+    except asyncio.CancelledError:
+        STOPPED.append((run_id, time.time()))
+        raise
+    return x + 1
+
+
+cut_graph.add_edge("warm", "long")
+
+
+@pytest.fixture(autouse=True)
+def fresh() -> None:
+    global GO
+    STARTED.clear()
+    STOPPED.clear()
+    GO = asyncio.Event()
+
+
+class Cable(fixtures.SocketProxy):
+    """A proxy in front of the server's socket, which can be cut and mended.
+
+    Cut, it passes no byte either way and closes nothing: what a client sends
+    is never answered, as when a cable is pulled. Mended, the bytes held back
+    flow again.
+    """
+
+    def __init__(self, target: str, directory: Path) -> None:
+        super().__init__(target, directory)
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.mend()
+        await super().__aexit__(*exc_info)
+
+    def cut(self) -> None:
+        self._flowing.clear()
+
+    def mend(self) -> None:
+        self._flowing.set()
+
+    async def link(self, client: fixtures.Ends, server: fixtures.Ends) -> None:
+        (reader, writer), (up_reader, up_writer) = client, server
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._pump(up_reader, writer))
+            await self._pump(reader, up_writer)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while chunk := await reader.read(65536):
+            await self._flowing.wait()
+            writer.write(chunk)
+            await writer.drain()
+        writer.close()
+
+
+async def owner_of(store: RunStore, run_id: str) -> str | None:
+    return (await store.get_run(run_id)).lease_owner
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture, owner: str, words: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("tailrace.") and r.levelno == logging.WARNING
+        and owner in r.getMessage() and words in r.getMessage()
+    ]  # fmt: skip
+
+
+async def test_a_worker_whose_session_the_server_ended_stops_its_run_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    async with (
+        fixtures.postgres_schema("liveness") as schema,
+        PostgresStore(fixtures.POSTGRES_DSN or "", schema=schema) as observer,
+        PostgresStore(fixtures.POSTGRES_DSN or "", schema=schema) as mine,
+        PostgresStore(fixtures.POSTGRES_DSN or "", schema=schema) as theirs,
+    ):
+        engine = Engine(store=observer)
+        run_id = await engine.submit(cut_graph, 1)
+        cut = Worker(mine, graphs=[cut_graph], lease_ttl=30.0)
+        watcher = Worker(theirs, graphs=[cut_graph], lease_ttl=30.0)
+        async with working(cut):
+            await until(lambda: len(STARTED) == 1, "the run to start on the first worker")
+            assert await owner_of(observer, run_id) == cut.owner
+            async with working(watcher):
+                await until(
+                    lambda: _sessions(observer, 2), "both workers present, each in its session"
+                )
+                await _terminate_session(observer, schema, cut.owner)
+                await until(lambda: STOPPED, "the first worker to stop its run")
+                await until(lambda: len(STARTED) == 2, "a worker to adopt and start it")
+                GO.set()
+                result = await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
+    assert (result.status, result.output) == ("completed", 2)
+    assert STOPPED[0][1] <= STARTED[1][1] + 1.0  # stopped as it learnt, not a lease later
+    said = warnings_of(caplog, cut.owner, "the fleet took it for gone")
+    assert len(said) == 1, said
+    assert "it stops the 1 run(s) it drove" in said[0]
+    # Adopted once: by the watcher, or by the worker itself, back in its session.
+    assert cut.stats.lapsed == 1 and cut.stats.adopted + watcher.stats.adopted == 1
+
+
+async def _sessions(store: RunStore, count: int) -> bool:
+    return len({w.session for w in await store.workers() if w.session is not None}) >= count
+
+
+async def _terminate_session(store: RunStore, schema: str, worker_id: str) -> None:
+    """End the Postgres connection holding ``worker_id``'s store session, as an admin would."""
+    import psycopg
+
+    from tailrace.stores.postgres._presence import session_key
+
+    session = next(w.session for w in await store.workers() if w.worker_id == worker_id)
+    assert session is not None
+    key = session_key(schema, session)
+    async with await psycopg.AsyncConnection.connect(
+        fixtures.POSTGRES_DSN or "", autocommit=True
+    ) as conn:
+        cur = await conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+            "AND classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = 1 "
+            "AND granted",
+            ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF),
+        )
+        assert await cur.fetchall() == [(True,)]
+
+
+async def test_a_worker_cut_off_from_the_store_stops_before_its_lease_can_expire_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    dsn = fixtures.POSTGRES_DSN or ""
+    async with (
+        fixtures.postgres_schema("liveness") as schema,
+        Cable.before(dsn, tmp_path) as cable,
+        PostgresStore(dsn, schema=schema) as observer,
+        PostgresStore(cable.dsn(dsn), schema=schema, retry_budget=60.0) as mine,
+    ):
+        engine = Engine(store=observer)
+        ids = [await engine.submit(cut_graph, n) for n in (1, 2)]
+        worker = Worker(mine, graphs=[cut_graph], lease_ttl=TTL, heartbeat=1.0)
+        async with working(worker):
+            await until(lambda: len(STARTED) == 2, "both runs to start")
+            cable.cut()
+            try:  # mended whatever happens: the worker stops (drains) only when it answers
+                await until(lambda: len(STOPPED) == 2, "the worker to stop both runs")
+                leases = {r: (await observer.get_run(r)).lease_expires for r in ids}
+                assert [await owner_of(observer, r) for r in ids] == [worker.owner] * 2
+                said = warnings_of(caplog, worker.owner, "is cut off from the store")
+            finally:
+                cable.mend()
+            await until(
+                lambda: warnings_of(caplog, worker.owner, "the store answers again"),
+                "the worker to hear from the store again",
+            )
+            GO.set()
+            results = [await engine.wait(r, timeout=fixtures.HANG_GUARD) for r in ids]
+    for run_id, stopped_at in STOPPED:
+        lease = leases[run_id]
+        assert lease is not None and stopped_at < lease, (stopped_at, lease)  # before it expired
+    assert len(said) == 1, said  # once, however many runs it stopped
+    assert "LeaseLapsed" not in said[0] and "did not answer in time" in said[0]
+    assert worker.stats.lapsed == 2
+    assert [(r.status, r.output) for r in results] == [("completed", 2), ("completed", 3)]
+    # Adopted again once their leases expired (by this worker, back in touch): each run's
+    # long visit started twice, its warm visit, committed before the cut, once.
+    assert sorted(r for r, _ in STARTED) == sorted(ids * 2)
