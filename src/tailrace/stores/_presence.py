@@ -194,6 +194,8 @@ class Sessions:
                 self._present.pop(worker.worker_id, None)
                 try:
                     await finish(self._ring._forget_worker(worker.worker_id))
+                except StoreError as exc:  # its row goes with the session, when it is buried
+                    logger.warning("%s: worker %s left: %s", self._where, worker.worker_id, exc)
                 finally:
                     if not self._present:
                         await finish(self._close())
