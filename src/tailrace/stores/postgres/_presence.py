@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import psycopg
 
 from ..._errors import StoreError
-from .._presence import RING_REREAD, ring_change
+from .._presence import RING_REREAD, Outlived, ring_change
 from ._connections import Conn, one_line
 
 #: First key of the transaction-level advisory lock that makes joins and burials of
@@ -142,34 +142,39 @@ class PostgresTokens:
         raise StoreError(f"{self._where}: session {session!r} is held elsewhere after {RETAKE:g} s")
 
     @contextlib.asynccontextmanager
-    async def outlive(self, session: str) -> AsyncIterator[bool]:
+    async def outlive(self, session: str) -> AsyncIterator[Outlived]:
         key = session_key(self._schema, session)
         conn = await self._watching()
         try:
             if self._unsure:
                 await conn.execute("SELECT pg_advisory_unlock_all()")
                 self._unsure = False
-            await conn.execute("SELECT pg_advisory_lock_shared(%s)", (key,))
+            cur = await conn.execute("SELECT pg_try_advisory_lock_shared(%s)", (key,))
+            row = await cur.fetchone()
+            outlived = Outlived.FREE
+            if row is None or not row[0]:
+                await conn.execute("SELECT pg_advisory_lock_shared(%s)", (key,))
+                outlived = Outlived.ENDED
         except psycopg.errors.LockNotAvailable:
-            gone = False  # lock_timeout: look at the ring again
+            outlived = Outlived.WAITED_OUT  # lock_timeout: look at the ring again
         except asyncio.CancelledError:
             self._unsure = True
             raise
         except psycopg.Error as exc:
             await self.close()
-            raise StoreError(
-                f"{self._where}: watching session {session!r}: {one_line(exc)}"
-            ) from exc
-        else:
-            gone = True
+            where = f"{self._where}: watching session {session!r}"
+            raise StoreError(f"{where}: {one_line(exc)}") from exc
         try:
-            yield gone
+            yield outlived
         finally:
-            if gone:
+            if outlived is not Outlived.WAITED_OUT:
                 try:
                     await conn.execute("SELECT pg_advisory_unlock_shared(%s)", (key,))
                 except psycopg.Error:
                     await self.close()  # the lock goes with the connection
+
+    async def buried(self, session: str) -> None:
+        """Nothing is left of a session's lock once its connection ended."""
 
     async def _watching(self) -> Conn:
         if self._watcher is None or self._watcher.closed:
