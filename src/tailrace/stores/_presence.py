@@ -25,7 +25,10 @@ newcomer instead (``ring:<session>``: a Postgres notification addressed to
 it; on SQLite every watcher looks again, one local read); joins and burials
 take turns (``Tx.lock_ring``), so a session that joins is always watched. A
 watcher also looks at the ring again every :data:`RING_REREAD` seconds,
-whatever it was told.
+whatever it was told. A token found free at once (not freed while watched:
+a session that died unwatched, or one being taken back after a server
+restart ended them all) is given :data:`GRACE` seconds to be taken back
+before the session is buried.
 
 A session that ends while its process lives (its connection was terminated,
 the server restarted) is taken back by its store: the same token, once the
