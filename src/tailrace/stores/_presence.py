@@ -25,7 +25,8 @@ newcomer instead (``ring:<session>``: a Postgres notification addressed to
 it; on SQLite every watcher looks again, one local read); joins and burials
 take turns (``Tx.lock_ring``), so a session that joins is always watched. A
 watcher also looks at the ring again every :data:`RING_REREAD` seconds,
-whatever it was told. A token found free at once (not freed while watched:
+whatever it was told; a wait that lasted :data:`WAIT` seconds is made again
+(on Postgres, an aborted statement: no commit). A token found free at once (not freed while watched:
 a session that died unwatched, or one being taken back after a server
 restart ended them all) is given :data:`GRACE` seconds to be taken back
 before the session is buried.
@@ -65,6 +66,9 @@ T = TypeVar("T")
 
 #: Seconds after which a watcher looks at the ring again, whatever it was told.
 RING_REREAD = 600.0
+#: The longest one wait for a token lasts before it is made again: a waiting Postgres
+#: statement holds back the horizon of what vacuum may remove, by this much at most.
+WAIT = 60.0
 #: Seconds a watcher gives a session whose token it found free at once to take it back
 #: (a server restart ends every session: each takes its own back within a second or
 #: two) before burying it.
@@ -300,11 +304,13 @@ class Sessions:
 
     async def _bury_when_gone(self, session: str) -> None:
         """Bury ``session`` once its token comes free while watched; one found free at once
-        is given :data:`GRACE` seconds to be taken back first (after a server restart)."""
-        for first in (True, False):
+        is given :data:`GRACE` seconds to be taken back first (after a server restart). A
+        wait that ran out (:data:`WAIT`) is made again."""
+        first = True
+        while True:
             async with self._tokens.outlive(session) as outlived:
                 if outlived is Outlived.WAITED_OUT:
-                    return
+                    continue
                 if outlived is Outlived.ENDED or not first:
                     # Held to its end, token and all: the session cannot be taken back
                     # (and find itself whole) between its token coming free and its burial.
@@ -316,6 +322,7 @@ class Sessions:
                         self._where, session, expired,
                     )  # fmt: skip
                     return
+            first = False
             await asyncio.sleep(GRACE)
 
     async def _ring_news(self, feed: ChangeFeed) -> None:

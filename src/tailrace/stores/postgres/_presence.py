@@ -12,8 +12,9 @@ connection of its own: a blocking ``pg_advisory_lock_shared`` that the
 server grants when the holder's connection ends, and that costs nothing
 while it waits (no transaction ends, no row is read). It holds no lock of
 its own while it waits: the holders never wait, so the waits can never form
-a cycle. ``lock_timeout`` ends a wait after ``RING_REREAD`` seconds (the
-watcher looks at the ring again), and ``client_connection_check_interval``
+a cycle. A waiting statement holds a snapshot, which holds back what vacuum
+may remove: ``lock_timeout`` ends a wait after ``WAIT`` seconds (an aborted
+statement, then the wait again), and ``client_connection_check_interval``
 (Postgres 14 and newer) lets the server end the wait of a watcher that died.
 
 A session taken back after its connection ended may find its lock still
@@ -31,7 +32,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import psycopg
 
 from ..._errors import StoreError
-from .._presence import RING_REREAD, Outlived, ring_change
+from .._presence import WAIT, Outlived, ring_change
 from ._connections import Conn, one_line
 
 #: First key of the transaction-level advisory lock that makes joins and burials of
@@ -54,7 +55,7 @@ _SETTINGS = (
     ("idle_session_timeout", "0"),  # Postgres 14 and newer
 )
 _WATCHING = (
-    ("lock_timeout", f"{int(RING_REREAD * 1000)}"),
+    ("lock_timeout", f"{int(WAIT * 1000)}"),
     ("client_connection_check_interval", "10000"),  # Postgres 14 and newer
 )
 
@@ -156,7 +157,7 @@ class PostgresTokens:
                 await conn.execute("SELECT pg_advisory_lock_shared(%s)", (key,))
                 outlived = Outlived.ENDED
         except psycopg.errors.LockNotAvailable:
-            outlived = Outlived.WAITED_OUT  # lock_timeout: look at the ring again
+            outlived = Outlived.WAITED_OUT  # lock_timeout: the watcher waits again
         except asyncio.CancelledError:
             self._unsure = True
             raise

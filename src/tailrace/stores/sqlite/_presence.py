@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ..._errors import StoreError
-from .._presence import PROBE, RING_REREAD, Outlived
+from .._presence import PROBE, WAIT, Outlived
 
 try:
     import fcntl
@@ -87,7 +87,7 @@ class FileTokens:
     async def outlive(self, session: str) -> AsyncIterator[Outlived]:
         path = self._file(session)
         fd: int | None = None
-        deadline = time.monotonic() + RING_REREAD
+        deadline = time.monotonic() + WAIT
         outlived = Outlived.FREE
         try:
             while True:
