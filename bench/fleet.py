@@ -1318,7 +1318,7 @@ def run_idle(args: argparse.Namespace) -> None:
         )
         print(f"{'workers':>8} {'as':>9} {'commits/s':>10} {'per worker':>11} "
               f"{'rows read/s':>12} {'per worker':>11} {'own rows/s':>11} {'per worker':>11} "
-              f"{'per commit':>11} {'conns/worker':>13}")  # fmt: skip
+              f"{'per commit':>11} {'HOT':>5} {'conns/worker':>13}")  # fmt: skip
         sizes = [("processes", int(x)) for x in args.fleet.split(",") if x]
         sizes += [("tasks", int(x)) for x in args.simulate.split(",") if x]
         for mode, n in sizes:
@@ -1328,7 +1328,7 @@ def run_idle(args: argparse.Namespace) -> None:
             per_commit = idle.own_rows / commits if commits else 0.0
             print(f"{n:>8} {mode:>9} {commits:>10.2f} {commits / n:>11.4f} {rows:>12.1f} "
                   f"{rows / n:>11.3f} {idle.own_rows:>11.2f} {idle.own_rows / n:>11.4f} "
-                  f"{per_commit:>11.2f} {idle.connections / n:>13.2f}")  # fmt: skip
+                  f"{per_commit:>11.2f} {idle.hot:>5.0%} {idle.connections / n:>13.2f}")  # fmt: skip
         print(f"machine load after: {machine_load()}")
 
 
@@ -1344,10 +1344,11 @@ def _connections(dsn: str) -> int:
     return int(row[0]) if row is not None else 0
 
 
-def _schema_reads(dsn: str, schema: str) -> int:
+def _schema_reads(dsn: str, schema: str) -> tuple[int, int, int]:
     """Rows and index entries read from ``schema``'s tables so far (sequential scans' rows,
     index scans' entries): the workers' own reads, without the catalogs' (autovacuum's
-    table picks, the measure's own queries)."""
+    table picks, the measure's own queries); and the ``workers`` table's updates, and how
+    many of them were HOT (in place: no index entry written)."""
     import psycopg
 
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -1355,10 +1356,14 @@ def _schema_reads(dsn: str, schema: str) -> int:
         row = conn.execute(
             "SELECT COALESCE((SELECT SUM(seq_tup_read) FROM pg_stat_user_tables "
             "WHERE schemaname = %s), 0) + COALESCE((SELECT SUM(idx_tup_read) "
-            "FROM pg_stat_user_indexes WHERE schemaname = %s), 0)",
-            (schema, schema),
+            "FROM pg_stat_user_indexes WHERE schemaname = %s), 0), "
+            "(SELECT n_tup_upd FROM pg_stat_user_tables WHERE schemaname = %s "
+            "AND relname = 'workers'), (SELECT n_tup_hot_upd FROM pg_stat_user_tables "
+            "WHERE schemaname = %s AND relname = 'workers')",
+            (schema, schema, schema, schema),
         ).fetchone()
-    return int(row[0]) if row is not None else 0
+    assert row is not None
+    return int(row[0]), int(row[1] or 0), int(row[2] or 0)
 
 
 @dataclass
@@ -1370,19 +1375,21 @@ class Idle:
     rows: float
     own_rows: float
     connections: int
+    hot: float
 
 
 def _window(dsn: str, schema: str, window: float) -> Idle:
     """What the DSN's database did over ``window`` seconds (see :class:`Idle`)."""
     connections = _connections(dsn)
     c0, r0 = _counters(dsn)
-    o0 = _schema_reads(dsn, schema)
+    o0, u0, h0 = _schema_reads(dsn, schema)
     t0 = time.monotonic()
     time.sleep(window)
     c1, r1 = _counters(dsn)
-    o1 = _schema_reads(dsn, schema)
+    o1, u1, h1 = _schema_reads(dsn, schema)
     elapsed = time.monotonic() - t0
-    return Idle((c1 - c0 - 2) / elapsed, (r1 - r0) / elapsed, (o1 - o0) / elapsed, connections)
+    hot = (h1 - h0) / (u1 - u0) if u1 > u0 else 0.0
+    return Idle((c1 - c0 - 2) / elapsed, (r1 - r0) / elapsed, (o1 - o0) / elapsed, connections, hot)
 
 
 def _idle_processes(

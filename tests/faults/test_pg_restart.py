@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -33,7 +34,8 @@ import pytest
 
 import tailrace as tr
 from tailrace._errors import StoreError
-from tailrace.stores import MemoryStore, RunStatus
+from tailrace.stores import MemoryStore, NewRun, RunStatus, Submission, WorkerRow
+from tailrace.stores._presence import GRACE
 from tests.fixtures import POSTGRES_DSN
 
 BINDIR = Path(os.environ.get("TAILRACE_PG_BINDIR", "/usr/lib/postgresql/15/bin"))
@@ -231,6 +233,45 @@ async def test_runs_in_flight_survive_a_server_restart(running: Server) -> None:
     # No node ran twice: a committed visit was never re-run, nor was any other.
     assert set(calls.count.values()) == {1}
     assert len(calls.count) == RUNS * 200
+
+
+async def test_a_restart_buries_no_live_worker(running: Server) -> None:
+    """W7: a restart ends every store session at once; each store takes its own back, and
+    no watcher takes a session being taken back for gone: no lease is fenced, and every
+    present worker learns its session lapsed, unburied."""
+    schema = f"s_{uuid.uuid4().hex[:10]}"
+    now = time.time()
+    async with contextlib.AsyncExitStack() as stack:
+        stores = [
+            await stack.enter_async_context(PostgresStore(running.dsn, schema=schema))
+            for _ in range(4)
+        ]
+        rows = [
+            WorkerRow(worker_id=f"w{n}", queues=("q",), concurrency=1, started_at=now, seen_at=now)
+            for n in range(4)
+        ]
+        present = [
+            await stack.enter_async_context(store.presence(row))
+            for store, row in zip(stores, rows, strict=True)
+        ]
+        for n, store in enumerate(stores):
+            await store.submit_run(
+                NewRun(run_id=f"r{n}", graph_name="g", graph_ref=None, fingerprint="f",
+                       input_json="1", created_at=1.0),
+                Submission(queue="q"),
+            )  # fmt: skip
+            assert await store.claim_runs("q", f"w{n}", 3600.0, limit=1) == [f"r{n}"]
+        tokens = [(await stores[0].get_run(f"r{n}")).lease_token for n in range(4)]
+        await running.stop()
+        await running.start()
+        async with asyncio.timeout(HANG_GUARD):
+            lapses = [await p.lapse() for p in present]
+        await asyncio.sleep(2 * GRACE)  # a watcher that took one for gone buries it by then
+        after = [(await stores[0].get_run(f"r{n}")).lease_token for n in range(4)]
+        workers = await stores[0].workers()
+    assert [lapse.buried for lapse in lapses] == [False] * 4, lapses
+    assert after == tokens
+    assert sorted(w.worker_id for w in workers) == ["w0", "w1", "w2", "w3"]
 
 
 def pool_saw_the_outage(store: PostgresStore) -> bool:

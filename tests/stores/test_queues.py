@@ -630,6 +630,34 @@ async def test_a_pulse_reports_the_worker_and_what_is_worth_a_look(backend: Back
     assert "release" in pulse.kinds and pulse.due_at == now + 50
 
 
+#: What a heartbeat (``pulse``) rewrites in a worker's row.
+REPORTED = ("queues_json", "concurrency", "started_at", "seen_at", "running", "dead_after", "host")
+
+
+async def test_no_index_covers_what_a_heartbeat_rewrites(backend: Backend) -> None:
+    """W7: a report rewrites its row in place (Postgres: a HOT update, with room left on the
+    page for it), so no index entry is written per heartbeat, nor left dead for scans."""
+    if backend.execute is None:
+        pytest.skip("a memory store has no indexes")
+    if backend.name == "postgres":
+        indexes = await backend.execute(
+            "SELECT indexdef FROM pg_indexes WHERE schemaname = current_schema() "
+            "AND tablename = 'workers'", (),
+        )  # fmt: skip
+        options = await backend.execute(
+            "SELECT reloptions FROM pg_class WHERE oid = 'workers'::regclass", ()
+        )
+        assert options == [(["fillfactor=50"],)]
+    else:
+        indexes = await backend.execute(
+            "SELECT sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'workers' "
+            "AND sql IS NOT NULL", (),
+        )  # fmt: skip
+    assert indexes, "the ring of sessions reads workers by session"
+    for (definition,) in indexes:
+        assert not [c for c in REPORTED if c in definition], definition
+
+
 async def test_a_pulse_says_when_a_waiting_run_passes_its_deadline(backend: Backend) -> None:
     """R6: a queued or suspended run's deadline comes due (``due_at``), then is ``overdue``;
     a finished run's deadline is no one's business (it is not even read)."""

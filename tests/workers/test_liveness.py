@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -148,6 +149,9 @@ async def test_a_worker_whose_session_the_server_ended_stops_its_run_and_says_so
                 await until(
                     lambda: _sessions(observer, 2), "both workers present, each in its session"
                 )
+                await until(
+                    lambda: _watched(observer, schema, cut.owner), "the first worker watched"
+                )
                 await _terminate_session(observer, schema, cut.owner)
                 await until(lambda: STOPPED, "the first worker to stop its run")
                 await until(lambda: len(STARTED) == 2, "a worker to adopt and start it")
@@ -166,25 +170,42 @@ async def _sessions(store: RunStore, count: int) -> bool:
     return len({w.session for w in await store.workers() if w.session is not None}) >= count
 
 
-async def _terminate_session(store: RunStore, schema: str, worker_id: str) -> None:
-    """End the Postgres connection holding ``worker_id``'s store session, as an admin would."""
-    import psycopg
-
+async def _session_locks(store: RunStore, schema: str, worker_id: str) -> list[tuple[Any, ...]]:
+    """(pid, mode, granted) of each ``pg_locks`` row of ``worker_id``'s session's key."""
     from tailrace.stores.postgres._presence import session_key
 
     session = next(w.session for w in await store.workers() if w.worker_id == worker_id)
     assert session is not None
     key = session_key(schema, session)
+    return await _server(
+        "SELECT pid, mode, granted FROM pg_locks WHERE locktype = 'advisory' "
+        "AND classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = 1",
+        ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF),
+    )
+
+
+async def _server(query: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    import psycopg
+
     async with await psycopg.AsyncConnection.connect(
         fixtures.POSTGRES_DSN or "", autocommit=True
     ) as conn:
-        cur = await conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
-            "AND classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = 1 "
-            "AND granted",
-            ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF),
-        )
-        assert await cur.fetchall() == [(True,)]
+        cur = await conn.execute(query, params)
+        return list(await cur.fetchall())
+
+
+async def _watched(store: RunStore, schema: str, worker_id: str) -> bool:
+    """Whether another session waits for ``worker_id``'s session's lock."""
+    locks = await _session_locks(store, schema, worker_id)
+    return any((mode, granted) == ("ShareLock", False) for _, mode, granted in locks)
+
+
+async def _terminate_session(store: RunStore, schema: str, worker_id: str) -> None:
+    """End the Postgres connection holding ``worker_id``'s store session, as an admin would."""
+    locks = await _session_locks(store, schema, worker_id)
+    holders = [pid for pid, mode, granted in locks if mode == "ExclusiveLock" and granted]
+    assert len(holders) == 1, locks
+    assert await _server("SELECT pg_terminate_backend(%s)", (holders[0],)) == [(True,)]
 
 
 async def test_a_worker_cut_off_from_the_store_stops_before_its_lease_can_expire_and_says_so(

@@ -25,7 +25,11 @@ newcomer instead (``ring:<session>``: a Postgres notification addressed to
 it; on SQLite every watcher looks again, one local read); joins and burials
 take turns (``Tx.lock_ring``), so a session that joins is always watched. A
 watcher also looks at the ring again every :data:`RING_REREAD` seconds,
-whatever it was told.
+whatever it was told; a wait that lasted :data:`WAIT` seconds is made again
+(on Postgres, an aborted statement: no commit). A token found free at once (not freed while watched:
+a session that died unwatched, or one being taken back after a server
+restart ended them all) is given :data:`GRACE` seconds to be taken back
+before the session is buried.
 
 A session that ends while its process lives (its connection was terminated,
 the server restarted) is taken back by its store: the same token, once the
@@ -41,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import functools
 import logging
 import os
@@ -61,6 +66,13 @@ T = TypeVar("T")
 
 #: Seconds after which a watcher looks at the ring again, whatever it was told.
 RING_REREAD = 600.0
+#: The longest one wait for a token lasts before it is made again: a waiting Postgres
+#: statement holds back the horizon of what vacuum may remove, by this much at most.
+WAIT = 60.0
+#: Seconds a watcher gives a session whose token it found free at once to take it back
+#: (a server restart ends every session: each takes its own back within a second or
+#: two) before burying it.
+GRACE = 5.0
 #: Seconds between two looks at a lock file (SQLite) whose holder is alive.
 PROBE = 0.05
 #: The first and the longest pause before taking a lost session back, or watching again.
@@ -81,6 +93,17 @@ def ring_change(session: str) -> str:
     return RING_PREFIX + session
 
 
+class Outlived(enum.Enum):
+    """How a wait for another session's token ended (``Tokens.outlive``)."""
+
+    #: Its holder gave it up while we waited: the session ended.
+    ENDED = "ended"
+    #: It was free when we asked: ended, or being taken back (``GRACE``).
+    FREE = "free"
+    #: The wait ran out first: look at the ring again.
+    WAITED_OUT = "waited out"
+
+
 class Held(Protocol):
     """A session's token, held."""
 
@@ -97,9 +120,12 @@ class Tokens(Protocol):
     async def hold(self, session: str) -> Held:
         """Take ``session``'s token (``StoreError`` if the database cannot give it now)."""
 
-    def outlive(self, session: str) -> AbstractAsyncContextManager[bool]:
-        """Wait until ``session``'s token is free, and hold it for the body (``True``); the
-        body gets ``False`` when the wait ran out first (look at the ring again)."""
+    def outlive(self, session: str) -> AbstractAsyncContextManager[Outlived]:
+        """Wait until ``session``'s token is free, and hold it (shared) for the body, which
+        gets how the wait ended (not held when it ran out)."""
+
+    async def buried(self, session: str) -> None:
+        """``session`` was buried: remove what is left of its token (SQLite: its file)."""
 
     async def close(self) -> None:
         """Let go of what watching holds (a connection)."""
@@ -139,8 +165,11 @@ class MemoryTokens:
         return _Forever()
 
     @contextlib.asynccontextmanager
-    async def outlive(self, session: str) -> AsyncIterator[bool]:
-        yield True  # no session but this store's own exists in memory
+    async def outlive(self, session: str) -> AsyncIterator[Outlived]:
+        yield Outlived.ENDED  # no session but this store's own exists in memory
+
+    async def buried(self, session: str) -> None:
+        """Nothing is left of a session."""
 
     async def close(self) -> None:
         """Nothing is held open."""
@@ -194,6 +223,8 @@ class Sessions:
                 self._present.pop(worker.worker_id, None)
                 try:
                     await finish(self._ring._forget_worker(worker.worker_id))
+                except StoreError as exc:  # its row goes with the session, when it is buried
+                    logger.warning("%s: worker %s left: %s", self._where, worker.worker_id, exc)
                 finally:
                     if not self._present:
                         await finish(self._close())
@@ -272,16 +303,27 @@ class Sessions:
         await first_of(self._bury_when_gone(session), self._ring_news(feed))
 
     async def _bury_when_gone(self, session: str) -> None:
-        async with self._tokens.outlive(session) as gone:
-            if gone:
-                # Held to its end, token and all: the session cannot be taken back (and
-                # find itself whole) between its token coming free and its burial.
-                expired = await finish(self._ring._bury_session(session))
-                logger.info(
-                    "%s: store session %s is gone; the leases of its %d runs expired for the "
-                    "fleet to adopt",
-                    self._where, session, expired,
-                )  # fmt: skip
+        """Bury ``session`` once its token comes free while watched; one found free at once
+        is given :data:`GRACE` seconds to be taken back first (after a server restart). A
+        wait that ran out (:data:`WAIT`) is made again."""
+        first = True
+        while True:
+            async with self._tokens.outlive(session) as outlived:
+                if outlived is Outlived.WAITED_OUT:
+                    continue
+                if outlived is Outlived.ENDED or not first:
+                    # Held to its end, token and all: the session cannot be taken back
+                    # (and find itself whole) between its token coming free and its burial.
+                    expired = await finish(self._ring._bury_session(session))
+                    await self._tokens.buried(session)
+                    logger.info(
+                        "%s: store session %s is gone; the leases of its %d runs expired for "
+                        "the fleet to adopt",
+                        self._where, session, expired,
+                    )  # fmt: skip
+                    return
+            first = False
+            await asyncio.sleep(GRACE)
 
     async def _ring_news(self, feed: ChangeFeed) -> None:
         """Return when the ring changed for this session, or after :data:`RING_REREAD` seconds."""

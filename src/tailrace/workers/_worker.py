@@ -447,7 +447,7 @@ class Worker:
                 self._start(group, _Job(question.run_id, "answer"), self._answer(question))
         # Another worker's release frees a slot only in a queue with global limits.
         counted = any(q.concurrency is not None or q.limit is not None for q in self.queues)
-        if kinds & {"submit", "slot", "dead"} or ("release" in kinds and counted):
+        if kinds & {"submit", "slot"} or ("release" in kinds and counted):
             await self._claim(group)
         if kinds & {"release", "slot"}:
             if time.monotonic() >= self._next_orphan_scan:

@@ -196,6 +196,9 @@ EXPIRED_LEASES = (
     "ORDER BY COALESCE(lease_expires, 0), run_id LIMIT ?"
 )
 
+#: Marks a migration statement only Postgres runs (SQLite has nothing like it).
+POSTGRES_ONLY = "/*POSTGRES*/ "
+
 #: Numbered migrations, applied in order and recorded in ``schema_migrations`` (D4).
 MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
     (
@@ -537,6 +540,8 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             "DROP INDEX IF EXISTS workers_by_expiry",
             "DROP INDEX IF EXISTS workers_by_host",
             "DROP TABLE IF EXISTS worker_scans",
+            # Room on each page for a report's new version beside the old one.
+            POSTGRES_ONLY + "ALTER TABLE workers SET (fillfactor = 50)",
             "ALTER TABLE workers ADD COLUMN session TEXT",
             "CREATE INDEX workers_by_session ON workers (session)",
             "INSERT INTO signals (kind, n) VALUES ('ring', 0)",

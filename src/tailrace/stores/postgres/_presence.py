@@ -12,8 +12,9 @@ connection of its own: a blocking ``pg_advisory_lock_shared`` that the
 server grants when the holder's connection ends, and that costs nothing
 while it waits (no transaction ends, no row is read). It holds no lock of
 its own while it waits: the holders never wait, so the waits can never form
-a cycle. ``lock_timeout`` ends a wait after ``RING_REREAD`` seconds (the
-watcher looks at the ring again), and ``client_connection_check_interval``
+a cycle. A waiting statement holds a snapshot, which holds back what vacuum
+may remove: ``lock_timeout`` ends a wait after ``WAIT`` seconds (an aborted
+statement, then the wait again), and ``client_connection_check_interval``
 (Postgres 14 and newer) lets the server end the wait of a watcher that died.
 
 A session taken back after its connection ended may find its lock still
@@ -31,7 +32,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import psycopg
 
 from ..._errors import StoreError
-from .._presence import RING_REREAD, ring_change
+from .._presence import WAIT, Outlived, ring_change
 from ._connections import Conn, one_line
 
 #: First key of the transaction-level advisory lock that makes joins and burials of
@@ -54,7 +55,7 @@ _SETTINGS = (
     ("idle_session_timeout", "0"),  # Postgres 14 and newer
 )
 _WATCHING = (
-    ("lock_timeout", f"{int(RING_REREAD * 1000)}"),
+    ("lock_timeout", f"{int(WAIT * 1000)}"),
     ("client_connection_check_interval", "10000"),  # Postgres 14 and newer
 )
 
@@ -142,34 +143,39 @@ class PostgresTokens:
         raise StoreError(f"{self._where}: session {session!r} is held elsewhere after {RETAKE:g} s")
 
     @contextlib.asynccontextmanager
-    async def outlive(self, session: str) -> AsyncIterator[bool]:
+    async def outlive(self, session: str) -> AsyncIterator[Outlived]:
         key = session_key(self._schema, session)
         conn = await self._watching()
         try:
             if self._unsure:
                 await conn.execute("SELECT pg_advisory_unlock_all()")
                 self._unsure = False
-            await conn.execute("SELECT pg_advisory_lock_shared(%s)", (key,))
+            cur = await conn.execute("SELECT pg_try_advisory_lock_shared(%s)", (key,))
+            row = await cur.fetchone()
+            outlived = Outlived.FREE
+            if row is None or not row[0]:
+                await conn.execute("SELECT pg_advisory_lock_shared(%s)", (key,))
+                outlived = Outlived.ENDED
         except psycopg.errors.LockNotAvailable:
-            gone = False  # lock_timeout: look at the ring again
+            outlived = Outlived.WAITED_OUT  # lock_timeout: the watcher waits again
         except asyncio.CancelledError:
             self._unsure = True
             raise
         except psycopg.Error as exc:
             await self.close()
-            raise StoreError(
-                f"{self._where}: watching session {session!r}: {one_line(exc)}"
-            ) from exc
-        else:
-            gone = True
+            where = f"{self._where}: watching session {session!r}"
+            raise StoreError(f"{where}: {one_line(exc)}") from exc
         try:
-            yield gone
+            yield outlived
         finally:
-            if gone:
+            if outlived is not Outlived.WAITED_OUT:
                 try:
                     await conn.execute("SELECT pg_advisory_unlock_shared(%s)", (key,))
                 except psycopg.Error:
                     await self.close()  # the lock goes with the connection
+
+    async def buried(self, session: str) -> None:
+        """Nothing is left of a session's lock once its connection ended."""
 
     async def _watching(self) -> Conn:
         if self._watcher is None or self._watcher.closed:

@@ -23,7 +23,12 @@ import time
 from pathlib import Path
 
 from ..._errors import StoreError, UnsupportedFormat
-from .._sql._statements import CREATE_MIGRATIONS_TABLE, MIGRATIONS, SCHEMA_VERSION
+from .._sql._statements import (
+    CREATE_MIGRATIONS_TABLE,
+    MIGRATIONS,
+    POSTGRES_ONLY,
+    SCHEMA_VERSION,
+)
 from ._errors import mapped_errors
 
 
@@ -59,7 +64,8 @@ def _migrate(conn: sqlite3.Connection, where: str) -> None:
         for version, statements in MIGRATIONS:
             if version > current:
                 for statement in statements:
-                    conn.execute(statement.replace("/*WITHOUT ROWID*/", "WITHOUT ROWID"))
+                    if not statement.startswith(POSTGRES_ONLY):
+                        conn.execute(statement.replace("/*WITHOUT ROWID*/", "WITHOUT ROWID"))
                 conn.execute(
                     "INSERT INTO schema_migrations (version, applied_at) VALUES (?, ?)",
                     (version, time.time()),

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ..._errors import StoreError
-from .._presence import PROBE, RING_REREAD
+from .._presence import PROBE, WAIT, Outlived
 
 try:
     import fcntl
@@ -84,10 +84,11 @@ class FileTokens:
         return _Held(fd, path)
 
     @contextlib.asynccontextmanager
-    async def outlive(self, session: str) -> AsyncIterator[bool]:
+    async def outlive(self, session: str) -> AsyncIterator[Outlived]:
         path = self._file(session)
         fd: int | None = None
-        deadline = time.monotonic() + RING_REREAD
+        deadline = time.monotonic() + WAIT
+        outlived = Outlived.FREE
         try:
             while True:
                 if fd is None:
@@ -98,15 +99,19 @@ class FileTokens:
                 if self._free(fd):
                     break
                 if time.monotonic() > deadline:
-                    yield False
-                    return
+                    outlived = Outlived.WAITED_OUT
+                    break
+                outlived = Outlived.ENDED  # held when first tried: it ends while watched
                 await asyncio.sleep(PROBE)
-            yield True
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()  # the session is buried: its file goes
+            yield outlived
         finally:
             if fd is not None:
                 os.close(fd)
+
+    async def buried(self, session: str) -> None:
+        """Remove the lock file of ``session``, which is buried."""
+        with contextlib.suppress(FileNotFoundError):
+            self._file(session).unlink()
 
     @staticmethod
     def _free(fd: int) -> bool:
