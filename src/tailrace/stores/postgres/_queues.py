@@ -1,9 +1,10 @@
 """The Postgres store's queues, claims, workers and wake-ups.
 
-A claim looks first (``claim_candidates``, which locks nothing: a window of
-runs in claim order), then leases the first of them still queued with ``FOR
-UPDATE SKIP LOCKED``, so workers claiming at once never wait on, nor take,
-each other's rows. A queue whose limits need counting (``concurrency``, a
+A claim ranks a window of queued runs in claim order (``claim_candidates``:
+the ranking locks nothing) and, in the same statement, locks the first of
+them it can with ``FOR UPDATE SKIP LOCKED``, one by one in claim order up to
+its limit, so workers claiming at once never wait on, nor take, each other's
+rows; then it leases what it locked. A queue whose limits need counting (``concurrency``, a
 rate limit) is claimed under a transaction-scoped advisory lock on the
 queue's name: the count and the claim are then one step, and READ COMMITTED
 lets the next claimer's count see the runs the previous one marked.
