@@ -228,6 +228,7 @@ def claim_candidates(
     graphs: Sequence[str] | None = None,
     skip: Sequence[str] = (),
     *,
+    keyed: bool = True,
     lateral: bool = False,
     lock: bool = False,
 ) -> tuple[str, tuple[object, ...]]:
@@ -253,7 +254,9 @@ def claim_candidates(
       order, and the ``limit`` unkeyed delayed runs that came due earliest,
       ranked together into turns.
 
-    With ``lateral`` (Postgres), one probe of the walk reads a partition's key
+    Without ``keyed`` (a queue with no keyed run queued: SQLite looks first,
+    in process, as that costs less than the walk's plan) the query ranks only
+    the unkeyed runs. With ``lateral`` (Postgres), one probe of the walk reads a partition's key
     and its first run in line together, and each next run in line is one
     probe; without it (SQLite, in process), each column is a probe of its own.
     The ranking locks nothing: only the runs a claim takes are locked, one by
@@ -261,7 +264,10 @@ def claim_candidates(
     ``limit``).
     """
     sql = _Query()
-    (_lateral_line if lateral else _scalar_line)(sql, queue, now)
+    if keyed:
+        (_lateral_line if lateral else _scalar_line)(sql, queue, now)
+    else:
+        sql.add("WITH ")
     order, kept = queue.order, (*(graphs or ()), *skip)
     graph_count, filtered = (
         (None if graphs is None else len(graphs)),
@@ -281,15 +287,18 @@ def claim_candidates(
         f"{keep_loose}ORDER BY {in_line_at('q')}, q.run_id LIMIT ?) d), ",
         queue.name, *kept, window, queue.name, now, *kept, limit,
     )  # fmt: skip
-    sql.add(
-        "cands AS (SELECT c.run_id, ROW_NUMBER() OVER (ORDER BY "
-        f"{_CLAIM_ORDER[order]}) AS n FROM (SELECT c.run_id, c.turn, c.prio, c.served, c.at, "
+    in_line = (
+        "SELECT c.run_id, c.turn, c.prio, c.served, c.at, "
         f"{_of_run('estimate', order == 'lpt', _NO_NUMBER)} AS estimate, "
         f"{_of_run('graph_name', filtered, _NO_TEXT)} || '/' || "
         f"{_of_run('fingerprint', filtered, _NO_TEXT)} AS gkey "
         "FROM line c WHERE c.run_id IS NOT NULL UNION ALL "
-        f"SELECT u.run_id, ROW_NUMBER() OVER (ORDER BY {_LOOSE_TURN[order]}), u.prio, "
-        f"CAST(NULL AS DOUBLE PRECISION), u.at, u.estimate, u.gkey FROM loose u) c "
+    )
+    sql.add(
+        "cands AS (SELECT c.run_id, ROW_NUMBER() OVER (ORDER BY "
+        f"{_CLAIM_ORDER[order]}) AS n FROM ({in_line if keyed else ''}"
+        f"SELECT u.run_id, ROW_NUMBER() OVER (ORDER BY {_LOOSE_TURN[order]}) AS turn, "
+        f"u.prio, {_NO_NUMBER} AS served, u.at, u.estimate, u.gkey FROM loose u) c "
         f"WHERE 1 = 1 {_graph_filters('c.gkey', graph_count, len(skip))}"
         f"ORDER BY {_CLAIM_ORDER[order]} LIMIT ?) ",
         *kept, window,
@@ -549,3 +558,8 @@ RETURN_CLAIM = (
 SELECT_SIGNALS = "SELECT kind, n FROM signals"
 #: Values: queue. Whether a queue has a run waiting (a claim's cheap first look).
 ANY_QUEUED = "SELECT 1 FROM runs WHERE queue_name = ? AND status = 'queued' LIMIT 1"
+#: Values: queue. Whether a keyed run of it is queued (one probe of ``runs_in_line``).
+ANY_KEYED = (
+    "SELECT 1 FROM runs WHERE queue_name = ? AND status = 'queued' "
+    "AND partition_key IS NOT NULL LIMIT 1"
+)
