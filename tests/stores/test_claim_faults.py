@@ -1,7 +1,7 @@
 """Claims under faults: claimers SIGKILLed mid-claim, a lease that fails mid-claim (W1, W2).
 
-A claim looks at its candidates (locking nothing), then leases the first of
-them still queued, in one transaction. Whatever cuts it (its process killed
+A claim ranks its candidates (locking nothing), then leases the first of them
+still queued, in one transaction. Whatever cuts it (its process killed
 between the look and the lease, or while it commits, or a statement that
 fails after the look) leaves each run queued or leased by exactly one claim:
 nothing is lost and nothing is claimed twice, and a partition never runs two

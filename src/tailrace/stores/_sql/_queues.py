@@ -193,6 +193,11 @@ _TIE = {
     "priority": "c.at, c.run_id",
     "lpt": "COALESCE(c.estimate, 0) DESC, c.at, c.run_id",
 }
+#: The claim order of the candidates (``claim_order``'s sort key).
+_CLAIM_ORDER = {
+    order: f"c.prio DESC, c.turn, (c.served IS NOT NULL), c.served, {tie}"
+    for order, tie in _TIE.items()
+}
 #: How runs with no partition key take their turns: the queue's own order. Each
 #: matches an index of queued runs (``runs_loose``, ``runs_loose_lpt``) key for key.
 _LOOSE_ORDER = {
@@ -249,12 +254,17 @@ def claim_candidates(
     graphs: Sequence[str] | None = None,
     skip: Sequence[str] = (),
     *,
+    keyed: bool = True,
     lateral: bool = False,
+    lock: bool = False,
 ) -> tuple[str, tuple[object, ...]]:
     """The query (and its values) of the first ``window`` queued runs of ``queue`` that a
     claim of ``limit`` may take at ``now``, in claim order (of ``graphs`` only, when given,
-    and none of ``skip``): ``claim_order`` as a query (W2). The claim takes the first of
-    them it can (``window`` leaves room for those other claims hold: ``claim_window``).
+    and none of ``skip``): ``claim_order`` as a query (W2). The claim takes the first
+    ``limit`` of them it can (``window`` leaves room for those other claims hold:
+    ``claim_window``); with ``lock`` (Postgres) the query itself locks them, in claim
+    order, passing over the rows other claims hold (``FOR UPDATE SKIP LOCKED``), and
+    returns those.
 
     It reads index entries in proportion to the queue's partitions and to
     ``window``, never to its backlog: every look at ``runs`` is an indexed
@@ -270,12 +280,20 @@ def claim_candidates(
       order, and the ``limit`` unkeyed delayed runs that came due earliest,
       ranked together into turns.
 
-    With ``lateral`` (Postgres), one probe of the walk reads a partition's key
+    Without ``keyed`` (a queue with no keyed run queued: SQLite looks first,
+    in process, as that costs less than the walk's plan) the query ranks only
+    the unkeyed runs. With ``lateral`` (Postgres), one probe of the walk reads a partition's key
     and its first run in line together, and each next run in line is one
     probe; without it (SQLite, in process), each column is a probe of its own.
+    The ranking locks nothing: only the runs a claim takes are locked, one by
+    one in claim order (a ``LATERAL`` lock per candidate, stopping at
+    ``limit``).
     """
     sql = _Query()
-    (_lateral_line if lateral else _scalar_line)(sql, queue, now)
+    if keyed:
+        (_lateral_line if lateral else _scalar_line)(sql, queue, now)
+    else:
+        sql.add("WITH ")
     order, kept = queue.order, (*(graphs or ()), *skip)
     graph_count, filtered = (
         (None if graphs is None else len(graphs)),
@@ -292,22 +310,34 @@ def claim_candidates(
         f"SELECT * FROM (SELECT q.run_id, {in_line_at('q')}, q.priority, {estimate}, {graph} "
         "FROM runs q WHERE q.queue_name = ? AND q.status = 'queued' "
         f"AND q.partition_key IS NULL AND q.not_before IS NOT NULL AND {in_line_at('q')} <= ? "
-        f"{keep_loose}ORDER BY {in_line_at('q')}, q.run_id LIMIT ?) d) ",
+        f"{keep_loose}ORDER BY {in_line_at('q')}, q.run_id LIMIT ?) d), ",
         queue.name, *kept, window, queue.name, now, *kept, limit,
     )  # fmt: skip
-    sql.add(
-        "SELECT c.run_id FROM (SELECT c.run_id, c.turn, c.prio, c.served, c.at, "
+    in_line = (
+        "SELECT c.run_id, c.turn, c.prio, c.served, c.at, "
         f"{_of_run('estimate', order == 'lpt', _NO_NUMBER)} AS estimate, "
         f"{_of_run('graph_name', filtered, _NO_TEXT)} || '/' || "
         f"{_of_run('fingerprint', filtered, _NO_TEXT)} AS gkey "
         "FROM line c WHERE c.run_id IS NOT NULL UNION ALL "
-        f"SELECT u.run_id, ROW_NUMBER() OVER (ORDER BY {_LOOSE_TURN[order]}), u.prio, "
-        f"CAST(NULL AS DOUBLE PRECISION), u.at, u.estimate, u.gkey FROM loose u) c "
+    )
+    sql.add(
+        "cands AS (SELECT c.run_id, ROW_NUMBER() OVER (ORDER BY "
+        f"{_CLAIM_ORDER[order]}) AS n FROM ({in_line if keyed else ''}"
+        f"SELECT u.run_id, ROW_NUMBER() OVER (ORDER BY {_LOOSE_TURN[order]}) AS turn, "
+        f"u.prio, {_NO_NUMBER} AS served, u.at, u.estimate, u.gkey FROM loose u) c "
         f"WHERE 1 = 1 {_graph_filters('c.gkey', graph_count, len(skip))}"
-        "ORDER BY c.prio DESC, c.turn, (c.served IS NOT NULL), c.served, "
-        f"{_TIE[order]} LIMIT ?",
+        f"ORDER BY {_CLAIM_ORDER[order]} LIMIT ?) ",
         *kept, window,
     )  # fmt: skip
+    if lock:
+        sql.add(
+            "SELECT l.run_id FROM (SELECT run_id, n FROM cands ORDER BY n) c "
+            "CROSS JOIN LATERAL (SELECT r.run_id FROM runs r WHERE r.run_id = c.run_id "
+            "AND r.status = 'queued' FOR UPDATE SKIP LOCKED) l LIMIT ?",
+            limit,
+        )
+    else:
+        sql.add("SELECT run_id FROM cands ORDER BY n")
     return sql.text(), sql.values()
 
 
@@ -317,8 +347,9 @@ def _parts(sql: _Query, queue: Queue, now: float, *heads: object) -> None:
     then the values of its placeholders)."""
     q = queue.name
     sql.add(
-        "parts AS MATERIALIZED (SELECT s.pk, ? - (SELECT COUNT(*) FROM runs o WHERE o.queue_name = ? "
-        "AND o.partition_key = s.pk AND o.status IN ('running', 'suspended')) AS room, ",
+        "parts AS MATERIALIZED (SELECT s.pk, ? - (SELECT COUNT(*) FROM runs o "
+        "WHERE o.queue_name = ? AND o.partition_key = s.pk "
+        "AND o.status IN ('running', 'suspended')) AS room, ",
         queue.partition_concurrency, q,
     )  # fmt: skip
     if queue.partition_limit is None:
@@ -345,9 +376,10 @@ def _if_due(alias: str, at: str | None = None) -> str:
     return f"CASE WHEN {alias}.not_before IS NULL OR {place} <= ? THEN {alias}.run_id END"
 
 
-#: The partition's line goes on while it has room (and rate) left for one more.
-_ROOM_LEFT = "l.run_id IS NOT NULL AND l.turn < l.room AND (l.rate IS NULL OR l.turn < l.rate)"
+#: A partition's line starts while it has room (and rate) for a run, and goes on while it
+#: has room for one more. ``parts`` is materialized: its room is counted once.
 _ROOM = "p.room > 0 AND (p.rate IS NULL OR p.rate > 0)"
+_ROOM_LEFT = "l.run_id IS NOT NULL AND l.turn < l.room AND (l.rate IS NULL OR l.turn < l.rate)"
 
 
 def _scalar_line(sql: _Query, queue: Queue, now: float) -> None:
@@ -397,8 +429,7 @@ def _lateral_line(sql: _Query, queue: Queue, now: float) -> None:
         "line(pk, turn, at, run_id, room, rate, served, prio) AS (SELECT p.pk, 1, p.at, "
         f"p.run_id, p.room, p.rate, p.served, p.prio FROM parts p WHERE {_ROOM} UNION ALL "
         f"SELECT l.pk, l.turn + 1, n.at, {_if_due('n', 'n.at')}, l.room, l.rate, l.served, "
-        "l.prio "
-        f"FROM line l CROSS JOIN LATERAL (SELECT {in_line_at('k')} AS at, k.run_id, "
+        f"l.prio FROM line l CROSS JOIN LATERAL (SELECT {in_line_at('k')} AS at, k.run_id, "
         "k.not_before FROM runs k WHERE k.queue_name = ? AND k.status = 'queued' "
         f"AND k.partition_key = l.pk AND ({in_line_at('k')}, k.run_id) > (l.at, l.run_id) "
         f"ORDER BY {in_line_at('k')}, k.run_id LIMIT 1) n WHERE {_ROOM_LEFT}), ",
@@ -553,3 +584,8 @@ RETURN_CLAIM = (
 SELECT_SIGNALS = "SELECT kind, n FROM signals"
 #: Values: queue. Whether a queue has a run waiting (a claim's cheap first look).
 ANY_QUEUED = "SELECT 1 FROM runs WHERE queue_name = ? AND status = 'queued' LIMIT 1"
+#: Values: queue. Whether a keyed run of it is queued (one probe of ``runs_in_line``).
+ANY_KEYED = (
+    "SELECT 1 FROM runs WHERE queue_name = ? AND status = 'queued' "
+    "AND partition_key IS NOT NULL LIMIT 1"
+)

@@ -1,9 +1,10 @@
 """The Postgres store's queues, claims, workers and wake-ups.
 
-A claim looks first (``claim_candidates``, which locks nothing: a window of
-runs in claim order), then leases the first of them still queued with ``FOR
-UPDATE SKIP LOCKED``, so workers claiming at once never wait on, nor take,
-each other's rows. A queue whose limits need counting (``concurrency``, a
+A claim ranks a window of queued runs in claim order (``claim_candidates``:
+the ranking locks nothing) and, in the same statement, locks the first of
+them it can with ``FOR UPDATE SKIP LOCKED``, one by one in claim order up to
+its limit, so workers claiming at once never wait on, nor take, each other's
+rows; then it leases what it locked. A queue whose limits need counting (``concurrency``, a
 rate limit) is claimed under a transaction-scoped advisory lock on the
 queue's name: the count and the claim are then one step, and READ COMMITTED
 lets the next claimer's count see the runs the previous one marked.
@@ -45,6 +46,7 @@ from .._sql._queues import (
     ANSWER_CANDIDATES,
     CLAIM_SET,
     LEASE_FOR_ANSWER,
+    QUEUE_COLUMNS,
     SELECT_QUEUE,
     STARTED_SINCE,
     claim_candidates,
@@ -63,25 +65,24 @@ SKIP_LOCKED = " FOR UPDATE OF r SKIP LOCKED"
 INSERT_QUEUED = (
     f"{pg(INSERT_QUEUED_RUN)} ON CONFLICT DO NOTHING RETURNING pg_current_xact_id()::text"
 )
-#: The candidates' query is planned once per connection, not per claim: its plan is the
-#: same whatever the values (one indexed probe per partition, index ranges that stop at
-#: a limit), and planning it costs more than running it. The transaction's claims use
-#: the prepared statement's generic plan.
-GENERIC_PLANS = "SET LOCAL plan_cache_mode = force_generic_plan"
-#: Values: the candidates, how many to take, owner, lease_expires, now, now. Leases
-#: the first candidates (in their order) that are still queued and that no other claim
-#: holds (``SKIP LOCKED`` passes over them), in one statement that also gives the
-#: transaction's id (its first write). The candidates come from a look that locks nothing:
-#: only the rows taken are locked, and a row another claim took meanwhile no longer reads
-#: as queued.
-CLAIM_FIRST = (
-    "WITH picked AS (SELECT l.run_id FROM (SELECT c.run_id, c.n FROM unnest(%s::text[]) "
-    "WITH ORDINALITY AS c(run_id, n) ORDER BY c.n) c CROSS JOIN LATERAL (SELECT r.run_id "
-    "FROM runs r WHERE r.run_id = c.run_id AND r.status = 'queued' FOR UPDATE SKIP LOCKED) l "
-    "LIMIT %s) "
-    + pg(CLAIM_SET)
-    + f"FROM picked WHERE runs.run_id = picked.run_id AND runs.status = 'queued' "
-    f"RETURNING runs.run_id, {XID}"
+#: Values: queue. Its row (``SELECT_QUEUE``'s columns after the first; NULLs when it was
+#: never declared), read as the transaction makes its claims use their prepared
+#: statements' generic plans: the candidates' plan is the same whatever the values (one
+#: indexed probe per partition, index ranges that stop at a limit), and planning it would
+#: cost more than running it. One statement: no round trip of its own for the setting.
+CLAIMABLE = (
+    "SELECT set_config('plan_cache_mode', 'force_generic_plan', true), "
+    + ", ".join(f"q.{column.strip()}" for column in QUEUE_COLUMNS.split(","))
+    + ", q.paused_at FROM (SELECT 1) AS one LEFT JOIN queues q ON q.name = %s"
+)
+#: Values: owner, lease_expires, now, now, run ids. ``CLAIM_RUN`` for every run a claim
+#: locked, in one statement that also gives the transaction's id (its first write): a
+#: claim that finds nothing writes nothing and commits read-only. The ids join the
+#: primary key one by one, whatever the planner makes of ``status``.
+CLAIM_RUNS = (
+    pg(CLAIM_SET)
+    + "FROM unnest(%s::text[]) AS c(run_id) WHERE runs.run_id = c.run_id "
+    + f"AND runs.status = 'queued' RETURNING runs.run_id, {XID}"
 )
 
 
@@ -141,10 +142,9 @@ async def claim_queued(
     """Claim up to ``limit`` runs of ``queue`` within its limits, in the transaction of
     ``conn``: (the ids, in claim order; the transaction's id, None when nothing was
     claimed and nothing written)."""
-    async with conn.pipeline():  # one round trip
-        await conn.execute(GENERIC_PLANS)
-        cur = await conn.execute(pg(SELECT_QUEUE), (queue,))
-    spec = claimable_queue(queue, await cur.fetchone())
+    cur = await conn.execute(CLAIMABLE, (queue,))
+    row = await cur.fetchone()
+    spec = claimable_queue(queue, None if row is None or row[1] is None else row[1:])
     if spec is None:
         return [], None  # paused, or its row cannot be used (said once): nothing is claimed
     active = started = 0
@@ -159,18 +159,18 @@ async def claim_queued(
     if free <= 0:
         return [], None
     window = claim_window(free, skipping=True)
-    query, params = claim_candidates(spec, now, free, window, graphs, skip, lateral=True)
+    query, params = claim_candidates(spec, now, free, window, graphs, skip, lateral=True, lock=True)
     cur = await conn.execute(pg(query), params, prepare=True)
-    candidates = [r[0] for r in await cur.fetchall()]
-    if not candidates:
+    locked = [r[0] for r in await cur.fetchall()]
+    if not locked:
         return [], None
     # Stamped after the look: a run of a partition then never starts
     # "before" the finish of the one it waited for (same clock).
     stamp = max(now, clock())
-    cur = await conn.execute(CLAIM_FIRST, (candidates, free, owner, stamp + ttl, stamp, stamp))
+    cur = await conn.execute(CLAIM_RUNS, (owner, stamp + ttl, stamp, stamp, locked))
     rows = await cur.fetchall()
     won = {r[0] for r in rows}
-    return [run_id for run_id in candidates if run_id in won], (str(rows[0][1]) if rows else None)
+    return [run_id for run_id in locked if run_id in won], (str(rows[0][1]) if rows else None)
 
 
 async def lease_answers(

@@ -35,6 +35,7 @@ from .._records import (
 from .._sql._queues import (
     ACTIVE_IN_QUEUE,
     ANSWER_CANDIDATES,
+    ANY_KEYED,
     BUMP_SIGNAL,
     CLAIM_RUN,
     LEASE_FOR_ANSWER,
@@ -83,7 +84,8 @@ def claim_queued(
     if free <= 0:
         return []
     window = claim_window(free, skipping=False)
-    query, params = claim_candidates(spec, now, free, window, graphs, skip)
+    keyed = conn.execute(ANY_KEYED, (queue,)).fetchone() is not None
+    query, params = claim_candidates(spec, now, free, window, graphs, skip, keyed=keyed)
     ids = [row[0] for row in conn.execute(query, params)]
     for run_id in ids:
         conn.execute(CLAIM_RUN, (owner, now + ttl, now, now, run_id))
