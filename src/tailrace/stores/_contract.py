@@ -973,18 +973,13 @@ class RunStore(abc.ABC):
 
         In one transaction, with one indexed probe for each thing, so an idle
         worker costs one commit and a few rows read per heartbeat however
-        large the fleet: the report (as :meth:`worker_seen`), then whether a
-        run waits in one of its queues, an answer is due, a running run's
+        large the fleet: the report (as :meth:`worker_seen`; no index covers
+        what it rewrites, so Postgres updates the row in place), then whether
+        a run waits in one of its queues, an answer is due, a running run's
         lease expired, a run it drives was asked to cancel, an open question
-        has a poller or a deadline, which workers' heartbeats stopped
-        (``seen_at + dead_after`` passed; a few, oldest first) and which
-        other workers of its host are late. Those last two scans are taken in
-        turns: each scope (the fleet; the worker's host) is scanned by one
-        pulse per tenth of the worker's ``dead_after``, whichever comes first
-        once it is due (a compare-and-set), and the other pulses report
-        nothing for it. Their ranges walk entries that grow with the fleet
-        until vacuum; taken in turns, they cost O(1) rows per heartbeat. See
-        :class:`Pulse`.
+        has a poller or a deadline. No pulse looks for dead workers: a worker
+        is alive while its store session is, and the ring of sessions buries
+        a dead one (W7, :meth:`presence`). See :class:`Pulse`.
         """
         check_worker(worker)
         return await self._pulse(worker)

@@ -470,8 +470,12 @@ STALE_REGISTRATION = 3600.0
 
 
 def is_live(worker: WorkerRow, now: float) -> bool:
-    """Whether ``worker`` counts as alive at ``now``: it reported within its ``dead_after``
-    (the rule by which the fleet finds workers whose heartbeat stopped, ``EXPIRED_WORKERS``)."""
+    """Whether ``worker`` (a row of the store's ``workers``) counts as alive at ``now``.
+
+    Its row is there only while its store session is (the fleet buries a dead session
+    and its rows at once, W7); a session held by a process that stopped reporting (hung,
+    or cut off with its connection still open at the server) counts as alive only
+    within its ``dead_after`` of its last report."""
     return worker.seen_at + worker.dead_after >= now
 
 
