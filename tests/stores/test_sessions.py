@@ -15,6 +15,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +24,8 @@ import pytest
 
 from tailrace._errors import LeaseLost
 from tailrace.stores import RunStore, SQLiteStore
+from tailrace.stores._presence import GRACE
+from tailrace.stores.sqlite._presence import FileTokens
 from tests import fixtures
 from tests.stores.test_queues import TTL, submit, worker
 
@@ -176,3 +179,55 @@ async def test_a_session_ended_by_the_server_is_taken_back_and_told_if_it_was_bu
         assert record.lease_token == token + (1 if watched else 0)
         # Back in the ring, with its row, either way.
         assert [w.session for w in await store.workers() if w.worker_id == "w1"] == [mine.session]
+
+
+async def test_sessions_on_one_database_through_a_symbolic_link_see_each_other(
+    tmp_path: Path,
+) -> None:
+    """Two paths to one SQLite file find one lock directory: neither takes the other for
+    dead, however long they last."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    real, link = tmp_path / "a" / "x.db", tmp_path / "b" / "x.db"
+    first = SQLiteStore(str(real))
+    await first.open()
+    link.symlink_to(real)
+    second = SQLiteStore(_relative(link))
+    await second.open()
+    now = time.time()
+    try:
+        async with first.presence(worker("w1", now)), second.presence(worker("w2", now)):
+            await asyncio.sleep(GRACE + 2.0)  # a session taken for dead is buried by then
+            rows = {w.worker_id: w.session for w in await first.workers()}
+            assert set(rows) == {"w1", "w2"} and None not in rows.values(), rows
+    finally:
+        await second.close()
+        await first.close()
+
+
+async def test_a_session_whose_lock_file_is_missing_is_left_to_its_leases_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lock file missing while its session has rows is not proof of death (a path this
+    process cannot see): never buried, its leases untouched, said once."""
+    store = SQLiteStore(str(tmp_path / "db.sqlite"))
+    await store.open()
+    try:
+        await submit(store, "r0", at=1.0)
+        async with store.presence(worker("watcher", time.time(), queues=("none",))):
+            with holder(store, "hidden", 1) as (_, theirs, claimed):
+                token = (await store.get_run("r0")).lease_token
+                FileTokens(store.path, "test")._file(theirs).unlink()
+                await asyncio.sleep(GRACE + 2.0)  # a session taken for dead is buried by then
+                assert claimed == ["r0"]
+                assert (await store.get_run("r0")).lease_token == token
+                assert {w.worker_id: w.session for w in await store.workers()}["hidden"] == theirs
+        said = [r for r in caplog.records if "cannot see the token" in r.getMessage()]
+        assert len(said) == 1, said
+    finally:
+        await store.close()
+
+
+def _relative(path: Path) -> str:
+    """``path`` relative to the working directory (one more way to name one file)."""
+    return os.path.relpath(path)

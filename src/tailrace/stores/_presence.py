@@ -102,6 +102,8 @@ class Outlived(enum.Enum):
     FREE = "free"
     #: The wait ran out first: look at the ring again.
     WAITED_OUT = "waited out"
+    #: Its token cannot be seen from here (SQLite: no lock file): not proof of death.
+    UNSEEN = "unseen"
 
 
 class Held(Protocol):
@@ -110,8 +112,9 @@ class Held(Protocol):
     async def lost(self) -> str:
         """Wait until the token is lost while held (its connection ended); the reason."""
 
-    async def release(self) -> None:
-        """Give the token up (the session leaves)."""
+    async def release(self, *, rows_left: bool) -> None:
+        """Give the token up (the session leaves); ``rows_left``: the session's rows could
+        not all be removed, so the token is left for a burier to find free."""
 
 
 class Tokens(Protocol):
@@ -154,7 +157,7 @@ class _Forever:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def release(self) -> None:
+    async def release(self, *, rows_left: bool) -> None:
         """Nothing to give up."""
 
 
@@ -206,6 +209,10 @@ class Sessions:
         self._held: Held | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._guard = asyncio.Lock()
+        #: A worker's row could not be removed: the session's token is left for a burier.
+        self._rows_left = False
+        #: Sessions whose token this process cannot see: left to their leases.
+        self._unseen: set[str] = set()
 
     @contextlib.asynccontextmanager
     async def present(self, worker: WorkerRow) -> AsyncIterator[Presence]:
@@ -224,6 +231,7 @@ class Sessions:
                 try:
                     await finish(self._ring._forget_worker(worker.worker_id))
                 except StoreError as exc:  # its row goes with the session, when it is buried
+                    self._rows_left = True
                     logger.warning("%s: worker %s left: %s", self._where, worker.worker_id, exc)
                 finally:
                     if not self._present:
@@ -242,9 +250,10 @@ class Sessions:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         held, self._held = self._held, None
+        rows_left, self._rows_left = self._rows_left, False
         try:
             if held is not None:
-                await held.release()
+                await held.release(rows_left=rows_left)
         finally:
             await self._tokens.close()
 
@@ -282,7 +291,7 @@ class Sessions:
         async with self._ring.changes() as feed:
             while True:
                 try:
-                    after = await self._ring._ring_next(self.session)
+                    after = await self._next_watched()
                     if after is None:
                         await self._ring_news(feed)
                     else:
@@ -296,6 +305,29 @@ class Sessions:
                     continue
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, _LONGEST_PAUSE)
+
+    async def _next_watched(self) -> str | None:
+        """The next session of the ring whose token this process can see, if any."""
+        after = await self._ring._ring_next(self.session)
+        passed: set[str] = set()
+        while after in self._unseen and after not in passed:
+            passed.add(after)
+            after = await self._ring._ring_next(after)
+            if after == self.session:
+                return None
+        return None if after in self._unseen else after
+
+    async def _unseen_token(self, session: str) -> None:
+        """``session``'s token cannot be seen from here: unless it left meanwhile (its rows
+        go before its token), it is left to its leases, and said so once."""
+        if await self._ring._ring_next(self.session) != session:
+            return  # it left, or the ring changed: look again
+        self._unseen.add(session)
+        logger.warning(
+            "%s: cannot see the token of store session %s (is the database opened through "
+            "another path?); its runs are left to their leases",
+            self._where, session,
+        )  # fmt: skip
 
     async def _outlive(self, session: str, feed: ChangeFeed) -> None:
         """Bury ``session`` once it is gone, unless the ring changes first (a failure of the
@@ -311,6 +343,9 @@ class Sessions:
             async with self._tokens.outlive(session) as outlived:
                 if outlived is Outlived.WAITED_OUT:
                     continue
+                if outlived is Outlived.UNSEEN:
+                    await self._unseen_token(session)
+                    return
                 if outlived is Outlived.ENDED or not first:
                     # Held to its end, token and all: the session cannot be taken back
                     # (and find itself whole) between its token coming free and its burial.
@@ -337,6 +372,7 @@ class Sessions:
     async def close(self) -> None:
         """The store closes: stop watching and give the session up."""
         async with self._guard:
+            self._rows_left = self._rows_left or bool(self._present)
             self._present.clear()
             if self._held is not None or self._tasks:
                 await self._close()

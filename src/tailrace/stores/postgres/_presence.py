@@ -93,7 +93,7 @@ class _Held:
             return one_line(exc)
         return "the connection ended"
 
-    async def release(self) -> None:
+    async def release(self, *, rows_left: bool) -> None:
         with contextlib.suppress(psycopg.Error):
             await self._conn.close()  # the server drops the lock with the session
 

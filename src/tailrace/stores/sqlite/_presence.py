@@ -11,8 +11,13 @@ locks do.
 
 A watcher probes the next session's file with ``flock(LOCK_SH | LOCK_NB)``
 every :data:`~tailrace.stores._presence.PROBE` seconds: a system call, no
-database read. A session that leaves removes its file; a burier removes the
-dead session's. Where ``fcntl`` is missing (Windows), sessions are refused
+database read. A session makes its file before its rows exist and, leaving,
+removes its rows before its file (a session that could not remove its rows
+leaves its file, unlocked, for the burier to remove). So a file missing for
+a session that has rows is not proof of death but a file this process cannot
+see (the database opened through a hard link, or a lock directory removed by
+hand): that session is left to its leases. The directory is found from the
+database's resolved path, so symbolic links and relative paths agree. Where ``fcntl`` is missing (Windows), sessions are refused
 and leases stay the only way a dead worker's runs are found (D6).
 """
 
@@ -36,8 +41,10 @@ except ImportError:  # pragma: no cover - not POSIX
 
 
 def sessions_dir(path: str) -> Path:
-    """Where the lock files of the sessions on database ``path`` live."""
-    return Path(f"{path}-sessions")
+    """Where the lock files of the sessions on database ``path`` live: next to the file
+    the path names once symbolic links and relative parts are resolved, so every
+    process that opens the database through a path of its own finds the same ones."""
+    return Path(f"{os.path.realpath(path)}-sessions")
 
 
 class _Held:
@@ -51,9 +58,10 @@ class _Held:
         await asyncio.Event().wait()  # the lock lasts as long as the process
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def release(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self._path.unlink()
+    async def release(self, *, rows_left: bool) -> None:
+        if not rows_left:  # else the burier finds it free, and removes it
+            with contextlib.suppress(FileNotFoundError):
+                self._path.unlink()
         os.close(self._fd)
 
 
@@ -95,7 +103,10 @@ class FileTokens:
                     try:
                         fd = os.open(path, os.O_RDONLY)
                     except FileNotFoundError:
-                        break  # its holder let go and removed it
+                        # Made before the session's rows, removed after them: gone
+                        # while they last, it is not where this process looks.
+                        outlived = Outlived.UNSEEN
+                        break
                 if self._free(fd):
                     break
                 if time.monotonic() > deadline:
