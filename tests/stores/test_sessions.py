@@ -181,6 +181,53 @@ async def test_a_session_ended_by_the_server_is_taken_back_and_told_if_it_was_bu
         assert [w.session for w in await store.workers() if w.worker_id == "w1"] == [mine.session]
 
 
+async def _watched(backend: Backend, sessions: list[str]) -> bool:
+    """Whether each of ``sessions`` is watched (Postgres: a wait for its lock is queued)."""
+    from tailrace.stores.postgres._presence import session_key
+
+    assert backend.execute is not None
+    keys = [session_key(backend.store.schema, s) for s in sessions]
+    rows = await backend.execute(
+        "SELECT DISTINCT classid::bigint, objid::bigint FROM pg_locks "
+        "WHERE locktype = 'advisory' AND objsubid = 1 AND NOT granted",
+        (),
+    )
+    return {((k >> 32) & 0xFFFFFFFF, k & 0xFFFFFFFF) for k in keys} <= set(rows)
+
+
+async def test_adjacent_sessions_killed_at_once_are_all_buried_without_a_grace_each(
+    backend: Backend,
+) -> None:
+    """A host's sessions sit side by side in the ring: the watcher buries the first the
+    moment it dies, and each next one, found free right after, at once too (no grace:
+    no server restarted), not one grace later each."""
+    store = shared(backend)
+    for n in range(3):
+        await submit(store, f"r{n}", at=float(n + 1))
+    async with store.presence(worker("watcher", backend.clock.now, queues=("none",))) as mine:
+        with contextlib.ExitStack() as stack:
+            held = [stack.enter_context(holder(store, f"doomed:{n}", 1)) for n in range(3)]
+            sessions = [mine.session] + [session for _, session, _ in held]
+            if backend.mark == "%s":  # every session watched, not found free at a first look
+                await until(lambda: _watched(backend, sessions), "the ring to settle")
+            tokens = {c[0]: (await store.get_run(c[0])).lease_token for _, _, c in held}
+            started = time.monotonic()
+            for proc, _, _ in held:
+                proc.kill()
+            for proc, _, _ in held:
+                proc.wait()
+
+            async def fenced() -> bool:
+                runs = [await store.get_run(r) for r in tokens]
+                return all(r.lease_token == tokens[r.run_id] + 1 for r in runs)
+
+            await until(fenced, "the killed sessions to be buried")
+            took = time.monotonic() - started
+        # A grace given to any of them would take GRACE at least; none takes milliseconds.
+        assert took < GRACE, took
+        assert [w.worker_id for w in await store.workers()] == ["watcher"]
+
+
 async def test_sessions_on_one_database_through_a_symbolic_link_see_each_other(
     tmp_path: Path,
 ) -> None:

@@ -26,10 +26,17 @@ it; on SQLite every watcher looks again, one local read); joins and burials
 take turns (``Tx.lock_ring``), so a session that joins is always watched. A
 watcher also looks at the ring again every :data:`RING_REREAD` seconds,
 whatever it was told; a wait that lasted :data:`WAIT` seconds is made again
-(on Postgres, an aborted statement: no commit). A token found free at once (not freed while watched:
-a session that died unwatched, or one being taken back after a server
-restart ended them all) is given :data:`GRACE` seconds to be taken back
-before the session is buried.
+(on Postgres, an aborted statement: no commit). On Postgres, a token found
+free at once (not freed while watched: a session that died unwatched, or one
+being taken back after a server restart ended them all) is given
+:data:`GRACE` seconds, counted from when it was first found free, to be
+taken back before the session is buried; one found free right after the
+watcher buried the session before it is given none unless the server is
+that young (a restart ends the watcher's wait too, so the burial before it
+followed a grace). A SQLite lock file is never lost while its process
+lives: one found free is buried at once. A token that cannot be seen (a
+SQLite lock file missing while its session has rows) proves nothing: that
+session is left to its leases, and the watcher watches the one after it.
 
 A session that ends while its process lives (its connection was terminated,
 the server restarted) is taken back by its store: the same token, once the
@@ -69,9 +76,9 @@ RING_REREAD = 600.0
 #: The longest one wait for a token lasts before it is made again: a waiting Postgres
 #: statement holds back the horizon of what vacuum may remove, by this much at most.
 WAIT = 60.0
-#: Seconds a watcher gives a session whose token it found free at once to take it back
-#: (a server restart ends every session: each takes its own back within a second or
-#: two) before burying it.
+#: Seconds a watcher gives a session whose Postgres token it found free at once to take
+#: it back (a server restart ends every session: each takes its own back within a second
+#: or two) before burying it.
 GRACE = 5.0
 #: Seconds between two looks at a lock file (SQLite) whose holder is alive.
 PROBE = 0.05
@@ -130,6 +137,11 @@ class Tokens(Protocol):
     async def buried(self, session: str) -> None:
         """``session`` was buried: remove what is left of its token (SQLite: its file)."""
 
+    async def grace(self, *, after_burial: bool) -> float:
+        """Seconds from now a session whose token was found free at once is given to take it
+        back before it is buried; ``after_burial``: found right after the watcher buried the
+        session before it."""
+
     async def close(self) -> None:
         """Let go of what watching holds (a connection)."""
 
@@ -174,6 +186,9 @@ class MemoryTokens:
     async def buried(self, session: str) -> None:
         """Nothing is left of a session."""
 
+    async def grace(self, *, after_burial: bool) -> float:
+        return 0.0  # a token lost is a store object gone
+
     async def close(self) -> None:
         """Nothing is held open."""
 
@@ -213,6 +228,9 @@ class Sessions:
         self._rows_left = False
         #: Sessions whose token this process cannot see: left to their leases.
         self._unseen: set[str] = set()
+        #: When the session watched, whose token was found free at once, is buried unless
+        #: taken back (monotonic; kept across looks at the ring, so news delays no burial).
+        self._free_until: dict[str, float] = {}
 
     @contextlib.asynccontextmanager
     async def present(self, worker: WorkerRow) -> AsyncIterator[Presence]:
@@ -288,14 +306,15 @@ class Sessions:
     async def _watch(self) -> None:
         """Watch the next session of the ring, bury it when it is gone, then the next."""
         pause = _FIRST_PAUSE
+        after_burial = False
         async with self._ring.changes() as feed:
             while True:
                 try:
-                    after = await self._next_watched()
+                    after, buried, after_burial = await self._next_watched(), after_burial, False
                     if after is None:
                         await self._ring_news(feed)
                     else:
-                        await self._outlive(after, feed)
+                        after_burial = await self._outlive(after, feed, buried)
                     pause = _FIRST_PAUSE
                 except StoreError as exc:
                     logger.warning("%s: watching the ring: %s", self._where, exc)
@@ -329,36 +348,46 @@ class Sessions:
             self._where, session,
         )  # fmt: skip
 
-    async def _outlive(self, session: str, feed: ChangeFeed) -> None:
-        """Bury ``session`` once it is gone, unless the ring changes first (a failure of the
-        watch is raised: the caller logs it and watches again)."""
-        await first_of(self._bury_when_gone(session), self._ring_news(feed))
+    async def _outlive(self, session: str, feed: ChangeFeed, after_burial: bool) -> bool:
+        """Bury ``session`` once it is gone, unless the ring changes first: whether it was
+        buried (a failure of the watch is raised: the caller logs it and watches again)."""
+        for other in [s for s in self._free_until if s != session]:
+            del self._free_until[other]
+        buried = await first_of(self._bury_when_gone(session, after_burial), self._ring_news(feed))
+        return bool(buried)
 
-    async def _bury_when_gone(self, session: str) -> None:
+    async def _bury_when_gone(self, session: str, after_burial: bool) -> bool:
         """Bury ``session`` once its token comes free while watched; one found free at once
-        is given :data:`GRACE` seconds to be taken back first (after a server restart). A
-        wait that ran out (:data:`WAIT`) is made again."""
-        first = True
+        is given the tokens' grace to be taken back first (counted from when it was first
+        found free). A wait that ran out (:data:`WAIT`) is made again. Returns whether
+        ``session`` was buried (not if its token cannot be seen)."""
         while True:
             async with self._tokens.outlive(session) as outlived:
                 if outlived is Outlived.WAITED_OUT:
+                    self._free_until.pop(session, None)  # held: it was taken back
                     continue
                 if outlived is Outlived.UNSEEN:
                     await self._unseen_token(session)
-                    return
-                if outlived is Outlived.ENDED or not first:
+                    return False
+                if outlived is Outlived.FREE and session not in self._free_until:
+                    grace = await self._tokens.grace(after_burial=after_burial)
+                    self._free_until[session] = time.monotonic() + grace
+                left = 0.0
+                if outlived is Outlived.FREE:
+                    left = self._free_until[session] - time.monotonic()
+                if left <= 0:
                     # Held to its end, token and all: the session cannot be taken back
                     # (and find itself whole) between its token coming free and its burial.
                     expired = await finish(self._ring._bury_session(session))
+                    self._free_until.pop(session, None)
                     await self._tokens.buried(session)
                     logger.info(
                         "%s: store session %s is gone; the leases of its %d runs expired for "
                         "the fleet to adopt",
                         self._where, session, expired,
                     )  # fmt: skip
-                    return
-            first = False
-            await asyncio.sleep(GRACE)
+                    return True
+            await asyncio.sleep(left)
 
     async def _ring_news(self, feed: ChangeFeed) -> None:
         """Return when the ring changed for this session, or after :data:`RING_REREAD` seconds."""

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import psycopg
 
 from ..._errors import StoreError
-from .._presence import WAIT, Outlived, ring_change
+from .._presence import GRACE, WAIT, Outlived, ring_change
 from ._connections import Conn, one_line
 
 #: First key of the transaction-level advisory lock that makes joins and burials of
@@ -47,6 +47,8 @@ OUR_OLD_BACKEND = (
     "AND classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = 1 "
     "AND mode = 'ExclusiveLock' AND granted AND pid <> pg_backend_pid()"
 )
+#: Seconds since the server started.
+UPTIME = "SELECT extract(epoch FROM clock_timestamp() - pg_postmaster_start_time())::float8"
 #: Settings a holder's and a watcher's connections keep, whatever the role's defaults
 #: are (an idle session timeout would end a holder's session, a statement timeout a wait).
 _SETTINGS = (
@@ -176,6 +178,24 @@ class PostgresTokens:
 
     async def buried(self, session: str) -> None:
         """Nothing is left of a session's lock once its connection ended."""
+
+    async def grace(self, *, after_burial: bool) -> float:
+        """:data:`GRACE`, for a session whose lock was lost with every other one (a server
+        restart) to take it back; none for one found free right after the session before
+        it was buried, unless the server started less than :data:`GRACE` seconds ago
+        (a restart drops the watcher's connection too: the burial before it then already
+        waited out a grace, or the server is that young)."""
+        if not after_burial:
+            return GRACE
+        conn = await self._watching()
+        try:
+            cur = await conn.execute(UPTIME)
+            row = await cur.fetchone()
+        except psycopg.Error as exc:
+            await self.close()
+            raise StoreError(f"{self._where}: reading the server's start: {one_line(exc)}") from exc
+        uptime = float(row[0]) if row is not None and row[0] is not None else 0.0
+        return max(0.0, GRACE - uptime)
 
     async def _watching(self) -> Conn:
         if self._watcher is None or self._watcher.closed:

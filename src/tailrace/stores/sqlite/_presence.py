@@ -124,6 +124,10 @@ class FileTokens:
         with contextlib.suppress(FileNotFoundError):
             self._file(session).unlink()
 
+    async def grace(self, *, after_burial: bool) -> float:
+        """None: a lock file's ``flock`` is never lost while its process lives."""
+        return 0.0
+
     @staticmethod
     def _free(fd: int) -> bool:
         """Whether the lock on ``fd``'s file is free (then this process holds it shared)."""
