@@ -112,12 +112,12 @@ async def test_a_killed_sessions_leases_expire_fenced_at_once_and_its_row_goes(
             await until(fenced, "the killed session's leases to be expired and fenced")
         for run_id in claimed:
             record = await store.get_run(run_id)
-            assert (record.lease_owner, record.lease_expires) == ("doomed:1:0:x", backend.clock.now)
+            assert (record.lease_owner, record.lease_expires) == ("doomed:1:0:x", 0.0)
             with pytest.raises(LeaseLost):  # its writes are refused from now on (D6)
                 await store.heartbeat(run_id, "doomed:1:0:x", tokens[run_id], TTL)
         assert [w.worker_id for w in await store.workers()] == ["watcher"]
-        backend.clock.advance(0.001)
-        assert await store.expired_leases(backend.clock.now, limit=10) == claimed
+        # Expired for every clock: an adopter whose clock lags the burier's finds them too.
+        assert await store.expired_leases(backend.clock.now - 3600.0, limit=10) == claimed
         # Taking one over counts as a recovery of a run its owner died holding (W3).
         await store.acquire_lease("r0", "watcher", TTL)
         assert (await store.get_run("r0")).recoveries == 1
