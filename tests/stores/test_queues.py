@@ -695,6 +695,7 @@ async def test_the_previous_releases_heartbeat_runs_on_this_schema(backend: Back
             await backend.execute(statement.replace("?", backend.mark), values)
         assert {w.worker_id for w in await backend.store.workers()} == {"new:1:0:a", "old:1:0:a"}
 
+
 async def test_a_pulse_says_when_a_waiting_run_passes_its_deadline(backend: Backend) -> None:
     """R6: a queued or suspended run's deadline comes due (``due_at``), then is ``overdue``;
     a finished run's deadline is no one's business (it is not even read)."""
