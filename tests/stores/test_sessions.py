@@ -18,13 +18,13 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from tailrace._errors import LeaseLost
 from tailrace.stores import RunStore, SQLiteStore
-from tailrace.stores._presence import GRACE
+from tailrace.stores._presence import GRACE, Outlived
 from tailrace.stores.sqlite._presence import FileTokens
 from tests import fixtures
 from tests.stores.test_queues import TTL, submit, worker
@@ -171,6 +171,8 @@ async def test_a_session_ended_by_the_server_is_taken_back_and_told_if_it_was_bu
         mine = await stack.enter_async_context(store.presence(worker("w1", now)))
         assert await store.claim_runs("q", "w1", TTL, limit=1) == ["r0"]
         token = (await store.get_run("r0")).lease_token
+        if watched:  # watched indeed: not found free at the watcher's first look
+            await until(lambda: _watched(pg_backend, [mine.session]), "the ring to settle")
         await _terminate_session(pg_backend, mine.session)
         lapse = await asyncio.wait_for(mine.lapse(), fixtures.HANG_GUARD)
         assert lapse.buried is watched
@@ -278,3 +280,45 @@ async def test_a_session_whose_lock_file_is_missing_is_left_to_its_leases_said_o
 def _relative(path: Path) -> str:
     """``path`` relative to the working directory (one more way to name one file)."""
     return os.path.relpath(path)
+
+
+@pytest.mark.parametrize("idle", [None, "7"], ids=["default", "dsn"])
+async def test_a_sessions_connections_keep_tcp_keepalives_on_both_ends(
+    pg_backend: Backend, idle: str | None
+) -> None:
+    """A holder sits idle and a watcher waits for a lock: a path that dies under them (a NAT
+    that forgets it) must end their connections on the client and on the server within
+    seconds. A DSN's own keepalive settings win."""
+    from tailrace.stores.postgres._connections import PostgresConnections
+    from tailrace.stores.postgres._presence import PostgresTokens
+
+    assert fixtures.POSTGRES_DSN is not None
+    dsn = fixtures.POSTGRES_DSN
+    if idle is not None:
+        dsn += f"{'&' if '?' in dsn else '?'}keepalives_idle={idle}"
+    conns: list[Any] = []
+
+    async def connect() -> Any:
+        conn = await PostgresConnections(dsn).connect_session()
+        conns.append(conn)
+        return conn
+
+    tokens = PostgresTokens(connect, pg_backend.store.schema, "test")
+    held = await tokens.hold("holder")
+    try:
+        async with tokens.outlive("nobody") as outlived:
+            assert outlived is Outlived.FREE
+        assert len(conns) == 2  # the holder's and the watcher's
+        for conn in conns:
+            client = conn.info.get_parameters()
+            assert client["keepalives"] == "1" and client["keepalives_idle"] == (idle or "10")
+            assert (client["keepalives_interval"], client["keepalives_count"]) == ("5", "3")
+            assert client["tcp_user_timeout"] == "30000"
+            cur = await conn.execute(
+                "SELECT name, source FROM pg_settings WHERE name IN ('tcp_keepalives_idle', "
+                "'tcp_keepalives_interval', 'tcp_keepalives_count', 'tcp_user_timeout')"
+            )
+            assert {source for _, source in await cur.fetchall()} == {"session"}
+    finally:
+        await held.release(rows_left=False)
+        await tokens.close()

@@ -38,6 +38,9 @@ from ._connections import Conn, one_line
 #: First key of the transaction-level advisory lock that makes joins and burials of
 #: the ring of sessions take turns ("tw").
 RING_LOCK = 0x7477
+#: Seconds past ``lock_timeout`` a watcher waits for the server's answer before it takes
+#: its connection for dead (the server's keepalives may not reach a half-open socket).
+_SILENCE = 15.0
 #: Seconds a session taken back waits for its old connection's lock to be dropped.
 RETAKE = 10.0
 #: A lock held by another backend, as ``pg_locks`` shows a 64-bit advisory key.
@@ -55,6 +58,11 @@ _SETTINGS = (
     ("statement_timeout", "0"),
     ("idle_in_transaction_session_timeout", "0"),
     ("idle_session_timeout", "0"),  # Postgres 14 and newer
+    # The server's side of a dead path: its backend (and the lock) ends within seconds.
+    ("tcp_keepalives_idle", "10"),
+    ("tcp_keepalives_interval", "5"),
+    ("tcp_keepalives_count", "3"),
+    ("tcp_user_timeout", "30000"),  # Postgres 12 and newer
 )
 _WATCHING = (
     ("lock_timeout", f"{int(WAIT * 1000)}"),
@@ -156,10 +164,16 @@ class PostgresTokens:
             row = await cur.fetchone()
             outlived = Outlived.FREE
             if row is None or not row[0]:
-                await conn.execute("SELECT pg_advisory_lock_shared(%s)", (key,))
+                # Bounded here too: a socket whose path died answers nothing, ever.
+                async with asyncio.timeout(WAIT + _SILENCE):
+                    await conn.execute("SELECT pg_advisory_lock_shared(%s)", (key,))
                 outlived = Outlived.ENDED
         except psycopg.errors.LockNotAvailable:
             outlived = Outlived.WAITED_OUT  # lock_timeout: the watcher waits again
+        except TimeoutError as exc:  # the server never said its lock_timeout ran out
+            await self.close()  # whatever it granted goes with the connection
+            where = f"{self._where}: watching session {session!r}"
+            raise StoreError(f"{where}: no answer in {WAIT + _SILENCE:g} s") from exc
         except asyncio.CancelledError:
             self._unsure = True
             raise

@@ -105,7 +105,9 @@ class PostgresStore(SQLStore):
         self._hub = ChangeHub(self._listen)
         self._full_queues = set()
         where = f"Postgres store (schema {schema!r})"
-        self._sessions = Sessions(self, PostgresTokens(self._db.connect, schema, where), where)
+        self._sessions = Sessions(
+            self, PostgresTokens(self._db.connect_session, schema, where), where
+        )
 
     @property
     def schema(self) -> str:
