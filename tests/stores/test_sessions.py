@@ -322,3 +322,64 @@ async def test_a_sessions_connections_keep_tcp_keepalives_on_both_ends(
     finally:
         await held.release(rows_left=False)
         await tokens.close()
+
+
+async def test_a_worker_cancelled_as_it_leaves_still_takes_its_row_and_session_away(
+    backend: Backend,
+) -> None:
+    """A presence cancelled while it waits its turn to leave (another worker of the store
+    object is joining or leaving) leaves all the same: no row outlives it."""
+    store = backend.store
+    inside, leave = asyncio.Event(), asyncio.Event()
+
+    async def present() -> None:
+        async with store.presence(worker("w1", backend.clock.now)):
+            inside.set()
+            await leave.wait()
+
+    task = asyncio.create_task(present())
+    await asyncio.wait_for(inside.wait(), fixtures.HANG_GUARD)
+    async with store._sessions._guard:  # type: ignore[attr-defined]  # another's turn
+        leave.set()
+        await asyncio.sleep(0.2)  # it waits for its turn to leave
+        task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await store.workers() == []
+    async with store.presence(worker("w2", backend.clock.now)) as presence:
+        assert [(w.worker_id, w.session) for w in await store.workers()] == [
+            ("w2", presence.session)
+        ]
+
+
+async def test_a_hold_cancelled_while_it_waits_for_its_lock_leaves_no_connection(
+    pg_backend: Backend,
+) -> None:
+    """Taking a session back waits while a watcher holds its lock for a moment; cancelled
+    then, it closes the connection it made (which could hold the lock a moment later)."""
+    import psycopg
+
+    from tailrace.stores.postgres._connections import PostgresConnections
+    from tailrace.stores.postgres._presence import PostgresTokens, session_key
+
+    assert fixtures.POSTGRES_DSN is not None and pg_backend.execute is not None
+    name = f"tr_hold_{os.getpid()}_{time.monotonic_ns() % 10**9}"
+    dsn = fixtures.POSTGRES_DSN
+    dsn += f"{'&' if '?' in dsn else '?'}application_name={name}"
+    tokens = PostgresTokens(PostgresConnections(dsn).connect_session, "h", "test")
+
+    async def connections() -> int:
+        rows = await pg_backend.execute(  # type: ignore[misc]
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (name,)
+        )
+        return int(rows[0][0])
+
+    async with await psycopg.AsyncConnection.connect(fixtures.POSTGRES_DSN, autocommit=True) as w:
+        await w.execute("SELECT pg_advisory_lock_shared(%s)", (session_key("h", "s"),))
+        task = asyncio.create_task(tokens.hold("s"))
+        await until(connections, "the hold to connect and wait")
+        await asyncio.sleep(0.3)  # it tries the lock again and again
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await connections() == 0

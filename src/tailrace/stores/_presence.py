@@ -244,16 +244,21 @@ class Sessions:
             await self._ring._join_session(self.session, [handle.worker], again=False)
             yield handle
         finally:
-            async with self._guard:
-                self._present.pop(worker.worker_id, None)
-                try:
-                    await finish(self._ring._forget_worker(worker.worker_id))
-                except StoreError as exc:  # its row goes with the session, when it is buried
-                    self._rows_left = True
-                    logger.warning("%s: worker %s left: %s", self._where, worker.worker_id, exc)
-                finally:
-                    if not self._present:
-                        await finish(self._close())
+            # To its end even if cancelled (waiting for the guard too): else its row stays.
+            await finish(self._leave(worker.worker_id))
+
+    async def _leave(self, worker_id: str) -> None:
+        """``worker_id`` leaves: its row goes, and the session with the last one."""
+        async with self._guard:
+            self._present.pop(worker_id, None)
+            try:
+                await self._ring._forget_worker(worker_id)
+            except StoreError as exc:  # its row goes with the session, when it is buried
+                self._rows_left = True
+                logger.warning("%s: worker %s left: %s", self._where, worker_id, exc)
+            finally:
+                if not self._present:
+                    await self._close()
 
     async def _open(self) -> None:
         self._held = await self._tokens.hold(self.session)

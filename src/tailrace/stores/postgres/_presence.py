@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import psycopg
 
 from ..._errors import StoreError
-from .._presence import GRACE, WAIT, Outlived, ring_change
+from .._presence import GRACE, WAIT, Outlived, finish, ring_change
 from ._connections import Conn, one_line
 
 #: First key of the transaction-level advisory lock that makes joins and burials of
@@ -89,6 +89,11 @@ async def _settle(conn: Conn, settings: tuple[tuple[str, str], ...]) -> None:
             await conn.execute("SELECT set_config(%s, %s, false)", (name, value))
 
 
+async def _close(conn: Conn) -> None:
+    with contextlib.suppress(psycopg.Error):
+        await conn.close()
+
+
 class _Held:
     """A session's lock, held by ``conn``."""
 
@@ -122,35 +127,47 @@ class PostgresTokens:
     async def _connection(self, what: str, settings: tuple[tuple[str, str], ...]) -> Conn:
         try:
             conn = await self._connect()
-            await _settle(conn, settings)
         except psycopg.Error as exc:
             raise StoreError(f"{self._where}: {what}: {one_line(exc)}") from exc
+        try:
+            await _settle(conn, settings)
+        except BaseException as exc:  # a cancellation too: nothing is left open
+            await finish(_close(conn))
+            if isinstance(exc, psycopg.Error):
+                raise StoreError(f"{self._where}: {what}: {one_line(exc)}") from exc
+            raise
         return conn
 
     async def hold(self, session: str) -> _Held:
         conn = await self._connection(f"holding session {session!r}", _SETTINGS)
-        key = session_key(self._schema, session)
+        try:
+            if await self._take(conn, session_key(self._schema, session)):
+                return _Held(conn)
+        except BaseException as exc:  # a cancellation too: the lock may be held already
+            await finish(_close(conn))
+            if isinstance(exc, psycopg.Error):
+                where = f"{self._where}: holding session {session!r}"
+                raise StoreError(f"{where}: {one_line(exc)}") from exc
+            raise
+        await finish(_close(conn))
+        raise StoreError(f"{self._where}: session {session!r} is held elsewhere after {RETAKE:g} s")
+
+    @staticmethod
+    async def _take(conn: Conn, key: int) -> bool:
+        """Take the lock ``key`` on ``conn`` within :data:`RETAKE` seconds: whether it did."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + RETAKE
-        try:
-            while True:
-                cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
-                row = await cur.fetchone()
-                if row is not None and row[0]:
-                    return _Held(conn)
-                if loop.time() > deadline:
-                    break
-                # Held by the server's end of our own lost connection (or by a watcher
-                # burying it for a moment): end the former, wait for the latter.
-                await conn.execute(OUR_OLD_BACKEND, ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF))
-                await asyncio.sleep(0.1)
-        except psycopg.Error as exc:
-            await conn.close()
-            raise StoreError(
-                f"{self._where}: holding session {session!r}: {one_line(exc)}"
-            ) from exc
-        await conn.close()
-        raise StoreError(f"{self._where}: session {session!r} is held elsewhere after {RETAKE:g} s")
+        while True:
+            cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
+            row = await cur.fetchone()
+            if row is not None and row[0]:
+                return True
+            if loop.time() > deadline:
+                return False
+            # Held by the server's end of our own lost connection (or by a watcher
+            # burying it for a moment): end the former, wait for the latter.
+            await conn.execute(OUR_OLD_BACKEND, ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF))
+            await asyncio.sleep(0.1)
 
     @contextlib.asynccontextmanager
     async def outlive(self, session: str) -> AsyncIterator[Outlived]:
@@ -189,6 +206,9 @@ class PostgresTokens:
                     await conn.execute("SELECT pg_advisory_unlock_shared(%s)", (key,))
                 except psycopg.Error:
                     await self.close()  # the lock goes with the connection
+                except asyncio.CancelledError:
+                    self._unsure = True  # the unlock may not have run: all go next time
+                    raise
 
     async def buried(self, session: str) -> None:
         """Nothing is left of a session's lock once its connection ended."""
