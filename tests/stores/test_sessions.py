@@ -383,3 +383,36 @@ async def test_a_hold_cancelled_while_it_waits_for_its_lock_leaves_no_connection
         with pytest.raises(asyncio.CancelledError):
             await task
         assert await connections() == 0
+
+
+async def test_a_watch_that_keeps_failing_says_so_once_and_keeps_watching(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lock file this process cannot open (here a symbolic link to itself) fails every
+    look: said once, as a store error, not a traceback every two seconds; the watch goes
+    on and buries the session once it can see it die."""
+    store = SQLiteStore(str(tmp_path / "db.sqlite"))
+    await store.open()
+    try:
+        await submit(store, "r0", at=1.0)
+        async with store.presence(worker("watcher", time.time(), queues=("none",))):
+            with holder(store, "hidden", 1) as (proc, theirs, _):
+                token = (await store.get_run("r0")).lease_token
+                lock = FileTokens(store.path, "test")._file(theirs)
+                aside = lock.with_suffix(".aside")
+                lock.rename(aside)
+                lock.symlink_to(lock.name)  # ELOOP on every open
+                await asyncio.sleep(2 * 2.0 + 1.0)  # several failed looks, two seconds apart
+                said = [r for r in caplog.records if "watching the ring" in r.getMessage()]
+                assert len(said) == 1 and said[0].exc_info is None, said
+                lock.unlink()
+                aside.rename(lock)
+                proc.kill()
+                proc.wait()
+
+                async def fenced() -> bool:
+                    return (await store.get_run("r0")).lease_token == token + 1
+
+                await until(fenced, "the session to be buried once its lock file is back")
+    finally:
+        await store.close()

@@ -283,50 +283,67 @@ class Sessions:
     # -- keeping the session ----------------------------------------------------------
 
     async def _keep(self) -> None:
-        """Take the session back each time it is lost, and tell the workers what happened."""
+        """Take the session back each time it is lost, and tell the workers what happened
+        (a failure is said once per reason, and the session kept all the same)."""
+        told = Told(f"{self._where}: keeping session {self.session}")
         while True:
-            assert self._held is not None
-            reason = await self._held.lost()
-            lost_at = time.monotonic()
-            logger.warning(
-                "%s: store session %s ended (%s); taking it back", self._where, self.session, reason
-            )
-            self._held = await patiently(
-                functools.partial(self._tokens.hold, self.session),
-                f"taking session {self.session} back",
-            )
-            workers = [
-                dataclasses.replace(p.worker, seen_at=time.time()) for p in self._present.values()
-            ]
-            kept = await patiently(
-                functools.partial(self._ring._join_session, self.session, workers, again=True),
-                f"joining session {self.session} again",
-            )
-            lapse = Lapse(reason=reason, seconds=time.monotonic() - lost_at, buried=not kept)
-            for presence in self._present.values():
-                presence.post(lapse)
+            try:
+                await self._take_back()
+                told.worked()
+            except Exception as exc:  # never stop keeping it: the workers rely on it
+                told.failed(exc)
+                await asyncio.sleep(_LONGEST_PAUSE)
+
+    async def _take_back(self) -> None:
+        """Wait until the session is lost, take it back, and tell the workers."""
+        assert self._held is not None
+        reason = await self._held.lost()
+        lost_at = time.monotonic()
+        logger.warning(
+            "%s: store session %s ended (%s); taking it back", self._where, self.session, reason
+        )
+        self._held = await patiently(
+            functools.partial(self._tokens.hold, self.session),
+            f"{self._where}: taking session {self.session} back",
+        )
+        workers = [
+            dataclasses.replace(p.worker, seen_at=time.time()) for p in self._present.values()
+        ]
+        kept = await patiently(
+            functools.partial(self._ring._join_session, self.session, workers, again=True),
+            f"{self._where}: joining session {self.session} again",
+        )
+        lapse = Lapse(reason=reason, seconds=time.monotonic() - lost_at, buried=not kept)
+        for presence in self._present.values():
+            presence.post(lapse)
 
     # -- watching the next session ------------------------------------------------------
 
     async def _watch(self) -> None:
         """Watch the next session of the ring, bury it when it is gone, then the next."""
+        told = Told(f"{self._where}: watching the ring")
+        while True:
+            try:
+                async with self._ring.changes() as feed:
+                    await self._watch_with(feed, told)
+            except Exception as exc:  # never stop watching: the fleet relies on it
+                told.failed(exc)
+                await asyncio.sleep(_LONGEST_PAUSE)
+
+    async def _watch_with(self, feed: ChangeFeed, told: Told) -> None:
         pause = _FIRST_PAUSE
         after_burial = False
-        async with self._ring.changes() as feed:
-            while True:
-                try:
-                    after, buried, after_burial = await self._next_watched(), after_burial, False
-                    if after is None:
-                        await self._ring_news(feed)
-                    else:
-                        after_burial = await self._outlive(after, feed, buried)
-                    pause = _FIRST_PAUSE
-                except StoreError as exc:
-                    logger.warning("%s: watching the ring: %s", self._where, exc)
-                except Exception:  # never stop watching: the fleet relies on it
-                    logger.exception("%s: watching the ring failed", self._where)
+        while True:
+            try:
+                after, buried, after_burial = await self._next_watched(), after_burial, False
+                if after is None:
+                    await self._ring_news(feed)
                 else:
-                    continue
+                    after_burial = await self._outlive(after, feed, buried)
+                pause = _FIRST_PAUSE
+                told.worked()
+            except Exception as exc:  # never stop watching: the fleet relies on it
+                told.failed(exc)
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, _LONGEST_PAUSE)
 
@@ -426,19 +443,45 @@ async def first_of(work: Awaitable[T], other: Awaitable[object]) -> T | None:
     return task.result() if task.done() and not task.cancelled() else None
 
 
+class Told:
+    """What a daemon loop doing ``what`` said of its failures: each distinct reason once
+    (a ``StoreError`` as a warning, anything else with its traceback), until it works."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._said: set[str] = set()
+
+    def failed(self, exc: Exception) -> None:
+        reason = f"{type(exc).__name__}: {exc}"
+        if reason in self._said:
+            return
+        self._said.add(reason)
+        if isinstance(exc, StoreError):
+            logger.warning("%s: %s; trying again until it works", self._what, exc)
+        else:
+            logger.error("%s failed; trying again until it works", self._what, exc_info=exc)
+
+    def worked(self) -> None:
+        if self._said:
+            logger.info("%s works again", self._what)
+            self._said.clear()
+
+
 async def patiently(call: Callable[[], Awaitable[T]], what: str) -> T:
-    """``call()`` until it succeeds, pausing longer after each ``StoreError`` (logged once)."""
+    """``call()`` until it succeeds, pausing longer after each failure (each reason said
+    once)."""
     pause = _FIRST_PAUSE
-    told = False
+    told = Told(what)
     while True:
         try:
-            return await call()
-        except StoreError as exc:
-            if not told:
-                logger.warning("%s: %s; trying again until it answers", what, exc)
-                told = True
+            result = await call()
+        except Exception as exc:
+            told.failed(exc)
             await asyncio.sleep(pause)
             pause = min(pause * 2, _LONGEST_PAUSE)
+        else:
+            told.worked()
+            return result
 
 
 async def finish(work: Awaitable[T]) -> T:

@@ -28,7 +28,7 @@ import contextlib
 import hashlib
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 from ..._errors import StoreError
@@ -93,6 +93,18 @@ class FileTokens:
 
     @contextlib.asynccontextmanager
     async def outlive(self, session: str) -> AsyncIterator[Outlived]:
+        fd: int | None = None
+        try:
+            with self._mapped(f"watching session {session!r}"):
+                fd, outlived = await self._wait(session)
+            yield outlived
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    async def _wait(self, session: str) -> tuple[int | None, Outlived]:
+        """Wait until ``session``'s lock file is free (then held shared on the fd returned),
+        missing, or waited on for :data:`WAIT` seconds."""
         path = self._file(session)
         fd: int | None = None
         deadline = time.monotonic() + WAIT
@@ -114,15 +126,25 @@ class FileTokens:
                     break
                 outlived = Outlived.ENDED  # held when first tried: it ends while watched
                 await asyncio.sleep(PROBE)
-            yield outlived
-        finally:
+        except BaseException:
             if fd is not None:
                 os.close(fd)
+            raise
+        return fd, outlived
 
     async def buried(self, session: str) -> None:
         """Remove the lock file of ``session``, which is buried."""
-        with contextlib.suppress(FileNotFoundError):
+        where = f"removing the lock file of session {session!r}"
+        with self._mapped(where), contextlib.suppress(FileNotFoundError):
             self._file(session).unlink()
+
+    @contextlib.contextmanager
+    def _mapped(self, what: str) -> Iterator[None]:
+        """An ``OSError`` (a lock directory this process may not read) as a ``StoreError``."""
+        try:
+            yield
+        except OSError as exc:
+            raise StoreError(f"{self._where}: {what} in {self._dir}: {exc}") from exc
 
     async def grace(self, *, after_burial: bool) -> float:
         """None: a lock file's ``flock`` is never lost while its process lives."""
