@@ -416,3 +416,33 @@ async def test_a_watch_that_keeps_failing_says_so_once_and_keeps_watching(
                 await until(fenced, "the session to be buried once its lock file is back")
     finally:
         await store.close()
+
+
+async def test_a_session_keeper_survives_a_failure_that_is_no_store_error(
+    pg_backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Taking a session back fails with something unforeseen: said once with its
+    traceback, tried again; the session comes back and its workers are told."""
+    from tailrace.stores import PostgresStore
+    from tailrace.stores._records import WorkerRow
+
+    class Unforeseen(PostgresStore):
+        failures = 2
+
+        async def _join_session(
+            self, session: str, workers: list[WorkerRow], *, again: bool
+        ) -> bool:
+            if again and self.failures:
+                self.failures -= 1
+                raise RuntimeError("unforeseen")
+            return await super()._join_session(session, workers, again=again)
+
+    assert fixtures.POSTGRES_DSN is not None
+    store = Unforeseen(fixtures.POSTGRES_DSN, schema=pg_backend.store.schema)
+    async with store, store.presence(worker("w1", pg_backend.clock.now)) as mine:
+        await _terminate_session(pg_backend, mine.session)
+        lapse = await asyncio.wait_for(mine.lapse(), fixtures.HANG_GUARD)
+        assert not lapse.buried and store.failures == 0
+        assert [w.session for w in await store.workers()] == [mine.session]
+    said = [r for r in caplog.records if "unforeseen" in str(r.exc_info)]
+    assert len(said) == 1 and said[0].exc_info is not None, said
