@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -259,20 +259,37 @@ async def test_a_session_whose_lock_file_is_missing_is_left_to_its_leases_said_o
 ) -> None:
     """A lock file missing while its session has rows is not proof of death (a path this
     process cannot see): never buried, its leases untouched, said once."""
+    async with _watching_a_holder(tmp_path) as (store, _, theirs, token):
+        FileTokens(store.path, "test")._file(theirs).unlink()
+        await _nudge(store)
+        await asyncio.sleep(GRACE + 2.0)  # a session taken for dead is buried by then
+        assert (await store.get_run("r0")).lease_token == token
+        assert {w.worker_id: w.session for w in await store.workers()}["hidden"] == theirs
+    said = [r for r in caplog.records if "cannot see the token" in r.getMessage()]
+    assert len(said) == 1, said
+
+
+async def _nudge(store: RunStore) -> None:
+    """Make ``store``'s watcher look at the ring again, and open the lock file it watches
+    afresh: a worker joins its session (on SQLite every watcher is told)."""
+    async with store.presence(worker("nudge", time.time(), queues=("none",))):
+        pass
+
+
+@contextlib.asynccontextmanager
+async def _watching_a_holder(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[SQLiteStore, subprocess.Popen[str], str, int]]:
+    """A SQLite store present as ``watcher`` and a process present as ``hidden`` holding
+    run ``r0``: (the store, the process, its session, the run's lease token)."""
     store = SQLiteStore(str(tmp_path / "db.sqlite"))
     await store.open()
     try:
         await submit(store, "r0", at=1.0)
         async with store.presence(worker("watcher", time.time(), queues=("none",))):
-            with holder(store, "hidden", 1) as (_, theirs, claimed):
-                token = (await store.get_run("r0")).lease_token
-                FileTokens(store.path, "test")._file(theirs).unlink()
-                await asyncio.sleep(GRACE + 2.0)  # a session taken for dead is buried by then
+            with holder(store, "hidden", 1) as (proc, theirs, claimed):
                 assert claimed == ["r0"]
-                assert (await store.get_run("r0")).lease_token == token
-                assert {w.worker_id: w.session for w in await store.workers()}["hidden"] == theirs
-        said = [r for r in caplog.records if "cannot see the token" in r.getMessage()]
-        assert len(said) == 1, said
+                yield store, proc, theirs, (await store.get_run("r0")).lease_token
     finally:
         await store.close()
 
@@ -391,31 +408,24 @@ async def test_a_watch_that_keeps_failing_says_so_once_and_keeps_watching(
     """A lock file this process cannot open (here a symbolic link to itself) fails every
     look: said once, as a store error, not a traceback every two seconds; the watch goes
     on and buries the session once it can see it die."""
-    store = SQLiteStore(str(tmp_path / "db.sqlite"))
-    await store.open()
-    try:
-        await submit(store, "r0", at=1.0)
-        async with store.presence(worker("watcher", time.time(), queues=("none",))):
-            with holder(store, "hidden", 1) as (proc, theirs, _):
-                token = (await store.get_run("r0")).lease_token
-                lock = FileTokens(store.path, "test")._file(theirs)
-                aside = lock.with_suffix(".aside")
-                lock.rename(aside)
-                lock.symlink_to(lock.name)  # ELOOP on every open
-                await asyncio.sleep(2 * 2.0 + 1.0)  # several failed looks, two seconds apart
-                said = [r for r in caplog.records if "watching the ring" in r.getMessage()]
-                assert len(said) == 1 and said[0].exc_info is None, said
-                lock.unlink()
-                aside.rename(lock)
-                proc.kill()
-                proc.wait()
+    async with _watching_a_holder(tmp_path) as (store, proc, theirs, token):
+        lock = FileTokens(store.path, "test")._file(theirs)
+        aside = lock.with_suffix(".aside")
+        lock.rename(aside)
+        lock.symlink_to(lock.name)  # ELOOP on every open
+        await _nudge(store)
+        await asyncio.sleep(2 * 2.0 + 1.0)  # several failed looks, two seconds apart
+        said = [r for r in caplog.records if "watching the ring" in r.getMessage()]
+        assert len(said) == 1 and said[0].exc_info is None, said
+        lock.unlink()
+        aside.rename(lock)
+        proc.kill()
+        proc.wait()
 
-                async def fenced() -> bool:
-                    return (await store.get_run("r0")).lease_token == token + 1
+        async def fenced() -> bool:
+            return (await store.get_run("r0")).lease_token == token + 1
 
-                await until(fenced, "the session to be buried once its lock file is back")
-    finally:
-        await store.close()
+        await until(fenced, "the session to be buried once its lock file is back")
 
 
 async def test_a_session_keeper_survives_a_failure_that_is_no_store_error(
