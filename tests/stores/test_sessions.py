@@ -456,3 +456,42 @@ async def test_a_session_keeper_survives_a_failure_that_is_no_store_error(
         assert [w.session for w in await store.workers()] == [mine.session]
     said = [r for r in caplog.records if "unforeseen" in str(r.exc_info)]
     assert len(said) == 1 and said[0].exc_info is not None, said
+
+
+async def test_a_store_keeps_its_sessions_on_the_session_dsn(pg_backend: Backend) -> None:
+    """Behind a pooler in transaction mode the pools use ``dsn``; what keeps a server
+    session of its own (the store session's lock, the change feed's ``LISTEN``) connects
+    to ``session_dsn``, and never to ``dsn``."""
+    from tailrace.stores import PostgresStore
+    from tailrace.stores.postgres._presence import session_key
+
+    assert fixtures.POSTGRES_DSN is not None and pg_backend.execute is not None
+    tag = f"{os.getpid()}_{time.monotonic_ns() % 10**9}"
+    sep = "&" if "?" in fixtures.POSTGRES_DSN else "?"
+    pooled = f"{fixtures.POSTGRES_DSN}{sep}application_name=pool_{tag}"
+    direct = f"{fixtures.POSTGRES_DSN}{sep}application_name=direct_{tag}"
+    schema = pg_backend.store.schema
+    store = PostgresStore(pooled, schema=schema, session_dsn=direct)
+    await submit(pg_backend.store, "r0", at=1.0)
+    # A present worker watches the ring through the change feed: both sessions are up.
+    async with store, store.presence(worker("w1", pg_backend.clock.now)) as mine:
+        assert await store.claim_runs("q", "w1", TTL, limit=1) == ["r0"]  # through the pool
+        assert [w.session for w in await store.workers()] == [mine.session]
+        key = session_key(schema, mine.session)
+        rows = await pg_backend.execute(
+            "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a "
+            "ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted "
+            "AND l.classid = %s::bigint::oid AND l.objid = %s::bigint::oid "
+            "AND l.objsubid = 1",
+            ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF),
+        )
+        assert rows == [(f"direct_{tag}",)], rows
+
+        async def listening() -> list[tuple[Any, ...]]:
+            return await pg_backend.execute(  # type: ignore[misc]
+                "SELECT application_name FROM pg_stat_activity WHERE query LIKE 'LISTEN %%' "
+                "AND application_name LIKE %s",
+                (f"%{tag}",),
+            )
+
+        assert await until(listening, "the change feed to listen") == [(f"direct_{tag}",)]

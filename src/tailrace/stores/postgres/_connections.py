@@ -105,8 +105,10 @@ class PostgresConnections:
         connect_timeout: float = 5.0,
         retry_budget: float = 15.0,
         read_only: bool = False,
+        session_dsn: str | None = None,
     ) -> None:
         self._dsn = dsn
+        self._session_dsn = dsn if session_dsn is None else session_dsn
         self._min_size = min_size
         self._max_size = max_size
         self._schema = schema
@@ -143,14 +145,15 @@ class PostgresConnections:
         )
 
     async def connect_session(self) -> Conn:
-        """A connection of our own for a store session's token (W7), in autocommit mode,
+        """A connection of our own that keeps a session of the server's (a store session's
+        token, W7; the change feed's ``LISTEN``), on the session DSN, in autocommit mode,
         with TCP keepalives and a TCP user timeout (:data:`SESSION_KEEPALIVES`) unless the
         DSN sets them: it sits idle or waiting for a lock, and a path that died under it
         (a NAT that forgot it, a host cut off) must end it within seconds, not hours."""
-        given = conninfo_to_dict(self._dsn)
+        given = conninfo_to_dict(self._session_dsn)
         extra = {k: v for k, v in SESSION_KEEPALIVES.items() if k not in given}
         return await psycopg.AsyncConnection.connect(
-            make_conninfo(self._dsn, **extra),
+            make_conninfo(self._session_dsn, **extra),
             autocommit=True,
             connect_timeout=self._connect_timeout,
         )
