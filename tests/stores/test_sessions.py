@@ -495,3 +495,29 @@ async def test_a_store_keeps_its_sessions_on_the_session_dsn(pg_backend: Backend
             )
 
         assert await until(listening, "the change feed to listen") == [(f"direct_{tag}",)]
+
+
+async def test_a_store_closed_under_its_workers_leaves_its_lock_file_for_the_burier(
+    tmp_path: Path,
+) -> None:
+    """A store closed while workers of it are present cannot remove their rows: its
+    session's lock file stays, unlocked, and the fleet buries the session at once
+    (a lock file gone while the session has rows would prove nothing)."""
+    path = str(tmp_path / "db.sqlite")
+    first, second = SQLiteStore(path), SQLiteStore(path)
+    await first.open()
+    await second.open()
+    now = time.time()
+    try:
+        async with second.presence(worker("w2", now)):
+            async with contextlib.AsyncExitStack() as stack:
+                await stack.enter_async_context(first.presence(worker("w1", now)))
+                await first.close()  # its worker still present
+
+                async def buried() -> bool:
+                    return [w.worker_id for w in await second.workers()] == ["w2"]
+
+                await until(buried, "the closed store's session to be buried", guard=GRACE)
+    finally:
+        await first.close()
+        await second.close()
