@@ -509,15 +509,13 @@ async def test_a_store_closed_under_its_workers_leaves_its_lock_file_for_the_bur
     await second.open()
     now = time.time()
     try:
-        async with second.presence(worker("w2", now)):
-            async with contextlib.AsyncExitStack() as stack:
-                await stack.enter_async_context(first.presence(worker("w1", now)))
-                await first.close()  # its worker still present
+        async with second.presence(worker("w2", now)), first.presence(worker("w1", now)):
+            await first.close()  # its worker still present
 
-                async def buried() -> bool:
-                    return [w.worker_id for w in await second.workers()] == ["w2"]
+            async def buried() -> bool:
+                return [w.worker_id for w in await second.workers()] == ["w2"]
 
-                await until(buried, "the closed store's session to be buried", guard=GRACE)
+            await until(buried, "the closed store's session to be buried", guard=GRACE)
     finally:
         await first.close()
         await second.close()
