@@ -291,3 +291,51 @@ async def test_a_renewed_lease_does_not_lapse_while_a_slow_read_looks_for_a_canc
             slow.slow = False
         assert lease.lost is None
         assert (await store.get_run("r0")).lease_owner is None  # released on the way out
+
+
+async def test_a_watchers_wait_that_gets_no_answer_ends_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W7: a watcher waits for the next session's lock on a connection whose path may die
+    without a word (a half-open socket): its wait is bounded past its ``lock_timeout``,
+    then the connection is taken for dead (a store error; the watch connects again)."""
+    import psycopg
+
+    from tailrace._errors import StoreError
+    from tailrace.stores.postgres import _presence as tokens_module
+    from tailrace.stores.postgres._connections import PostgresConnections
+
+    monkeypatch.setattr(tokens_module, "WAIT", 1.0)  # the bound: 2 s, not 75
+    monkeypatch.setattr(tokens_module, "_SILENCE", 1.0)
+    dsn = fixtures.POSTGRES_DSN or ""
+    key = tokens_module.session_key("h", "s")
+    async with (
+        Cable.before(dsn, tmp_path) as cable,
+        await psycopg.AsyncConnection.connect(dsn, autocommit=True) as holder,
+    ):
+        await holder.execute("SELECT pg_advisory_lock(%s)", (key,))
+        connect = PostgresConnections(cable.dsn(dsn)).connect_session
+        tokens = tokens_module.PostgresTokens(connect, "h", "test")
+
+        async def watch() -> object:
+            async with tokens.outlive("s") as outlived:
+                return outlived
+
+        async def waiting() -> bool:
+            cur = await holder.execute(
+                "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                "AND classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = 1",
+                ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF),
+            )
+            return await cur.fetchone() is not None
+
+        task = asyncio.create_task(watch())
+        try:
+            await fixtures.until(waiting, "the watcher to wait for the lock")
+            cable.cut()
+            with pytest.raises(StoreError, match="no answer"):
+                await asyncio.wait_for(task, fixtures.HANG_GUARD)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await tokens.close()
