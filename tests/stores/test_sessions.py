@@ -519,3 +519,31 @@ async def test_a_store_closed_under_its_workers_leaves_its_lock_file_for_the_bur
     finally:
         await first.close()
         await second.close()
+
+
+async def test_news_of_the_ring_does_not_restart_a_graces_count(pg_backend: Backend) -> None:
+    """A Postgres session found free at a first look (it died unwatched) gets its grace
+    counted from then: news of the ring meanwhile (joins elsewhere, every second) makes
+    the watcher look again but does not put its burial off."""
+    from tailrace.stores.postgres._queues import notify_channel
+    from tailrace.stores.postgres._presence import ring_change
+
+    store = pg_backend.store
+    assert pg_backend.execute is not None
+    await submit(store, "r0", at=1.0)
+    with holder(store, "doomed:1:0:x", 1) as (proc, _, _):
+        proc.kill()
+        proc.wait()
+    token = (await store.get_run("r0")).lease_token
+
+    async def buried() -> bool:
+        return (await store.get_run("r0")).lease_token == token + 1
+
+    async with store.presence(worker("late", pg_backend.clock.now, queues=("none",))) as mine:
+        news = (notify_channel(store.schema), ring_change(mine.session))
+        for _ in range(int(2 * GRACE)):  # news every second, for twice the grace
+            if await buried():
+                break
+            await pg_backend.execute("SELECT pg_notify(%s, %s)", news)
+            await asyncio.sleep(1.0)
+        await until(buried, "the dead session to be buried", guard=1.0)
