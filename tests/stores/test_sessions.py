@@ -525,8 +525,8 @@ async def test_news_of_the_ring_does_not_restart_a_graces_count(pg_backend: Back
     """A Postgres session found free at a first look (it died unwatched) gets its grace
     counted from then: news of the ring meanwhile (joins elsewhere, every second) makes
     the watcher look again but does not put its burial off."""
-    from tailrace.stores.postgres._queues import notify_channel
     from tailrace.stores.postgres._presence import ring_change
+    from tailrace.stores.postgres._queues import notify_channel
 
     store = pg_backend.store
     assert pg_backend.execute is not None
