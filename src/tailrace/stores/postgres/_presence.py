@@ -17,6 +17,13 @@ may remove: ``lock_timeout`` ends a wait after ``WAIT`` seconds (an aborted
 statement, then the wait again), and ``client_connection_check_interval``
 (Postgres 14 and newer) lets the server end the wait of a watcher that died.
 
+Both connections ask for TCP keepalives and a TCP user timeout, on the
+client (unless the DSN sets them) and on the server: a path that dies under
+an idle holder (a NAT that forgets it) ends the connection on both ends
+within seconds, so the holder learns it and takes its session back, and a
+watcher's wait is bounded past its ``lock_timeout`` in case no answer ever
+comes.
+
 A session taken back after its connection ended may find its lock still
 held by the server's end of that connection, when the server has not yet
 seen it gone (a network cut): that backend is ours, so it is terminated.
