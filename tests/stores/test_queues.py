@@ -658,6 +658,44 @@ async def test_no_index_covers_what_a_heartbeat_rewrites(backend: Backend) -> No
         assert not [c for c in REPORTED if c in definition], definition
 
 
+#: The heartbeat of the release before sessions (W7), statement by statement: its workers
+#: keep pulsing through a rolling deploy while this release's share the database.
+PREVIOUS_PULSE = (
+    (
+        "INSERT INTO workers (worker_id, queues_json, concurrency, started_at, seen_at, "
+        "running, dead_after, host) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+        "ON CONFLICT (worker_id) DO UPDATE SET queues_json = excluded.queues_json, "
+        "concurrency = excluded.concurrency, started_at = excluded.started_at, "
+        "seen_at = excluded.seen_at, running = excluded.running, "
+        "dead_after = excluded.dead_after, host = excluded.host",
+        ("old:1:0:a", '["q"]', 4, 1.0, 2.0, 0, 30.0, "old"),
+    ),
+    ("SELECT scope, due_at FROM worker_scans WHERE scope IN (?, ?)", ("*", "host:old")),
+    (
+        "INSERT INTO worker_scans (scope, due_at) VALUES (?, ?) ON CONFLICT (scope) DO NOTHING",
+        ("*", 10.0),
+    ),
+    ("UPDATE worker_scans SET due_at = ? WHERE scope = ? AND due_at <= ?", (20.0, "*", 15.0)),
+    (
+        "SELECT worker_id FROM workers WHERE seen_at + dead_after < ? "
+        "ORDER BY seen_at + dead_after LIMIT ?",
+        (1.0, 10),
+    ),
+    ("SELECT worker_id FROM workers WHERE host = ? AND seen_at < ?", ("old", 1.0)),
+)
+
+
+async def test_the_previous_releases_heartbeat_runs_on_this_schema(backend: Backend) -> None:
+    """A rolling deploy: the workers of the release before sessions pulse on this schema
+    (the table of its scan turns is still there; the indexes it lost only slow it down)."""
+    if backend.execute is None:
+        pytest.skip("a memory store has no schema")
+    async with backend.store.presence(worker("new:1:0:a", backend.clock.now)):
+        for statement, values in PREVIOUS_PULSE:
+            await backend.execute(statement.replace("?", backend.mark), values)
+        assert {w.worker_id for w in await backend.store.workers()} == {"new:1:0:a", "old:1:0:a"}
+
+
 async def test_a_pulse_says_when_a_waiting_run_passes_its_deadline(backend: Backend) -> None:
     """R6: a queued or suspended run's deadline comes due (``due_at``), then is ``overdue``;
     a finished run's deadline is no one's business (it is not even read)."""

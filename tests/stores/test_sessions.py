@@ -15,14 +15,17 @@ import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from tailrace._errors import LeaseLost
 from tailrace.stores import RunStore, SQLiteStore
+from tailrace.stores._presence import GRACE, Outlived
+from tailrace.stores.sqlite._presence import FileTokens
 from tests import fixtures
 from tests.stores.test_queues import TTL, submit, worker
 
@@ -109,12 +112,12 @@ async def test_a_killed_sessions_leases_expire_fenced_at_once_and_its_row_goes(
             await until(fenced, "the killed session's leases to be expired and fenced")
         for run_id in claimed:
             record = await store.get_run(run_id)
-            assert (record.lease_owner, record.lease_expires) == ("doomed:1:0:x", backend.clock.now)
+            assert (record.lease_owner, record.lease_expires) == ("doomed:1:0:x", 0.0)
             with pytest.raises(LeaseLost):  # its writes are refused from now on (D6)
                 await store.heartbeat(run_id, "doomed:1:0:x", tokens[run_id], TTL)
         assert [w.worker_id for w in await store.workers()] == ["watcher"]
-        backend.clock.advance(0.001)
-        assert await store.expired_leases(backend.clock.now, limit=10) == claimed
+        # Expired for every clock: an adopter whose clock lags the burier's finds them too.
+        assert await store.expired_leases(backend.clock.now - 3600.0, limit=10) == claimed
         # Taking one over counts as a recovery of a run its owner died holding (W3).
         await store.acquire_lease("r0", "watcher", TTL)
         assert (await store.get_run("r0")).recoveries == 1
@@ -168,6 +171,8 @@ async def test_a_session_ended_by_the_server_is_taken_back_and_told_if_it_was_bu
         mine = await stack.enter_async_context(store.presence(worker("w1", now)))
         assert await store.claim_runs("q", "w1", TTL, limit=1) == ["r0"]
         token = (await store.get_run("r0")).lease_token
+        if watched:  # watched indeed: not found free at the watcher's first look
+            await until(lambda: _watched(pg_backend, [mine.session]), "the ring to settle")
         await _terminate_session(pg_backend, mine.session)
         lapse = await asyncio.wait_for(mine.lapse(), fixtures.HANG_GUARD)
         assert lapse.buried is watched
@@ -176,3 +181,369 @@ async def test_a_session_ended_by_the_server_is_taken_back_and_told_if_it_was_bu
         assert record.lease_token == token + (1 if watched else 0)
         # Back in the ring, with its row, either way.
         assert [w.session for w in await store.workers() if w.worker_id == "w1"] == [mine.session]
+
+
+async def _watched(backend: Backend, sessions: list[str]) -> bool:
+    """Whether each of ``sessions`` is watched (Postgres: a wait for its lock is queued)."""
+    from tailrace.stores.postgres._presence import session_key
+
+    assert backend.execute is not None
+    keys = [session_key(backend.store.schema, s) for s in sessions]
+    rows = await backend.execute(
+        "SELECT DISTINCT classid::bigint, objid::bigint FROM pg_locks "
+        "WHERE locktype = 'advisory' AND objsubid = 1 AND NOT granted",
+        (),
+    )
+    return {((k >> 32) & 0xFFFFFFFF, k & 0xFFFFFFFF) for k in keys} <= set(rows)
+
+
+async def test_adjacent_sessions_killed_at_once_are_all_buried_without_a_grace_each(
+    backend: Backend,
+) -> None:
+    """A host's sessions sit side by side in the ring: the watcher buries the first the
+    moment it dies, and each next one, found free right after, at once too (no grace:
+    no server restarted), not one grace later each."""
+    store = shared(backend)
+    for n in range(3):
+        await submit(store, f"r{n}", at=float(n + 1))
+    async with store.presence(worker("watcher", backend.clock.now, queues=("none",))) as mine:
+        with contextlib.ExitStack() as stack:
+            held = [stack.enter_context(holder(store, f"doomed:{n}", 1)) for n in range(3)]
+            sessions = [mine.session] + [session for _, session, _ in held]
+            if backend.mark == "%s":  # every session watched, not found free at a first look
+                await until(lambda: _watched(backend, sessions), "the ring to settle")
+            tokens = {c[0]: (await store.get_run(c[0])).lease_token for _, _, c in held}
+            started = time.monotonic()
+            for proc, _, _ in held:
+                proc.kill()
+            for proc, _, _ in held:
+                proc.wait()
+
+            async def fenced() -> bool:
+                runs = [await store.get_run(r) for r in tokens]
+                return all(r.lease_token == tokens[r.run_id] + 1 for r in runs)
+
+            await until(fenced, "the killed sessions to be buried")
+            took = time.monotonic() - started
+        # A grace given to any of them would take GRACE at least; none takes milliseconds.
+        assert took < GRACE, took
+        assert [w.worker_id for w in await store.workers()] == ["watcher"]
+
+
+async def test_sessions_on_one_database_through_a_symbolic_link_see_each_other(
+    tmp_path: Path,
+) -> None:
+    """Two paths to one SQLite file find one lock directory: neither takes the other for
+    dead, however long they last."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    real, link = tmp_path / "a" / "x.db", tmp_path / "b" / "x.db"
+    first = SQLiteStore(str(real))
+    await first.open()
+    link.symlink_to(real)
+    second = SQLiteStore(_relative(link))
+    await second.open()
+    now = time.time()
+    try:
+        async with first.presence(worker("w1", now)), second.presence(worker("w2", now)):
+            await asyncio.sleep(GRACE + 2.0)  # a session taken for dead is buried by then
+            rows = {w.worker_id: w.session for w in await first.workers()}
+            assert set(rows) == {"w1", "w2"} and None not in rows.values(), rows
+    finally:
+        await second.close()
+        await first.close()
+
+
+async def test_a_session_whose_lock_file_is_missing_is_left_to_its_leases_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lock file missing while its session has rows is not proof of death (a path this
+    process cannot see): never buried, its leases untouched, said once."""
+    async with _watching_a_holder(tmp_path) as (store, _, theirs, token):
+        FileTokens(store.path, "test")._file(theirs).unlink()
+        await _nudge(store)
+        await asyncio.sleep(GRACE + 2.0)  # a session taken for dead is buried by then
+        assert (await store.get_run("r0")).lease_token == token
+        assert {w.worker_id: w.session for w in await store.workers()}["hidden"] == theirs
+    said = [r for r in caplog.records if "cannot see the token" in r.getMessage()]
+    assert len(said) == 1, said
+
+
+async def _nudge(store: RunStore) -> None:
+    """Make ``store``'s watcher look at the ring again, and open the lock file it watches
+    afresh: a worker joins its session (on SQLite every watcher is told)."""
+    async with store.presence(worker("nudge", time.time(), queues=("none",))):
+        pass
+
+
+@contextlib.asynccontextmanager
+async def _watching_a_holder(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[SQLiteStore, subprocess.Popen[str], str, int]]:
+    """A SQLite store present as ``watcher`` and a process present as ``hidden`` holding
+    run ``r0``: (the store, the process, its session, the run's lease token)."""
+    store = SQLiteStore(str(tmp_path / "db.sqlite"))
+    await store.open()
+    try:
+        await submit(store, "r0", at=1.0)
+        async with store.presence(worker("watcher", time.time(), queues=("none",))):
+            with holder(store, "hidden", 1) as (proc, theirs, claimed):
+                assert claimed == ["r0"]
+                yield store, proc, theirs, (await store.get_run("r0")).lease_token
+    finally:
+        await store.close()
+
+
+def _relative(path: Path) -> str:
+    """``path`` relative to the working directory (one more way to name one file)."""
+    return os.path.relpath(path)
+
+
+@pytest.mark.parametrize("idle", [None, "7"], ids=["default", "dsn"])
+async def test_a_sessions_connections_keep_tcp_keepalives_on_both_ends(
+    pg_backend: Backend, idle: str | None
+) -> None:
+    """A holder sits idle and a watcher waits for a lock: a path that dies under them (a NAT
+    that forgets it) must end their connections on the client and on the server within
+    seconds. A DSN's own keepalive settings win."""
+    from tailrace.stores.postgres._connections import PostgresConnections
+    from tailrace.stores.postgres._presence import PostgresTokens
+
+    assert fixtures.POSTGRES_DSN is not None
+    dsn = fixtures.POSTGRES_DSN
+    if idle is not None:
+        dsn += f"{'&' if '?' in dsn else '?'}keepalives_idle={idle}"
+    conns: list[Any] = []
+
+    async def connect() -> Any:
+        conn = await PostgresConnections(dsn).connect_session()
+        conns.append(conn)
+        return conn
+
+    tokens = PostgresTokens(connect, pg_backend.store.schema, "test")
+    held = await tokens.hold("holder")
+    try:
+        async with tokens.outlive("nobody") as outlived:
+            assert outlived is Outlived.FREE
+        assert len(conns) == 2  # the holder's and the watcher's
+        for conn in conns:
+            client = conn.info.get_parameters()
+            assert client["keepalives"] == "1" and client["keepalives_idle"] == (idle or "10")
+            assert (client["keepalives_interval"], client["keepalives_count"]) == ("5", "3")
+            assert client["tcp_user_timeout"] == "30000"
+            cur = await conn.execute(
+                "SELECT name, source FROM pg_settings WHERE name IN ('tcp_keepalives_idle', "
+                "'tcp_keepalives_interval', 'tcp_keepalives_count', 'tcp_user_timeout')"
+            )
+            assert {source for _, source in await cur.fetchall()} == {"session"}
+    finally:
+        await held.release(rows_left=False)
+        await tokens.close()
+
+
+async def test_a_worker_cancelled_as_it_leaves_still_takes_its_row_and_session_away(
+    backend: Backend,
+) -> None:
+    """A presence cancelled while it waits its turn to leave (another worker of the store
+    object is joining or leaving) leaves all the same: no row outlives it."""
+    store = backend.store
+    inside, leave = asyncio.Event(), asyncio.Event()
+
+    async def present() -> None:
+        async with store.presence(worker("w1", backend.clock.now)):
+            inside.set()
+            await leave.wait()
+
+    task = asyncio.create_task(present())
+    await asyncio.wait_for(inside.wait(), fixtures.HANG_GUARD)
+    async with store._sessions._guard:  # type: ignore[attr-defined]  # another's turn
+        leave.set()
+        await asyncio.sleep(0.2)  # it waits for its turn to leave
+        task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await store.workers() == []
+    async with store.presence(worker("w2", backend.clock.now)) as presence:
+        assert [(w.worker_id, w.session) for w in await store.workers()] == [
+            ("w2", presence.session)
+        ]
+
+
+async def test_a_hold_cancelled_while_it_waits_for_its_lock_leaves_no_connection(
+    pg_backend: Backend,
+) -> None:
+    """Taking a session back waits while a watcher holds its lock for a moment; cancelled
+    then, it closes the connection it made (which could hold the lock a moment later)."""
+    import psycopg
+
+    from tailrace.stores.postgres._connections import PostgresConnections
+    from tailrace.stores.postgres._presence import PostgresTokens, session_key
+
+    assert fixtures.POSTGRES_DSN is not None and pg_backend.execute is not None
+    name = f"tr_hold_{os.getpid()}_{time.monotonic_ns() % 10**9}"
+    dsn = fixtures.POSTGRES_DSN
+    dsn += f"{'&' if '?' in dsn else '?'}application_name={name}"
+    tokens = PostgresTokens(PostgresConnections(dsn).connect_session, "h", "test")
+
+    async def connections() -> int:
+        rows = await pg_backend.execute(  # type: ignore[misc]
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (name,)
+        )
+        return int(rows[0][0])
+
+    async with await psycopg.AsyncConnection.connect(fixtures.POSTGRES_DSN, autocommit=True) as w:
+        await w.execute("SELECT pg_advisory_lock_shared(%s)", (session_key("h", "s"),))
+        task = asyncio.create_task(tokens.hold("s"))
+        await until(connections, "the hold to connect and wait")
+        await asyncio.sleep(0.3)  # it tries the lock again and again
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await connections() == 0
+
+
+async def test_a_watch_that_keeps_failing_says_so_once_and_keeps_watching(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lock file this process cannot open (here a symbolic link to itself) fails every
+    look: said once, as a store error, not a traceback every two seconds; the watch goes
+    on and buries the session once it can see it die."""
+    async with _watching_a_holder(tmp_path) as (store, proc, theirs, token):
+        lock = FileTokens(store.path, "test")._file(theirs)
+        aside = lock.with_suffix(".aside")
+        lock.rename(aside)
+        lock.symlink_to(lock.name)  # ELOOP on every open
+        await _nudge(store)
+        await asyncio.sleep(2 * 2.0 + 1.0)  # several failed looks, two seconds apart
+        said = [r for r in caplog.records if "watching the ring" in r.getMessage()]
+        assert len(said) == 1 and said[0].exc_info is None, said
+        lock.unlink()
+        aside.rename(lock)
+        proc.kill()
+        proc.wait()
+
+        async def fenced() -> bool:
+            return (await store.get_run("r0")).lease_token == token + 1
+
+        await until(fenced, "the session to be buried once its lock file is back")
+
+
+async def test_a_session_keeper_survives_a_failure_that_is_no_store_error(
+    pg_backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Taking a session back fails with something unforeseen: said once with its
+    traceback, tried again; the session comes back and its workers are told."""
+    from tailrace.stores import PostgresStore
+    from tailrace.stores._records import WorkerRow
+
+    class Unforeseen(PostgresStore):
+        failures = 2
+
+        async def _join_session(
+            self, session: str, workers: list[WorkerRow], *, again: bool
+        ) -> bool:
+            if again and self.failures:
+                self.failures -= 1
+                raise RuntimeError("unforeseen")
+            return await super()._join_session(session, workers, again=again)
+
+    assert fixtures.POSTGRES_DSN is not None
+    store = Unforeseen(fixtures.POSTGRES_DSN, schema=pg_backend.store.schema)
+    async with store, store.presence(worker("w1", pg_backend.clock.now)) as mine:
+        await _terminate_session(pg_backend, mine.session)
+        lapse = await asyncio.wait_for(mine.lapse(), fixtures.HANG_GUARD)
+        assert not lapse.buried and store.failures == 0
+        assert [w.session for w in await store.workers()] == [mine.session]
+    said = [r for r in caplog.records if "unforeseen" in str(r.exc_info)]
+    assert len(said) == 1 and said[0].exc_info is not None, said
+
+
+async def test_a_store_keeps_its_sessions_on_the_session_dsn(pg_backend: Backend) -> None:
+    """Behind a pooler in transaction mode the pools use ``dsn``; what keeps a server
+    session of its own (the store session's lock, the change feed's ``LISTEN``) connects
+    to ``session_dsn``, and never to ``dsn``."""
+    from tailrace.stores import PostgresStore
+    from tailrace.stores.postgres._presence import session_key
+
+    assert fixtures.POSTGRES_DSN is not None and pg_backend.execute is not None
+    tag = f"{os.getpid()}_{time.monotonic_ns() % 10**9}"
+    sep = "&" if "?" in fixtures.POSTGRES_DSN else "?"
+    pooled = f"{fixtures.POSTGRES_DSN}{sep}application_name=pool_{tag}"
+    direct = f"{fixtures.POSTGRES_DSN}{sep}application_name=direct_{tag}"
+    schema = pg_backend.store.schema
+    store = PostgresStore(pooled, schema=schema, session_dsn=direct)
+    await submit(pg_backend.store, "r0", at=1.0)
+    # A present worker watches the ring through the change feed: both sessions are up.
+    async with store, store.presence(worker("w1", pg_backend.clock.now)) as mine:
+        assert await store.claim_runs("q", "w1", TTL, limit=1) == ["r0"]  # through the pool
+        assert [w.session for w in await store.workers()] == [mine.session]
+        key = session_key(schema, mine.session)
+        rows = await pg_backend.execute(
+            "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a "
+            "ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted "
+            "AND l.classid = %s::bigint::oid AND l.objid = %s::bigint::oid "
+            "AND l.objsubid = 1",
+            ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF),
+        )
+        assert rows == [(f"direct_{tag}",)], rows
+
+        async def listening() -> list[tuple[Any, ...]]:
+            return await pg_backend.execute(  # type: ignore[misc]
+                "SELECT application_name FROM pg_stat_activity WHERE query LIKE 'LISTEN %%' "
+                "AND application_name LIKE %s",
+                (f"%{tag}",),
+            )
+
+        assert await until(listening, "the change feed to listen") == [(f"direct_{tag}",)]
+
+
+async def test_a_store_closed_under_its_workers_leaves_its_lock_file_for_the_burier(
+    tmp_path: Path,
+) -> None:
+    """A store closed while workers of it are present cannot remove their rows: its
+    session's lock file stays, unlocked, and the fleet buries the session at once
+    (a lock file gone while the session has rows would prove nothing)."""
+    path = str(tmp_path / "db.sqlite")
+    first, second = SQLiteStore(path), SQLiteStore(path)
+    await first.open()
+    await second.open()
+    now = time.time()
+    try:
+        async with second.presence(worker("w2", now)), first.presence(worker("w1", now)):
+            await first.close()  # its worker still present
+
+            async def buried() -> bool:
+                return [w.worker_id for w in await second.workers()] == ["w2"]
+
+            await until(buried, "the closed store's session to be buried", guard=GRACE)
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def test_news_of_the_ring_does_not_restart_a_graces_count(pg_backend: Backend) -> None:
+    """A Postgres session found free at a first look (it died unwatched) gets its grace
+    counted from then: news of the ring meanwhile (joins elsewhere, every second) makes
+    the watcher look again but does not put its burial off."""
+    from tailrace.stores.postgres._presence import ring_change
+    from tailrace.stores.postgres._queues import notify_channel
+
+    store = pg_backend.store
+    assert pg_backend.execute is not None
+    await submit(store, "r0", at=1.0)
+    with holder(store, "doomed:1:0:x", 1) as (proc, _, _):
+        proc.kill()
+        proc.wait()
+    token = (await store.get_run("r0")).lease_token
+
+    async def buried() -> bool:
+        return (await store.get_run("r0")).lease_token == token + 1
+
+    async with store.presence(worker("late", pg_backend.clock.now, queues=("none",))) as mine:
+        news = (notify_channel(store.schema), ring_change(mine.session))
+        for _ in range(int(2 * GRACE)):  # news every second, for twice the grace
+            if await buried():
+                break
+            await pg_backend.execute("SELECT pg_notify(%s, %s)", news)
+            await asyncio.sleep(1.0)
+        await until(buried, "the dead session to be buried", guard=1.0)

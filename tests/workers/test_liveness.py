@@ -26,7 +26,7 @@ import pytest
 
 import tailrace as tr
 from tailrace import Engine
-from tailrace.stores import PostgresStore, RunStore
+from tailrace.stores import PostgresStore, RunStore, SQLiteStore
 from tailrace.workers import Worker
 from tests import fixtures
 from tests.workers.test_worker import working
@@ -248,3 +248,94 @@ async def test_a_worker_cut_off_from_the_store_stops_before_its_lease_can_expire
     # Adopted again once their leases expired (by this worker, back in touch): each run's
     # long visit started twice, its warm visit, committed before the cut, once.
     assert sorted(r for r, _ in STARTED) == sorted(ids * 2)
+
+
+class _SlowReads:
+    """A real store whose reads of a run take ``delay`` seconds once ``slow`` is set (a
+    loaded server), its renewals as fast as ever; it counts the slow reads."""
+
+    def __init__(self, inner: RunStore, delay: float) -> None:
+        self.inner = inner
+        self.delay = delay
+        self.slow = False
+        self.slow_reads = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def get_run(self, run_id: str) -> Any:
+        if self.slow:
+            await asyncio.sleep(self.delay)
+            self.slow_reads += 1
+        return await self.inner.get_run(run_id)
+
+
+async def test_a_renewed_lease_does_not_lapse_while_a_slow_read_looks_for_a_cancel(
+    tmp_path: Path,
+) -> None:
+    """W7: a lease lapses only when its renewal goes unanswered. A renewal that landed
+    moves the lapse, and the look for a cancel request after it has the renewed lease's
+    time: a read slower than what was left of the old lease stops nothing."""
+    from tailrace.core._lease import LAPSE_SHARE, Lease
+    from tests.stores.test_queues import submit
+
+    ttl = 3.0  # a beat every 1 s; 1.5 s left of the old lease then, 2.5 s of the renewed
+    async with SQLiteStore(str(tmp_path / "runs.db")) as store:
+        await submit(store, "r0", at=1.0)
+        assert await store.claim_runs("q", "me", ttl, limit=1) == ["r0"]
+        # Past what was left of the old lease at the beat, 0.5 s short of the renewed one.
+        slow = _SlowReads(store, delay=(1 - LAPSE_SHARE) * ttl - ttl / 3 + 0.5)
+        async with Lease(slow, "r0", "me", ttl, on_cancel_request=lambda: None) as lease:  # type: ignore[arg-type]
+            slow.slow = True
+            await fixtures.until(lambda: slow.slow_reads >= 2, "two slow looks for a cancel")
+            slow.slow = False
+        assert lease.lost is None
+        assert (await store.get_run("r0")).lease_owner is None  # released on the way out
+
+
+async def test_a_watchers_wait_that_gets_no_answer_ends_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W7: a watcher waits for the next session's lock on a connection whose path may die
+    without a word (a half-open socket): its wait is bounded past its ``lock_timeout``,
+    then the connection is taken for dead (a store error; the watch connects again)."""
+    import psycopg
+
+    from tailrace._errors import StoreError
+    from tailrace.stores.postgres import _presence as tokens_module
+    from tailrace.stores.postgres._connections import PostgresConnections
+
+    monkeypatch.setattr(tokens_module, "WAIT", 1.0)  # the bound: 2 s, not 75
+    monkeypatch.setattr(tokens_module, "_SILENCE", 1.0)
+    dsn = fixtures.POSTGRES_DSN or ""
+    key = tokens_module.session_key("h", "s")
+    async with (
+        Cable.before(dsn, tmp_path) as cable,
+        await psycopg.AsyncConnection.connect(dsn, autocommit=True) as holder,
+    ):
+        await holder.execute("SELECT pg_advisory_lock(%s)", (key,))
+        connect = PostgresConnections(cable.dsn(dsn)).connect_session
+        tokens = tokens_module.PostgresTokens(connect, "h", "test")
+
+        async def watch() -> object:
+            async with tokens.outlive("s") as outlived:
+                return outlived
+
+        async def waiting() -> bool:
+            cur = await holder.execute(
+                "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                "AND classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = 1",
+                ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF),
+            )
+            return await cur.fetchone() is not None
+
+        task = asyncio.create_task(watch())
+        try:
+            await fixtures.until(waiting, "the watcher to wait for the lock")
+            cable.cut()
+            with pytest.raises(StoreError, match="no answer"):
+                await asyncio.wait_for(task, fixtures.HANG_GUARD)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await tokens.close()

@@ -187,29 +187,19 @@ class Lease:
             self._on_cancel_request()
 
     async def _heartbeat(self) -> None:
-        pause = self.ttl / 3
+        pause, sent = self.ttl / 3, time.monotonic()
         while True:
+            due = max(sent + pause - time.monotonic(), 0.0)  # counted from the last beat sent
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), min(pause, self._left()))
+                await asyncio.wait_for(self._stop.wait(), min(due, self._left()))
             if self._stop.is_set():
                 return
             if self._left() <= 0:
                 self._lose(OUTAGES.lapsed(self.owner, self._lapsed()))
                 return
-            # Not cut short by a timeout around the call: a driver may hold a cancellation
-            # back for seconds (psycopg first asks the server to cancel the query).
-            beat = asyncio.ensure_future(self._beat_once(time.monotonic()))
-            stopping = asyncio.ensure_future(self._stop.wait())
-            await asyncio.wait(
-                (beat, stopping), timeout=max(self._left(), 0.0),
-                return_when=asyncio.FIRST_COMPLETED,
-            )  # fmt: skip
-            stopping.cancel()
-            if not beat.done():
-                self._stray = beat  # awaited on the way out (a beat mid-query finishes it)
-                if not self._stop.is_set():  # the lease could lapse before the store answers
-                    beat.cancel()
-                    self._lose(OUTAGES.lapsed(self.owner, self._lapsed()))
+            sent = time.monotonic()
+            beat = asyncio.ensure_future(self._renew(sent))
+            if not await self._in_time(beat):
                 return
             try:
                 beat.result()
@@ -226,11 +216,37 @@ class Lease:
                 # more often meanwhile); a lease really lost shows up as LeaseLost.
                 logger.warning("heartbeat of run %s failed; retrying", self.run_id, exc_info=True)
                 pause = self.ttl / 12
+                continue
+            # Renewed: the look for a cancel request has the renewed lease's time.
+            heard = asyncio.ensure_future(self._hear_cancel_request())
+            if not await self._in_time(heard):
+                return
+            if not heard.cancelled() and (failure := heard.exception()) is not None:
+                logger.warning(
+                    "run %s: looking for a cancel request failed: %s", self.run_id, failure
+                )
 
-    async def _beat_once(self, sent: float) -> None:
+    async def _in_time(self, work: asyncio.Future[None]) -> bool:
+        """Whether ``work`` (a call to the store) ended before the lease could lapse here;
+        if not, the lease lapsed (unless the lease was let go meanwhile), and ``work`` is
+        awaited on the way out. Not cut short by a timeout around the call: a driver may
+        hold a cancellation back for seconds (psycopg first asks the server to cancel)."""
+        stopping = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait(
+            (work, stopping), timeout=max(self._left(), 0.0), return_when=asyncio.FIRST_COMPLETED
+        )
+        stopping.cancel()
+        if work.done():
+            return True
+        self._stray = work  # awaited on the way out (a call mid-query finishes it)
+        if not self._stop.is_set():  # the lease could lapse before the store answers
+            work.cancel()
+            self._lose(OUTAGES.lapsed(self.owner, self._lapsed()))
+        return False
+
+    async def _renew(self, sent: float) -> None:
         await self.store.heartbeat(self.run_id, self.owner, self.token, self.ttl)
         self._renewed(sent, self.ttl)
-        await self._hear_cancel_request()
 
     async def _hear_cancel_request(self) -> None:
         """A run that commits nothing for a while (a long handler) hears a cancel request

@@ -26,10 +26,17 @@ it; on SQLite every watcher looks again, one local read); joins and burials
 take turns (``Tx.lock_ring``), so a session that joins is always watched. A
 watcher also looks at the ring again every :data:`RING_REREAD` seconds,
 whatever it was told; a wait that lasted :data:`WAIT` seconds is made again
-(on Postgres, an aborted statement: no commit). A token found free at once (not freed while watched:
-a session that died unwatched, or one being taken back after a server
-restart ended them all) is given :data:`GRACE` seconds to be taken back
-before the session is buried.
+(on Postgres, an aborted statement: no commit). On Postgres, a token found
+free at once (not freed while watched: a session that died unwatched, or one
+being taken back after a server restart ended them all) is given
+:data:`GRACE` seconds, counted from when it was first found free, to be
+taken back before the session is buried; one found free right after the
+watcher buried the session before it is given none unless the server is
+that young (a restart ends the watcher's wait too, so the burial before it
+followed a grace). A SQLite lock file is never lost while its process
+lives: one found free is buried at once. A token that cannot be seen (a
+SQLite lock file missing while its session has rows) proves nothing: that
+session is left to its leases, and the watcher watches the one after it.
 
 A session that ends while its process lives (its connection was terminated,
 the server restarted) is taken back by its store: the same token, once the
@@ -69,9 +76,9 @@ RING_REREAD = 600.0
 #: The longest one wait for a token lasts before it is made again: a waiting Postgres
 #: statement holds back the horizon of what vacuum may remove, by this much at most.
 WAIT = 60.0
-#: Seconds a watcher gives a session whose token it found free at once to take it back
-#: (a server restart ends every session: each takes its own back within a second or
-#: two) before burying it.
+#: Seconds a watcher gives a session whose Postgres token it found free at once to take
+#: it back (a server restart ends every session: each takes its own back within a second
+#: or two) before burying it.
 GRACE = 5.0
 #: Seconds between two looks at a lock file (SQLite) whose holder is alive.
 PROBE = 0.05
@@ -102,6 +109,8 @@ class Outlived(enum.Enum):
     FREE = "free"
     #: The wait ran out first: look at the ring again.
     WAITED_OUT = "waited out"
+    #: Its token cannot be seen from here (SQLite: no lock file): not proof of death.
+    UNSEEN = "unseen"
 
 
 class Held(Protocol):
@@ -110,8 +119,9 @@ class Held(Protocol):
     async def lost(self) -> str:
         """Wait until the token is lost while held (its connection ended); the reason."""
 
-    async def release(self) -> None:
-        """Give the token up (the session leaves)."""
+    async def release(self, *, rows_left: bool) -> None:
+        """Give the token up (the session leaves); ``rows_left``: the session's rows could
+        not all be removed, so the token is left for a burier to find free."""
 
 
 class Tokens(Protocol):
@@ -126,6 +136,11 @@ class Tokens(Protocol):
 
     async def buried(self, session: str) -> None:
         """``session`` was buried: remove what is left of its token (SQLite: its file)."""
+
+    async def grace(self, *, after_burial: bool) -> float:
+        """Seconds from now a session whose token was found free at once is given to take it
+        back before it is buried; ``after_burial``: found right after the watcher buried the
+        session before it."""
 
     async def close(self) -> None:
         """Let go of what watching holds (a connection)."""
@@ -154,7 +169,7 @@ class _Forever:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def release(self) -> None:
+    async def release(self, *, rows_left: bool) -> None:
         """Nothing to give up."""
 
 
@@ -170,6 +185,9 @@ class MemoryTokens:
 
     async def buried(self, session: str) -> None:
         """Nothing is left of a session."""
+
+    async def grace(self, *, after_burial: bool) -> float:
+        return 0.0  # a token lost is a store object gone
 
     async def close(self) -> None:
         """Nothing is held open."""
@@ -206,6 +224,13 @@ class Sessions:
         self._held: Held | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._guard = asyncio.Lock()
+        #: A worker's row could not be removed: the session's token is left for a burier.
+        self._rows_left = False
+        #: Sessions whose token this process cannot see: left to their leases.
+        self._unseen: set[str] = set()
+        #: When the session watched, whose token was found free at once, is buried unless
+        #: taken back (monotonic; kept across looks at the ring, so news delays no burial).
+        self._free_until: dict[str, float] = {}
 
     @contextlib.asynccontextmanager
     async def present(self, worker: WorkerRow) -> AsyncIterator[Presence]:
@@ -219,15 +244,21 @@ class Sessions:
             await self._ring._join_session(self.session, [handle.worker], again=False)
             yield handle
         finally:
-            async with self._guard:
-                self._present.pop(worker.worker_id, None)
-                try:
-                    await finish(self._ring._forget_worker(worker.worker_id))
-                except StoreError as exc:  # its row goes with the session, when it is buried
-                    logger.warning("%s: worker %s left: %s", self._where, worker.worker_id, exc)
-                finally:
-                    if not self._present:
-                        await finish(self._close())
+            # To its end even if cancelled (waiting for the guard too): else its row stays.
+            await finish(self._leave(worker.worker_id))
+
+    async def _leave(self, worker_id: str) -> None:
+        """``worker_id`` leaves: its row goes, and the session with the last one."""
+        async with self._guard:
+            self._present.pop(worker_id, None)
+            try:
+                await self._ring._forget_worker(worker_id)
+            except StoreError as exc:  # its row goes with the session, when it is buried
+                self._rows_left = True
+                logger.warning("%s: worker %s left: %s", self._where, worker_id, exc)
+            finally:
+                if not self._present:
+                    await self._close()
 
     async def _open(self) -> None:
         self._held = await self._tokens.hold(self.session)
@@ -242,88 +273,143 @@ class Sessions:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         held, self._held = self._held, None
+        rows_left, self._rows_left = self._rows_left, False
         try:
             if held is not None:
-                await held.release()
+                await held.release(rows_left=rows_left)
         finally:
             await self._tokens.close()
 
     # -- keeping the session ----------------------------------------------------------
 
     async def _keep(self) -> None:
-        """Take the session back each time it is lost, and tell the workers what happened."""
+        """Take the session back each time it is lost, and tell the workers what happened
+        (a failure is said once per reason, and the session kept all the same)."""
+        told = Told(f"{self._where}: keeping session {self.session}")
         while True:
-            assert self._held is not None
-            reason = await self._held.lost()
-            lost_at = time.monotonic()
-            logger.warning(
-                "%s: store session %s ended (%s); taking it back", self._where, self.session, reason
-            )
-            self._held = await patiently(
-                functools.partial(self._tokens.hold, self.session),
-                f"taking session {self.session} back",
-            )
-            workers = [
-                dataclasses.replace(p.worker, seen_at=time.time()) for p in self._present.values()
-            ]
-            kept = await patiently(
-                functools.partial(self._ring._join_session, self.session, workers, again=True),
-                f"joining session {self.session} again",
-            )
-            lapse = Lapse(reason=reason, seconds=time.monotonic() - lost_at, buried=not kept)
-            for presence in self._present.values():
-                presence.post(lapse)
+            try:
+                await self._take_back()
+                told.worked()
+            except Exception as exc:  # never stop keeping it: the workers rely on it
+                told.failed(exc)
+                await asyncio.sleep(_LONGEST_PAUSE)
+
+    async def _take_back(self) -> None:
+        """Wait until the session is lost, take it back, and tell the workers."""
+        assert self._held is not None
+        reason = await self._held.lost()
+        lost_at = time.monotonic()
+        logger.warning(
+            "%s: store session %s ended (%s); taking it back", self._where, self.session, reason
+        )
+        self._held = await patiently(
+            functools.partial(self._tokens.hold, self.session),
+            f"{self._where}: taking session {self.session} back",
+        )
+        workers = [
+            dataclasses.replace(p.worker, seen_at=time.time()) for p in self._present.values()
+        ]
+        kept = await patiently(
+            functools.partial(self._ring._join_session, self.session, workers, again=True),
+            f"{self._where}: joining session {self.session} again",
+        )
+        lapse = Lapse(reason=reason, seconds=time.monotonic() - lost_at, buried=not kept)
+        for presence in self._present.values():
+            presence.post(lapse)
 
     # -- watching the next session ------------------------------------------------------
 
     async def _watch(self) -> None:
         """Watch the next session of the ring, bury it when it is gone, then the next."""
+        told = Told(f"{self._where}: watching the ring")
+        while True:
+            try:
+                async with self._ring.changes() as feed:
+                    await self._watch_with(feed, told)
+            except Exception as exc:  # never stop watching: the fleet relies on it
+                told.failed(exc)
+                await asyncio.sleep(_LONGEST_PAUSE)
+
+    async def _watch_with(self, feed: ChangeFeed, told: Told) -> None:
         pause = _FIRST_PAUSE
-        async with self._ring.changes() as feed:
-            while True:
-                try:
-                    after = await self._ring._ring_next(self.session)
-                    if after is None:
-                        await self._ring_news(feed)
-                    else:
-                        await self._outlive(after, feed)
-                    pause = _FIRST_PAUSE
-                except StoreError as exc:
-                    logger.warning("%s: watching the ring: %s", self._where, exc)
-                except Exception:  # never stop watching: the fleet relies on it
-                    logger.exception("%s: watching the ring failed", self._where)
+        after_burial = False
+        while True:
+            try:
+                after, buried, after_burial = await self._next_watched(), after_burial, False
+                if after is None:
+                    await self._ring_news(feed)
                 else:
-                    continue
+                    after_burial = await self._outlive(after, feed, buried)
+                pause = _FIRST_PAUSE
+                told.worked()
+            except Exception as exc:  # never stop watching: the fleet relies on it
+                told.failed(exc)
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, _LONGEST_PAUSE)
 
-    async def _outlive(self, session: str, feed: ChangeFeed) -> None:
-        """Bury ``session`` once it is gone, unless the ring changes first (a failure of the
-        watch is raised: the caller logs it and watches again)."""
-        await first_of(self._bury_when_gone(session), self._ring_news(feed))
+    async def _next_watched(self) -> str | None:
+        """The next session of the ring whose token this process can see, if any."""
+        after = await self._ring._ring_next(self.session)
+        passed: set[str] = set()
+        while after in self._unseen and after not in passed:
+            passed.add(after)
+            after = await self._ring._ring_next(after)
+            if after == self.session:
+                return None
+        return None if after in self._unseen else after
 
-    async def _bury_when_gone(self, session: str) -> None:
+    async def _unseen_token(self, session: str) -> None:
+        """``session``'s token cannot be seen from here: unless it left meanwhile (its rows
+        go before its token), it is left to its leases, and said so once."""
+        if await self._ring._ring_next(self.session) != session:
+            return  # it left, or the ring changed: look again
+        self._unseen.add(session)
+        logger.warning(
+            "%s: cannot see the token of store session %s (is the database opened through "
+            "another path?); its runs are left to their leases",
+            self._where, session,
+        )  # fmt: skip
+
+    async def _outlive(self, session: str, feed: ChangeFeed, after_burial: bool) -> bool:
+        """Bury ``session`` once it is gone, unless the ring changes first: whether it was
+        buried (a failure of the watch is raised: the caller logs it and watches again)."""
+        for other in [s for s in self._free_until if s != session]:
+            del self._free_until[other]
+        buried = await first_of(self._bury_when_gone(session, after_burial), self._ring_news(feed))
+        return bool(buried)
+
+    async def _bury_when_gone(self, session: str, after_burial: bool) -> bool:
         """Bury ``session`` once its token comes free while watched; one found free at once
-        is given :data:`GRACE` seconds to be taken back first (after a server restart). A
-        wait that ran out (:data:`WAIT`) is made again."""
-        first = True
+        is given the tokens' grace to be taken back first (counted from when it was first
+        found free). A wait that ran out (:data:`WAIT`) is made again. Returns whether
+        ``session`` was buried (not if its token cannot be seen)."""
         while True:
             async with self._tokens.outlive(session) as outlived:
                 if outlived is Outlived.WAITED_OUT:
+                    self._free_until.pop(session, None)  # held: it was taken back
                     continue
-                if outlived is Outlived.ENDED or not first:
+                if outlived is Outlived.UNSEEN:
+                    await self._unseen_token(session)
+                    return False
+                if outlived is Outlived.FREE and session not in self._free_until:
+                    grace = await self._tokens.grace(after_burial=after_burial)
+                    self._free_until[session] = time.monotonic() + grace
+                left = 0.0
+                if outlived is Outlived.FREE:
+                    left = self._free_until[session] - time.monotonic()
+                if left <= 0:
                     # Held to its end, token and all: the session cannot be taken back
                     # (and find itself whole) between its token coming free and its burial.
                     expired = await finish(self._ring._bury_session(session))
+                    self._free_until.pop(session, None)
                     await self._tokens.buried(session)
                     logger.info(
                         "%s: store session %s is gone; the leases of its %d runs expired for "
                         "the fleet to adopt",
                         self._where, session, expired,
                     )  # fmt: skip
-                    return
-            first = False
-            await asyncio.sleep(GRACE)
+                    return True
+            await asyncio.sleep(left)
 
     async def _ring_news(self, feed: ChangeFeed) -> None:
         """Return when the ring changed for this session, or after :data:`RING_REREAD` seconds."""
@@ -337,6 +423,7 @@ class Sessions:
     async def close(self) -> None:
         """The store closes: stop watching and give the session up."""
         async with self._guard:
+            self._rows_left = self._rows_left or bool(self._present)
             self._present.clear()
             if self._held is not None or self._tasks:
                 await self._close()
@@ -356,19 +443,45 @@ async def first_of(work: Awaitable[T], other: Awaitable[object]) -> T | None:
     return task.result() if task.done() and not task.cancelled() else None
 
 
+class Told:
+    """What a daemon loop doing ``what`` said of its failures: each distinct reason once
+    (a ``StoreError`` as a warning, anything else with its traceback), until it works."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._said: set[str] = set()
+
+    def failed(self, exc: Exception) -> None:
+        reason = f"{type(exc).__name__}: {exc}"
+        if reason in self._said:
+            return
+        self._said.add(reason)
+        if isinstance(exc, StoreError):
+            logger.warning("%s: %s; trying again until it works", self._what, exc)
+        else:
+            logger.error("%s failed; trying again until it works", self._what, exc_info=exc)
+
+    def worked(self) -> None:
+        if self._said:
+            logger.info("%s works again", self._what)
+            self._said.clear()
+
+
 async def patiently(call: Callable[[], Awaitable[T]], what: str) -> T:
-    """``call()`` until it succeeds, pausing longer after each ``StoreError`` (logged once)."""
+    """``call()`` until it succeeds, pausing longer after each failure (each reason said
+    once)."""
     pause = _FIRST_PAUSE
-    told = False
+    told = Told(what)
     while True:
         try:
-            return await call()
-        except StoreError as exc:
-            if not told:
-                logger.warning("%s: %s; trying again until it answers", what, exc)
-                told = True
+            result = await call()
+        except Exception as exc:
+            told.failed(exc)
             await asyncio.sleep(pause)
             pause = min(pause * 2, _LONGEST_PAUSE)
+        else:
+            told.worked()
+            return result
 
 
 async def finish(work: Awaitable[T]) -> T:

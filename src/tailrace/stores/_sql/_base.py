@@ -767,7 +767,7 @@ class SQLStore(RunStore):
     async def _bury_session(self, session: str) -> int:
         return await self._write_tx(
             f"store session {session!r}",
-            lambda tx: bodies.bury_session(tx, session, self._clock()),
+            lambda tx: bodies.bury_session(tx, session),
         )
 
     async def _ring_next(self, session: str) -> str | None:

@@ -131,10 +131,11 @@ NEXT_SESSION = "SELECT MIN(session) FROM workers WHERE session > ?"
 FIRST_SESSION = "SELECT MIN(session) FROM workers WHERE session IS NOT NULL"
 PREVIOUS_SESSION = "SELECT MAX(session) FROM workers WHERE session < ?"
 LAST_SESSION = "SELECT MAX(session) FROM workers WHERE session IS NOT NULL"
-#: Values: now, session. The leases of a session that is gone expire now, fenced (a new
-#: token: its workers' writes are refused from now on, D6), for the fleet to adopt.
+#: Values: session. The leases of a session that is gone expire, fenced (a new token: its
+#: workers' writes are refused from now on, D6), for the fleet to adopt: at time 0, not at
+#: the burier's clock, so every worker finds them expired whatever its own clock says.
 BURY_LEASES = (
-    "UPDATE runs SET lease_expires = ?, lease_token = lease_token + 1 "
+    "UPDATE runs SET lease_expires = 0, lease_token = lease_token + 1 "
     "WHERE lease_owner IN (SELECT worker_id FROM workers WHERE session = ?) "
     "AND status IN ('running', 'suspended')"
 )

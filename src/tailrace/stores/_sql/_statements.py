@@ -537,9 +537,11 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             # lock file); each session watches the next one in ``session`` order. A
             # heartbeat rewrites ``seen_at``: no index may cover it (Postgres then
             # updates the row in place), and no heartbeat scans for silent workers.
+            # ``worker_scans`` stays: the previous release's heartbeat reads it, and its
+            # workers pulse through a rolling deploy (without these indexes, its scans
+            # of the workers only read more rows).
             "DROP INDEX IF EXISTS workers_by_expiry",
             "DROP INDEX IF EXISTS workers_by_host",
-            "DROP TABLE IF EXISTS worker_scans",
             # Room on each page for a report's new version beside the old one.
             POSTGRES_ONLY + "ALTER TABLE workers SET (fillfactor = 50)",
             "ALTER TABLE workers ADD COLUMN session TEXT",

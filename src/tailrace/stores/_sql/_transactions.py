@@ -630,11 +630,12 @@ async def join_session(
     return kept
 
 
-async def bury_session(tx: Tx, session: str, now: float) -> int:
-    """Session ``session`` is gone: its workers' leases expire now, fenced, and their rows
-    go; wake the fleet to adopt. Returns how many runs' leases expired."""
+async def bury_session(tx: Tx, session: str) -> int:
+    """Session ``session`` is gone: its workers' leases expire (at time 0, for every
+    clock), fenced, and their rows go; wake the fleet to adopt. Returns how many runs'
+    leases expired."""
     await tx.lock_ring()
-    expired = await tx.change_all(BURY_LEASES, (now, session))
+    expired = await tx.change_all(BURY_LEASES, (session,))
     await tx.change_all(DELETE_SESSION, (session,))
     if expired:
         await tx.signal("release")

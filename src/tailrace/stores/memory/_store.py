@@ -1161,7 +1161,6 @@ class MemoryStore(RunStore):
 
     async def _bury_session(self, session: str) -> int:
         with self._lock:
-            now = self._clock()
             gone = {w for w, row in self._worker_rows.items() if row.session == session}
             expired = 0
             for run_id, record in list(self._runs.items()):
@@ -1169,7 +1168,7 @@ class MemoryStore(RunStore):
                     RunStatus.RUNNING, RunStatus.SUSPENDED
                 ):  # fmt: skip
                     self._runs[run_id] = dataclasses.replace(
-                        record, lease_expires=now, lease_token=record.lease_token + 1
+                        record, lease_expires=0.0, lease_token=record.lease_token + 1
                     )
                     expired += 1
             for worker_id in gone:

@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import psycopg
 import psycopg_pool
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ..._errors import StoreError
 from .._rules import read_only_refusal
@@ -57,6 +58,16 @@ T = TypeVar("T")
 
 #: The first and the longest pause between two attempts of one call, seconds.
 _FIRST_PAUSE, _LONGEST_PAUSE = 0.05, 1.0
+#: What a session's connections ask of the client's TCP unless their DSN says otherwise:
+#: a dead path is found within 25 s idle (10 s, then 3 probes 5 s apart), and data
+#: unacknowledged for 30 s ends the connection.
+SESSION_KEEPALIVES = {
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "30000",
+}
 #: The transaction's id, which ``pg_xact_status`` takes after a lost connection.
 XID = "pg_current_xact_id()::text"
 
@@ -94,8 +105,10 @@ class PostgresConnections:
         connect_timeout: float = 5.0,
         retry_budget: float = 15.0,
         read_only: bool = False,
+        session_dsn: str | None = None,
     ) -> None:
         self._dsn = dsn
+        self._session_dsn = dsn if session_dsn is None else session_dsn
         self._min_size = min_size
         self._max_size = max_size
         self._schema = schema
@@ -129,6 +142,20 @@ class PostgresConnections:
         """A connection of our own (not pooled), in autocommit mode."""
         return await psycopg.AsyncConnection.connect(
             self._dsn, autocommit=True, connect_timeout=self._connect_timeout
+        )
+
+    async def connect_session(self) -> Conn:
+        """A connection of our own that keeps a session of the server's (a store session's
+        token, W7; the change feed's ``LISTEN``), on the session DSN, in autocommit mode,
+        with TCP keepalives and a TCP user timeout (:data:`SESSION_KEEPALIVES`) unless the
+        DSN sets them: it sits idle or waiting for a lock, and a path that died under it
+        (a NAT that forgot it, a host cut off) must end it within seconds, not hours."""
+        given = conninfo_to_dict(self._session_dsn)
+        extra = {k: v for k, v in SESSION_KEEPALIVES.items() if k not in given}
+        return await psycopg.AsyncConnection.connect(
+            make_conninfo(self._session_dsn, **extra),
+            autocommit=True,
+            connect_timeout=self._connect_timeout,
         )
 
     async def open(self) -> None:

@@ -80,6 +80,11 @@ class PostgresStore(SQLStore):
             then it raises :class:`~tailrace.StoreError` with the last reason.
         read_only: read an existing database and never write to it (see
             :class:`RunStore`); its sessions are read-only on the server too.
+        session_dsn: where the connections that keep a server session of their
+            own connect (each store session's lock, W7, and the change feed's
+            ``LISTEN``): the same server as ``dsn``, directly or through a
+            session-pooled port, when ``dsn`` goes through a pooler in transaction
+            mode. By default, ``dsn``.
     """
 
     _no_limit = None
@@ -95,17 +100,21 @@ class PostgresStore(SQLStore):
         connect_timeout: float = 5.0,
         retry_budget: float = 15.0,
         read_only: bool = False,
+        session_dsn: str | None = None,
     ) -> None:
         self._db = PostgresConnections(
             dsn, min_size=min_size, max_size=max_size, schema=schema,
             connect_timeout=connect_timeout, retry_budget=retry_budget, read_only=read_only,
+            session_dsn=session_dsn,
         )  # fmt: skip
         self._clock = clock
         self._channel = notify_channel(schema)
         self._hub = ChangeHub(self._listen)
         self._full_queues = set()
         where = f"Postgres store (schema {schema!r})"
-        self._sessions = Sessions(self, PostgresTokens(self._db.connect, schema, where), where)
+        self._sessions = Sessions(
+            self, PostgresTokens(self._db.connect_session, schema, where), where
+        )
 
     @property
     def schema(self) -> str:
@@ -226,7 +235,7 @@ class PostgresStore(SQLStore):
         listen = sql.SQL("LISTEN {}").format(sql.Identifier(self._channel))
         while True:
             try:
-                async with await self._db.connect() as conn:
+                async with await self._db.connect_session() as conn:
                     await conn.execute(listen)
                     if ready.is_set():
                         hub.deliver_all()  # back after an outage: what was missed meanwhile

@@ -11,8 +11,13 @@ locks do.
 
 A watcher probes the next session's file with ``flock(LOCK_SH | LOCK_NB)``
 every :data:`~tailrace.stores._presence.PROBE` seconds: a system call, no
-database read. A session that leaves removes its file; a burier removes the
-dead session's. Where ``fcntl`` is missing (Windows), sessions are refused
+database read. A session makes its file before its rows exist and, leaving,
+removes its rows before its file (a session that could not remove its rows
+leaves its file, unlocked, for the burier to remove). So a file missing for
+a session that has rows is not proof of death but a file this process cannot
+see (the database opened through a hard link, or a lock directory removed by
+hand): that session is left to its leases. The directory is found from the
+database's resolved path, so symbolic links and relative paths agree. Where ``fcntl`` is missing (Windows), sessions are refused
 and leases stay the only way a dead worker's runs are found (D6).
 """
 
@@ -23,7 +28,7 @@ import contextlib
 import hashlib
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 from ..._errors import StoreError
@@ -36,8 +41,10 @@ except ImportError:  # pragma: no cover - not POSIX
 
 
 def sessions_dir(path: str) -> Path:
-    """Where the lock files of the sessions on database ``path`` live."""
-    return Path(f"{path}-sessions")
+    """Where the lock files of the sessions on database ``path`` live: next to the file
+    the path names once symbolic links and relative parts are resolved, so every
+    process that opens the database through a path of its own finds the same ones."""
+    return Path(f"{os.path.realpath(path)}-sessions")
 
 
 class _Held:
@@ -51,9 +58,10 @@ class _Held:
         await asyncio.Event().wait()  # the lock lasts as long as the process
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def release(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self._path.unlink()
+    async def release(self, *, rows_left: bool) -> None:
+        if not rows_left:  # else the burier finds it free, and removes it
+            with contextlib.suppress(FileNotFoundError):
+                self._path.unlink()
         os.close(self._fd)
 
 
@@ -85,6 +93,18 @@ class FileTokens:
 
     @contextlib.asynccontextmanager
     async def outlive(self, session: str) -> AsyncIterator[Outlived]:
+        fd: int | None = None
+        try:
+            with self._mapped(f"watching session {session!r}"):
+                fd, outlived = await self._wait(session)
+            yield outlived
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    async def _wait(self, session: str) -> tuple[int | None, Outlived]:
+        """Wait until ``session``'s lock file is free (then held shared on the fd returned),
+        missing, or waited on for :data:`WAIT` seconds."""
         path = self._file(session)
         fd: int | None = None
         deadline = time.monotonic() + WAIT
@@ -95,7 +115,10 @@ class FileTokens:
                     try:
                         fd = os.open(path, os.O_RDONLY)
                     except FileNotFoundError:
-                        break  # its holder let go and removed it
+                        # Made before the session's rows, removed after them: gone
+                        # while they last, it is not where this process looks.
+                        outlived = Outlived.UNSEEN
+                        break
                 if self._free(fd):
                     break
                 if time.monotonic() > deadline:
@@ -103,15 +126,29 @@ class FileTokens:
                     break
                 outlived = Outlived.ENDED  # held when first tried: it ends while watched
                 await asyncio.sleep(PROBE)
-            yield outlived
-        finally:
+        except BaseException:
             if fd is not None:
                 os.close(fd)
+            raise
+        return fd, outlived
 
     async def buried(self, session: str) -> None:
         """Remove the lock file of ``session``, which is buried."""
-        with contextlib.suppress(FileNotFoundError):
+        where = f"removing the lock file of session {session!r}"
+        with self._mapped(where), contextlib.suppress(FileNotFoundError):
             self._file(session).unlink()
+
+    @contextlib.contextmanager
+    def _mapped(self, what: str) -> Iterator[None]:
+        """An ``OSError`` (a lock directory this process may not read) as a ``StoreError``."""
+        try:
+            yield
+        except OSError as exc:
+            raise StoreError(f"{self._where}: {what} in {self._dir}: {exc}") from exc
+
+    async def grace(self, *, after_burial: bool) -> float:
+        """None: a lock file's ``flock`` is never lost while its process lives."""
+        return 0.0
 
     @staticmethod
     def _free(fd: int) -> bool:
