@@ -547,3 +547,55 @@ async def test_news_of_the_ring_does_not_restart_a_graces_count(pg_backend: Back
             await pg_backend.execute("SELECT pg_notify(%s, %s)", news)
             await asyncio.sleep(1.0)
         await until(buried, "the dead session to be buried", guard=1.0)
+
+
+async def test_a_wait_that_ran_out_is_made_again_without_a_look(
+    pg_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """W7's idle cost: a watcher's wait on a live session runs out every ``WAIT`` (its
+    snapshot would hold vacuum back) and is made again at once, as the one statement that
+    waits (an aborted statement, no commit): no ``pg_try_advisory_lock_shared`` first.
+    The holder ending between two waits is then a session that ended while watched."""
+    import psycopg
+
+    from tailrace.stores.postgres import _presence as tokens_module
+    from tailrace.stores.postgres._connections import PostgresConnections
+
+    assert fixtures.POSTGRES_DSN is not None and pg_backend.execute is not None
+    monkeypatch.setattr(tokens_module, "_WATCHING", (("lock_timeout", "200"),))
+    said: list[str] = []
+    connections = PostgresConnections(fixtures.POSTGRES_DSN)
+
+    async def connect() -> Any:
+        conn = await connections.connect_session()
+        execute = conn.execute
+
+        async def traced(query: Any, *args: Any, **kwargs: Any) -> Any:
+            said.append(str(query))
+            return await execute(query, *args, **kwargs)
+
+        conn.execute = traced  # type: ignore[method-assign]
+        return conn
+
+    tokens = tokens_module.PostgresTokens(connect, "h", "test")
+    key = tokens_module.session_key("h", "s")
+    try:
+        async with await psycopg.AsyncConnection.connect(
+            fixtures.POSTGRES_DSN, autocommit=True
+        ) as holder:
+            await holder.execute("SELECT pg_advisory_lock(%s)", (key,))
+            ends = []
+            for _ in range(3):
+                async with tokens.outlive("s") as outlived:
+                    ends.append(outlived)
+            assert ends == [Outlived.WAITED_OUT] * 3
+            looks = [q for q in said if "pg_try_advisory_lock_shared" in q]
+            waits = [q for q in said if "SELECT pg_advisory_lock_shared" in q]
+            assert (len(looks), len(waits)) == (1, 3), said
+        # The holder's connection is gone: the next wait is granted at once, and counts as
+        # an end seen while watching (buried without a grace), not as a lock found free.
+        async with tokens.outlive("s") as outlived:
+            assert outlived is Outlived.ENDED
+        assert len([q for q in said if "pg_try_advisory_lock_shared" in q]) == 1, said
+    finally:
+        await tokens.close()

@@ -130,6 +130,9 @@ class PostgresTokens:
         self._watcher: Conn | None = None
         #: A wait was cut short: a lock may have been granted as it was cancelled.
         self._unsure = False
+        #: The session whose wait last ran out, and on which connection: waited for again
+        #: at once (no look first: one aborted statement a ``WAIT``, no commit).
+        self._waited_out: tuple[str, Conn] | None = None
 
     async def _connection(self, what: str, settings: tuple[tuple[str, str], ...]) -> Conn:
         try:
@@ -184,16 +187,23 @@ class PostgresTokens:
             if self._unsure:
                 await conn.execute("SELECT pg_advisory_unlock_all()")
                 self._unsure = False
-            cur = await conn.execute("SELECT pg_try_advisory_lock_shared(%s)", (key,))
-            row = await cur.fetchone()
+            again, self._waited_out = self._waited_out == (session, conn), None
+            free = False
+            # A wait that ran out on this connection is made again at once, without a
+            # look: the lock was held a moment ago, so a grant now ends it while watched.
+            if not again:
+                cur = await conn.execute("SELECT pg_try_advisory_lock_shared(%s)", (key,))
+                row = await cur.fetchone()
+                free = row is not None and bool(row[0])
             outlived = Outlived.FREE
-            if row is None or not row[0]:
+            if not free:
                 # Bounded here too: a socket whose path died answers nothing, ever.
                 async with asyncio.timeout(WAIT + _SILENCE):
                     await conn.execute("SELECT pg_advisory_lock_shared(%s)", (key,))
                 outlived = Outlived.ENDED
         except psycopg.errors.LockNotAvailable:
             outlived = Outlived.WAITED_OUT  # lock_timeout: the watcher waits again
+            self._waited_out = (session, conn)
         except TimeoutError as exc:  # the server never said its lock_timeout ran out
             await self.close()  # whatever it granted goes with the connection
             where = f"{self._where}: watching session {session!r}"
