@@ -35,11 +35,16 @@ from typing import TYPE_CHECKING, Any, Self
 from ..._context import NodeContext, current_node
 from ...tail import generation_checkpoint, generation_origin, generation_state
 from ._errors import CompletionError, retry_after_seconds
+from ._pools import Pools
 from ._replicas import Replica, Replicas
 from ._wire import Delta, Prompt, choice_delta, event_delta, request_body, usage_tokens
 
 if TYPE_CHECKING:
     import httpx
+
+#: Requests one httpx client streams at once (see :mod:`._pools`): its pool's bookkeeping
+#: per request grows with the square of the connections it keeps.
+POOL_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -295,12 +300,17 @@ class ModelClient:
         self.replicas = Replicas([base_urls] if isinstance(base_urls, str) else base_urls)
         self.checkpoint_every, self.checkpoint_interval = checkpoint_every, checkpoint_interval
         self.stream_tokens, self.continue_chat = stream_tokens, continue_chat
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=connect_timeout),
-            limits=limits,
-            transport=transport,
-            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+        options: dict[str, Any] = {
+            "timeout": httpx.Timeout(timeout, connect=connect_timeout),
+            "limits": httpx.Limits(max_connections=None, max_keepalive_connections=POOL_SIZE),
+            "headers": {"Authorization": f"Bearer {api_key}"} if api_key else None,
+        }
+        if transport is not None:
+            options["transport"] = transport
+        elif hasattr(httpx, "create_ssl_context"):  # one TLS context for every pool (0.28+)
+            options["verify"] = httpx.create_ssl_context()
+        self._pools = Pools(
+            lambda: httpx.AsyncClient(**options), None if transport is not None else POOL_SIZE
         )
 
     async def complete(
@@ -411,9 +421,10 @@ class ModelClient:
         try:
             with self.replicas.serving(replica, unit):
                 path = "chat/completions" if chat else "completions"
-                async with self._http.stream("POST", replica.url + path, json=body) as response:
-                    await self._check_status(response, replica)
-                    await self._read(response, chat, partial, attempt)
+                with self._pools.client() as http:
+                    async with http.stream("POST", replica.url + path, json=body) as response:
+                        await self._check_status(response, replica)
+                        await self._read(response, chat, partial, attempt)
         except httpx.HTTPError as exc:
             raise CompletionError(f"{self.model}: request failed: {exc!r}", retryable=True) from exc
         return replica.url
@@ -469,7 +480,7 @@ class ModelClient:
 
     async def aclose(self) -> None:
         """Close the client's connections."""
-        await self._http.aclose()
+        await self._pools.aclose()
 
     async def __aenter__(self) -> Self:
         return self

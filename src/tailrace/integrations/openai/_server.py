@@ -47,9 +47,12 @@ BACKLOG = 4096
 class ServerStats:
     """What the server did: requests, tokens, disconnects, the largest batch, the batch now.
 
-    ``held`` counts the streams held open after their finish event (:meth:`BatchingServer.hold`).
+    ``held`` counts the streams held open after their finish event (:meth:`BatchingServer.hold`);
+    ``connections``, the connections accepted (a client that keeps its connections alive
+    sends many requests on one).
     """
 
+    connections: int = 0
     requests: int = 0
     completed: int = 0
     failed: int = 0
@@ -268,6 +271,7 @@ class BatchingServer:
         assert task is not None
         self._connections.add(task)
         self._writers.add(writer)
+        self.stats.connections += 1
         try:
             while await self._serve_one(reader, writer):
                 pass
