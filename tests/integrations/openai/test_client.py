@@ -115,6 +115,16 @@ async def test_a_resumed_attempt_asks_only_for_the_rest_and_says_it_is_stale(ser
     assert final["segments"] == [["v1", 4], ["v2", length - 4]] and final["origin"] == "r0/gen/1/0"
 
 
+async def test_the_server_counts_its_steps_and_the_seconds_they_were_modelled_to_take():
+    async with BatchingServer(median_tokens=12, step=0.001, per_request=0.0005) as server:
+        length = server.length("alone", 1)
+        async with ModelClient(server.url, "m") as client:
+            await client.complete("alone", seed=1)
+    # one request in the batch: a step per token, each of step + per_request seconds
+    assert server.stats.steps == length and server.stats.connections == 1
+    assert server.stats.busy == pytest.approx(length * 0.0015)
+
+
 async def test_a_finished_checkpoint_is_returned_without_a_request(server):
     done = {"generation": {"text": " ·0 ·1", "tokens": 2, "segments": [["v1", 2]], "rounds": 0,
                            "origin": "r1/gen/1/0", "finish": "stop"}}  # fmt: skip

@@ -11,7 +11,8 @@ Inside a handler a generation is part of the attempt (X1-X6):
   committed before the call returns (``checkpoint_durable``), so a crash
   after it never sends the request again;
 - cancelling the attempt closes the request, so the server stops
-  generating; what the last checkpoint holds stays (a parked item carries it);
+  generating; what it decoded is saved on its way out (a parked item carries
+  it, parked again with it);
 - an attempt that resumes (crash, adoption, ``RetryPolicy(resume=True)``,
   unpark) continues from ``resumed_from``: it sends the prompt plus the
   salvaged text and asks only for the tokens still allowed (X3);
@@ -388,11 +389,12 @@ class ModelClient:
             # here on sends nothing again (one commit's wait per generation, none per token).
             await attempt.save_committed(partial)
         except BaseException as exc:
-            # However the attempt ends (cancelled while it waits for that commit too), its
-            # stream ends with its usage: what it decoded is accounted for (X4).
+            # However the attempt ends, what it decoded is saved: the next try
+            # (RetryPolicy(resume=True)) or a parked item (parked again with it) continues
+            # from there, so checkpoints at a coarse rate lose nothing at a park (X2). Its
+            # stream ends with its usage, cancelled while it waits for that commit too (X4).
+            attempt.save(partial)
             cancelled = isinstance(exc, asyncio.CancelledError)
-            if not cancelled:
-                attempt.save(partial)  # the next try (RetryPolicy(resume=True)) continues it
             attempt.report(partial, "cancelled" if cancelled else "failed", self.model)
             raise
         attempt.report(partial, "completed", self.model)
