@@ -7,12 +7,15 @@ so a continued generation is compared with the uninterrupted one exactly.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 pytest.importorskip("httpx")
+
+import httpx
 
 import tailrace as tr
 from tailrace._context import Checkpoint, set_current
@@ -283,3 +286,45 @@ def test_the_facade_documents_every_parameter_of_its_callables():
             if _documented_params(fn, extra):
                 missing[qualname] = _documented_params(fn, extra)
     assert not missing, missing
+
+
+async def test_stream_events_split_anywhere_across_reads_parse_whole():
+    """Events arrive as the network cuts them: mid-line, mid-character, CRLF or LF, several
+    in one read, the last line without its line end."""
+    events = [
+        {"choices": [{"index": 0, "text": "héllo", "finish_reason": None}]},
+        {"choices": [{"index": 0, "text": " wörld", "finish_reason": None}]},
+        {"choices": [{"index": 0, "text": " ✓", "finish_reason": "stop"}]},
+        {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}},
+    ]
+    body = b": a comment\r\n\r\n" + b"".join(
+        b"data: " + json.dumps(e, ensure_ascii=False).encode() + (b"\r\n\r\n" if i % 2 else b"\n\n")
+        for i, e in enumerate(events)
+    ) + b"data: [DONE]"  # fmt: skip
+
+    async def pieces() -> AsyncIterator[bytes]:
+        cut = body.index("ö".encode()) + 1  # inside the two bytes of one character
+        for start, end in ((0, 7), (7, cut), (cut, cut + 3), (cut + 3, len(body))):
+            yield body[start:end]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=pieces())
+
+    recorder = Recorder()
+    attempt(recorder)
+    async with ModelClient("http://m/v1", "m", transport=httpx.MockTransport(answer)) as client:
+        generation = await client.complete("p")
+    assert generation.text == "héllo wörld ✓" and generation.finish_reason == "stop"
+    assert (generation.decoded_tokens, generation.prompt_tokens) == (3, 2)
+    assert [c["text"] for c in recorder.chunks if "text" in c] == ["héllo", " wörld", " ✓"]
+
+
+async def test_a_stream_event_that_is_not_json_is_an_error_that_shows_it():
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, content=b"data: {\xc3\xa9 oops\n\n"
+        )
+
+    async with ModelClient("http://m/v1", "m", transport=httpx.MockTransport(answer)) as client:
+        with pytest.raises(CompletionError, match=r"a stream event is not JSON: '\{é oops'"):
+            await client.complete("p")

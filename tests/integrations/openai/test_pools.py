@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
+
+pytest.importorskip("httpx")
+
+import httpx
 
 from tailrace.integrations.openai import BatchingServer, ModelClient
 from tailrace.integrations.openai._client import POOL_SIZE
 from tailrace.integrations.openai._pools import Pools
 from tailrace.integrations.openai._server import generated_text
-
-pytest.importorskip("httpx")
 
 WIDTH = 100  # more streams at once than one httpx pool keeps alive (64)
 

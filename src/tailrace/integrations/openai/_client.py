@@ -461,10 +461,19 @@ class ModelClient:
             self._take(choice_delta(answer, chat, self.model, streamed=False), partial, attempt)
             partial.finish = partial.finish or "stop"  # a whole answer is complete
             return
-        async for line in response.aiter_lines():
-            delta = event_delta(line, chat, self.model)
-            if delta is not None:
-                self._take(delta, partial, attempt)
+        # Lines are split here, off the bytes as they come: a read holds several events, and
+        # httpx's text and line decoders cost as much again as the events' JSON.
+        pending = b""
+        async for data in response.aiter_bytes():
+            lines = (pending + data).splitlines(keepends=True)
+            pending = lines.pop() if lines and not lines[-1].endswith((b"\n", b"\r")) else b""
+            for line in lines:
+                delta = event_delta(line, chat, self.model)
+                if delta is not None:
+                    self._take(delta, partial, attempt)
+        delta = event_delta(pending, chat, self.model)  # a last line without its line end
+        if delta is not None:
+            self._take(delta, partial, attempt)
         if partial.finish is None:
             raise CompletionError(
                 f"{self.model}: the stream ended without a finish reason (cut)", retryable=True
