@@ -10,8 +10,12 @@ Every ratio is between rows measured in the same run.
 
 1. **At scale, on the batching test server** (``BatchingServer`` in a process of its own:
    lengths lognormal with median ``--median`` tokens and sigma 1, capped at
-   ``--max-tokens``; a decode step takes ``step + per_request x batch``). Each round needs
-   K = prompts x samples accepted samples, over ``--rounds`` rounds, on a SQLite store:
+   ``--max-tokens``; a decode step takes ``step + per_request x batch``, by default what an
+   8B model's step costs on an H100-class GPU: 5 ms of weights plus 20 us per sequence,
+   0.1 s at a batch of 5,120; 16 tokens an event, as vLLM's stream interval). The server
+   is then the bottleneck, as a GPU server is: the ``server busy`` column says how much of
+   the time it was. Each round needs K = prompts x samples accepted samples, over
+   ``--rounds`` rounds, on a SQLite store:
 
    - *wait for all*: launch K, keep all (``required=K``);
    - *discard*: launch 1.25 K, keep the first K, cancel the rest (``late="cancel"``);
@@ -23,7 +27,7 @@ Every ratio is between rows measured in the same run.
    parking); tokens decoded and wasted (``tail_accounting``); the KS distance between the
    true lengths of accepted samples and of every sample launched in the rounds (target
    <= 0.05 with parking); the client process's CPU per token against the server's time per
-   token of a request (target <= 2%).
+   token of a request (target <= 2%), and the server process's CPU per token.
 
 2. **On the real model** (SmolLM2-135M-Instruct on two llama.cpp server processes, one
    generation at a time each; skipped when ``.ci/llama.sh`` has not built it):
