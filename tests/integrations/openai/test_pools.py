@@ -9,6 +9,7 @@ every connection is kept for the next round.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -16,10 +17,13 @@ pytest.importorskip("httpx")
 
 import httpx
 
+import tailrace as tr
 from tailrace.integrations.openai import BatchingServer, ModelClient
 from tailrace.integrations.openai._client import POOL_SIZE
 from tailrace.integrations.openai._pools import Pools
 from tailrace.integrations.openai._server import generated_text
+from tailrace.stores import SQLiteStore
+from tests import fixtures
 
 WIDTH = 100  # more streams at once than one httpx pool keeps alive (64)
 
@@ -71,3 +75,31 @@ async def test_a_transport_of_the_callers_is_one_client_for_every_request():
         async with ModelClient(server.url, "m", transport=transport) as client:
             await asyncio.gather(*(client.complete(f"q{i}") for i in range(POOL_SIZE + 3)))
             assert client._pools.clients == 1
+
+
+async def test_losers_cancelled_across_pools_leave_every_pool_empty_and_the_next_round_whole(
+    tmp_path: Path,
+) -> None:
+    async with (
+        BatchingServer(median_tokens=60, sigma=1.0, step=0.002) as server,
+        ModelClient(server.url, "m", stream_tokens=False) as client,
+        SQLiteStore(tmp_path / "runs.db") as store,
+    ):
+        g = tr.Graph("pooled")
+
+        async def sample(prompt: str) -> str:
+            return (await client.complete(prompt, max_tokens=10_000)).text
+
+        g.add_node("sample", sample, "map", required=5, late="cancel")
+        engine = tr.Engine(store=store)
+        prompts = [f"q{i}" for i in range(3 * POOL_SIZE)]  # three pools' worth
+        first = await engine.run(g, prompts)
+        assert len(first.output) == 5 and len(first.late_inputs) == len(prompts) - 5
+        await fixtures.until(lambda: server.stats.running == 0, "the losers closed")
+        assert client._pools.clients >= 3
+        assert all(pool.load == 0 for pool in client._pools._pools)  # every slot given back
+        g2 = tr.Graph("pooled_all")
+        g2.add_node("sample", sample, "map")
+        second = await engine.run(g2, prompts)
+    assert second.output == [generated_text(0, server.length(p, None)) for p in prompts]
+    assert all(pool.load == 0 for pool in client._pools._pools)
