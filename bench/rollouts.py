@@ -10,8 +10,12 @@ Every ratio is between rows measured in the same run.
 
 1. **At scale, on the batching test server** (``BatchingServer`` in a process of its own:
    lengths lognormal with median ``--median`` tokens and sigma 1, capped at
-   ``--max-tokens``; a decode step takes ``step + per_request x batch``). Each round needs
-   K = prompts x samples accepted samples, over ``--rounds`` rounds, on a SQLite store:
+   ``--max-tokens``; a decode step takes ``step + per_request x batch``, by default what an
+   8B model's step costs on an H100-class GPU: 5 ms of weights plus 20 us per sequence,
+   0.1 s at a batch of 5,120; 16 tokens an event, as vLLM's stream interval). The server
+   is then the bottleneck, as a GPU server is: the ``server busy`` column says how much of
+   the time it was. Each round needs K = prompts x samples accepted samples, over
+   ``--rounds`` rounds, on a SQLite store:
 
    - *wait for all*: launch K, keep all (``required=K``);
    - *discard*: launch 1.25 K, keep the first K, cancel the rest (``late="cancel"``);
@@ -23,7 +27,7 @@ Every ratio is between rows measured in the same run.
    parking); tokens decoded and wasted (``tail_accounting``); the KS distance between the
    true lengths of accepted samples and of every sample launched in the rounds (target
    <= 0.05 with parking); the client process's CPU per token against the server's time per
-   token of a request (target <= 2%).
+   token of a request (target <= 2%), and the server process's CPU per token.
 
 2. **On the real model** (SmolLM2-135M-Instruct on two llama.cpp server processes, one
    generation at a time each; skipped when ``.ci/llama.sh`` has not built it):
@@ -53,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 from _common import Column, Table, fmt_ratio, load_average, verdict
 
 import tailrace as tr
@@ -80,11 +85,35 @@ class Outcome:
     ks: float
     ks_settled: float | None
     cpu: float
+    server_cpu: float | None
+    busy: float  # seconds of decode steps the server modelled (its time as the bottleneck)
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """The batching server's process: its URL and its process id."""
+
+    url: str
+    pid: int
+
+    def cpu(self) -> float | None:
+        """Seconds of CPU the server process used so far (None where /proc cannot tell)."""
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    async def stats(self) -> dict[str, Any]:
+        """The server's :class:`ServerStats`, as ``GET /admin/stats`` answers them."""
+        async with httpx.AsyncClient() as http:
+            answer = await http.get(self.url.removesuffix("/v1") + "/admin/stats")
+            return dict(answer.json())
 
 
 @contextlib.asynccontextmanager
-async def server_process(args: argparse.Namespace) -> AsyncIterator[str]:
-    """The batching server in a process of its own (its CPU is not the client's); its URL."""
+async def server_process(args: argparse.Namespace) -> AsyncIterator[Served]:
+    """The batching server in a process of its own (its CPU is not the client's)."""
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tailrace.integrations.openai",
         "--median-tokens", str(args.median), "--sigma", "1.0", "--step", str(args.step),
@@ -93,7 +122,7 @@ async def server_process(args: argparse.Namespace) -> AsyncIterator[str]:
     )  # fmt: skip
     try:
         assert process.stdout is not None
-        yield (await process.stdout.readline()).decode().strip()
+        yield Served((await process.stdout.readline()).decode().strip(), process.pid)
     finally:
         process.kill()
         await process.wait()
@@ -116,7 +145,7 @@ def rollout_graph(client: ModelClient, max_tokens: int, **options: Any) -> tr.Gr
     return g
 
 
-async def strategy(name: str, url: str, args: argparse.Namespace, db: Path) -> Outcome:
+async def strategy(name: str, served: Served, args: argparse.Namespace, db: Path) -> Outcome:
     """Run ``--rounds`` rounds of one strategy; what it kept, in what time, at what waste."""
     keep = args.prompts * args.samples
     twin = BatchingServer(median_tokens=args.median, sigma=1.0, max_tokens=args.max_tokens)
@@ -129,12 +158,14 @@ async def strategy(name: str, url: str, args: argparse.Namespace, db: Path) -> O
     run_ids = []
     async with (
         SQLiteStore(db) as store,
-        ModelClient(url, "batching", version="v1", stream_tokens=False, checkpoint_every=64,
-                    checkpoint_interval=0.5, timeout=300, connect_timeout=60) as client,
+        ModelClient(served.url, "batching", version="v1", stream_tokens=False,
+                    checkpoint_every=args.checkpoint_every, checkpoint_interval=args.checkpoint_interval,
+                    timeout=300, connect_timeout=60) as client,
     ):  # fmt: skip
         engine = tr.Engine(store=store)
         g = rollout_graph(client, args.max_tokens, **options)
         cpu0, start = time.process_time(), time.perf_counter()
+        server_cpu0, busy0 = served.cpu(), (await served.stats())["busy"]
         for r in range(args.rounds):
             waiting = len(await engine.parked(g, "rollout")) if name == "park" else 0
             count = keep if name == "wait for all" else math.ceil(keep * OVER) - waiting
@@ -147,6 +178,7 @@ async def strategy(name: str, url: str, args: argparse.Namespace, db: Path) -> O
             accepted += [(r["tokens"], r["id"]) for r in result.output]
             run_ids.append(result.run_id)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu0
+        server_cpu1, busy = served.cpu(), (await served.stats())["busy"] - busy0
         account = await tail_accounting(engine, g, "rollout", run_ids)
     # Settled: the samples launched before the last round, against those of them accepted.
     early = {sid for _, sid in launched[: len(launched) - count]}
@@ -157,40 +189,53 @@ async def strategy(name: str, url: str, args: argparse.Namespace, db: Path) -> O
             [n for n, sid in accepted if sid in early], [n for n, sid in launched if sid in early]
         )
     )
+    server_cpu = None if server_cpu0 is None or server_cpu1 is None else server_cpu1 - server_cpu0
     return Outcome(name, len(accepted), seconds, account.decoded, account.wasted,
-                   ks_statistic([n for n, _ in accepted], [n for n, _ in launched]), settled, cpu)  # fmt: skip
+                   ks_statistic([n for n, _ in accepted], [n for n, _ in launched]), settled, cpu,
+                   server_cpu, busy)  # fmt: skip
 
 
 async def at_scale(args: argparse.Namespace) -> tuple[Table, list[tuple[str, bool, str]]]:
     outcomes = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in ("wait for all", "discard", "park"):
-            async with server_process(args) as url:
-                outcomes.append(await strategy(name, url, args, Path(tmp) / f"{name}.db"))
+            async with server_process(args) as served:
+                outcomes.append(await strategy(name, served, args, Path(tmp) / f"{name}.db"))
     base = outcomes[0]
     table = Table(
         f"1. {args.rounds} rounds of {args.prompts} prompts x {args.samples} samples on the "
         f"batching server (lognormal lengths, median {args.median:g}, sigma 1, cap "
-        f"{args.max_tokens}); {load_average()}",
+        f"{args.max_tokens}; a step {1e3 * args.step:g} ms + {1e6 * args.per_request:g} us per "
+        f"request in the batch, {args.tokens_per_event} tokens an event); {load_average()}",
         [Column("strategy"), Column("accepted/s", right=True), Column("vs all", right=True),
          Column("decoded", right=True), Column("wasted", right=True), Column("wasted %", right=True),
          Column("KS", right=True), Column("KS settled", right=True),
-         Column("client cpu/token", right=True)],
+         Column("server busy", right=True), Column("client cpu/token", right=True),
+         Column("server cpu/token", right=True)],
     )  # fmt: skip
     for o in outcomes:
         table.add_row(
             o.name, f"{o.accepted / o.seconds:,.1f}", fmt_ratio((o.accepted / o.seconds) / (base.accepted / base.seconds)),
             f"{o.decoded:,}", f"{o.wasted:,}", f"{100 * o.wasted / max(o.decoded, 1):.1f}%",
-            f"{o.ks:.3f}", "-" if o.ks_settled is None else f"{o.ks_settled:.3f}", f"{1e6 * o.cpu / max(o.decoded, 1):.1f} us",
+            f"{o.ks:.3f}", "-" if o.ks_settled is None else f"{o.ks_settled:.3f}",
+            f"{100 * o.busy / o.seconds:.0f}%", f"{1e6 * o.cpu / max(o.decoded, 1):.1f} us",
+            "-" if o.server_cpu is None else f"{1e6 * o.server_cpu / max(o.decoded, 1):.1f} us",
         )  # fmt: skip
     # A request's time per token: one decode step at the batch the rounds ran at (1.25 K).
-    step = args.step + args.per_request * args.prompts * args.samples * OVER
+    batch = math.ceil(args.prompts * args.samples * OVER)
+    step = args.step + args.per_request * batch
     park = outcomes[2]
     own = (park.cpu / max(park.decoded, 1)) / step
     table.notes.append(
-        f"server time per token of a request: one decode step, {1e3 * step:.2f} ms at a batch of "
-        f"{math.ceil(args.prompts * args.samples * OVER)}; client cpu (tailrace, httpx, SQLite) "
-        f"per token with parking: {100 * own:.2f}% of it"
+        f"server time per token of a request: one decode step, {1e3 * step:.1f} ms at a batch of "
+        f"{batch}; client cpu (tailrace, httpx, SQLite) per token with parking: {100 * own:.3f}% "
+        "of it"
+    )
+    table.notes.append(
+        "server busy: the seconds of decode steps the server modelled over the seconds the rounds "
+        "took (100%: the server is the bottleneck, as a GPU server is; less: the client or the "
+        "machine's cores held it back); client checkpoints every "
+        f"{args.checkpoint_every} tokens or {args.checkpoint_interval:g} s"
     )
     table.notes.append(
         "KS: true lengths of the samples accepted in the rounds vs every sample launched in them "
@@ -355,9 +400,13 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--median", type=float, default=500.0)
     parser.add_argument("--max-tokens", type=int, default=8192)
-    parser.add_argument("--step", type=float, default=0.0005)
-    parser.add_argument("--per-request", type=float, default=0.000004)
-    parser.add_argument("--tokens-per-event", type=int, default=16)
+    # A decode step of an 8B model on an H100-class GPU: ~5 ms of weights, plus ~20 us per
+    # sequence in the batch (its KV cache: ~500 tokens of context at ~3 TB/s); 0.1 s at 5,120.
+    parser.add_argument("--step", type=float, default=0.005)
+    parser.add_argument("--per-request", type=float, default=0.00002)
+    parser.add_argument("--tokens-per-event", type=int, default=16)  # vLLM's stream interval
+    parser.add_argument("--checkpoint-every", type=int, default=64)
+    parser.add_argument("--checkpoint-interval", type=float, default=5.0)
     parser.add_argument("--skip-llama", action="store_true")
     args = parser.parse_args()
     tables, targets = [], []

@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("httpx")
 
 import tailrace as tr
+from tailrace.graph import MAX_PARKS
 from tailrace.integrations.openai import BatchingServer, ModelClient
 from tailrace.stores import SQLiteStore
 from tests.cli.test_cli import flat, invoke
@@ -49,6 +50,44 @@ def test_rollouts_prints_the_account_of_the_rounds(tmp_path: Path) -> None:
     assert first.exit_code == 0, first.output
     assert "6/4/2/0" in flat(first.output)
     assert f"starvingparkeditems{runs[0]}/sample/1/" in flat(first.output)
+
+
+GRAPH_FILE = """
+import tailrace as tr
+
+async def sample(prompt: str) -> str:
+    return prompt
+
+graph = tr.Graph("cli_rollouts")
+graph.add_node("sample", sample, "map", required=4, late="park", resume_parked=True, max_parks=1)
+other = tr.Graph("cli_rollouts")
+other.add_node("sample", sample, "map", required=5, late="park", resume_parked=True)
+"""
+
+
+def test_rollouts_bounds_starvation_by_the_maps_own_max_parks(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    first = asyncio.run(two_rounds(db))[0]
+    (tmp_path / "rollout_graphs.py").write_text(GRAPH_FILE)
+    spec = f"{tmp_path / 'rollout_graphs.py'}:graph"
+    # the graph's map parks an item at most once (P5): both parked items starve at once
+    named = invoke("rollouts", first, "--node", "sample", "--db", db, "--graphs", spec)
+    assert named.exit_code == 0, named.output
+    out = flat(named.output)
+    assert "mostroundswaited1(bound1)" in out and f"starvingparkeditems{first}/sample/" in out
+    # without the graph: the default bound of every map
+    plain = flat(invoke("rollouts", first, "--node", "sample", "--db", db).output)
+    assert f"(bound{MAX_PARKS})" in plain and "starvingparkeditemsnone" in plain
+    # --bound still wins over the graph's
+    forced = invoke(
+        "rollouts", first, "--node", "sample", "--db", db, "--graphs", spec, "--bound", "5"
+    )
+    assert "(bound5)" in flat(forced.output)
+    # a graph of the run's name but another shape is not the run's: said, naming the run
+    wrong = f"{tmp_path / 'rollout_graphs.py'}:other"
+    refused = invoke("rollouts", first, "--node", "sample", "--db", db, "--graphs", wrong)
+    assert refused.exit_code != 0
+    assert f"run {first!r} ran graph 'cli_rollouts'" in " ".join(refused.output.split())
 
 
 def test_show_prints_the_tail_account_of_each_map_of_generations(tmp_path: Path) -> None:

@@ -150,6 +150,31 @@ async def test_a_retry_with_resume_continues_from_the_latest_checkpoint(
     assert log == [(1, 0), (2, 6)]
 
 
+async def test_each_retry_resumes_from_the_checkpoint_as_saved_not_as_a_try_changed_it(
+    each_store: RunStore,
+) -> None:
+    """A try that changes the value it resumed from (and fails before saving) leaves the
+    checkpoint as saved: the next try reads what a resume after a crash would read (P2)."""
+    seen: list[Any] = []
+    g = tr.Graph("mutates")
+
+    async def steps(_: int) -> int:
+        ctx = current_node()
+        assert ctx is not None
+        if ctx.resumed_from is None:
+            ctx.checkpoint({"done": [1]})
+            raise ConnectionError("cut after the first step")
+        seen.append(list(ctx.resumed_from.value["done"]))
+        ctx.resumed_from.value["done"].append(ctx.attempt)  # its own working copy
+        if ctx.attempt < 3:
+            raise ConnectionError(f"cut in try {ctx.attempt}")
+        return len(seen)
+
+    g.add_node("steps", steps, retry=tr.RetryPolicy(attempts=3, resume=True))
+    assert (await tr.Engine(store=each_store).run(g, 0)).output == 2
+    assert seen == [[1], [1]]
+
+
 async def test_a_retry_without_resume_starts_over(each_store: RunStore) -> None:
     log: list[tuple[int, int | None]] = []
     g = turns_graph(log, retry=tr.RetryPolicy(attempts=2), fail_at=6)

@@ -26,6 +26,7 @@ import pytest
 pytest.importorskip("httpx")
 
 import tailrace as tr
+from tailrace.graph import MAX_PARKS
 from tailrace.integrations.openai import BatchingServer, ModelClient, TailAccount, tail_accounting
 from tailrace.stores import ChunkRow, SQLiteStore
 from tailrace.ui._accounts import PAGE, cdf, lengths_of
@@ -84,6 +85,23 @@ def test_the_run_page_shows_the_tail_account_of_a_map_of_generations(tmp_path: P
     assert "(2 not final)" in tail_section(pages[0])  # the parked lengths are lower bounds
     assert dict(measures_of(tail_section(pages[1])))["accepted under another model version"] == "2"
     assert pages[0].count('<polyline class="cdf-line') == 2  # accepted and launched
+
+
+def test_the_tail_account_bounds_starvation_by_the_maps_own_max_parks(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    first = asyncio.run(two_rounds(db))[0]  # its map: required=4, late="park"
+    graph = tr.Graph("cli_rollouts")  # the run's graph, as --graphs hands it to the dashboard
+    graph.add_node("sample", lambda p: p, "map", required=4, late="park", resume_parked=True,
+                   max_parks=1)  # fmt: skip
+    with dashboard(scenarios.sqlite_factory(db), graphs=(graph,)) as client:
+        named = dict(measures_of(tail_section(client.get(run_url(first)).text)))
+    with dashboard(scenarios.sqlite_factory(db)) as client:
+        unknown = dict(measures_of(tail_section(client.get(run_url(first)).text)))
+    # the map parks an item once at most (P5): both parked items starve at that bound
+    assert named["most rounds waited"].endswith("(bound 1)")
+    assert named["starving parked items"].count(f"{first}/sample/") == 2
+    assert unknown["most rounds waited"].endswith(f"(bound {MAX_PARKS})")
+    assert unknown["starving parked items"] == "none"
 
 
 def test_a_run_without_generations_shows_no_tail_account_and_reads_no_stream_rows(

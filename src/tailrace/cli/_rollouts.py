@@ -17,8 +17,9 @@ from ..core import Engine
 from ..integrations.openai import TailAccount, tail_accounting
 from ..stores import RunStore
 from ..tail import is_usage
+from ._load import load_graphs
 from ._render import table_of, text
-from ._session import DbOption, console, with_store
+from ._session import CommandError, DbOption, console, with_store
 
 #: Stream rows read per query while looking for the map nodes that streamed usage.
 _PAGE = 1000
@@ -35,18 +36,38 @@ def rollouts(
     ],
     node: Annotated[str, typer.Option("--node", help="The map node whose items are generations.")],
     bound: Annotated[
-        int, typer.Option("--bound", help="Rounds of waiting at which a parked item is starving.")
-    ] = 3,
+        int | None,
+        typer.Option(
+            "--bound",
+            help="Rounds of waiting at which a parked item is starving (default: the map's "
+            "max_parks, from --graphs; tailrace.graph.MAX_PARKS without it).",
+        ),
+    ] = None,
+    graphs: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--graphs",
+            help="FILE_OR_MODULE[:GRAPH] that defines the runs' graph (repeatable): its map's "
+            "max_parks is the starvation bound.",
+        ),
+    ] = None,
     db: DbOption = None,
 ) -> None:
     """Tokens decoded, salvaged and wasted by a map of generations; the length bias of what it
     kept (KS); how long its parked items have waited."""
+    loaded = load_graphs(graphs)
 
     async def work(store: RunStore) -> TailAccount:
-        graph = (await store.load_run(run_ids[0])).run.graph_name
-        return await tail_accounting(
-            Engine(store=store), graph, node, run_ids, starvation_bound=bound
-        )
+        engine = Engine(store=store)
+        engine.register(*loaded)
+        last = await store.get_run(run_ids[-1])
+        if loaded and engine.graph_for(last) is None:
+            names = ", ".join(repr(g.name) for g in loaded)
+            raise CommandError(
+                f"run {last.run_id!r} ran graph {last.graph_name!r} (fingerprint "
+                f"{last.fingerprint}); --graphs named none of that name and shape: {names}"
+            )
+        return await tail_accounting(engine, last.graph_name, node, run_ids, starvation_bound=bound)
 
     account = with_store(db, work, read_only=True)
     console.print(text(f"node {node} over {len(run_ids)} run(s)"))

@@ -118,8 +118,9 @@ class Checkpoints:
         self.wake = wake
         self._loop = loop
         self._thread = threading.get_ident()
-        #: Saved in this process, the newest per key.
-        self.latest: dict[Key, Checkpoint] = {}
+        #: Saved in this process, the newest per key, as encoded: decoded only when an
+        #: attempt resumes from it (a generation saves many, and resumes from few).
+        self.latest: dict[Key, CheckpointRow] = {}
         #: Saved since the last write: the rows it will upsert.
         self.pending: dict[Key, CheckpointRow] = {}
         #: Per key saved here: the attempt whose checkpoint the visit holds, and its progress.
@@ -164,17 +165,14 @@ class Checkpoints:
         where = f"node {node_id!r} (visit {visit}" + (f", item {item}" if item is not None else "")
         try:
             text = self.codec.encode(value)
-            value = self.codec.decode(text)
         except (TypeError, ValueError, RecursionError) as exc:
             raise EncodeError(
                 f"run {self.run_id!r}: checkpoint of {where}, attempt {attempt}) cannot be "
                 f"encoded: {exc}"
             ) from exc
-        now = time.time()
-        self.latest[key] = Checkpoint(
-            value=value, run_id=self.run_id, node_id=node_id, visit=visit, item=item, saved_at=now
+        self.latest[key] = self.pending[key] = CheckpointRow(
+            node_id, visit, key[2], attempt, text, time.time()
         )
-        self.pending[key] = CheckpointRow(node_id, visit, key[2], attempt, text, now)
         on_loop = threading.get_ident() == self._thread
         if handle is not None and handle.abandoned and key in self._parking:
             self._parked_again(key, text, on_loop)
@@ -236,11 +234,19 @@ class Checkpoints:
         if not self.latest and not self.committed:
             return None
         key = key_of(node_id, visit, item)
-        checkpoint = self.latest.get(key) or self.committed.get(key)
+        row = self.latest.get(key)
+        checkpoint = self.committed.get(key) if row is None else self._read(row)
         if handle is not None and checkpoint is not None:
             held = self._held.get(key)
             handle.progress = math.inf if held is None else held[1]
         return checkpoint
+
+    def _read(self, row: CheckpointRow) -> Checkpoint:
+        """A checkpoint saved here, as it reads back from the store."""
+        return Checkpoint(
+            value=self.codec.decode(row.value_json), run_id=self.run_id, node_id=row.node_id,
+            visit=row.visit, item=None if row.item < 0 else row.item, saved_at=row.saved_at,
+        )  # fmt: skip
 
     def take_pending(self) -> list[CheckpointRow]:
         """The rows saved since the last call (the next write's), one per key."""
@@ -274,13 +280,17 @@ class Checkpoints:
         """
         if not self.durable:
             return None
-        checkpoint = self.resumed(node_id, visit, item)
+        key = key_of(node_id, visit, item)
+        saved, committed = self.latest.get(key), self.committed.get(key)
         try:
             value_json = self.codec.encode(value)
-            checkpoint_json = None if checkpoint is None else self.codec.encode(checkpoint.value)
+            if saved is not None:
+                checkpoint_json: str | None = saved.value_json
+            else:
+                checkpoint_json = None if committed is None else self.codec.encode(committed.value)
         except (TypeError, ValueError):
             return None
-        row = self._parking[key_of(node_id, visit, item)] = ParkedRow(
+        row = self._parking[key] = ParkedRow(
             park_id=uuid.uuid4().hex, graph_name=graph_name, node_id=node_id,
             run_id=self.run_id, visit=visit, item=-1 if item is None else item,
             value_json=value_json, checkpoint_json=checkpoint_json,

@@ -8,6 +8,7 @@ executors, the dashboard, the command line).
 
 from ._codec import GRAPH_FORMAT as GRAPH_FORMAT
 from ._graph import Graph as Graph
+from ._graph import max_parks_of as max_parks_of
 from ._node import EXIT as EXIT
 from ._node import ITEM_ERRORS as ITEM_ERRORS
 from ._node import LATE_POLICIES as LATE_POLICIES
@@ -56,6 +57,7 @@ __all__ = [
     "is_async_callable",
     "is_file_reference",
     "load_file_module",
+    "max_parks_of",
     "resolve_reference",
     "shape_json",
 ]

@@ -440,3 +440,17 @@ def _check_child_options(
 def iter_in_order(graph: Graph) -> Iterable[Node]:
     """Nodes in definition order."""
     return graph.nodes.values()
+
+
+def max_parks_of(graph: Graph | None, node: str) -> int:
+    """How many times an item of map ``node`` of ``graph`` may be parked (P5): the map's
+    ``max_parks``, or :data:`MAX_PARKS` when the graph (or the node in it) is not known. A
+    parked item that waited that many rounds runs to completion in the next round that takes
+    it, so it is the tail's starvation bound too (X4).
+
+    Args:
+        graph: The graph the map belongs to, if known.
+        node: The map node.
+    """
+    found = None if graph is None else graph.nodes.get(node)
+    return MAX_PARKS if found is None else found.max_parks

@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..graph import MAX_PARKS
+from ..graph import Graph, max_parks_of
 from ..stores import ParkedRow, RunStore
 from ..tail import Round, RunStreams, TailAccount, tail_account
 from ._format import decode
@@ -104,6 +104,7 @@ async def tail_panels(
     generations: Generations | None,
     *,
     generating: bool,
+    graph: Graph | None = None,
 ) -> tuple[TailPanel, ...]:
     """The tail account of each map node of ``run_id`` whose items streamed a generation's usage.
 
@@ -114,6 +115,8 @@ async def tail_panels(
         generations: the run's rows read so far (a live page's); None reads them afresh.
         generating: whether the stream tails the page read show a generation: without one
             (and nothing read before) no row is read.
+        graph: the run's graph when the dashboard has it: each map's own ``max_parks`` is its
+            starvation bound (P5); :data:`~tailrace.graph.MAX_PARKS` without it.
     """
     if generations is None:
         generations = Generations(run_id)
@@ -123,8 +126,7 @@ async def tail_panels(
     panels = []
     for node in streams.generating:
         rounds = [Round.of(run_id, node, streams, parked)]
-        # The page has the run's rows, not its graph: the default bound of every map (P5).
-        account = tail_account(node, rounds, starvation_bound=MAX_PARKS)
+        account = tail_account(node, rounds, starvation_bound=max_parks_of(graph, node))
         panels.append(panel_of(account))
     return tuple(panels)
 

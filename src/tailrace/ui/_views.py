@@ -680,7 +680,12 @@ async def run_view(
         lineage=await lineage_of(store, record, rows, lambda r: shown_status(r, now)),
         origin=catalog.origin(record),
         tail=await tail_panels(
-            store, record.run_id, parked, generations, generating=streams.generating
+            store,
+            record.run_id,
+            parked,
+            generations,
+            generating=streams.generating,
+            graph=found.graph,
         ),
         hedging=_hedging(events),
     )

@@ -7,12 +7,15 @@ so a continued generation is compared with the uninterrupted one exactly.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 pytest.importorskip("httpx")
+
+import httpx
 
 import tailrace as tr
 from tailrace._context import Checkpoint, set_current
@@ -113,6 +116,16 @@ async def test_a_resumed_attempt_asks_only_for_the_rest_and_says_it_is_stale(ser
     assert server.stats.continued == 1
     final = recorder.saved[-1]["generation"]
     assert final["segments"] == [["v1", 4], ["v2", length - 4]] and final["origin"] == "r0/gen/1/0"
+
+
+async def test_the_server_counts_its_steps_and_the_seconds_they_were_modelled_to_take():
+    async with BatchingServer(median_tokens=12, step=0.001, per_request=0.0005) as server:
+        length = server.length("alone", 1)
+        async with ModelClient(server.url, "m") as client:
+            await client.complete("alone", seed=1)
+    # one request in the batch: a step per token, each of step + per_request seconds
+    assert server.stats.steps == length and server.stats.connections == 1
+    assert server.stats.busy == pytest.approx(length * 0.0015)
 
 
 async def test_a_finished_checkpoint_is_returned_without_a_request(server):
@@ -273,3 +286,45 @@ def test_the_facade_documents_every_parameter_of_its_callables():
             if _documented_params(fn, extra):
                 missing[qualname] = _documented_params(fn, extra)
     assert not missing, missing
+
+
+async def test_stream_events_split_anywhere_across_reads_parse_whole():
+    """Events arrive as the network cuts them: mid-line, mid-character, CRLF or LF, several
+    in one read, the last line without its line end."""
+    events = [
+        {"choices": [{"index": 0, "text": "héllo", "finish_reason": None}]},
+        {"choices": [{"index": 0, "text": " wörld", "finish_reason": None}]},
+        {"choices": [{"index": 0, "text": " ✓", "finish_reason": "stop"}]},
+        {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}},
+    ]
+    body = b": a comment\r\n\r\n" + b"".join(
+        b"data: " + json.dumps(e, ensure_ascii=False).encode() + (b"\r\n\r\n" if i % 2 else b"\n\n")
+        for i, e in enumerate(events)
+    ) + b"data: [DONE]"  # fmt: skip
+
+    async def pieces() -> AsyncIterator[bytes]:
+        cut = body.index("ö".encode()) + 1  # inside the two bytes of one character
+        for start, end in ((0, 7), (7, cut), (cut, cut + 3), (cut + 3, len(body))):
+            yield body[start:end]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=pieces())
+
+    recorder = Recorder()
+    attempt(recorder)
+    async with ModelClient("http://m/v1", "m", transport=httpx.MockTransport(answer)) as client:
+        generation = await client.complete("p")
+    assert generation.text == "héllo wörld ✓" and generation.finish_reason == "stop"
+    assert (generation.decoded_tokens, generation.prompt_tokens) == (3, 2)
+    assert [c["text"] for c in recorder.chunks if "text" in c] == ["héllo", " wörld", " ✓"]
+
+
+async def test_a_stream_event_that_is_not_json_is_an_error_that_shows_it():
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, content=b"data: {\xc3\xa9 oops\n\n"
+        )
+
+    async with ModelClient("http://m/v1", "m", transport=httpx.MockTransport(answer)) as client:
+        with pytest.raises(CompletionError, match=r"a stream event is not JSON: '\{é oops'"):
+            await client.complete("p")

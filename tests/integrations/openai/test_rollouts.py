@@ -295,3 +295,30 @@ async def test_a_429_with_retry_after_is_waited_out_by_the_nodes_retry_policy(se
     assert result.status == "completed" and result.output
     assert [e.data["error"].startswith("CompletionError") for e in events] == [True]
     assert [e.data["delay"] for e in events] == [1.0]  # Retry-After, not the zero backoff
+
+
+async def test_a_parked_generation_keeps_every_token_it_decoded_between_checkpoints(server, engine):
+    # Checkpoints far apart (one at the start, none after): the park itself saves what the
+    # losers decoded on their way out, so a parked item carries all of it (X2).
+    clients: dict[str, ModelClient] = {}
+    g = rollouts(clients, required=3, late="park", resume_parked=True)
+    async with ModelClient(
+        server.url, "m", version="v1", checkpoint_every=10_000, checkpoint_interval=3600
+    ) as client:
+        clients["now"] = client
+        one = await engine.run(g, spread(server, 3, 3))
+        await fixtures.until(lambda: server.stats.running == 0, "the losers closed")
+        parked = await engine.parked(g, "rollout")
+        saved = [json.loads(row.checkpoint_json or "null")["generation"] for row in parked]
+        assert len(saved) == 3 and any(s["tokens"] > 0 for s in saved)
+        assert all(s["text"] == generated_text(0, s["tokens"]) for s in saved)
+        account = await tail_accounting(engine, g, "rollout", one.run_id)
+        assert account.parked == 3 and account.wasted == 0
+        assert account.kept == account.decoded  # the accepted texts and the parked ones
+        two = await engine.run(g, [])  # the parked items, continued from all they decoded
+    continued = {r["prompt"]: r for r in two.output}
+    assert sorted(continued) == sorted(json.loads(row.value_json) for row in parked)
+    for row, state in zip(parked, saved, strict=True):
+        r = continued[json.loads(row.value_json)]
+        assert r["salvaged"] == state["tokens"]
+        assert r["text"] == generated_text(0, server.length(r["prompt"], None))

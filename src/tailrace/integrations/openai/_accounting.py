@@ -12,24 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from ...core import Engine
-from ...graph import MAX_PARKS, Graph
+from ...graph import Graph, max_parks_of
 from ...tail import ParkedItem, Round, RunStreams, TailAccount, tail_account
 
 #: Stream rows read per query.
 _PAGE = 1000
-
-
-def map_starvation_bound(graph: Graph | None, node: str) -> int:
-    """Rounds of waiting at which a parked item of map ``node`` of ``graph`` starves: the map's
-    ``max_parks`` (P5), so a starving item runs to completion in the next round that takes
-    it; :data:`~tailrace.graph.MAX_PARKS` when the graph (or the node in it) is not known.
-
-    Args:
-        graph: The graph the map belongs to, if known.
-        node: The map node.
-    """
-    found = None if graph is None else graph.nodes.get(node)
-    return MAX_PARKS if found is None else found.max_parks
 
 
 def run_accounts(
@@ -48,7 +35,7 @@ def run_accounts(
         tail_account(
             node,
             [Round.of(run_id, node, streams, rows)],
-            starvation_bound=map_starvation_bound(graph, node),
+            starvation_bound=max_parks_of(graph, node),
         )
         for node in streams.generating
     ]
@@ -86,7 +73,7 @@ async def tail_accounting(
         raise ValueError(f"graph {graph.name!r} has no node {node!r} to account for")
     if starvation_bound is None:
         known = graph if isinstance(graph, Graph) else await _graph_of(engine, runs)
-        starvation_bound = map_starvation_bound(known, node)
+        starvation_bound = max_parks_of(known, node)
     parked_rows = await engine.parked(graph, node, every=True)
     rounds = []
     for run_id in runs:

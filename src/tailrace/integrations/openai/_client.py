@@ -11,7 +11,8 @@ Inside a handler a generation is part of the attempt (X1-X6):
   committed before the call returns (``checkpoint_durable``), so a crash
   after it never sends the request again;
 - cancelling the attempt closes the request, so the server stops
-  generating; what the last checkpoint holds stays (a parked item carries it);
+  generating; what it decoded is saved on its way out (a parked item carries
+  it, parked again with it);
 - an attempt that resumes (crash, adoption, ``RetryPolicy(resume=True)``,
   unpark) continues from ``resumed_from``: it sends the prompt plus the
   salvaged text and asks only for the tokens still allowed (X3);
@@ -35,11 +36,16 @@ from typing import TYPE_CHECKING, Any, Self
 from ..._context import NodeContext, current_node
 from ...tail import generation_checkpoint, generation_origin, generation_state
 from ._errors import CompletionError, retry_after_seconds
+from ._pools import Pools
 from ._replicas import Replica, Replicas
 from ._wire import Delta, Prompt, choice_delta, event_delta, request_body, usage_tokens
 
 if TYPE_CHECKING:
     import httpx
+
+#: Requests one httpx client streams at once (see :mod:`._pools`): its pool's bookkeeping
+#: per request grows with the square of the connections it keeps.
+POOL_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -295,12 +301,17 @@ class ModelClient:
         self.replicas = Replicas([base_urls] if isinstance(base_urls, str) else base_urls)
         self.checkpoint_every, self.checkpoint_interval = checkpoint_every, checkpoint_interval
         self.stream_tokens, self.continue_chat = stream_tokens, continue_chat
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=connect_timeout),
-            limits=limits,
-            transport=transport,
-            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+        options: dict[str, Any] = {
+            "timeout": httpx.Timeout(timeout, connect=connect_timeout),
+            "limits": httpx.Limits(max_connections=None, max_keepalive_connections=POOL_SIZE),
+            "headers": {"Authorization": f"Bearer {api_key}"} if api_key else None,
+        }
+        if transport is not None:
+            options["transport"] = transport
+        elif hasattr(httpx, "create_ssl_context"):  # one TLS context for every pool (0.28+)
+            options["verify"] = httpx.create_ssl_context()
+        self._pools = Pools(
+            lambda: httpx.AsyncClient(**options), None if transport is not None else POOL_SIZE
         )
 
     async def complete(
@@ -378,11 +389,12 @@ class ModelClient:
             # here on sends nothing again (one commit's wait per generation, none per token).
             await attempt.save_committed(partial)
         except BaseException as exc:
-            # However the attempt ends (cancelled while it waits for that commit too), its
-            # stream ends with its usage: what it decoded is accounted for (X4).
+            # However the attempt ends, what it decoded is saved: the next try
+            # (RetryPolicy(resume=True)) or a parked item (parked again with it) continues
+            # from there, so checkpoints at a coarse rate lose nothing at a park (X2). Its
+            # stream ends with its usage, cancelled while it waits for that commit too (X4).
+            attempt.save(partial)
             cancelled = isinstance(exc, asyncio.CancelledError)
-            if not cancelled:
-                attempt.save(partial)  # the next try (RetryPolicy(resume=True)) continues it
             attempt.report(partial, "cancelled" if cancelled else "failed", self.model)
             raise
         attempt.report(partial, "completed", self.model)
@@ -411,9 +423,10 @@ class ModelClient:
         try:
             with self.replicas.serving(replica, unit):
                 path = "chat/completions" if chat else "completions"
-                async with self._http.stream("POST", replica.url + path, json=body) as response:
-                    await self._check_status(response, replica)
-                    await self._read(response, chat, partial, attempt)
+                with self._pools.client() as http:
+                    async with http.stream("POST", replica.url + path, json=body) as response:
+                        await self._check_status(response, replica)
+                        await self._read(response, chat, partial, attempt)
         except httpx.HTTPError as exc:
             raise CompletionError(f"{self.model}: request failed: {exc!r}", retryable=True) from exc
         return replica.url
@@ -448,10 +461,19 @@ class ModelClient:
             self._take(choice_delta(answer, chat, self.model, streamed=False), partial, attempt)
             partial.finish = partial.finish or "stop"  # a whole answer is complete
             return
-        async for line in response.aiter_lines():
-            delta = event_delta(line, chat, self.model)
-            if delta is not None:
-                self._take(delta, partial, attempt)
+        # Lines are split here, off the bytes as they come: a read holds several events, and
+        # httpx's text and line decoders cost as much again as the events' JSON.
+        pending = b""
+        async for data in response.aiter_bytes():
+            lines = (pending + data).splitlines(keepends=True)
+            pending = lines.pop() if lines and not lines[-1].endswith((b"\n", b"\r")) else b""
+            for line in lines:
+                delta = event_delta(line, chat, self.model)
+                if delta is not None:
+                    self._take(delta, partial, attempt)
+        delta = event_delta(pending, chat, self.model)  # a last line without its line end
+        if delta is not None:
+            self._take(delta, partial, attempt)
         if partial.finish is None:
             raise CompletionError(
                 f"{self.model}: the stream ended without a finish reason (cut)", retryable=True
@@ -469,7 +491,7 @@ class ModelClient:
 
     async def aclose(self) -> None:
         """Close the client's connections."""
-        await self._http.aclose()
+        await self._pools.aclose()
 
     async def __aenter__(self) -> Self:
         return self

@@ -47,9 +47,14 @@ BACKLOG = 4096
 class ServerStats:
     """What the server did: requests, tokens, disconnects, the largest batch, the batch now.
 
-    ``held`` counts the streams held open after their finish event (:meth:`BatchingServer.hold`).
+    ``held`` counts the streams held open after their finish event (:meth:`BatchingServer.hold`);
+    ``connections``, the connections accepted (a client that keeps its connections alive
+    sends many requests on one); ``steps`` and ``busy``, the decode steps and the seconds
+    they were modelled to take (``busy`` against the time that passed says how much of it
+    the server was the bottleneck).
     """
 
+    connections: int = 0
     requests: int = 0
     completed: int = 0
     failed: int = 0
@@ -61,6 +66,8 @@ class ServerStats:
     max_batch: int = 0
     running: int = 0
     continued: int = 0
+    steps: int = 0
+    busy: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -213,14 +220,29 @@ class BatchingServer:
     # -- the batch ------------------------------------------------------------------
 
     async def _decode(self) -> None:
-        """One decode step after another while any request runs: a token for each."""
+        """One decode step after another while any request runs: a token for each.
+
+        A step lasts ``step + per_request * batch`` from the end of the one before, the
+        server's own work on it (handing out tokens, writing events) included, as a GPU's
+        step does not wait for its host; a step whose work overran starts at once.
+        """
+        loop = asyncio.get_running_loop()
+        mark = loop.time()
         while True:
             if not self._batch:
                 self._wake.clear()
                 await self._wake.wait()
+                mark = loop.time()
             size = len(self._batch)
             self.stats.max_batch = max(self.stats.max_batch, size)
-            await asyncio.sleep(self.step + self.per_request * size)
+            duration = self.step + self.per_request * size
+            self.stats.steps += 1
+            self.stats.busy += duration
+            mark += duration
+            delay = mark - loop.time()
+            if delay < 0:
+                mark -= delay  # overran: no debt carried into the next steps
+            await asyncio.sleep(max(delay, 0.0))
             for request in list(self._batch):
                 request.pending.append(FIRST_ID + request.start + request.decoded)
                 request.decoded += 1
@@ -268,6 +290,7 @@ class BatchingServer:
         assert task is not None
         self._connections.add(task)
         self._writers.add(writer)
+        self.stats.connections += 1
         try:
             while await self._serve_one(reader, writer):
                 pass

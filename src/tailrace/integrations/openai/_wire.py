@@ -67,22 +67,28 @@ def request_body(
     return body
 
 
-def event_delta(line: str, chat: bool, model: str) -> Delta | None:
-    """The delta of one server-sent-event line; None for a comment, a blank or ``[DONE]``."""
-    if not line.startswith("data:"):
+def event_delta(line: bytes, chat: bool, model: str) -> Delta | None:
+    """The delta of one server-sent-event line (its line end included or not); None for a
+    comment, a blank or ``[DONE]``."""
+    if not line.startswith(b"data:"):
         return None
     data = line[5:].strip()
-    if not data or data == "[DONE]":
+    if not data or data == b"[DONE]":
         return None
     try:
         event = json.loads(data)
     except ValueError as exc:
-        raise CompletionError(f"{model}: a stream event is not JSON: {data[:200]!r}") from exc
+        raise CompletionError(f"{model}: a stream event is not JSON: {_shown(data)}") from exc
     if not isinstance(event, dict):
-        raise CompletionError(f"{model}: a stream event is not an object: {data[:200]!r}")
+        raise CompletionError(f"{model}: a stream event is not an object: {_shown(data)}")
     if "error" in event:
         raise CompletionError(f"{model}: the server ended the stream: {event['error']!r}")
     return choice_delta(event, chat, model, streamed=True)
+
+
+def _shown(data: bytes) -> str:
+    """The start of an event's data as text, quoted, for an error message."""
+    return repr(data[:200].decode("utf-8", "replace"))
 
 
 def choice_delta(event: Mapping[str, Any], chat: bool, model: str, *, streamed: bool) -> Delta:
