@@ -22,6 +22,7 @@ it) or does not reach this interpreter, and without a Postgres server.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import glob
@@ -126,6 +127,38 @@ async def test_a_worker_an_hour_ahead_neither_fires_early_nor_silences_the_sched
             for run in runs:
                 result = await engine.wait(run.run_id, timeout=fixtures.HANG_GUARD * 2)
                 assert (result.status, result.output) == (RunStatus.COMPLETED, 4), report
+
+
+#: A process under libfaketime: how far its store's clock is from the server's, seconds.
+CLOCK_GAP = """
+import asyncio, sys
+from tailrace.stores import open_store
+
+async def main() -> None:
+    async with open_store(sys.argv[1]) as store:
+        before = await store.now()
+        here = store.clock()
+        after = await store.now()
+        print(max(before - here, here - after, 0.0))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("skew", [SKEW, -SKEW])
+async def test_a_stores_clock_on_a_skewed_host_reads_the_servers(skew: float) -> None:
+    """``RunStore.clock()`` in a process whose wall clock is an hour off reads the server's
+    clock (between two reads of it, within a second on any load), not its host's."""
+    require_skew()
+    async with fixtures.postgres_schema() as schema, open_store(fleet_url(schema)):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TAILRACE_")}
+        probe = [sys.executable, "-c", CLOCK_GAP, fleet_url(schema)]
+        done = await asyncio.to_thread(
+            subprocess.run, probe, env={**env, **skewed_env(skew)}, capture_output=True,
+            text=True, check=False,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout) < 1.0, done.stdout
 
 
 #: The leases of the lease tests' workers, and their heartbeat, seconds: short, so that a
