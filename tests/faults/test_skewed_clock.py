@@ -203,7 +203,7 @@ async def test_a_run_of_a_stopped_worker_an_hour_ahead_is_adopted_when_its_lease
                 events = await store.events(run_id)
             finally:
                 ahead.send_signal(signal.SIGCONT)
-            crawled.touch()  # the woken worker's crawl ends: it would commit it now
+            crawled.touch()  # were the woken worker still crawling, it would commit now
             await fixtures.until(
                 lambda: _lost(workers, run_id), "the woken worker to lose the run", guard=60
             )
