@@ -138,7 +138,6 @@ def submit(
     worker registered in the store (its newest version), for a submitter with
     no graph code.
     """
-    not_before = None if delay is None else time.time() + delay
     loaded: Graph | str
     ref: str | None
     if ":" not in graph and not is_file_spec(graph):
@@ -153,11 +152,12 @@ def submit(
 
     async def work(store: RunStore) -> tuple[str, Any]:
         engine = Engine(store=store)
+        now = store.clock()  # the workers judge delays and deadlines by the store's clock
         stored = await engine.submit(
             loaded, payload, queue=queue, run_id=run_id, priority=priority,
             partition=partition, dedup_key=dedup_key, cost=cost, graph_ref=ref,
-            not_before=not_before,
-            deadline=None if deadline is None else time.time() + deadline,
+            not_before=None if delay is None else now + delay,
+            deadline=None if deadline is None else now + deadline,
         )  # fmt: skip
         if await queue_is_paused(store, queue):
             errors.print(
@@ -436,13 +436,13 @@ QueueName = Annotated[str, typer.Argument(help="The queue's name.")]
 
 async def queue_is_paused(store: RunStore, name: str) -> bool:
     """Whether queue ``name`` is paused (its queued runs wait until it is resumed)."""
-    return any(s.name == name and s.paused for s in await store.queue_stats(time.time()))
+    return any(s.name == name and s.paused for s in await store.queue_stats(store.clock()))
 
 
 async def known_queue(store: RunStore, name: str) -> None:
     """Refuse a queue nobody knows: not declared, holding no runs, served by no worker that
     reported itself, and not ``default`` (a :class:`CommandError` listing the queues there are)."""
-    names = {s.name for s in await store.queue_stats(time.time())}
+    names = {s.name for s in await store.queue_stats(store.clock())}
     names.update(queue for worker in await store.workers() for queue in worker.queues)
     if name in names or name == DEFAULT_QUEUE:
         return

@@ -73,13 +73,17 @@ QUEUED_RUNS_KEPT = 4096
 NOT_WAITING, ON_CHILD, ON_SUSPENDED_CHILD = 0, 1, 2
 
 
-def checked_deadline(value: float | datetime.datetime | datetime.timedelta | None) -> float | None:
+def checked_deadline(
+    value: float | datetime.datetime | datetime.timedelta | None,
+    clock: Callable[[], float] = time.time,
+) -> float | None:
     """A run deadline as seconds since the epoch (R6): a number (seconds since the
-    epoch), an aware ``datetime``, or a ``timedelta`` from now."""
+    epoch), an aware ``datetime``, or a ``timedelta`` from now by ``clock`` (the
+    store's: the workers judge the deadline by it)."""
     if value is None:
         return None
     if isinstance(value, datetime.timedelta):
-        return time.time() + value.total_seconds()
+        return clock() + value.total_seconds()
     if isinstance(value, datetime.datetime):
         if value.tzinfo is None:
             raise ValueError(f"deadline must be timezone-aware, got naive {value!r}")

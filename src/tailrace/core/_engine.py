@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import datetime
 import functools
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
@@ -225,7 +226,7 @@ class Engine:
 
         async def call() -> RunResult:
             checked = own_run_id(run_id)
-            when = checked_deadline(deadline)
+            when = checked_deadline(deadline, time.time if self.store is None else self.store.clock)
             if durability is not None:
                 self._drivers.durability[checked] = _checked_durability(durability)
             return await self._opener.start(graph, input, checked, None, when, graph_ref)
@@ -605,11 +606,12 @@ class Engine:
                 finished by then (R6): seconds since the epoch, an aware
                 ``datetime``, or a ``timedelta`` from now; stored with the run.
         """
+        queueing = self._queueing("submit")
         return await submit_run(
-            self._queueing("submit"), graph, input, queue=queue, run_id=run_id, priority=priority,
+            queueing, graph, input, queue=queue, run_id=run_id, priority=priority,
             partition=partition, dedup_key=dedup_key, on_duplicate=on_duplicate, cost=cost,
             estimate=estimate, graph_ref=graph_ref, not_before=not_before,
-            deadline=checked_deadline(deadline),
+            deadline=checked_deadline(deadline, queueing.store.clock),
         )  # fmt: skip
 
     async def wait(

@@ -724,7 +724,7 @@ class RunLoop:
             turn=self.turn,
             prompt=prompt,
             poller=node.poller,
-            deadline=None if node.deadline is None else time.time() + node.deadline,
+            deadline=None if node.deadline is None else self._writer.store.clock() + node.deadline,
         )
         self.emit(
             EventType.QUESTION_OPENED,

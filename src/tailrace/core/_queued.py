@@ -251,7 +251,7 @@ async def submit_run(
         estimate = await estimates_of(store).estimate(fingerprint, cost)
     new = NewRun(
         run_id=run_id, graph_name=name, graph_ref=graph_ref, fingerprint=fingerprint,
-        input_json=input_json, created_at=time.time(),
+        input_json=input_json, created_at=store.clock(),
         shape_json=shape_json(graph) if isinstance(graph, Graph) else None,
         deadline=deadline,
     )  # fmt: skip
@@ -302,7 +302,7 @@ async def submit_children(
         )
     if not rows:
         return errors
-    now = time.time()  # queued from the write on, not from the reads before it
+    now = store.clock()  # queued from the write on, not from the reads before it
     rows = [(dataclasses.replace(new, created_at=now), q) for new, q in rows]
     queues = {q.queue for _, q in rows}
     claim = lender.reserve(next(iter(queues))) if lender is not None and len(queues) == 1 else None
@@ -454,7 +454,7 @@ async def wait_for(
     async with store.changes() as feed:
         while True:
             record = await store.get_run(run_id)
-            if await settled(store, record, time.time()):
+            if await settled(store, record, store.clock()):
                 return await stored_result(queueing, record, graph)
             left = FALLBACK if deadline is None else deadline - time.monotonic()
             if left <= 0:
@@ -561,7 +561,7 @@ async def cancel_run(queueing: Queueing, run_id: str) -> str:
     else:
         if status in (RunStatus.RUNNING, RunStatus.SUSPENDED):
             record = await store.get_run(run_id)
-            if not _driven(record, time.time()):
+            if not _driven(record, store.clock()):
                 with contextlib.suppress(LeaseHeld):  # someone took it: it sees the request
                     now = (await cancel_undriven(queueing, run_id)).value
         if now is None:

@@ -178,7 +178,7 @@ class RunWriter:
             input_json = codec.encode(input)
         except (TypeError, ValueError) as exc:
             raise EncodeError(f"run {run_id!r}: input is not encodable: {exc}") from exc
-        now = time.time()
+        now = store.clock()  # orphan sweeps judge a fresh run by it
         new = NewRun(
             run_id=run_id,
             graph_name=graph.name,

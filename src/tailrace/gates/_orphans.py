@@ -27,7 +27,6 @@ killing them.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -128,7 +127,7 @@ class OrphanScan:
 
         ``take``, ``room`` and ``skip`` are as in :meth:`adopt`.
         """
-        now = time.time()
+        now = self.store.clock()  # leases are stamped on the store's clock, not this host's
         orphans = await self.store.expired_leases(now, limit=self.limit(wanted))
         listed = set(orphans)
         self.foreign &= listed  # forget those no longer orphaned
@@ -227,7 +226,7 @@ class OrphanScan:
         self.stats.errors += 1
         failures = self._backoff.get(run_id, (0, 0.0))[0]
         delay = min(self.retry_base * 2 ** min(failures, 32), self.retry_max)
-        self._backoff[run_id] = (failures + 1, time.time() + delay)
+        self._backoff[run_id] = (failures + 1, self.store.clock() + delay)
         logger.log(
             logging.WARNING if failures == 0 else logging.DEBUG,
             "cannot adopt run %s (attempt %d, next in %.3g s): %s",

@@ -25,7 +25,6 @@ import contextlib
 import inspect
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -158,7 +157,7 @@ class GatePolling:
 
     async def tick(self) -> int:
         """Expire passed deadlines, start due polls; return how many questions were answered since the last tick."""
-        now = time.time()
+        now = self.store.clock()  # deadlines are stamped on the store's clock
         work, self._answered = self._answered, 0
         soonest: float | None = None
         questions = await self.store.list_questions(status=QuestionStatus.OPEN)
@@ -193,7 +192,7 @@ class GatePolling:
         """Seconds until the next known deadline (None: none)."""
         if self.next_deadline is None:
             return None
-        return max(self.next_deadline - time.time(), 0.001)
+        return max(self.next_deadline - self.store.clock(), 0.001)
 
     async def aclose(self) -> None:
         """Cancel the polls in flight and wait for them (abandoned threads are left to die alone)."""

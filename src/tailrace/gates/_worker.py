@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -236,7 +235,7 @@ class ResumeWorker:
         """
         counts: dict[Outcome, int] = {}
         wanted = min(limit + len(self._foreign), MAX_SKIPPED)
-        rows = await self.store.unapplied_answers(limit=wanted, now=time.time())
+        rows = await self.store.unapplied_answers(limit=wanted, now=self.store.clock())
         if len(rows) < wanted:  # all of them were read: forget those applied elsewhere
             self._foreign.intersection_update(q.question_id for q in rows)
         taken = 0
@@ -286,7 +285,11 @@ class ResumeWorker:
             question = await self.store.get_question(question.question_id)
             if not _unapplied(question) or question.answer_json is None:
                 return Outcome.NOOP
-            if due_only and question.retry_at is not None and question.retry_at > time.time():
+            if (
+                due_only
+                and question.retry_at is not None
+                and question.retry_at > self.store.clock()
+            ):
                 return Outcome.NOOP
             return await self._apply(question, target)
         finally:
@@ -341,7 +344,7 @@ class ResumeWorker:
         reason = describe(exc)
         delay = min(self.retry_base * 2 ** min(question.apply_attempts, 32), self.retry_max)
         await self.store.defer_answer(
-            question.question_id, error=reason, retry_at=time.time() + delay
+            question.question_id, error=reason, retry_at=self.store.clock() + delay
         )
         first = question.apply_attempts == 0 or question.apply_error != reason
         logger.log(

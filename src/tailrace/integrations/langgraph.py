@@ -369,7 +369,7 @@ class LangGraphDriver:
             )
         if record.status in TERMINAL_STATUSES:
             raise NotResumable(f"thread {thread_id!r} is {record.status}: nothing to resume")
-        orphaned = record.lease_expires is None or record.lease_expires < time.time()
+        orphaned = record.lease_expires is None or record.lease_expires < self.store.clock()
         if record.status is RunStatus.RUNNING and orphaned:
             await self.adopt(thread_id)  # it settles the thread's answers too
         else:
@@ -408,7 +408,7 @@ class LangGraphDriver:
             )
         if record.status is not RunStatus.RUNNING:
             raise NotResumable(f"thread {record.run_id!r} is {record.status}: nothing to take over")
-        if record.lease_owner is None and time.time() - record.created_at < self.lease_ttl:
+        if record.lease_owner is None and self.store.clock() - record.created_at < self.lease_ttl:
             raise NotResumable(f"thread {record.run_id!r} was just created; its starter leases it")
 
     async def _take_over(self, record: RunRecord, lease: Lease) -> None:

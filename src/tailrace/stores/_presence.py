@@ -159,6 +159,8 @@ class Ring(Protocol):
 
     async def _forget_worker(self, worker_id: str) -> None: ...
 
+    def clock(self) -> float: ...
+
     def changes(self) -> AbstractAsyncContextManager[ChangeFeed]: ...
 
 
@@ -307,7 +309,8 @@ class Sessions:
             f"{self._where}: taking session {self.session} back",
         )
         workers = [
-            dataclasses.replace(p.worker, seen_at=time.time()) for p in self._present.values()
+            dataclasses.replace(p.worker, seen_at=self._ring.clock())
+            for p in self._present.values()
         ]
         kept = await patiently(
             functools.partial(self._ring._join_session, self.session, workers, again=True),

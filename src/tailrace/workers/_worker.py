@@ -287,7 +287,7 @@ class Worker:
         #: When (monotonic) the next pulse is due sooner than a heartbeat away, and the last.
         self._pulse_at = float("inf")
         self._pulsed_at = 0.0
-        self._started_at = time.time()
+        self._started_at = self.store.clock()
         #: Slots lent to a child submit in flight (``reserve`` .. ``settle``), per queue.
         self._lent: Counter[str] = Counter()
         #: The jobs' task group while the worker runs and claims (not while it drains).
@@ -312,7 +312,7 @@ class Worker:
             await self.store.register_graph(
                 GraphRow(
                     name=graph.name, fingerprint=graph.compile().fingerprint,
-                    graph_ref=guess_reference(graph), registered_at=time.time(),
+                    graph_ref=guess_reference(graph), registered_at=self.store.clock(),
                 )
             )  # fmt: skip
         # What this worker drives, so the fleet knows whether a child it hands back waits
@@ -641,7 +641,7 @@ class Worker:
         """Whether another live worker of ``queue`` (the store's workers, ``is_live``) can drive
         graph ``key`` (name, fingerprint): it registered that version, or it registered no
         graph (it drives what it imports)."""
-        now = time.time()
+        now = self.store.clock()  # seen_at is on the store's clock
         others = [
             w.worker_id
             for w in await self.store.workers()
@@ -715,7 +715,9 @@ class Worker:
         pulse = await self.store.pulse(self._row())
         self._beats += 1
         if pulse.due_at is not None:  # a lease expiry, a delayed run, a deadline: look then
-            self._pulse_at = time.monotonic() + max(pulse.due_at - time.time(), 0.0) + DUE_SLACK
+            self._pulse_at = (
+                time.monotonic() + max(pulse.due_at - self.store.clock(), 0.0) + DUE_SLACK
+            )
         kinds = set(pulse.kinds)
         if self._beats % self._refresh_every == 0:
             kinds.add("config")  # the fallback for a lost notification of new limits
@@ -736,7 +738,7 @@ class Worker:
         Nobody drives them, so no run loop's own timer does it: a pulse says
         when one is overdue (and when the next one will be), and this finds them.
         """
-        for run_id in await self.store.overdue_runs(time.time(), limit=OVERDUE_BATCH):
+        for run_id in await self.store.overdue_runs(self.store.clock(), limit=OVERDUE_BATCH):
             status = await self.engine.cancel(run_id)
             logger.info("run %s: past its deadline, cancelled (now %s)", run_id, status)
 
@@ -757,7 +759,7 @@ class Worker:
     def _row(self) -> WorkerRow:
         return WorkerRow(
             worker_id=self.owner, queues=tuple(q.name for q in self.queues),
-            concurrency=self.concurrency, started_at=self._started_at, seen_at=time.time(),
+            concurrency=self.concurrency, started_at=self._started_at, seen_at=self.store.clock(),
             running=len(self._jobs), dead_after=max(60.0, 10 * self.heartbeat),
         )  # fmt: skip
 

@@ -714,6 +714,9 @@ class SQLStore(RunStore):
     async def _now(self) -> float:
         return self._clock()
 
+    def _read_clock(self) -> float:
+        return self._clock()
+
     async def _fire_schedule(self, name: str, tick: float) -> str | None:
         now = await self._now()  # the store's clock (Postgres: the server's) judges the tick
         fired: list[str | None] = [None]

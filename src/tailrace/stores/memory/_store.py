@@ -1028,6 +1028,9 @@ class MemoryStore(RunStore):
     async def _now(self) -> float:
         return self._clock()
 
+    def _read_clock(self) -> float:
+        return self._clock()
+
     async def _fire_schedule(self, name: str, tick: float) -> str | None:
         with self._lock:
             row = self._schedule_rows.get(name)

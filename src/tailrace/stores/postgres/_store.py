@@ -38,11 +38,13 @@ from collections.abc import Callable
 import psycopg
 from psycopg import sql
 
+from ..._errors import StoreError
 from .._changes import ChangeHub, Stop
 from .._presence import Sessions
 from .._records import StoredRun
 from .._sql import _transactions as bodies
 from .._sql._base import Body, SQLStore, Texts, Undo
+from ._clock import OPEN_SAMPLES, REFRESH_SAMPLES, SERVER_CLOCK, Sample, ServerClock
 from ._connections import Attempt, Conn, Landed, PostgresConnections, T
 from ._presence import PostgresTokens
 from ._queues import (
@@ -56,8 +58,6 @@ from ._tx import PostgresTx
 
 #: Opens a read that sees one moment (``_read_tx(snapshot=True)``).
 SNAPSHOT = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"
-#: The server's clock (seconds since the epoch): what every worker of a fleet reads alike.
-SERVER_CLOCK = "SELECT EXTRACT(EPOCH FROM clock_timestamp())::float8"
 
 
 class PostgresStore(SQLStore):
@@ -68,9 +68,13 @@ class PostgresStore(SQLStore):
         min_size: connections the pool keeps open.
         max_size: most connections the pool opens.
         schema: schema holding the tables; created on ``open`` if missing.
-        clock: wall clock for lease expiry, seconds since the epoch. Engines on
-            several hosts need clocks in step within a small part of the ttl.
-            Schedules' ticks are judged by the server's clock instead (:meth:`now`).
+        clock: a wall clock to stamp and judge leases' expiry and delays by,
+            seconds since the epoch, instead of the server's (a test's fake
+            clock; engines on several hosts then need clocks in step within a
+            small part of the ttl). By default, the server's clock followed from
+            here (``_clock``): every host of a fleet stamps on one timeline,
+            within half a round trip plus the drift of a minute. Schedules'
+            ticks are always judged by the server's clock (:meth:`now`).
         connect_timeout: seconds to wait for the server when connecting
             (libpq's rule: whole seconds, at least 2); ``open`` fails after
             that with the driver's reason.
@@ -96,7 +100,7 @@ class PostgresStore(SQLStore):
         min_size: int = 1,
         max_size: int = 8,
         schema: str = "public",
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         connect_timeout: float = 5.0,
         retry_budget: float = 15.0,
         read_only: bool = False,
@@ -107,11 +111,16 @@ class PostgresStore(SQLStore):
             connect_timeout=connect_timeout, retry_budget=retry_budget, read_only=read_only,
             session_dsn=session_dsn,
         )  # fmt: skip
-        self._clock = clock
+        where = f"Postgres store (schema {schema!r})"
+        #: The server's clock followed from here, unless a clock was given.
+        self._server_clock: ServerClock | None = None
+        if clock is None:
+            self._server_clock = self._clock = ServerClock(where)
+        else:
+            self._clock = clock
         self._channel = notify_channel(schema)
         self._hub = ChangeHub(self._listen)
         self._full_queues = set()
-        where = f"Postgres store (schema {schema!r})"
         self._sessions = Sessions(
             self, PostgresTokens(self._db.connect_session, schema, where), where
         )
@@ -133,6 +142,29 @@ class PostgresStore(SQLStore):
         within ``connect_timeout`` with the driver's reason; then the pool opens.
         """
         await self._db.open()
+        if self._server_clock is not None:
+            await self._server_clock.measure(self._clock_sample, OPEN_SAMPLES)
+
+    async def _clock_sample(self) -> Sample:
+        """One reading of the server's clock, between two of this host's monotonic clock."""
+
+        async def read(conn: Conn, attempt: Attempt) -> Sample:
+            before = time.monotonic()
+            cur = await conn.execute(SERVER_CLOCK)
+            after = time.monotonic()
+            row = await cur.fetchone()
+            assert row is not None
+            return before, float(row[0]), after
+
+        return await self._db.read("reading the server's clock", read)
+
+    async def _follow_server_clock(self) -> None:
+        """Measure the server clock's offset again if it is time to (at most once a minute)."""
+        if self._server_clock is not None and self._server_clock.due():
+            try:
+                await self._server_clock.measure(self._clock_sample, REFRESH_SAMPLES)
+            except StoreError as exc:  # the offset held stays; the call meets the fault itself
+                logger.info("the server's clock was not read again (%s); its offset stays", exc)
 
     async def _now(self) -> float:
         row = await self._read_tx("reading the server's clock", lambda tx: tx.one(SERVER_CLOCK, ()))
@@ -140,6 +172,7 @@ class PostgresStore(SQLStore):
         return float(row[0])
 
     async def _read_tx(self, context: str, body: Body[T], *, snapshot: bool = False) -> T:
+        await self._follow_server_clock()
         channel, schema = self._channel, self._db.schema
 
         async def read(conn: Conn, attempt: Attempt) -> T:
@@ -160,6 +193,7 @@ class PostgresStore(SQLStore):
         texts: Texts | None = None,
         undo: Undo | None = None,
     ) -> T:
+        await self._follow_server_clock()
         channel, schema = self._channel, self._db.schema
         settled: Landed[T] | None = None
         if landed is not None:
