@@ -17,8 +17,8 @@ The offset is measured when the store opens and again at most once every
 first), keeping the new offset only when its bound is the tighter one. The
 error of :meth:`ServerClock.now` is therefore at most half the kept sample's
 round trip plus the drift of the local monotonic clock against the server's
-since it was taken (``MAX_DRIFT``, 500 ppm, the most NTP slews a clock: 30 ms a
-minute; an undisciplined quartz drifts far less), plus any step of the
+since it was taken (``MAX_DRIFT``, 500 ppm, the most NTP slews a clock: 0.3 s in
+ten minutes; an undisciplined quartz drifts far less), plus any step of the
 server's own clock since then.
 """
 
@@ -33,8 +33,11 @@ logger = logging.getLogger("tailrace.stores.postgres")
 
 #: The server's clock (seconds since the epoch): what every worker of a fleet reads alike.
 SERVER_CLOCK = "SELECT EXTRACT(EPOCH FROM clock_timestamp())::float8"
-#: Most seconds between two measurements of the offset.
-REFRESH = 60.0
+#: Most seconds between two measurements of the offset: ten minutes, so an idle worker's
+#: store adds two statements per ten minutes (its heartbeat is one transaction per 30 s),
+#: for a drift of at most 0.3 s, well inside the sixth of a lease ttl by which a lease
+#: that is not renewed lapses before it could expire (W7).
+REFRESH = 600.0
 #: Most rate difference, seconds per second, assumed between this host's monotonic clock and
 #: the server's clock between two measurements.
 MAX_DRIFT = 500e-6
