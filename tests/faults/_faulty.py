@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Coroutine
@@ -42,13 +43,22 @@ T = TypeVar("T")
 # --- stores that misbehave -------------------------------------------------------------
 
 
-def _delegate(name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
+def _delegate(name: str) -> Callable[..., Any]:
     public = name.removeprefix("_")  # a backend primitive ``_x`` forwards the contract's ``x``
+    if public.startswith("read_"):  # a synchronous read (``_read_clock``): ``clock``
+        public = public.removeprefix("read_")
+    method: Callable[..., Any]
+    if inspect.iscoroutinefunction(getattr(RunStore, name)):
 
-    async def method(self: DelegatingStore, *args: Any, **kwargs: Any) -> Any:
-        self.before(public)
-        await self.on_the_way(public)
-        return await getattr(self.inner, public)(*args, **kwargs)
+        async def method(self: DelegatingStore, *args: Any, **kwargs: Any) -> Any:
+            self.before(public)
+            await self.on_the_way(public)
+            return await getattr(self.inner, public)(*args, **kwargs)
+
+    else:  # read at once, no store call to fault: forwarded as it is
+
+        def method(self: DelegatingStore, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self.inner, public)(*args, **kwargs)
 
     method.__name__ = name
     method.__doc__ = f"Forward ``{public}`` to the wrapped store."

@@ -957,7 +957,7 @@ class RunStore(abc.ABC):
         lease expired? is this run due?) asks it, not its host's clock. The
         memory and SQLite stores read the clock they were given; Postgres
         follows its server's clock from here (within half a round trip plus
-        the drift of a minute, see ``PostgresStore``), so hosts whose clocks
+        the drift of ten minutes, see ``PostgresStore``), so hosts whose clocks
         disagree stamp and judge alike. :meth:`now` reads the server itself.
         """
         return self._read_clock()
