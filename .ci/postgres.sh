@@ -6,7 +6,10 @@
 #     tailrace_pg_stop              # or let the EXIT trap do it
 #
 # The server listens on a unix socket in a fresh temp dir only (no TCP), with
-# fsync off (a test server loses nothing that matters), and a database
+# fsync off (a test server loses nothing that matters), 300 connections (each
+# worker holds its pool, its LISTEN, its store session and its watch; the suite
+# runs hundreds of stores, and at the default 100 one test of
+# tests/workers/test_worker.py loses a wake-up, see CHANGELOG), and a database
 # `tailrace_test`. It exports
 #     TAILRACE_TEST_POSTGRES_DSN=postgresql://postgres@/tailrace_test?host=$TAILRACE_PG_DIR
 # If TAILRACE_TEST_POSTGRES_DSN is already set, that server is used and nothing
@@ -69,7 +72,7 @@ tailrace_pg_start() {
         return 1
     fi
     if ! _tailrace_pg_as_owner "$bindir/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
-        -o "-k $dir -c listen_addresses='' -c fsync=off" start >/dev/null; then
+        -o "-k $dir -c listen_addresses='' -c fsync=off -c max_connections=300" start >/dev/null; then
         echo "postgres.sh: the server did not start:" >&2
         cat "$dir/server.log" >&2
         tailrace_pg_stop
