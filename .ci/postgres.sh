@@ -6,11 +6,9 @@
 #     tailrace_pg_stop              # or let the EXIT trap do it
 #
 # The server listens on a unix socket in a fresh temp dir only (no TCP), with
-# fsync off (a test server loses nothing that matters), 300 connections (each
-# worker holds its pool, its LISTEN, its store session and its watch; the suite
-# runs hundreds of stores, and at the default 100 one test of
-# tests/workers/test_worker.py loses a wake-up, see CHANGELOG), and a database
-# `tailrace_test`. It exports
+# fsync off (a test server loses nothing that matters), room for 300
+# connections (each worker holds its pool, its LISTEN, its store session and its
+# watch), and a database `tailrace_test`. It exports
 #     TAILRACE_TEST_POSTGRES_DSN=postgresql://postgres@/tailrace_test?host=$TAILRACE_PG_DIR
 # If TAILRACE_TEST_POSTGRES_DSN is already set, that server is used and nothing
 # is started. As root, the server runs as the `postgres` user (initdb refuses
