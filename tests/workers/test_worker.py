@@ -20,10 +20,10 @@ import pytest
 
 from tailrace import Engine, Schedule
 from tailrace._codec import DEFAULT_CODEC
-from tailrace._errors import GraphError, NotResumable
+from tailrace._errors import GraphError, NotResumable, StoreError
 from tailrace.core import stretches_of
 from tailrace.core._queued import estimates_of
-from tailrace.stores import NewRun, QuestionStatus, Queue, RunStatus, RunStore
+from tailrace.stores import ChangeFeed, NewRun, QuestionStatus, Queue, RunStatus, RunStore
 from tailrace.workers import DuplicateRun, RunFailed, Worker
 from tailrace.workers._schedules import ScheduleTicker
 from tests import fixtures
@@ -527,6 +527,63 @@ async def test_an_orphan_released_just_after_a_scan_is_adopted_without_waiting_a
         result = await engine.wait(second, timeout=fixtures.HANG_GUARD)
     assert (result.status, result.output) == ("completed", 6)
     assert worker.stats.adopted == 2
+
+
+async def test_a_look_kept_for_later_survives_a_round_woken_for_something_else(
+    db: fixtures.Database,
+) -> None:
+    """A release heard just after an orphan scan is kept for a look a moment later; a round
+    woken meanwhile for another reason (a cancel request elsewhere) does not drop that look."""
+    engine, store = await engine_on(db), await db.store()
+    first, second, other = [await engine.submit(graphs.chain, n) for n in (1, 2, 3)]
+    assert await store.claim_runs("default", "ghost", 3600.0, limit=3) == [first, second, other]
+    tokens = {r: (await store.get_run(r)).lease_token for r in (first, second)}
+    async with working(await worker_on(db, heartbeat=3600.0, poll_interval=None)) as worker:
+        await until(lambda: worker.stats.rounds > 0, "the worker's first round")
+        await store.release_lease(first, "ghost", tokens[first])
+        await until(lambda: worker.stats.adopted == 1, "the first orphan adopted")  # a scan
+        rounds = worker.stats.rounds
+        await store.release_lease(second, "ghost", tokens[second])  # kept for a look soon
+        await until(lambda: worker.stats.rounds > rounds, "the round that heard the release")
+        await store.request_cancel(other)  # wakes a round that has no look to make yet
+        result = await engine.wait(second, timeout=fixtures.HANG_GUARD)
+    assert (result.status, result.output) == ("completed", 6)
+    assert worker.stats.adopted == 2
+
+
+async def test_a_round_that_fails_is_made_again_with_what_woke_it(
+    db: fixtures.Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A round whose store call fails keeps its wake-up: the orphan it was woken for is
+    adopted by a round made again a moment later, not left for the next heartbeat (an hour)."""
+    from tests.faults import _faulty as faulty
+
+    class FailsOnce(faulty.DelegatingStore):
+        failed = 0
+
+        def changes(self) -> contextlib.AbstractAsyncContextManager[ChangeFeed]:
+            return self.inner.changes()  # the store's own wake-ups, not a polling fallback
+
+        async def on_the_way(self, name: str) -> None:  # the first scan that would find it
+            released = name == "expired_leases" and not self.failed
+            if released and (await self.inner.get_run(run_id)).lease_owner is None:
+                self.failed += 1
+                raise StoreError("the store is away for a moment")
+
+    engine, store = await engine_on(db), await db.store()
+    run_id = await engine.submit(graphs.chain, 1)
+    assert await store.claim_runs("default", "ghost", 3600.0, limit=1) == [run_id]
+    token = (await store.get_run(run_id)).lease_token
+    wrapped = FailsOnce(await db.store())
+    worker = Worker(wrapped, graphs=[graphs.chain], heartbeat=3600.0, poll_interval=None)
+    async with working(worker):
+        await until(lambda: worker.stats.rounds > 0, "the worker's first round")
+        await store.release_lease(run_id, "ghost", token)
+        result = await engine.wait(run_id, timeout=fixtures.HANG_GUARD)
+    assert (result.status, result.output) == ("completed", 4)
+    assert wrapped.failed == 1 and worker.stats.errors >= 1
+    assert worker.stats.adopted == 1
+    assert "the store is away for a moment" in caplog.text
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])

@@ -108,7 +108,7 @@ class Lease:
         beats check that token, so a lease lost meanwhile is found out as
         ever (D6). A lease near its expiry is acquired again as usual.
         """
-        remaining = (record.lease_expires or 0.0) - time.time()
+        remaining = (record.lease_expires or 0.0) - self.store.clock()  # stamped on its clock
         if record.lease_owner == self.owner and remaining > self.ttl / 2:
             self._claimed = record.lease_token
             self._renewed(time.monotonic(), remaining)
@@ -385,7 +385,7 @@ async def mark_failed(store: RunStore, run_id: str, owner: str, ttl: float, reas
         ]
         events = await store.events(run_id)
         seq = max((e.seq for e in events), default=0) + 1
-        now = time.time()
+        now = store.clock()  # the run's times are on the store's clock
         event = EventRow(
             seq=seq,
             type=EventType.RUN_FAILED.value,

@@ -227,7 +227,9 @@ class RunLoop:
     def _arm_deadline(self) -> None:
         """Cancel the run at its deadline (R6); at once when it passed already."""
         assert self.deadline is not None
-        left = self.deadline - time.time()
+        # Stamped on the store's clock (a run without a store: this host's).
+        now = time.time() if self._writer is None else self._writer.store.clock()
+        left = self.deadline - now
         if left <= 0:
             self._deadline_passed()
         else:

@@ -90,14 +90,15 @@ class Loop:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Iterate until ``stop`` is set."""
-        wait = self.interval
+        idle = self.interval  # the pace while idle, doubling; a due moment only cuts one wait
         while not stop.is_set():
             if self.wake is not None:
                 self.wake.clear()
             work = await self.once()
             if work and self.on_work is not None:
                 self.on_work()
-            wait = self.interval if work else min(wait * 2, self.max_interval)
+            idle = self.interval if work else min(idle * 2, self.max_interval)
+            wait = idle
             soon = self.due() if self.due is not None else None
             if soon is not None:
                 wait = min(wait, max(soon, 0.0))

@@ -93,6 +93,10 @@ DUE_SLACK = 0.05
 REFRESH = 600.0
 #: The change a commit carrying stream rows sends: nothing for a worker to do.
 _STREAM = frozenset({"stream"})
+#: Seconds before a round that raised is made again with what it was woken for; doubles
+#: while rounds keep failing, up to ``ROUND_RETRY_MAX``.
+ROUND_RETRY = 0.1
+ROUND_RETRY_MAX = 5.0
 
 
 @dataclass(slots=True)
@@ -284,6 +288,8 @@ class Worker:
         self._poll_at = 0.0
         #: When to look at the queues again without a wake-up (a rate window may open).
         self._look_at = float("inf")
+        #: Seconds before a failed round is made again (doubles while rounds fail).
+        self._retry = ROUND_RETRY
         #: When (monotonic) the next pulse is due sooner than a heartbeat away, and the last.
         self._pulse_at = float("inf")
         self._pulsed_at = 0.0
@@ -424,11 +430,19 @@ class Worker:
         kinds, self._kinds = frozenset(self._kinds), set()
         if now >= self._poll_at:  # the first round looks at everything; heartbeats after
             kinds, self._poll_at = CHANGE_KINDS | {"slot"}, float("inf")
-        elif now >= self._look_at:
-            kinds = kinds | {"slot"}
-        self._look_at = float("inf")
+        if now >= self._look_at:  # a look that came due; one not due yet stays pending
+            kinds, self._look_at = kinds | {"slot"}, float("inf")
         self.stats.rounds += 1
-        await self._round(kinds, group)
+        try:
+            await self._round(kinds, group)
+        except Exception:
+            # What woke this round is not seen through: keep it for a round made again soon
+            # (the next wake-up may be a heartbeat away), backing off while the store fails.
+            self._kinds |= kinds
+            self._look_at = min(self._look_at, time.monotonic() + self._retry)
+            self._retry = min(self._retry * 2, ROUND_RETRY_MAX)
+            raise
+        self._retry = ROUND_RETRY
         return 0
 
     async def _round(self, kinds: frozenset[str], group: asyncio.TaskGroup) -> None:
