@@ -42,6 +42,7 @@ from tailrace.stores import RunStatus, RunStore, open_store
 from tailrace.tail import Cron
 from tests import fixtures
 from tests.workers.test_fleet import Fleet, graphs
+from tests.workers.test_fleet import fleet as bench
 
 SKEW = 3600.0
 #: Debian's library (package libfaketime), wherever its multiarch directory is.
@@ -293,3 +294,40 @@ async def _fired(store: RunStore) -> bool:
 
 async def _ticked(store: RunStore, tick: float) -> bool:
     return any(_tick_of(r.run_id) == tick for r in await store.list_runs(queue="ticks", limit=100))
+
+
+@pytest.mark.parametrize("skew", [SKEW, -SKEW])
+async def test_the_cli_on_a_skewed_host_judges_leases_and_delays_by_the_servers_clock(
+    skew: float,
+) -> None:
+    """``tailrace runs``, ``show`` and ``tail`` on a host an hour off: a run leased for ten
+    minutes to a live worker elsewhere is running, not orphaned; a run delayed by ten
+    minutes still waits for its moment; a run whose lease expired is orphaned."""
+    require_skew()
+    async with fixtures.postgres_schema() as schema, open_store(fleet_url(schema)) as store:
+        engine = Engine(store=store)
+        live, lapsed = [await engine.submit(graphs.chain, n) for n in (1, 2)]
+        delayed = await engine.submit(graphs.chain, 3, not_before=store.clock() + 600.0)
+        owner = "elsewhere:1:0:live"  # another host's worker: not judged by a pid here
+        assert await store.claim_runs("default", owner, 600.0, limit=2) == [live, lapsed]
+        record = await store.get_run(lapsed)
+        await store.release_lease(lapsed, owner, record.lease_token)  # orphaned everywhere
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TAILRACE_")}
+        env = {**env, **skewed_env(skew), "COLUMNS": "300"}
+
+        def cli(*args: str) -> str:
+            done = subprocess.run(
+                [*bench.tailrace_command(), *args, "--db", fleet_url(schema)],
+                env=env, capture_output=True, text=True, check=False,
+            )  # fmt: skip
+            assert done.returncode == 0 or args[0] == "tail", done.stderr
+            return done.stdout + done.stderr
+
+        runs = await asyncio.to_thread(cli, "runs")
+        shown = await asyncio.to_thread(cli, "show", live)
+        why = await asyncio.to_thread(cli, "tail", delayed, "--no-follow")
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in runs.splitlines()]
+    rows = {row[0]: row[2] for row in cells if row}  # run id: status
+    assert (rows[live], rows[lapsed]) == ("running", "running (orphaned)"), runs
+    assert "status running" in shown and "orphaned" not in shown, shown
+    assert "not before" in why, why

@@ -14,7 +14,6 @@ import contextlib
 import datetime
 import json
 import shlex
-import time
 import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -61,6 +60,7 @@ from ._session import (
     flag,
     print_result,
     with_store,
+    with_store_at,
 )
 from ._tail import register as register_tail
 from ._timeline import map_table, timeline
@@ -270,14 +270,13 @@ def list_runs(
     and, for a fork, the run and node it came from. A child run (a node whose
     handler is a graph) names its parent run; --parent lists one run's children.
     """
-    records = with_store(
+    records, now = with_store_at(
         db,
         lambda store: store.list_runs(
             status=status, limit=limit, queue=queue, graph=graph, parent=parent
         ),
         read_only=True,
     )
-    now = time.time()
     headers: tuple[str | Column, ...] = (
         Column("run", no_wrap=True), "graph", "status", "started", "duration", "nodes done",
     )  # fmt: skip
@@ -413,7 +412,7 @@ def show(
             await run_accounts(store, run_id, stored.run.graph_name),
         )
 
-    stored, events, seen, parked, children, parent_nodes, accounts = with_store(
+    (stored, events, seen, parked, children, parent_nodes, accounts), now = with_store_at(
         db, gather, read_only=True
     )
     record = stored.run
@@ -422,7 +421,7 @@ def show(
         text(
             "run ",
             (record.run_id, "bold"),
-            f" graph {record.graph_name} status {run_status(record, time.time())}{error}",
+            f" graph {record.graph_name} status {run_status(record, now)}{error}",
         ),
         soft_wrap=True,
     )
@@ -440,7 +439,6 @@ def show(
     rows = ((node_id, row.status, str(row.visits)) for node_id, row in stored.nodes.items())
     console.print(table_of(("node", "status", "visits"), rows))
     if children:
-        now = time.time()
         table = children_table(run_id, children, stored.nodes, lambda c: run_status(c, now))
         console.print(table)
         more = more_children(run_id, len(children), db_argument(db))

@@ -14,7 +14,6 @@ import contextlib
 import json
 import shlex
 import signal
-import time
 import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -40,6 +39,7 @@ from ._session import (
     flag,
     shown_location,
     with_store,
+    with_store_at,
 )
 
 LeaseTtlOption = Annotated[
@@ -422,8 +422,9 @@ def queues(
     """
     if ctx.invoked_subcommand is not None:
         return
-    now = time.time()
-    stats = with_store(db, lambda store: store.queue_stats(now, window=window), read_only=True)
+    stats, now = with_store_at(
+        db, lambda store: store.queue_stats(store.clock(), window=window), read_only=True
+    )
     headers = (
         Column("queue", no_wrap=True), "limits", "order", "queued", "running", "suspended",
         f"started (runs/s, last {window:g}s)", "oldest wait (s)", "workers",

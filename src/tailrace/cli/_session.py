@@ -219,6 +219,19 @@ def with_store(
     return finish(main, watch=watch, interrupted=interrupted)
 
 
+def with_store_at(
+    db: str | None, work: Callable[[RunStore], Awaitable[T]], *, read_only: bool = False
+) -> tuple[T, float]:
+    """:func:`with_store`, and the store's clock as ``work`` ended: the stored times (leases,
+    delays, waits) are stamped on it, so they are judged by it, not by this host's clock."""
+
+    async def timed(store: RunStore) -> tuple[T, float]:
+        result = await work(store)
+        return result, store.clock()
+
+    return with_store(db, timed, read_only=read_only)
+
+
 def print_result(
     result: RunResult, db: str | None, graphs: Sequence[str] = (), *, durable: bool = True
 ) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import shlex
-import time
 from typing import Annotated
 
 import typer
@@ -140,10 +139,11 @@ async def waiting(store: RunStore, record: RunRecord, db: str | None) -> Text | 
 async def _queued_why(store: RunStore, record: RunRecord) -> str:
     queue = record.queue_name or "default"
     why = f"run {record.run_id} is queued in queue {queue}: it starts when a worker serving it claims it"
-    if record.not_before is not None and record.not_before > time.time():
+    now = store.clock()  # a delay is stamped on the store's clock
+    if record.not_before is not None and record.not_before > now:
         when = datetime.datetime.fromtimestamp(record.not_before, datetime.UTC)
         why += f", not before {when:%Y-%m-%d %H:%M:%S} UTC"
-    if any(s.name == queue and s.paused for s in await store.queue_stats(time.time())):
+    if any(s.name == queue and s.paused for s in await store.queue_stats(now)):
         why += f"; the queue is paused (tailrace queues resume {shlex.quote(queue)})"
     return why
 
