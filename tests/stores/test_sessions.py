@@ -183,6 +183,52 @@ async def test_a_session_ended_by_the_server_is_taken_back_and_told_if_it_was_bu
         assert [w.session for w in await store.workers() if w.worker_id == "w1"] == [mine.session]
 
 
+async def test_a_worker_that_leaves_while_its_session_is_taken_back_buries_nobody(
+    pg_backend: Backend,
+) -> None:
+    """Two workers share a session the server ended; one leaves while the other takes it
+    back: the one that stays is told its session was not buried (its runs go on, its lease
+    unfenced), and no row of the one that left is written back."""
+    from tailrace.stores import PostgresStore
+    from tailrace.stores._records import WorkerRow
+
+    leave, left = asyncio.Event(), asyncio.Event()
+
+    class LeaveDuringRejoin(PostgresStore):
+        async def _join_session(
+            self, session: str, workers: list[WorkerRow], *, again: bool
+        ) -> frozenset[str]:
+            if again and not left.is_set():  # w2 leaves now: its row goes before the join
+                leave.set()
+                await left.wait()
+            return await super()._join_session(session, workers, again=again)
+
+    async def w2_present() -> None:
+        async with store.presence(worker("w2", now)):
+            await leave.wait()
+        left.set()
+
+    now = pg_backend.clock.now
+    await submit(pg_backend.store, "r0", at=1.0)
+    assert fixtures.POSTGRES_DSN is not None
+    store = LeaveDuringRejoin(fixtures.POSTGRES_DSN, schema=pg_backend.store.schema)
+    async with store, store.presence(worker("w1", now)) as mine:
+        w2 = asyncio.create_task(w2_present())
+        await until(lambda: _rows(store, {"w1", "w2"}), "both workers present")
+        assert await store.claim_runs("q", "w1", TTL, limit=1) == ["r0"]
+        token = (await store.get_run("r0")).lease_token
+        await _terminate_session(pg_backend, mine.session)
+        lapse = await asyncio.wait_for(mine.lapse(), fixtures.HANG_GUARD)
+        await w2
+        assert not lapse.buried, lapse
+        assert (await store.get_run("r0")).lease_token == token
+        assert [(w.worker_id, w.session) for w in await store.workers()] == [("w1", mine.session)]
+
+
+async def _rows(store: RunStore, ids: set[str]) -> bool:
+    return {w.worker_id for w in await store.workers()} == ids
+
+
 async def _watched(backend: Backend, sessions: list[str]) -> bool:
     """Whether each of ``sessions`` is watched (Postgres: a wait for its lock is queued)."""
     from tailrace.stores.postgres._presence import session_key
@@ -441,7 +487,7 @@ async def test_a_session_keeper_survives_a_failure_that_is_no_store_error(
 
         async def _join_session(
             self, session: str, workers: list[WorkerRow], *, again: bool
-        ) -> bool:
+        ) -> frozenset[str]:
             if again and self.failures:
                 self.failures -= 1
                 raise RuntimeError("unforeseen")

@@ -1406,11 +1406,14 @@ class RunStore(abc.ABC):
         """:meth:`presence`, called with a checked worker."""
 
     @abc.abstractmethod
-    async def _join_session(self, session: str, workers: list[WorkerRow], *, again: bool) -> bool:
+    async def _join_session(
+        self, session: str, workers: list[WorkerRow], *, again: bool
+    ) -> frozenset[str]:
         """``workers`` join store session ``session`` in one transaction (W7): their rows name
         it, rows that hold no session and stopped reporting go, and the session before it
-        in the ring is told (``ring:<session>``). ``again`` after the session was lost:
-        returns whether all its rows were still there (it was not buried)."""
+        in the ring is told (``ring:<session>``). Returns which of ``workers`` had a row
+        naming the session before (``again``, after the session was lost: one whose row is
+        gone and who did not leave was buried; at first, all of them)."""
 
     @abc.abstractmethod
     async def _bury_session(self, session: str) -> int:

@@ -151,7 +151,7 @@ class Ring(Protocol):
 
     async def _join_session(
         self, session: str, workers: list[WorkerRow], *, again: bool
-    ) -> bool: ...
+    ) -> frozenset[str]: ...
 
     async def _bury_session(self, session: str) -> int: ...
 
@@ -254,13 +254,19 @@ class Sessions:
         async with self._guard:
             self._present.pop(worker_id, None)
             try:
-                await self._ring._forget_worker(worker_id)
-            except StoreError as exc:  # its row goes with the session, when it is buried
-                self._rows_left = True
-                logger.warning("%s: worker %s left: %s", self._where, worker_id, exc)
+                await self._forget(worker_id)
             finally:
                 if not self._present:
                     await self._close()
+
+    async def _forget(self, worker_id: str) -> None:
+        """Remove the row of ``worker_id``, which left; one that cannot be removed goes with
+        the session, when it is buried."""
+        try:
+            await self._ring._forget_worker(worker_id)
+        except StoreError as exc:
+            self._rows_left = True
+            logger.warning("%s: worker %s left: %s", self._where, worker_id, exc)
 
     async def _open(self) -> None:
         self._held = await self._tokens.hold(self.session)
@@ -312,11 +318,18 @@ class Sessions:
             dataclasses.replace(p.worker, seen_at=self._ring.clock())
             for p in self._present.values()
         ]
-        kept = await patiently(
+        had = await patiently(
             functools.partial(self._ring._join_session, self.session, workers, again=True),
             f"{self._where}: joining session {self.session} again",
         )
-        lapse = Lapse(reason=reason, seconds=time.monotonic() - lost_at, buried=not kept)
+        # A worker that left while this joined: its row was written back; take it away
+        # again (it popped itself from the present ones before removing its row).
+        for worker in workers:
+            if worker.worker_id not in self._present:
+                await self._forget(worker.worker_id)
+        # Buried if a worker still here lost its row: one that left took its own away.
+        buried = any(w.worker_id not in had for w in workers if w.worker_id in self._present)
+        lapse = Lapse(reason=reason, seconds=time.monotonic() - lost_at, buried=buried)
         for presence in self._present.values():
             presence.post(lapse)
 

@@ -761,7 +761,9 @@ class SQLStore(RunStore):
             raise read_only_refusal(type(self).__name__, f"worker {worker.worker_id!r}")
         return self._sessions.present(worker)
 
-    async def _join_session(self, session: str, workers: list[WorkerRow], *, again: bool) -> bool:
+    async def _join_session(
+        self, session: str, workers: list[WorkerRow], *, again: bool
+    ) -> frozenset[str]:
         return await self._write_tx(
             f"store session {session!r}",
             lambda tx: bodies.join_session(tx, session, workers, self._clock(), again=again),

@@ -124,7 +124,7 @@ JOIN_WORKER = (
     "host = excluded.host, session = excluded.session"
 )
 #: Values: session. How many workers a session holds.
-SESSION_WORKERS = "SELECT COUNT(*) FROM workers WHERE session = ?"
+SESSION_WORKERS = "SELECT worker_id FROM workers WHERE session = ?"
 #: Values: session. The ring of sessions (``workers_by_session``), one index entry each:
 #: the next one after a session, the first, the previous one, the last.
 NEXT_SESSION = "SELECT MIN(session) FROM workers WHERE session > ?"

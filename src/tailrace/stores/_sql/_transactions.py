@@ -612,15 +612,16 @@ async def pulse(tx: Tx, worker: WorkerRow, now: float) -> Pulse:
 
 async def join_session(
     tx: Tx, session: str, workers: Sequence[WorkerRow], now: float, *, again: bool
-) -> bool:
+) -> frozenset[str]:
     """``workers`` join ``session`` (again, after it lapsed): their rows name it, rows left
-    behind go, and the session before it in the ring is told to watch it. Returns whether
-    the fleet left the session alone meanwhile (its rows all there; always True at first)."""
+    behind go, and the session before it in the ring is told to watch it. Returns which of
+    ``workers`` had their rows there before (all of them at first): one missing that did
+    not leave meanwhile means the fleet buried the session."""
     await tx.lock_ring()
-    kept = True
+    listed = {w.worker_id for w in workers}
+    kept = frozenset(listed)
     if again:
-        row = await tx.one(SESSION_WORKERS, (session,))
-        kept = row is not None and int(row[0]) >= len(workers)
+        kept = frozenset(str(r[0]) for r in await tx.all(SESSION_WORKERS, (session,))) & listed
     await tx.change_all(LEFT_BEHIND, (now,))
     for worker in workers:
         await tx.change_all(JOIN_WORKER, join_params(worker, session))

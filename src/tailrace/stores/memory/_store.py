@@ -1147,10 +1147,13 @@ class MemoryStore(RunStore):
     def _presence(self, worker: WorkerRow) -> contextlib.AbstractAsyncContextManager[Presence]:
         return self._sessions.present(worker)
 
-    async def _join_session(self, session: str, workers: list[WorkerRow], *, again: bool) -> bool:
+    async def _join_session(
+        self, session: str, workers: list[WorkerRow], *, again: bool
+    ) -> frozenset[str]:
+        listed = frozenset(w.worker_id for w in workers)
         with self._lock:
             now = self._clock()
-            held = sum(1 for w in self._worker_rows.values() if w.session == session)
+            held = {w for w, row in self._worker_rows.items() if row.session == session}
             for worker_id, row in list(self._worker_rows.items()):
                 if left_behind(row, now):
                     del self._worker_rows[worker_id]
@@ -1160,7 +1163,7 @@ class MemoryStore(RunStore):
         before = ring_neighbour(sessions, session, after=False)
         if before is not None:
             self._hub.deliver(frozenset({ring_change(before)}))
-        return not again or held >= len(workers)
+        return frozenset(held & listed) if again else listed
 
     async def _bury_session(self, session: str) -> int:
         with self._lock:
