@@ -1250,6 +1250,12 @@ IDLE_DB = "tailrace_fleet_bench"
 #: Seconds to wait before reading ``pg_stat_database``: a backend publishes its counters
 #: at most every second while busy, and within 10 s of going idle (PGSTAT_IDLE_INTERVAL).
 STATS_LAG = 11.0
+#: Seconds of warm-up before an idle window. A backend publishes its counters only between
+#: statements, so a worker's ring watcher, which goes from its start-up straight into a lock
+#: wait, publishes what its connection did at start-up only when that wait is first remade
+#: (60 s): a window that holds that moment counts start-up work as idle cost (a one-off
+#: burst of about 14 commits a worker). Past it, the counters grow by the pulses alone.
+IDLE_WARMUP = 60.0 + STATS_LAG + 9.0
 
 
 def _db_dsn(dsn: str, dbname: str) -> str:
@@ -1293,12 +1299,26 @@ def _ensure_database(dsn: str, dbname: str) -> str:
     return _db_dsn(dsn, dbname)
 
 
-def _background(dsn: str, window: float) -> tuple[float, float]:
-    """The database's own commits/s and rows/s with no worker (autovacuum, the measuring)."""
+def _next_xid(dsn: str) -> int:
+    """The server's next transaction id: how many transactions that wrote anything began,
+    counted as they begin (not published late like ``pg_stat_database``); server-wide."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _background(dsn: str, window: float) -> tuple[float, float, float]:
+    """The database's own commits/s, rows/s and writing transactions/s with no worker
+    (autovacuum, the measuring)."""
     c0, r0 = _counters(dsn)
+    x0 = _next_xid(dsn)
     time.sleep(window)
     c1, r1 = _counters(dsn)
-    return (c1 - c0) / window, (r1 - r0) / window
+    x1 = _next_xid(dsn)
+    return (c1 - c0) / window, (r1 - r0) / window, (x1 - x0) / window
 
 
 def run_idle(args: argparse.Namespace) -> None:
@@ -1309,7 +1329,7 @@ def run_idle(args: argparse.Namespace) -> None:
     server = contextlib.nullcontext(args.dsn) if args.shared_server else PrivateServer()
     with server as dsn:
         dsn = _ensure_database(dsn, args.database)
-        base_c, base_r = _background(dsn, args.window)
+        base_c, base_r, base_x = _background(dsn, args.window)
         print(
             f"idle workers ({tailrace.__file__}) on one Postgres, "
             f"{'shared' if args.shared_server else 'of their own'}; {args.window:g} s windows "
@@ -1317,6 +1337,7 @@ def run_idle(args: argparse.Namespace) -> None:
             f"{base_r:.0f} rows/s) subtracted; machine load {machine_load()}"
         )
         print(f"{'workers':>8} {'as':>9} {'commits/s':>10} {'per worker':>11} "
+              f"{'writes/s':>9} {'per worker':>11} "
               f"{'rows read/s':>12} {'per worker':>11} {'own rows/s':>11} {'per worker':>11} "
               f"{'per commit':>11} {'HOT':>5} {'conns/worker':>13}")  # fmt: skip
         sizes = [("processes", int(x)) for x in args.fleet.split(",") if x]
@@ -1325,8 +1346,10 @@ def run_idle(args: argparse.Namespace) -> None:
             measure = _idle_processes if mode == "processes" else _idle_tasks
             idle = measure(dsn, n, args.window, args.warmup)
             commits, rows = max(idle.commits - base_c, 0.0), max(idle.rows - base_r, 0.0)
+            writes = max(idle.writes - base_x, 0.0)
             per_commit = idle.own_rows / commits if commits else 0.0
-            print(f"{n:>8} {mode:>9} {commits:>10.2f} {commits / n:>11.4f} {rows:>12.1f} "
+            print(f"{n:>8} {mode:>9} {commits:>10.2f} {commits / n:>11.4f} "
+                  f"{writes:>9.2f} {writes / n:>11.4f} {rows:>12.1f} "
                   f"{rows / n:>11.3f} {idle.own_rows:>11.2f} {idle.own_rows / n:>11.4f} "
                   f"{per_commit:>11.2f} {idle.hot:>5.0%} {idle.connections / n:>13.2f}")  # fmt: skip
         print(f"machine load after: {machine_load()}")
@@ -1376,6 +1399,9 @@ class Idle:
     own_rows: float
     connections: int
     hot: float
+    #: Transactions that wrote, begun per second (server-wide: the fleet's alone on a
+    #: private server).
+    writes: float
 
 
 def _window(dsn: str, schema: str, window: float) -> Idle:
@@ -1383,13 +1409,18 @@ def _window(dsn: str, schema: str, window: float) -> Idle:
     connections = _connections(dsn)
     c0, r0 = _counters(dsn)
     o0, u0, h0 = _schema_reads(dsn, schema)
+    x0 = _next_xid(dsn)
     t0 = time.monotonic()
     time.sleep(window)
     c1, r1 = _counters(dsn)
     o1, u1, h1 = _schema_reads(dsn, schema)
+    x1 = _next_xid(dsn)
     elapsed = time.monotonic() - t0
     hot = (h1 - h0) / (u1 - u0) if u1 > u0 else 0.0
-    return Idle((c1 - c0 - 2) / elapsed, (r1 - r0) / elapsed, (o1 - o0) / elapsed, connections, hot)
+    return Idle(
+        (c1 - c0 - 2) / elapsed, (r1 - r0) / elapsed, (o1 - o0) / elapsed, connections, hot,
+        (x1 - x0) / elapsed,
+    )  # fmt: skip
 
 
 def _idle_processes(
@@ -1890,7 +1921,9 @@ def main() -> int:
     parser.add_argument("--fleet", default="10,100", help="idle: worker processes")
     parser.add_argument("--simulate", default="1000", help="idle: workers as tasks")
     parser.add_argument("--window", type=float, default=120.0, help="idle: seconds measured")
-    parser.add_argument("--warmup", type=float, default=40.0, help="idle: seconds before")
+    parser.add_argument(
+        "--warmup", type=float, default=IDLE_WARMUP, help="idle: seconds before a window"
+    )
     parser.add_argument(
         "--shared-server", action="store_true", help="idle: --dsn's server, not one of its own"
     )
