@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -47,24 +48,33 @@ def url_of(store: RunStore) -> str:
 
 @contextlib.contextmanager
 def holder(
-    store: RunStore, worker_id: str, runs: int
+    store: RunStore, worker_id: str, runs: int, *, fork: bool = False
 ) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
-    """A process present as ``worker_id`` holding ``runs`` claimed runs: (it, its session, the runs)."""
+    """A process present as ``worker_id`` holding ``runs`` claimed runs: (it, its session, the
+    runs); with ``fork``, it forked a child that outlives it (killed on the way out)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TAILRACE_")}
     environ["PYTHONPATH"] = os.pathsep.join(sys.path)
     proc = subprocess.Popen(
-        [sys.executable, str(HOLDER), url_of(store), worker_id, str(runs)],
+        [sys.executable, str(HOLDER), url_of(store), worker_id, str(runs), *["fork"] * fork],
         stdout=subprocess.PIPE, text=True, env=environ,
     )  # fmt: skip
+    child: int | None = None
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline().split()
+        if fork:
+            assert line and line[0] == "child", line
+            child = int(line[1])
+            line = proc.stdout.readline().split()
         assert line and line[0] == "ready", line
         yield proc, line[1], line[2:]
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
         if proc.stdout is not None:
             proc.stdout.close()
 
@@ -122,6 +132,28 @@ async def test_a_killed_sessions_leases_expire_fenced_at_once_and_its_row_goes(
         await store.acquire_lease("r0", "watcher", TTL)
         assert (await store.get_run("r0")).recoveries == 1
         assert (await store.get_run("r2")).lease_owner is None  # never claimed: untouched
+
+
+async def test_a_killed_session_is_buried_though_a_child_it_forked_lives_on(
+    backend: Backend,
+) -> None:
+    """A worker that forked (a ``multiprocessing`` pool, a node's own fork) is SIGKILLed; its
+    child lives on, with a copy of every descriptor: the child let go of the session's lock
+    and connection as it was forked, so the fleet buries the worker all the same."""
+    store = shared(backend)
+    await submit(store, "r0", at=1.0)
+    async with store.presence(worker("watcher", backend.clock.now, queues=("none",))):
+        with holder(store, "forked:1:0:x", 1, fork=True) as (proc, _theirs, claimed):
+            token = (await store.get_run("r0")).lease_token
+            proc.kill()
+            proc.wait()
+
+            async def fenced() -> bool:
+                return (await store.get_run("r0")).lease_token == token + 1
+
+            await until(fenced, "the killed session's leases to be expired and fenced")
+        assert claimed == ["r0"]
+        assert [w.worker_id for w in await store.workers()] == ["watcher"]
 
 
 async def test_a_session_that_joins_buries_the_dead_one_it_watches(backend: Backend) -> None:

@@ -39,6 +39,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import psycopg
 
 from ..._errors import StoreError
+from .._fork import forget, parent_only
 from .._presence import GRACE, WAIT, Outlived, finish, ring_change
 from ._connections import Conn, one_line
 
@@ -106,6 +107,8 @@ class _Held:
 
     def __init__(self, conn: Conn) -> None:
         self._conn = conn
+        self._fd = conn.pgconn.socket
+        parent_only(self._fd)  # a forked child must not keep the session alive
 
     async def lost(self) -> str:
         try:
@@ -113,9 +116,12 @@ class _Held:
                 pass  # nothing is listened to: the wait ends only with the connection
         except psycopg.Error as exc:
             return one_line(exc)
+        finally:
+            forget(self._fd)  # the driver closes it: the number may soon name another
         return "the connection ended"
 
     async def release(self, *, rows_left: bool) -> None:
+        forget(self._fd)
         with contextlib.suppress(psycopg.Error):
             await self._conn.close()  # the server drops the lock with the session
 

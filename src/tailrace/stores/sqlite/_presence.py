@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 from ..._errors import StoreError
+from .._fork import forget, parent_only
 from .._presence import PROBE, WAIT, Outlived
 
 try:
@@ -53,6 +54,7 @@ class _Held:
     def __init__(self, fd: int, path: Path) -> None:
         self._fd = fd
         self._path = path
+        parent_only(fd)  # a forked child must not keep the session alive
 
     async def lost(self) -> str:
         await asyncio.Event().wait()  # the lock lasts as long as the process
@@ -62,6 +64,7 @@ class _Held:
         if not rows_left:  # else the burier finds it free, and removes it
             with contextlib.suppress(FileNotFoundError):
                 self._path.unlink()
+        forget(self._fd)
         os.close(self._fd)
 
 
