@@ -107,6 +107,21 @@ def test_show_prints_the_tail_account_of_each_map_of_generations(tmp_path: Path)
         assert measure + value in out
 
 
+def test_show_bounds_starvation_by_the_maps_own_max_parks_given_the_graph(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    first = asyncio.run(two_rounds(db))[0]
+    (tmp_path / "rollout_graphs.py").write_text(GRAPH_FILE)
+    spec = f"{tmp_path / 'rollout_graphs.py'}:graph"
+    named = invoke("show", first, "--db", db, "--graphs", spec)
+    assert named.exit_code == 0, named.output
+    assert "mostroundswaited1(bound1)" in flat(named.output)
+    assert f"(bound{MAX_PARKS})" in flat(invoke("show", first, "--db", db).output)
+    wrong = f"{tmp_path / 'rollout_graphs.py'}:other"
+    refused = invoke("show", first, "--db", db, "--graphs", wrong)
+    assert refused.exit_code != 0
+    assert f"run {first!r} ran graph 'cli_rollouts'" in " ".join(refused.output.split())
+
+
 async def no_generations(db: Path) -> str:
     """A map that streams text, and a task (not a map) whose chunk looks like usage."""
     async with SQLiteStore(db) as store:

@@ -383,11 +383,22 @@ def show(
             "Print the whole stored traceback of a failed node (default: its last lines).",
         ),
     ] = False,
+    graphs: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--graphs",
+            help="FILE_OR_MODULE[:GRAPH] that defines the run's graph (repeatable): its maps' "
+            "max_parks bound starvation in the tail's account (default: "
+            "tailrace.graph.MAX_PARKS).",
+        ),
+    ] = None,
 ) -> None:
     """Show a run's nodes, a timeline of every node attempt, and where a failed node raised;
     the backups it raced (started, won, refused by the hedge budget); for a map of model
     generations, the tail's account of it (tokens decoded, salvaged and wasted, the KS
     distance of kept lengths, rounds parked)."""
+
+    loaded = load_graphs(graphs)
 
     async def gather(
         store: RunStore,
@@ -409,7 +420,7 @@ def show(
             mine,
             children,
             await _parent_nodes(store, stored.run),
-            await run_accounts(store, run_id, stored.run.graph_name),
+            await run_accounts(store, stored.run, loaded),
         )
 
     (stored, events, seen, parked, children, parent_nodes, accounts), now = with_store_at(

@@ -8,14 +8,16 @@ and prints it; everything from the store goes through ``_render`` (data, never m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
 from ..core import Engine
+from ..graph import Graph
 from ..integrations.openai import TailAccount, tail_accounting
-from ..stores import RunStore
+from ..stores import RunRecord, RunStore
 from ..tail import is_usage
 from ._load import load_graphs
 from ._render import table_of, text
@@ -58,20 +60,27 @@ def rollouts(
     loaded = load_graphs(graphs)
 
     async def work(store: RunStore) -> TailAccount:
-        engine = Engine(store=store)
-        engine.register(*loaded)
         last = await store.get_run(run_ids[-1])
-        if loaded and engine.graph_for(last) is None:
-            names = ", ".join(repr(g.name) for g in loaded)
-            raise CommandError(
-                f"run {last.run_id!r} ran graph {last.graph_name!r} (fingerprint "
-                f"{last.fingerprint}); --graphs named none of that name and shape: {names}"
-            )
+        engine = engine_knowing(store, loaded, last)
         return await tail_accounting(engine, last.graph_name, node, run_ids, starvation_bound=bound)
 
     account = with_store(db, work, read_only=True)
     console.print(text(f"node {node} over {len(run_ids)} run(s)"))
     console.print(account_table(account))
+
+
+def engine_knowing(store: RunStore, graphs: Sequence[Graph], record: RunRecord) -> Engine:
+    """An engine on ``store`` that knows ``graphs`` (``--graphs``); one of them must be the
+    graph ``record``'s run ran, by name and shape (``CommandError`` naming the run)."""
+    engine = Engine(store=store)
+    engine.register(*graphs)
+    if graphs and engine.graph_for(record) is None:
+        names = ", ".join(repr(g.name) for g in graphs)
+        raise CommandError(
+            f"run {record.run_id!r} ran graph {record.graph_name!r} (fingerprint "
+            f"{record.fingerprint}); --graphs named none of that name and shape: {names}"
+        )
+    return engine
 
 
 def account_table(account: TailAccount, title: str | None = None) -> Table:
@@ -93,10 +102,13 @@ async def generation_nodes(engine: Engine, run_id: str) -> list[str]:
     return list(nodes)
 
 
-async def run_accounts(store: RunStore, run_id: str, graph_name: str) -> list[TailAccount]:
-    """The tail's account of each map node of ``run_id`` that generated (none: no generations)."""
-    engine = Engine(store=store)
+async def run_accounts(
+    store: RunStore, record: RunRecord, graphs: Sequence[Graph] = ()
+) -> list[TailAccount]:
+    """The tail's account of each map node of ``record``'s run that generated (none: no
+    generations); its maps' ``max_parks`` bound starvation when ``graphs`` hold its graph."""
+    engine = engine_knowing(store, graphs, record)
     return [
-        await tail_accounting(engine, graph_name, node, run_id)
-        for node in await generation_nodes(engine, run_id)
+        await tail_accounting(engine, record.graph_name, node, record.run_id)
+        for node in await generation_nodes(engine, record.run_id)
     ]
