@@ -12,6 +12,8 @@ import asyncio
 import logging
 import time
 
+import pytest
+
 from tailrace.gates._daemon import Loop
 from tests import fixtures
 
@@ -78,3 +80,36 @@ async def test_an_idle_loop_still_backs_off_and_work_resets_the_pace() -> None:
     # After each step: idle 0.04, 0.05 (capped), 0.05; worked: 0.02; idle 0.04.
     floors = [0.04, 0.05, 0.05, 0.02, 0.04]
     assert [w >= f * 0.9 for w, f in zip(waits[1:], floors, strict=True)] == [True] * 5, waits
+
+
+async def test_a_failure_that_repeats_is_said_once_until_the_loop_works_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store that is down fails every try alike: one traceback for the streak, a word when
+    the loop works again, and a new streak is said again."""
+    stop = asyncio.Event()
+    outcomes = ["down", "down", "down", "ok", "down", "other", "stop"]
+
+    async def step() -> int:
+        outcome = outcomes.pop(0)
+        if outcome == "stop":
+            stop.set()
+        elif outcome != "ok":
+            raise RuntimeError(f"the store is {outcome}")
+        return 1
+
+    counts = _Counts()
+    loop = Loop(
+        "test loop", step, interval=0.001, stats=counts, logger=logging.getLogger("tests.loop")
+    )
+    with caplog.at_level(logging.INFO, logger="tests.loop"):
+        await asyncio.wait_for(loop.run(stop), fixtures.HANG_GUARD)
+    said = [(r.levelname, r.getMessage(), r.exc_info is not None) for r in caplog.records]
+    assert said == [
+        ("ERROR", "test loop failed; going on", True),
+        ("INFO", "test loop works again", False),
+        ("ERROR", "test loop failed; going on", True),
+        ("ERROR", "test loop failed; going on", True),  # another reason: said too
+        ("INFO", "test loop works again", False),
+    ]
+    assert counts.errors == 5

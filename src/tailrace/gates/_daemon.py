@@ -50,7 +50,8 @@ class Loop:
         max_interval: the wait doubles while idle up to this (default:
             ``interval``, a fixed pace).
         stats: its ``errors`` counts the iterations that raised.
-        logger: where those are logged.
+        logger: where those are logged: each distinct failure once (with its
+            traceback) while they go on, and that the loop works again after.
         wake: an event that ends the wait early (cleared before each iteration).
         due: seconds until something is due (None: nothing); the wait is no longer.
         on_work: called after an iteration that did work.
@@ -78,15 +79,26 @@ class Loop:
         self.wake = wake
         self.due = due
         self.on_work = on_work
+        #: The failures said since the loop last worked (a store down fails each try alike).
+        self._said: set[str] = set()
 
     async def once(self) -> int:
-        """One iteration; an error is logged and counted, and counts as no work."""
+        """One iteration; an error is counted, said once per reason, and counts as no work."""
         try:
-            return await self.step()
-        except Exception:
+            work = await self.step()
+        except Exception as exc:
             self.stats.errors += 1
-            self.logger.exception("%s failed; going on", self.name)
+            reason = f"{type(exc).__name__}: {exc}"
+            if reason in self._said:
+                self.logger.debug("%s failed again (%s); going on", self.name, reason)
+            else:
+                self._said.add(reason)
+                self.logger.exception("%s failed; going on", self.name)
             return 0
+        if self._said:
+            self._said.clear()
+            self.logger.info("%s works again", self.name)
+        return work
 
     async def run(self, stop: asyncio.Event) -> None:
         """Iterate until ``stop`` is set."""
