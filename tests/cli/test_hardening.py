@@ -376,15 +376,26 @@ def interrupted_run(tmp_path: Path, run_id: str) -> tuple[Path, subprocess.Compl
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C as a terminal sends it, even when this suite runs where SIGINT is ignored
+        # (a script started with ``&`` or ``nohup``): a child would inherit the ignoring.
+        preexec_fn=_hear_sigint,
     ) as proc:
-        deadline = time.monotonic() + WAIT
-        while not _committed(db, run_id, "first"):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the run never committed its first node"
-            time.sleep(0.01)  # polling the database, not waiting for a guess
-        proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=WAIT)
+        try:
+            deadline = time.monotonic() + WAIT
+            while not _committed(db, run_id, "first"):
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "the run never committed its first node"
+                time.sleep(0.01)  # polling the database, not waiting for a guess
+            proc.send_signal(signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=WAIT)
+        finally:
+            if proc.poll() is None:  # a failure above: not a hang on the way out
+                proc.kill()
     return db, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _hear_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.mark.slow
