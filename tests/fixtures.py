@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import importlib.util
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -604,3 +605,10 @@ async def seed_parked(
     ]
     await store.commit(run_id, token, Harvest(state_json="{}", parked=rows))
     return [row.park_id for row in rows]
+
+
+def hear_sigint() -> None:
+    """A child's ``preexec_fn``: Ctrl-C (SIGINT) stops it as at a terminal, even when this
+    suite runs where SIGINT is ignored (a script started with ``&`` or ``nohup``), which a
+    child would otherwise inherit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -29,6 +29,7 @@ from typer.testing import CliRunner, Result
 from tailrace.cli._app import app
 from tailrace.core._lease import make_owner
 from tailrace.stores import NewRun, QuestionRow, QuestionStatus, SQLiteStore
+from tests import fixtures
 
 ROOT = Path(__file__).resolve().parents[2]
 RESEARCH = ROOT / "examples" / "research.py"
@@ -378,7 +379,7 @@ def interrupted_run(tmp_path: Path, run_id: str) -> tuple[Path, subprocess.Compl
         text=True,
         # Ctrl-C as a terminal sends it, even when this suite runs where SIGINT is ignored
         # (a script started with ``&`` or ``nohup``): a child would inherit the ignoring.
-        preexec_fn=_hear_sigint,
+        preexec_fn=fixtures.hear_sigint,
     ) as proc:
         try:
             deadline = time.monotonic() + WAIT
@@ -392,10 +393,6 @@ def interrupted_run(tmp_path: Path, run_id: str) -> tuple[Path, subprocess.Compl
             if proc.poll() is None:  # a failure above: not a hang on the way out
                 proc.kill()
     return db, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
-
-def _hear_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tailrace.cli._app import app
+from tests import fixtures
 from tests.ui.support import scenarios
 
 SCRIPT = Path(sys.executable).parent / "tailrace"
@@ -35,6 +36,7 @@ def start(*args: str) -> tuple[subprocess.Popen[str], list[str]]:
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
+        preexec_fn=fixtures.hear_sigint,  # Ctrl-C reaches it wherever the suite runs
     )
     assert proc.stdout is not None
     lines: list[str] = []
