@@ -106,10 +106,10 @@ async def test_a_failure_that_repeats_is_said_once_until_the_loop_works_again(
         await asyncio.wait_for(loop.run(stop), fixtures.HANG_GUARD)
     said = [(r.levelname, r.getMessage(), r.exc_info is not None) for r in caplog.records]
     assert said == [
-        ("ERROR", "test loop failed; going on", True),
+        ("ERROR", "test loop failed; trying again until it works", True),
         ("INFO", "test loop works again", False),
-        ("ERROR", "test loop failed; going on", True),
-        ("ERROR", "test loop failed; going on", True),  # another reason: said too
+        ("ERROR", "test loop failed; trying again until it works", True),
+        ("ERROR", "test loop failed; trying again until it works", True),  # another reason
         ("INFO", "test loop works again", False),
     ]
     assert counts.errors == 5

@@ -44,7 +44,7 @@ from ._fleet import register as register_fleet
 from ._load import is_file_spec, load_graph, load_graphs
 from ._parked import register as register_parked
 from ._render import question_table, table_of, text
-from ._rollouts import account_table, run_accounts
+from ._rollouts import AccountGraphsOption, account_table, run_accounts
 from ._rollouts import register as register_rollouts
 from ._schedules import register as register_schedules
 from ._session import (
@@ -383,15 +383,7 @@ def show(
             "Print the whole stored traceback of a failed node (default: its last lines).",
         ),
     ] = False,
-    graphs: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--graphs",
-            help="FILE_OR_MODULE[:GRAPH] that defines the run's graph (repeatable): its maps' "
-            "max_parks bound starvation in the tail's account (default: "
-            "tailrace.graph.MAX_PARKS).",
-        ),
-    ] = None,
+    graphs: AccountGraphsOption = None,
 ) -> None:
     """Show a run's nodes, a timeline of every node attempt, and where a failed node raised;
     the backups it raced (started, won, refused by the hedge budget); for a map of model

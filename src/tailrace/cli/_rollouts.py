@@ -27,6 +27,18 @@ from ._session import CommandError, DbOption, console, with_store
 _PAGE = 1000
 
 
+#: ``--graphs`` of the commands that print the tail's account (``rollouts``, ``show``).
+AccountGraphsOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--graphs",
+        help="FILE_OR_MODULE[:GRAPH] that defines the run's graph (repeatable): its maps' "
+        "max_parks bound starvation in the tail's account (default: "
+        "tailrace.graph.MAX_PARKS).",
+    ),
+]
+
+
 def register(app: typer.Typer) -> None:
     """Add ``tailrace rollouts`` to ``app``."""
     app.command("rollouts")(rollouts)
@@ -45,14 +57,7 @@ def rollouts(
             "max_parks, from --graphs; tailrace.graph.MAX_PARKS without it).",
         ),
     ] = None,
-    graphs: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--graphs",
-            help="FILE_OR_MODULE[:GRAPH] that defines the runs' graph (repeatable): its map's "
-            "max_parks is the starvation bound.",
-        ),
-    ] = None,
+    graphs: AccountGraphsOption = None,
     db: DbOption = None,
 ) -> None:
     """Tokens decoded, salvaged and wasted by a map of generations; the length bias of what it

@@ -25,6 +25,8 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, Protocol
 
+from .._told import Told
+
 #: A startup or shutdown hook: called, and awaited if it returns an awaitable.
 Hook = Callable[[], Awaitable[None] | None]
 #: One iteration of a loop: does what work there is and says how much.
@@ -43,15 +45,15 @@ class Loop:
     """One daemon loop over ``step``, backing off while idle.
 
     Args:
-        name: names the loop in logs ("<name> failed; going on").
+        name: names the loop in logs ("<name> failed; trying again until it works").
         step: one iteration; returns how much work it did (0: idle).
         interval: first wait after an idle iteration (and the wait after a
             busy one), seconds.
         max_interval: the wait doubles while idle up to this (default:
             ``interval``, a fixed pace).
         stats: its ``errors`` counts the iterations that raised.
-        logger: where those are logged: each distinct failure once (with its
-            traceback) while they go on, and that the loop works again after.
+        logger: where those are said (:class:`~tailrace._told.Told`): each distinct
+            failure once while they go on, and that the loop works again after.
         wake: an event that ends the wait early (cleared before each iteration).
         due: seconds until something is due (None: nothing); the wait is no longer.
         on_work: called after an iteration that did work.
@@ -79,8 +81,7 @@ class Loop:
         self.wake = wake
         self.due = due
         self.on_work = on_work
-        #: The failures said since the loop last worked (a store down fails each try alike).
-        self._said: set[str] = set()
+        self._told = Told(name, logger)  # a store that is away fails each try alike
 
     async def once(self) -> int:
         """One iteration; an error is counted, said once per reason, and counts as no work."""
@@ -88,16 +89,9 @@ class Loop:
             work = await self.step()
         except Exception as exc:
             self.stats.errors += 1
-            reason = f"{type(exc).__name__}: {exc}"
-            if reason in self._said:
-                self.logger.debug("%s failed again (%s); going on", self.name, reason)
-            else:
-                self._said.add(reason)
-                self.logger.exception("%s failed; going on", self.name)
+            self._told.failed(exc)
             return 0
-        if self._said:
-            self._said.clear()
-            self.logger.info("%s works again", self.name)
+        self._told.worked()
         return work
 
     async def run(self, stop: asyncio.Event) -> None:

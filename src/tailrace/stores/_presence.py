@@ -64,6 +64,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Protocol, TypeVar
 
 from .._errors import StoreError
+from .._told import Told
 from ._contract import ChangeFeed, Presence
 from ._records import Lapse, WorkerRow
 
@@ -293,7 +294,7 @@ class Sessions:
     async def _keep(self) -> None:
         """Take the session back each time it is lost, and tell the workers what happened
         (a failure is said once per reason, and the session kept all the same)."""
-        told = Told(f"{self._where}: keeping session {self.session}")
+        told = Told(f"{self._where}: keeping session {self.session}", logger)
         while True:
             try:
                 await self._take_back()
@@ -337,7 +338,7 @@ class Sessions:
 
     async def _watch(self) -> None:
         """Watch the next session of the ring, bury it when it is gone, then the next."""
-        told = Told(f"{self._where}: watching the ring")
+        told = Told(f"{self._where}: watching the ring", logger)
         while True:
             try:
                 async with self._ring.changes() as feed:
@@ -459,35 +460,11 @@ async def first_of(work: Awaitable[T], other: Awaitable[object]) -> T | None:
     return task.result() if task.done() and not task.cancelled() else None
 
 
-class Told:
-    """What a daemon loop doing ``what`` said of its failures: each distinct reason once
-    (a ``StoreError`` as a warning, anything else with its traceback), until it works."""
-
-    def __init__(self, what: str) -> None:
-        self._what = what
-        self._said: set[str] = set()
-
-    def failed(self, exc: Exception) -> None:
-        reason = f"{type(exc).__name__}: {exc}"
-        if reason in self._said:
-            return
-        self._said.add(reason)
-        if isinstance(exc, StoreError):
-            logger.warning("%s: %s; trying again until it works", self._what, exc)
-        else:
-            logger.error("%s failed; trying again until it works", self._what, exc_info=exc)
-
-    def worked(self) -> None:
-        if self._said:
-            logger.info("%s works again", self._what)
-            self._said.clear()
-
-
 async def patiently(call: Callable[[], Awaitable[T]], what: str) -> T:
     """``call()`` until it succeeds, pausing longer after each failure (each reason said
     once)."""
     pause = _FIRST_PAUSE
-    told = Told(what)
+    told = Told(what, logger)
     while True:
         try:
             result = await call()
