@@ -564,11 +564,12 @@ async def test_a_round_that_fails_is_made_again_with_what_woke_it(
         def changes(self) -> contextlib.AbstractAsyncContextManager[ChangeFeed]:
             return self.inner.changes()  # the store's own wake-ups, not a polling fallback
 
-        async def on_the_way(self, name: str) -> None:  # the first scan that would find it
-            released = name == "expired_leases" and not self.failed
-            if released and (await self.inner.get_run(run_id)).lease_owner is None:
+        async def expired_leases(self, now: float, *, limit: int = 100) -> list[str]:
+            found = await self.inner.expired_leases(now, limit=limit)
+            if run_id in found and not self.failed:  # the first scan that finds it fails
                 self.failed += 1
                 raise StoreError("the store is away for a moment")
+            return found
 
     engine, store = await engine_on(db), await db.store()
     run_id = await engine.submit(graphs.chain, 1)
